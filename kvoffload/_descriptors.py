@@ -1,0 +1,147 @@
+"""Copy descriptors: which bytes a job moves, as numpy arrays the driver takes directly.
+
+Owns the arithmetic from (block ids) to (destination, source, size) triples. Pure numpy; no CUDA and
+no torch, so it is tested on CPU against a brute-force reference. Everything that depends only on
+the layout and the host pool (page addresses, strides, sizes, record offsets) is computed once per
+(layout, direction) in a :class:`CopyPlan`; a job's descriptors are then a few vectorised numpy
+operations, never a Python loop per page.
+
+Contiguous runs are merged: two consecutive copies whose sources and destinations both continue
+each other become one copy. A run never crosses a host pin-chunk boundary, because a copy must lie
+inside one host registration.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.records import Direction
+
+__all__ = ["CopyPlan", "Descriptors", "PageTable"]
+
+I64Array = npt.NDArray[np.int64]
+U64Array = npt.NDArray[np.uint64]
+
+_EMPTY_U64: Final = np.zeros(0, dtype=np.uint64)
+
+
+@attrs.frozen(eq=False)
+class PageTable:
+    """The pages of one block, in host-record order.
+
+    For page ``p``: the device address of its block-0 instance is ``dev_base[p]``, block ``d``'s
+    instance is at ``dev_base[p] + d * dev_stride[p]``, it has ``nbytes[p]`` bytes, and it lives at
+    ``host_offset[p]`` inside a host record of ``record_bytes`` bytes. ``segment[p]`` names the
+    device allocation (tensor) the page belongs to: copies are never merged across two of them,
+    since adjacent addresses of two allocations are not one allocation. Pages never overlap, in
+    either memory.
+    """
+
+    dev_base: I64Array
+    dev_stride: I64Array
+    nbytes: I64Array
+    host_offset: I64Array
+    segment: I64Array
+    record_bytes: int
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per block."""
+        return int(self.nbytes.shape[0])
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes of one block (the sum of its page sizes)."""
+        return int(self.nbytes.sum())
+
+
+@attrs.frozen(eq=False)
+class Descriptors:
+    """One job's copies: C-contiguous ``uint64`` arrays of equal length."""
+
+    dsts: U64Array
+    srcs: U64Array
+    sizes: U64Array
+
+    @property
+    def count(self) -> int:
+        """Number of copies."""
+        return int(self.sizes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes copied."""
+        return int(self.sizes.sum(dtype=np.uint64))
+
+
+@attrs.frozen(eq=False)
+class CopyPlan:
+    """Precomputed parameters of one direction over one layout and one host pool.
+
+    ``host_base`` is the address of host record 0; ``chunk_records`` is how many records one pin
+    chunk holds (runs are not merged across a chunk boundary). ``direction`` says which side is the
+    source: STORE copies device pages to host records, LOAD the reverse.
+    """
+
+    pages: PageTable
+    host_base: int
+    chunk_records: int
+    direction: Direction
+    merge: bool = True
+
+    def build(self, src_blocks: I64Array, dst_blocks: I64Array) -> Descriptors:
+        """Descriptors for the pairs ``(src_blocks[i], dst_blocks[i])``.
+
+        For a store the sources are device blocks and the destinations host blocks; for a load the
+        reverse. The ids must already be validated (same length, in range).
+        """
+        if src_blocks.shape[0] == 0:
+            return Descriptors(_EMPTY_U64, _EMPTY_U64, _EMPTY_U64)
+        if self.direction is Direction.STORE:
+            device_blocks, host_blocks = src_blocks, dst_blocks
+        else:
+            host_blocks, device_blocks = src_blocks, dst_blocks
+        pages = self.pages
+        dev = (pages.dev_base[None, :] + device_blocks[:, None] * pages.dev_stride[None, :]).ravel()
+        host = (
+            self.host_base
+            + host_blocks[:, None] * pages.record_bytes
+            + pages.host_offset[None, :]
+        ).ravel()
+        sizes = np.broadcast_to(pages.nbytes, (host_blocks.shape[0], pages.num_pages)).ravel()
+        if self.direction is Direction.STORE:
+            srcs, dsts = dev, host
+        else:
+            srcs, dsts = host, dev
+        if self.merge and sizes.shape[0] > 1:
+            num_segments = int(pages.segment.max()) + 1
+            area = (
+                (host_blocks // self.chunk_records)[:, None] * num_segments + pages.segment[None, :]
+            ).ravel()
+            srcs, dsts, sizes = _merge_runs(srcs, dsts, sizes, area)
+        return Descriptors(
+            np.ascontiguousarray(dsts, dtype=np.uint64),
+            np.ascontiguousarray(srcs, dtype=np.uint64),
+            np.ascontiguousarray(sizes, dtype=np.uint64),
+        )
+
+
+def _merge_runs(
+    srcs: I64Array, dsts: I64Array, sizes: I64Array, area: I64Array
+) -> tuple[I64Array, I64Array, I64Array]:
+    """Merge consecutive copies that continue each other on both sides, inside one ``area``
+    (one host pin chunk and one device allocation)."""
+    continues = (
+        (srcs[1:] == srcs[:-1] + sizes[:-1])
+        & (dsts[1:] == dsts[:-1] + sizes[:-1])
+        & (area[1:] == area[:-1])
+    )
+    if not continues.any():
+        return srcs, dsts, sizes
+    starts = np.flatnonzero(~continues) + 1
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
+    return srcs[starts], dsts[starts], np.add.reduceat(sizes, starts)

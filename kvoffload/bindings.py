@@ -1,0 +1,554 @@
+"""Driver bindings: the only module that imports cuda-python.
+
+Owns the CUDA facts the rest of the library relies on: which driver calls exist, how their results
+are checked, which source access order each direction uses, and how a job's copy descriptors reach
+the driver. Every ``CUresult`` is checked at the call and turned into a :class:`CudaError` naming
+the call, the error name and the driver's message; ``CUDA_ERROR_NOT_READY`` from a query is a
+normal answer.
+
+Three ways to issue a set of copies, chosen per worker (see :class:`CopyMethod`):
+
+* ``BATCH_CTYPES``: ``cuMemcpyBatchAsync`` resolved with ``cuGetProcAddress`` for the ABI version
+  it is called with (CUDA 13 removed the ``failIdx`` argument) and called through ctypes with numpy
+  ``uint64`` arrays, so no per-page Python object is built. The default where available.
+* ``BATCH_BINDINGS``: the same driver call through cuda-python's wrapper (one ``CUdeviceptr``
+  object per pointer; slower, kept as a cross-check).
+* ``PER_COPY``: one ``cuMemcpyAsync`` per copy; the fallback when the driver has no batch memcpy.
+
+The legacy default stream (handle 0) is refused for every copy: batch memcpy rejects it, and a copy
+on it would serialise with every other stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Final, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+from cuda.bindings import driver as _drv
+
+from kvoffload.errors import CudaError, InvalidArgumentError, KVOffloadError
+
+__all__ = [
+    "BATCH_MAX_COPIES",
+    "HOST_REGISTER_DEVICEMAP",
+    "HOST_REGISTER_PORTABLE",
+    "PIN_CHUNK_BYTES",
+    "Capabilities",
+    "CopyMethod",
+    "Copier",
+    "CudaHostPinner",
+    "HostPinner",
+    "NoPinner",
+    "SrcAccessOrder",
+    "capabilities",
+    "check",
+    "event_done",
+    "make_context_current",
+    "pin_chunks",
+    "synchronize_device",
+    "unpin_chunks",
+]
+
+U64Array = npt.NDArray[np.uint64]
+
+#: cuMemHostRegister flags (plain ints in cuda-python).
+HOST_REGISTER_PORTABLE: Final = 1
+HOST_REGISTER_DEVICEMAP: Final = 2
+#: Largest single host registration; one registration of >= 512 GiB fails on r580 drivers.
+PIN_CHUNK_BYTES: Final = 64 << 30
+#: Copies per driver call; a longer job is issued as several batches on the same stream.
+BATCH_MAX_COPIES: Final = 1 << 16
+#: Driver versions (1000 * major + 10 * minor) of the two batch memcpy C ABIs.
+BATCH_ABI_CUDA_12_8: Final = 12080
+BATCH_ABI_CUDA_13_0: Final = 13000
+_LEGACY_DEFAULT_STREAM: Final = 0
+_DEVICE_NAME_BYTES: Final = 256
+
+
+class SrcAccessOrder(enum.IntEnum):
+    """``CUmemcpySrcAccessOrder``: when the driver may read a copy's source.
+
+    ``STREAM`` reads in stream order, after every earlier wait on the stream: mandatory for stores,
+    whose source is device memory that compute may still be writing. ``ANY`` lets the driver read the
+    source at any time after the call; it is allowed for loads only because their source is pinned
+    host memory that no stream writes while the load is in flight (DESIGN §5 rule 3).
+    """
+
+    STREAM = 1
+    DURING_API_CALL = 2
+    ANY = 3
+
+
+class CopyMethod(enum.Enum):
+    """How a set of copy descriptors is handed to the driver (see the module docstring)."""
+
+    BATCH_CTYPES = "batch-ctypes"
+    BATCH_BINDINGS = "batch-bindings"
+    PER_COPY = "per-copy"
+
+
+def _error_text(code: _drv.CUresult) -> tuple[str, str]:
+    """The driver's name and description of an error (the enum's name when the driver is gone)."""
+    try:
+        name_res = _drv.cuGetErrorName(code)
+        text_res = _drv.cuGetErrorString(code)
+    except RuntimeError:  # no driver library to ask
+        return code.name, "no description: the CUDA driver library is not available"
+    name = _decode(name_res[1]) if int(name_res[0]) == 0 else code.name
+    text = _decode(text_res[1]) if int(text_res[0]) == 0 else "no description from the driver"
+    return name, text
+
+
+def _decode(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return str(value)
+
+
+def _raise_for(call: str, code: _drv.CUresult) -> None:
+    name, text = _error_text(code)
+    raise CudaError(call, int(code), name, text)
+
+
+def check(call: str, result: tuple[object, ...]) -> tuple[object, ...]:
+    """Check a cuda-python result tuple; return the values after the ``CUresult``.
+
+    Reads ``result[0]`` only and never unpacks a fixed length (the tuple's length differs across
+    cuda-python versions on errors).
+
+    Raises:
+        CudaError: the call returned anything but ``CUDA_SUCCESS``.
+    """
+    code = result[0]
+    assert isinstance(code, _drv.CUresult), f"{call} returned {type(code).__name__}, not a CUresult"
+    if code != _drv.CUresult.CUDA_SUCCESS:
+        _raise_for(call, code)
+    return result[1:]
+
+
+def _checked_code(call: str, code: int) -> None:
+    """Check a raw ``CUresult`` integer returned through ctypes."""
+    if code != 0:
+        _raise_for(call, _drv.CUresult(code))
+
+
+def _call_driver(call: str, fn: Callable[[], tuple[object, ...]]) -> tuple[object, ...]:
+    """Run a driver call, turning a missing driver library into a :class:`CudaError`."""
+    try:
+        result = fn()
+    except RuntimeError as exc:  # libcuda absent, or the symbol missing from this driver
+        raise CudaError(call, -1, "DRIVER_UNAVAILABLE", str(exc)) from exc
+    return check(call, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Capabilities
+
+
+@attrs.frozen
+class Capabilities:
+    """What this process can do on one device, detected once at start.
+
+    Attributes:
+        device_index: CUDA ordinal.
+        device_name: the driver's name for it.
+        driver_version: ``cuDriverGetVersion`` (1000 * major + 10 * minor).
+        batch_memcpy: ``cuMemcpyBatchAsync`` is usable (driver >= 12.8 and the symbol resolves).
+        batch_abi_version: the ABI version the ctypes path resolved the symbol with, or None.
+        copy_method: the method a worker uses by default.
+        notes: human-readable reasons for any fallback.
+    """
+
+    device_index: int
+    device_name: str
+    driver_version: int
+    batch_memcpy: bool
+    batch_abi_version: int | None
+    copy_method: CopyMethod
+    notes: tuple[str, ...] = ()
+
+
+_init_lock = threading.Lock()
+_primary_contexts: dict[int, _drv.CUcontext] = {}
+
+
+def make_context_current(device_index: int) -> None:
+    """Make the device's primary context current in the calling thread.
+
+    A new Python thread has no current context, and batch memcpy then fails with a misleading
+    ``CUDA_ERROR_INVALID_VALUE``; every thread that issues driver calls calls this first. The
+    primary context is retained once per process and never released (torch holds it as well).
+    """
+    with _init_lock:
+        ctx = _primary_contexts.get(device_index)
+        if ctx is None:
+            _call_driver("cuInit", lambda: _drv.cuInit(0))
+            dev = _device_handle(device_index)
+            (retained,) = _call_driver(
+                "cuDevicePrimaryCtxRetain", lambda: _drv.cuDevicePrimaryCtxRetain(dev)
+            )
+            assert isinstance(retained, _drv.CUcontext)
+            ctx = retained
+            _primary_contexts[device_index] = ctx
+    _call_driver("cuCtxSetCurrent", lambda: _drv.cuCtxSetCurrent(ctx))
+
+
+def _device_handle(device_index: int) -> _drv.CUdevice:
+    (dev,) = _call_driver("cuDeviceGet", lambda: _drv.cuDeviceGet(device_index))
+    assert isinstance(dev, _drv.CUdevice)
+    return dev
+
+
+@functools.cache
+def capabilities(device_index: int) -> Capabilities:
+    """Detect driver version, device name and batch memcpy support for one device (cached).
+
+    Raises:
+        CudaError: no usable driver or device.
+    """
+    make_context_current(device_index)
+    (version,) = _call_driver("cuDriverGetVersion", _drv.cuDriverGetVersion)
+    assert isinstance(version, int)
+    dev = _device_handle(device_index)
+    (raw_name,) = _call_driver(
+        "cuDeviceGetName", lambda: _drv.cuDeviceGetName(_DEVICE_NAME_BYTES, dev)
+    )
+    name = _decode(raw_name).split("\x00", 1)[0]
+    notes: list[str] = []
+    abi = _batch_abi_for(version)
+    pointer = _resolve_batch_symbol(abi) if abi is not None else None
+    if abi is None:
+        notes.append(f"driver {version} predates cuMemcpyBatchAsync (needs 12080): per-copy loop")
+    elif pointer is None:
+        notes.append(f"cuMemcpyBatchAsync did not resolve for ABI {abi}: per-copy loop")
+    batch = pointer is not None
+    return Capabilities(
+        device_index=device_index,
+        device_name=name,
+        driver_version=version,
+        batch_memcpy=batch,
+        batch_abi_version=abi if batch else None,
+        copy_method=CopyMethod.BATCH_CTYPES if batch else CopyMethod.PER_COPY,
+        notes=tuple(notes),
+    )
+
+
+def _batch_abi_for(driver_version: int) -> int | None:
+    if driver_version >= BATCH_ABI_CUDA_13_0:
+        return BATCH_ABI_CUDA_13_0
+    if driver_version >= BATCH_ABI_CUDA_12_8:
+        return BATCH_ABI_CUDA_12_8
+    return None
+
+
+@functools.cache
+def _resolve_batch_symbol(abi_version: int) -> int | None:
+    """Address of ``cuMemcpyBatchAsync`` for one ABI version, or None when the driver lacks it."""
+    try:
+        result = _drv.cuGetProcAddress(b"cuMemcpyBatchAsync", abi_version, 0)
+    except RuntimeError:
+        return None
+    if int(result[0]) != 0:
+        return None
+    pfn = result[1]
+    address = int(pfn) if pfn is not None else 0
+    status = result[2] if len(result) > 2 else None
+    if status is not None and int(status) != 0:
+        return None
+    return address or None
+
+
+_BATCH_ARGTYPES_13: Final = (
+    ctypes.c_void_p,  # CUdeviceptr* dsts
+    ctypes.c_void_p,  # CUdeviceptr* srcs
+    ctypes.c_void_p,  # size_t* sizes
+    ctypes.c_size_t,  # count
+    ctypes.c_void_p,  # CUmemcpyAttributes* attrs
+    ctypes.c_void_p,  # size_t* attrsIdxs
+    ctypes.c_size_t,  # numAttrs
+    ctypes.c_void_p,  # CUstream
+)
+_BATCH_ARGTYPES_12_8: Final = _BATCH_ARGTYPES_13[:7] + (ctypes.c_void_p, ctypes.c_void_p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Copies
+
+
+class Copier:
+    """Issues copy descriptors on a stream with one :class:`CopyMethod`.
+
+    Owns: nothing the driver must release (the attribute structs and index arrays are host memory
+    kept alive for the copier's lifetime). Borrows: the stream handles it is given per call.
+    Thread-safe: it holds no per-call state.
+    """
+
+    def __init__(self, method: CopyMethod, abi_version: int | None, symbol: int | None) -> None:
+        self.method = method
+        self._abi_version = abi_version
+        self._attrs = {order: _make_attrs(order) for order in SrcAccessOrder}
+        self._attrs_idx = np.zeros(1, dtype=np.uint64)
+        self._fn: Callable[..., int] | None = None
+        if method is CopyMethod.BATCH_CTYPES:
+            if symbol is None or abi_version is None:
+                raise InvalidArgumentError("copy method batch-ctypes needs cuMemcpyBatchAsync")
+            argtypes = _BATCH_ARGTYPES_13 if abi_version >= BATCH_ABI_CUDA_13_0 else _BATCH_ARGTYPES_12_8
+            prototype = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)
+            self._fn = prototype(symbol)
+
+    @classmethod
+    def create(cls, caps: Capabilities, method: CopyMethod | None = None) -> Copier:
+        """A copier for the device described by ``caps``; ``method`` None picks the default.
+
+        Raises:
+            InvalidArgumentError: a batch method was asked for on a driver without batch memcpy.
+        """
+        chosen = method if method is not None else caps.copy_method
+        if chosen is not CopyMethod.PER_COPY and not caps.batch_memcpy:
+            raise InvalidArgumentError(
+                f"copy method {chosen.value!r} needs cuMemcpyBatchAsync, which driver "
+                f"{caps.driver_version} on {caps.device_name} does not provide"
+            )
+        symbol = _resolve_batch_symbol(caps.batch_abi_version) if caps.batch_abi_version else None
+        return cls(chosen, caps.batch_abi_version, symbol)
+
+    @property
+    def path(self) -> str:
+        """The transfer-path name reported in results: ``dma`` for batches, ``dma-loop`` otherwise."""
+        return "dma-loop" if self.method is CopyMethod.PER_COPY else "dma"
+
+    def copy(
+        self,
+        dsts: U64Array,
+        srcs: U64Array,
+        sizes: U64Array,
+        order: SrcAccessOrder,
+        stream: int,
+    ) -> None:
+        """Enqueue ``len(dsts)`` copies on ``stream`` with the given source access order.
+
+        The arrays must be C-contiguous ``uint64`` of equal length; the copies run in stream order
+        relative to earlier work on ``stream`` (for ``ANY``, their source may be read earlier).
+
+        Raises:
+            InvalidArgumentError: the legacy default stream, or malformed arrays.
+            CudaError: the driver refused the copies. Copies of earlier batches of the same call
+                may already be enqueued; the caller must still wait for the stream before reusing
+                the buffers.
+        """
+        if stream == _LEGACY_DEFAULT_STREAM:
+            raise InvalidArgumentError("copies are never issued on the legacy default stream (0)")
+        count = len(dsts)
+        if not (len(srcs) == count == len(sizes)):
+            raise InvalidArgumentError(
+                f"descriptor arrays differ in length: dsts {count}, srcs {len(srcs)}, sizes {len(sizes)}"
+            )
+        for start in range(0, count, BATCH_MAX_COPIES):
+            stop = min(count, start + BATCH_MAX_COPIES)
+            if self.method is CopyMethod.BATCH_CTYPES:
+                self._copy_ctypes(dsts[start:stop], srcs[start:stop], sizes[start:stop], order, stream)
+            elif self.method is CopyMethod.BATCH_BINDINGS:
+                self._copy_bindings(dsts[start:stop], srcs[start:stop], sizes[start:stop], order, stream)
+            else:
+                self._copy_loop(dsts[start:stop], srcs[start:stop], sizes[start:stop], stream)
+
+    def _copy_ctypes(
+        self, dsts: U64Array, srcs: U64Array, sizes: U64Array, order: SrcAccessOrder, stream: int
+    ) -> None:
+        assert self._fn is not None and self._abi_version is not None
+        d = np.ascontiguousarray(dsts, dtype=np.uint64)
+        s = np.ascontiguousarray(srcs, dtype=np.uint64)
+        n = np.ascontiguousarray(sizes, dtype=np.uint64)
+        attrs_ptr = self._attrs[order].getPtr()
+        if self._abi_version >= BATCH_ABI_CUDA_13_0:
+            code = self._fn(
+                d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d),
+                attrs_ptr, self._attrs_idx.ctypes.data, 1, stream,
+            )
+        else:
+            fail_idx = ctypes.c_size_t(0)
+            code = self._fn(
+                d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d),
+                attrs_ptr, self._attrs_idx.ctypes.data, 1, ctypes.addressof(fail_idx), stream,
+            )
+        _checked_code("cuMemcpyBatchAsync", code)
+
+    def _copy_bindings(
+        self, dsts: U64Array, srcs: U64Array, sizes: U64Array, order: SrcAccessOrder, stream: int
+    ) -> None:
+        d = [_drv.CUdeviceptr(int(x)) for x in dsts]
+        s = [_drv.CUdeviceptr(int(x)) for x in srcs]
+        n = [int(x) for x in sizes]
+        _call_driver(
+            "cuMemcpyBatchAsync",
+            lambda: _drv.cuMemcpyBatchAsync(
+                d, s, n, len(d), [self._attrs[order]], [0], 1, _drv.CUstream(stream)
+            ),
+        )
+
+    def _copy_loop(self, dsts: U64Array, srcs: U64Array, sizes: U64Array, stream: int) -> None:
+        handle = _drv.CUstream(stream)
+        for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            _call_driver(
+                "cuMemcpyAsync",
+                lambda: _drv.cuMemcpyAsync(
+                    _drv.CUdeviceptr(dst), _drv.CUdeviceptr(src), size, handle
+                ),
+            )
+
+
+def _make_attrs(order: SrcAccessOrder) -> _drv.CUmemcpyAttributes:
+    attrs_struct = _drv.CUmemcpyAttributes()
+    attrs_struct.srcAccessOrder = _drv.CUmemcpySrcAccessOrder(int(order))
+    return attrs_struct
+
+
+def event_done(event_handle: int) -> bool:
+    """Whether a CUDA event has completed (``cuEventQuery``); never blocks.
+
+    Raises:
+        CudaError: the query failed (a fault in the work before the event, a lost device).
+    """
+    result = _drv.cuEventQuery(_drv.CUevent(event_handle))
+    if result[0] == _drv.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    check("cuEventQuery", result)
+    return True
+
+
+def synchronize_device(device_index: int, timeout_s: float) -> bool:
+    """Wait for all work on the device, for at most ``timeout_s``.
+
+    ``cuCtxSynchronize`` has no deadline, so it runs on a helper daemon thread that this call joins
+    with the timeout; a synchronize that hangs leaves that thread blocked, never the caller.
+
+    Returns:
+        True when the device finished its work within the timeout, False when the time ran out.
+
+    Raises:
+        CudaError: the synchronize itself reported an error (the device cannot be proven idle).
+    """
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            make_context_current(device_index)
+            _call_driver("cuCtxSynchronize", _drv.cuCtxSynchronize)
+            outcome.append(None)
+        except BaseException as exc:  # reported to the caller below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=f"kvoffload-sync-{device_index}", daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    if thread.is_alive() or not outcome:
+        return False
+    error = outcome[0]
+    if error is not None:
+        raise error
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Host registration
+
+
+class HostPinner(Protocol):
+    """Registers host memory with the device (page-locks it for DMA) and unregisters it.
+
+    ``register`` either registers the whole range or raises with nothing registered; ``unregister``
+    takes the start address of a range that ``register`` accepted.
+    """
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Page-lock ``[ptr, ptr + nbytes)`` for DMA."""
+
+    def unregister(self, ptr: int) -> None:
+        """Release the registration that starts at ``ptr``."""
+
+
+class CudaHostPinner:
+    """Registers host ranges with ``cuMemHostRegister`` (portable, device-mapped) for one device.
+
+    Owns nothing: the caller owns each registration it makes and must unregister it before it
+    unmaps the memory (a re-mapped address can otherwise serve the old pages to later copies).
+    """
+
+    FLAGS: Final = HOST_REGISTER_PORTABLE | HOST_REGISTER_DEVICEMAP
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """``cuMemHostRegister(ptr, nbytes, PORTABLE | DEVICEMAP)``; raises :class:`CudaError`."""
+        make_context_current(self.device_index)
+        _call_driver("cuMemHostRegister", lambda: _drv.cuMemHostRegister(ptr, nbytes, self.FLAGS))
+
+    def unregister(self, ptr: int) -> None:
+        """``cuMemHostUnregister(ptr)``; raises :class:`CudaError`."""
+        make_context_current(self.device_index)
+        _call_driver("cuMemHostUnregister", lambda: _drv.cuMemHostUnregister(ptr))
+
+
+class NoPinner:
+    """A pinner for the host backend: host memory needs no registration. Owns nothing."""
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Accept the range without doing anything."""
+
+    def unregister(self, ptr: int) -> None:
+        """Accept the release without doing anything."""
+
+
+def pin_chunks(
+    pinner: HostPinner, ptr: int, nbytes: int, chunk_bytes: int
+) -> list[tuple[int, int]]:
+    """Register ``[ptr, ptr + nbytes)`` in chunks of at most ``chunk_bytes``.
+
+    Returns the ``(start, nbytes)`` of every registered chunk. If one registration fails, the chunks
+    registered so far are unregistered in reverse order and the first error is raised; failures of
+    that rollback are chained to it, so nothing is left registered silently.
+
+    Raises:
+        InvalidArgumentError: ``nbytes`` or ``chunk_bytes`` not positive.
+        KVOffloadError: whatever the pinner raised.
+    """
+    if nbytes <= 0 or chunk_bytes <= 0:
+        raise InvalidArgumentError(
+            f"pin_chunks needs positive sizes (nbytes = {nbytes}, chunk_bytes = {chunk_bytes})"
+        )
+    done: list[tuple[int, int]] = []
+    offset = 0
+    try:
+        while offset < nbytes:
+            size = min(chunk_bytes, nbytes - offset)
+            pinner.register(ptr + offset, size)
+            done.append((ptr + offset, size))
+            offset += size
+    except BaseException as exc:
+        rollback = unpin_chunks(pinner, done)
+        if rollback:
+            raise KVOffloadError(
+                f"pinning failed at offset {offset} and {len(rollback)} chunk(s) could not be "
+                f"unregistered: {rollback}"
+            ) from exc
+        raise
+    return done
+
+
+def unpin_chunks(pinner: HostPinner, chunks: Sequence[tuple[int, int]]) -> list[BaseException]:
+    """Unregister chunks in reverse order of registration; returns the failures (never raises)."""
+    failures: list[BaseException] = []
+    for start, _size in reversed(chunks):
+        try:
+            pinner.unregister(start)
+        except Exception as exc:  # collected: every other chunk must still be released
+            failures.append(exc)
+    return failures

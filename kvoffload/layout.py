@@ -1,0 +1,456 @@
+"""Layout: the engine's device tensors as page geometry and a host record map.
+
+Owns the description of where every byte of a block lives, on the device and inside a host record.
+Borrows the engine's tensors (holds references so their addresses stay valid; never writes them).
+Works on CPU tensors exactly as on CUDA tensors, so it is tested without a GPU.
+
+A tensor's *block dim* is given explicitly: shape heuristics are how peers silently corrupted data
+when an engine changed its KV layout. For a tensor of shape ``(*outer, num_blocks, *inner)`` with
+block dim ``b``, a *page* is the contiguous ``inner`` bytes of one block at one outer index; the
+block's pages from every tensor, in tensor order then outer C-order, laid back to back (each start
+aligned to 16 bytes) form its *host record*, whose size is padded to a multiple of 4096 bytes.
+Pages that are the same device bytes (a tensor given twice, or two views of one memory) are stored
+once; pages that partly overlap are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvoffload._descriptors import PageTable
+from kvoffload.errors import LayoutError
+
+__all__ = ["PAGE_ALIGN_BYTES", "RECORD_ALIGN_BYTES", "DeviceLayout", "TensorGeometry"]
+
+#: Every page starts at a multiple of this, on the device (checked) and in the host record (padded).
+PAGE_ALIGN_BYTES: Final = 16
+#: Host records are padded to a multiple of this (one OS page), for O_DIRECT and page-granular use.
+RECORD_ALIGN_BYTES: Final = 4096
+#: Interleaved tensors are checked page by page; beyond this many pages the check is refused.
+_MAX_INTERLEAVE_CHECK_PAGES: Final = 1 << 26
+
+I64Array = npt.NDArray[np.int64]
+#: Block ids as the layout's torch helpers accept them.
+BlockIndex = Sequence[int] | npt.NDArray[np.integer] | torch.Tensor
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@attrs.frozen
+class TensorGeometry:
+    """Where one tensor's pages are.
+
+    Attributes:
+        name: the tensor's name in the layout.
+        shape: its shape.
+        dtype: its dtype, as a string (``"torch.bfloat16"``).
+        block_dim: the non-negative block dim.
+        page_bytes: bytes of one page (the ``inner`` dims after the block dim).
+        block_stride_bytes: distance between the same page of consecutive blocks.
+        outer_count: pages per block from this tensor (the product of the dims before the block dim).
+        host_offsets: offset of each of its pages inside a host record (shared with an earlier tensor
+            when the pages alias it).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    block_dim: int
+    page_bytes: int
+    block_stride_bytes: int
+    outer_count: int
+    host_offsets: tuple[int, ...]
+
+
+@attrs.frozen(eq=False)
+class _TensorPages:
+    name: str
+    tensor: torch.Tensor
+    block_dim: int
+    page_bytes: int
+    stride: int
+    addr0: I64Array  # block-0 address of each page, outer C-order
+    segment: int
+
+
+@attrs.frozen(eq=False)
+class DeviceLayout:
+    """The engine's paged KV tensors described as blocks of pages (see the module docstring).
+
+    Build it with :meth:`from_tensors`. Attributes are read-only; ``page_table`` is what the copy
+    planner consumes.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    geometries: tuple[TensorGeometry, ...]
+    device: torch.device
+    num_blocks: int
+    record_bytes: int
+    page_table: PageTable
+    fingerprint: str
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+        block_dim: int | Mapping[str, int],
+    ) -> DeviceLayout:
+        """Describe the engine's tensors, each with an explicit block dim.
+
+        Args:
+            tensors: the device cache tensors, by name (a sequence is named ``"0"``, ``"1"``, ...).
+            block_dim: the block dim of every tensor, or a mapping giving each tensor's own block dim
+                (negative values count from the end, as in torch).
+
+        Raises:
+            LayoutError: naming the tensor and the rule: no tensors, not a tensor, mixed devices,
+                a block dim out of range or missing, zero blocks, different block counts, a page that
+                is not contiguous, a page or block stride not 16-byte aligned, pages that overlap
+                (within a tensor or across tensors) without being the same bytes.
+        """
+        named = _named_tensors(tensors)
+        dims = _block_dims(named, block_dim)
+        device = _common_device(named)
+        num_blocks = _common_block_count(named, dims)
+        segments: dict[int, int] = {}
+        pages = [
+            _tensor_pages(name, t, dims[name], segments.setdefault(_storage_key(t), len(segments)))
+            for name, t in named.items()
+        ]
+        _check_no_partial_overlap(pages, num_blocks)
+        return cls._assemble(named, pages, device, num_blocks)
+
+    @classmethod
+    def _assemble(
+        cls,
+        named: dict[str, torch.Tensor],
+        pages: list[_TensorPages],
+        device: torch.device,
+        num_blocks: int,
+    ) -> DeviceLayout:
+        seen: dict[tuple[int, int, int], int] = {}
+        dev_base: list[int] = []
+        dev_stride: list[int] = []
+        nbytes: list[int] = []
+        host_offset: list[int] = []
+        segment: list[int] = []
+        geometries: list[TensorGeometry] = []
+        cursor = 0
+        for tp in pages:
+            offsets: list[int] = []
+            for addr in tp.addr0.tolist():
+                key = (addr, tp.stride, tp.page_bytes)
+                if key in seen:
+                    offsets.append(seen[key])
+                    continue
+                cursor = _align_up(cursor, PAGE_ALIGN_BYTES)
+                seen[key] = cursor
+                offsets.append(cursor)
+                dev_base.append(addr)
+                dev_stride.append(tp.stride)
+                nbytes.append(tp.page_bytes)
+                host_offset.append(cursor)
+                segment.append(tp.segment)
+                cursor += tp.page_bytes
+            t = tp.tensor
+            geometries.append(
+                TensorGeometry(
+                    name=tp.name,
+                    shape=tuple(t.shape),
+                    dtype=str(t.dtype),
+                    block_dim=tp.block_dim,
+                    page_bytes=tp.page_bytes,
+                    block_stride_bytes=tp.stride,
+                    outer_count=len(offsets),
+                    host_offsets=tuple(offsets),
+                )
+            )
+        record_bytes = _align_up(max(cursor, 1), RECORD_ALIGN_BYTES)
+        table = PageTable(
+            dev_base=np.asarray(dev_base, dtype=np.int64),
+            dev_stride=np.asarray(dev_stride, dtype=np.int64),
+            nbytes=np.asarray(nbytes, dtype=np.int64),
+            host_offset=np.asarray(host_offset, dtype=np.int64),
+            segment=np.asarray(segment, dtype=np.int64),
+            record_bytes=record_bytes,
+        )
+        return cls(
+            tensors=dict(named),
+            geometries=tuple(geometries),
+            device=device,
+            num_blocks=num_blocks,
+            record_bytes=record_bytes,
+            page_table=table,
+            fingerprint=_fingerprint(geometries, record_bytes),
+        )
+
+    @property
+    def pages_per_block(self) -> int:
+        """Distinct pages in one block (aliased pages counted once)."""
+        return self.page_table.num_pages
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes of one block, without the record's padding."""
+        return self.page_table.block_bytes
+
+    def gather_records(self, blocks: BlockIndex) -> torch.Tensor:
+        """Build the host records of the given device blocks with torch indexing.
+
+        A second, independent implementation of the record map (it uses neither copy descriptors
+        nor addresses); tests and the demo check the copy paths against it. Runs on the layout's
+        device; padding bytes are zero. Returns ``uint8 [len(blocks), record_bytes]``.
+        """
+        index = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        out = torch.zeros(
+            (index.shape[0], self.record_bytes), dtype=torch.uint8, device=self.device
+        )
+        for geom, rows in self._tensor_rows(index):
+            for outer, offset in enumerate(geom.host_offsets):
+                out[:, offset : offset + geom.page_bytes] = rows[:, outer]
+        return out
+
+    def scatter_records(self, blocks: BlockIndex, records: torch.Tensor) -> None:
+        """Write host records into the given device blocks with torch indexing (the inverse of
+        :meth:`gather_records`; for tests and the demo). ``records`` is ``uint8 [n, record_bytes]``.
+        """
+        index = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        src = records.to(self.device)
+        for geom in self.geometries:
+            t = self.tensors[geom.name]
+            moved = t.movedim(geom.block_dim, 0)
+            rows = torch.stack([src[:, o : o + geom.page_bytes] for o in geom.host_offsets], dim=1)
+            values = rows.contiguous().view(t.dtype).reshape(index.shape[0], *moved.shape[1:])
+            moved.index_copy_(0, index, values)
+
+    def _tensor_rows(self, index: torch.Tensor) -> list[tuple[TensorGeometry, torch.Tensor]]:
+        result = []
+        for geom in self.geometries:
+            t = self.tensors[geom.name]
+            picked = t.index_select(geom.block_dim, index).movedim(geom.block_dim, 0).contiguous()
+            rows = picked.view(torch.uint8).reshape(index.shape[0], geom.outer_count, geom.page_bytes)
+            result.append((geom, rows))
+        return result
+
+
+def _named_tensors(
+    tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    given: object = tensors  # checked at run time: callers are not always type-checked
+    if isinstance(given, torch.Tensor):
+        raise LayoutError("tensors must be a mapping or a sequence of tensors, not one tensor")
+    if isinstance(given, Mapping):
+        named = dict(given)
+    elif isinstance(given, Sequence):
+        named = {str(i): t for i, t in enumerate(given)}
+    else:
+        raise LayoutError(f"tensors must be a mapping or a sequence of tensors, not {type(given).__name__}")
+    if not named:
+        raise LayoutError("tensors is empty: a layout needs at least one tensor")
+    for name, t in named.items():
+        if not isinstance(name, str):
+            raise LayoutError(f"tensor names must be str, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise LayoutError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    return named
+
+
+def _block_dims(named: dict[str, torch.Tensor], block_dim: int | Mapping[str, int]) -> dict[str, int]:
+    dims: dict[str, int] = {}
+    for name, t in named.items():
+        if isinstance(block_dim, Mapping):
+            if name not in block_dim:
+                raise LayoutError(f"tensor {name!r} has no entry in the block_dim mapping")
+            raw = block_dim[name]
+        else:
+            raw = block_dim
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise LayoutError(f"block dim of tensor {name!r} must be an int, got {raw!r}")
+        ndim = t.dim()
+        if not -ndim <= raw < ndim:
+            raise LayoutError(
+                f"block dim {raw} of tensor {name!r} is out of range for its {ndim} dims "
+                f"(shape {tuple(t.shape)})"
+            )
+        dims[name] = raw % ndim
+    if isinstance(block_dim, Mapping):
+        extra = sorted(set(block_dim) - set(named))
+        if extra:
+            raise LayoutError(f"block_dim names tensors that are not in the layout: {extra}")
+    return dims
+
+
+def _common_device(named: dict[str, torch.Tensor]) -> torch.device:
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.device != first.device:
+            raise LayoutError(
+                f"tensor {name!r} is on {t.device} but tensor {first_name!r} is on {first.device}: "
+                "all tensors of a layout must be on one device"
+            )
+    return first.device
+
+
+def _common_block_count(named: dict[str, torch.Tensor], dims: dict[str, int]) -> int:
+    first_name = next(iter(named))
+    count = named[first_name].shape[dims[first_name]]
+    for name, t in named.items():
+        n = t.shape[dims[name]]
+        if n == 0:
+            raise LayoutError(f"tensor {name!r} has zero blocks (shape {tuple(t.shape)})")
+        if n != count:
+            raise LayoutError(
+                f"tensor {name!r} has {n} blocks but tensor {first_name!r} has {count}: "
+                "all tensors must have the same number of blocks"
+            )
+    return int(count)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _tensor_pages(name: str, t: torch.Tensor, b: int, segment: int) -> _TensorPages:
+    shape = tuple(int(s) for s in t.shape)
+    item = t.element_size()
+    strides = tuple(int(s) for s in t.stride())
+    inner = shape[b + 1 :]
+    if any(s == 0 for s in shape):
+        raise LayoutError(f"tensor {name!r} has an empty dim (shape {shape}): pages would be empty")
+    expected = 1
+    for size, stride in zip(reversed(inner), reversed(strides[b + 1 :])):
+        if size != 1 and stride != expected:
+            raise LayoutError(
+                f"tensor {name!r}: a page (the dims after block dim {b}, shape {inner}) is not "
+                f"contiguous (strides {strides[b + 1:]}); pass a tensor whose dims after the block "
+                "dim are contiguous"
+            )
+        expected *= size
+    page_bytes = math.prod(inner) * item
+    block_stride = strides[b] * item
+    outer_shape = shape[:b]
+    outer_strides = np.asarray(strides[:b], dtype=np.int64) * item
+    if outer_shape:
+        grids = np.indices(outer_shape, dtype=np.int64).reshape(len(outer_shape), -1)
+        outer_offsets = (grids * outer_strides[:, None]).sum(axis=0)
+    else:
+        outer_offsets = np.zeros(1, dtype=np.int64)
+    addr0 = np.int64(t.data_ptr()) + outer_offsets
+    misaligned = np.flatnonzero(addr0 % PAGE_ALIGN_BYTES)
+    if misaligned.size:
+        raise LayoutError(
+            f"tensor {name!r}: page {int(misaligned[0])} of block 0 starts at address "
+            f"{int(addr0[misaligned[0]]):#x}, not {PAGE_ALIGN_BYTES}-byte aligned"
+        )
+    if shape[b] > 1 and block_stride % PAGE_ALIGN_BYTES:
+        raise LayoutError(
+            f"tensor {name!r}: block stride {block_stride} bytes is not a multiple of "
+            f"{PAGE_ALIGN_BYTES}, so pages of later blocks are misaligned"
+        )
+    _check_self_disjoint(name, shape, strides, b, item, page_bytes)
+    return _TensorPages(name, t, b, page_bytes, block_stride, addr0.astype(np.int64), segment)
+
+
+def _check_self_disjoint(
+    name: str, shape: tuple[int, ...], strides: tuple[int, ...], b: int, item: int, page_bytes: int
+) -> None:
+    """Refuse tensors whose pages could overlap each other (zero or interleaved strides).
+
+    Sufficient test: sorted by stride, every page-level dim must step past everything the smaller
+    dims already span.
+    """
+    dims = sorted((strides[i] * item, shape[i]) for i in range(b + 1) if shape[i] > 1)
+    extent = page_bytes
+    for stride, size in dims:
+        if stride < extent:
+            raise LayoutError(
+                f"tensor {name!r}: its pages overlap (a stride of {stride} bytes is smaller than the "
+                f"{extent} bytes the page and smaller dims span; shape {shape}, strides {strides})"
+            )
+        extent = stride * (size - 1) + extent
+
+
+def _span(tp: _TensorPages, num_blocks: int) -> tuple[int, int]:
+    lo = int(tp.addr0.min())
+    hi = int(tp.addr0.max()) + (num_blocks - 1) * tp.stride + tp.page_bytes
+    return lo, hi
+
+
+def _check_no_partial_overlap(pages: list[_TensorPages], num_blocks: int) -> None:
+    """Refuse tensors whose pages overlap pages of another tensor without being the same pages."""
+    spans = [_span(tp, num_blocks) for tp in pages]
+    for i in range(len(pages)):
+        for j in range(i + 1, len(pages)):
+            (lo_i, hi_i), (lo_j, hi_j) = spans[i], spans[j]
+            if lo_i >= hi_j or lo_j >= hi_i:
+                continue
+            _check_pages_disjoint_or_equal(pages[i], pages[j], num_blocks)
+
+
+def _page_intervals(tp: _TensorPages, num_blocks: int) -> tuple[I64Array, I64Array, I64Array]:
+    """Start, size and block index of every page of every block."""
+    block = np.arange(num_blocks, dtype=np.int64)
+    starts = (tp.addr0[None, :] + block[:, None] * tp.stride).ravel()
+    blocks = np.repeat(block, tp.addr0.size)
+    return starts, np.full(starts.shape, tp.page_bytes, dtype=np.int64), blocks
+
+
+def _check_pages_disjoint_or_equal(a: _TensorPages, b: _TensorPages, num_blocks: int) -> None:
+    if (a.addr0.size + b.addr0.size) * num_blocks > _MAX_INTERLEAVE_CHECK_PAGES:
+        raise LayoutError(
+            f"tensors {a.name!r} and {b.name!r} share an address range and are too large to verify "
+            "page by page; pass them as one tensor"
+        )
+    same = (
+        a.stride == b.stride
+        and a.page_bytes == b.page_bytes
+        and set(a.addr0.tolist()) == set(b.addr0.tolist())
+    )
+    if same:
+        return
+    sa, na, ba = _page_intervals(a, num_blocks)
+    sb, nb, bb = _page_intervals(b, num_blocks)
+    starts = np.concatenate((sa, sb))
+    sizes = np.concatenate((na, nb))
+    blocks = np.concatenate((ba, bb))
+    order = np.argsort(starts, kind="stable")
+    starts, sizes, blocks = starts[order], sizes[order], blocks[order]
+    # The same page of the same block in both tensors is fine (stored once); any other overlap,
+    # including the same bytes under two block ids, is not.
+    ends = starts + sizes
+    overlap = ends[:-1] > starts[1:]
+    identical = (
+        (starts[:-1] == starts[1:]) & (sizes[:-1] == sizes[1:]) & (blocks[:-1] == blocks[1:])
+    )
+    bad = np.flatnonzero(overlap & ~identical)
+    if bad.size:
+        at = int(starts[bad[0] + 1])
+        raise LayoutError(
+            f"tensors {a.name!r} and {b.name!r} partly overlap at address {at:#x}: pages must be "
+            "either the same bytes (stored once) or disjoint"
+        )
+
+
+def _fingerprint(geometries: list[TensorGeometry], record_bytes: int) -> str:
+    payload = json.dumps(
+        {
+            "record_bytes": record_bytes,
+            "tensors": [
+                [g.name, list(g.shape), g.dtype, g.block_dim, g.page_bytes, list(g.host_offsets)]
+                for g in geometries
+            ],
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()

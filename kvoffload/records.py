@@ -1,0 +1,83 @@
+"""Plain records shared by every layer: directions, transfer results and statistics.
+
+Records are frozen attrs classes: they are values, safe to hand to another thread or keep in a log.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = ["Direction", "HandlerStats", "TransferResult", "WorkerStats"]
+
+
+class Direction(enum.Enum):
+    """Which way a job moves bytes.
+
+    ``STORE`` reads device blocks and writes host records; ``LOAD`` reads host records and writes
+    device blocks.
+    """
+
+    STORE = "store"
+    LOAD = "load"
+
+
+@attrs.frozen
+class TransferResult:
+    """The outcome of one finished job.
+
+    Attributes:
+        job_id: the id the job was submitted with.
+        direction: which way it moved bytes.
+        ok: True only when every byte of the job was copied. With False, the destination blocks hold
+            undefined bytes and ``error`` says why.
+        nbytes: the bytes the job copies (0 for an empty job).
+        seconds: time the copy ran on its stream (device time for the ``cuda`` backend, thread time
+            for the ``host`` backend); 0.0 for empty jobs and jobs that failed before they ran.
+        path: the transfer path that moved it (``"dma"``, ``"dma-loop"``, ``"host"``, ``"none"``).
+        error: the exception that failed the job, or None.
+    """
+
+    job_id: int
+    direction: Direction
+    ok: bool
+    nbytes: int
+    seconds: float
+    path: str
+    error: BaseException | None = None
+
+
+@attrs.frozen
+class HandlerStats:
+    """Counters of one direction since its handler was created.
+
+    ``busy_seconds`` sums ``TransferResult.seconds`` of finished jobs; ``bytes_done`` counts bytes of
+    jobs that finished with ``ok=True`` only.
+    """
+
+    direction: Direction
+    submitted: int
+    completed: int
+    failed: int
+    in_flight: int
+    bytes_done: int
+    busy_seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Bytes of successful jobs over their summed copy time, in GB/s (0.0 before any)."""
+        return self.bytes_done / self.busy_seconds / 1e9 if self.busy_seconds > 0 else 0.0
+
+
+@attrs.frozen
+class WorkerStats:
+    """A snapshot of a worker: its configuration and both directions' counters."""
+
+    backend: str
+    path: str
+    num_device_blocks: int
+    num_host_blocks: int
+    record_bytes: int
+    store: HandlerStats
+    load: HandlerStats

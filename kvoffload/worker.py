@@ -1,0 +1,570 @@
+"""Worker: one GPU's offload engine, composed of a host region and two direction handlers.
+
+Owns: the host region (alone: it is the only object that knows both directions share that memory,
+so it is the only one that may release it), the store handler and the load handler, and the
+in-flight block bookkeeping that spans both directions. Borrows: the layout (and through it the
+engine's tensors, which must outlive the worker).
+
+Rules it enforces across directions, before anything is submitted (typed errors; the worker is
+unchanged afterwards):
+
+* a job may not read a block that an in-flight job writes (a store reading a device block a load
+  is filling; a load reading a host record a store is filling: rule 4, a record is loadable only
+  after its store completed);
+* a job may not write a block that an in-flight job reads or writes;
+* job ids are unique among jobs in flight or finished and not yet returned by ``poll``/``wait``.
+
+A job stays "in flight" until its result has been returned to the caller.
+
+Shutdown contract (DESIGN §6): shut down the store handler, then the load handler, each in its own
+try/except, collecting failures. If either failed (or an issuer thread is still running), fall back
+to a device-wide synchronize bounded by the remaining time. Clean the region up once, but only when
+the device is proven idle; otherwise abandon it mapped and pinned (unmapping memory a DMA engine may
+still write is worse than a leak) and say so. Then raise one :class:`ShutdownError` carrying every
+failure — after all cleanup is done. ``shutdown`` is idempotent; every other call after it raises
+:class:`ClosedError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Final, Literal
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvoffload import bindings
+from kvoffload._descriptors import CopyPlan
+from kvoffload.backends import Backend, CudaBackend, HostBackend
+from kvoffload.errors import (
+    BlockConflictError,
+    ClosedError,
+    DeviceMismatchError,
+    InvalidArgumentError,
+    JobIdError,
+    ShutdownError,
+    UnknownJobError,
+    WaitTimeoutError,
+)
+from kvoffload.handler import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    BlockIds,
+    DirectionHandler,
+    as_block_ids,
+    as_job_id,
+    as_job_ids,
+    as_timeout,
+    check_pairs,
+)
+from kvoffload.layout import DeviceLayout
+from kvoffload.records import Direction, TransferResult, WorkerStats
+from kvoffload.region import RegionOwner
+
+__all__ = ["BackendName", "Worker"]
+
+_log = logging.getLogger("kvoffload.worker")
+
+BackendName = Literal["auto", "cuda", "host"]
+I64Array = npt.NDArray[np.int64]
+I32Array = npt.NDArray[np.int32]
+_BACKENDS: Final = ("auto", "cuda", "host")
+#: Time a failed ``create`` gives the handlers it already started to stop.
+_CREATE_ROLLBACK_TIMEOUT_S: Final = 10.0
+
+
+@attrs.define(eq=False)
+class _Job:
+    direction: Direction
+    reads: I64Array
+    writes: I64Array
+
+
+class _Bookkeeping:
+    """In-flight readers and writers per device block and per host block (caller holds the lock)."""
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.dev_reads: I32Array = np.zeros(num_device_blocks, dtype=np.int32)
+        self.dev_writes: I32Array = np.zeros(num_device_blocks, dtype=np.int32)
+        self.host_reads: I32Array = np.zeros(num_host_blocks, dtype=np.int32)
+        self.host_writes: I32Array = np.zeros(num_host_blocks, dtype=np.int32)
+        self.jobs: dict[int, _Job] = {}
+
+    def counters(self, direction: Direction) -> tuple[I32Array, I32Array, I32Array, I32Array]:
+        """(reads of the source side, writes of the source side, reads of the destination side,
+        writes of the destination side) for a job of ``direction``."""
+        if direction is Direction.STORE:
+            return self.dev_reads, self.dev_writes, self.host_reads, self.host_writes
+        return self.host_reads, self.host_writes, self.dev_reads, self.dev_writes
+
+    def check(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
+              read_name: str, write_name: str) -> None:
+        """Refuse a reused job id and any conflict with in-flight jobs (see the module docstring)."""
+        if job_id in self.jobs:
+            raise JobIdError(f"job {job_id} is already in flight or waiting to be polled")
+        _src_reads, src_writes, dst_reads, dst_writes = self.counters(direction)
+        source_on_device = direction is Direction.STORE
+        busy = np.flatnonzero(src_writes[reads])
+        if busy.size:
+            i = int(busy[0])
+            other = self._holder(int(reads[i]), on_device=source_on_device, writers_only=True)
+            raise BlockConflictError(
+                f"{direction.value} job {job_id}: {read_name}[{i}] = {int(reads[i])} is being written "
+                f"by in-flight job {other}; submit after it completed"
+            )
+        busy = np.flatnonzero(dst_reads[writes] | dst_writes[writes])
+        if busy.size:
+            i = int(busy[0])
+            other = self._holder(int(writes[i]), on_device=not source_on_device, writers_only=False)
+            raise BlockConflictError(
+                f"{direction.value} job {job_id}: {write_name}[{i}] = {int(writes[i])} is in use by "
+                f"in-flight job {other}; submit after it completed"
+            )
+
+    def _holder(self, block: int, *, on_device: bool, writers_only: bool) -> str:
+        """Name an in-flight job touching ``block`` on one side (the error path only)."""
+        for job_id, job in self.jobs.items():
+            device_is_source = job.direction is Direction.STORE
+            if on_device:
+                blocks, is_write = (job.reads, False) if device_is_source else (job.writes, True)
+            else:
+                blocks, is_write = (job.writes, True) if device_is_source else (job.reads, False)
+            if (is_write or not writers_only) and bool(np.any(blocks == block)):
+                return f"{job_id} ({job.direction.value})"
+        return "(unknown)"
+
+    def add(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> None:
+        src_reads, _sw, _dr, dst_writes = self.counters(direction)
+        np.add.at(src_reads, reads, 1)
+        dst_writes[writes] += 1
+        self.jobs[job_id] = _Job(direction, reads, writes)
+
+    def remove(self, job_id: int) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        src_reads, _sw, _dr, dst_writes = self.counters(job.direction)
+        np.subtract.at(src_reads, job.reads, 1)
+        dst_writes[job.writes] -= 1
+
+
+class Worker:
+    """Moves KV blocks between the engine's device cache and a host pool (see the module docstring).
+
+    Build it with :meth:`create`; ``__init__`` only stores its collaborators, so tests can inject
+    mocks. Usable as a context manager (leaving the block calls :meth:`shutdown`).
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: DeviceLayout,
+        region: RegionOwner,
+        store_handler: DirectionHandler,
+        load_handler: DirectionHandler,
+        backend_name: str,
+        device_sync: Callable[[float], bool],
+        capabilities: bindings.Capabilities | None = None,
+    ) -> None:
+        self.layout = layout
+        self.backend = backend_name
+        self.capabilities = capabilities
+        self.num_host_blocks = region.num_records
+        self._region = region
+        self._store = store_handler
+        self._load = load_handler
+        self._device_sync = device_sync
+        self._lock = threading.Lock()
+        self._book = _Bookkeeping(layout.num_blocks, region.num_records)
+        self._ready: dict[int, tuple[int, TransferResult]] = {}
+        self._closed = False
+
+    # ---------------------------------------------------------------------------------- creation
+
+    @classmethod
+    def create(
+        cls,
+        layout: DeviceLayout,
+        num_host_blocks: int,
+        *,
+        device: torch.device | str | None = None,
+        backend: BackendName = "auto",
+        shared_name: str | None = None,
+        copy_method: bindings.CopyMethod | str | None = None,
+        pin_chunk_bytes: int = bindings.PIN_CHUNK_BYTES,
+    ) -> Worker:
+        """Build the region and both handlers; on any failure everything built so far is released.
+
+        Args:
+            layout: the engine's device cache, from :meth:`DeviceLayout.from_tensors`.
+            num_host_blocks: host records in the pool (each ``layout.record_bytes`` bytes).
+            device: the device the layout must be on (checked; None accepts the layout's).
+            backend: ``"cuda"`` (CUDA tensors, copies by DMA), ``"host"`` (CPU tensors, copies on a
+                thread), or ``"auto"``: cuda when the layout's tensors are on a CUDA device, host when
+                they are CPU tensors.
+            shared_name: None for an anonymous pool, else the pool is ``/dev/shm/<shared_name>``
+                (unlinked as soon as it is mapped).
+            copy_method: cuda backend only: ``"batch-ctypes"`` (default where the driver has batch
+                memcpy), ``"batch-bindings"`` or ``"per-copy"``.
+            pin_chunk_bytes: largest single host registration (rounded down to whole records).
+
+        Raises:
+            InvalidArgumentError: a bad size, backend name, copy method or shared name.
+            DeviceMismatchError: ``device`` is not the layout's device, or the backend does not fit
+                the layout's device.
+            RegionError, CudaError: the pool could not be mapped or pinned (nothing is left behind).
+        """
+        if not isinstance(layout, DeviceLayout):
+            raise InvalidArgumentError(
+                f"layout must be a DeviceLayout (from DeviceLayout.from_tensors), got {type(layout).__name__}"
+            )
+        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks <= 0:
+            raise InvalidArgumentError(f"num_host_blocks = {num_host_blocks!r} must be a positive int")
+        chosen = _choose_backend(layout, backend, device)
+        method = _copy_method(copy_method, chosen)
+        with contextlib.ExitStack() as undo:
+            caps: bindings.Capabilities | None = None
+            pinner: bindings.HostPinner = bindings.NoPinner()
+            copier: bindings.Copier | None = None
+            device_sync: Callable[[float], bool] = _host_sync
+            if chosen == "cuda":
+                index = _device_index(layout.device)
+                caps = bindings.capabilities(index)
+                copier = bindings.Copier.create(caps, method)
+                pinner = bindings.CudaHostPinner(index)
+                device_sync = functools.partial(bindings.synchronize_device, index)
+            region = RegionOwner.create(
+                num_records=num_host_blocks, record_bytes=layout.record_bytes, pinner=pinner,
+                shared_name=shared_name, chunk_bytes=pin_chunk_bytes,
+            )
+            undo.callback(region.cleanup)
+            sequence = itertools.count()
+            handlers = []
+            for direction, num_src, num_dst in (
+                (Direction.STORE, layout.num_blocks, num_host_blocks),
+                (Direction.LOAD, num_host_blocks, layout.num_blocks),
+            ):
+                plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
+                direction_backend: Backend = (
+                    CudaBackend.create(direction, layout.device, copier)
+                    if copier is not None
+                    else HostBackend(direction)
+                )
+                handler = DirectionHandler.create(
+                    direction=direction, plan=plan, backend=direction_backend,
+                    num_src_blocks=num_src, num_dst_blocks=num_dst, sequence=sequence,
+                )
+                undo.callback(handler.shutdown, _CREATE_ROLLBACK_TIMEOUT_S)
+                handlers.append(handler)
+            worker = cls(
+                layout=layout, region=region, store_handler=handlers[0], load_handler=handlers[1],
+                backend_name=chosen, device_sync=device_sync, capabilities=caps,
+            )
+            undo.pop_all()
+        return worker
+
+    # ------------------------------------------------------------------------------------- jobs
+
+    def store(
+        self, job_id: int, device_blocks: BlockIds, host_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy ``device_blocks[i]`` into host record ``host_blocks[i]``, after queued compute.
+
+        The copy waits for every kernel queued on ``stream`` (default: the device's current stream)
+        before this call, and reads the source in stream order, so it never copies a block the
+        compute stream has not finished writing. The device blocks must not be overwritten until the
+        job's result came back. The result comes from :meth:`poll` or :meth:`wait`.
+
+        Raises (before anything is submitted; the worker is unchanged):
+            ClosedError: after shutdown.
+            JobIdError: a non-int job id, or one in flight or not yet returned.
+            BlockIdTypeError, InvalidBlockIdError: non-integer, negative or out-of-range ids,
+                unequal lengths, a host block twice.
+            BlockConflictError: a device block an in-flight load writes, or a host block an in-flight
+                job reads or writes.
+            DeviceMismatchError: a stream of another device (any stream on the host backend).
+        """
+        self._submit(Direction.STORE, job_id, device_blocks, host_blocks, stream,
+                     "device_blocks", "host_blocks")
+
+    def load(
+        self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy host record ``host_blocks[i]`` into ``device_blocks[i]``, after queued compute.
+
+        The copy waits for every kernel queued on ``stream`` before this call, so it never
+        overwrites a block that queued compute still reads. The device blocks hold undefined bytes
+        until the job's result came back with ``ok=True``.
+
+        Raises (before anything is submitted; the worker is unchanged): as :meth:`store`, with the
+        conflict rules mirrored (a host record an in-flight store writes; a device block an in-flight
+        job reads or writes; a device block twice).
+        """
+        self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
+                     "host_blocks", "device_blocks")
+
+    def _submit(
+        self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
+        stream: object, src_name: str, dst_name: str,
+    ) -> None:
+        self._check_open()
+        handler = self._store if direction is Direction.STORE else self._load
+        job = as_job_id(job_id)
+        src = as_block_ids(src_name, src_blocks, handler.num_src_blocks)
+        dst = as_block_ids(dst_name, dst_blocks, handler.num_dst_blocks)
+        check_pairs(src, dst, src_name, dst_name)
+        with self._lock:
+            self._book.check(job, direction, src, dst, src_name, dst_name)
+            self._book.add(job, direction, src, dst)
+        try:
+            handler.submit_validated(job, src, dst, stream=stream)
+        except BaseException:
+            with self._lock:
+                self._book.remove(job)
+            raise
+
+    def poll(self) -> list[TransferResult]:
+        """Every job finished since the last call, oldest completion first; never blocks.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        found = self._store.poll_sequenced() + self._load.poll_sequenced()
+        with self._lock:
+            found.extend(self._ready.values())
+            self._ready.clear()
+            for _, result in found:
+                self._book.remove(result.job_id)
+        found.sort(key=lambda item: item[0])
+        return [result for _, result in found]
+
+    def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
+        """Wait until the given jobs finished (either direction); return their results in order.
+
+        Other jobs' results stay for :meth:`poll`. Waiting for a job also waits for the earlier jobs
+        of its direction.
+
+        Raises:
+            ClosedError: after shutdown.
+            JobIdError, InvalidArgumentError: malformed ids or timeout (before waiting).
+            UnknownJobError: an id neither in flight nor finished-and-unreturned.
+            WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
+                in flight, and every finished one stays available.
+        """
+        self._check_open()
+        ids = as_job_ids(job_ids)
+        seconds = as_timeout(timeout)
+        with self._lock:
+            unknown = [j for j in ids if j not in self._book.jobs]
+            if unknown:
+                raise UnknownJobError(f"job(s) {unknown} are neither in flight nor waiting to be polled")
+            directions = {j: self._book.jobs[j].direction for j in ids}
+        deadline = time.monotonic() + seconds
+        for handler in (self._store, self._load):
+            wanted = [
+                j for j in ids if directions[j] is handler.direction and j not in self._ready
+            ]
+            if not wanted:
+                continue
+            try:
+                got = handler.wait_sequenced(wanted, max(0.0, deadline - time.monotonic()))
+            except WaitTimeoutError as exc:
+                with self._lock:
+                    pending = [j for j in ids if j not in self._ready]
+                raise WaitTimeoutError(
+                    f"job(s) {pending} did not finish within {seconds} s", pending=pending
+                ) from exc
+            with self._lock:
+                for item in got:
+                    self._ready[item[1].job_id] = item
+        with self._lock:
+            results = [self._ready.pop(j)[1] for j in ids]
+            for j in ids:
+                self._book.remove(j)
+        return results
+
+    # --------------------------------------------------------------------------------- inspection
+
+    def host_records(self) -> torch.Tensor:
+        """The host pool as ``uint8 [num_host_blocks, record_bytes]`` (a view: for inspection and
+        tests). Do not keep it past :meth:`shutdown`: a view still referenced then defers the unmap
+        and triggers a ``ResourceWarning``.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        return self._region.records()
+
+    def stats(self) -> WorkerStats:
+        """A snapshot of the configuration and of both directions' counters."""
+        return WorkerStats(
+            backend=self.backend,
+            path=self._store.path,
+            num_device_blocks=self.layout.num_blocks,
+            num_host_blocks=self.num_host_blocks,
+            record_bytes=self.layout.record_bytes,
+            store=self._store.stats(),
+            load=self._load.stats(),
+        )
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` was called."""
+        return self._closed
+
+    # ---------------------------------------------------------------------------------- shutdown
+
+    def shutdown(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        """Drain both directions and release everything, with the contract of the module docstring.
+
+        Idempotent. Returns within about ``timeout`` seconds whatever the device does.
+
+        Raises:
+            InvalidArgumentError: a malformed timeout (nothing is done then).
+            ShutdownError: after all cleanup, carrying every failure; ``region_left_mapped`` when the
+                region was abandoned because the device could not be proven idle.
+        """
+        seconds = as_timeout(timeout)
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + seconds
+        failures: list[BaseException] = []
+        handler_failed = False
+        for handler in (self._store, self._load):
+            try:
+                handler.shutdown(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                _log.error("%s handler shutdown failed: %s", handler.direction.value, exc)
+                failures.append(exc)
+                handler_failed = True
+        idle = True
+        if handler_failed or not self._threads_stopped():
+            idle = self._fallback_sync(deadline, failures) and self._threads_stopped()
+        left_mapped = False
+        if idle:
+            try:
+                self._region.cleanup()
+            except ShutdownError as exc:
+                failures.extend(exc.failures)
+                left_mapped = exc.region_left_mapped
+            except Exception as exc:
+                failures.append(exc)
+        else:
+            self._region.abandon()
+            left_mapped = True
+        with self._lock:
+            self._ready.clear()
+            self._book = _Bookkeeping(0, 0)
+        if failures or left_mapped:
+            raise ShutdownError("worker shutdown failed", failures, region_left_mapped=left_mapped)
+
+    def _threads_stopped(self) -> bool:
+        return self._store.thread_stopped and self._load.thread_stopped
+
+    def _fallback_sync(self, deadline: float, failures: list[BaseException]) -> bool:
+        """Device-wide synchronize bounded by the deadline; True only if the device proved idle."""
+        try:
+            synced = self._device_sync(max(0.0, deadline - time.monotonic()))
+        except Exception as exc:
+            _log.error("fallback device synchronize failed: %s", exc)
+            failures.append(exc)
+            return False
+        if not synced:
+            failures.append(WaitTimeoutError("the fallback device synchronize did not finish in time"))
+        return synced
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the worker was shut down")
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.shutdown()
+            return
+        try:
+            self.shutdown()
+        except ShutdownError as shutdown_error:  # the body's exception is the one to see
+            _log.error("shutdown after an exception also failed: %s", shutdown_error)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(
+                "Worker was never shut down; call shutdown() or use it as a context manager",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+
+def _host_sync(timeout_s: float) -> bool:
+    """The host backend has no device: once its threads stopped, nothing touches the region."""
+    return True
+
+
+def _device_index(device: torch.device) -> int:
+    index: int | None = device.index
+    return index if index is not None else torch.cuda.current_device()
+
+
+def _choose_backend(
+    layout: DeviceLayout, backend: str, device: torch.device | str | None
+) -> Literal["cuda", "host"]:
+    if backend not in _BACKENDS:
+        raise InvalidArgumentError(f"backend = {backend!r} must be one of {', '.join(_BACKENDS)}")
+    if device is not None:
+        try:
+            wanted = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise DeviceMismatchError(f"device = {device!r} is not a torch device: {exc}") from exc
+        index: int | None = wanted.index
+        if wanted.type == "cuda" and index is None and layout.device.type == "cuda":
+            wanted = torch.device("cuda", _device_index(wanted))
+        if wanted != layout.device:
+            raise DeviceMismatchError(
+                f"device = {wanted} but the layout's tensors are on {layout.device}"
+            )
+    kind = layout.device.type
+    if backend == "auto":
+        if kind == "cuda":
+            return "cuda"
+        if kind == "cpu":
+            return "host"
+        raise DeviceMismatchError(f"no backend for tensors on {layout.device}")
+    if backend == "cuda" and kind != "cuda":
+        raise DeviceMismatchError(f"backend 'cuda' needs CUDA tensors; the layout is on {layout.device}")
+    if backend == "host" and kind != "cpu":
+        raise DeviceMismatchError(f"backend 'host' needs CPU tensors; the layout is on {layout.device}")
+    return "cuda" if backend == "cuda" else "host"
+
+
+def _copy_method(method: bindings.CopyMethod | str | None, backend: str) -> bindings.CopyMethod | None:
+    if method is None:
+        return None
+    if backend != "cuda":
+        raise InvalidArgumentError(f"copy_method applies to the cuda backend only (backend is {backend!r})")
+    if isinstance(method, bindings.CopyMethod):
+        return method
+    try:
+        return bindings.CopyMethod(method)
+    except ValueError:
+        names = ", ".join(m.value for m in bindings.CopyMethod)
+        raise InvalidArgumentError(f"copy_method = {method!r} must be one of {names}") from None

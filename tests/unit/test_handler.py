@@ -1,0 +1,340 @@
+"""DirectionHandler: FIFO completion, failures reported never dropped, and the shutdown contract of
+DESIGN §6 (head-first wait, pop after success; on failure log, clear, keep the error; release
+everything unconditionally; re-raise)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvoffload import (
+    ClosedError,
+    CudaError,
+    DeviceMismatchError,
+    InvalidBlockIdError,
+    JobIdError,
+    ShutdownError,
+    UnknownJobError,
+    WaitTimeoutError,
+)
+from kvoffload._descriptors import CopyPlan, Descriptors, PageTable
+from kvoffload.handler import DirectionHandler
+from kvoffload.records import Direction
+
+HANG_GUARD_S = 30.0  # generous bound for "does not hang"; never a performance assertion
+
+
+class FakeTicket:
+    """Completes when ``finish`` is called; ``wait`` may be made to raise."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+        self.wait_error: BaseException | None = None
+        self.done_error: BaseException | None = None
+
+    def finish(self) -> None:
+        self._event.set()
+
+    def done(self) -> bool:
+        if self.done_error is not None:
+            raise self.done_error
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        if self.wait_error is not None:
+            raise self.wait_error
+        return self._event.wait(timeout_s)
+
+    def seconds(self) -> float:
+        return 0.001
+
+
+class FakeBackend:
+    """Issues FakeTickets; ``auto_finish`` completes them at once."""
+
+    name = "fake"
+    path = "fake"
+
+    def __init__(self, direction: Direction = Direction.STORE, auto_finish: bool = True) -> None:
+        self.direction = direction
+        self.auto_finish = auto_finish
+        self.tickets: list[FakeTicket] = []
+        self.issued: list[Descriptors] = []
+        self.released = 0
+        self.release_error: Exception | None = None
+        self.issue_error: Exception | None = None
+
+    def fence(self, stream: object | None) -> object:
+        if stream is not None:
+            raise DeviceMismatchError("fake backend takes no stream")
+        return None
+
+    def start_thread(self) -> None:
+        pass
+
+    def issue(self, descriptors: Descriptors, fence: object) -> FakeTicket:
+        ticket = FakeTicket()
+        ticket.error = self.issue_error
+        self.issued.append(descriptors)
+        self.tickets.append(ticket)
+        if self.auto_finish:
+            ticket.finish()
+        return ticket
+
+    def release(self) -> None:
+        self.released += 1
+        if self.release_error is not None:
+            raise self.release_error
+
+
+def make_plan(direction: Direction) -> CopyPlan:
+    pages = PageTable(
+        dev_base=np.array([0x10000], dtype=np.int64),
+        dev_stride=np.array([4096], dtype=np.int64),
+        nbytes=np.array([4096], dtype=np.int64),
+        host_offset=np.array([0], dtype=np.int64),
+        segment=np.array([0], dtype=np.int64),
+        record_bytes=4096,
+    )
+    return CopyPlan(pages, host_base=0x900000, chunk_records=1 << 20, direction=direction)
+
+
+def make_handler(backend: FakeBackend) -> DirectionHandler:
+    return DirectionHandler.create(
+        direction=backend.direction, plan=make_plan(backend.direction), backend=backend,
+        num_src_blocks=16, num_dst_blocks=16,
+    )
+
+
+def wait_until_issued(backend: FakeBackend, count: int) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(backend.tickets) < count:
+        assert time.monotonic() < deadline, "the issuer thread did not issue the jobs"
+        time.sleep(0.001)
+
+
+def test_results_come_in_submission_order_and_only_from_the_head() -> None:
+    backend = FakeBackend(auto_finish=False)
+    handler = make_handler(backend)
+    try:
+        for job in range(3):
+            handler.submit(job, [job], [job])
+        wait_until_issued(backend, 3)
+        backend.tickets[1].finish()  # the second finished, the first not: nothing may be returned
+        assert handler.poll() == []
+        backend.tickets[0].finish()
+        assert [r.job_id for r in handler.poll()] == [0, 1]
+        backend.tickets[2].finish()
+        assert [r.job_id for r in handler.wait([2], timeout=HANG_GUARD_S)] == [2]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_issue_failure_comes_back_as_failed_result_never_dropped() -> None:
+    backend = FakeBackend()
+    backend.issue_error = CudaError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE", "injected")
+    handler = make_handler(backend)
+    try:
+        handler.submit(7, [1, 2], [3, 4])
+        (result,) = handler.wait([7], timeout=HANG_GUARD_S)
+        assert not result.ok and result.error is backend.issue_error
+        assert result.nbytes == 2 * 4096
+        stats = handler.stats()
+        assert (stats.completed, stats.failed, stats.bytes_done) == (0, 1, 0)
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_completion_failure_fails_that_job_and_the_queue_moves_on() -> None:
+    backend = FakeBackend(auto_finish=False)
+    handler = make_handler(backend)
+    try:
+        handler.submit(1, [1], [1])
+        handler.submit(2, [2], [2])
+        wait_until_issued(backend, 2)
+        backend.tickets[0].done_error = CudaError("cuEventQuery", 719, "CUDA_ERROR_LAUNCH_FAILED", "x")
+        backend.tickets[1].finish()
+        results = handler.wait([1, 2], timeout=HANG_GUARD_S)
+        assert [(r.job_id, r.ok) for r in results] == [(1, False), (2, True)]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_wait_returns_asked_jobs_and_leaves_the_others_for_poll() -> None:
+    backend = FakeBackend()
+    handler = make_handler(backend)
+    try:
+        for job in range(4):
+            handler.submit(job, [job], [job])
+        assert [r.job_id for r in handler.wait([2], timeout=HANG_GUARD_S)] == [2]
+        handler.wait([3], timeout=HANG_GUARD_S)
+        assert [r.job_id for r in handler.poll()] == [0, 1]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_wait_timeout_keeps_the_job_in_flight() -> None:
+    backend = FakeBackend(auto_finish=False)
+    handler = make_handler(backend)
+    try:
+        handler.submit(5, [1], [1])
+        with pytest.raises(WaitTimeoutError) as info:
+            handler.wait([5], timeout=0.01)
+        assert info.value.pending == (5,)
+        wait_until_issued(backend, 1)
+        backend.tickets[0].finish()
+        assert [r.ok for r in handler.wait([5], timeout=HANG_GUARD_S)] == [True]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_empty_job_completes_at_once_without_issuing() -> None:
+    backend = FakeBackend()
+    handler = make_handler(backend)
+    try:
+        handler.submit(9, [], [])
+        (result,) = handler.poll()
+        assert (result.job_id, result.ok, result.nbytes, result.path) == (9, True, 0, "none")
+        assert backend.issued == []
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_submit_validates_before_anything_is_queued() -> None:
+    backend = FakeBackend()
+    handler = make_handler(backend)
+    try:
+        with pytest.raises(InvalidBlockIdError, match="equal lengths"):
+            handler.submit(1, [1, 2], [1])
+        with pytest.raises(InvalidBlockIdError, match=r"dst_blocks\[1\] = 3"):
+            handler.submit(1, [1, 2], [3, 3])
+        with pytest.raises(DeviceMismatchError):
+            handler.submit(1, [1], [1], stream=object())
+        handler.submit(1, [1], [1])
+        with pytest.raises(JobIdError, match="already in flight"):
+            handler.submit(1, [2], [2])
+        with pytest.raises(UnknownJobError):
+            handler.wait([99], timeout=1.0)
+        handler.wait([1], timeout=HANG_GUARD_S)
+        assert handler.stats().submitted == 1
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_shutdown_drains_in_flight_jobs_then_releases_once() -> None:
+    backend = FakeBackend(auto_finish=False)
+    handler = make_handler(backend)
+    for job in range(5):
+        handler.submit(job, [job], [job])
+    wait_until_issued(backend, 5)
+    def finish_all() -> None:
+        for ticket in backend.tickets:
+            ticket.finish()
+
+    finisher = threading.Timer(0.05, finish_all)
+    finisher.start()
+    handler.shutdown(timeout=HANG_GUARD_S)
+    finisher.join()
+    assert handler.stats().completed == 5
+    assert backend.released == 1
+    assert handler.thread_stopped
+    handler.shutdown(timeout=HANG_GUARD_S)
+    assert backend.released == 1
+
+
+def test_drain_whose_wait_raises_clears_queue_releases_and_reraises() -> None:
+    backend = FakeBackend(auto_finish=False)
+    handler = make_handler(backend)
+    for job in range(3):
+        handler.submit(job, [job], [job])
+    wait_until_issued(backend, 3)
+    fault = CudaError("cuEventQuery", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "injected")
+    backend.tickets[0].wait_error = fault
+    with pytest.raises(CudaError) as info:
+        handler.shutdown(timeout=HANG_GUARD_S)
+    assert info.value is fault
+    assert backend.released == 1
+    assert handler.thread_stopped
+    assert handler.stats().in_flight == 0
+    with pytest.raises(ClosedError):
+        handler.poll()
+
+
+def test_drain_past_its_deadline_raises_and_still_releases() -> None:
+    backend = FakeBackend(auto_finish=False)  # the job never finishes
+    handler = make_handler(backend)
+    handler.submit(1, [1], [1])
+    wait_until_issued(backend, 1)
+    with pytest.raises(WaitTimeoutError, match="did not finish before the shutdown deadline"):
+        handler.shutdown(timeout=0.05)
+    assert backend.released == 1
+    assert handler.stats().in_flight == 0
+
+
+def test_drain_failure_and_release_failure_come_as_one_shutdown_error() -> None:
+    backend = FakeBackend(auto_finish=False)
+    backend.release_error = RuntimeError("release broke")
+    handler = make_handler(backend)
+    handler.submit(1, [1], [1])
+    wait_until_issued(backend, 1)
+    with pytest.raises(ShutdownError) as info:
+        handler.shutdown(timeout=0.05)
+    kinds = [type(f) for f in info.value.failures]
+    assert kinds == [WaitTimeoutError, RuntimeError]
+
+
+def test_release_failure_alone_is_raised_after_a_clean_drain() -> None:
+    backend = FakeBackend()
+    backend.release_error = RuntimeError("release broke")
+    handler = make_handler(backend)
+    handler.submit(1, [1], [1])
+    with pytest.raises(RuntimeError, match="release broke"):
+        handler.shutdown(timeout=HANG_GUARD_S)
+    assert handler.thread_stopped
+
+
+def test_jobs_queued_behind_a_failed_drain_are_not_issued() -> None:
+    backend = FakeBackend(auto_finish=False)
+    gate = threading.Event()
+    original_issue = backend.issue
+
+    def slow_issue(descriptors: Descriptors, fence: object) -> FakeTicket:
+        gate.wait(HANG_GUARD_S)
+        return original_issue(descriptors, fence)
+
+    backend.issue = slow_issue  # type: ignore[method-assign]
+    handler = make_handler(backend)
+    for job in range(3):
+        handler.submit(job, [job], [job])
+    with pytest.raises(ShutdownError) as info:
+        handler.shutdown(timeout=0.05)  # job 0 is stuck in issue: the deadline passes
+    assert [type(f) for f in info.value.failures] == [WaitTimeoutError, WaitTimeoutError]
+    assert "issuer thread did not stop" in str(info.value)
+    gate.set()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not handler.thread_stopped:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert len(backend.issued) == 1  # jobs 1 and 2 were abandoned, never issued
+
+
+def test_store_and_load_descriptors_point_the_right_way() -> None:
+    for direction in Direction:
+        backend = FakeBackend(direction)
+        handler = make_handler(backend)
+        try:
+            handler.submit(1, [2], [3])
+            handler.wait([1], timeout=HANG_GUARD_S)
+            (desc,) = backend.issued
+            device, host = 0x10000 + 2 * 4096, 0x900000 + 3 * 4096
+            if direction is Direction.LOAD:
+                device, host = 0x10000 + 3 * 4096, 0x900000 + 2 * 4096
+                assert (int(desc.srcs[0]), int(desc.dsts[0])) == (host, device)
+            else:
+                assert (int(desc.srcs[0]), int(desc.dsts[0])) == (device, host)
+        finally:
+            handler.shutdown(timeout=HANG_GUARD_S)

@@ -1,0 +1,217 @@
+"""The whole Worker end to end on the host backend: random data, random block ids, bit-exact round
+trips for every layout, a random job stream checked against a reference model, shutdown with many
+jobs in flight, and injected copy faults."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import threading
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import kvoffload.worker
+from kvoffload import DeviceLayout, Direction, ShutdownError, TransferError, Worker
+from kvoffload.backends import HostBackend
+from kvoffload.demo import LAYOUTS, build_cache
+from kvoffload.demo import main as demo_main
+from kvoffload.region import SHM_DIR
+
+TIMEOUT_S = 60.0
+NUM_BLOCKS = 48
+HOST_BLOCKS = 40
+
+
+def small_cache(kind: str, seed: int = 0) -> DeviceLayout:
+    tensors, block_dim = build_cache(
+        kind, num_blocks=NUM_BLOCKS, layers=3, kv_heads=2, head_dim=32, block_size=4,
+        dtype=torch.bfloat16, device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return DeviceLayout.from_tensors(tensors, block_dim=block_dim)
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    with Worker.create(small_cache("per-layer"), HOST_BLOCKS) as w:
+        yield w
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_round_trip_is_bit_exact_for_every_layout(kind: str) -> None:
+    layout = small_cache(kind, seed=hash(kind) % 1000)
+    rng = np.random.default_rng(1)
+    src = rng.choice(NUM_BLOCKS, size=12, replace=False)
+    dst = rng.choice(np.setdiff1d(np.arange(NUM_BLOCKS), src), size=12, replace=False)
+    host = rng.choice(HOST_BLOCKS, size=12, replace=False)
+    original = layout.gather_records(src)
+    with Worker.create(layout, HOST_BLOCKS) as w:
+        w.store(1, src, host)
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+        assert torch.equal(w.host_records()[host], original)
+        w.load(2, host, dst)
+        (result,) = w.wait([2], TIMEOUT_S)
+        assert result.ok and result.nbytes == 12 * layout.block_bytes and result.path == "host"
+    assert torch.equal(layout.gather_records(dst), original)
+    assert torch.equal(layout.gather_records(src), original)
+
+
+def test_random_job_stream_matches_a_reference_model() -> None:
+    layout = small_cache("per-layer", seed=3)
+    rng = random.Random(7)
+    expected_host: dict[int, torch.Tensor] = {}
+    expected_dev = {b: layout.gather_records([b])[0] for b in range(NUM_BLOCKS)}
+    in_flight: dict[int, tuple[Direction, list[int], list[int]]] = {}
+    with Worker.create(layout, HOST_BLOCKS) as w:
+        def busy(direction_side: str) -> set[int]:
+            out: set[int] = set()
+            for direction, src, dst in in_flight.values():
+                dev, host = (src, dst) if direction is Direction.STORE else (dst, src)
+                out.update(dev if direction_side == "dev" else host)
+            return out
+
+        def settle(results: list[kvoffload.TransferResult]) -> None:
+            for r in results:
+                assert r.ok, r.error
+                direction, src, dst = in_flight.pop(r.job_id)
+                if direction is Direction.STORE:
+                    for d, h in zip(src, dst):
+                        expected_host[h] = expected_dev[d]
+                else:
+                    for h, d in zip(src, dst):
+                        expected_dev[d] = expected_host[h]
+
+        for job in range(300):
+            n = rng.randint(0, 6)
+            free_dev = sorted(set(range(NUM_BLOCKS)) - busy("dev"))
+            free_host = sorted(set(range(HOST_BLOCKS)) - busy("host"))
+            stored = sorted(set(expected_host) & set(free_host))
+            if rng.random() < 0.5 or len(stored) < n:
+                n = min(n, len(free_dev), len(free_host))
+                src, dst = rng.sample(free_dev, n), rng.sample(free_host, n)
+                w.store(job, src, dst)
+                in_flight[job] = (Direction.STORE, src, dst)
+            else:
+                n = min(n, len(free_dev))
+                src, dst = rng.sample(stored, n), rng.sample(free_dev, n)
+                w.load(job, src, dst)
+                in_flight[job] = (Direction.LOAD, src, dst)
+            if rng.random() < 0.3:
+                settle(w.poll())
+        settle(w.wait(list(in_flight), TIMEOUT_S))
+        records = w.host_records()
+        for h, want in expected_host.items():
+            assert torch.equal(records[h], want), f"host record {h}"
+        del records
+    for d, want in expected_dev.items():
+        assert torch.equal(layout.gather_records([d])[0], want), f"device block {d}"
+
+
+def test_poll_returns_both_directions_in_completion_order(worker: Worker) -> None:
+    worker.store(1, [0], [0])
+    worker.wait([1], TIMEOUT_S)
+    worker.store(2, [1], [1])
+    worker.load(3, [0], [5])
+    worker.wait([2, 3], TIMEOUT_S)
+    worker.store(4, [2], [2])
+    worker.wait([4], TIMEOUT_S)
+    assert worker.poll() == []
+    worker.store(5, [3], [3])
+    worker.load(6, [1], [6])
+    results = {r.job_id: r for r in worker.wait([5, 6], TIMEOUT_S)}
+    assert results[5].direction is Direction.STORE and results[6].direction is Direction.LOAD
+
+
+def test_shutdown_with_500_jobs_in_flight_finishes_them_and_releases_the_region() -> None:
+    layout = small_cache("block-major")
+    w = Worker.create(layout, 512)
+    region = w._region
+    for job in range(500):
+        w.store(job, [job % NUM_BLOCKS], [job])
+    w.shutdown(timeout=TIMEOUT_S)
+    stats = w.stats().store
+    assert (stats.submitted, stats.completed, stats.failed, stats.in_flight) == (500, 500, 0, 0)
+    assert region.released
+
+
+class FailingBackend(HostBackend):
+    """Fails every copy that writes into the address range ``[lo, hi)``."""
+
+    lo = 0
+    hi = 0
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        if self.lo <= dst < self.hi:
+            raise TransferError(f"injected copy fault at {dst:#x}")
+        super().copy_one(dst, src, size)
+
+
+def test_failed_copy_reports_ok_false_and_other_jobs_are_unaffected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvoffload.worker, "HostBackend", FailingBackend)
+    layout = small_cache("per-layer")
+    with Worker.create(layout, HOST_BLOCKS) as w:
+        records = w.host_records()
+        FailingBackend.lo = records[3].data_ptr()
+        FailingBackend.hi = FailingBackend.lo + layout.record_bytes
+        del records
+        w.store(1, [0], [3])
+        w.store(2, [1], [4])
+        results = {r.job_id: r for r in w.wait([1, 2], TIMEOUT_S)}
+        assert not results[1].ok and isinstance(results[1].error, TransferError)
+        assert results[2].ok
+        assert w.stats().store.failed == 1
+        assert torch.equal(w.host_records()[4], layout.gather_records([1])[0])
+
+
+class StuckBackend(HostBackend):
+    """Blocks in its first copy until ``gate`` is set: a copy that never finishes."""
+
+    gate = threading.Event()
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        self.gate.wait(TIMEOUT_S)
+        super().copy_one(dst, src, size)
+
+
+def test_stuck_copy_shutdown_returns_and_leaves_the_region_mapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvoffload.worker, "HostBackend", StuckBackend)
+    StuckBackend.gate.clear()
+    w = Worker.create(small_cache("per-layer"), HOST_BLOCKS)
+    w.store(1, [0], [0])
+    try:
+        with pytest.raises(ShutdownError) as info:
+            w.shutdown(timeout=0.2)
+        assert info.value.region_left_mapped
+        assert "left mapped" in str(info.value)
+    finally:
+        StuckBackend.gate.set()
+
+
+def test_shared_region_worker_round_trip_leaves_no_file() -> None:
+    name = f"kvoffload-test-{uuid.uuid4().hex}"
+    layout = small_cache("mla")
+    with Worker.create(layout, HOST_BLOCKS, shared_name=name) as w:
+        assert not os.path.exists(os.path.join(SHM_DIR, name))
+        w.store(1, [5, 6], [0, 1])
+        assert w.wait([1], TIMEOUT_S)[0].ok
+        assert torch.equal(w.host_records()[:2], layout.gather_records([5, 6]))
+
+
+def test_demo_runs_the_host_backend_verifies_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    status = demo_main(["--backend", "host", "--layers", "2", "--device-blocks", "64",
+                        "--host-blocks", "32", "--blocks-per-job", "8", "--link-bytes", str(1 << 24),
+                        "--quiet"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "host backend" in out
+    assert re.search(r"mismatched\s+0 blocks", out)
+    assert re.search(r"result\s+OK", out)

@@ -1,0 +1,239 @@
+"""RegionOwner on real mappings (anonymous and shared under /dev/shm), with pinning recorded by a
+fake pinner: record-aligned chunks, rollback in reverse, cleanup exactly once in the order of
+DESIGN §3.3, never unmapping registered memory, never leaving a view over unmapped memory, and no
+shared file left behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvoffload import InvalidArgumentError, RegionError, ShutdownError
+from kvoffload.bindings import pin_chunks
+from kvoffload.errors import ClosedError, KVOffloadError
+from kvoffload.region import SHM_DIR, RegionOwner
+
+RECORD = 8192
+
+
+class RecordingPinner:
+    """Records register/unregister calls; fails the n-th register or every unregister on request."""
+
+    def __init__(self, fail_register_at: int | None = None, fail_unregister: bool = False) -> None:
+        self.log: list[tuple[str, int, int]] = []
+        self.fail_register_at = fail_register_at
+        self.fail_unregister = fail_unregister
+        self.registered: dict[int, int] = {}
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        if self.fail_register_at is not None and len(self.registered) == self.fail_register_at:
+            raise KVOffloadError("injected register failure")
+        self.log.append(("register", ptr, nbytes))
+        self.registered[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        self.log.append(("unregister", ptr, self.registered.get(ptr, -1)))
+        if self.fail_unregister:
+            raise KVOffloadError("injected unregister failure")
+        del self.registered[ptr]
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    name = f"kvoffload-test-{uuid.uuid4().hex}"
+    yield name
+    path = os.path.join(SHM_DIR, name)
+    if os.path.exists(path):
+        os.unlink(path)
+        pytest.fail(f"{path} was left behind")
+
+
+def test_anonymous_region_pins_record_aligned_chunks_and_unpins_them_in_reverse() -> None:
+    pinner = RecordingPinner()
+    region = RegionOwner.create(num_records=10, record_bytes=RECORD, pinner=pinner,
+                                chunk_bytes=3 * RECORD + 100)
+    records = region.records()
+    assert records.shape == (10, RECORD) and records.dtype == torch.uint8
+    assert records.data_ptr() == region.base_ptr
+    sizes = [n for _, _, n in pinner.log]
+    assert sizes == [3 * RECORD, 3 * RECORD, 3 * RECORD, RECORD]
+    assert region.chunk_records == 3
+    starts = [p for _, p, _ in pinner.log]
+    assert starts == [region.base_ptr + i * 3 * RECORD for i in range(4)]
+    records[7].fill_(0x5A)
+    assert int(records[7, 123]) == 0x5A
+    del records
+    region.cleanup()
+    unregisters = [p for op, p, _ in pinner.log if op == "unregister"]
+    assert unregisters == list(reversed(starts))
+    assert pinner.registered == {}
+    with pytest.raises(ClosedError):
+        region.records()
+
+
+def test_cleanup_runs_once() -> None:
+    pinner = RecordingPinner()
+    region = RegionOwner.create(num_records=2, record_bytes=RECORD, pinner=pinner)
+    region.cleanup()
+    region.cleanup()
+    assert [op for op, _, _ in pinner.log] == ["register", "unregister"]
+    assert region.released
+
+
+def test_pin_failure_rolls_back_registered_chunks_in_reverse() -> None:
+    pinner = RecordingPinner(fail_register_at=2)
+    with pytest.raises(KVOffloadError, match="injected register failure"):
+        RegionOwner.create(num_records=4, record_bytes=RECORD, pinner=pinner, chunk_bytes=RECORD)
+    ops = [(op, p) for op, p, _ in pinner.log]
+    first, second = ops[0][1], ops[1][1]
+    assert ops == [("register", first), ("register", second),
+                   ("unregister", second), ("unregister", first)]
+    assert pinner.registered == {}
+
+
+def test_pin_chunks_reports_a_rollback_that_fails_too() -> None:
+    pinner = RecordingPinner(fail_register_at=1, fail_unregister=True)
+    with pytest.raises(KVOffloadError, match="could not be unregistered"):
+        pin_chunks(pinner, 0x1000, 2 * RECORD, RECORD)
+
+
+def test_failed_unpin_keeps_the_mapping_and_reports_it() -> None:
+    pinner = RecordingPinner(fail_unregister=True)
+    region = RegionOwner.create(num_records=2, record_bytes=RECORD, pinner=pinner)
+    view = region.records()
+    view.fill_(3)
+    with pytest.raises(ShutdownError) as info:
+        region.cleanup()
+    assert info.value.region_left_mapped
+    assert int(view.sum()) == 3 * 2 * RECORD  # still mapped: reading it is safe
+
+
+def test_view_still_referenced_at_cleanup_defers_unmap_and_warns() -> None:
+    region = RegionOwner.create(num_records=2, record_bytes=RECORD, pinner=RecordingPinner())
+    kept = region.records()[1]
+    kept.fill_(9)
+    with pytest.warns(ResourceWarning, match="still referenced"):
+        region.cleanup()
+    assert int(kept[0]) == 9  # the memory under the view is still mapped
+    kept.fill_(1)
+    del kept
+    gc.collect()
+
+
+def test_abandon_leaves_memory_pinned_and_mapped() -> None:
+    pinner = RecordingPinner()
+    region = RegionOwner.create(num_records=2, record_bytes=RECORD, pinner=pinner)
+    region.abandon()
+    assert [op for op, _, _ in pinner.log] == ["register"]
+    region.cleanup()  # a no-op after abandon
+    assert [op for op, _, _ in pinner.log] == ["register"]
+
+
+def test_shared_region_is_unlinked_once_mapped_by_its_only_participant(shm_name: str) -> None:
+    region = RegionOwner.create(num_records=3, record_bytes=RECORD, pinner=RecordingPinner(),
+                                shared_name=shm_name)
+    assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
+    region.records()[2].fill_(4)
+    region.cleanup()
+
+
+def test_shared_region_is_unlinked_when_the_last_participant_attaches(shm_name: str) -> None:
+    creator = RegionOwner.create(num_records=3, record_bytes=RECORD, pinner=RecordingPinner(),
+                                 shared_name=shm_name, participants=2)
+    path = os.path.join(SHM_DIR, shm_name)
+    assert os.path.exists(path)
+    other = RegionOwner.attach(shm_name, pinner=RecordingPinner())
+    assert not os.path.exists(path)
+    assert (other.num_records, other.record_bytes) == (3, RECORD)
+    creator.records()[1].fill_(0x77)
+    assert int(other.records()[1, 5]) == 0x77  # one memory, two mappings
+    other.cleanup()
+    creator.cleanup()
+
+
+def test_attach_refuses_a_region_whose_participants_all_attached(shm_name: str) -> None:
+    creator = RegionOwner.create(num_records=1, record_bytes=RECORD, pinner=RecordingPinner(),
+                                 shared_name=shm_name, participants=2)
+    with open(os.path.join(SHM_DIR, shm_name), "r+b"):
+        pass
+    second = RegionOwner.attach(shm_name, pinner=RecordingPinner())
+    with pytest.raises(RegionError, match="cannot open"):
+        RegionOwner.attach(shm_name, pinner=RecordingPinner())  # unlinked: nobody else can map it
+    second.cleanup()
+    creator.cleanup()
+
+
+def test_existing_shared_name_is_refused_and_left_alone(shm_name: str) -> None:
+    path = os.path.join(SHM_DIR, shm_name)
+    with open(path, "wb") as f:
+        f.write(b"someone else's")
+    try:
+        with pytest.raises(RegionError, match="already exists"):
+            RegionOwner.create(num_records=1, record_bytes=RECORD, pinner=RecordingPinner(),
+                               shared_name=shm_name)
+        with open(path, "rb") as f:
+            assert f.read() == b"someone else's"
+    finally:
+        os.unlink(path)
+
+
+def test_attach_refuses_a_foreign_file(shm_name: str) -> None:
+    path = os.path.join(SHM_DIR, shm_name)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 8192)
+    try:
+        with pytest.raises(RegionError, match="not a kvoffload region"):
+            RegionOwner.attach(shm_name, pinner=RecordingPinner())
+    finally:
+        os.unlink(path)
+
+
+def test_failed_shared_create_leaves_no_file(shm_name: str) -> None:
+    with pytest.raises(KVOffloadError, match="injected"):
+        RegionOwner.create(num_records=2, record_bytes=RECORD, shared_name=shm_name,
+                           participants=2, pinner=RecordingPinner(fail_register_at=0))
+    assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
+
+
+def test_killed_process_leaves_no_shared_file(shm_name: str) -> None:
+    code = (
+        "import os, signal\n"
+        "from kvoffload.region import RegionOwner\n"
+        "from kvoffload.bindings import NoPinner\n"
+        f"RegionOwner.create(num_records=2, record_bytes={RECORD}, pinner=NoPinner(), "
+        f"shared_name={shm_name!r})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_records": 0}, "num_records"),
+        ({"num_records": True}, "num_records"),
+        ({"record_bytes": 4000}, "multiple of the OS page size"),
+        ({"record_bytes": -4096}, "record_bytes"),
+        ({"chunk_bytes": 0}, "chunk_bytes"),
+        ({"shared_name": "../etc"}, "shared_name"),
+        ({"shared_name": "a/b"}, "shared_name"),
+        ({"shared_name": ""}, "shared_name"),
+        ({"shared_name": "ok", "participants": 0}, "participants"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_mapped(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {"num_records": 2, "record_bytes": RECORD, "pinner": RecordingPinner()}
+    args.update(kwargs)
+    with pytest.raises(InvalidArgumentError, match=match):
+        RegionOwner.create(**args)  # type: ignore[arg-type]
+    pinner = args["pinner"]
+    assert isinstance(pinner, RecordingPinner) and pinner.log == []

@@ -1,0 +1,229 @@
+"""Worker.shutdown follows DESIGN §6: store, then load, each isolated; a bounded device-sync fallback
+when either failed; the region cleaned exactly once, or left mapped when the device is not proven
+idle; one ShutdownError with every failure, raised after all cleanup.
+
+The worker is built with ``Worker.__new__`` and given mock collaborators that record their calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvoffload import ClosedError, CudaError, InvalidArgumentError, ShutdownError, Worker
+from kvoffload.records import Direction
+from kvoffload.worker import _Bookkeeping
+
+
+class FakeHandler:
+    """Records its shutdown; raises ``error`` from it when given one."""
+
+    def __init__(self, name: str, calls: list[str], error: Exception | None = None) -> None:
+        self.name = name
+        self.direction = Direction.STORE if name == "store" else Direction.LOAD
+        self.calls = calls
+        self.error = error
+        self.thread_stopped = True
+        self.timeouts: list[float] = []
+
+    def shutdown(self, timeout: float) -> None:
+        self.calls.append(self.name)
+        self.timeouts.append(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+class FakeRegion:
+    """Records cleanup and abandon; ``cleanup`` raises ``error`` when given one."""
+
+    def __init__(self, calls: list[str], error: Exception | None = None) -> None:
+        self.calls = calls
+        self.error = error
+        self.num_records = 8
+
+    def cleanup(self) -> None:
+        self.calls.append("region")
+        if self.error is not None:
+            raise self.error
+
+    def abandon(self) -> None:
+        self.calls.append("abandon")
+
+
+def make_worker(
+    calls: list[str],
+    *,
+    store_error: Exception | None = None,
+    load_error: Exception | None = None,
+    sync: Callable[[float], bool] | None = None,
+    region_error: Exception | None = None,
+) -> tuple[Worker, FakeHandler, FakeHandler]:
+    def default_sync(timeout: float) -> bool:
+        calls.append("sync")
+        return True
+
+    store = FakeHandler("store", calls, store_error)
+    load = FakeHandler("load", calls, load_error)
+    worker = Worker.__new__(Worker)
+    worker._store = store  # type: ignore[assignment]
+    worker._load = load  # type: ignore[assignment]
+    worker._region = FakeRegion(calls, region_error)  # type: ignore[assignment]
+    worker._device_sync = sync if sync is not None else default_sync
+    worker._lock = threading.Lock()
+    worker._book = _Bookkeeping(4, 8)
+    worker._ready = {}
+    worker._closed = False
+    return worker, store, load
+
+
+def test_shutdown_runs_store_then_load_then_region() -> None:
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls)
+    worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "region"]
+
+
+def test_store_handler_failure_still_shuts_down_load_syncs_and_cleans_region_once() -> None:
+    calls: list[str] = []
+    failure = CudaError("cuEventQuery", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "injected")
+    worker, _, _ = make_worker(calls, store_error=failure)
+    with pytest.raises(ShutdownError) as info:
+        worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "sync", "region"]
+    assert info.value.failures == (failure,)
+    assert not info.value.region_left_mapped
+
+
+def test_both_handler_failures_are_carried_in_order() -> None:
+    calls: list[str] = []
+    first, second = RuntimeError("store broke"), RuntimeError("load broke")
+    worker, _, _ = make_worker(calls, store_error=first, load_error=second)
+    with pytest.raises(ShutdownError) as info:
+        worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "sync", "region"]
+    assert info.value.failures == (first, second)
+
+
+def test_fallback_sync_timeout_leaves_region_mapped_and_says_so() -> None:
+    calls: list[str] = []
+
+    def sync(timeout: float) -> bool:
+        calls.append("sync")
+        return False
+
+    worker, _, _ = make_worker(calls, load_error=RuntimeError("load broke"), sync=sync)
+    with pytest.raises(ShutdownError) as info:
+        worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "sync", "abandon"]
+    assert info.value.region_left_mapped
+    assert "left mapped" in str(info.value)
+    assert len(info.value.failures) == 2  # the handler's failure and the sync timeout
+
+
+def test_fallback_sync_failure_leaves_region_mapped() -> None:
+    calls: list[str] = []
+    sync_error = CudaError("cuCtxSynchronize", 999, "CUDA_ERROR_UNKNOWN", "injected")
+
+    def sync(timeout: float) -> bool:
+        calls.append("sync")
+        raise sync_error
+
+    worker, _, _ = make_worker(calls, store_error=RuntimeError("store broke"), sync=sync)
+    with pytest.raises(ShutdownError) as info:
+        worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "sync", "abandon"]
+    assert info.value.region_left_mapped
+    assert sync_error in info.value.failures
+
+
+def test_running_issuer_thread_means_device_not_idle_even_after_clean_handler_shutdown() -> None:
+    calls: list[str] = []
+    worker, store, _ = make_worker(calls)
+    store.thread_stopped = False  # a copy may still be issued after any synchronize
+    with pytest.raises(ShutdownError) as info:
+        worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "sync", "abandon"]
+    assert info.value.region_left_mapped
+
+
+def test_region_cleanup_failure_is_raised_after_everything_ran() -> None:
+    calls: list[str] = []
+    unpin = CudaError("cuMemHostUnregister", 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "x")
+    worker, _, _ = make_worker(
+        calls, region_error=ShutdownError("host region cleanup failed", [unpin], region_left_mapped=True)
+    )
+    with pytest.raises(ShutdownError) as info:
+        worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "region"]
+    assert info.value.failures == (unpin,)
+    assert info.value.region_left_mapped
+
+
+def test_shutdown_is_idempotent() -> None:
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls)
+    worker.shutdown(timeout=5.0)
+    worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "region"]
+
+
+def test_failed_shutdown_is_not_retried_by_a_second_call() -> None:
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls, store_error=RuntimeError("store broke"))
+    with pytest.raises(ShutdownError):
+        worker.shutdown(timeout=5.0)
+    worker.shutdown(timeout=5.0)
+    assert calls == ["store", "load", "sync", "region"]
+
+
+def test_every_call_after_shutdown_raises_closed_error() -> None:
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls)
+    worker.shutdown(timeout=5.0)
+    with pytest.raises(ClosedError):
+        worker.store(1, [0], [0])
+    with pytest.raises(ClosedError):
+        worker.load(2, [0], [0])
+    with pytest.raises(ClosedError):
+        worker.poll()
+    with pytest.raises(ClosedError):
+        worker.wait([1], timeout=1.0)
+    with pytest.raises(ClosedError):
+        worker.host_records()
+
+
+def test_handlers_share_one_deadline() -> None:
+    calls: list[str] = []
+    worker, store, load = make_worker(calls)
+    worker.shutdown(timeout=5.0)
+    assert 0 < load.timeouts[0] <= store.timeouts[0] <= 5.0
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), "5"])
+def test_malformed_shutdown_timeout_is_refused_without_side_effects(timeout: object) -> None:
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls)
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        worker.shutdown(timeout=timeout)  # type: ignore[arg-type]
+    assert calls == []
+    assert not worker.closed
+
+
+def test_context_manager_keeps_the_body_exception_when_shutdown_also_fails() -> None:
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls, store_error=RuntimeError("store broke"))
+    with pytest.raises(KeyError, match="body"):
+        with worker:
+            raise KeyError("body")
+    assert calls == ["store", "load", "sync", "region"]
+
+
+def test_bookkeeping_is_dropped_at_shutdown() -> None:
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls)
+    worker._book.add(3, Direction.STORE, np.array([1]), np.array([2]))
+    worker.shutdown(timeout=5.0)
+    assert worker._book.jobs == {}
