@@ -6,6 +6,7 @@ The public surface is exactly ``__all__``; integrators import from here (and fro
 
 from kvoffload.bindings import Capabilities, CopyMethod, SrcAccessOrder
 from kvoffload.errors import (
+    ArgumentTypeError,
     BlockConflictError,
     BlockIdTypeError,
     ClosedError,
@@ -29,6 +30,7 @@ from kvoffload.worker import Worker
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ArgumentTypeError",
     "BlockConflictError",
     "BlockIdTypeError",
     "Capabilities",

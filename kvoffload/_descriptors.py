@@ -13,6 +13,7 @@ inside one host registration.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 import attrs
@@ -78,7 +79,7 @@ class Descriptors:
         return int(self.sizes.sum(dtype=np.uint64))
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, cache_hash=False)
 class CopyPlan:
     """Precomputed parameters of one direction over one layout and one host pool.
 
@@ -117,17 +118,43 @@ class CopyPlan:
             srcs, dsts = dev, host
         else:
             srcs, dsts = host, dev
-        if self.merge and sizes.shape[0] > 1:
+        if self.merge and sizes.shape[0] > 1 and self._mergeable:
             num_segments = int(pages.segment.max()) + 1
             area = (
                 (host_blocks // self.chunk_records)[:, None] * num_segments + pages.segment[None, :]
             ).ravel()
             srcs, dsts, sizes = _merge_runs(srcs, dsts, sizes, area)
-        return Descriptors(
-            np.ascontiguousarray(dsts, dtype=np.uint64),
-            np.ascontiguousarray(srcs, dtype=np.uint64),
-            np.ascontiguousarray(sizes, dtype=np.uint64),
-        )
+        return Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(sizes))
+
+    @functools.cached_property
+    def _mergeable(self) -> bool:
+        """Whether any two copies of a job could ever merge (decided once per plan).
+
+        Two pages of one record merge only if they follow each other on both sides in one device
+        allocation; the last page of one record and the first of the next only if the record has no
+        padding after its last page and no gap before its first.
+        """
+        p = self.pages
+        if p.num_pages > 1:
+            # Page p+1 follows page p on the device for block d when gap == d * (stride_p - stride_p+1).
+            gap = p.dev_base[1:] - (p.dev_base[:-1] + p.nbytes[:-1])
+            slope = p.dev_stride[:-1] - p.dev_stride[1:]
+            safe = np.where(slope == 0, 1, slope)
+            some_block = np.where(slope == 0, gap == 0, (gap % safe == 0) & (gap // safe >= 0))
+            follows = (
+                some_block
+                & (p.host_offset[1:] == p.host_offset[:-1] + p.nbytes[:-1])
+                & (p.segment[1:] == p.segment[:-1])
+            )
+            if bool(follows.any()):
+                return True
+        last_end = int(p.host_offset[-1] + p.nbytes[-1])
+        return int(p.host_offset[0]) == 0 and last_end == p.record_bytes
+
+
+def _as_u64(values: I64Array) -> U64Array:
+    """The same bytes as ``uint64`` (addresses and sizes are non-negative), C-contiguous."""
+    return np.ascontiguousarray(values).view(np.uint64)
 
 
 def _merge_runs(

@@ -101,17 +101,22 @@ class CudaTicket:
     """A job issued on a CUDA stream: a start and an end event on the copy stream."""
 
     def __init__(
-        self, start: torch.cuda.Event, end: torch.cuda.Event | None, error: BaseException | None
+        self,
+        start: torch.cuda.Event,
+        end: torch.cuda.Event | None,
+        error: BaseException | None,
+        device_index: int,
     ) -> None:
         self.start = start
         self.end = end
         self.error = error
+        self.device_index = device_index
 
     def done(self) -> bool:
         """``cuEventQuery`` on the end event; raises :class:`~kvoffload.errors.CudaError`."""
         if self.end is None:
             return True
-        return bindings.event_done(self.end.cuda_event)
+        return bindings.event_done(self.end.cuda_event, self.device_index)
 
     def wait(self, timeout_s: float) -> bool:
         """Poll the end event with backoff until done or ``timeout_s`` passed."""
@@ -133,8 +138,10 @@ class CudaTicket:
 class CudaBackend:
     """Copies on one CUDA copy stream per direction, with batched DMA.
 
-    Owns: the copy stream (from torch's pool; never the legacy default stream) and the events of the
-    jobs it issued (owned by their tickets). Borrows: the compute streams it fences on.
+    Owns: its copy stream, created for it with the driver (never torch's shared pool, never the
+    legacy default stream) and destroyed exactly once — by :meth:`release`, or, when a job is being
+    issued at that moment, by that issue as it returns. The events of its jobs are owned by their
+    tickets. Borrows: the compute streams it fences on.
     """
 
     name = "cuda"
@@ -144,30 +151,42 @@ class CudaBackend:
         direction: Direction,
         device: torch.device,
         copier: bindings.Copier,
-        stream: torch.cuda.Stream,
+        stream_handle: int,
     ) -> None:
         self.direction = direction
         self.device = device
         self.copier = copier
         self.path = copier.path
-        self._stream: torch.cuda.Stream | None = stream
+        self._device_index = _index(device)
+        self._handle = stream_handle
+        self._stream: torch.cuda.Stream | None = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
+            stream_handle, device=device
+        )
         self._order = (
             bindings.SrcAccessOrder.STREAM
             if direction is Direction.STORE
             else bindings.SrcAccessOrder.ANY
         )
+        self._state = threading.Lock()
+        self._issuing = False
+        self._destroy_pending = False
 
     @classmethod
     def create(
         cls, direction: Direction, device: torch.device, copier: bindings.Copier
     ) -> CudaBackend:
-        """A backend with a fresh copy stream on ``device``."""
-        return cls(direction, device, copier, new_stream(device))
+        """A backend with a copy stream of its own on ``device``."""
+        return cls(direction, device, copier, bindings.create_stream(_index(device)))
 
     @property
     def access_order(self) -> bindings.SrcAccessOrder:
         """The source access order this direction's copies use."""
         return self._order
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The copy stream (None once released)."""
+        return self._stream
 
     def fence(self, stream: object | None) -> object:
         """Record an event on the compute stream (default: the device's current stream)."""
@@ -190,13 +209,25 @@ class CudaBackend:
     def start_thread(self) -> None:
         """Make the device's context current in the issuer thread."""
         torch.cuda.set_device(self.device)
-        bindings.make_context_current(_index(self.device))
+        bindings.make_context_current(self._device_index)
 
     def issue(self, descriptors: Descriptors, fence: object) -> Ticket:
         """Wait for the fence on the copy stream, enqueue the copies, record the end event."""
-        stream = self._stream
-        if stream is None:
-            return FailedTicket(TransferError("the backend was released before the job was issued"))
+        with self._state:
+            stream = self._stream
+            if stream is None:
+                return FailedTicket(TransferError("the backend was released before the job was issued"))
+            self._issuing = True
+        try:
+            return self._issue_on(stream, descriptors, fence)
+        finally:
+            with self._state:
+                self._issuing = False
+                destroy = self._destroy_pending
+            if destroy:
+                self._destroy()
+
+    def _issue_on(self, stream: torch.cuda.Stream, descriptors: Descriptors, fence: object) -> Ticket:
         assert isinstance(fence, torch.cuda.Event)
         start = new_event(timing=True)
         try:
@@ -216,11 +247,27 @@ class CudaBackend:
             end.record(stream)
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error)
+        return CudaTicket(start, end, error, self._device_index)
 
     def release(self) -> None:
-        """Drop the copy stream; torch's pool owns its lifetime."""
-        self._stream = None
+        """Stop issuing and destroy the copy stream (now, or when the issue in progress returns).
+
+        Raises:
+            CudaError: the driver refused to destroy the stream.
+        """
+        with self._state:
+            if self._stream is None:
+                return
+            self._stream = None
+            if self._issuing:
+                self._destroy_pending = True
+                return
+        self._destroy()
+
+    def _destroy(self) -> None:
+        handle, self._handle = self._handle, 0
+        if handle:
+            bindings.destroy_stream(self._device_index, handle)
 
 
 def new_stream(device: torch.device) -> torch.cuda.Stream:

@@ -49,6 +49,8 @@ __all__ = [
     "SrcAccessOrder",
     "capabilities",
     "check",
+    "create_stream",
+    "destroy_stream",
     "event_done",
     "make_context_current",
     "pin_chunks",
@@ -410,13 +412,52 @@ def _make_attrs(order: SrcAccessOrder) -> _drv.CUmemcpyAttributes:
     return attrs_struct
 
 
-def event_done(event_handle: int) -> bool:
-    """Whether a CUDA event has completed (``cuEventQuery``); never blocks.
+#: ``CU_STREAM_NON_BLOCKING``: the stream never synchronises with the legacy default stream.
+STREAM_NON_BLOCKING: Final = 1
+
+
+def create_stream(device_index: int, priority: int = 0) -> int:
+    """Create a non-blocking stream on the device; returns its handle (never 0).
+
+    The caller owns the stream and must release it with :func:`destroy_stream` exactly once. A
+    stream of its own (rather than one from torch's shared pool) means no other component's work is
+    ever queued on it.
+
+    Raises:
+        CudaError: the driver could not create it.
+    """
+    make_context_current(device_index)
+    (stream,) = _call_driver(
+        "cuStreamCreateWithPriority",
+        lambda: _drv.cuStreamCreateWithPriority(STREAM_NON_BLOCKING, priority),
+    )
+    assert isinstance(stream, _drv.CUstream)
+    return int(stream)
+
+
+def destroy_stream(device_index: int, handle: int) -> None:
+    """Destroy a stream made by :func:`create_stream`. Work still queued on it completes first (the
+    driver defers the release).
+
+    Raises:
+        CudaError: the driver refused (e.g. an invalid handle).
+    """
+    make_context_current(device_index)
+    _call_driver("cuStreamDestroy", lambda: _drv.cuStreamDestroy(_drv.CUstream(handle)))
+
+
+def event_done(event_handle: int, device_index: int) -> bool:
+    """Whether a CUDA event of the given device has completed (``cuEventQuery``); never blocks.
+
+    Callable from any thread: a thread with no current context gets the device's primary context.
 
     Raises:
         CudaError: the query failed (a fault in the work before the event, a lost device).
     """
     result = _drv.cuEventQuery(_drv.CUevent(event_handle))
+    if result[0] == _drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        make_context_current(device_index)
+        result = _drv.cuEventQuery(_drv.CUevent(event_handle))
     if result[0] == _drv.CUresult.CUDA_ERROR_NOT_READY:
         return False
     check("cuEventQuery", result)

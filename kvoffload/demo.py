@@ -73,14 +73,16 @@ def build_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> tuple[dict[str, torch.Tensor], int | dict[str, int]]:
-    """A random KV cache of one of :data:`LAYOUTS` and its block dim(s)."""
+    """A KV cache of one of :data:`LAYOUTS` filled with random bytes (generated on ``device``),
+    and its block dim(s)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
-        return raw.to(device).view(dtype).view(*shape)
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator, device=device)
+        return raw.view(dtype).view(*shape)
 
     if layout_kind == "per-layer":
         return {f"layer{i}": rand(2, num_blocks, block_size, kv_heads, head_dim) for i in range(layers)}, 1
@@ -158,7 +160,7 @@ def run_demo(args: argparse.Namespace, progress: TextIO | None = None) -> DemoRe
     tensors, block_dim = build_cache(
         args.layout, num_blocks=args.device_blocks, layers=args.layers, kv_heads=args.kv_heads,
         head_dim=args.head_dim, block_size=args.block_size, dtype=dtype, device=device,
-        generator=gen,
+        seed=args.seed,
     )
     layout = DeviceLayout.from_tensors(tensors, block_dim=block_dim)
     probe = "pinned copy" if use_cuda else "memcpy"

@@ -43,6 +43,7 @@ import numpy.typing as npt
 from kvoffload._descriptors import CopyPlan
 from kvoffload.backends import Backend, FailedTicket, Ticket
 from kvoffload.errors import (
+    ArgumentTypeError,
     BlockIdTypeError,
     ClosedError,
     DeviceMismatchError,
@@ -113,10 +114,10 @@ def as_timeout(timeout: object, name: str = "timeout") -> float:
 
     Raises:
         InvalidArgumentError: negative, NaN or infinite (every wait has a deadline).
-        TypeError: not a number (as :class:`InvalidArgumentError`).
+        ArgumentTypeError: not a number (also a ``TypeError``).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise InvalidArgumentError(f"{name} must be a number of seconds, got {timeout!r}")
+        raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
     value = float(timeout)
     if not math.isfinite(value) or value < 0:
         raise InvalidArgumentError(f"{name} = {timeout!r} must be finite and >= 0 seconds")
@@ -141,6 +142,8 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
                 raise BlockIdTypeError(
                     f"{name}[{i}] = {v!r} is a {type(v).__name__}, not an int"
                 )
+            if not 0 <= v < limit:  # before any cast: a huge id must be named by its own value
+                raise InvalidBlockIdError(_out_of_range(name, i, int(v), limit))
     try:
         array = np.asarray(values)
     except (TypeError, ValueError) as exc:
@@ -153,14 +156,15 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
         return np.zeros(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         raise BlockIdTypeError(f"{name} must hold integers, got dtype {array.dtype}")
-    ids = array.astype(np.int64, copy=False)
-    bad = np.flatnonzero((ids < 0) | (ids >= limit))
+    bad = np.flatnonzero((array < 0) | (array >= limit))  # compared in the ids' own dtype
     if bad.size:
         i = int(bad[0])
-        raise InvalidBlockIdError(
-            f"{name}[{i}] = {int(ids[i])} is out of range (the pool has {limit} blocks: 0..{limit - 1})"
-        )
-    return np.ascontiguousarray(ids)
+        raise InvalidBlockIdError(_out_of_range(name, i, int(array[i]), limit))
+    return np.ascontiguousarray(array.astype(np.int64, copy=False))
+
+
+def _out_of_range(name: str, index: int, value: int, limit: int) -> str:
+    return f"{name}[{index}] = {value} is out of range (the pool has {limit} blocks: 0..{limit - 1})"
 
 
 def find_duplicate(ids: I64Array) -> int | None:
@@ -316,16 +320,16 @@ class DirectionHandler:
         self._check_open()
         backend = self._backend
         assert backend is not None
-        if src.shape[0] == 0:
-            self._record(job_id, self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None))
-            return
         nbytes = int(src.shape[0]) * self._page_bytes
         try:
-            fence = backend.fence(stream)
+            fence = backend.fence(stream)  # also for an empty job: it checks the stream argument
         except DeviceMismatchError:
             raise
         except Exception as exc:  # a device fault: the job is reported failed, never dropped
             self._record(job_id, self._result(job_id, False, nbytes, 0.0, self._path, exc))
+            return
+        if src.shape[0] == 0:
+            self._record(job_id, self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None))
             return
         transfer = _Transfer(job_id, src, dst, nbytes, fence)
         with self._lock:

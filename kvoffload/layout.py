@@ -338,7 +338,8 @@ def _tensor_pages(name: str, t: torch.Tensor, b: int, segment: int) -> _TensorPa
             )
         expected *= size
     page_bytes = math.prod(inner) * item
-    block_stride = strides[b] * item
+    # With one block the block dim's stride is arbitrary; 0 keeps equal pages equal for the dedupe.
+    block_stride = strides[b] * item if shape[b] > 1 else 0
     outer_shape = shape[:b]
     outer_strides = np.asarray(strides[:b], dtype=np.int64) * item
     if outer_shape:

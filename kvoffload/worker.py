@@ -47,6 +47,7 @@ from kvoffload import bindings
 from kvoffload._descriptors import CopyPlan
 from kvoffload.backends import Backend, CudaBackend, HostBackend
 from kvoffload.errors import (
+    ArgumentTypeError,
     BlockConflictError,
     ClosedError,
     DeviceMismatchError,
@@ -144,8 +145,9 @@ class _Bookkeeping:
 
     def add(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> None:
         src_reads, _sw, _dr, dst_writes = self.counters(direction)
-        np.add.at(src_reads, reads, 1)
-        dst_writes[writes] += 1
+        reads = _distinct(reads)  # a block read twice by one job is one reader
+        src_reads[reads] += 1
+        dst_writes[writes] += 1  # destinations are distinct (checked)
         self.jobs[job_id] = _Job(direction, reads, writes)
 
     def remove(self, job_id: int) -> None:
@@ -153,8 +155,18 @@ class _Bookkeeping:
         if job is None:
             return
         src_reads, _sw, _dr, dst_writes = self.counters(job.direction)
-        np.subtract.at(src_reads, job.reads, 1)
+        src_reads[job.reads] -= 1
         dst_writes[job.writes] -= 1
+
+
+def _distinct(ids: I64Array) -> I64Array:
+    """``ids`` without repeats (returned as is when it has none, the common case)."""
+    if ids.size < 2:
+        return ids
+    ordered = np.sort(ids)
+    if bool((ordered[1:] != ordered[:-1]).all()):
+        return ids
+    return np.unique(ordered)
 
 
 class Worker:
@@ -218,17 +230,23 @@ class Worker:
             pin_chunk_bytes: largest single host registration (rounded down to whole records).
 
         Raises:
+            ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
             InvalidArgumentError: a bad size, backend name, copy method or shared name.
             DeviceMismatchError: ``device`` is not the layout's device, or the backend does not fit
                 the layout's device.
             RegionError, CudaError: the pool could not be mapped or pinned (nothing is left behind).
         """
         if not isinstance(layout, DeviceLayout):
-            raise InvalidArgumentError(
+            raise ArgumentTypeError(
                 f"layout must be a DeviceLayout (from DeviceLayout.from_tensors), got {type(layout).__name__}"
             )
-        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks <= 0:
-            raise InvalidArgumentError(f"num_host_blocks = {num_host_blocks!r} must be a positive int")
+        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int):
+            raise ArgumentTypeError(
+                f"num_host_blocks = {num_host_blocks!r} must be a positive int, not a "
+                f"{type(num_host_blocks).__name__}"
+            )
+        if num_host_blocks <= 0:
+            raise InvalidArgumentError(f"num_host_blocks = {num_host_blocks} must be a positive int")
         chosen = _choose_backend(layout, backend, device)
         method = _copy_method(copy_method, chosen)
         with contextlib.ExitStack() as undo:

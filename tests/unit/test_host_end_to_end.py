@@ -31,7 +31,7 @@ def small_cache(kind: str, seed: int = 0) -> DeviceLayout:
     tensors, block_dim = build_cache(
         kind, num_blocks=NUM_BLOCKS, layers=3, kv_heads=2, head_dim=32, block_size=4,
         dtype=torch.bfloat16, device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(seed),
+        seed=seed,
     )
     return DeviceLayout.from_tensors(tensors, block_dim=block_dim)
 
