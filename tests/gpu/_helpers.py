@@ -1,0 +1,40 @@
+"""Helpers shared by the GPU tests: small random caches and backends that break one rule on purpose
+(the control cases that prove a hazard is real)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvoffload import DeviceLayout
+from kvoffload.backends import CudaBackend, new_event, new_stream
+from kvoffload.demo import build_cache
+
+#: ~5 ms of GPU time on the H200 test machine: long enough for a copy to overtake queued compute.
+SLEEP_CYCLES = 10**7
+TIMEOUT_S = 60.0
+
+
+def cache(kind: str, device: torch.device, *, num_blocks: int = 256, layers: int = 4,
+          seed: int = 0) -> DeviceLayout:
+    """A random cache of one of the demo's layouts (Llama-8B-like pages: 8 heads x 128, bs 16)."""
+    tensors, block_dim = build_cache(
+        kind, num_blocks=num_blocks, layers=layers, kv_heads=8, head_dim=128, block_size=16,
+        dtype=torch.bfloat16, device=device, seed=seed,
+    )
+    return DeviceLayout.from_tensors(tensors, block_dim=block_dim)
+
+
+def stall(cycles: int = SLEEP_CYCLES) -> None:
+    """Queue a busy-wait kernel on the current stream (the compute stream of a race test)."""
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+
+
+class NoFenceBackend(CudaBackend):
+    """CONTROL ONLY: fences on an idle stream instead of the compute stream, so its copies do not
+    wait for queued compute (DESIGN §5 rules 1 and 2 broken on purpose)."""
+
+    def fence(self, stream: object | None) -> object:
+        idle = new_stream(self.device)
+        event = new_event(timing=False)
+        event.record(idle)
+        return event

@@ -1,0 +1,124 @@
+"""Self-validating race tests for DESIGN §5 rules 1 and 2.
+
+The compute stream is stalled with ``torch.cuda._sleep`` and then writes (store case) or reads
+(load case) the blocks a job touches. Each test first runs a control worker whose fence ignores the
+compute stream: the hazard must show (stale pages stored; the reader sees loaded data). Then the
+real worker must show zero over many trials.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvoffload.worker
+from kvoffload import DeviceLayout, Worker
+from tests.gpu._helpers import TIMEOUT_S, NoFenceBackend, cache, stall
+from tests.gpu.conftest import Figures
+
+BLOCKS = list(range(8, 72, 2))  # 32 scattered device blocks
+HOST = list(range(32))
+CONTROL_TRIALS = 10
+TRIALS = 200
+
+
+def fill_blocks(layout: DeviceLayout, blocks: torch.Tensor, value: int) -> None:
+    """Set every byte of the blocks to ``value`` with kernels on the current stream.
+
+    ``blocks`` is a device tensor: building it from a list would copy it to the device and
+    synchronise the stream, which would end the stall before the job is even submitted.
+    """
+    pattern = torch.full((blocks.shape[0], layout.record_bytes), value, dtype=torch.uint8,
+                         device=layout.device)
+    layout.scatter_records(blocks, pattern)
+
+
+def mismatched_pages(layout: DeviceLayout, records: torch.Tensor, value: int) -> int:
+    """Pages of ``records`` (uint8 [n, record_bytes]) not entirely equal to ``value``."""
+    table = layout.page_table
+    bad = 0
+    for offset, size in zip(table.host_offset.tolist(), table.nbytes.tolist()):
+        bad += int((records[:, offset : offset + size] != value).any(dim=1).sum())
+    return bad
+
+
+def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> int:
+    """Stale pages over ``trials`` stores issued while the compute stream still writes the blocks."""
+    compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+    index = torch.tensor(BLOCKS, device=layout.device)
+    stale = 0
+    for trial in range(trials):
+        old, new = (2 * trial) % 251, (2 * trial + 1) % 251
+        with torch.cuda.stream(compute):
+            fill_blocks(layout, index, old)
+        torch.cuda.synchronize(layout.device)
+        with torch.cuda.stream(compute):
+            stall()
+            fill_blocks(layout, index, new)  # the writes the store must see
+        w.store(first_job + trial, BLOCKS, HOST, stream=compute)
+        (result,) = w.wait([first_job + trial], TIMEOUT_S)
+        assert result.ok, result.error
+        stale += mismatched_pages(layout, w.host_records()[HOST], new)
+    return stale
+
+
+def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> tuple[int, int]:
+    """(pages where the compute-stream reader saw loaded bytes, pages the load failed to write)."""
+    compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+    index = torch.tensor(BLOCKS, device=layout.device)
+    seen_new = 0
+    not_loaded = 0
+    for trial in range(trials):
+        old, new = (2 * trial) % 251, (2 * trial + 1) % 251
+        with torch.cuda.stream(compute):
+            fill_blocks(layout, index, old)
+        torch.cuda.synchronize(layout.device)
+        w.host_records()[HOST] = new
+        with torch.cuda.stream(compute):
+            stall()
+            snapshot = layout.gather_records(index)  # queued compute still reading the blocks
+        w.load(first_job + trial, HOST, BLOCKS, stream=compute)
+        (result,) = w.wait([first_job + trial], TIMEOUT_S)
+        assert result.ok, result.error
+        torch.cuda.synchronize(layout.device)
+        seen_new += mismatched_pages(layout, snapshot, old)
+        not_loaded += mismatched_pages(layout, layout.gather_records(index), new)
+    return seen_new, not_loaded
+
+
+@pytest.fixture
+def layout(device: torch.device) -> DeviceLayout:
+    return cache("per-layer", device, num_blocks=128, layers=8)
+
+
+def test_store_waits_for_compute_writes(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
+                                        figures: Figures) -> None:
+    pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
+    with monkeypatch.context() as patch:
+        patch.setattr(kvoffload.worker, "CudaBackend", NoFenceBackend)
+        with Worker.create(layout, 64) as control:
+            control_stale = store_race(control, layout, CONTROL_TRIALS, 0)
+    figures.add("store race, control without the compute wait: stale pages",
+                f"{control_stale} of {pages}")
+    assert control_stale > 0, "the control did not race: the test cannot prove the rule"
+    with Worker.create(layout, 64) as w:
+        stale = store_race(w, layout, TRIALS, 0)
+    figures.add(f"store race, worker: stale pages over {TRIALS} trials", f"{stale}")
+    assert stale == 0
+
+
+def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
+                                      figures: Figures) -> None:
+    pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
+    with monkeypatch.context() as patch:
+        patch.setattr(kvoffload.worker, "CudaBackend", NoFenceBackend)
+        with Worker.create(layout, 64) as control:
+            control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0)
+    figures.add("load race, control without the compute wait: reader saw new pages",
+                f"{control_seen} of {pages}")
+    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+    with Worker.create(layout, 64) as w:
+        seen, not_loaded = load_race(w, layout, TRIALS, 0)
+    figures.add(f"load race, worker: reader saw new pages over {TRIALS} trials", f"{seen}")
+    assert seen == 0
+    assert not_loaded == 0

@@ -1,0 +1,522 @@
+"""DeviceLayout.from_tensors on CPU tensors: page geometry, the host record map, aliasing, the
+record round trip and every LayoutError rule (DESIGN §3.2)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import DeviceLayout, LayoutError
+from kvoffload.layout import PAGE_ALIGN_BYTES, RECORD_ALIGN_BYTES
+
+BF16 = 2  # bytes per bfloat16 element
+N = 6  # blocks in most layouts below
+BS, HEADS, DIM = 4, 2, 8  # block size, heads, head dim: one K or V page is 4 * 2 * 8 * 2 = 128 bytes
+KV_PAGE = BS * HEADS * DIM * BF16
+
+_gen = torch.Generator().manual_seed(1234)
+
+
+def rand_bf16(*shape: int) -> torch.Tensor:
+    """A fresh bf16 tensor of random bytes (never zeros: a copy that misses a byte shows)."""
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * BF16), dtype=torch.uint8, generator=_gen)
+    return raw.view(torch.bfloat16)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- layouts under test
+
+LayoutArgs = tuple[Mapping[str, torch.Tensor] | Sequence[torch.Tensor], int | Mapping[str, int]]
+
+
+def per_layer() -> LayoutArgs:
+    return {"l0": rand_bf16(2, N, BS, HEADS, DIM), "l1": rand_bf16(2, N, BS, HEADS, DIM)}, 1
+
+
+def block_major_kv() -> LayoutArgs:
+    return {"l0": rand_bf16(N, 2, BS, HEADS, DIM), "l1": rand_bf16(N, 2, BS, HEADS, DIM)}, 0
+
+
+def mla() -> LayoutArgs:
+    return {"l0": rand_bf16(N, BS, 576), "l1": rand_bf16(N, BS, 576)}, 0
+
+
+def cross_layer() -> LayoutArgs:
+    return {"kv": rand_bf16(N, 3, 2, BS, HEADS, DIM)}, 0
+
+
+def separate_k_v() -> LayoutArgs:
+    names = ("k0", "v0", "k1", "v1")
+    return {name: rand_bf16(N, BS, HEADS, DIM) for name in names}, 0
+
+
+def mixed_block_dims() -> LayoutArgs:
+    tensors = {
+        "kv": rand_bf16(2, N, BS, HEADS, DIM),
+        "mla": rand_bf16(N, BS, 576),
+        "neg": rand_bf16(2, N, BS, HEADS, DIM),
+    }
+    return tensors, {"kv": 1, "mla": 0, "neg": -4}
+
+
+def negative_block_dim() -> LayoutArgs:
+    return {"l0": rand_bf16(2, N, BS, HEADS, DIM), "l1": rand_bf16(2, N, BS, HEADS, DIM)}, -4
+
+
+def sequence_input() -> LayoutArgs:
+    return [rand_bf16(2, N, BS, HEADS, DIM), rand_bf16(2, N, BS, HEADS, DIM)], 1
+
+
+def padded_pages() -> LayoutArgs:
+    """Pages of 24 bytes at a block stride of 32 bytes: host offsets must be padded to 16."""
+    return {"a": rand_bf16(2, N, 16)[..., :12], "b": rand_bf16(2, N, 16)[..., :12]}, 1
+
+
+def same_tensor_twice() -> LayoutArgs:
+    t = rand_bf16(2, N, BS, HEADS, DIM)
+    return {"a": t, "b": t}, 1
+
+
+def identical_views() -> LayoutArgs:
+    t = rand_bf16(2, N, BS, HEADS, DIM)
+    return {"a": t.view(2, N, BS, HEADS, DIM), "b": t.view(2, N, BS * HEADS * DIM)}, 1
+
+
+def k_view_of_kv() -> LayoutArgs:
+    t = rand_bf16(2, N, BS, HEADS, DIM)
+    return {"kv": t, "k": t[0]}, {"kv": 1, "k": 0}
+
+
+LAYOUTS: dict[str, Callable[[], LayoutArgs]] = {
+    "per-layer": per_layer,
+    "block-major-kv": block_major_kv,
+    "mla": mla,
+    "cross-layer": cross_layer,
+    "separate-k-v": separate_k_v,
+    "mixed-block-dims": mixed_block_dims,
+    "negative-block-dim": negative_block_dim,
+    "sequence-input": sequence_input,
+    "padded-pages": padded_pages,
+    "same-tensor-twice": same_tensor_twice,
+    "identical-views": identical_views,
+    "k-view-of-kv": k_view_of_kv,
+}
+
+
+def build(name: str) -> DeviceLayout:
+    tensors, block_dim = LAYOUTS[name]()
+    return DeviceLayout.from_tensors(tensors, block_dim)
+
+
+def page_intervals(layout: DeviceLayout) -> list[tuple[int, int]]:
+    table = layout.page_table
+    return sorted(zip(table.host_offset.tolist(), table.nbytes.tolist()))
+
+
+def brute_force_records(layout: DeviceLayout, blocks: Sequence[int]) -> torch.Tensor:
+    """Records built page by page with plain indexing: ``t[outer..., block]`` per page."""
+    out = torch.zeros((len(blocks), layout.record_bytes), dtype=torch.uint8)
+    for geom in layout.geometries:
+        t = layout.tensors[geom.name]
+        outer_ranges = [range(n) for n in t.shape[: geom.block_dim]]
+        for row, block in enumerate(blocks):
+            for k, outer in enumerate(itertools.product(*outer_ranges)):
+                page = as_bytes(t[tuple(outer) + (block,)])
+                assert page.numel() == geom.page_bytes
+                offset = geom.host_offsets[k]
+                out[row, offset : offset + geom.page_bytes] = page
+    return out
+
+
+def payload_mask(layout: DeviceLayout) -> torch.Tensor:
+    mask = torch.zeros(layout.record_bytes, dtype=torch.bool)
+    for offset, size in page_intervals(layout):
+        mask[offset : offset + size] = True
+    return mask
+
+
+# ------------------------------------------------------------------------ hand-computed geometry
+
+
+def test_per_layer_tensor_has_two_pages_per_block_k_then_v() -> None:
+    l0, l1 = rand_bf16(2, N, BS, HEADS, DIM), rand_bf16(2, N, BS, HEADS, DIM)
+    layout = DeviceLayout.from_tensors({"l0": l0, "l1": l1}, block_dim=1)
+
+    assert layout.num_blocks == N
+    assert [g.name for g in layout.geometries] == ["l0", "l1"]
+    for geom, offsets in zip(layout.geometries, [(0, 128), (256, 384)]):
+        assert geom.block_dim == 1
+        assert geom.page_bytes == KV_PAGE == 128
+        assert geom.block_stride_bytes == 128
+        assert geom.outer_count == 2
+        assert geom.host_offsets == offsets
+    assert layout.pages_per_block == 4
+    assert layout.block_bytes == 512
+    assert layout.record_bytes == 4096
+    table = layout.page_table
+    v_plane = N * KV_PAGE  # V of block 0 starts after the K plane of all blocks
+    assert table.dev_base.tolist() == [
+        l0.data_ptr(), l0.data_ptr() + v_plane, l1.data_ptr(), l1.data_ptr() + v_plane
+    ]
+    assert table.dev_stride.tolist() == [128] * 4
+    assert table.host_offset.tolist() == [0, 128, 256, 384]
+    assert table.segment.tolist() == [0, 0, 1, 1]
+
+
+def test_block_major_kv_tensor_has_one_page_holding_k_and_v() -> None:
+    layout = build("block-major-kv")
+    for geom, offset in zip(layout.geometries, (0, 256)):
+        assert geom.block_dim == 0
+        assert geom.page_bytes == 2 * KV_PAGE == 256
+        assert geom.block_stride_bytes == 256
+        assert geom.outer_count == 1
+        assert geom.host_offsets == (offset,)
+    assert layout.pages_per_block == 2
+    assert layout.block_bytes == 512
+    assert layout.record_bytes == 4096
+
+
+def test_mla_layout_has_one_page_per_layer_and_record_padded_to_4096() -> None:
+    layout = build("mla")
+    page = BS * 576 * BF16  # 4608
+    assert [g.page_bytes for g in layout.geometries] == [page, page]
+    assert [g.block_stride_bytes for g in layout.geometries] == [page, page]
+    assert [g.host_offsets for g in layout.geometries] == [(0,), (page,)]
+    assert layout.block_bytes == 9216
+    assert layout.record_bytes == 12288  # 9216 rounded up to 3 * 4096
+
+
+def test_cross_layer_tensor_is_one_page_per_block() -> None:
+    layout = build("cross-layer")
+    (geom,) = layout.geometries
+    page = 3 * 2 * KV_PAGE  # layers * (K, V) * page
+    assert (geom.page_bytes, geom.block_stride_bytes, geom.outer_count) == (page, page, 1)
+    assert geom.host_offsets == (0,)
+    assert layout.pages_per_block == 1
+    assert layout.record_bytes == 4096
+
+
+def test_separate_k_and_v_tensors_are_separate_pages_and_segments() -> None:
+    layout = build("separate-k-v")
+    assert [g.name for g in layout.geometries] == ["k0", "v0", "k1", "v1"]
+    assert [g.host_offsets for g in layout.geometries] == [(0,), (128,), (256,), (384,)]
+    assert layout.page_table.segment.tolist() == [0, 1, 2, 3]
+    assert layout.block_bytes == 512
+
+
+def test_block_dims_given_per_tensor_may_differ_and_be_negative() -> None:
+    layout = build("mixed-block-dims")
+    kv, mla_geom, neg = layout.geometries
+    assert (kv.block_dim, mla_geom.block_dim, neg.block_dim) == (1, 0, 1)
+    assert kv.host_offsets == (0, 128)
+    assert mla_geom.host_offsets == (256,)
+    assert mla_geom.page_bytes == 4608
+    assert neg.host_offsets == (4864, 4992)
+    assert layout.block_bytes == 5120
+    assert layout.record_bytes == 8192
+
+
+def test_negative_block_dim_counts_from_the_end() -> None:
+    tensors, _ = per_layer()
+    negative = DeviceLayout.from_tensors(tensors, block_dim=-4)
+    positive = DeviceLayout.from_tensors(tensors, block_dim=1)
+    assert negative.geometries == positive.geometries
+    assert negative.fingerprint == positive.fingerprint
+    assert all(g.block_dim == 1 for g in negative.geometries)
+
+
+def test_sequence_input_is_named_by_position() -> None:
+    layout = build("sequence-input")
+    assert [g.name for g in layout.geometries] == ["0", "1"]
+    assert list(layout.tensors) == ["0", "1"]
+    assert [g.host_offsets for g in layout.geometries] == [(0, 128), (256, 384)]
+
+
+def test_page_starts_are_padded_to_16_bytes_in_the_record() -> None:
+    layout = build("padded-pages")
+    for geom in layout.geometries:
+        assert (geom.page_bytes, geom.block_stride_bytes) == (24, 32)
+    # 24-byte pages each start on the next multiple of 16 after the previous page
+    assert [g.host_offsets for g in layout.geometries] == [(0, 32), (64, 96)]
+    assert layout.block_bytes == 96
+    assert layout.record_bytes == 4096
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_record_map_is_aligned_disjoint_and_padded(name: str) -> None:
+    layout = build(name)
+    intervals = page_intervals(layout)
+    table = layout.page_table
+    assert all(offset % PAGE_ALIGN_BYTES == 0 for offset, _ in intervals)
+    for (start, size), (next_start, _) in zip(intervals, intervals[1:]):
+        assert start + size <= next_start, f"pages overlap in the record: {intervals}"
+    end = intervals[-1][0] + intervals[-1][1]
+    assert layout.record_bytes % RECORD_ALIGN_BYTES == 0
+    assert end <= layout.record_bytes < end + RECORD_ALIGN_BYTES
+    assert layout.pages_per_block == len(intervals) == table.num_pages
+    assert layout.block_bytes == sum(size for _, size in intervals)
+    assert table.record_bytes == layout.record_bytes
+    listed = {o for g in layout.geometries for o in g.host_offsets}
+    assert listed == set(table.host_offset.tolist())
+    for geom in layout.geometries:
+        assert len(geom.host_offsets) == geom.outer_count
+
+
+# ---------------------------------------------------------------------------------- aliasing
+
+
+def test_same_tensor_under_two_names_is_stored_once() -> None:
+    layout = build("same-tensor-twice")
+    a, b = layout.geometries
+    assert a.host_offsets == b.host_offsets == (0, 128)
+    assert layout.pages_per_block == 2
+    assert layout.block_bytes == 256
+
+
+def test_identical_views_of_one_memory_are_stored_once() -> None:
+    layout = build("identical-views")
+    a, b = layout.geometries
+    assert a.page_bytes == b.page_bytes == 128
+    assert a.host_offsets == b.host_offsets
+    assert layout.pages_per_block == 2
+
+
+def test_view_of_some_pages_shares_their_host_offsets() -> None:
+    layout = build("k-view-of-kv")
+    kv, k = layout.geometries
+    assert k.host_offsets == (kv.host_offsets[0],)
+    assert layout.pages_per_block == 2
+
+
+def test_aliased_views_with_one_block_are_stored_once() -> None:
+    base = rand_bf16(64, 1)
+    transposed, contiguous = base.t(), base.view(1, 64)  # same bytes; strides (1, 1) vs (64, 1)
+    layout = DeviceLayout.from_tensors({"a": transposed, "b": contiguous}, block_dim=0)
+    assert layout.pages_per_block == 1
+
+
+# ------------------------------------------------------------------------- gather and scatter
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gather_records_matches_page_by_page_reference(name: str) -> None:
+    layout = build(name)
+    blocks = [4, 0, 5, 2]
+    records = layout.gather_records(blocks)
+    assert records.dtype == torch.uint8
+    assert tuple(records.shape) == (len(blocks), layout.record_bytes)
+    assert torch.equal(records, brute_force_records(layout, blocks))
+    assert not bool(records[:, ~payload_mask(layout)].any()), "padding bytes must be zero"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_scatter_then_gather_returns_the_same_records(name: str) -> None:
+    layout = build(name)
+    blocks = [3, 1, 5]
+    others = [b for b in range(layout.num_blocks) if b not in blocks]
+    untouched = layout.gather_records(others)
+    records = torch.randint(0, 256, (len(blocks), layout.record_bytes), dtype=torch.uint8, generator=_gen)
+    records[:, ~payload_mask(layout)] = 0
+    assert not torch.equal(records, layout.gather_records(blocks))  # the scatter must change them
+
+    layout.scatter_records(blocks, records)
+
+    assert torch.equal(layout.gather_records(blocks), records)
+    assert torch.equal(brute_force_records(layout, blocks), records)
+    assert torch.equal(layout.gather_records(others), untouched)
+
+
+# ------------------------------------------------------------------------------- fingerprint
+
+
+def test_fingerprint_is_equal_for_equal_geometry_of_other_tensors() -> None:
+    first, second = build("per-layer"), build("per-layer")
+    assert first.page_table.dev_base.tolist() != second.page_table.dev_base.tolist()
+    assert first.fingerprint == second.fingerprint
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param(lambda: ({"l0": rand_bf16(2, N + 1, BS, HEADS, DIM)}, 1), id="num-blocks"),
+        pytest.param(lambda: ({"l0": rand_bf16(2, N, BS, HEADS, 2 * DIM)}, 1), id="page-shape"),
+        pytest.param(
+            lambda: ({"l0": rand_bf16(2, N, BS, HEADS, DIM).view(torch.float16)}, 1), id="dtype"
+        ),
+        pytest.param(lambda: ({"l0": rand_bf16(2, N, BS, HEADS, DIM)}, 2), id="block-dim"),
+    ],
+)
+def test_fingerprint_changes_with_shape_dtype_or_block_dim(other: Callable[[], LayoutArgs]) -> None:
+    reference = DeviceLayout.from_tensors({"l0": rand_bf16(2, N, BS, HEADS, DIM)}, 1)
+    tensors, block_dim = other()
+    assert DeviceLayout.from_tensors(tensors, block_dim).fingerprint != reference.fingerprint
+
+
+# ------------------------------------------------------------------------------- LayoutError
+
+
+def _any(value: object) -> Any:
+    """An intentionally ill-typed argument (the runtime check is under test)."""
+    return value
+
+
+def _misaligned_outer_page() -> torch.Tensor:
+    # outer stride of N*64 + 1 elements: page 0 aligned, page 1 two bytes off
+    storage = rand_bf16(2 * N * 64 + 8)
+    return storage.as_strided((2, N, 64), (N * 64 + 1, 64, 1))
+
+
+def _shifted_by_16_bytes() -> dict[str, torch.Tensor]:
+    flat = rand_bf16((N + 1) * 64)
+    return {"a": flat[: N * 64].view(N, 64), "b": flat[8 : 8 + N * 64].view(N, 64)}
+
+
+def _meta_and_cpu() -> dict[str, torch.Tensor]:
+    try:
+        meta = torch.empty(N, 64, dtype=torch.bfloat16, device="meta")
+    except (RuntimeError, NotImplementedError) as exc:  # pragma: no cover - torch-dependent
+        pytest.skip(f"this torch cannot make meta tensors: {exc}")
+    return {"a": rand_bf16(N, 64), "b": meta}
+
+
+def _shared_kv() -> torch.Tensor:
+    return rand_bf16(N, 2, 16)
+
+
+_kv = _shared_kv()
+_kv_flat = rand_bf16(2 * N * 64 + 8)
+
+LAYOUT_ERRORS: list[Any] = [
+    pytest.param(
+        _meta_and_cpu, 0,
+        r"tensor 'b' is on meta but tensor 'a' is on cpu: all tensors of a layout must be on one device",
+        id="mixed-devices",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 64), "b": rand_bf16(N - 1, 64)}, 0,
+        r"tensor 'b' has 5 blocks but tensor 'a' has 6: all tensors must have the same number of blocks",
+        id="different-block-counts",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 16, 4).transpose(1, 2)}, 0,
+        r"tensor 'a': a page \(the dims after block dim 0, shape \(4, 16\)\) is not contiguous",
+        id="page-not-contiguous",
+    ),
+    pytest.param(
+        lambda: {"a": _kv_flat[1 : 1 + 2 * N * 64].view(2, N, 64)}, 1,
+        r"tensor 'a': page 0 of block 0 starts at address 0x[0-9a-f]+, not 16-byte aligned",
+        id="page-start-misaligned",
+    ),
+    pytest.param(
+        lambda: {"a": _misaligned_outer_page()}, 1,
+        r"tensor 'a': page 1 of block 0 starts at address 0x[0-9a-f]+, not 16-byte aligned",
+        id="outer-page-misaligned",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(2, N, 68)[..., :64]}, 1,
+        r"tensor 'a': block stride 136 bytes is not a multiple of 16",
+        id="block-stride-misaligned",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(2, 0, 64)}, 1,
+        r"tensor 'a' has zero blocks \(shape \(2, 0, 64\)\)",
+        id="zero-blocks",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 0, 64)}, 0,
+        r"tensor 'a' has an empty dim \(shape \(6, 0, 64\)\)",
+        id="empty-page",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(2, N, 64)}, 3,
+        r"block dim 3 of tensor 'a' is out of range for its 3 dims \(shape \(2, 6, 64\)\)",
+        id="block-dim-too-large",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(2, N, 64)}, -4,
+        r"block dim -4 of tensor 'a' is out of range for its 3 dims",
+        id="block-dim-too-negative",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 64)}, _any(0.0),
+        r"block dim of tensor 'a' must be an int, got 0\.0", id="block-dim-float",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 64)}, _any(False),
+        r"block dim of tensor 'a' must be an int, got False", id="block-dim-bool",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 64), "b": rand_bf16(N, 64)}, {"a": 0},
+        r"tensor 'b' has no entry in the block_dim mapping", id="block-dim-mapping-missing-tensor",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 64)}, {"a": 0, "zz": 1},
+        r"block_dim names tensors that are not in the layout: \['zz'\]",
+        id="block-dim-mapping-unknown-tensor",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 64)}, {},
+        r"tensor 'a' has no entry in the block_dim mapping", id="block-dim-mapping-empty",
+    ),
+    pytest.param(
+        lambda: {}, 0, r"tensors is empty: a layout needs at least one tensor", id="no-tensors-mapping",
+    ),
+    pytest.param(lambda: [], 0, r"tensors is empty", id="no-tensors-sequence"),
+    pytest.param(
+        lambda: {"a": rand_bf16(N, 64), "b": np.zeros((N, 64))}, 0,
+        r"tensor 'b' is a ndarray, not a torch\.Tensor", id="not-a-tensor",
+    ),
+    pytest.param(
+        lambda: rand_bf16(N, 64), 0,
+        r"tensors must be a mapping or a sequence of tensors, not one tensor", id="single-tensor",
+    ),
+    pytest.param(
+        lambda: 7, 0, r"tensors must be a mapping or a sequence of tensors, not int", id="not-a-mapping",
+    ),
+    pytest.param(
+        lambda: {0: rand_bf16(N, 64)}, 0, r"tensor names must be str, got 0", id="name-not-str",
+    ),
+    pytest.param(
+        lambda: {"a": rand_bf16(1, 1, 64).expand(2, N, 64)}, 1,
+        r"tensor 'a': its pages overlap \(a stride of 0 bytes", id="expanded-stride-0",
+    ),
+    pytest.param(
+        lambda: {"a": _kv[:-1], "b": _kv[1:]}, 0,
+        r"tensors 'a' and 'b' partly overlap at address 0x[0-9a-f]+: pages must be either the same "
+        r"bytes \(stored once\) or disjoint",
+        id="same-bytes-under-two-block-ids",
+    ),
+    pytest.param(
+        _shifted_by_16_bytes, 0, r"tensors 'a' and 'b' partly overlap", id="views-shifted-inside-a-page",
+    ),
+    pytest.param(
+        lambda: {"kv": _kv, "k": _kv[:, 0]}, 0,
+        r"tensors 'kv' and 'k' partly overlap", id="page-inside-a-larger-page",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "block_dim", "match"), LAYOUT_ERRORS)
+def test_invalid_tensors_raise_layout_error_naming_tensor_and_rule(
+    make: Callable[[], object], block_dim: object, match: str
+) -> None:
+    tensors = make()
+    with pytest.raises(LayoutError, match=match) as info:
+        DeviceLayout.from_tensors(_any(tensors), _any(block_dim))
+    assert isinstance(info.value, ValueError)
+
+
+def test_block_dim_mapping_with_extra_names_is_refused_naming_all_of_them() -> None:
+    """Extra names next to a complete mapping are refused, not silently ignored."""
+    t = rand_bf16(N, 64)
+    assert DeviceLayout.from_tensors({"a": t}, {"a": 0}).num_blocks == N
+    with pytest.raises(LayoutError, match=r"\['b', 'c'\]"):
+        DeviceLayout.from_tensors({"a": t}, cast(Mapping[str, int], {"a": 0, "c": 0, "b": 0}))
