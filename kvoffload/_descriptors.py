@@ -91,7 +91,7 @@ class CopyPlan:
     pages: PageTable
     host_base: int
     chunk_records: int
-    direction: Direction
+    direction: Direction = attrs.field(validator=attrs.validators.in_((Direction.STORE, Direction.LOAD)))
     merge: bool = True
 
     def build(self, src_blocks: I64Array, dst_blocks: I64Array) -> Descriptors:

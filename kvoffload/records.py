@@ -16,11 +16,17 @@ class Direction(enum.Enum):
     """Which way a job moves bytes.
 
     ``STORE`` reads device blocks and writes host records; ``LOAD`` reads host records and writes
-    device blocks.
+    device blocks. With a disk tier: ``DEMOTE`` writes host records to disk records, ``PROMOTE``
+    reads disk records into host records, ``STORE_TO_DISK`` and ``LOAD_FROM_DISK`` move device blocks
+    to and from disk records through pinned bounce slots.
     """
 
     STORE = "store"
     LOAD = "load"
+    DEMOTE = "demote"
+    PROMOTE = "promote"
+    STORE_TO_DISK = "store_to_disk"
+    LOAD_FROM_DISK = "load_from_disk"
 
 
 @attrs.frozen

@@ -134,7 +134,7 @@ def cases(draw: st.DrawFn) -> Case:
     num_device_blocks = draw(st.just(1) | st.integers(1, 10))
     num_host_blocks = draw(st.integers(1, 10))
     table = draw(page_tables(num_device_blocks))
-    direction = draw(st.sampled_from(Direction))
+    direction = draw(st.sampled_from([Direction.STORE, Direction.LOAD]))
     chunk_records = draw(st.integers(1, num_host_blocks + 1))
     runs = draw(
         st.lists(
@@ -281,7 +281,7 @@ def test_descriptor_arrays_are_c_contiguous_uint64_of_equal_length(case: Case) -
             assert array.shape == (desc.count,)
 
 
-@pytest.mark.parametrize("direction", list(Direction))
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
 def test_empty_job_gives_empty_uint64_arrays(direction: Direction) -> None:
     table = PageTable(
         dev_base=np.asarray([DEVICE_BASE], dtype=np.int64),

@@ -323,7 +323,7 @@ def test_jobs_queued_behind_a_failed_drain_are_not_issued() -> None:
 
 
 def test_store_and_load_descriptors_point_the_right_way() -> None:
-    for direction in Direction:
+    for direction in (Direction.STORE, Direction.LOAD):
         backend = FakeBackend(direction)
         handler = make_handler(backend)
         try:
