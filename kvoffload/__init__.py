@@ -2,9 +2,16 @@
 
 The public surface is exactly ``__all__``; integrators import from here (and from
 ``kvoffload.testing`` in their tests). See README.md for a quick start.
+
+Names that need torch or CUDA (the worker, the layout, the bindings) are imported on first use, so
+a scheduler process that uses only the :class:`Manager` never imports torch.
 """
 
-from kvoffload.bindings import Capabilities, CopyMethod, SrcAccessOrder
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvoffload.errors import (
     ArgumentTypeError,
     BlockConflictError,
@@ -12,47 +19,108 @@ from kvoffload.errors import (
     ClosedError,
     CudaError,
     DeviceMismatchError,
+    DuplicateKeyError,
     InvalidArgumentError,
     InvalidBlockIdError,
     JobIdError,
+    KeyStateError,
+    KeyTypeError,
     KVOffloadError,
     LayoutError,
+    PolicyError,
     RegionError,
     ShutdownError,
     TransferError,
     UnknownJobError,
+    UnknownKeyError,
+    UnknownPolicyError,
     WaitTimeoutError,
 )
-from kvoffload.layout import DeviceLayout, TensorGeometry
+from kvoffload.manager import (
+    ARCPolicy,
+    BlockEvent,
+    Demotion,
+    EventKind,
+    EvictionPolicy,
+    LoadPlan,
+    LRUPolicy,
+    Manager,
+    ManagerStats,
+    StorePlan,
+    Tier,
+    TierStats,
+)
 from kvoffload.records import Direction, HandlerStats, TransferResult, WorkerStats
-from kvoffload.worker import Worker
+
+if TYPE_CHECKING:
+    from kvoffload.bindings import Capabilities, CopyMethod, SrcAccessOrder
+    from kvoffload.layout import DeviceLayout, TensorGeometry
+    from kvoffload.worker import Worker
 
 __version__ = "0.1.0.dev0"
 
+#: Public names importable lazily, by the module that defines them.
+_LAZY: dict[str, str] = {
+    "Capabilities": "kvoffload.bindings",
+    "CopyMethod": "kvoffload.bindings",
+    "SrcAccessOrder": "kvoffload.bindings",
+    "DeviceLayout": "kvoffload.layout",
+    "TensorGeometry": "kvoffload.layout",
+    "Worker": "kvoffload.worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvoffload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "ARCPolicy",
     "ArgumentTypeError",
     "BlockConflictError",
+    "BlockEvent",
     "BlockIdTypeError",
     "Capabilities",
     "ClosedError",
     "CopyMethod",
     "CudaError",
+    "Demotion",
     "DeviceLayout",
     "DeviceMismatchError",
     "Direction",
+    "DuplicateKeyError",
+    "EventKind",
+    "EvictionPolicy",
     "HandlerStats",
     "InvalidArgumentError",
     "InvalidBlockIdError",
     "JobIdError",
     "KVOffloadError",
+    "KeyStateError",
+    "KeyTypeError",
+    "LRUPolicy",
     "LayoutError",
+    "LoadPlan",
+    "Manager",
+    "ManagerStats",
+    "PolicyError",
     "RegionError",
     "ShutdownError",
     "SrcAccessOrder",
+    "StorePlan",
     "TensorGeometry",
+    "Tier",
+    "TierStats",
     "TransferError",
     "TransferResult",
     "UnknownJobError",
+    "UnknownKeyError",
+    "UnknownPolicyError",
     "WaitTimeoutError",
     "Worker",
     "WorkerStats",

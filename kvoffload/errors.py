@@ -17,6 +17,12 @@ __all__ = [
     "ClosedError",
     "CudaError",
     "DeviceMismatchError",
+    "DiskError",
+    "DiskFormatError",
+    "DiskIOError",
+    "DiskIntegrityError",
+    "DiskPathError",
+    "DiskShutdownError",
     "DuplicateKeyError",
     "InvalidArgumentError",
     "InvalidBlockIdError",
@@ -194,3 +200,90 @@ class PolicyError(KVOffloadError):
     """Raised when a pluggable eviction policy broke its contract: it proposed a victim that is not
     evictable (pending, loading, protected by the request, unknown) or more victims than asked. This is
     an "it broke" error of the policy; the manager refused the plan and changed nothing."""
+
+
+class DiskError(KVOffloadError):
+    """Base of the disk tier's errors that say something about the file or the disk broke.
+
+    ``kind`` names the failure in one word (the values of ``kvoffload.disk.DiskErrorKind``, e.g.
+    ``"eio"``, ``"checksum_mismatch"``, ``"fingerprint_mismatch"``), ``path`` is the tier's file,
+    ``blocks`` the disk blocks concerned (empty when the failure is about the whole file) and
+    ``errno`` the operating system's error number when a system call failed. Raised as such only when
+    ``DiskConfig(direct=True)`` asks for O_DIRECT and the file system refuses it; the subclasses say
+    the rest.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        path: str = "",
+        blocks: Sequence[int] = (),
+        errno: int | None = None,
+    ) -> None:
+        self.kind = kind
+        self.path = path
+        self.blocks: tuple[int, ...] = tuple(blocks)
+        self.errno = errno
+        super().__init__(message)
+
+
+class DiskIOError(DiskError, TransferError):
+    """Carried in a disk job's ``TransferResult.error`` (``ok=False``) when a read or write system call
+    failed or moved fewer bytes than asked: ``kind`` is ``"short_read"`` (e.g. a truncated file),
+    ``"short_write"``, ``"eio"``, ``"enospc"`` or ``"os_error"`` (any other errno). Also raised by
+    ``DiskTier.create`` when the file cannot be opened, sized or initialised (nothing is left open).
+    A failed write leaves its disk records invalid; a failed read zero-fills its destination records.
+    """
+
+
+class DiskIntegrityError(DiskError, TransferError):
+    """Carried in a disk read's ``TransferResult.error`` (``ok=False``) when a record read back does not
+    verify: ``"checksum_mismatch"`` (the payload is not the bytes that were written: a torn write, a
+    flipped bit), ``"header_invalid"`` (no valid record header: never written, torn, or another file's
+    record), ``"block_mismatch"`` (the header names another disk block: never served as this one),
+    ``"generation_mismatch"`` (an older or newer write than the index expects) or ``"not_valid"`` (the
+    index holds no valid record for the block: never written, or its last write failed). The
+    destination records of the failed blocks are zero-filled and the disk records dropped from the
+    index.
+    """
+
+
+class DiskFormatError(DiskError):
+    """Raised by ``DiskTier.create`` when an existing file cannot be reused as asked: it is not a
+    kvoffload disk tier (``"not_a_tier"``; such a file is never overwritten), it has another format
+    version (``"version_mismatch"``), another layout fingerprint (``"fingerprint_mismatch"``), another
+    record size or block count (``"geometry_mismatch"``), or a damaged file header
+    (``"header_invalid"``). With ``DiskConfig(recreate=True)`` a tier file of another version,
+    fingerprint or geometry is recreated instead. Nothing is left open when it is raised.
+    """
+
+
+class DiskPathError(InvalidArgumentError):
+    """Raised by ``DiskTier.create`` when ``DiskConfig.path`` cannot hold a tier file: it is a
+    directory, its parent directory does not exist or is not a directory, it is not a regular file,
+    or it cannot be opened for reading and writing (the message gives the operating system's reason).
+    """
+
+
+class DiskShutdownError(ShutdownError):
+    """Raised by ``DiskTier.shutdown`` after all cleanup ran, carrying every failure (a drain that
+    passed its deadline, an I/O thread that did not stop, a failing ``close``).
+
+    ``fd_left_open`` is true when the file descriptor was deliberately kept open because an I/O thread
+    did not stop in time and may still be inside a system call on it (closing it could let the thread
+    read or write a file opened later under the same number). The host records such a thread reads or
+    writes are then still in use too: the region holding them must not be unmapped.
+    """
+
+    def __init__(
+        self, message: str, failures: Sequence[BaseException] = (), *, fd_left_open: bool = False
+    ) -> None:
+        self.fd_left_open = fd_left_open
+        if fd_left_open:
+            message += (
+                " (the disk file descriptor was kept open: an I/O thread did not stop and may still "
+                "use it and the host records)"
+            )
+        super().__init__(message, failures)

@@ -24,12 +24,16 @@ RANKS: dict[str, int] = {
     "backends": 2,
     "region": 3,
     "handler": 3,
-    "worker": 4,
-    "testing": 5,
-    "demo": 5,
-    "manager_bench": 5,
-    "__main__": 6,
-    "__init__": 6,
+    "disk": 4,
+    "worker": 5,
+    "testing": 6,
+    "demo": 6,
+    "bench": 6,
+    "replay": 6,
+    "disk_bench": 6,
+    "manager_bench": 6,
+    "__main__": 7,
+    "__init__": 7,
 }
 CUDA_MODULES = {"bindings"}
 TORCH_FREE = {"errors", "records", "bindings", "_descriptors", "manager"}
@@ -96,3 +100,26 @@ def test_the_checker_catches_an_upward_import(tmp_path: pathlib.Path) -> None:
     bad.write_text("from kvoffload.worker import Worker\n")
     with pytest.raises(AssertionError, match="imports worker"):
         test_module_imports_only_lower_layers(bad)
+
+
+def test_the_manager_is_usable_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvoffload\n"
+        "from kvoffload import Manager, StorePlan, KVOffloadError\n"
+        "m = Manager.create(4, fingerprint=b'f')\n"
+        "assert m.lookup([b'k']) == 0\n"
+        "bad = [n for n in ('torch', 'cuda', 'numpy') if n in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_public_name_resolves() -> None:
+    import kvoffload
+
+    for name in kvoffload.__all__:
+        assert getattr(kvoffload, name) is not None, name
