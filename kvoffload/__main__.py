@@ -1,8 +1,10 @@
 """Command line: ``python -m kvoffload <command> [options]``.
 
 Commands:
-  demo    store and reload a synthetic KV cache through a Worker, verify every byte, report GB/s
-          next to the link limit (host backend, and says so, when there is no GPU)
+  demo           store and reload a synthetic KV cache through a Worker, verify every byte, report
+                 GB/s next to the link limit (host backend, and says so, when there is no GPU)
+  bench          every transfer path side by side with the link limit (needs a GPU)
+  manager-bench  per-block cost of the scheduler-side manager at 10k and 1M blocks
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from kvoffload import demo
+from kvoffload import bench, demo, manager_bench
 
 __all__ = ["main"]
 
 _COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "demo": (demo.main, "store and reload a synthetic KV cache, verify every byte, report speed"),
+    "bench": (bench.main, "every transfer path side by side with the link limit, bytes checked"),
+    "manager-bench": (lambda argv: manager_bench.main(list(argv)), "per-block cost of the scheduler-side manager"),
 }
 
 

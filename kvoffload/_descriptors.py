@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from kvoffload.records import Direction
 
-__all__ = ["CopyPlan", "Descriptors", "PageTable"]
+__all__ = ["UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk", "plan_staged", "split_units"]
 
 I64Array = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
@@ -100,20 +100,24 @@ class CopyPlan:
         For a store the sources are device blocks and the destinations host blocks; for a load the
         reverse. The ids must already be validated (same length, in range).
         """
-        if src_blocks.shape[0] == 0:
-            return Descriptors(_EMPTY_U64, _EMPTY_U64, _EMPTY_U64)
         if self.direction is Direction.STORE:
-            device_blocks, host_blocks = src_blocks, dst_blocks
-        else:
-            host_blocks, device_blocks = src_blocks, dst_blocks
+            return self.build_device_host(src_blocks, self.host_base, dst_blocks, self.chunk_records)
+        return self.build_device_host(dst_blocks, self.host_base, src_blocks, self.chunk_records)
+
+    def build_device_host(
+        self, device_blocks: I64Array, host_base: int, host_rows: I64Array, chunk_records: int
+    ) -> Descriptors:
+        """Descriptors between ``device_blocks[i]`` and row ``host_rows[i]`` of a record array at
+        ``host_base`` (the host pool, or a staging slot laid out like it), in this plan's direction.
+        """
+        if device_blocks.shape[0] == 0:
+            return Descriptors(_EMPTY_U64, _EMPTY_U64, _EMPTY_U64)
         pages = self.pages
         dev = (pages.dev_base[None, :] + device_blocks[:, None] * pages.dev_stride[None, :]).ravel()
         host = (
-            self.host_base
-            + host_blocks[:, None] * pages.record_bytes
-            + pages.host_offset[None, :]
+            host_base + host_rows[:, None] * pages.record_bytes + pages.host_offset[None, :]
         ).ravel()
-        sizes = np.broadcast_to(pages.nbytes, (host_blocks.shape[0], pages.num_pages)).ravel()
+        sizes = np.broadcast_to(pages.nbytes, (host_rows.shape[0], pages.num_pages)).ravel()
         if self.direction is Direction.STORE:
             srcs, dsts = dev, host
         else:
@@ -121,7 +125,7 @@ class CopyPlan:
         if self.merge and sizes.shape[0] > 1 and self._mergeable:
             num_segments = int(pages.segment.max()) + 1
             area = (
-                (host_blocks // self.chunk_records)[:, None] * num_segments + pages.segment[None, :]
+                (host_rows // chunk_records)[:, None] * num_segments + pages.segment[None, :]
             ).ravel()
             srcs, dsts, sizes = _merge_runs(srcs, dsts, sizes, area)
         return Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(sizes))
@@ -172,3 +176,100 @@ def _merge_runs(
     starts = np.flatnonzero(~continues) + 1
     starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
     return srcs[starts], dsts[starts], np.add.reduceat(sizes, starts)
+
+
+#: Largest unit of work of the copy kernel: longer copies are split so that warps share the work.
+UNIT_MAX_BYTES: Final = 64 << 10
+
+
+def split_units(descriptors: Descriptors, unit_max: int = UNIT_MAX_BYTES) -> U64Array:
+    """The copy kernel's units for ``descriptors``: ``uint64 [n, 4]`` rows (src, dst, nbytes, 0),
+    each copy split into pieces of at most ``unit_max`` bytes (16-byte multiples except the last)."""
+    if unit_max <= 0 or unit_max % 16:
+        raise ValueError(f"unit_max = {unit_max} must be a positive multiple of 16")
+    sizes = descriptors.sizes.astype(np.int64)
+    if sizes.shape[0] == 0:
+        return np.zeros((0, 4), dtype=np.uint64)
+    if int(sizes.max()) <= unit_max:  # the common case: every copy is one unit
+        units = np.zeros((sizes.shape[0], 4), dtype=np.uint64)
+        units[:, 0] = descriptors.srcs
+        units[:, 1] = descriptors.dsts
+        units[:, 2] = descriptors.sizes
+        return units
+    pieces = np.maximum(1, (sizes + unit_max - 1) // unit_max)
+    owner = np.repeat(np.arange(sizes.shape[0]), pieces)
+    first = np.cumsum(pieces) - pieces
+    within = np.arange(owner.shape[0]) - first[owner]
+    offset = within * unit_max
+    units = np.zeros((owner.shape[0], 4), dtype=np.uint64)
+    units[:, 0] = descriptors.srcs[owner] + offset.astype(np.uint64)
+    units[:, 1] = descriptors.dsts[owner] + offset.astype(np.uint64)
+    units[:, 2] = np.minimum(sizes[owner] - offset, unit_max).astype(np.uint64)
+    return units
+
+
+@attrs.frozen(eq=False)
+class StagedChunk:
+    """One chunk of a staged job: the records of ``pairs`` go through staging slot ``slot``.
+
+    ``kernel`` are the copy-kernel units between the device pages and the slot (device -> slot for
+    a store, slot -> device for a load); ``dma`` are the record copies between the slot and the host
+    pool (slot -> host for a store, host -> slot for a load).
+    """
+
+    slot: int
+    pairs: slice
+    kernel: U64Array
+    dma: Descriptors
+
+
+def plan_staged(
+    plan: CopyPlan,
+    src_blocks: I64Array,
+    dst_blocks: I64Array,
+    slot_bases: tuple[int, ...],
+    rows_per_slot: int,
+    first_slot: int = 0,
+) -> list[StagedChunk]:
+    """Split a job into chunks of at most ``rows_per_slot`` records that rotate over the slots.
+
+    Inside a slot the job's records lie back to back in host-block order, each laid out exactly like
+    a host record, so a slot <-> host copy is one copy per record, merged when host blocks are
+    consecutive. ``pairs`` indexes the job's pairs in that order.
+    """
+    if rows_per_slot <= 0 or not slot_bases:
+        raise ValueError("a staged plan needs at least one slot of at least one record")
+    store = plan.direction is Direction.STORE
+    device_blocks, host_blocks = (src_blocks, dst_blocks) if store else (dst_blocks, src_blocks)
+    # In host order, consecutive host records become one DMA; the pairing is unchanged.
+    order = np.argsort(host_blocks, kind="stable")
+    device_blocks, host_blocks = device_blocks[order], host_blocks[order]
+    record = plan.pages.record_bytes
+    chunks: list[StagedChunk] = []
+    for index, start in enumerate(range(0, device_blocks.shape[0], rows_per_slot)):
+        stop = min(start + rows_per_slot, device_blocks.shape[0])
+        slot = (first_slot + index) % len(slot_bases)
+        rows = np.arange(stop - start, dtype=np.int64)
+        # Device pages <-> the slot's rows, laid out like host records (the slot is one device
+        # allocation: one "chunk").
+        kernel = plan.build_device_host(device_blocks[start:stop], slot_bases[slot], rows, rows_per_slot)
+        records = _record_copies(
+            slot_bases[slot], plan.host_base, record, rows, host_blocks[start:stop],
+            plan.chunk_records, to_host=store,
+        )
+        chunks.append(StagedChunk(slot, slice(start, stop), split_units(kernel), records))
+    return chunks
+
+
+def _record_copies(
+    slot_base: int, host_base: int, record: int, rows: I64Array, host_blocks: I64Array,
+    chunk_records: int, *, to_host: bool,
+) -> Descriptors:
+    slot_addr = slot_base + rows * record
+    host_addr = host_base + host_blocks * record
+    sizes: I64Array = np.full(rows.shape[0], record, dtype=np.int64)
+    srcs, dsts = (slot_addr, host_addr) if to_host else (host_addr, slot_addr)
+    area = host_blocks // chunk_records
+    if rows.shape[0] > 1:
+        srcs, dsts, sizes = _merge_runs(srcs, dsts, sizes, area)
+    return Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(sizes))

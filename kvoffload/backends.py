@@ -11,9 +11,9 @@ A backend answers four questions for a :class:`~kvoffload.handler.DirectionHandl
   kernel queued before the submit: stores must not read blocks still being written (rule 1), loads
   must not overwrite blocks still being read (rule 2). For ``host`` the caller's program order is
   the compute order, so there is nothing to capture.
-* ``issue(descriptors, fence)`` (the handler's issuer thread): make the copy stream wait for the
-  fence, enqueue the copies with the direction's source access order (STREAM for stores, ANY for
-  loads), record an end event; return a :class:`Ticket`.
+* ``issue(plan, src, dst, fence)`` (the handler's issuer thread): make the copy stream wait for
+  the fence, enqueue the copies with the direction's source access order (STREAM for stores, ANY
+  for loads), record an end event; return a :class:`Ticket`.
 * ``Ticket.done()`` / ``Ticket.wait(timeout)``: completion, never blocking past a deadline.
 * ``release()``: drop streams and events; called exactly once by the handler's shutdown.
 
@@ -27,28 +27,62 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Callable
 from typing import Final, Protocol
 
 import torch
 
 from kvoffload import bindings
-from kvoffload._descriptors import Descriptors
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload._descriptors import CopyPlan, StagedChunk, plan_staged, split_units
 from kvoffload.errors import DeviceMismatchError, TransferError
 from kvoffload.records import Direction
 
-__all__ = ["Backend", "CudaBackend", "FailedTicket", "HostBackend", "Ticket", "new_event", "new_stream"]
+I64Array = npt.NDArray[np.int64]
 
-#: Event-query backoff while waiting: starts short (small jobs finish in microseconds), grows to the
-#: cap so that a long wait costs little CPU.
-WAIT_POLL_MIN_S: Final = 20e-6
-WAIT_POLL_MAX_S: Final = 1e-3
+__all__ = [
+    "Backend",
+    "CudaBackend",
+    "FailedTicket",
+    "HostBackend",
+    "KernelBackend",
+    "SmBackend",
+    "StagedBackend",
+    "Ticket",
+    "new_event",
+    "new_stream",
+]
+
+#: Waiting first polls without sleeping for this long (small jobs finish in tens of microseconds and
+#: a sleep would add its own granularity to their latency), then sleeps with a doubling backoff
+#: capped so that a long wait costs little CPU.
+WAIT_SPIN_S: Final = 300e-6
+WAIT_POLL_MIN_S: Final = 50e-6
+WAIT_POLL_MAX_S: Final = 500e-6
 _MS_PER_S: Final = 1e3
 
 
-def sleep_backoff(delay: float) -> float:
-    """Sleep ``delay`` seconds and return the next, doubled, delay (capped)."""
-    time.sleep(delay)
-    return min(delay * 2, WAIT_POLL_MAX_S)
+def poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Call ``done`` until it is true or ``timeout_s`` passed; True when it became true.
+
+    Spins (yielding the GIL) for :data:`WAIT_SPIN_S`, then sleeps with a doubling backoff.
+    """
+    now = time.monotonic()
+    deadline = now + timeout_s
+    spin_until = now + min(WAIT_SPIN_S, timeout_s)
+    delay = WAIT_POLL_MIN_S
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if now < spin_until:
+            time.sleep(0)
+            continue
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, WAIT_POLL_MAX_S)
+    return True
 
 
 class Ticket(Protocol):
@@ -74,8 +108,11 @@ class Backend(Protocol):
     """Where one direction's copies run (see the module docstring)."""
 
     name: str
-    path: str
     direction: Direction
+
+    @property
+    def path(self) -> str:
+        """The transfer-path name reported in results."""
 
     def fence(self, stream: object | None) -> object:
         """Capture the compute-stream position the next job must wait for (caller's thread).
@@ -87,8 +124,12 @@ class Backend(Protocol):
     def start_thread(self) -> None:
         """Prepare the calling (issuer) thread for :meth:`issue`."""
 
-    def issue(self, descriptors: Descriptors, fence: object) -> Ticket:
-        """Enqueue one job's copies behind ``fence`` (issuer thread); never raises."""
+    def can_issue_here(self) -> bool:
+        """Whether :meth:`issue` may run on the calling thread (a submitter's) as it is."""
+
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
+        """Enqueue the copies of the pairs ``(src[i], dst[i])`` behind ``fence`` (issuer thread);
+        never raises: a failure is the ticket's ``error``."""
 
     def release(self) -> None:
         """Drop streams and events; called once, after the last ticket completed or was abandoned."""
@@ -106,11 +147,13 @@ class CudaTicket:
         end: torch.cuda.Event | None,
         error: BaseException | None,
         device_index: int,
+        keep: tuple[object, ...] = (),
     ) -> None:
         self.start = start
         self.end = end
         self.error = error
         self.device_index = device_index
+        self.keep = keep  # host buffers the job's copies read: alive until the ticket is dropped
 
     def done(self) -> bool:
         """``cuEventQuery`` on the end event; raises :class:`~kvoffload.errors.CudaError`."""
@@ -119,14 +162,8 @@ class CudaTicket:
         return bindings.event_done(self.end.cuda_event, self.device_index)
 
     def wait(self, timeout_s: float) -> bool:
-        """Poll the end event with backoff until done or ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
-        delay = WAIT_POLL_MIN_S
-        while not self.done():
-            if time.monotonic() >= deadline:
-                return False
-            delay = sleep_backoff(min(delay, max(0.0, deadline - time.monotonic())))
-        return True
+        """Poll the end event (spinning briefly, then with backoff) until done or ``timeout_s``."""
+        return poll_until(self.done, timeout_s)
 
     def seconds(self) -> float:
         """Device time between the start and end events."""
@@ -156,7 +193,6 @@ class CudaBackend:
         self.direction = direction
         self.device = device
         self.copier = copier
-        self.path = copier.path
         self._device_index = _index(device)
         self._handle = stream_handle
         self._stream: torch.cuda.Stream | None = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
@@ -177,6 +213,11 @@ class CudaBackend:
     ) -> CudaBackend:
         """A backend with a copy stream of its own on ``device``."""
         return cls(direction, device, copier, bindings.create_stream(_index(device)))
+
+    @property
+    def path(self) -> str:
+        """``"dma"`` (batched) or ``"dma-loop"`` (per-copy fallback)."""
+        return self.copier.path
 
     @property
     def access_order(self) -> bindings.SrcAccessOrder:
@@ -211,7 +252,12 @@ class CudaBackend:
         torch.cuda.set_device(self.device)
         bindings.make_context_current(self._device_index)
 
-    def issue(self, descriptors: Descriptors, fence: object) -> Ticket:
+    def can_issue_here(self) -> bool:
+        """True when the calling thread's current device is this backend's (its context is then
+        the one the copies need, and issuing changes nothing the caller relies on)."""
+        return torch.cuda.current_device() == self._device_index
+
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Wait for the fence on the copy stream, enqueue the copies, record the end event."""
         with self._state:
             stream = self._stream
@@ -219,7 +265,7 @@ class CudaBackend:
                 return FailedTicket(TransferError("the backend was released before the job was issued"))
             self._issuing = True
         try:
-            return self._issue_on(stream, descriptors, fence)
+            return self._issue_on(stream, plan, src, dst, fence)
         finally:
             with self._state:
                 self._issuing = False
@@ -227,8 +273,12 @@ class CudaBackend:
             if destroy:
                 self._destroy()
 
-    def _issue_on(self, stream: torch.cuda.Stream, descriptors: Descriptors, fence: object) -> Ticket:
+    def _issue_on(
+        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+    ) -> Ticket:
+        """Enqueue one job on ``stream`` (the batched-DMA path); subclasses add other paths."""
         assert isinstance(fence, torch.cuda.Event)
+        descriptors = plan.build(src, dst)
         start = new_event(timing=True)
         try:
             stream.wait_event(fence)
@@ -268,6 +318,195 @@ class CudaBackend:
         handle, self._handle = self._handle, 0
         if handle:
             bindings.destroy_stream(self._device_index, handle)
+
+
+class KernelBackend(CudaBackend):
+    """Base of the paths that run the copy kernel: a second stream of its own for the kernel.
+
+    Owns (besides the copy stream): the kernel stream, destroyed exactly once like the copy stream.
+    """
+
+    def __init__(
+        self,
+        direction: Direction,
+        device: torch.device,
+        copier: bindings.Copier,
+        stream_handle: int,
+        kernel: bindings.CopyKernel,
+        kernel_stream_handle: int,
+        ctas: int,
+    ) -> None:
+        super().__init__(direction, device, copier, stream_handle)
+        self.kernel = kernel
+        self.ctas = ctas
+        self._kernel_handle = kernel_stream_handle
+        self._kernel_stream: torch.cuda.Stream = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
+            kernel_stream_handle, device=device
+        )
+
+    def _units_buffer(self, units: npt.NDArray[np.uint64]) -> torch.Tensor:
+        """The units in pinned host memory, which the kernel reads through its device mapping.
+
+        The ticket keeps the buffer until the job finished.
+        """
+        buffer = torch.empty(max(1, units.size), dtype=torch.int64, pin_memory=True)
+        buffer.numpy()[: units.size] = units.reshape(-1).view(np.int64)
+        return buffer
+
+    def _destroy(self) -> None:
+        super()._destroy()
+        handle, self._kernel_handle = self._kernel_handle, 0
+        if handle:
+            bindings.destroy_stream(self._device_index, handle)
+
+
+class SmBackend(KernelBackend):
+    """SM path: the copy kernel reads and writes host records directly through their device mapping
+    (no DMA engine), with a bounded number of CTAs. Fast for any page size, but the kernel competes
+    with compute for SMs and memory bandwidth.
+    """
+
+    @property
+    def path(self) -> str:
+        """``"sm"``."""
+        return "sm"
+
+    def _issue_on(
+        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+    ) -> Ticket:
+        assert isinstance(fence, torch.cuda.Event)
+        units = split_units(plan.build(src, dst))
+        buffer = self._units_buffer(units)
+        kstream = self._kernel_stream
+        start, end = new_event(timing=True), new_event(timing=True)
+        error: BaseException | None = None
+        try:
+            kstream.wait_event(fence)
+            start.record(kstream)
+            self.kernel.launch(buffer.data_ptr(), units.shape[0], self.ctas, kstream.cuda_stream)
+        except Exception as exc:
+            error = exc
+        try:
+            end.record(kstream)
+        except Exception as exc:
+            return FailedTicket(exc if error is None else error)
+        return CudaTicket(start, end, error, self._device_index, keep=(buffer,))
+
+
+class StagedBackend(KernelBackend):
+    """Staged path: the copy kernel moves pages between the device cache and a staging ring in
+    device memory (at HBM speed, in short bursts), and the DMA engine moves whole records between the
+    ring and the host pool (large copies: link speed at any page size). Chunks rotate over the ring's
+    slots so that the kernel of one chunk overlaps the DMA of the previous one.
+
+    Owns (besides its two streams): the staging ring (device memory from torch's allocator, marked
+    as used by both streams, so it is never handed to another tensor before their work finished) and
+    one pair of events per slot. DESIGN §5 rule 5 holds on the device: a slot is written only after
+    the event recorded after its previous read, through stream waits, whatever the host does.
+    """
+
+    @property
+    def path(self) -> str:
+        """``"staged"``."""
+        return "staged"
+
+    def __init__(
+        self,
+        direction: Direction,
+        device: torch.device,
+        copier: bindings.Copier,
+        stream_handle: int,
+        kernel: bindings.CopyKernel,
+        kernel_stream_handle: int,
+        ctas: int,
+        slots: int,
+        slot_bytes: int,
+    ) -> None:
+        super().__init__(direction, device, copier, stream_handle, kernel, kernel_stream_handle, ctas)
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._staging: torch.Tensor | None = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+        assert self._stream is not None
+        self._staging.record_stream(self._stream)
+        self._staging.record_stream(self._kernel_stream)
+        base = self._staging.data_ptr()
+        self.slot_bases = tuple(base + i * slot_bytes for i in range(slots))
+        self._filled = [new_event(timing=False) for _ in range(slots)]
+        self._drained = [new_event(timing=False) for _ in range(slots)]
+        self._next_slot = 0
+
+    def _issue_on(
+        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+    ) -> Ticket:
+        assert isinstance(fence, torch.cuda.Event)
+        rows = self.slot_bytes // plan.pages.record_bytes
+        if rows == 0:
+            return FailedTicket(TransferError(
+                f"a host record of {plan.pages.record_bytes} bytes does not fit a staging slot of "
+                f"{self.slot_bytes} bytes"
+            ))
+        chunks = plan_staged(plan, src, dst, self.slot_bases, rows, self._next_slot)
+        self._next_slot = (self._next_slot + len(chunks)) % self.slots
+        units = np.concatenate([c.kernel for c in chunks]) if chunks else np.zeros((0, 4), np.uint64)
+        buffer = self._units_buffer(units)
+        start, end = new_event(timing=True), new_event(timing=True)
+        store = self.direction is Direction.STORE
+        kstream = self._kernel_stream
+        error: BaseException | None = None
+        last = kstream if not store else stream
+        try:
+            if store:
+                kstream.wait_event(fence)  # rule 1: the kernel reads pages compute may still write
+                start.record(kstream)
+            else:
+                start.record(stream)
+                kstream.wait_event(fence)  # rule 2: the kernel writes pages compute may still read
+            offset = 0
+            for chunk in chunks:
+                count = chunk.kernel.shape[0]
+                units_ptr = buffer.data_ptr() + offset * bindings.UNIT_DESCRIPTOR_BYTES
+                offset += count
+                if store:
+                    self._store_chunk(stream, chunk, units_ptr, count)
+                else:
+                    self._load_chunk(stream, chunk, units_ptr, count)
+        except Exception as exc:  # part of the job may be enqueued: the end event still follows it
+            error = exc
+        try:
+            if not store:
+                kstream.wait_stream(stream)  # a failed chunk must not leave a DMA behind the end
+            end.record(last)
+        except Exception as exc:
+            return FailedTicket(exc if error is None else error)
+        return CudaTicket(start, end, error, self._device_index, keep=(buffer,))
+
+    def _store_chunk(
+        self, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+    ) -> None:
+        kstream = self._kernel_stream
+        kstream.wait_event(self._drained[chunk.slot])  # rule 5: the slot's last DMA finished
+        self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+        self._filled[chunk.slot].record(kstream)
+        stream.wait_event(self._filled[chunk.slot])
+        self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
+                         bindings.SrcAccessOrder.STREAM, stream.cuda_stream)
+        self._drained[chunk.slot].record(stream)
+
+    def _load_chunk(
+        self, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+    ) -> None:
+        kstream = self._kernel_stream
+        stream.wait_event(self._drained[chunk.slot])  # rule 5: the slot's last kernel finished
+        self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
+                         bindings.SrcAccessOrder.ANY, stream.cuda_stream)
+        self._filled[chunk.slot].record(stream)
+        kstream.wait_event(self._filled[chunk.slot])
+        self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+        self._drained[chunk.slot].record(kstream)
+
+    def _destroy(self) -> None:
+        self._staging = None  # torch frees it once both streams finished their work on it
+        super()._destroy()
 
 
 def new_stream(device: torch.device) -> torch.cuda.Stream:
@@ -329,7 +568,11 @@ class HostBackend:
     """
 
     name = "host"
-    path = "host"
+
+    @property
+    def path(self) -> str:
+        """``"host"``."""
+        return "host"
 
     def __init__(self, direction: Direction) -> None:
         self.direction = direction
@@ -347,16 +590,21 @@ class HostBackend:
     def start_thread(self) -> None:
         """No per-thread setup."""
 
-    def issue(self, descriptors: Descriptors, fence: object) -> Ticket:
-        """Copy every descriptor now; the ticket is complete when returned."""
+    def can_issue_here(self) -> bool:
+        """Never: host copies run on the issuer thread, not on the caller's."""
+        return False
+
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
+        """Copy every page now; the ticket is complete when returned."""
         start = time.perf_counter()
         try:
-            for dst, src, size in zip(
+            descriptors = plan.build(src, dst)
+            for to, frm, size in zip(
                 descriptors.dsts.tolist(), descriptors.srcs.tolist(), descriptors.sizes.tolist()
             ):
                 if self._released.is_set():
                     raise TransferError("the backend was released while the job was copying")
-                self.copy_one(dst, src, size)
+                self.copy_one(to, frm, size)
         except Exception as exc:
             return HostTicket(time.perf_counter() - start, exc)
         return HostTicket(time.perf_counter() - start, None)

@@ -26,7 +26,9 @@ import enum
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
+
+from typing_extensions import TypeVarTuple, Unpack
 
 import attrs
 import numpy as np
@@ -59,6 +61,7 @@ __all__ = [
 ]
 
 U64Array = npt.NDArray[np.uint64]
+_Ts = TypeVarTuple("_Ts")
 
 #: cuMemHostRegister flags (plain ints in cuda-python).
 HOST_REGISTER_PORTABLE: Final = 1
@@ -119,7 +122,7 @@ def _raise_for(call: str, code: _drv.CUresult) -> None:
     raise CudaError(call, int(code), name, text)
 
 
-def check(call: str, result: tuple[object, ...]) -> tuple[object, ...]:
+def check(call: str, result: tuple[_drv.CUresult, Unpack[_Ts]]) -> tuple[Unpack[_Ts]]:
     """Check a cuda-python result tuple; return the values after the ``CUresult``.
 
     Reads ``result[0]`` only and never unpacks a fixed length (the tuple's length differs across
@@ -129,7 +132,6 @@ def check(call: str, result: tuple[object, ...]) -> tuple[object, ...]:
         CudaError: the call returned anything but ``CUDA_SUCCESS``.
     """
     code = result[0]
-    assert isinstance(code, _drv.CUresult), f"{call} returned {type(code).__name__}, not a CUresult"
     if code != _drv.CUresult.CUDA_SUCCESS:
         _raise_for(call, code)
     return result[1:]
@@ -141,7 +143,9 @@ def _checked_code(call: str, code: int) -> None:
         _raise_for(call, _drv.CUresult(code))
 
 
-def _call_driver(call: str, fn: Callable[[], tuple[object, ...]]) -> tuple[object, ...]:
+def _call_driver(
+    call: str, fn: Callable[[], tuple[_drv.CUresult, Unpack[_Ts]]]
+) -> tuple[Unpack[_Ts]]:
     """Run a driver call, turning a missing driver library into a :class:`CudaError`."""
     try:
         result = fn()
@@ -196,7 +200,6 @@ def make_context_current(device_index: int) -> None:
             (retained,) = _call_driver(
                 "cuDevicePrimaryCtxRetain", lambda: _drv.cuDevicePrimaryCtxRetain(dev)
             )
-            assert isinstance(retained, _drv.CUcontext)
             ctx = retained
             _primary_contexts[device_index] = ctx
     _call_driver("cuCtxSetCurrent", lambda: _drv.cuCtxSetCurrent(ctx))
@@ -204,7 +207,6 @@ def make_context_current(device_index: int) -> None:
 
 def _device_handle(device_index: int) -> _drv.CUdevice:
     (dev,) = _call_driver("cuDeviceGet", lambda: _drv.cuDeviceGet(device_index))
-    assert isinstance(dev, _drv.CUdevice)
     return dev
 
 
@@ -217,7 +219,6 @@ def capabilities(device_index: int) -> Capabilities:
     """
     make_context_current(device_index)
     (version,) = _call_driver("cuDriverGetVersion", _drv.cuDriverGetVersion)
-    assert isinstance(version, int)
     dev = _device_handle(device_index)
     (raw_name,) = _call_driver(
         "cuDeviceGetName", lambda: _drv.cuDeviceGetName(_DEVICE_NAME_BYTES, dev)
@@ -431,7 +432,6 @@ def create_stream(device_index: int, priority: int = 0) -> int:
         "cuStreamCreateWithPriority",
         lambda: _drv.cuStreamCreateWithPriority(STREAM_NON_BLOCKING, priority),
     )
-    assert isinstance(stream, _drv.CUstream)
     return int(stream)
 
 
@@ -593,3 +593,175 @@ def unpin_chunks(pinner: HostPinner, chunks: Sequence[tuple[int, int]]) -> list[
         except Exception as exc:  # collected: every other chunk must still be released
             failures.append(exc)
     return failures
+
+
+# ---------------------------------------------------------------------------------------------
+# Copy kernel (staged and SM transfer paths)
+
+#: The page-copy kernel. One warp copies one unit (a contiguous range of at most ``UNIT_MAX_BYTES``)
+#: at a time, grid-striding over units: 16-byte accesses with four loads in flight per lane, and a
+#: byte tail for units whose size is not a multiple of 16. Sources and destinations may be device
+#: memory or registered host memory (through its device mapping).
+COPY_KERNEL_SOURCE: Final = r"""
+struct KvoUnit { unsigned long long src, dst, nbytes, pad; };
+
+extern "C" __global__ void __launch_bounds__(1024)
+kvo_copy_units(const KvoUnit* __restrict__ units, unsigned long long count)
+{
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned long long warp =
+        ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) >> 5;
+    for (unsigned long long u = warp; u < count; u += warps) {
+        const KvoUnit unit = units[u];
+        const uint4* __restrict__ s = (const uint4*)unit.src;
+        uint4* __restrict__ d = (uint4*)unit.dst;
+        const unsigned long long n16 = unit.nbytes >> 4;
+        unsigned long long i = lane;
+        for (; i + 96 < n16; i += 128) {
+            const uint4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
+            d[i] = a; d[i + 32] = b; d[i + 64] = c; d[i + 96] = e;
+        }
+        for (; i < n16; i += 32) d[i] = s[i];
+        const unsigned char* sb = (const unsigned char*)unit.src;
+        unsigned char* db = (unsigned char*)unit.dst;
+        for (unsigned long long j = (n16 << 4) + lane; j < unit.nbytes; j += 32) db[j] = sb[j];
+    }
+}
+"""
+COPY_KERNEL_NAME: Final = b"kvo_copy_units"
+#: Bytes of one unit descriptor (src, dst, nbytes, pad: four uint64).
+UNIT_DESCRIPTOR_BYTES: Final = 32
+#: Threads per CTA of the copy kernel.
+COPY_KERNEL_THREADS: Final = 512
+#: ABI version ``cuLaunchKernel`` is resolved for (its signature is unchanged since CUDA 4.0).
+LAUNCH_ABI_VERSION: Final = 12000
+
+
+def _nvrtc_check(call: str, result: tuple[Any, Unpack[_Ts]]) -> tuple[Unpack[_Ts]]:
+    from cuda.bindings import nvrtc
+
+    code = result[0]
+    if code != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        message = nvrtc.nvrtcGetErrorString(code)
+        text = _decode(message[1]) if len(message) > 1 else str(code)
+        raise CudaError(call, int(code), getattr(code, "name", str(code)), text)
+    return result[1:]
+
+
+def _device_attribute(device_index: int, attribute: _drv.CUdevice_attribute) -> int:
+    dev = _device_handle(device_index)
+    (value,) = _call_driver("cuDeviceGetAttribute", lambda: _drv.cuDeviceGetAttribute(attribute, dev))
+    return value
+
+
+def multiprocessor_count(device_index: int) -> int:
+    """Streaming multiprocessors of the device."""
+    return _device_attribute(
+        device_index, _drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    )
+
+
+def host_pointer_is_device_pointer(device_index: int, host_ptr: int) -> bool:
+    """Whether kernels can use the address of registered host memory as is (UVA): the device
+    pointer the driver maps it to must be the same address.
+
+    Raises:
+        CudaError: the memory is not registered with the device.
+    """
+    make_context_current(device_index)
+    (mapped,) = _call_driver(
+        "cuMemHostGetDevicePointer", lambda: _drv.cuMemHostGetDevicePointer(host_ptr, 0)
+    )
+    return int(mapped) == host_ptr
+
+
+class CopyKernel:
+    """The page-copy kernel, compiled with NVRTC for one device and loaded once per process.
+
+    Owns: the loaded module (kept for the process lifetime, like the primary context: kernels may be
+    in flight on any stream until the process ends). Launches go through ``cuLaunchKernel`` resolved
+    with ``cuGetProcAddress`` and called through ctypes, so a launch costs a few microseconds.
+    """
+
+    def __init__(self, device_index: int, function: int, launch: Callable[..., int]) -> None:
+        self.device_index = device_index
+        self._function = function
+        self._launch = launch
+
+    @classmethod
+    @functools.cache
+    def for_device(cls, device_index: int) -> CopyKernel:
+        """Compile (NVRTC, for the device's compute capability) and load the kernel; cached.
+
+        Raises:
+            CudaError: NVRTC or the driver failed (the message carries the compile log).
+        """
+        make_context_current(device_index)
+        major = _device_attribute(
+            device_index, _drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        )
+        minor = _device_attribute(
+            device_index, _drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+        )
+        image = _compile(COPY_KERNEL_SOURCE, f"sm_{major}{minor}")
+        (module,) = _call_driver("cuModuleLoadData", lambda: _drv.cuModuleLoadData(image))
+        (function,) = _call_driver(
+            "cuModuleGetFunction", lambda: _drv.cuModuleGetFunction(module, COPY_KERNEL_NAME)
+        )
+        result = _drv.cuGetProcAddress(b"cuLaunchKernel", LAUNCH_ABI_VERSION, 0)
+        if int(result[0]) != 0 or not int(result[1]):
+            raise CudaError("cuGetProcAddress", int(result[0]), "cuLaunchKernel", "symbol not found")
+        prototype = ctypes.CFUNCTYPE(
+            ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        )
+        return cls(device_index, int(function), prototype(int(result[1])))
+
+    def launch(self, units_ptr: int, count: int, ctas: int, stream: int) -> None:
+        """Copy ``count`` units described at device-accessible address ``units_ptr`` on ``stream``
+        with ``ctas`` CTAs of :data:`COPY_KERNEL_THREADS` threads.
+
+        Raises:
+            InvalidArgumentError: the legacy default stream, or a non-positive CTA count.
+            CudaError: the launch failed.
+        """
+        if stream == _LEGACY_DEFAULT_STREAM:
+            raise InvalidArgumentError("kernels are never launched on the legacy default stream (0)")
+        if ctas <= 0:
+            raise InvalidArgumentError(f"ctas = {ctas} must be positive")
+        if count == 0:
+            return
+        arg_units = ctypes.c_uint64(units_ptr)
+        arg_count = ctypes.c_uint64(count)
+        params = (ctypes.c_void_p * 2)(ctypes.addressof(arg_units), ctypes.addressof(arg_count))
+        code = self._launch(
+            self._function, ctas, 1, 1, COPY_KERNEL_THREADS, 1, 1, 0, stream, params, None
+        )
+        _checked_code("cuLaunchKernel", code)
+
+
+def _compile(source: str, arch: str) -> bytes:
+    """CUDA C -> CUBIN for ``arch`` with NVRTC (PTX for the driver to finish when NVRTC cannot
+    target the architecture)."""
+    from cuda.bindings import nvrtc
+
+    (prog,) = _nvrtc_check(
+        "nvrtcCreateProgram", nvrtc.nvrtcCreateProgram(source.encode(), b"kvoffload_copy.cu", 0, [], [])
+    )
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), b"-default-device"]
+        compiled = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            (size,) = _nvrtc_check("nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise CudaError("nvrtcCompileProgram", int(compiled[0]), "NVRTC_ERROR_COMPILATION",
+                            _decode(log).strip("\x00 "))
+        (size,) = _nvrtc_check("nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
+        image = b" " * size
+        _nvrtc_check("nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(prog, image))
+        return image
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

@@ -177,7 +177,8 @@ def run_demo(args: argparse.Namespace, progress: TextIO | None = None) -> DemoRe
     _log(progress, args.quiet, f"worker: {n_stored} blocks of {layout.block_bytes} bytes, "
          f"{layout.pages_per_block} pages each, jobs of {per_job} blocks")
     failed = 0
-    with Worker.create(layout, args.host_blocks, backend="cuda" if use_cuda else "host") as worker:
+    with Worker.create(layout, args.host_blocks, backend="cuda" if use_cuda else "host",
+                       path=args.path if use_cuda else "auto") as worker:
         path = worker.stats().path
         # Warm-up job: first-use costs (thread start, event creation) stay out of the figures.
         worker.store(-1, src_dev[:1].tolist(), host[:1].tolist())
@@ -262,6 +263,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options."""
     gpu = torch.cuda.is_available()
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
+    parser.add_argument("--path", choices=("auto", "dma", "staged", "sm"), default="auto",
+                        help="transfer path of the cuda backend")
     parser.add_argument("--layout", choices=LAYOUTS, default="per-layer")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)

@@ -45,7 +45,7 @@ import torch
 
 from kvoffload import bindings
 from kvoffload._descriptors import CopyPlan
-from kvoffload.backends import Backend, CudaBackend, HostBackend
+from kvoffload.backends import Backend, CudaBackend, HostBackend, SmBackend, StagedBackend
 from kvoffload.errors import (
     ArgumentTypeError,
     BlockConflictError,
@@ -71,14 +71,22 @@ from kvoffload.layout import DeviceLayout
 from kvoffload.records import Direction, TransferResult, WorkerStats
 from kvoffload.region import RegionOwner
 
-__all__ = ["BackendName", "Worker"]
+__all__ = ["DEFAULT_SM_CTAS", "DEFAULT_STAGING_BYTES", "BackendName", "PathName", "Worker"]
 
 _log = logging.getLogger("kvoffload.worker")
 
 BackendName = Literal["auto", "cuda", "host"]
+PathName = Literal["auto", "dma", "staged", "sm"]
 I64Array = npt.NDArray[np.int64]
 I32Array = npt.NDArray[np.int32]
 _BACKENDS: Final = ("auto", "cuda", "host")
+_PATHS: Final = ("auto", "dma", "staged", "sm")
+#: Device memory for the staged path's rings, both directions together.
+DEFAULT_STAGING_BYTES: Final = 256 << 20
+DEFAULT_STAGING_SLOTS: Final = 2
+#: CTAs of the SM path's kernel: enough to fill the host link (FACTS §1), few enough to leave the
+#: SMs to compute.
+DEFAULT_SM_CTAS: Final = 8
 #: Time a failed ``create`` gives the handlers it already started to stop.
 _CREATE_ROLLBACK_TIMEOUT_S: Final = 10.0
 
@@ -114,17 +122,15 @@ class _Bookkeeping:
             raise JobIdError(f"job {job_id} is already in flight or waiting to be polled")
         _src_reads, src_writes, dst_reads, dst_writes = self.counters(direction)
         source_on_device = direction is Direction.STORE
-        busy = np.flatnonzero(src_writes[reads])
-        if busy.size:
-            i = int(busy[0])
+        if bool(src_writes[reads].any()):
+            i = int(np.flatnonzero(src_writes[reads])[0])
             other = self._holder(int(reads[i]), on_device=source_on_device, writers_only=True)
             raise BlockConflictError(
                 f"{direction.value} job {job_id}: {read_name}[{i}] = {int(reads[i])} is being written "
                 f"by in-flight job {other}; submit after it completed"
             )
-        busy = np.flatnonzero(dst_reads[writes] | dst_writes[writes])
-        if busy.size:
-            i = int(busy[0])
+        if bool(dst_reads[writes].any() or dst_writes[writes].any()):
+            i = int(np.flatnonzero(dst_reads[writes] | dst_writes[writes])[0])
             other = self._holder(int(writes[i]), on_device=not source_on_device, writers_only=False)
             raise BlockConflictError(
                 f"{direction.value} job {job_id}: {write_name}[{i}] = {int(writes[i])} is in use by "
@@ -213,6 +219,10 @@ class Worker:
         shared_name: str | None = None,
         copy_method: bindings.CopyMethod | str | None = None,
         pin_chunk_bytes: int = bindings.PIN_CHUNK_BYTES,
+        path: PathName = "auto",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
+        kernel_ctas: int | None = None,
     ) -> Worker:
         """Build the region and both handlers; on any failure everything built so far is released.
 
@@ -228,6 +238,14 @@ class Worker:
             copy_method: cuda backend only: ``"batch-ctypes"`` (default where the driver has batch
                 memcpy), ``"batch-bindings"`` or ``"per-copy"``.
             pin_chunk_bytes: largest single host registration (rounded down to whole records).
+            path: cuda backend only: how pages move. ``"dma"``: one batched DMA descriptor per page
+                run. ``"staged"``: a copy kernel gathers pages into a device staging ring and the DMA
+                engine moves whole records (link speed at any page size, little compute cost).
+                ``"sm"``: the copy kernel reads and writes host memory directly (costs SMs).
+                ``"auto"``: staged when a record fits a staging slot, else dma.
+            staging_bytes: device memory of the staged path's rings, both directions together.
+            staging_slots: slots per ring (at least 2, so that kernel and DMA overlap).
+            kernel_ctas: CTAs of the copy kernel (default: every SM for staged, 8 for sm).
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
@@ -249,6 +267,7 @@ class Worker:
             raise InvalidArgumentError(f"num_host_blocks = {num_host_blocks} must be a positive int")
         chosen = _choose_backend(layout, backend, device)
         method = _copy_method(copy_method, chosen)
+        _check_path(path, chosen, staging_bytes, staging_slots, kernel_ctas)
         with contextlib.ExitStack() as undo:
             caps: bindings.Capabilities | None = None
             pinner: bindings.HostPinner = bindings.NoPinner()
@@ -273,10 +292,13 @@ class Worker:
             ):
                 plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
                 direction_backend: Backend = (
-                    CudaBackend.create(direction, layout.device, copier)
+                    _cuda_backend(direction, layout, region, copier, path, staging_bytes,
+                                  staging_slots, kernel_ctas)
                     if copier is not None
                     else HostBackend(direction)
                 )
+                if isinstance(direction_backend, CudaBackend):
+                    undo.callback(direction_backend.release)
                 handler = DirectionHandler.create(
                     direction=direction, plan=plan, backend=direction_backend,
                     num_src_blocks=num_src, num_dst_blocks=num_dst, sequence=sequence,
@@ -572,6 +594,68 @@ def _choose_backend(
     if backend == "host" and kind != "cpu":
         raise DeviceMismatchError(f"backend 'host' needs CPU tensors; the layout is on {layout.device}")
     return "cuda" if backend == "cuda" else "host"
+
+
+def _check_path(
+    path: str, backend: str, staging_bytes: int, staging_slots: int, kernel_ctas: int | None
+) -> None:
+    if path not in _PATHS:
+        raise InvalidArgumentError(f"path = {path!r} must be one of {', '.join(_PATHS)}")
+    if backend != "cuda" and path != "auto":
+        raise InvalidArgumentError(f"path = {path!r} applies to the cuda backend only (backend is {backend!r})")
+    for name, value, least in (("staging_bytes", staging_bytes, 1), ("staging_slots", staging_slots, 2)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(f"{name} = {value!r} must be an int")
+        if value < least:
+            raise InvalidArgumentError(f"{name} = {value} must be at least {least}")
+    if kernel_ctas is not None:
+        if isinstance(kernel_ctas, bool) or not isinstance(kernel_ctas, int):
+            raise ArgumentTypeError(f"kernel_ctas = {kernel_ctas!r} must be an int or None")
+        if kernel_ctas <= 0:
+            raise InvalidArgumentError(f"kernel_ctas = {kernel_ctas} must be positive")
+
+
+def _cuda_backend(
+    direction: Direction,
+    layout: DeviceLayout,
+    region: RegionOwner,
+    copier: bindings.Copier,
+    path: str,
+    staging_bytes: int,
+    staging_slots: int,
+    kernel_ctas: int | None,
+) -> CudaBackend:
+    """The backend of one direction for the chosen transfer path (see :meth:`Worker.create`)."""
+    device = layout.device
+    index = _device_index(device)
+    slot_bytes = staging_bytes // 2 // staging_slots // 4096 * 4096
+    fits = slot_bytes >= layout.record_bytes
+    if path == "staged" and not fits:
+        raise InvalidArgumentError(
+            f"path 'staged': a host record of {layout.record_bytes} bytes does not fit a staging slot "
+            f"of {slot_bytes} bytes (staging_bytes = {staging_bytes} over 2 directions x "
+            f"{staging_slots} slots); raise staging_bytes or use path 'dma'"
+        )
+    if path == "dma" or (path == "auto" and not fits):
+        return CudaBackend.create(direction, device, copier)
+    kernel = bindings.CopyKernel.for_device(index)
+    if path == "sm" and not bindings.host_pointer_is_device_pointer(index, region.base_ptr):
+        raise InvalidArgumentError("path 'sm' needs host memory the device addresses as is (UVA)")
+    with contextlib.ExitStack() as undo:
+        copy_stream = bindings.create_stream(index)
+        undo.callback(bindings.destroy_stream, index, copy_stream)
+        kernel_stream = bindings.create_stream(index)
+        undo.callback(bindings.destroy_stream, index, kernel_stream)
+        made: CudaBackend
+        if path == "sm":
+            made = SmBackend(direction, device, copier, copy_stream, kernel, kernel_stream,
+                             kernel_ctas or DEFAULT_SM_CTAS)
+        else:
+            ctas = kernel_ctas or bindings.multiprocessor_count(index)
+            made = StagedBackend(direction, device, copier, copy_stream, kernel, kernel_stream,
+                                 ctas, staging_slots, slot_bytes)
+        undo.pop_all()
+    return made
 
 
 def _copy_method(method: bindings.CopyMethod | str | None, backend: str) -> bindings.CopyMethod | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvoffload import DeviceLayout
@@ -29,12 +30,15 @@ def stall(cycles: int = SLEEP_CYCLES) -> None:
     torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
 
 
-class NoFenceBackend(CudaBackend):
-    """CONTROL ONLY: fences on an idle stream instead of the compute stream, so its copies do not
-    wait for queued compute (DESIGN §5 rules 1 and 2 broken on purpose)."""
+def _idle_fence(self: CudaBackend, stream: object | None) -> object:
+    """CONTROL ONLY: a fence on an idle stream instead of the compute stream, so the job's copies do
+    not wait for queued compute (DESIGN §5 rules 1 and 2 broken on purpose)."""
+    idle = new_stream(self.device)
+    event = new_event(timing=False)
+    event.record(idle)
+    return event
 
-    def fence(self, stream: object | None) -> object:
-        idle = new_stream(self.device)
-        event = new_event(timing=False)
-        event.record(idle)
-        return event
+
+def no_fence(patch: pytest.MonkeyPatch) -> None:
+    """Make every cuda backend created under ``patch`` use :func:`_idle_fence`."""
+    patch.setattr(CudaBackend, "fence", _idle_fence)

@@ -11,15 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvoffload.worker
 from kvoffload import DeviceLayout, Worker
-from tests.gpu._helpers import TIMEOUT_S, NoFenceBackend, cache, stall
+from kvoffload.worker import PathName
+from tests.gpu._helpers import TIMEOUT_S, cache, no_fence, stall
 from tests.gpu.conftest import Figures
 
 BLOCKS = list(range(8, 72, 2))  # 32 scattered device blocks
 HOST = list(range(32))
 CONTROL_TRIALS = 10
 TRIALS = 200
+PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
 
 
 def fill_blocks(layout: DeviceLayout, blocks: torch.Tensor, value: int) -> None:
@@ -91,34 +92,36 @@ def layout(device: torch.device) -> DeviceLayout:
     return cache("per-layer", device, num_blocks=128, layers=8)
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_store_waits_for_compute_writes(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
-                                        figures: Figures) -> None:
+                                        figures: Figures, path: PathName) -> None:
     pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
     with monkeypatch.context() as patch:
-        patch.setattr(kvoffload.worker, "CudaBackend", NoFenceBackend)
-        with Worker.create(layout, 64) as control:
+        no_fence(patch)
+        with Worker.create(layout, 64, path=path) as control:
             control_stale = store_race(control, layout, CONTROL_TRIALS, 0)
-    figures.add("store race, control without the compute wait: stale pages",
+    figures.add(f"store race [{path}], control without the compute wait: stale pages",
                 f"{control_stale} of {pages}")
     assert control_stale > 0, "the control did not race: the test cannot prove the rule"
-    with Worker.create(layout, 64) as w:
+    with Worker.create(layout, 64, path=path) as w:
         stale = store_race(w, layout, TRIALS, 0)
-    figures.add(f"store race, worker: stale pages over {TRIALS} trials", f"{stale}")
+    figures.add(f"store race [{path}], worker: stale pages over {TRIALS} trials", f"{stale}")
     assert stale == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
-                                      figures: Figures) -> None:
+                                      figures: Figures, path: PathName) -> None:
     pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
     with monkeypatch.context() as patch:
-        patch.setattr(kvoffload.worker, "CudaBackend", NoFenceBackend)
-        with Worker.create(layout, 64) as control:
+        no_fence(patch)
+        with Worker.create(layout, 64, path=path) as control:
             control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0)
-    figures.add("load race, control without the compute wait: reader saw new pages",
+    figures.add(f"load race [{path}], control without the compute wait: reader saw new pages",
                 f"{control_seen} of {pages}")
     assert control_seen > 0, "the control did not race: the test cannot prove the rule"
-    with Worker.create(layout, 64) as w:
+    with Worker.create(layout, 64, path=path) as w:
         seen, not_loaded = load_race(w, layout, TRIALS, 0)
-    figures.add(f"load race, worker: reader saw new pages over {TRIALS} trials", f"{seen}")
+    figures.add(f"load race [{path}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
     assert seen == 0
     assert not_loaded == 0

@@ -11,10 +11,12 @@ import torch
 
 from kvoffload import CopyMethod, DeviceLayout, Worker
 from kvoffload.demo import LAYOUTS
+from kvoffload.worker import PathName
 from tests.gpu._helpers import TIMEOUT_S, cache
 from tests.gpu.conftest import Figures
 
 SUBMIT_REPEATS = 12
+PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
 
 
 def pick(rng: np.random.Generator, n: int, count: int, contiguous: bool) -> np.ndarray:
@@ -25,7 +27,7 @@ def pick(rng: np.random.Generator, n: int, count: int, contiguous: bool) -> np.n
 
 
 def round_trip(w: Worker, layout: DeviceLayout, rng: np.random.Generator, count: int,
-               contiguous: bool, job: int) -> None:
+               contiguous: bool, job: int, path: str = "dma") -> None:
     src = pick(rng, layout.num_blocks // 2, count, contiguous)
     dst = layout.num_blocks // 2 + pick(rng, layout.num_blocks // 2, count, contiguous)
     host = pick(rng, w.num_host_blocks, count, contiguous)
@@ -37,19 +39,40 @@ def round_trip(w: Worker, layout: DeviceLayout, rng: np.random.Generator, count:
     w.load(job + 1, host, dst)
     (result,) = w.wait([job + 1], TIMEOUT_S)
     assert result.ok, result.error
-    assert result.path == "dma"
+    assert result.path == path
     assert torch.equal(layout.gather_records(dst), original)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("contiguous", [False, True], ids=["scattered", "contiguous"])
 @pytest.mark.parametrize("kind", LAYOUTS)
-def test_round_trip_is_bit_exact(kind: str, contiguous: bool, device: torch.device) -> None:
+def test_round_trip_is_bit_exact(kind: str, contiguous: bool, path: PathName,
+                                 device: torch.device) -> None:
     layout = cache(kind, device, seed=len(kind))
     rng = np.random.default_rng(len(kind) + int(contiguous))
-    with Worker.create(layout, 160) as w:
+    # Small slots: jobs span several chunks and every slot is reused within a job.
+    with Worker.create(layout, 160, path=path, staging_bytes=4 * 4 * layout.record_bytes) as w:
         for trial in range(3):
             round_trip(w, layout, rng, count=int(rng.integers(1, 64)), contiguous=contiguous,
-                       job=2 * trial)
+                       job=2 * trial, path=path)
+
+
+def test_pages_that_are_not_a_multiple_of_16_bytes_take_the_byte_tail(device: torch.device) -> None:
+    # 3-byte elements are impossible in torch; a 4-byte-element page of 4 * 13 = 52 bytes needs a
+    # 16-byte-aligned stride, so pad the block stride: [N, 64] uint8 viewed as pages of 52 bytes.
+    base = torch.randint(0, 256, (128, 64), dtype=torch.uint8, device=device)
+    pages = base[:, :52]
+    layout = DeviceLayout.from_tensors({"odd": pages}, block_dim=0)
+    assert layout.page_table.nbytes.tolist() == [52]
+    for path in PATHS:
+        with Worker.create(layout, 64, path=path) as w:
+            w.store(1, list(range(0, 40)), list(range(0, 40)))
+            assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+            assert torch.equal(w.host_records()[:40, :52].to(device), pages[:40]), path
+            w.load(2, list(range(0, 40)), list(range(64, 104)))
+            assert all(r.ok for r in w.wait([2], TIMEOUT_S))
+        assert torch.equal(pages[64:104], pages[:40]), path
+        pages[64:104].zero_()
 
 
 def test_copy_methods_give_identical_bytes(device: torch.device) -> None:
@@ -59,7 +82,7 @@ def test_copy_methods_give_identical_bytes(device: torch.device) -> None:
     host = rng.choice(64, size=40, replace=False)
     snapshots = {}
     for method in CopyMethod:
-        with Worker.create(layout, 64, copy_method=method) as w:
+        with Worker.create(layout, 64, copy_method=method, path="dma") as w:
             w.host_records().fill_(0)
             w.store(1, src, host)
             assert all(r.ok for r in w.wait([1], TIMEOUT_S))
@@ -80,7 +103,7 @@ def test_copy_methods_load_identical_bytes(device: torch.device) -> None:
     original = layout.gather_records(src)
     for job, method in enumerate(CopyMethod):
         layout.scatter_records(dst, torch.zeros_like(original))
-        with Worker.create(layout, 64, copy_method=method) as w:
+        with Worker.create(layout, 64, copy_method=method, path="dma") as w:
             w.store(2 * job, src, host)
             w.wait([2 * job], TIMEOUT_S)
             w.load(2 * job + 1, host, dst)
@@ -97,7 +120,7 @@ def test_large_job_of_256_blocks_by_64_pages(device: torch.device, figures: Figu
     host = rng.choice(300, size=256, replace=False)
     original = layout.gather_records(src)
     submit_s: list[float] = []
-    with Worker.create(layout, 300) as w:
+    with Worker.create(layout, 300, path="dma") as w:
         for job in range(SUBMIT_REPEATS):  # the first jobs also warm up first-use costs
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -112,9 +135,9 @@ def test_large_job_of_256_blocks_by_64_pages(device: torch.device, figures: Figu
     assert torch.equal(layout.gather_records(dst), original)
     figures.add("submit, one store job of 256 blocks x 64 pages (caller thread, median)",
                 f"{float(np.median(submit_s[2:])) * 1e6:8.1f} us")
-    figures.add("store 256 x 64 x 32 KiB, one job alone (copy-stream time)",
+    figures.add("store 256 x 64 x 32 KiB, one job alone, dma (copy-stream time)",
                 f"{stored.nbytes / stored.seconds / 1e9:8.1f} GB/s")
-    figures.add("load 256 x 64 x 32 KiB, one job alone (copy-stream time)",
+    figures.add("load 256 x 64 x 32 KiB, one job alone, dma (copy-stream time)",
                 f"{loaded.nbytes / loaded.seconds / 1e9:8.1f} GB/s")
 
 
@@ -138,5 +161,6 @@ def test_merged_runs_never_cross_a_pin_chunk(device: torch.device) -> None:
 def test_shared_region_round_trip(device: torch.device) -> None:
     layout = cache("mla", device, seed=4)
     rng = np.random.default_rng(2)
-    with Worker.create(layout, 64, shared_name=f"kvoffload-gpu-test-{rng.integers(1 << 30)}") as w:
+    with Worker.create(layout, 64, shared_name=f"kvoffload-gpu-test-{rng.integers(1 << 30)}",
+                       path="dma") as w:
         round_trip(w, layout, rng, count=20, contiguous=False, job=0)

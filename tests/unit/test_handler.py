@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from kvoffload import (
@@ -24,6 +25,7 @@ from kvoffload._descriptors import CopyPlan, Descriptors, PageTable
 from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
 
+I64Array = npt.NDArray[np.int64]
 HANG_GUARD_S = 30.0  # generous bound for "does not hang"; never a performance assertion
 
 
@@ -67,6 +69,7 @@ class FakeBackend:
         self.released = 0
         self.release_error: Exception | None = None
         self.issue_error: Exception | None = None
+        self.inline = False
 
     def fence(self, stream: object | None) -> object:
         if stream is not None:
@@ -76,7 +79,12 @@ class FakeBackend:
     def start_thread(self) -> None:
         pass
 
-    def issue(self, descriptors: Descriptors, fence: object) -> FakeTicket:
+    def can_issue_here(self) -> bool:
+        return self.inline
+
+
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> FakeTicket:
+        descriptors = plan.build(src, dst)
         ticket = FakeTicket()
         ticket.error = self.issue_error
         self.issued.append(descriptors)
@@ -302,9 +310,9 @@ def test_jobs_queued_behind_a_failed_drain_are_not_issued() -> None:
     gate = threading.Event()
     original_issue = backend.issue
 
-    def slow_issue(descriptors: Descriptors, fence: object) -> FakeTicket:
+    def slow_issue(plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> FakeTicket:
         gate.wait(HANG_GUARD_S)
-        return original_issue(descriptors, fence)
+        return original_issue(plan, src, dst, fence)
 
     backend.issue = slow_issue  # type: ignore[method-assign]
     handler = make_handler(backend)
@@ -338,3 +346,51 @@ def test_store_and_load_descriptors_point_the_right_way() -> None:
                 assert (int(desc.srcs[0]), int(desc.dsts[0])) == (device, host)
         finally:
             handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_small_job_with_nothing_pending_is_issued_on_the_callers_thread() -> None:
+    backend = FakeBackend()
+    backend.inline = True
+    threads: list[int] = []
+    original_issue = backend.issue
+
+    def recording_issue(plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> FakeTicket:
+        threads.append(threading.get_ident())
+        return original_issue(plan, src, dst, fence)
+
+    backend.issue = recording_issue  # type: ignore[method-assign]
+    handler = make_handler(backend)
+    try:
+        handler.submit(1, [1], [1])
+        assert threads == [threading.get_ident()]  # issued before submit returned, right here
+        assert [r.job_id for r in handler.wait([1], timeout=HANG_GUARD_S)] == [1]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_a_job_never_overtakes_one_queued_before_it() -> None:
+    backend = FakeBackend()
+    backend.inline = True
+    gate = threading.Event()
+    order: list[int] = []
+    original_issue = backend.issue
+
+    def gated_issue(plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> FakeTicket:
+        if int(src[0]) == 0:
+            gate.wait(HANG_GUARD_S)  # the first, big job is still being issued on the thread
+        order.append(int(src[0]))
+        return original_issue(plan, src, dst, fence)
+
+    backend.issue = gated_issue  # type: ignore[method-assign]
+    handler = make_handler(backend)
+    try:
+        backend.inline = False
+        handler.submit(1, [0], [0])  # queued: the issuer thread holds it at the gate
+        backend.inline = True
+        handler.submit(2, [5], [5])  # small, but a job is pending: it must queue behind job 1
+        handler.submit(3, [6], [6])
+        gate.set()
+        handler.wait([1, 2, 3], timeout=HANG_GUARD_S)
+        assert order == [0, 5, 6]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)

@@ -1,0 +1,329 @@
+"""``python -m kvoffload bench``: every transfer path side by side with the link limit, in one run.
+
+Measured on the same buffers in one process: the link limit (one large pinned copy each way, and
+both at once), a per-page ``cuMemcpyAsync`` loop (what engines did before batching), and the
+worker's ``dma``, ``staged``, ``sm`` and ``auto`` paths, over page sizes from 4 KiB to 2 MiB, for
+store, load and both directions at once; optionally beside a bf16 GEMM stream, reporting the GEMM's
+slowdown per path. Every transferred byte is checked. Figures are printed as GB/s and as a ratio to
+the link limit measured in the same run; ``--json`` writes them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Final, TextIO
+
+import attrs
+import numpy as np
+import torch
+
+from kvoffload.backends import new_event, new_stream
+from kvoffload.layout import DeviceLayout
+from kvoffload.worker import Worker
+
+__all__ = ["BenchRow", "main"]
+
+_GB: Final = 1e9
+KIB: Final = 1 << 10
+MIB: Final = 1 << 20
+PAGE_SIZES: Final = (4 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 256 * KIB, 2 * MIB)
+QUICK_PAGE_SIZES: Final = (4 * KIB, 32 * KIB, 2 * MIB)
+PATHS: Final = ("loop", "dma", "staged", "sm", "auto")
+#: A block is about this large whatever the page size (pages per block = this / page size).
+BLOCK_BYTES: Final = 2 * MIB
+JOB_BYTES: Final = 64 * MIB
+TIMEOUT_S: Final = 300.0
+GEMM_N: Final = 8192
+#: Products per GEMM window (about 60 ms on an H200) and store jobs kept in flight beside it.
+GEMM_WINDOW_PRODUCTS: Final = 40
+GEMM_JOBS_IN_FLIGHT: Final = 4
+SMALL_JOB_REPEATS: Final = 20
+
+
+@attrs.frozen
+class BenchRow:
+    """One path at one page size; GB/s, and GEMM slowdown (None when not measured)."""
+
+    page_bytes: int
+    path: str
+    store_gbps: float
+    load_gbps: float
+    both_gbps: float
+    gemm_slowdown: float | None
+    gemm_store_gbps: float | None
+    verified_bytes: int
+    mismatched_blocks: int
+
+
+def _log(out: TextIO, message: str) -> None:
+    print(message, file=out, flush=True)
+
+
+def link_limits(device: torch.device, nbytes: int) -> tuple[float, float, float]:
+    """GB/s of one large pinned copy d2h, h2d, and both at once (separate buffers, two streams)."""
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    devs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [new_stream(device), new_stream(device)]
+
+    def timed(pairs: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]]) -> float:
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for dst, src, stream in pairs:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return len(pairs) * nbytes / best / _GB
+
+    d2h = timed([(hosts[0], devs[0], streams[0])])
+    h2d = timed([(devs[1], hosts[1], streams[1])])
+    both = timed([(hosts[0], devs[0], streams[0]), (devs[1], hosts[1], streams[1])])
+    return d2h, h2d, both
+
+
+def _layout(device: torch.device, page_bytes: int, num_blocks: int) -> DeviceLayout:
+    pages = max(1, BLOCK_BYTES // page_bytes)
+    cache = torch.randint(0, 256, (pages, num_blocks, page_bytes), dtype=torch.uint8, device=device)
+    return DeviceLayout.from_tensors({"kv": cache}, block_dim=1)
+
+
+def _worker(layout: DeviceLayout, num_host: int, path: str) -> Worker:
+    if path == "loop":
+        return Worker.create(layout, num_host, path="dma", copy_method="per-copy")
+    return Worker.create(layout, num_host, path=path)  # type: ignore[arg-type]
+
+
+def _run(w: Worker, jobs: list[tuple[str, np.ndarray, np.ndarray]], first: int) -> float:
+    """Submit the jobs back to back, wait for all; wall seconds from first submit to last result."""
+    torch.cuda.synchronize(w.layout.device)
+    start = time.perf_counter()
+    for i, (kind, src, dst) in enumerate(jobs):
+        (w.store if kind == "store" else w.load)(first + i, src, dst)
+    results = w.wait(list(range(first, first + len(jobs))), TIMEOUT_S)
+    elapsed = time.perf_counter() - start
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} job(s) failed: {failed[0].error}")
+    return elapsed
+
+
+def _split(kind: str, src: np.ndarray, dst: np.ndarray, per_job: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    return [(kind, src[i : i + per_job], dst[i : i + per_job]) for i in range(0, src.shape[0], per_job)]
+
+
+def _mismatches_host(w: Worker, layout: DeviceLayout, dev: np.ndarray, host: np.ndarray) -> int:
+    records = w.host_records()
+    bad = 0
+    for i in range(0, dev.shape[0], 64):
+        got = records[host[i : i + 64]].to(layout.device)
+        bad += int((got != layout.gather_records(dev[i : i + 64])).any(dim=1).sum())
+    del records
+    return bad
+
+
+def _mismatches_device(layout: DeviceLayout, a: np.ndarray, b: np.ndarray) -> int:
+    bad = 0
+    for i in range(0, a.shape[0], 64):
+        bad += int((layout.gather_records(a[i : i + 64]) != layout.gather_records(b[i : i + 64]))
+                   .any(dim=1).sum())
+    return bad
+
+
+class GemmLoad:
+    """A bf16 GEMM stream: ``count`` products of ``GEMM_N``-square matrices queued on a stream of
+    its own, timed with events. Owns its operands (allocated once, warmed up once)."""
+
+    def __init__(self, device: torch.device, count: int = GEMM_WINDOW_PRODUCTS) -> None:
+        self.count = count
+        self.stream = new_stream(device)
+        with torch.cuda.stream(self.stream):
+            self.a = torch.randn(GEMM_N, GEMM_N, device=device, dtype=torch.bfloat16)
+            self.b = torch.randn(GEMM_N, GEMM_N, device=device, dtype=torch.bfloat16)
+            for _ in range(3):
+                torch.mm(self.a, self.b)
+        self.stream.synchronize()
+
+    def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Queue one window of products; returns its (start, end) events."""
+        begin, end = new_event(timing=True), new_event(timing=True)
+        with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
+            for _ in range(self.count):
+                torch.mm(self.a, self.b)
+            end.record(self.stream)
+        return begin, end
+
+    def alone_ms(self) -> float:
+        """Milliseconds of one window with nothing else running."""
+        begin, end = self.start()
+        end.synchronize()
+        return float(begin.elapsed_time(end))
+
+
+def measure_path(
+    device: torch.device, page_bytes: int, path: str, total_bytes: int, gemm: GemmLoad | None,
+    out: TextIO,
+) -> BenchRow:
+    """All figures of one path at one page size (see the module docstring)."""
+    num = max(4, total_bytes // BLOCK_BYTES)
+    layout = _layout(device, page_bytes, 2 * num)
+    per_job = max(1, JOB_BYTES // layout.block_bytes)
+    rng = np.random.default_rng(page_bytes)
+    dev_a = rng.permutation(num)
+    dev_b = num + rng.permutation(num)
+    host = rng.permutation(2 * num)
+    with _worker(layout, 2 * num, path) as w:
+        _run(w, _split("store", dev_a[:per_job], host[:per_job], per_job), 10**6)  # warm-up
+        store_s = _run(w, _split("store", dev_a, host[:num], per_job), 0)
+        bad = _mismatches_host(w, layout, dev_a, host[:num])
+        load_s = _run(w, _split("load", host[:num], dev_b, per_job), 1000)
+        bad += _mismatches_device(layout, dev_a, dev_b)
+        # both at once: store dev_b (just loaded) to fresh records while loading the first half back
+        mixed = _split("store", dev_b, host[num:], per_job)
+        mixed_load = _split("load", host[:num], dev_a, per_job)
+        interleaved = [job for pair in zip(mixed, mixed_load) for job in pair]
+        both_s = _run(w, interleaved, 2000) / 2
+        bad += _mismatches_host(w, layout, dev_b, host[num:])
+        bad += _mismatches_device(layout, dev_a, dev_b)
+        gemm_slowdown = gemm_store = None
+        if gemm is not None:
+            gemm_slowdown, gemm_store = _with_gemm(w, layout, dev_a, host[:num], per_job, gemm)
+    moved = num * layout.block_bytes
+    row = BenchRow(
+        page_bytes=page_bytes, path=path, store_gbps=moved / store_s / _GB,
+        load_gbps=moved / load_s / _GB, both_gbps=2 * moved / (2 * both_s) / _GB,
+        gemm_slowdown=gemm_slowdown, gemm_store_gbps=gemm_store, verified_bytes=4 * moved,
+        mismatched_blocks=bad,
+    )
+    _log(out, f"  {page_bytes // KIB:>5} KiB {path:<7} store {row.store_gbps:6.1f}  load "
+              f"{row.load_gbps:6.1f}  both {row.both_gbps:6.1f} GB/s  mismatched {bad}")
+    return row
+
+
+def _with_gemm(
+    w: Worker, layout: DeviceLayout, dev: np.ndarray, host: np.ndarray, per_job: int, gemm: GemmLoad,
+) -> tuple[float, float]:
+    """(GEMM slowdown, store GB/s) with stores kept in flight beside a GEMM window.
+
+    The GEMM window alone is timed before and after (their mean is the reference), so clock drift
+    shows up as noise on both sides rather than as a bias. Up to ``GEMM_JOBS_IN_FLIGHT`` store jobs
+    run at once, on rotating host blocks so that no two in-flight jobs write one record.
+    """
+    before = gemm.alone_ms()
+    jobs = _split("store", dev, host, per_job)
+    begin, end = gemm.start()
+    in_flight: list[int] = []
+    moved = 0
+    job = 10**7
+    t0 = time.perf_counter()
+    while not _done(end):
+        if len(in_flight) >= GEMM_JOBS_IN_FLIGHT:
+            w.wait([in_flight.pop(0)], TIMEOUT_S)
+        _, s, d = jobs[job % len(jobs)]
+        w.store(job, s, d)
+        in_flight.append(job)
+        moved += s.shape[0] * layout.block_bytes
+        job += 1
+    w.wait(in_flight, TIMEOUT_S)
+    elapsed = time.perf_counter() - t0
+    with_ms = float(begin.elapsed_time(end))
+    after = gemm.alone_ms()
+    return with_ms / ((before + after) / 2) - 1.0, moved / elapsed / _GB
+
+
+def small_job_ratio(device: torch.device, path: str) -> tuple[float, float]:
+    """(median seconds of a 1-block job of 64 pages of 32 KiB, of one 2 MiB pinned copy)."""
+    layout = _layout(device, 32 * KIB, 64)
+    host = torch.empty(2 * MIB, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(2 * MIB, dtype=torch.uint8, device=device)
+    stream = new_stream(device)
+    copies, jobs = [], []
+    with _worker(layout, 8, path) as w:
+        for i in range(SMALL_JOB_REPEATS + 2):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            w.store(i, [i % 32], [i % 8])
+            w.wait([i], TIMEOUT_S)
+            jobs.append(time.perf_counter() - t0)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                host.copy_(buf, non_blocking=True)
+            stream.synchronize()
+            copies.append(time.perf_counter() - t0)
+    return statistics.median(jobs[2:]), statistics.median(copies[2:])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's command-line options."""
+    parser.add_argument("--quick", action="store_true", help="fewer page sizes and bytes (< 1 min)")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths")
+    parser.add_argument("--pages", default=None, help="comma-separated page sizes in KiB")
+    parser.add_argument("--total-mib", type=int, default=None, help="bytes moved per measurement")
+    parser.add_argument("--gemm", action="store_true", help="also measure beside a bf16 GEMM stream")
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m kvoffload bench``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m kvoffload bench", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kvoffload bench: no CUDA device - the bench measures the host link and needs a GPU",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    progress = sys.stderr
+    pages = (tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages
+             else QUICK_PAGE_SIZES if args.quick else PAGE_SIZES)
+    paths = tuple(p for p in args.paths.split(",") if p)
+    total = (args.total_mib * MIB if args.total_mib else (1024 * MIB if args.quick else 2048 * MIB))
+    _log(progress, "measuring the link limit")
+    d2h, h2d, both = link_limits(device, 1 << 30)
+    gemm = GemmLoad(device) if args.gemm else None
+    rows = []
+    for page in pages:
+        for path in paths:
+            rows.append(measure_path(device, page, path, total, gemm, progress))
+    small = {path: small_job_ratio(device, path) for path in paths if path != "loop"}
+    print(f"kvoffload bench on {torch.cuda.get_device_name(device)}")
+    print(f"link limit: d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s, both at once {both:.1f} GB/s")
+    header = f"{'page':>8} {'path':<7} {'store GB/s':>16} {'load GB/s':>16} {'both GB/s':>16}"
+    if args.gemm:
+        header += f" {'GEMM slower':>12} {'store beside GEMM':>18}"
+    print(header)
+    for r in rows:
+        line = (f"{_size(r.page_bytes):>8} {r.path:<7} {r.store_gbps:6.1f} ({r.store_gbps / d2h:4.2f}x)"
+                f"    {r.load_gbps:6.1f} ({r.load_gbps / h2d:4.2f}x)    "
+                f"{r.both_gbps:6.1f} ({r.both_gbps / both:4.2f}x)")
+        if r.gemm_slowdown is not None and r.gemm_store_gbps is not None:
+            line += f" {100 * r.gemm_slowdown:11.1f}% {r.gemm_store_gbps:8.1f} ({r.gemm_store_gbps / d2h:4.2f}x)"
+        print(line)
+    for path, (job_s, copy_s) in small.items():
+        print(f"1-block job (64 x 32 KiB) [{path}]: {job_s * 1e6:7.1f} us = {job_s / copy_s:4.2f}x "
+              f"one 2 MiB pinned copy ({copy_s * 1e6:.1f} us)")
+    mismatched = sum(r.mismatched_blocks for r in rows)
+    print(f"verified {sum(r.verified_bytes for r in rows) / _GB:.1f} GB, mismatched blocks: {mismatched}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"link": {"d2h": d2h, "h2d": h2d, "both": both},
+                       "rows": [attrs.asdict(r) for r in rows],
+                       "small_job": {p: {"job_s": j, "copy_s": c} for p, (j, c) in small.items()}},
+                      f, indent=2)
+    return 0 if mismatched == 0 else 1
+
+
+def _done(event: torch.cuda.Event) -> bool:
+    return bool(event.query())  # type: ignore[no-untyped-call]
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"

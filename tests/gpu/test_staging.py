@@ -1,0 +1,132 @@
+"""DESIGN §5 rule 5 for the staged path: a staging slot is reused only after the event of its last
+use. Controls that skip that wait corrupt data across back-to-back jobs; the real path shows none.
+
+The compute stream is stalled so that the kernel side of every chunk waits while the DMA side runs
+ahead (load), or so that all gathers run back to back once released while the DMAs trail (store).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import DeviceLayout, Worker, bindings
+from kvoffload._descriptors import StagedChunk
+from kvoffload.backends import StagedBackend
+from tests.gpu._helpers import TIMEOUT_S, cache, stall
+from tests.gpu.conftest import Figures
+
+JOBS = 10
+BLOCKS_PER_JOB = 24
+
+
+def store_chunk_without_slot_wait(
+    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+) -> None:
+    """CONTROL ONLY: the store chunk without waiting for the slot's previous DMA."""
+    kstream = self._kernel_stream
+    self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+    self._filled[chunk.slot].record(kstream)
+    stream.wait_event(self._filled[chunk.slot])
+    self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
+                     bindings.SrcAccessOrder.STREAM, stream.cuda_stream)
+    self._drained[chunk.slot].record(stream)
+
+
+def load_chunk_without_slot_wait(
+    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+) -> None:
+    """CONTROL ONLY: the load chunk without waiting for the slot's previous kernel."""
+    kstream = self._kernel_stream
+    self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
+                     bindings.SrcAccessOrder.ANY, stream.cuda_stream)
+    self._filled[chunk.slot].record(stream)
+    kstream.wait_event(self._filled[chunk.slot])
+    self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+    self._drained[chunk.slot].record(kstream)
+
+
+def small_ring(layout: DeviceLayout) -> int:
+    """staging_bytes for 2 slots of 2 records per direction: every job spans many chunks."""
+    return 2 * 2 * 2 * layout.record_bytes
+
+
+def back_to_back_stores(layout: DeviceLayout) -> int:
+    """Corrupted host records after JOBS stores submitted back to back behind a stalled compute."""
+    rng = np.random.default_rng(3)
+    compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+    src = [rng.choice(layout.num_blocks, BLOCKS_PER_JOB, replace=False) for _ in range(JOBS)]
+    host = np.arange(JOBS * BLOCKS_PER_JOB).reshape(JOBS, BLOCKS_PER_JOB)
+    with Worker.create(layout, JOBS * BLOCKS_PER_JOB, path="staged",
+                       staging_bytes=small_ring(layout)) as w:
+        with torch.cuda.stream(compute):
+            stall()
+        for job in range(JOBS):
+            w.store(job, src[job], host[job], stream=compute)
+        assert all(r.ok for r in w.wait(list(range(JOBS)), TIMEOUT_S))
+        records = w.host_records()
+        bad = 0
+        for job in range(JOBS):
+            want = layout.gather_records(src[job])
+            bad += int((records[host[job]].to(layout.device) != want).any(dim=1).sum())
+        del records
+    return bad
+
+
+def back_to_back_loads(layout: DeviceLayout) -> int:
+    """Corrupted device blocks after JOBS loads submitted back to back behind a stalled compute."""
+    rng = np.random.default_rng(4)
+    compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+    n = JOBS * BLOCKS_PER_JOB
+    dst = rng.permutation(layout.num_blocks)[:n].reshape(JOBS, BLOCKS_PER_JOB)
+    host = rng.permutation(n).reshape(JOBS, BLOCKS_PER_JOB)
+    with Worker.create(layout, n, path="staged", staging_bytes=small_ring(layout)) as w:
+        records = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8)
+        w.host_records().copy_(records)
+        with torch.cuda.stream(compute):
+            stall()
+        for job in range(JOBS):
+            w.load(job, host[job], dst[job], stream=compute)
+        assert all(r.ok for r in w.wait(list(range(JOBS)), TIMEOUT_S))
+    bad = 0
+    table = layout.page_table
+    for job in range(JOBS):
+        got = layout.gather_records(dst[job]).cpu()
+        want = records[host[job]]
+        for offset, size in zip(table.host_offset.tolist(), table.nbytes.tolist()):
+            bad += int((got[:, offset : offset + size] != want[:, offset : offset + size]).any(dim=1).sum())
+    return bad
+
+
+@pytest.fixture
+def layout(device: torch.device) -> DeviceLayout:
+    return cache("per-layer", device, num_blocks=JOBS * BLOCKS_PER_JOB + 16, layers=8)
+
+
+def test_store_reuses_a_slot_only_after_its_dma_finished(
+    layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
+) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(StagedBackend, "_store_chunk", store_chunk_without_slot_wait)
+        control = back_to_back_stores(layout)
+    figures.add("staged store ring reuse, control without the slot wait: bad records",
+                f"{control} of {JOBS * BLOCKS_PER_JOB}")
+    assert control > 0, "the control did not race: the test cannot prove the rule"
+    real = back_to_back_stores(layout)
+    figures.add("staged store ring reuse, worker: bad records", f"{real}")
+    assert real == 0
+
+
+def test_load_reuses_a_slot_only_after_its_kernel_finished(
+    layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
+) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(StagedBackend, "_load_chunk", load_chunk_without_slot_wait)
+        control = back_to_back_loads(layout)
+    figures.add("staged load ring reuse, control without the slot wait: bad pages",
+                f"{control} of {JOBS * BLOCKS_PER_JOB * layout.pages_per_block}")
+    assert control > 0, "the control did not race: the test cannot prove the rule"
+    real = back_to_back_loads(layout)
+    figures.add("staged load ring reuse, worker: bad pages", f"{real}")
+    assert real == 0
