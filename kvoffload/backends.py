@@ -28,7 +28,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ from kvoffload.records import Direction
 I64Array = npt.NDArray[np.int64]
 
 __all__ = [
+    "AutoBackend",
     "Backend",
     "CudaBackend",
     "FailedTicket",
@@ -58,7 +59,7 @@ __all__ = [
 #: Waiting first polls without sleeping for this long (small jobs finish in tens of microseconds and
 #: a sleep would add its own granularity to their latency), then sleeps with a doubling backoff
 #: capped so that a long wait costs little CPU.
-WAIT_SPIN_S: Final = 300e-6
+WAIT_SPIN_S: Final = 100e-6
 WAIT_POLL_MIN_S: Final = 50e-6
 WAIT_POLL_MAX_S: Final = 500e-6
 _MS_PER_S: Final = 1e3
@@ -93,6 +94,8 @@ class Ticket(Protocol):
     """
 
     error: BaseException | None
+    #: The path that moved the job when it differs from the backend's (``auto``), else None.
+    path: str | None
 
     def done(self) -> bool:
         """Whether the job's copies finished; never blocks. Raises if completion failed."""
@@ -148,12 +151,14 @@ class CudaTicket:
         error: BaseException | None,
         device_index: int,
         keep: tuple[object, ...] = (),
+        path: str | None = None,
     ) -> None:
         self.start = start
         self.end = end
         self.error = error
         self.device_index = device_index
         self.keep = keep  # host buffers the job's copies read: alive until the ticket is dropped
+        self.path = path
 
     def done(self) -> bool:
         """``cuEventQuery`` on the end event; raises :class:`~kvoffload.errors.CudaError`."""
@@ -366,6 +371,15 @@ class SmBackend(KernelBackend):
     with compute for SMs and memory bandwidth.
     """
 
+    @classmethod
+    def create_sm(
+        cls, direction: Direction, device: torch.device, copier: bindings.Copier, ctas: int
+    ) -> SmBackend:
+        """An SM backend with two streams of its own; nothing leaks if construction fails."""
+        return _with_two_streams(
+            device, lambda copy, kernel, fn: cls(direction, device, copier, copy, fn, kernel, ctas)
+        )
+
     @property
     def path(self) -> str:
         """``"sm"``."""
@@ -434,6 +448,18 @@ class StagedBackend(KernelBackend):
         self._filled = [new_event(timing=False) for _ in range(slots)]
         self._drained = [new_event(timing=False) for _ in range(slots)]
         self._next_slot = 0
+        self._end_on_copy_stream = False
+
+    @classmethod
+    def create_staged(
+        cls, direction: Direction, device: torch.device, copier: bindings.Copier, ctas: int,
+        slots: int, slot_bytes: int,
+    ) -> StagedBackend:
+        """A staged backend with two streams of its own; nothing leaks if construction fails."""
+        return _with_two_streams(
+            device, lambda copy, kernel, fn: cls(direction, device, copier, copy, fn, kernel, ctas,
+                                                 slots, slot_bytes)
+        )
 
     def _issue_on(
         self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
@@ -475,10 +501,13 @@ class StagedBackend(KernelBackend):
         try:
             if not store:
                 kstream.wait_stream(stream)  # a failed chunk must not leave a DMA behind the end
+                if self._end_on_copy_stream:
+                    stream.wait_stream(kstream)
+                    last = stream
             end.record(last)
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self._device_index, keep=(buffer,))
+        return CudaTicket(start, end, error, self._device_index, keep=(buffer,), path="staged")
 
     def _store_chunk(
         self, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
@@ -509,6 +538,78 @@ class StagedBackend(KernelBackend):
         super()._destroy()
 
 
+class AutoBackend(StagedBackend):
+    """Auto path: each job takes the path the calibration found fastest for its direction and
+    size — batched DMA or staged. Both end on the copy stream, so jobs finish in submission order
+    whichever path moved them; ``TransferResult.path`` names the path each job took.
+    """
+
+    def __init__(
+        self,
+        direction: Direction,
+        device: torch.device,
+        copier: bindings.Copier,
+        stream_handle: int,
+        kernel: bindings.CopyKernel,
+        kernel_stream_handle: int,
+        ctas: int,
+        slots: int,
+        slot_bytes: int,
+        choose: Callable[[int], str],
+    ) -> None:
+        super().__init__(direction, device, copier, stream_handle, kernel, kernel_stream_handle,
+                         ctas, slots, slot_bytes)
+        self._choose = choose
+        self._end_on_copy_stream = True
+
+    @classmethod
+    def create_auto(
+        cls, direction: Direction, device: torch.device, copier: bindings.Copier, ctas: int,
+        slots: int, slot_bytes: int, choose: Callable[[int], str],
+    ) -> AutoBackend:
+        """An auto backend with two streams of its own; nothing leaks if construction fails."""
+        return _with_two_streams(
+            device, lambda copy, kernel, fn: cls(direction, device, copier, copy, fn, kernel, ctas,
+                                                 slots, slot_bytes, choose)
+        )
+
+    @property
+    def path(self) -> str:
+        """``"auto"`` (each result names the path its job took)."""
+        return "auto"
+
+    def _issue_on(
+        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+    ) -> Ticket:
+        if self._choose(int(src.shape[0])) == "dma":
+            ticket = CudaBackend._issue_on(self, stream, plan, src, dst, fence)
+            ticket.path = "dma"
+            return ticket
+        return StagedBackend._issue_on(self, stream, plan, src, dst, fence)
+
+
+_B = TypeVar("_B", bound="KernelBackend")
+
+
+def _with_two_streams(
+    device: torch.device, make: Callable[[int, int, bindings.CopyKernel], _B]
+) -> _B:
+    """Create a copy stream and a kernel stream, then the backend; destroy both if that fails."""
+    index = _index(device)
+    kernel = bindings.CopyKernel.for_device(index)
+    copy_stream = bindings.create_stream(index)
+    try:
+        kernel_stream = bindings.create_stream(index)
+        try:
+            return make(copy_stream, kernel_stream, kernel)
+        except BaseException:
+            bindings.destroy_stream(index, kernel_stream)
+            raise
+    except BaseException:
+        bindings.destroy_stream(index, copy_stream)
+        raise
+
+
 def new_stream(device: torch.device) -> torch.cuda.Stream:
     """A fresh stream from torch's pool (never the legacy default stream)."""
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -529,6 +630,7 @@ class FailedTicket:
 
     def __init__(self, error: BaseException) -> None:
         self.error: BaseException | None = error
+        self.path: str | None = None
 
     def done(self) -> bool:
         return True
@@ -548,6 +650,7 @@ class HostTicket:
 
     def __init__(self, elapsed_s: float, error: BaseException | None) -> None:
         self.error = error
+        self.path: str | None = None
         self._elapsed_s = elapsed_s
 
     def done(self) -> bool:

@@ -238,6 +238,27 @@ def _with_gemm(
     return with_ms / ((before + after) / 2) - 1.0, moved / elapsed / _GB
 
 
+def gemm_beside_link(gemm: GemmLoad, device: torch.device) -> tuple[float, float]:
+    """(GEMM slowdown, GB/s) beside back-to-back 64 MiB pinned copies: the cost of host-link traffic
+    itself, the floor any path's slowdown is compared with."""
+    host = torch.empty(JOB_BYTES, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(JOB_BYTES, dtype=torch.uint8, device=device)
+    stream = new_stream(device)
+    before = gemm.alone_ms()
+    begin, end = gemm.start()
+    moved = 0
+    t0 = time.perf_counter()
+    while not _done(end):
+        with torch.cuda.stream(stream):
+            host.copy_(buf, non_blocking=True)
+        stream.synchronize()
+        moved += JOB_BYTES
+    elapsed = time.perf_counter() - t0
+    with_ms = float(begin.elapsed_time(end))
+    after = gemm.alone_ms()
+    return with_ms / ((before + after) / 2) - 1.0, moved / elapsed / _GB
+
+
 def small_job_ratio(device: torch.device, path: str) -> tuple[float, float]:
     """(median seconds of a 1-block job of 64 pages of 32 KiB, of one 2 MiB pinned copy)."""
     layout = _layout(device, 32 * KIB, 64)
@@ -294,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in paths:
             rows.append(measure_path(device, page, path, total, gemm, progress))
     small = {path: small_job_ratio(device, path) for path in paths if path != "loop"}
+    link_gemm = gemm_beside_link(gemm, device) if gemm is not None else None
     print(f"kvoffload bench on {torch.cuda.get_device_name(device)}")
     print(f"link limit: d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s, both at once {both:.1f} GB/s")
     header = f"{'page':>8} {'path':<7} {'store GB/s':>16} {'load GB/s':>16} {'both GB/s':>16}"
@@ -307,6 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if r.gemm_slowdown is not None and r.gemm_store_gbps is not None:
             line += f" {100 * r.gemm_slowdown:11.1f}% {r.gemm_store_gbps:8.1f} ({r.gemm_store_gbps / d2h:4.2f}x)"
         print(line)
+    if link_gemm is not None:
+        print(f"GEMM beside plain 64 MiB pinned copies (the link's own cost): "
+              f"{100 * link_gemm[0]:.1f}% slower, {link_gemm[1]:.1f} GB/s")
     for path, (job_s, copy_s) in small.items():
         print(f"1-block job (64 x 32 KiB) [{path}]: {job_s * 1e6:7.1f} us = {job_s / copy_s:4.2f}x "
               f"one 2 MiB pinned copy ({copy_s * 1e6:.1f} us)")
@@ -315,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"link": {"d2h": d2h, "h2d": h2d, "both": both},
+                       "gemm_beside_link": link_gemm,
                        "rows": [attrs.asdict(r) for r in rows],
                        "small_job": {p: {"job_s": j, "copy_s": c} for p, (j, c) in small.items()}},
                       f, indent=2)

@@ -20,14 +20,14 @@ from typing import Final, TextIO
 import attrs
 import torch
 
+from kvoffload._caches import LAYOUTS, build_cache
 from kvoffload.backends import new_event, new_stream
 from kvoffload.layout import DeviceLayout
 from kvoffload.records import TransferResult
 from kvoffload.worker import Worker
 
-__all__ = ["DemoReport", "build_cache", "main", "measure_link", "run_demo"]
+__all__ = ["LAYOUTS", "DemoReport", "build_cache", "main", "measure_link", "run_demo"]
 
-LAYOUTS: Final = ("per-layer", "block-major", "mla", "cross-layer", "kv-separate")
 DTYPES: Final = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                  "uint8": torch.uint8}
 #: Size of the single pinned copy that measures the link limit.
@@ -61,44 +61,6 @@ class DemoReport:
     def ok(self) -> bool:
         """No mismatch and no failed job."""
         return self.mismatched_blocks == 0 and self.failed_jobs == 0
-
-
-def build_cache(
-    layout_kind: str,
-    *,
-    num_blocks: int,
-    layers: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    seed: int = 0,
-) -> tuple[dict[str, torch.Tensor], int | dict[str, int]]:
-    """A KV cache of one of :data:`LAYOUTS` filled with random bytes (generated on ``device``),
-    and its block dim(s)."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator, device=device)
-        return raw.view(dtype).view(*shape)
-
-    if layout_kind == "per-layer":
-        return {f"layer{i}": rand(2, num_blocks, block_size, kv_heads, head_dim) for i in range(layers)}, 1
-    if layout_kind == "block-major":
-        return {f"layer{i}": rand(num_blocks, 2, block_size, kv_heads, head_dim) for i in range(layers)}, 0
-    if layout_kind == "mla":
-        return {f"layer{i}": rand(num_blocks, block_size, 576) for i in range(layers)}, 0
-    if layout_kind == "cross-layer":
-        return {"kv": rand(num_blocks, layers, 2, block_size, kv_heads, head_dim)}, 0
-    if layout_kind == "kv-separate":
-        tensors: dict[str, torch.Tensor] = {}
-        for i in range(layers):
-            tensors[f"k{i}"] = rand(num_blocks, block_size, kv_heads, head_dim)
-            tensors[f"v{i}"] = rand(num_blocks, block_size, kv_heads, head_dim)
-        return tensors, 0
-    raise ValueError(f"layout {layout_kind!r} is not one of {', '.join(LAYOUTS)}")
 
 
 def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[float, float]:

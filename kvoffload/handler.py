@@ -488,7 +488,8 @@ class DirectionHandler:
         except Exception as exc:  # timing is advisory; a failed read must not fail the job
             _log.debug("could not read job %d's copy time: %s", transfer.job_id, exc)
             seconds = 0.0
-        return self._result(transfer.job_id, error is None, transfer.nbytes, seconds, self._path, error)
+        path = ticket.path or self._path
+        return self._result(transfer.job_id, error is None, transfer.nbytes, seconds, path, error)
 
     def _result(
         self, job_id: int, ok: bool, nbytes: int, seconds: float, path: str, error: BaseException | None

@@ -45,7 +45,15 @@ import torch
 
 from kvoffload import bindings
 from kvoffload._descriptors import CopyPlan
-from kvoffload.backends import Backend, CudaBackend, HostBackend, SmBackend, StagedBackend
+from kvoffload.backends import (
+    AutoBackend,
+    Backend,
+    CudaBackend,
+    HostBackend,
+    SmBackend,
+    StagedBackend,
+)
+from kvoffload.calibration import calibrate
 from kvoffload.errors import (
     ArgumentTypeError,
     BlockConflictError,
@@ -223,6 +231,7 @@ class Worker:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         kernel_ctas: int | None = None,
+        calibration_path: str | None = None,
     ) -> Worker:
         """Build the region and both handlers; on any failure everything built so far is released.
 
@@ -242,10 +251,14 @@ class Worker:
                 run. ``"staged"``: a copy kernel gathers pages into a device staging ring and the DMA
                 engine moves whole records (link speed at any page size, little compute cost).
                 ``"sm"``: the copy kernel reads and writes host memory directly (costs SMs).
-                ``"auto"``: staged when a record fits a staging slot, else dma.
+                ``"auto"``: per job, dma or staged, whichever a calibration measured once per
+                process (for this device and page geometry) to be faster for the job's direction
+                and size; dma when a record does not fit a staging slot.
             staging_bytes: device memory of the staged path's rings, both directions together.
             staging_slots: slots per ring (at least 2, so that kernel and DMA overlap).
             kernel_ctas: CTAs of the copy kernel (default: every SM for staged, 8 for sm).
+            calibration_path: a JSON file where the auto path's calibration is kept across
+                processes (read when it has this device's and geometry's entry, written otherwise).
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
@@ -293,7 +306,7 @@ class Worker:
                 plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
                 direction_backend: Backend = (
                     _cuda_backend(direction, layout, region, copier, path, staging_bytes,
-                                  staging_slots, kernel_ctas)
+                                  staging_slots, kernel_ctas, calibration_path)
                     if copier is not None
                     else HostBackend(direction)
                 )
@@ -624,11 +637,13 @@ def _cuda_backend(
     staging_bytes: int,
     staging_slots: int,
     kernel_ctas: int | None,
+    calibration_path: str | None,
 ) -> CudaBackend:
     """The backend of one direction for the chosen transfer path (see :meth:`Worker.create`)."""
     device = layout.device
     index = _device_index(device)
-    slot_bytes = staging_bytes // 2 // staging_slots // 4096 * 4096
+    per_direction = staging_bytes // 2
+    slot_bytes = per_direction // staging_slots // 4096 * 4096
     fits = slot_bytes >= layout.record_bytes
     if path == "staged" and not fits:
         raise InvalidArgumentError(
@@ -638,24 +653,20 @@ def _cuda_backend(
         )
     if path == "dma" or (path == "auto" and not fits):
         return CudaBackend.create(direction, device, copier)
-    kernel = bindings.CopyKernel.for_device(index)
-    if path == "sm" and not bindings.host_pointer_is_device_pointer(index, region.base_ptr):
-        raise InvalidArgumentError("path 'sm' needs host memory the device addresses as is (UVA)")
-    with contextlib.ExitStack() as undo:
-        copy_stream = bindings.create_stream(index)
-        undo.callback(bindings.destroy_stream, index, copy_stream)
-        kernel_stream = bindings.create_stream(index)
-        undo.callback(bindings.destroy_stream, index, kernel_stream)
-        made: CudaBackend
-        if path == "sm":
-            made = SmBackend(direction, device, copier, copy_stream, kernel, kernel_stream,
-                             kernel_ctas or DEFAULT_SM_CTAS)
-        else:
-            ctas = kernel_ctas or bindings.multiprocessor_count(index)
-            made = StagedBackend(direction, device, copier, copy_stream, kernel, kernel_stream,
-                                 ctas, staging_slots, slot_bytes)
-        undo.pop_all()
-    return made
+    if path == "sm":
+        if not bindings.host_pointer_is_device_pointer(index, region.base_ptr):
+            raise InvalidArgumentError("path 'sm' needs host memory the device addresses as is (UVA)")
+        return SmBackend.create_sm(direction, device, copier, kernel_ctas or DEFAULT_SM_CTAS)
+    ctas = kernel_ctas or bindings.multiprocessor_count(index)
+    if path == "staged":
+        return StagedBackend.create_staged(direction, device, copier, ctas, staging_slots, slot_bytes)
+    choice = calibrate(device, layout.page_table, copier=copier,
+                       staging_bytes_per_direction=per_direction, staging_slots=staging_slots,
+                       kernel_ctas=ctas, persist_path=calibration_path)
+    return AutoBackend.create_auto(
+        direction, device, copier, ctas, staging_slots, slot_bytes,
+        functools.partial(choice.path_for, direction),
+    )
 
 
 def _copy_method(method: bindings.CopyMethod | str | None, backend: str) -> bindings.CopyMethod | None:

@@ -34,6 +34,7 @@ class FakeTicket:
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
+        self.path: str | None = None
         self._event = threading.Event()
         self.wait_error: BaseException | None = None
         self.done_error: BaseException | None = None

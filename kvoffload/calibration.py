@@ -1,0 +1,269 @@
+"""Calibration of the ``auto`` transfer path: which path moves a job fastest, by direction and size.
+
+Owns nothing after it returns: it measures with scratch device tensors shaped like the layout's
+pages and a scratch host pool, through short-lived :class:`~kvoffload.worker.Worker`-free handlers of
+its own, and releases them. The engine's device cache is never touched.
+
+For each direction it times the ``dma`` and ``staged`` paths on jobs of a few sizes (1 block, a few
+blocks, about 64 MiB), checks every byte each path moved, and keeps, per size bucket, the fastest
+path that moved its bytes correctly — a path that fails its own check is never chosen. The result is
+cached per process by (device, page geometry) and can be persisted to a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+import numpy as np
+import torch
+
+from kvoffload import bindings
+from kvoffload.backends import CudaBackend, StagedBackend
+from kvoffload.handler import DirectionHandler
+from kvoffload._descriptors import CopyPlan, PageTable
+from kvoffload.records import Direction
+from kvoffload.region import RegionOwner
+
+__all__ = ["AutoChoice", "calibrate"]
+
+_log = logging.getLogger("kvoffload.calibration")
+
+#: Job sizes (in blocks) measured; a job uses the bucket of the largest size not above it.
+SIZE_BUCKETS_BLOCKS: Final = (1, 8)
+#: Bytes of the largest calibration job (it also bounds the scratch memory: twice this).
+LARGE_JOB_BYTES: Final = 64 << 20
+REPEATS: Final = 3
+WAIT_S: Final = 60.0
+_FILE_VERSION: Final = 1
+_CANDIDATES: Final = ("dma", "staged")
+
+
+@attrs.frozen
+class AutoChoice:
+    """The path ``auto`` uses, per direction, by job size.
+
+    ``buckets`` are ascending block counts; ``paths[direction][i]`` is the path for jobs of at least
+    ``buckets[i]`` blocks (and fewer than ``buckets[i+1]``). ``gbps`` keeps what was measured.
+    """
+
+    key: str
+    buckets: tuple[int, ...]
+    paths: dict[str, tuple[str, ...]]
+    gbps: dict[str, dict[str, tuple[float, ...]]]
+
+    def path_for(self, direction: Direction, blocks: int) -> str:
+        """The path for a job of ``blocks`` blocks in ``direction``."""
+        chosen = self.paths[direction.value]
+        index = 0
+        for i, bound in enumerate(self.buckets):
+            if blocks >= bound:
+                index = i
+        return chosen[index]
+
+
+_cache: dict[str, AutoChoice] = {}
+_cache_lock = threading.Lock()
+
+
+def geometry_key(device_index: int, pages: PageTable) -> str:
+    """The cache key: device name and the page sizes of a record."""
+    name = bindings.capabilities(device_index).device_name
+    sizes = ",".join(str(n) for n in pages.nbytes.tolist())
+    return f"{name}|{pages.record_bytes}|{sizes}"
+
+
+def calibrate(
+    device: torch.device,
+    pages: PageTable,
+    *,
+    copier: bindings.Copier,
+    staging_bytes_per_direction: int,
+    staging_slots: int,
+    kernel_ctas: int,
+    persist_path: str | None = None,
+) -> AutoChoice:
+    """The :class:`AutoChoice` for this device and page geometry (measured once per process).
+
+    With ``persist_path``, a choice saved there for the same key is reused, and a new one is saved.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = geometry_key(index, pages)
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+    choice = _load(persist_path, key) if persist_path else None
+    if choice is None:
+        choice = _measure(device, index, pages, key, copier, staging_bytes_per_direction,
+                          staging_slots, kernel_ctas)
+        if persist_path:
+            _save(persist_path, choice)
+    with _cache_lock:
+        _cache[key] = choice
+    return choice
+
+
+def _scratch_pages(device: torch.device, pages: PageTable, blocks: int) -> tuple[torch.Tensor, PageTable]:
+    """A device tensor holding ``blocks`` blocks with the layout's page sizes, each page in its own
+    region (as in a per-layer cache: pages of one block are far apart, nothing merges)."""
+    strides = [(int(n) + 15) // 16 * 16 for n in pages.nbytes.tolist()]
+    offsets = np.cumsum([0] + [s * blocks for s in strides[:-1]]).astype(np.int64)
+    total = int(offsets[-1]) + strides[-1] * blocks
+    scratch = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
+    table = PageTable(
+        dev_base=scratch.data_ptr() + offsets,
+        dev_stride=np.asarray(strides, dtype=np.int64),
+        nbytes=pages.nbytes.copy(),
+        host_offset=pages.host_offset.copy(),
+        segment=np.arange(len(strides), dtype=np.int64),
+        record_bytes=pages.record_bytes,
+    )
+    return scratch, table
+
+
+def _measure(
+    device: torch.device, index: int, pages: PageTable, key: str, copier: bindings.Copier,
+    staging_bytes: int, slots: int, ctas: int,
+) -> AutoChoice:
+    blocks = max(SIZE_BUCKETS_BLOCKS[-1] + 1, LARGE_JOB_BYTES // max(1, pages.block_bytes))
+    slot_bytes = staging_bytes // slots // 4096 * 4096
+    candidates = [p for p in _CANDIDATES if p != "staged" or slot_bytes >= pages.record_bytes]
+    scratch, table = _scratch_pages(device, pages, 2 * blocks)
+    region = RegionOwner.create(num_records=2 * blocks, record_bytes=pages.record_bytes,
+                                pinner=bindings.CudaHostPinner(index))
+    sizes = (*SIZE_BUCKETS_BLOCKS, blocks)
+    gbps: dict[str, dict[str, tuple[float, ...]]] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    try:
+        for direction in (Direction.STORE, Direction.LOAD):
+            plan = CopyPlan(table, region.base_ptr, region.chunk_records, direction)
+            measured: dict[str, tuple[float, ...]] = {}
+            for path in candidates:
+                figures = _time_path(device, index, plan, path, copier, slot_bytes, slots, ctas,
+                                     sizes, blocks, scratch, region)
+                if figures is not None:
+                    measured[path] = figures
+            if not measured:
+                measured = {"dma": tuple(0.0 for _ in sizes)}
+            gbps[direction.value] = measured
+            paths[direction.value] = tuple(_fastest(measured, i) for i in range(len(sizes)))
+    finally:
+        region.cleanup()
+        del scratch
+    buckets = (*SIZE_BUCKETS_BLOCKS, blocks)
+    choice = AutoChoice(key=key, buckets=buckets, paths=paths, gbps=gbps)
+    _log.info("auto path calibration for %s: %s", key, paths)
+    return choice
+
+
+def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
+    """The path with the highest figure at size ``index`` (the first listed on a tie)."""
+    return max(measured, key=lambda path: measured[path][index])
+
+
+def _time_path(
+    device: torch.device, index: int, plan: CopyPlan, path: str, copier: bindings.Copier,
+    slot_bytes: int, slots: int, ctas: int, sizes: Sequence[int], blocks: int,
+    scratch: torch.Tensor, region: RegionOwner,
+) -> tuple[float, ...] | None:
+    """GB/s of ``path`` at each job size, or None when it moved a byte wrong."""
+    backend: CudaBackend
+    if path == "dma":
+        backend = CudaBackend.create(plan.direction, device, copier)
+    else:
+        backend = StagedBackend.create_staged(plan.direction, device, copier, ctas, slots, slot_bytes)
+    handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
+                                      num_src_blocks=2 * blocks, num_dst_blocks=2 * blocks)
+    figures: list[float] = []
+    job = 0
+    try:
+        records = region.records()
+        records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))  # never zeros
+        for size in sizes:
+            ids = np.arange(size, dtype=np.int64)
+            times = []
+            for _ in range(REPEATS):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                handler.submit(job, ids, ids + blocks)
+                (result,) = handler.wait([job], WAIT_S)
+                times.append(time.perf_counter() - start)
+                job += 1
+                if not result.ok:
+                    _log.warning("auto calibration: path %s failed: %s", path, result.error)
+                    return None
+            if not _verified(plan, scratch, records, ids, ids + blocks, blocks):
+                _log.warning("auto calibration: path %s moved bytes wrong; never chosen", path)
+                return None
+            figures.append(size * plan.pages.block_bytes / statistics.median(times) / 1e9)
+        del records
+    finally:
+        handler.shutdown(WAIT_S)
+    return tuple(figures)
+
+
+def _verified(
+    plan: CopyPlan, scratch: torch.Tensor, records: torch.Tensor, src: np.ndarray,
+    dst: np.ndarray, blocks: int,
+) -> bool:
+    """Whether every page the job moved arrived intact (compared on the CPU, page by page)."""
+    device_bytes = scratch.cpu().numpy()
+    base = int(scratch.data_ptr())
+    host = records.numpy()
+    store = plan.direction is Direction.STORE
+    dev_blocks, host_blocks = (src, dst) if store else (dst, src)
+    pages = plan.pages
+    for d, h in zip(dev_blocks.tolist(), host_blocks.tolist()):
+        for p in range(pages.num_pages):
+            at = int(pages.dev_base[p]) - base + d * int(pages.dev_stride[p])
+            n = int(pages.nbytes[p])
+            off = int(pages.host_offset[p])
+            if not np.array_equal(device_bytes[at : at + n], host[h, off : off + n]):
+                return False
+    return True
+
+
+def _load(path: str, key: str) -> AutoChoice | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    entry = data.get("choices", {}).get(key) if data.get("version") == _FILE_VERSION else None
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return AutoChoice(
+            key=key, buckets=tuple(int(b) for b in entry["buckets"]),
+            paths={d: tuple(str(p) for p in v) for d, v in entry["paths"].items()},
+            gbps={d: {p: tuple(float(x) for x in g) for p, g in v.items()}
+                  for d, v in entry["gbps"].items()},
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _save(path: str, choice: AutoChoice) -> None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("version") != _FILE_VERSION:
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data["version"] = _FILE_VERSION
+    data.setdefault("choices", {})[choice.key] = {
+        "buckets": list(choice.buckets), "paths": {d: list(p) for d, p in choice.paths.items()},
+        "gbps": {d: {p: list(g) for p, g in v.items()} for d, v in choice.gbps.items()},
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)

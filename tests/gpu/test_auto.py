@@ -1,0 +1,74 @@
+"""The auto path: each job takes the path the calibration chose for its size, results name it, jobs
+finish in order across paths, and a path that fails its own check is never chosen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import SrcAccessOrder, Worker, calibration
+from kvoffload._descriptors import StagedChunk
+from kvoffload.backends import StagedBackend
+from tests.gpu._helpers import TIMEOUT_S, cache
+from tests.gpu.conftest import Figures
+
+
+def test_auto_jobs_report_the_path_the_calibration_chose(device: torch.device, figures: Figures) -> None:
+    layout = cache("per-layer", device, num_blocks=256, layers=8)
+    with Worker.create(layout, 128, path="auto") as w:
+        store = w._store._backend
+        choose = store._choose  # type: ignore[union-attr]
+        sizes = (1, 8, 64)
+        starts = (0, 1, 9)
+        for job, (size, at) in enumerate(zip(sizes, starts)):
+            w.store(job, list(range(at, at + size)), list(range(at, at + size)))
+        results = w.wait(list(range(len(sizes))), TIMEOUT_S)
+        assert all(r.ok for r in results)
+        assert [r.path for r in results] == [choose(size) for size in sizes]
+        assert torch.equal(w.host_records()[:73].to(device), layout.gather_records(list(range(73))))
+    choice = next(iter(calibration._cache.values()))
+    figures.add("auto calibration (per-layer, 8 layers, 32 KiB pages)", f"{choice.paths}")
+
+
+def test_auto_mixes_paths_and_still_finishes_jobs_in_order(device: torch.device) -> None:
+    layout = cache("per-layer", device, num_blocks=256, layers=8)
+    rng = np.random.default_rng(1)
+    original = layout.gather_records(list(range(128)))
+    with Worker.create(layout, 128, path="auto") as w:
+        sizes = [1, 40, 1, 2, 60, 1, 23]
+        at = 0
+        for job, size in enumerate(sizes):
+            w.store(job, list(range(at, at + size)), list(range(at, at + size)))
+            at += size
+        done = [r.job_id for r in w.wait(list(range(len(sizes))), TIMEOUT_S)]
+        assert done == list(range(len(sizes)))
+        dst = 128 + rng.permutation(128)[:at]
+        w.load(100, list(range(at)), dst)
+        assert all(r.ok for r in w.wait([100], TIMEOUT_S))
+    assert torch.equal(layout.gather_records(dst), original[:at])
+
+
+def corrupting_store_chunk(
+    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+) -> None:
+    """A broken staged store: the kernel never fills the slot, the DMA copies stale staging."""
+    stream.wait_event(self._drained[chunk.slot])
+    self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
+                     SrcAccessOrder.STREAM, stream.cuda_stream)
+    self._drained[chunk.slot].record(stream)
+
+
+def test_auto_never_chooses_a_path_that_failed_its_own_check(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibration, "_cache", {})
+    monkeypatch.setattr(StagedBackend, "_store_chunk", corrupting_store_chunk)
+    layout = cache("per-layer", device, num_blocks=256, layers=8, seed=9)
+    with Worker.create(layout, 64, path="auto") as w:
+        choose = w._store._backend._choose  # type: ignore[union-attr]
+        assert all(choose(size) == "dma" for size in (1, 8, 64, 1000))
+        w.store(1, list(range(40)), list(range(40)))
+        (result,) = w.wait([1], TIMEOUT_S)
+        assert result.ok and result.path == "dma"
+        assert torch.equal(w.host_records()[:40].to(device), layout.gather_records(list(range(40))))
