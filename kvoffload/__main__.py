@@ -4,6 +4,7 @@ Commands:
   demo           store and reload a synthetic KV cache through a Worker, verify every byte, report
                  GB/s next to the link limit (host backend, and says so, when there is no GPU)
   bench          every transfer path side by side with the link limit (needs a GPU)
+  replay         an engine-shaped workload through Manager + Worker; every loaded byte verified
   manager-bench  per-block cost of the scheduler-side manager at 10k and 1M blocks
 """
 
@@ -12,13 +13,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from kvoffload import bench, demo, manager_bench
+from kvoffload import bench, demo, manager_bench, replay
 
 __all__ = ["main"]
 
 _COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "demo": (demo.main, "store and reload a synthetic KV cache, verify every byte, report speed"),
     "bench": (bench.main, "every transfer path side by side with the link limit, bytes checked"),
+    "replay": (replay.main, "engine-shaped workload through Manager + Worker, every loaded byte verified"),
     "manager-bench": (lambda argv: manager_bench.main(list(argv)), "per-block cost of the scheduler-side manager"),
 }
 
