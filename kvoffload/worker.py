@@ -28,6 +28,7 @@ failure — after all cleanup is done. ``shutdown`` is idempotent; every other c
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import itertools
 import logging
@@ -99,6 +100,25 @@ DEFAULT_SM_CTAS: Final = 8
 _CREATE_ROLLBACK_TIMEOUT_S: Final = 10.0
 
 
+class Memory(enum.Enum):
+    """Where a block id points: the device cache, the host pool, or the disk tier."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+#: (memory read, memory written) by a job of each direction.
+SIDES: Final = {
+    Direction.STORE: (Memory.DEVICE, Memory.HOST),
+    Direction.LOAD: (Memory.HOST, Memory.DEVICE),
+    Direction.DEMOTE: (Memory.HOST, Memory.DISK),
+    Direction.PROMOTE: (Memory.DISK, Memory.HOST),
+    Direction.STORE_TO_DISK: (Memory.DEVICE, Memory.DISK),
+    Direction.LOAD_FROM_DISK: (Memory.DISK, Memory.DEVICE),
+}
+
+
 @attrs.define(eq=False)
 class _Job:
     direction: Direction
@@ -107,70 +127,60 @@ class _Job:
 
 
 class _Bookkeeping:
-    """In-flight readers and writers per device block and per host block (caller holds the lock)."""
+    """In-flight readers and writers per block of each memory (the caller holds the lock)."""
 
-    def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        self.dev_reads: I32Array = np.zeros(num_device_blocks, dtype=np.int32)
-        self.dev_writes: I32Array = np.zeros(num_device_blocks, dtype=np.int32)
-        self.host_reads: I32Array = np.zeros(num_host_blocks, dtype=np.int32)
-        self.host_writes: I32Array = np.zeros(num_host_blocks, dtype=np.int32)
+    def __init__(self, sizes: dict[Memory, int]) -> None:
+        self.reads = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
+        self.writes = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
         self.jobs: dict[int, _Job] = {}
-
-    def counters(self, direction: Direction) -> tuple[I32Array, I32Array, I32Array, I32Array]:
-        """(reads of the source side, writes of the source side, reads of the destination side,
-        writes of the destination side) for a job of ``direction``."""
-        if direction is Direction.STORE:
-            return self.dev_reads, self.dev_writes, self.host_reads, self.host_writes
-        return self.host_reads, self.host_writes, self.dev_reads, self.dev_writes
 
     def check(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
               read_name: str, write_name: str) -> None:
         """Refuse a reused job id and any conflict with in-flight jobs (see the module docstring)."""
         if job_id in self.jobs:
             raise JobIdError(f"job {job_id} is already in flight or waiting to be polled")
-        _src_reads, src_writes, dst_reads, dst_writes = self.counters(direction)
-        source_on_device = direction is Direction.STORE
-        if bool(src_writes[reads].any()):
-            i = int(np.flatnonzero(src_writes[reads])[0])
-            other = self._holder(int(reads[i]), on_device=source_on_device, writers_only=True)
+        source, target = SIDES[direction]
+        busy_source = self.writes[source][reads]
+        if bool(busy_source.any()):
+            i = int(np.flatnonzero(busy_source)[0])
+            other = self._holder(int(reads[i]), source, writers_only=True)
             raise BlockConflictError(
                 f"{direction.value} job {job_id}: {read_name}[{i}] = {int(reads[i])} is being written "
                 f"by in-flight job {other}; submit after it completed"
             )
-        if bool(dst_reads[writes].any() or dst_writes[writes].any()):
-            i = int(np.flatnonzero(dst_reads[writes] | dst_writes[writes])[0])
-            other = self._holder(int(writes[i]), on_device=not source_on_device, writers_only=False)
+        busy_target = self.reads[target][writes] | self.writes[target][writes]
+        if bool(busy_target.any()):
+            i = int(np.flatnonzero(busy_target)[0])
+            other = self._holder(int(writes[i]), target, writers_only=False)
             raise BlockConflictError(
                 f"{direction.value} job {job_id}: {write_name}[{i}] = {int(writes[i])} is in use by "
                 f"in-flight job {other}; submit after it completed"
             )
 
-    def _holder(self, block: int, *, on_device: bool, writers_only: bool) -> str:
-        """Name an in-flight job touching ``block`` on one side (the error path only)."""
+    def _holder(self, block: int, memory: Memory, *, writers_only: bool) -> str:
+        """Name an in-flight job touching ``block`` of ``memory`` (the error path only)."""
         for job_id, job in self.jobs.items():
-            device_is_source = job.direction is Direction.STORE
-            if on_device:
-                blocks, is_write = (job.reads, False) if device_is_source else (job.writes, True)
-            else:
-                blocks, is_write = (job.writes, True) if device_is_source else (job.reads, False)
-            if (is_write or not writers_only) and bool(np.any(blocks == block)):
-                return f"{job_id} ({job.direction.value})"
+            source, target = SIDES[job.direction]
+            candidates = [(job.writes, target)] + ([] if writers_only else [(job.reads, source)])
+            for blocks, side in candidates:
+                if side is memory and bool(np.any(blocks == block)):
+                    return f"{job_id} ({job.direction.value})"
         return "(unknown)"
 
     def add(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> None:
-        src_reads, _sw, _dr, dst_writes = self.counters(direction)
+        source, target = SIDES[direction]
         reads = _distinct(reads)  # a block read twice by one job is one reader
-        src_reads[reads] += 1
-        dst_writes[writes] += 1  # destinations are distinct (checked)
+        self.reads[source][reads] += 1
+        self.writes[target][writes] += 1  # destinations are distinct (checked)
         self.jobs[job_id] = _Job(direction, reads, writes)
 
     def remove(self, job_id: int) -> None:
         job = self.jobs.pop(job_id, None)
         if job is None:
             return
-        src_reads, _sw, _dr, dst_writes = self.counters(job.direction)
-        src_reads[job.reads] -= 1
-        dst_writes[job.writes] -= 1
+        source, target = SIDES[job.direction]
+        self.reads[source][job.reads] -= 1
+        self.writes[target][job.writes] -= 1
 
 
 def _distinct(ids: I64Array) -> I64Array:
@@ -210,7 +220,7 @@ class Worker:
         self._load = load_handler
         self._device_sync = device_sync
         self._lock = threading.Lock()
-        self._book = _Bookkeeping(layout.num_blocks, region.num_records)
+        self._book = _Bookkeeping({Memory.DEVICE: layout.num_blocks, Memory.HOST: region.num_records})
         self._ready: dict[int, tuple[int, TransferResult]] = {}
         self._closed = False
 
@@ -519,7 +529,7 @@ class Worker:
             left_mapped = True
         with self._lock:
             self._ready.clear()
-            self._book = _Bookkeeping(0, 0)
+            self._book = _Bookkeeping({})
         if failures or left_mapped:
             raise ShutdownError("worker shutdown failed", failures, region_left_mapped=left_mapped)
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvoffload import ClosedError, CudaError, InvalidArgumentError, ShutdownError, Worker
 from kvoffload.records import Direction
-from kvoffload.worker import _Bookkeeping
+from kvoffload.worker import Memory, _Bookkeeping
 
 
 class FakeHandler:
@@ -73,7 +73,7 @@ def make_worker(
     worker._region = FakeRegion(calls, region_error)  # type: ignore[assignment]
     worker._device_sync = sync if sync is not None else default_sync
     worker._lock = threading.Lock()
-    worker._book = _Bookkeeping(4, 8)
+    worker._book = _Bookkeeping({Memory.DEVICE: 4, Memory.HOST: 8})
     worker._ready = {}
     worker._closed = False
     return worker, store, load
