@@ -290,6 +290,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--total-mib", type=int, default=None, help="bytes moved per measurement")
     parser.add_argument("--gemm", action="store_true", help="also measure beside a bf16 GEMM stream")
     parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument("--disk", default=None, metavar="DIR",
+                        help="instead: the disk tier against raw O_DIRECT on DIR, and disk -> GPU")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -297,6 +299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvoffload bench", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.disk is not None:
+        from kvoffload import disk_bench
+
+        extra = ["--quick"] if args.quick else []
+        return disk_bench.main(["--path", args.disk, "--pipeline", *extra])
     if not torch.cuda.is_available():
         print("kvoffload bench: no CUDA device - the bench measures the host link and needs a GPU",
               file=sys.stderr)

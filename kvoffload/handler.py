@@ -314,12 +314,26 @@ class DirectionHandler:
             raise JobIdError(f"job {job} is already in flight or waiting to be polled")
         self.submit_validated(job, src, dst, stream=stream)
 
+    def fence(self, stream: object = None) -> object:
+        """Capture the compute-stream position a later job must wait for (see :meth:`submit_validated`).
+
+        Raises:
+            ClosedError: after shutdown.
+            DeviceMismatchError: the stream is not one of the backend's device.
+        """
+        self._check_open()
+        backend = self._backend
+        assert backend is not None
+        return backend.fence(stream)
+
     def submit_validated(
-        self, job_id: int, src: I64Array, dst: I64Array, *, stream: object = None
+        self, job_id: int, src: I64Array, dst: I64Array, *, stream: object = None,
+        fence: object = None,
     ) -> None:
         """Submit a job whose ids the caller already validated.
 
-        Orders the job after the work queued on ``stream`` (the compute stream) before this call.
+        Orders the job after the work queued on ``stream`` (the compute stream) before this call,
+        or, when ``fence`` (from :meth:`fence`) is given, after the work queued when it was taken.
         An empty job completes at once with ``ok=True``. A failure to capture the fence (a device
         fault) is reported as the job's failed result, not raised.
 
@@ -332,7 +346,8 @@ class DirectionHandler:
         assert backend is not None
         nbytes = int(src.shape[0]) * self._page_bytes
         try:
-            fence = backend.fence(stream)  # also for an empty job: it checks the stream argument
+            if fence is None:
+                fence = backend.fence(stream)  # also for an empty job: it checks the stream argument
         except DeviceMismatchError:
             raise
         except Exception as exc:  # a device fault: the job is reported failed, never dropped

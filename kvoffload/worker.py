@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 import attrs
 import numpy as np
@@ -54,7 +54,9 @@ from kvoffload.backends import (
     SmBackend,
     StagedBackend,
 )
+from kvoffload._pipeline import DiskPipeline
 from kvoffload.calibration import calibrate
+from kvoffload.disk import DiskConfig, DiskRecordInfo, DiskStats, DiskTier
 from kvoffload.errors import (
     ArgumentTypeError,
     BlockConflictError,
@@ -96,6 +98,11 @@ DEFAULT_STAGING_SLOTS: Final = 2
 #: CTAs of the SM path's kernel: enough to fill the host link (FACTS §1), few enough to leave the
 #: SMs to compute.
 DEFAULT_SM_CTAS: Final = 8
+#: Pinned bounce memory for device <-> disk jobs: each half holds several disk requests, so that the
+#: tier's I/O threads read in parallel (64 MiB is 32 records of 2 MiB).
+DEFAULT_BOUNCE_BYTES: Final = 64 << 20
+MAX_BOUNCE_SLOTS: Final = 256
+_PIPELINE_DIRECTIONS: Final = (Direction.STORE_TO_DISK, Direction.LOAD_FROM_DISK)
 #: Time a failed ``create`` gives the handlers it already started to stop.
 _CREATE_ROLLBACK_TIMEOUT_S: Final = 10.0
 
@@ -210,17 +217,27 @@ class Worker:
         backend_name: str,
         device_sync: Callable[[float], bool],
         capabilities: bindings.Capabilities | None = None,
+        num_host_blocks: int | None = None,
+        tier: DiskTier | None = None,
+        bounce: tuple[DirectionHandler, DirectionHandler] | None = None,
+        pipeline: DiskPipeline | None = None,
     ) -> None:
         self.layout = layout
         self.backend = backend_name
         self.capabilities = capabilities
-        self.num_host_blocks = region.num_records
+        self.num_host_blocks = region.num_records if num_host_blocks is None else num_host_blocks
         self._region = region
         self._store = store_handler
         self._load = load_handler
         self._device_sync = device_sync
+        self._tier = tier
+        self._bounce = bounce
+        self._pipeline = pipeline
         self._lock = threading.Lock()
-        self._book = _Bookkeeping({Memory.DEVICE: layout.num_blocks, Memory.HOST: region.num_records})
+        sizes = {Memory.DEVICE: layout.num_blocks, Memory.HOST: self.num_host_blocks}
+        if tier is not None:
+            sizes[Memory.DISK] = tier.num_blocks
+        self._book = _Bookkeeping(sizes)
         self._ready: dict[int, tuple[int, TransferResult]] = {}
         self._closed = False
 
@@ -242,6 +259,8 @@ class Worker:
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         kernel_ctas: int | None = None,
         calibration_path: str | None = None,
+        disk: DiskConfig | None = None,
+        bounce_slots: int | None = None,
     ) -> Worker:
         """Build the region and both handlers; on any failure everything built so far is released.
 
@@ -269,6 +288,11 @@ class Worker:
             kernel_ctas: CTAs of the copy kernel (default: every SM for staged, 8 for sm).
             calibration_path: a JSON file where the auto path's calibration is kept across
                 processes (read when it has this device's and geometry's entry, written otherwise).
+            disk: a disk tier below the host pool (:class:`~kvoffload.disk.DiskConfig`); enables
+                :meth:`demote`, :meth:`promote`, :meth:`store_to_disk` and :meth:`load_from_disk`.
+            bounce_slots: pinned records (beyond ``num_host_blocks``) that carry device <-> disk
+                jobs; at least 2 (two halves used in turn). Default: about 64 MiB of records (at
+                least 4, at most 256).
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
@@ -291,6 +315,14 @@ class Worker:
         chosen = _choose_backend(layout, backend, device)
         method = _copy_method(copy_method, chosen)
         _check_path(path, chosen, staging_bytes, staging_slots, kernel_ctas)
+        if disk is not None and not isinstance(disk, DiskConfig):
+            raise ArgumentTypeError(f"disk must be a DiskConfig or None, got {type(disk).__name__}")
+        if bounce_slots is None:
+            bounce_slots = max(4, min(MAX_BOUNCE_SLOTS, DEFAULT_BOUNCE_BYTES // layout.record_bytes))
+            bounce_slots -= bounce_slots % 2
+        if isinstance(bounce_slots, bool) or not isinstance(bounce_slots, int) or bounce_slots < 2:
+            raise InvalidArgumentError(f"bounce_slots = {bounce_slots!r} must be an int >= 2")
+        slots = bounce_slots if disk is not None else 0
         with contextlib.ExitStack() as undo:
             caps: bindings.Capabilities | None = None
             pinner: bindings.HostPinner = bindings.NoPinner()
@@ -303,7 +335,7 @@ class Worker:
                 pinner = bindings.CudaHostPinner(index)
                 device_sync = functools.partial(bindings.synchronize_device, index)
             region = RegionOwner.create(
-                num_records=num_host_blocks, record_bytes=layout.record_bytes, pinner=pinner,
+                num_records=num_host_blocks + slots, record_bytes=layout.record_bytes, pinner=pinner,
                 shared_name=shared_name, chunk_bytes=pin_chunk_bytes,
             )
             undo.callback(region.cleanup)
@@ -328,9 +360,25 @@ class Worker:
                 )
                 undo.callback(handler.shutdown, _CREATE_ROLLBACK_TIMEOUT_S)
                 handlers.append(handler)
+            tier: DiskTier | None = None
+            bounce: tuple[DirectionHandler, DirectionHandler] | None = None
+            pipeline: DiskPipeline | None = None
+            if disk is not None:
+                tier = DiskTier.create(disk, fingerprint=layout.fingerprint,
+                                       record_bytes=layout.record_bytes, records=region.records(),
+                                       sequence=sequence)
+                undo.callback(tier.shutdown, _CREATE_ROLLBACK_TIMEOUT_S)
+                bounce = _bounce_handlers(layout, region, copier, undo)
+                pipeline = DiskPipeline.create(
+                    to_slots=bounce[0], from_slots=bounce[1], tier=tier,
+                    slot_rows=np.arange(num_host_blocks, num_host_blocks + slots, dtype=np.int64),
+                    block_bytes=layout.block_bytes, sequence=sequence,
+                )
+                undo.callback(pipeline.shutdown, _CREATE_ROLLBACK_TIMEOUT_S)
             worker = cls(
                 layout=layout, region=region, store_handler=handlers[0], load_handler=handlers[1],
                 backend_name=chosen, device_sync=device_sync, capabilities=caps,
+                num_host_blocks=num_host_blocks, tier=tier, bounce=bounce, pipeline=pipeline,
             )
             undo.pop_all()
         return worker
@@ -375,21 +423,98 @@ class Worker:
         self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
                      "host_blocks", "device_blocks")
 
+    def demote(self, job_id: int, host_blocks: BlockIds, disk_blocks: BlockIds) -> None:
+        """Write host records ``host_blocks[i]`` to disk records ``disk_blocks[i]`` (checksummed).
+
+        The host records must not be changed until the result came back; on ``ok`` the disk records
+        are valid (and survive a restart with ``DiskConfig(reuse=True)``).
+
+        Raises (before anything is submitted; the worker is unchanged): ``ClosedError``,
+        ``InvalidArgumentError`` without a disk tier, and the id and conflict errors of :meth:`store`
+        (a host record an in-flight job writes; a disk record an in-flight job reads or writes).
+        """
+        self._submit(Direction.DEMOTE, job_id, host_blocks, disk_blocks, None,
+                     "host_blocks", "disk_blocks")
+
+    def promote(self, job_id: int, disk_blocks: BlockIds, host_blocks: BlockIds) -> None:
+        """Read disk records ``disk_blocks[i]`` into host records ``host_blocks[i]``, verifying each.
+
+        A record that fails its check (checksum, generation, I/O error) fails the job; its host
+        record is zero-filled, never given another block's bytes.
+
+        Raises: as :meth:`demote`, mirrored.
+        """
+        self._submit(Direction.PROMOTE, job_id, disk_blocks, host_blocks, None,
+                     "disk_blocks", "host_blocks")
+
+    def store_to_disk(
+        self, job_id: int, device_blocks: BlockIds, disk_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy device blocks to disk records through the bounce slots, after queued compute.
+
+        Ordered like :meth:`store` (after the work queued on ``stream`` before this call). The
+        result comes back once every disk write finished.
+
+        Raises: as :meth:`store`, with disk blocks in place of host blocks.
+        """
+        self._submit(Direction.STORE_TO_DISK, job_id, device_blocks, disk_blocks, stream,
+                     "device_blocks", "disk_blocks")
+
+    def load_from_disk(
+        self, job_id: int, disk_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy disk records to device blocks through the bounce slots, after queued compute.
+
+        Ordered like :meth:`load`. The result comes back only when no copy of the job still uses a
+        bounce slot. A record that fails its check is not copied: its device block keeps its previous
+        contents and the job is ``ok=False``.
+
+        Raises: as :meth:`load`, with disk blocks in place of host blocks.
+        """
+        self._submit(Direction.LOAD_FROM_DISK, job_id, disk_blocks, device_blocks, stream,
+                     "disk_blocks", "device_blocks")
+
+    def _limits(self, direction: Direction) -> tuple[int, int]:
+        source, target = SIDES[direction]
+        sizes = {Memory.DEVICE: self.layout.num_blocks, Memory.HOST: self.num_host_blocks,
+                 Memory.DISK: self._tier.num_blocks if self._tier is not None else 0}
+        return sizes[source], sizes[target]
+
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
         stream: object, src_name: str, dst_name: str,
     ) -> None:
         self._check_open()
-        handler = self._store if direction is Direction.STORE else self._load
+        if direction not in (Direction.STORE, Direction.LOAD) and self._tier is None:
+            raise InvalidArgumentError(
+                f"{direction.value} needs a disk tier: create the worker with disk=DiskConfig(...)"
+            )
         job = as_job_id(job_id)
-        src = as_block_ids(src_name, src_blocks, handler.num_src_blocks)
-        dst = as_block_ids(dst_name, dst_blocks, handler.num_dst_blocks)
+        num_src, num_dst = self._limits(direction)
+        src = as_block_ids(src_name, src_blocks, num_src)
+        dst = as_block_ids(dst_name, dst_blocks, num_dst)
         check_pairs(src, dst, src_name, dst_name)
+        fence: object = None
+        if self._pipeline is not None and direction in _PIPELINE_DIRECTIONS:
+            fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError
         with self._lock:
             self._book.check(job, direction, src, dst, src_name, dst_name)
             self._book.add(job, direction, src, dst)
         try:
-            handler.submit_validated(job, src, dst, stream=stream)
+            if direction is Direction.STORE:
+                self._store.submit_validated(job, src, dst, stream=stream)
+            elif direction is Direction.LOAD:
+                self._load.submit_validated(job, src, dst, stream=stream)
+            elif direction is Direction.DEMOTE:
+                assert self._tier is not None
+                self._tier.write(job, src, dst)
+            elif direction is Direction.PROMOTE:
+                assert self._tier is not None
+                self._tier.read(job, src, dst)
+            else:
+                assert self._pipeline is not None
+                device, disk = (src, dst) if direction is Direction.STORE_TO_DISK else (dst, src)
+                self._pipeline.submit(job, direction, device, disk, fence)
         except BaseException:
             with self._lock:
                 self._book.remove(job)
@@ -403,6 +528,10 @@ class Worker:
         """
         self._check_open()
         found = self._store.poll_sequenced() + self._load.poll_sequenced()
+        if self._tier is not None:
+            found += self._tier.poll_sequenced()
+        if self._pipeline is not None:
+            found += self._pipeline.poll_sequenced()
         with self._lock:
             found.extend(self._ready.values())
             self._ready.clear()
@@ -433,14 +562,12 @@ class Worker:
                 raise UnknownJobError(f"job(s) {unknown} are neither in flight nor waiting to be polled")
             directions = {j: self._book.jobs[j].direction for j in ids}
         deadline = time.monotonic() + seconds
-        for handler in (self._store, self._load):
-            wanted = [
-                j for j in ids if directions[j] is handler.direction and j not in self._ready
-            ]
+        for source, kinds in self._result_sources():
+            wanted = [j for j in ids if directions[j] in kinds and j not in self._ready]
             if not wanted:
                 continue
             try:
-                got = handler.wait_sequenced(wanted, max(0.0, deadline - time.monotonic()))
+                got = source.wait_sequenced(wanted, max(0.0, deadline - time.monotonic()))
             except WaitTimeoutError as exc:
                 with self._lock:
                     pending = [j for j in ids if j not in self._ready]
@@ -456,7 +583,33 @@ class Worker:
                 self._book.remove(j)
         return results
 
+    def _result_sources(self) -> list[tuple[_ResultSource, tuple[Direction, ...]]]:
+        sources: list[tuple[_ResultSource, tuple[Direction, ...]]] = [
+            (self._store, (Direction.STORE,)), (self._load, (Direction.LOAD,)),
+        ]
+        if self._tier is not None:
+            sources.append((self._tier, (Direction.DEMOTE, Direction.PROMOTE)))
+        if self._pipeline is not None:
+            sources.append((self._pipeline, _PIPELINE_DIRECTIONS))
+        return sources
+
     # --------------------------------------------------------------------------------- inspection
+
+    def disk_valid_blocks(self) -> dict[int, DiskRecordInfo]:
+        """The disk records that hold verified data (the warm-restart index), by disk block.
+
+        Raises:
+            ClosedError: after shutdown.
+            InvalidArgumentError: the worker has no disk tier.
+        """
+        self._check_open()
+        if self._tier is None:
+            raise InvalidArgumentError("the worker has no disk tier")
+        return self._tier.valid_blocks()
+
+    def disk_stats(self) -> DiskStats | None:
+        """The disk tier's counters (jobs, bytes, each failure kind), or None without a tier."""
+        return self._tier.stats() if self._tier is not None else None
 
     def host_records(self) -> torch.Tensor:
         """The host pool as ``uint8 [num_host_blocks, record_bytes]`` (a view: for inspection and
@@ -504,16 +657,16 @@ class Worker:
         self._closed = True
         deadline = time.monotonic() + seconds
         failures: list[BaseException] = []
-        handler_failed = False
-        for handler in (self._store, self._load):
+        failed = False
+        for name, part in self._parts():
             try:
-                handler.shutdown(max(0.0, deadline - time.monotonic()))
+                part.shutdown(max(0.0, deadline - time.monotonic()))
             except Exception as exc:
-                _log.error("%s handler shutdown failed: %s", handler.direction.value, exc)
+                _log.error("%s shutdown failed: %s", name, exc)
                 failures.append(exc)
-                handler_failed = True
+                failed = True
         idle = True
-        if handler_failed or not self._threads_stopped():
+        if failed or not self._threads_stopped():
             idle = self._fallback_sync(deadline, failures) and self._threads_stopped()
         left_mapped = False
         if idle:
@@ -533,8 +686,30 @@ class Worker:
         if failures or left_mapped:
             raise ShutdownError("worker shutdown failed", failures, region_left_mapped=left_mapped)
 
+    def _parts(self) -> list[tuple[str, _Stoppable]]:
+        """What shutdown stops, in order: the pipeline (a client of the bounce handlers), the store
+        and load handlers, the bounce handlers, the disk tier (its threads may read into host
+        records); the region comes after all of them."""
+        parts: list[tuple[str, _Stoppable]] = []
+        if self._pipeline is not None:
+            parts.append(("disk pipeline", self._pipeline))
+        parts += [("store handler", self._store), ("load handler", self._load)]
+        if self._bounce is not None:
+            parts += [("bounce store handler", self._bounce[0]),
+                      ("bounce load handler", self._bounce[1])]
+        if self._tier is not None:
+            parts.append(("disk tier", self._tier))
+        return parts
+
     def _threads_stopped(self) -> bool:
-        return self._store.thread_stopped and self._load.thread_stopped
+        stopped = self._store.thread_stopped and self._load.thread_stopped
+        if self._pipeline is not None:
+            stopped = stopped and self._pipeline.thread_stopped
+        if self._bounce is not None:
+            stopped = stopped and self._bounce[0].thread_stopped and self._bounce[1].thread_stopped
+        if self._tier is not None:
+            stopped = stopped and self._tier.threads_stopped
+        return stopped
 
     def _fallback_sync(self, deadline: float, failures: list[BaseException]) -> bool:
         """Device-wide synchronize bounded by the deadline; True only if the device proved idle."""
@@ -691,3 +866,34 @@ def _copy_method(method: bindings.CopyMethod | str | None, backend: str) -> bind
     except ValueError:
         names = ", ".join(m.value for m in bindings.CopyMethod)
         raise InvalidArgumentError(f"copy_method = {method!r} must be one of {names}") from None
+
+
+class _ResultSource(Protocol):
+    def wait_sequenced(
+        self, job_ids: Iterable[int], timeout: float
+    ) -> list[tuple[int, TransferResult]]: ...
+
+
+class _Stoppable(Protocol):
+    def shutdown(self, timeout: float) -> None: ...
+
+
+def _bounce_handlers(
+    layout: DeviceLayout, region: RegionOwner, copier: bindings.Copier | None,
+    undo: contextlib.ExitStack,
+) -> tuple[DirectionHandler, DirectionHandler]:
+    """The handlers that copy device blocks to and from bounce rows (batched DMA or host copies);
+    their ids and results are internal to the disk pipeline."""
+    made = []
+    for direction, num_src, num_dst in (
+        (Direction.STORE, layout.num_blocks, region.num_records),
+        (Direction.LOAD, region.num_records, layout.num_blocks),
+    ):
+        plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
+        backend: Backend = (CudaBackend.create(direction, layout.device, copier)
+                            if copier is not None else HostBackend(direction))
+        handler = DirectionHandler.create(direction=direction, plan=plan, backend=backend,
+                                          num_src_blocks=num_src, num_dst_blocks=num_dst)
+        undo.callback(handler.shutdown, _CREATE_ROLLBACK_TIMEOUT_S)
+        made.append(handler)
+    return made[0], made[1]

@@ -72,6 +72,9 @@ def make_worker(
     worker._load = load  # type: ignore[assignment]
     worker._region = FakeRegion(calls, region_error)  # type: ignore[assignment]
     worker._device_sync = sync if sync is not None else default_sync
+    worker._tier = None
+    worker._bounce = None
+    worker._pipeline = None
     worker._lock = threading.Lock()
     worker._book = _Bookkeeping({Memory.DEVICE: 4, Memory.HOST: 8})
     worker._ready = {}

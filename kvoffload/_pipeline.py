@@ -1,0 +1,347 @@
+"""The GPU <-> disk pipeline: device blocks to disk records and back, through pinned bounce slots.
+
+Owns: one thread that runs these jobs one after another, in submission order, and the results not
+yet returned. Borrows: two direction handlers of its own (device <-> bounce rows; their results never
+reach the engine), the disk tier, and the bounce rows of the host region.
+
+The bounce slots are split into sets used in turn, so that disk I/O into some sets overlaps the
+device copies of others:
+
+* store to disk: copy a round of device blocks into a free set (after the caller's compute fence),
+  then write the set to disk; a set is filled again only after its disk write finished.
+* load from disk: read rounds of records from disk into every free set, copy each set to its device
+  blocks (after the caller's compute fence) as its read completes; a set is read into again only
+  after its device copy finished (DESIGN §5 rule 5 — the reused bounce slot that a peer's disk load
+  overwrote while its last copy still read it). A job's result is reported only after its trailing
+  copies finished: nothing it started still touches a slot.
+
+A record that fails to read (checksum, generation, I/O error) is not copied to its device block,
+whose previous contents stay; the job is reported ``ok=False`` with the error. A job never copies
+another block's bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Final, Literal
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.disk import DiskIO, DiskTier
+from kvoffload.errors import (
+    ClosedError,
+    ShutdownError,
+    TransferError,
+    UnknownJobError,
+    WaitTimeoutError,
+)
+from kvoffload.handler import DirectionHandler, as_job_ids, as_timeout
+from kvoffload.records import Direction, TransferResult
+
+__all__ = ["DiskPipeline"]
+
+_log = logging.getLogger("kvoffload.pipeline")
+
+I64Array = npt.NDArray[np.int64]
+#: How long the pipeline gives one step (a device copy, a disk request) before failing the job.
+STEP_TIMEOUT_S: Final = 120.0
+#: The bounce slots form this many sets, each a round of records; reads (or writes) of every free
+#: set are in flight at once, so several disk requests overlap the device copies.
+SLOT_SETS: Final = 4
+_PATH: Final = "bounce"
+
+
+@attrs.define(eq=False)
+class _Job:
+    job_id: int
+    direction: Direction
+    device_blocks: I64Array
+    disk_blocks: I64Array
+    fence: object
+    submitted: float = attrs.field(factory=time.perf_counter)
+
+
+class DiskPipeline:
+    """Runs STORE_TO_DISK and LOAD_FROM_DISK jobs (see the module docstring).
+
+    Build it with :meth:`create`. Methods may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        to_slots: DirectionHandler,
+        from_slots: DirectionHandler,
+        tier: DiskTier,
+        slot_rows: I64Array,
+        block_bytes: int,
+        sequence: Iterator[int],
+    ) -> None:
+        if slot_rows.shape[0] < 2:
+            raise ValueError("the disk pipeline needs at least 2 bounce slots")
+        count = min(SLOT_SETS, slot_rows.shape[0])
+        size = slot_rows.shape[0] // count
+        self._sets = tuple(slot_rows[i * size : (i + 1) * size] for i in range(count))
+        self._to_slots = to_slots
+        self._from_slots = from_slots
+        self._tier = tier
+        self._block_bytes = block_bytes
+        self._sequence = sequence
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._known: set[int] = set()
+        self._done: dict[int, tuple[int, TransferResult]] = {}
+        self._finished = threading.Condition(self._lock)
+        self._abort = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls, *, to_slots: DirectionHandler, from_slots: DirectionHandler, tier: DiskTier,
+        slot_rows: I64Array, block_bytes: int, sequence: Iterator[int],
+    ) -> DiskPipeline:
+        """A pipeline with its thread started."""
+        pipeline = cls(to_slots=to_slots, from_slots=from_slots, tier=tier, slot_rows=slot_rows,
+                       block_bytes=block_bytes, sequence=sequence)
+        thread = threading.Thread(target=pipeline._run, name="kvoffload-disk-pipeline", daemon=True)
+        pipeline._thread = thread
+        thread.start()
+        return pipeline
+
+    @property
+    def thread_stopped(self) -> bool:
+        """True when the pipeline thread is not running."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def fence(self, direction: Direction, stream: object) -> object:
+        """Capture the caller's compute-stream position for a job of ``direction``.
+
+        Raises:
+            DeviceMismatchError: a stream of another device (any stream on the host backend).
+        """
+        handler = self._to_slots if direction is Direction.STORE_TO_DISK else self._from_slots
+        return handler.fence(stream)
+
+    def submit(
+        self, job_id: int, direction: Direction, device_blocks: I64Array, disk_blocks: I64Array,
+        fence: object,
+    ) -> None:
+        """Queue a validated job; its result comes from :meth:`poll_sequenced`/:meth:`wait_sequenced`.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        if self._closed:
+            raise ClosedError("the disk pipeline was shut down")
+        with self._lock:
+            self._known.add(job_id)
+        self._queue.put(_Job(job_id, direction, device_blocks, disk_blocks, fence))
+
+    # --------------------------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            error: BaseException | None = None
+            if self._abort.is_set():
+                error = TransferError("the disk pipeline shut down before the job ran")
+            else:
+                try:
+                    if job.direction is Direction.STORE_TO_DISK:
+                        self._store(job)
+                    else:
+                        self._load(job)
+                except Exception as exc:  # reported as the job's failure
+                    error = exc
+            self._finish(job, error)
+
+    def _rounds(self, job: _Job) -> collections.deque[slice]:
+        size = self._sets[0].shape[0]
+        total = job.device_blocks.shape[0]
+        return collections.deque(slice(at, min(at + size, total)) for at in range(0, total, size))
+
+    def _store(self, job: _Job) -> None:
+        """Device -> set (copy), then set -> disk (write); a set is refilled only after its write."""
+        rounds = self._rounds(job)
+        free = collections.deque(range(len(self._sets)))
+        copying: collections.deque[tuple[int, slice, int]] = collections.deque()
+        writing: collections.deque[tuple[int, DiskIO]] = collections.deque()
+        first_error: BaseException | None = None
+        try:
+            while rounds or copying or writing:
+                while rounds and free and first_error is None:
+                    index, part = free.popleft(), rounds.popleft()
+                    rows = self._sets[index][: part.stop - part.start]
+                    copy = next(self._ids)
+                    self._to_slots.submit_validated(copy, job.device_blocks[part], rows, fence=job.fence)
+                    copying.append((index, part, copy))
+                if copying:
+                    index, part, copy = copying.popleft()
+                    error = _copy_error(self._to_slots, copy)
+                    if error is None and first_error is None:
+                        rows = self._sets[index][: part.stop - part.start]
+                        writing.append((index, self._tier.write_records(rows, job.disk_blocks[part])))
+                    else:
+                        first_error = first_error or error
+                        free.append(index)
+                # Reclaim sets whose write finished; block only when nothing else can move.
+                while writing and (writing[0][1].done() or (not copying and (not free or not rounds))):
+                    index, io = writing.popleft()
+                    first_error = first_error or _io_error(io)
+                    free.append(index)
+                if first_error is not None:
+                    rounds.clear()
+        finally:
+            for _, pending in writing:  # drain: no write may still read a slot after the job ends
+                first_error = first_error or _io_error(pending)
+            for _, _, copy in copying:
+                first_error = first_error or _copy_error(self._to_slots, copy)
+        if first_error is not None:
+            raise first_error
+
+    def _load(self, job: _Job) -> None:
+        """Disk -> set (read), then set -> device (copy); a set is read into again only after its
+        copy finished (rule 5), and every set's read is in flight while there is work for it."""
+        rounds = self._rounds(job)
+        free = collections.deque(range(len(self._sets)))
+        reading: collections.deque[tuple[int, slice, DiskIO]] = collections.deque()
+        copying: collections.deque[tuple[int, int]] = collections.deque()
+        first_error: BaseException | None = None
+        try:
+            while rounds or reading or copying:
+                while rounds and free:
+                    index, part = free.popleft(), rounds.popleft()
+                    rows = self._sets[index][: part.stop - part.start]
+                    reading.append((index, part, self._tier.read_records(job.disk_blocks[part], rows)))
+                if reading:
+                    index, part, io = reading.popleft()
+                    rows = self._sets[index][: part.stop - part.start]
+                    if not io.wait(STEP_TIMEOUT_S):
+                        raise WaitTimeoutError(f"disk read of job {job.job_id} did not finish in time")
+                    keep = np.ones(rows.shape[0], dtype=bool)
+                    if not io.ok:
+                        first_error = first_error or io.error
+                        keep[list(io.failed)] = False  # a record that failed never reaches the device
+                    copy = next(self._ids)
+                    self._from_slots.submit_validated(
+                        copy, rows[keep], job.device_blocks[part][keep], fence=job.fence
+                    )
+                    copying.append((index, copy))
+                # Reclaim sets whose copy finished; block only when nothing else can move.
+                while copying:
+                    index, copy = copying[0]
+                    must_wait = not reading and (not free or not rounds)
+                    result = _copy_result(self._from_slots, copy, STEP_TIMEOUT_S if must_wait else 0.0)
+                    if result is None:
+                        break
+                    copying.popleft()
+                    if result is not False:
+                        first_error = first_error or result
+                    free.append(index)
+        finally:
+            for _, _, pending_io in reading:
+                pending_io.wait(STEP_TIMEOUT_S)
+            for _, copy in copying:  # drain: the job ends only when no copy still reads a slot
+                first_error = first_error or _copy_error(self._from_slots, copy)
+        if first_error is not None:
+            raise first_error
+
+    def _finish(self, job: _Job, error: BaseException | None) -> None:
+        nbytes = int(job.device_blocks.shape[0]) * self._block_bytes
+        result = TransferResult(
+            job_id=job.job_id, direction=job.direction, ok=error is None, nbytes=nbytes,
+            seconds=time.perf_counter() - job.submitted, path=_PATH, error=error,
+        )
+        with self._lock:
+            self._done[job.job_id] = (next(self._sequence), result)
+            self._finished.notify_all()
+
+    # ------------------------------------------------------------------------------- completion
+
+    def poll_sequenced(self) -> list[tuple[int, TransferResult]]:
+        """Finished jobs since the last call, with their completion sequence numbers."""
+        with self._lock:
+            out = list(self._done.values())
+            self._known.difference_update(self._done)
+            self._done.clear()
+        return out
+
+    def wait_sequenced(self, job_ids: Iterable[int], timeout: float) -> list[tuple[int, TransferResult]]:
+        """Wait until the given jobs finished; their results in the order asked.
+
+        Raises:
+            UnknownJobError: an id this pipeline does not hold.
+            WaitTimeoutError: the deadline passed (the jobs stay in flight).
+        """
+        ids = as_job_ids(job_ids)
+        deadline = time.monotonic() + as_timeout(timeout)
+        with self._lock:
+            unknown = [j for j in ids if j not in self._known]
+            if unknown:
+                raise UnknownJobError(f"disk job(s) {unknown} are not in flight")
+            while True:
+                missing = [j for j in ids if j not in self._done]
+                if not missing:
+                    self._known.difference_update(ids)
+                    return [self._done.pop(j) for j in ids]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WaitTimeoutError(f"disk job(s) {missing} did not finish in time",
+                                           pending=missing)
+                self._finished.wait(remaining)
+
+    def shutdown(self, timeout: float) -> None:
+        """Let queued jobs finish (bounded by ``timeout``), then stop the thread. Idempotent.
+
+        Raises:
+            ShutdownError: the thread did not stop in time (a job may still use the slots).
+        """
+        seconds = as_timeout(timeout)
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(seconds)
+        if thread.is_alive():
+            self._abort.set()
+            raise ShutdownError("the disk pipeline did not stop before the deadline",
+                                [WaitTimeoutError("a GPU <-> disk job is still running")])
+
+
+def _io_error(io: DiskIO) -> BaseException | None:
+    if not io.wait(STEP_TIMEOUT_S):
+        return WaitTimeoutError("a disk request did not finish in time")
+    return None if io.ok else io.error
+
+
+def _copy_result(
+    handler: DirectionHandler, copy: int, timeout: float
+) -> BaseException | Literal[False] | None:
+    """None while the copy runs; False when it finished well; its error when it failed."""
+    try:
+        (result,) = handler.wait([copy], timeout)
+    except WaitTimeoutError:
+        if timeout > 0:
+            return WaitTimeoutError("a bounce copy did not finish in time")
+        return None
+    return False if result.ok else (result.error or TransferError("a bounce copy failed"))
+
+
+def _copy_error(handler: DirectionHandler, copy: int) -> BaseException | None:
+    (result,) = handler.wait([copy], STEP_TIMEOUT_S)
+    return None if result.ok else (result.error or TransferError("a bounce copy failed"))

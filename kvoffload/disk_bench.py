@@ -1,0 +1,357 @@
+"""Benchmark of the disk tier against the raw speed of the same file system, in one run.
+
+Measures, with the same I/O size and thread count:
+
+* raw: plain ``os.pwritev``/``os.preadv`` of page-aligned buffers on an O_DIRECT file (no headers, no
+  checksum), each thread moving ``--io-mib`` per call over its share of the file;
+* tier: :class:`~kvoffload.disk.DiskTier` DEMOTE and PROMOTE jobs between a host pool (a
+  :class:`~kvoffload.region.RegionOwner`, unpinned) and a tier file of the same payload size, with
+  checksums on (the figure issue 4 asks for: >= 0.90 x raw) and off (to show what the CRC costs);
+* ``zlib.crc32`` alone over the pool on the same number of threads.
+
+Tier jobs are half a pool each, at most two in flight, alternating halves, so no two jobs in flight
+write the same host rows; every read job verifies every record (``ok=True``) and the pool is compared
+with its original bytes at the end. Each repeat measures every row back to back; the table gives
+each row's best throughput, its ratio to the best raw figure (``x raw``), and the median over the
+repeats of the ratio to the raw figure *of the same repeat* (``median``): when the two disagree,
+other load on the machine disturbed the run. Per-repeat figures go to stderr. Numbers are reported,
+never asserted. When the file system refuses O_DIRECT, both sides run buffered and the report says
+so (reads may then come from the page cache).
+
+Run: ``python3 -m kvoffload.disk_bench --path /nvme/dir [--quick] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Final, cast
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+from typing_extensions import Buffer
+
+from kvoffload.bindings import NoPinner
+from kvoffload.disk import DiskConfig, DiskTier
+from kvoffload.region import RegionOwner
+
+__all__ = ["main"]
+
+GIB: Final = 1 << 30
+MIB: Final = 1 << 20
+KIB: Final = 1 << 10
+PAGE_BYTES: Final = 4096
+DEFAULT_DATA_GIB: Final = 4.0
+QUICK_DATA_GIB: Final = 1.0
+DEFAULT_POOL_GIB: Final = 1.0
+DEFAULT_RECORD_KIB: Final = 1024  # e.g. one 16-token block of a Llama-3.1-8B-sized model is 2 MiB
+WAIT_S: Final = 600.0
+FINGERPRINT: Final = "kvoffload.disk_bench"
+
+U8Array = npt.NDArray[np.uint8]
+
+
+@attrs.frozen
+class Figures:
+    """One row of the table: best throughput in GB/s (write = host -> disk), its ratio to the best
+    raw figure, and the median ratio to the raw figure of the same repeat."""
+
+    name: str
+    write_gbps: float
+    read_gbps: float
+    write_ratio: float
+    read_ratio: float
+    write_ratio_median: float
+    read_ratio_median: float
+
+
+def _figures(name: str, runs: list[tuple[float, float]], raw: list[tuple[float, float]]) -> Figures:
+    write, read = max(w for w, _ in runs), max(r for _, r in runs)
+    return Figures(
+        name, write, read, write / max(w for w, _ in raw), read / max(r for _, r in raw),
+        float(np.median([w / rw for (w, _), (rw, _) in zip(runs, raw)])),
+        float(np.median([r / rr for (_, r), (_, rr) in zip(runs, raw)])),
+    )
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def _aligned(nbytes: int) -> U8Array:
+    raw = np.zeros(nbytes + PAGE_BYTES, dtype=np.uint8)
+    shift = (-raw.ctypes.data) % PAGE_BYTES
+    return raw[shift : shift + nbytes]
+
+
+def _raw(path: str, data_bytes: int, io_bytes: int, threads: int) -> tuple[float, float, bool]:
+    """Raw write and read GB/s of ``data_bytes`` in calls of ``io_bytes``; and whether O_DIRECT."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    direct = True
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        fd, direct = os.open(path, flags, 0o600), False
+    try:
+        os.posix_fallocate(fd, 0, data_bytes)
+        buffers = [_aligned(io_bytes) for _ in range(threads)]
+        for b in buffers:
+            b[:] = np.frombuffer(os.urandom(io_bytes), dtype=np.uint8)
+        calls = data_bytes // io_bytes
+
+        def run(write: bool) -> float:
+            def work(k: int) -> None:
+                view = [cast(Buffer, buffers[k])]
+                for i in range(k, calls, threads):
+                    done = (os.pwritev if write else os.preadv)(fd, view, i * io_bytes)
+                    if done != io_bytes:
+                        raise OSError(f"raw {'write' if write else 'read'} moved {done} bytes")
+
+            return _timed_threads(work, threads, calls * io_bytes)
+
+        return run(True), run(False), direct
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _timed_threads(work: Callable[[int], None], threads: int, nbytes: int) -> float:
+    errors: list[BaseException] = []
+
+    def guarded(k: int) -> None:
+        try:
+            work(k)
+        except BaseException as exc:  # reported after the join
+            errors.append(exc)
+
+    pool = [threading.Thread(target=guarded, args=(k,)) for k in range(threads)]
+    start = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return nbytes / elapsed / 1e9
+
+
+def _tier_pass(tier: DiskTier, num_blocks: int, half: int, write: bool, first_job: int) -> float:
+    """Move ``num_blocks`` records in jobs of ``half`` rows, two in flight; GB/s of payload."""
+    jobs: list[int] = []
+    start = time.perf_counter()
+    for k, block in enumerate(range(0, num_blocks, half)):
+        n = min(half, num_blocks - block)
+        rows = list(range((k % 2) * half, (k % 2) * half + n))
+        blocks = list(range(block, block + n))
+        if len(jobs) >= 2:
+            _expect_ok(tier.wait([jobs.pop(0)], WAIT_S))
+        job = first_job + k
+        if write:
+            tier.write(job, rows, blocks)
+        else:
+            tier.read(job, blocks, rows)
+        jobs.append(job)
+    _expect_ok(tier.wait(jobs, WAIT_S))
+    return num_blocks * tier.record_bytes / (time.perf_counter() - start) / 1e9
+
+
+def _expect_ok(results: Sequence[object]) -> None:
+    for result in results:
+        if not getattr(result, "ok", False):
+            raise RuntimeError(f"a benchmark job failed: {result}")
+
+
+def _crc_gbps(pool: U8Array, threads: int) -> float:
+    rows = pool.shape[0]
+
+    def work(k: int) -> None:
+        for i in range(k, rows, threads):
+            zlib.crc32(cast(Buffer, pool[i]))
+
+    return _timed_threads(work, threads, pool.nbytes)
+
+
+def pipeline_figures(path: str, data_bytes: int, threads: int, progress: bool = True) -> dict[str, float]:
+    """Disk -> device through a Worker's bounce slots, next to raw O_DIRECT reads of the same bytes.
+
+    Uses the cuda backend when a GPU is present (else the host backend, and says so in the result):
+    a synthetic Llama-like cache (per-layer, 2 MiB blocks) is stored to disk, then loaded back into
+    other blocks and checked byte for byte.
+    """
+    from kvoffload._caches import build_cache
+    from kvoffload.layout import DeviceLayout
+    from kvoffload.worker import Worker
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    layers = 32 if cuda else 2
+    probe = build_cache("per-layer", num_blocks=1, layers=layers, kv_heads=8, head_dim=128,
+                        block_size=16, dtype=torch.bfloat16, device=device)[0]
+    block_bytes = sum(t.numel() * t.element_size() for t in probe.values())
+    blocks = max(8, data_bytes // block_bytes)
+    tensors, block_dim = build_cache("per-layer", num_blocks=2 * blocks, layers=layers, kv_heads=8,
+                                     head_dim=128, block_size=16, dtype=torch.bfloat16, device=device)
+    layout = DeviceLayout.from_tensors(tensors, block_dim=block_dim)
+    moved = blocks * layout.block_bytes
+    raw_path = os.path.join(path, f"kvoffload-bench-raw-{os.getpid()}.bin")
+    disk_path = os.path.join(path, f"kvoffload-bench-pipeline-{os.getpid()}.bin")
+    _, raw_read, _ = _raw(raw_path, blocks * layout.record_bytes, 8 * MIB, threads)
+    if progress:
+        _progress(f"pipeline: raw read {raw_read:.2f} GB/s; storing {blocks} blocks to disk")
+    config = DiskConfig(disk_path, num_blocks=blocks, io_threads=threads)
+    src = np.arange(blocks, dtype=np.int64)
+    dst = src + blocks
+    try:
+        with Worker.create(layout, 8, disk=config) as w:
+            w.store_to_disk(1, src, src)
+            stored = w.wait([1], 600.0)[0]
+            if not stored.ok:
+                raise RuntimeError(f"store_to_disk failed: {stored.error}")
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            w.load_from_disk(2, src, dst)
+            loaded = w.wait([2], 600.0)[0]
+            seconds = time.perf_counter() - start
+            if not loaded.ok:
+                raise RuntimeError(f"load_from_disk failed: {loaded.error}")
+    finally:
+        if os.path.exists(disk_path):
+            os.unlink(disk_path)
+    bad = int((layout.gather_records(dst) != layout.gather_records(src)).any(dim=1).sum())
+    gbps = moved / seconds / 1e9
+    return {"backend_cuda": float(cuda), "raw_read_gbps": raw_read, "pipeline_gbps": gbps,
+            "ratio": gbps / raw_read, "bytes": float(moved), "mismatched_blocks": float(bad)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table (or JSON with ``--json``); progress goes to stderr."""
+    parser = argparse.ArgumentParser(prog="kvoffload.disk_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", required=True, help="a directory on the file system to measure")
+    parser.add_argument("--gib", type=float, default=None,
+                        help=f"GiB moved per pass (default {DEFAULT_DATA_GIB}, quick {QUICK_DATA_GIB})")
+    parser.add_argument("--pool-gib", type=float, default=DEFAULT_POOL_GIB, help="host pool size")
+    parser.add_argument("--record-kib", type=int, default=DEFAULT_RECORD_KIB, help="bytes per record")
+    parser.add_argument("--io-mib", type=int, default=8, help="payload bytes per system call")
+    parser.add_argument("--threads", type=int, default=4, help="I/O threads (raw and tier)")
+    parser.add_argument("--checksum-threads", type=int, default=None,
+                        help="the tier's CRC threads, beside its I/O threads (default: --threads)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repeats of every row (default 3, quick 1)")
+    parser.add_argument("--quick", action="store_true", help="1 GiB per pass, one repeat")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="also time disk -> device loads through a Worker's bounce slots")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.path):
+        parser.error(f"--path {args.path!r} is not a directory")
+    record_bytes = args.record_kib * KIB
+    io_bytes = args.io_mib * MIB
+    if record_bytes % PAGE_BYTES or io_bytes % record_bytes:
+        parser.error("--record-kib must be a multiple of 4 and divide --io-mib")
+    default_gib = QUICK_DATA_GIB if args.quick else DEFAULT_DATA_GIB
+    data_gib = args.gib if args.gib is not None else default_gib
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    num_blocks = max(2, int(data_gib * GIB) // record_bytes)
+    pool_rows = max(2, min(num_blocks, int(args.pool_gib * GIB) // record_bytes) // 2 * 2)
+    half = pool_rows // 2
+    data_bytes = num_blocks * record_bytes
+    raw_path = os.path.join(args.path, f"kvoffload-bench-raw-{os.getpid()}.bin")
+    tier_path = os.path.join(args.path, f"kvoffload-bench-tier-{os.getpid()}.bin")
+
+    region = RegionOwner.create(num_records=pool_rows, record_bytes=record_bytes, pinner=NoPinner())
+    try:
+        records = region.records()
+        records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))
+        original = records.clone()
+        runs: dict[str, list[tuple[float, float]]] = {}
+        direct_raw = True
+        tier_reason = ""
+        job = 0
+        for rep in range(repeats):
+            _progress(f"repeat {rep + 1}/{repeats}: raw, {data_bytes / GIB:.2f} GiB")
+            w, r, direct_raw = _raw(raw_path, data_bytes, io_bytes, args.threads)
+            runs.setdefault("raw", []).append((w, r))
+            _progress(f"  raw: {w:.2f} / {r:.2f} GB/s")
+            for checksum in (True, False):
+                name = f"tier, checksum {'on' if checksum else 'off'}"
+                _progress(f"repeat {rep + 1}/{repeats}: {name}")
+                config = DiskConfig(tier_path, num_blocks=num_blocks, io_threads=args.threads,
+                                    checksum_threads=args.checksum_threads, io_bytes=io_bytes,
+                                    checksum=checksum)
+                tier = DiskTier.create(config, fingerprint=FINGERPRINT, record_bytes=record_bytes,
+                                       records=records)
+                try:
+                    tier_reason = tier.capabilities().reason
+                    w = _tier_pass(tier, num_blocks, half, True, job)
+                    job += num_blocks
+                    r = _tier_pass(tier, num_blocks, half, False, job)
+                    job += num_blocks
+                finally:
+                    try:
+                        tier.shutdown()
+                    finally:
+                        os.unlink(tier_path)
+                if not torch.equal(records, original):
+                    raise RuntimeError("the host pool differs from its original bytes after reading")
+                runs.setdefault(name, []).append((w, r))
+                _progress(f"  {name}: {w:.2f} / {r:.2f} GB/s")
+        crc = max(_crc_gbps(records.numpy(), args.threads) for _ in range(repeats))
+        del records
+    finally:
+        region.cleanup()
+
+    rows = [_figures(name, got, runs["raw"]) for name, got in runs.items()]
+    pipe = pipeline_figures(args.path, data_bytes, args.threads) if args.pipeline else None
+    report = {
+        "path": args.path,
+        "raw_o_direct": direct_raw,
+        "tier_io": tier_reason,
+        "data_bytes": data_bytes,
+        "record_bytes": record_bytes,
+        "io_bytes": io_bytes,
+        "threads": args.threads,
+        "checksum_threads": args.checksum_threads or args.threads,
+        "repeats": repeats,
+        "crc32_gbps": crc,
+        "pipeline": pipe,
+        "rows": [
+            attrs.asdict(f) | {"runs": runs[f.name]} for f in rows
+        ],
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    mode = "O_DIRECT" if direct_raw else "buffered (O_DIRECT refused)"
+    print(f"disk tier benchmark on {args.path}: {data_bytes / GIB:.2f} GiB per pass, records of "
+          f"{record_bytes // KIB} KiB, {io_bytes // MIB} MiB per call, {args.threads} I/O threads "
+          f"(+{args.checksum_threads or args.threads} CRC threads in the tier), {repeats} repeats; "
+          f"raw {mode}; tier {tier_reason}")
+    print("best GB/s; x raw = best / best raw; median = median of per-repeat ratios to raw")
+    print(f"{'':<20} {'host->disk GB/s':>15} {'x raw':>6} {'median':>6} "
+          f"{'disk->host GB/s':>15} {'x raw':>6} {'median':>6}")
+    for f in rows:
+        print(f"{f.name:<20} {f.write_gbps:>15.2f} {f.write_ratio:>6.2f} {f.write_ratio_median:>6.2f} "
+              f"{f.read_gbps:>15.2f} {f.read_ratio:>6.2f} {f.read_ratio_median:>6.2f}")
+    print(f"zlib.crc32 alone on {args.threads} threads: {crc:.2f} GB/s; {os.cpu_count()} CPUs")
+    if pipe is not None:
+        where = "GPU" if pipe["backend_cuda"] else "CPU tensors (no GPU: host backend)"
+        print(f"disk -> {where} through bounce slots: {pipe['pipeline_gbps']:.2f} GB/s = "
+              f"{pipe['ratio']:.2f} x raw read ({pipe['raw_read_gbps']:.2f} GB/s), "
+              f"mismatched blocks {int(pipe['mismatched_blocks'])}")
+        return 0 if pipe["mismatched_blocks"] == 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The worker with a disk tier, on the host backend: host <-> disk and device <-> disk round trips
+(bit-exact), failed records never reach a device block, conflicts across tiers refused, warm restart,
+the shutdown order, and the bounce-slot reuse rule proved against a control that breaks it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import kvoffload.worker
+from kvoffload import BlockConflictError, DeviceLayout, Direction, InvalidArgumentError, Worker
+from kvoffload._caches import build_cache
+from kvoffload._pipeline import STEP_TIMEOUT_S, DiskPipeline
+from kvoffload.backends import HostBackend
+from kvoffload.disk import DiskConfig
+
+TIMEOUT_S = 60.0
+NUM_BLOCKS = 64
+HOST_BLOCKS = 16
+DISK_BLOCKS = 128
+
+
+def make_layout(seed: int = 0) -> DeviceLayout:
+    tensors, block_dim = build_cache("per-layer", num_blocks=NUM_BLOCKS, layers=2, kv_heads=2,
+                                     head_dim=64, block_size=8, dtype=torch.bfloat16,
+                                     device=torch.device("cpu"), seed=seed)
+    return DeviceLayout.from_tensors(tensors, block_dim=block_dim)
+
+
+@pytest.fixture
+def disk_path(tmp_path: pathlib.Path) -> str:
+    return str(tmp_path / "kv.bin")
+
+
+@pytest.fixture
+def worker(disk_path: str) -> Iterator[Worker]:
+    with Worker.create(make_layout(), HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS),
+                       bounce_slots=4) as w:
+        yield w
+
+
+def pages_equal(layout: DeviceLayout, a: torch.Tensor, b: torch.Tensor) -> bool:
+    table = layout.page_table
+    return all(torch.equal(a[:, o : o + n], b[:, o : o + n])
+               for o, n in zip(table.host_offset.tolist(), table.nbytes.tolist()))
+
+
+def test_demote_then_promote_is_bit_exact(worker: Worker) -> None:
+    layout = worker.layout
+    worker.store(1, [3, 4, 5], [0, 1, 2])
+    worker.wait([1], TIMEOUT_S)
+    worker.demote(2, [0, 1, 2], [100, 7, 50])
+    (demoted,) = worker.wait([2], TIMEOUT_S)
+    assert demoted.ok and demoted.direction is Direction.DEMOTE
+    worker.promote(3, [50, 100, 7], [10, 11, 12])
+    (promoted,) = worker.wait([3], TIMEOUT_S)
+    assert promoted.ok and promoted.direction is Direction.PROMOTE
+    records = worker.host_records()
+    assert pages_equal(layout, records[[11, 12, 10]], layout.gather_records([3, 4, 5]))
+    assert set(worker.disk_valid_blocks()) >= {100, 7, 50}
+
+
+def test_device_to_disk_and_back_through_the_bounce_slots_is_bit_exact(worker: Worker) -> None:
+    layout = worker.layout
+    rng = np.random.default_rng(1)
+    src = rng.choice(NUM_BLOCKS // 2, 21, replace=False)  # more blocks than slots: many rounds
+    dst = NUM_BLOCKS // 2 + rng.choice(NUM_BLOCKS // 2, 21, replace=False)
+    disk = rng.choice(DISK_BLOCKS, 21, replace=False)
+    original = layout.gather_records(src)
+    worker.store_to_disk(1, src, disk)
+    (stored,) = worker.wait([1], TIMEOUT_S)
+    assert stored.ok, stored.error
+    assert stored.direction is Direction.STORE_TO_DISK and stored.nbytes == 21 * layout.block_bytes
+    worker.load_from_disk(2, disk, dst)
+    (loaded,) = worker.wait([2], TIMEOUT_S)
+    assert loaded.ok, loaded.error
+    assert pages_equal(layout, layout.gather_records(dst), original)
+
+
+def test_a_damaged_record_fails_the_load_and_never_reaches_its_device_block(
+    worker: Worker, disk_path: str
+) -> None:
+    layout = worker.layout
+    worker.store_to_disk(1, [1, 2, 3], [10, 11, 12])
+    assert worker.wait([1], TIMEOUT_S)[0].ok
+    slot = 4096 + layout.record_bytes  # file header page, then (header page + payload) per block
+    with open(disk_path, "r+b") as f:
+        f.seek(4096 + 11 * slot + 4096 + 100)  # a payload byte of disk block 11
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    before = layout.gather_records([40, 41, 42])
+    worker.load_from_disk(2, [10, 11, 12], [40, 41, 42])
+    (result,) = worker.wait([2], TIMEOUT_S)
+    assert not result.ok and result.error is not None
+    after = layout.gather_records([40, 41, 42])
+    assert torch.equal(after[1], before[1])  # the damaged record's block kept its contents
+    assert pages_equal(layout, after[[0, 2]], layout.gather_records([1, 3]))
+
+
+def test_conflicts_across_tiers_are_refused_before_anything_is_submitted(worker: Worker) -> None:
+    worker.store(1, [0], [5])
+    with pytest.raises(BlockConflictError, match=r"host_blocks\[0\] = 5 is being written"):
+        worker.demote(2, [5], [0])
+    worker.store_to_disk(3, [7], [9])
+    with pytest.raises(BlockConflictError, match=r"disk_blocks\[0\] = 9 is being written"):
+        worker.load_from_disk(4, [9], [8])
+    with pytest.raises(BlockConflictError, match=r"disk_blocks\[0\] = 9 is in use"):
+        worker.demote(4, [1], [9])
+    worker.wait([1, 3], TIMEOUT_S)
+    worker.load_from_disk(4, [9], [8])  # accepted once the store's result came back
+    assert worker.wait([4], TIMEOUT_S)[0].ok
+
+
+def test_disk_calls_without_a_tier_are_refused() -> None:
+    with Worker.create(make_layout(), HOST_BLOCKS) as w:
+        with pytest.raises(InvalidArgumentError, match="needs a disk tier"):
+            w.demote(1, [0], [0])
+        with pytest.raises(InvalidArgumentError, match="needs a disk tier"):
+            w.load_from_disk(1, [0], [0])
+        assert w.disk_stats() is None
+
+
+def test_warm_restart_serves_what_an_earlier_worker_demoted(disk_path: str) -> None:
+    layout = make_layout(seed=3)
+    with Worker.create(layout, HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS)) as first:
+        first.store_to_disk(1, [4, 5], [60, 61])
+        assert first.wait([1], TIMEOUT_S)[0].ok
+    original = layout.gather_records([4, 5])
+    with Worker.create(layout, HOST_BLOCKS,
+                       disk=DiskConfig(disk_path, DISK_BLOCKS, reuse=True)) as second:
+        assert {60, 61} <= set(second.disk_valid_blocks())
+        second.load_from_disk(1, [60, 61], [30, 31])
+        assert second.wait([1], TIMEOUT_S)[0].ok
+    assert pages_equal(layout, layout.gather_records([30, 31]), original)
+
+
+class SlowHostBackend(HostBackend):
+    """Copies slowly: a bounce-slot copy to the device is still running when the next disk read
+    into the same slots would start, unless the pipeline waits for it."""
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        if self.direction is Direction.LOAD:
+            time.sleep(0.0005)
+        super().copy_one(dst, src, size)
+
+
+def _load_without_waiting(self: DiskPipeline, job: Any) -> None:
+    """CONTROL ONLY: the load pipeline without rule 5 (a set is read into again while its last
+    copy to the device may still be reading it)."""
+    copies = []
+    for index, part in enumerate(self._rounds(job)):
+        rows = self._sets[index % len(self._sets)][: part.stop - part.start]
+        io = self._tier.read_records(job.disk_blocks[part], rows)
+        io.wait(STEP_TIMEOUT_S)
+        copy = next(self._ids)
+        self._from_slots.submit_validated(copy, rows, job.device_blocks[part], fence=job.fence)
+        copies.append(copy)
+    self._from_slots.wait(copies, STEP_TIMEOUT_S)
+
+
+def corrupted_blocks_after_disk_loads(disk_path: str) -> int:
+    layout = make_layout(seed=5)
+    src = list(range(24))
+    with Worker.create(layout, HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS),
+                       bounce_slots=8) as w:
+        w.store_to_disk(1, src, src)
+        assert w.wait([1], TIMEOUT_S)[0].ok
+        dst = list(range(32, 56))
+        w.load_from_disk(2, src, dst)
+        (result,) = w.wait([2], TIMEOUT_S)
+        assert result.ok, result.error
+    got, want = layout.gather_records(dst), layout.gather_records(src)
+    return int((got != want).any(dim=1).sum())
+
+
+def test_a_bounce_slot_is_refilled_only_after_its_last_copy_finished(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvoffload.worker, "HostBackend", SlowHostBackend)
+    with monkeypatch.context() as patch:
+        patch.setattr(DiskPipeline, "_load", _load_without_waiting)
+        control = corrupted_blocks_after_disk_loads(str(tmp_path / "control.bin"))
+    assert control > 0, "the control did not race: the test cannot prove the rule"
+    assert corrupted_blocks_after_disk_loads(str(tmp_path / "real.bin")) == 0
+
+
+def test_shutdown_stops_pipeline_handlers_bounce_handlers_tier_then_region(disk_path: str) -> None:
+    calls: list[str] = []
+    w = Worker.create(make_layout(), HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS))
+    parts = dict(w._parts())
+    for name, part in parts.items():
+        original = part.shutdown
+
+        def recorded(timeout: float, name: str = name, original: object = original) -> None:
+            calls.append(name)
+            assert callable(original)
+            original(timeout)
+
+        part.shutdown = recorded  # type: ignore[method-assign]
+    region_cleanup = w._region.cleanup
+
+    def cleanup() -> None:
+        calls.append("region")
+        region_cleanup()
+
+    w._region.cleanup = cleanup  # type: ignore[method-assign]
+    w.shutdown(TIMEOUT_S)
+    assert calls == ["disk pipeline", "store handler", "load handler", "bounce store handler",
+                     "bounce load handler", "disk tier", "region"]
+    assert not threading.enumerate()[1:] or all(
+        not t.name.startswith("kvoffload-disk-pipeline") for t in threading.enumerate()
+    )
