@@ -130,13 +130,37 @@ class CopyPlan:
             srcs, dsts, sizes = _merge_runs(srcs, dsts, sizes, area)
         return Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(sizes))
 
+    def kernel_units(
+        self, device_blocks: I64Array, host_base: int, host_rows: I64Array, chunk_records: int
+    ) -> U64Array:
+        """The copy kernel's units (see :func:`split_units`) for :meth:`build_device_host`.
+
+        When no two copies can merge and no page is larger than a unit (the common case), the
+        units are written straight into one array, without intermediate descriptors.
+        """
+        pages = self.pages
+        if self._mergeable or int(pages.nbytes.max()) > UNIT_MAX_BYTES:
+            return split_units(self.build_device_host(device_blocks, host_base, host_rows, chunk_records))
+        count = device_blocks.shape[0]
+        units = np.zeros((count * pages.num_pages, 4), dtype=np.int64)
+        dev_col, host_col = (0, 1) if self.direction is Direction.STORE else (1, 0)
+        dev = units[:, dev_col].reshape(count, pages.num_pages)
+        np.multiply(device_blocks[:, None], pages.dev_stride[None, :], out=dev)
+        dev += pages.dev_base
+        host = units[:, host_col].reshape(count, pages.num_pages)
+        np.multiply(host_rows[:, None], pages.record_bytes, out=host)
+        host += pages.host_offset + host_base
+        units[:, 2].reshape(count, pages.num_pages)[:] = pages.nbytes
+        return units.view(np.uint64)
+
     @functools.cached_property
     def _mergeable(self) -> bool:
         """Whether any two copies of a job could ever merge (decided once per plan).
 
         Two pages of one record merge only if they follow each other on both sides in one device
-        allocation; the last page of one record and the first of the next only if the record has no
-        padding after its last page and no gap before its first.
+        allocation; the last page of one record and the first of the next only if both are in one
+        device allocation and the record has no padding after its last page and no gap before its
+        first.
         """
         p = self.pages
         if p.num_pages > 1:
@@ -153,7 +177,8 @@ class CopyPlan:
             if bool(follows.any()):
                 return True
         last_end = int(p.host_offset[-1] + p.nbytes[-1])
-        return int(p.host_offset[0]) == 0 and last_end == p.record_bytes
+        same_allocation = int(p.segment[-1]) == int(p.segment[0])
+        return same_allocation and int(p.host_offset[0]) == 0 and last_end == p.record_bytes
 
 
 def _as_u64(values: I64Array) -> U64Array:
@@ -252,12 +277,12 @@ def plan_staged(
         rows = np.arange(stop - start, dtype=np.int64)
         # Device pages <-> the slot's rows, laid out like host records (the slot is one device
         # allocation: one "chunk").
-        kernel = plan.build_device_host(device_blocks[start:stop], slot_bases[slot], rows, rows_per_slot)
+        kernel = plan.kernel_units(device_blocks[start:stop], slot_bases[slot], rows, rows_per_slot)
         records = _record_copies(
             slot_bases[slot], plan.host_base, record, rows, host_blocks[start:stop],
             plan.chunk_records, to_host=store,
         )
-        chunks.append(StagedChunk(slot, slice(start, stop), split_units(kernel), records))
+        chunks.append(StagedChunk(slot, slice(start, stop), kernel, records))
     return chunks
 
 
