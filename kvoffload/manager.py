@@ -249,6 +249,8 @@ class ManagerStats:
     stores_failed: int
     loads_planned: int
     loads_completed: int
+    loads_failed: int
+    disk_copies_dropped: int
     host_evictions: int
     disk_evictions: int
     demotions_planned: int
@@ -507,6 +509,7 @@ POLICY_NAMES: Final[dict[str, PolicyFactory]] = {"lru": LRUPolicy, "arc": ARCPol
 class _Copy(enum.Enum):
     PENDING = "pending"
     READY = "ready"
+    FAILED = "failed"  # a load found it damaged: never offered again, dropped when its loads end
 
 
 class _Entry:
@@ -608,6 +611,8 @@ class Manager:
         self._stores_failed = 0
         self._loads_planned = 0
         self._loads_completed = 0
+        self._loads_failed = 0
+        self._disk_copies_dropped = 0
         self._host_evictions = 0
         self._disk_evictions = 0
         self._demotions_planned = 0
@@ -774,6 +779,8 @@ class Manager:
             stores_failed=self._stores_failed,
             loads_planned=self._loads_planned,
             loads_completed=self._loads_completed,
+            loads_failed=self._loads_failed,
+            disk_copies_dropped=self._disk_copies_dropped,
             host_evictions=self._host_evictions,
             disk_evictions=self._disk_evictions,
             demotions_planned=self._demotions_planned,
@@ -1025,11 +1032,16 @@ class Manager:
         self._loads_planned += len(nkeys)
         return LoadPlan(self._owner, plan_id, self._epoch, tuple(keys), tuple(tiers), tuple(blocks))
 
-    def complete_load(self, plan: LoadPlan, keys: Sequence[bytes] | None = None) -> None:
+    def complete_load(
+        self, plan: LoadPlan, keys: Sequence[bytes] | None = None, *, ok: bool = True
+    ) -> None:
         """Drop the references ``plan`` took on ``keys`` (default: all of ``plan.keys``).
 
-        Works the same whether the copy succeeded or not (the source is unchanged either way). A plan
-        from before the last :meth:`reset` is a no-op (it only unfences its blocks).
+        With ``ok=False`` (the load failed) a key's host copy stays (host memory is unchanged by a
+        failed copy), but its disk copy is dropped: the disk tier drops a record that fails its
+        check, so offering it again would fail every later load. It stops being offered at once
+        and its disk block is freed when the last load holding it completed (event ``REMOVED``).
+        A plan from before the last :meth:`reset` is a no-op (it only unfences its blocks).
 
         Raises:
             ArgumentTypeError: ``plan`` is not a LoadPlan.
@@ -1037,7 +1049,10 @@ class Manager:
             KeyTypeError / DuplicateKeyError: bad ``keys``.
             UnknownKeyError: a key is not in ``plan.keys``.
             KeyStateError: a key of this plan was already completed (no matching ``prepare_load``).
+            ArgumentTypeError: ``ok`` is not a bool.
         """
+        if not isinstance(ok, bool):
+            raise ArgumentTypeError(f"ok = {ok!r} must be a bool")
         nkeys = self._plan_keys(plan, LoadPlan, True, keys, plan.keys if isinstance(plan, LoadPlan) else ())
         if plan.epoch != self._epoch:
             self._complete_stale(plan.plan_id, _Fence.LOAD, nkeys)
@@ -1061,12 +1076,19 @@ class Manager:
                 pool = self._disk
                 entry.disk_refs -= 1
                 last = entry.disk_refs == 0
+                if not ok and entry.disk_state is _Copy.READY:
+                    entry.disk_state = _Copy.FAILED
+                    self._forget_if_empty(nk, entry)  # no longer offered
             if last:
                 pool.policy.release(nk)
                 pool.loading -= 1
+                if tier is Tier.DISK and entry.disk_state is _Copy.FAILED:
+                    self._drop_failed_disk_copy(nk, entry)
         if not outstanding:
             self._loads.pop(plan.plan_id, None)
         self._loads_completed += len(nkeys)
+        if not ok:
+            self._loads_failed += len(nkeys)
 
     # ----------------------------------------------------------------- reset
 
@@ -1222,6 +1244,18 @@ class Manager:
             self._check_victims(disk, disk_victims, shortfall, protected)
         room = len(disk.free) + len(disk_victims)
         return set(candidates[:room]), disk_victims
+
+    def _drop_failed_disk_copy(self, nk: bytes, entry: _Entry) -> None:
+        """Free the disk block of a copy a load found damaged, once no load holds it."""
+        disk = self._disk
+        assert disk is not None
+        disk.policy.evict(nk)
+        disk.free.append(entry.disk)
+        entry.disk_state = None
+        self._disk_copies_dropped += 1
+        if self._record_events:
+            self._events.append(BlockEvent(EventKind.REMOVED, nk[len(self._namespace) :], Tier.DISK))
+        self._forget_if_empty(nk, entry)
 
     def _forget_if_empty(self, nk: bytes, entry: _Entry) -> None:
         """Drop the entry when no tier holds a copy; keep ``_ready`` exact either way."""

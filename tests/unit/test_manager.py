@@ -762,3 +762,52 @@ def test_empty_requests_are_valid_no_ops() -> None:
         before[0].stores_completed,
         before[0].loads_completed,
     )
+
+
+def _disk_only_key(manager: Manager, key: bytes, filler: bytes) -> None:
+    """Store ``key``, then push it to disk by storing ``filler`` into the one host block."""
+    first = manager.prepare_store([key])
+    assert first is not None
+    manager.complete_store(first, True)
+    second = manager.prepare_store([filler])
+    assert second is not None and len(second.demotions) == 1
+    manager.complete_demote(second, True)
+    manager.complete_store(second, True)
+
+
+def test_a_failed_disk_load_drops_the_disk_copy_once_no_load_holds_it() -> None:
+    manager = Manager.create(1, fingerprint=b"fp", num_disk_blocks=4)
+    _disk_only_key(manager, b"a", b"b")
+    first = manager.prepare_load([b"a"])
+    second = manager.prepare_load([b"a"])
+    assert first.tiers == (Tier.DISK,)
+    manager.events()
+    manager.complete_load(first, ok=False)
+    assert manager.lookup([b"a"]) == 0  # never offered again, even while a load still holds it
+    assert manager.stats().disk.free == 3
+    manager.complete_load(second)
+    assert manager.stats().disk.free == 4 and manager.stats().disk_copies_dropped == 1
+    assert [(e.kind, e.key, e.tier) for e in manager.events()] == [
+        (EventKind.REMOVED, b"a", Tier.DISK)]
+    assert manager.stats().loads_failed == 1
+
+
+def test_a_failed_host_load_keeps_the_host_copy() -> None:
+    manager = Manager.create(2, fingerprint=b"fp")
+    plan = manager.prepare_store([b"a"])
+    assert plan is not None
+    manager.complete_store(plan, True)
+    load = manager.prepare_load([b"a"])
+    manager.complete_load(load, ok=False)
+    assert manager.lookup([b"a"]) == 1
+
+
+def test_complete_load_refuses_an_ok_that_is_not_a_bool() -> None:
+    manager = Manager.create(2, fingerprint=b"fp")
+    plan = manager.prepare_store([b"a"])
+    assert plan is not None
+    manager.complete_store(plan, True)
+    load = manager.prepare_load([b"a"])
+    with pytest.raises(ArgumentTypeError, match="ok"):
+        manager.complete_load(load, ok=1)  # type: ignore[arg-type]
+    manager.complete_load(load)
