@@ -16,19 +16,33 @@ keys and a key names its whole prefix.
 
 Each request follows the Manager's protocol: ``lookup`` gives the ready prefix; those blocks are hits:
 ``prepare_load``, the destination device blocks are poisoned on the compute stream, ``Worker.load``
-(ordered after the compute stream), and on completion the blocks are verified and ``complete_load``
-is called. A failed load is a miss: its blocks are recomputed, never counted or verified as hits (a
-peer that counted a failed load as loaded served another request's KV: FACTS §3, Dynamo #15079). The
-misses are "computed": the compute stream writes every byte of each block with the key's pattern;
-then ``prepare_store`` (None: the pool has no room now, the blocks are not offloaded) and
-``Worker.store`` ordered after those writes (``stream=`` the compute stream), ``complete_store(plan,
-ok)`` when its result arrives; evictions happen inside the manager. Device blocks come from a free
-list (last freed, first reused, to stress recycling): a block is recycled only after its store
-finished, and a loaded block is read only after its load finished. Up to ``--inflight-requests`` wait
-for loads at once; the loop submits and keeps going, polling the Worker every step, so loads and stores
-overlap the compute of other requests. On the cuda backend the compute stream is a real side stream
-and every kernel of the replay (poison, pattern, verification) runs on it; on the host backend it is
-the program order of the main thread while the Worker copies on its threads.
+(ordered after the compute stream), and on completion the blocks are verified and ``complete_load`` is
+called (with a disk tier, per tier: see below). A failed load is a miss: its blocks are recomputed,
+never counted or verified as hits (a peer that counted a failed load as loaded served another request's
+KV: FACTS §3, Dynamo #15079). The misses are "computed": the compute stream writes every byte of each
+block with the key's pattern; then ``prepare_store`` (None: the pool has no room now, the blocks are
+not offloaded) and ``Worker.store`` ordered after those writes (``stream=`` the compute stream),
+``complete_store(plan, ok)`` when its result arrives; evictions happen inside the manager. Device
+blocks come from a free list (last freed, first reused, to stress recycling): a block is recycled only
+after its store finished, and a loaded block is read only after its load finished. Up to
+``--inflight-requests`` wait for loads at once; the loop submits and keeps going, polling the Worker
+every step, so loads and stores overlap the compute of other requests. On the cuda backend the compute
+stream is a real side stream and every kernel of the replay (poison, pattern, verification) runs on it;
+on the host backend it is the program order of the main thread while the Worker copies on its threads.
+
+Disk tier (``--disk-path``, ``--disk-blocks``). The manager gets a disk pool and the Worker a disk tier
+(:class:`~kvoffload.disk.DiskConfig`; the file is created, or recreated empty, and left in place).
+Host eviction then demotes to disk as the manager's sequence says: each ``StorePlan.demotions`` is one
+``Worker.demote`` job, and the store into those host blocks is submitted only once the demotion's
+result came back (it read them), after ``complete_demote(plan, ok)``; a failed demotion is never
+loadable from disk. Meanwhile the loop goes on, so demotions overlap compute as well. A request's hits
+are loaded per tier: one ``Worker.load`` job for its host hits and one ``Worker.load_from_disk`` job
+for its disk hits (``LoadPlan.tiers``), each completed in the manager (``complete_load`` of its keys)
+when its result arrives. Blocks of a job that succeeded are verified as hits of that tier; blocks of a
+failed job (an I/O error, a record failing its checksum) are recomputed misses, whichever tier. The
+manager cannot be told that a disk record failed its check (``complete_load`` has no outcome), so it
+keeps offering that key from disk and each such load fails again and is recomputed (a manager gap,
+shown by an xfail test in ``tests/unit/test_replay_disk.py``).
 
 Verification. A key's pattern fills the whole record: with ``lo``, ``hi`` the 32-bit halves of the
 key's 64-bit seed (a blake2b digest of the key), 32-bit word ``j`` of the record is
@@ -41,15 +55,18 @@ for byte (padding excluded) with the pattern regenerated on the same device, on 
 after its load completed; mismatches are counted as corrupted blocks. A block whose load was submitted
 but that was neither verified nor reported failed (the run aborted) is counted as unverified. Loads
 write into blocks poisoned first, so a load that copies nothing is caught as well. The exit status is
-0 only with no corrupted block, no unverified block, no failed job and a clean shutdown.
+0 only with no corrupted block, no unverified block, no failed job (load from either tier, store or
+demotion: each was handled safely, but none should fail on healthy hardware) and a clean shutdown.
 
 Prefill model (an estimate, stated): a verified hit saves recomputing its tokens. With ``T`` hit
 tokens (verified hit blocks x block size), a prefill rate ``R`` (``--prefill-tokens-per-s``, tokens per
-second of the model whose KV geometry is simulated) and ``L`` the summed copy time of the loads, the
-saving is ``T / R - L``. It assumes every load is on the critical path (none hidden behind compute)
-and a rate that does not fall with context length; both make it conservative. ``R`` must be the rate
-of a model with the simulated geometry: with fewer layers than the real model (the small default), the
-loads move fewer bytes per token than the real model's would, and ``L`` is too small in proportion.
+second of the model whose KV geometry is simulated) and ``L`` the load time (the summed copy time of
+the host loads, plus the wall time during which disk loads were in flight: the disk pipeline runs its
+jobs one after another, so their own times would count the queueing), the saving is ``T / R - L``. It
+assumes every load is on the critical path (none hidden behind compute) and a rate that does not
+fall with context length; both make it conservative. ``R`` must be the rate of a model with the
+simulated geometry: with fewer layers than the real model (the small default), the loads move fewer
+bytes per token than the real model's would, and ``L`` is too small in proportion.
 """
 
 from __future__ import annotations
@@ -59,6 +76,7 @@ import bisect
 import contextlib
 import hashlib
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -71,7 +89,8 @@ import torch
 
 from kvoffload._caches import LAYOUTS, build_cache
 from kvoffload.backends import new_stream
-from kvoffload.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.disk import DiskConfig, DiskStats
+from kvoffload.errors import DiskError, InvalidArgumentError, KVOffloadError
 from kvoffload.layout import DeviceLayout
 from kvoffload.manager import POLICY_NAMES, EventKind, LoadPlan, Manager, StorePlan, Tier
 from kvoffload.records import Direction, TransferResult
@@ -91,6 +110,13 @@ __all__ = [
 ]
 
 DTYPES: Final = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: ``--disk-direct``: the value of ``DiskConfig.direct`` (None: O_DIRECT where the file system takes it).
+DISK_DIRECT: Final[dict[str, bool | None]] = {"auto": None, "on": True, "off": False}
+#: DiskStats counters of failures, reported by name (a failed system call or record check each count).
+DISK_FAILURE_COUNTERS: Final = (
+    "short_reads", "short_writes", "eio", "enospc", "os_errors", "checksum_mismatches", "header_invalid",
+    "block_mismatches", "generation_mismatches", "not_valid", "fingerprint_mismatches",
+)
 #: Key length in bytes (a blake2b digest).
 KEY_BYTES: Final = 16
 #: Written into every load destination first, so that a load that copies nothing is caught.
@@ -130,7 +156,8 @@ class ReplayConfig:
     Sizes are in blocks unless the name says otherwise. ``requests == 0`` means "no request limit";
     the run then stops once ``blocks_to_load`` block loads were submitted (or after that many
     requests, for a workload that loads less than one block per request). ``max_seconds == 0``: no
-    time limit.
+    time limit. ``disk_path`` None: no disk tier (``disk_blocks`` must then be 0); else the tier file
+    (its directory must exist) with ``disk_blocks`` records, opened with ``DISK_DIRECT[disk_direct]``.
     """
 
     backend: BackendName = "auto"
@@ -161,6 +188,9 @@ class ReplayConfig:
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     stall_cycles_per_block: int = 0
     seed: int = 0
+    disk_path: str | None = None
+    disk_blocks: int = 0
+    disk_direct: str = "auto"
 
     def check(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad field."""
@@ -205,6 +235,33 @@ class ReplayConfig:
             raise InvalidArgumentError(f"dtype = {self.dtype!r} must be one of {', '.join(DTYPES)}")
         if self.policy not in POLICY_NAMES:
             raise InvalidArgumentError(f"policy = {self.policy!r} must be one of {sorted(POLICY_NAMES)}")
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if self.disk_direct not in DISK_DIRECT:
+            raise InvalidArgumentError(
+                f"disk_direct = {self.disk_direct!r} must be one of {', '.join(DISK_DIRECT)}"
+            )
+        if self.disk_path is None:
+            if self.disk_blocks or self.disk_direct != "auto":
+                raise InvalidArgumentError(
+                    f"disk_blocks = {self.disk_blocks}, disk_direct = {self.disk_direct!r} need "
+                    "disk_path (the disk tier's file)"
+                )
+            return
+        if self.disk_blocks < 1:
+            raise InvalidArgumentError(
+                f"disk_blocks = {self.disk_blocks} must be >= 1 with disk_path = {self.disk_path!r}"
+            )
+        if not self.disk_path or os.path.isdir(self.disk_path):
+            raise InvalidArgumentError(
+                f"disk_path = {self.disk_path!r} must be a file path (not a directory)"
+            )
+        parent = os.path.dirname(os.path.abspath(self.disk_path))
+        if not os.path.isdir(parent):
+            raise InvalidArgumentError(
+                f"disk_path = {self.disk_path!r}: its directory {parent!r} does not exist"
+            )
 
 
 # ------------------------------------------------------------------------------------------- workload
@@ -359,10 +416,21 @@ class PatternGenerator:
 class ReplayReport:
     """What one replay measured. Block counts count blocks; bytes count payload bytes of ok jobs.
 
-    ``hits_by_tier`` maps a tier name to its verified hit blocks (only ``"host"`` until a disk tier is
-    configured). ``hit_rate`` is verified hits over blocks looked up; ``manager_hit_rate`` is the
-    manager's own lookup figure (it counts a hit before the load, so it includes failed loads).
-    ``overlap_fraction``: the share of compute batches issued while a copy job was in flight.
+    The ``*_by_tier`` maps have a key per configured tier (``"host"``, and ``"disk"`` with a disk
+    tier): ``hits_by_tier`` its verified hit blocks, ``hit_rate_by_tier`` those over blocks looked up,
+    ``load_jobs_by_tier`` / ``failed_load_jobs_by_tier`` / ``failed_load_blocks_by_tier`` its load
+    jobs and the failed ones (their blocks were recomputed), ``bytes_loaded_by_tier`` and
+    ``load_gbps_by_tier`` what its successful loads moved. ``hit_rate`` is verified hits over blocks
+    looked up (all tiers); ``manager_hit_rate`` is the manager's own lookup figure (it counts a hit
+    before the load, so it includes failed loads). ``overlap_fraction``: the share of compute batches
+    issued while a copy job was in flight.
+
+    Disk fields (zero or empty without a disk tier): ``disk_io`` is the demotions' transfer path
+    (``"disk-direct"`` or ``"disk-buffered"``; "" before any); ``demoted_blocks`` / ``bytes_demoted``
+    count successful demotions, ``demote_failed_blocks`` / ``failed_demote_jobs`` the failed ones (never
+    loadable from disk); ``disk_bytes_written`` / ``disk_bytes_read``, ``disk_write_gbps`` /
+    ``disk_read_gbps`` (over the tier's summed request times) and ``disk_failures`` (by
+    :data:`DISK_FAILURE_COUNTERS` name) are the disk tier's own counters.
     """
 
     backend: str
@@ -379,6 +447,12 @@ class ReplayReport:
     lookup_blocks: int
     hit_blocks: int
     hits_by_tier: dict[str, int]
+    hit_rate_by_tier: dict[str, float]
+    load_jobs_by_tier: dict[str, int]
+    failed_load_jobs_by_tier: dict[str, int]
+    failed_load_blocks_by_tier: dict[str, int]
+    bytes_loaded_by_tier: dict[str, int]
+    load_gbps_by_tier: dict[str, float]
     hit_rate: float
     manager_hit_rate: float
     computed_blocks: int
@@ -409,6 +483,21 @@ class ReplayReport:
     unverified_blocks: int
     failed_load_jobs: int
     failed_store_jobs: int
+    disk_path: str
+    disk_blocks: int
+    disk_io: str
+    disk_evictions: int
+    demote_jobs: int
+    demoted_blocks: int
+    bytes_demoted: int
+    demote_busy_s: float
+    demote_failed_blocks: int
+    failed_demote_jobs: int
+    disk_bytes_written: int
+    disk_bytes_read: int
+    disk_write_gbps: float
+    disk_read_gbps: float
+    disk_failures: dict[str, int]
     events: dict[str, int]
     target_blocks: int
     target_reached: bool
@@ -419,7 +508,7 @@ class ReplayReport:
     def ok(self) -> bool:
         """No corrupted or unverified block, no failed job, no error."""
         return (self.corrupted_blocks == 0 and self.unverified_blocks == 0 and self.failed_load_jobs == 0
-                and self.failed_store_jobs == 0 and not self.errors)
+                and self.failed_store_jobs == 0 and self.failed_demote_jobs == 0 and not self.errors)
 
     def failures(self) -> list[str]:
         """Why the run is not ok (empty when it is)."""
@@ -428,8 +517,9 @@ class ReplayReport:
             out.append(f"{self.corrupted_blocks} corrupted blocks")
         if self.unverified_blocks:
             out.append(f"{self.unverified_blocks} loaded blocks not verified")
-        if self.failed_load_jobs or self.failed_store_jobs:
-            out.append(f"failed jobs: {self.failed_load_jobs} load, {self.failed_store_jobs} store")
+        if self.failed_load_jobs or self.failed_store_jobs or self.failed_demote_jobs:
+            out.append(f"failed jobs: {self.failed_load_jobs} load, {self.failed_store_jobs} store, "
+                       f"{self.failed_demote_jobs} demote")
         out.extend(self.errors)
         return out
 
@@ -452,13 +542,48 @@ class _Request:
     device_blocks: list[int]
     hits: int
     load_plan: LoadPlan | None = None
-    load_failed: bool = False
+    loads_pending: int = 0
+    #: Positions among the hits whose load failed: recomputed with the misses, never verified.
+    failed: list[int] = attrs.field(factory=list)
+
+    def computed_positions(self) -> list[int]:
+        """The positions the compute stream writes: failed loads, then the misses (request order)."""
+        return sorted(self.failed) + list(range(self.hits, len(self.keys)))
+
+
+@attrs.define(eq=False)
+class _LoadJob:
+    request: _Request
+    tier: Tier
+    positions: list[int]
 
 
 @attrs.define(eq=False)
 class _StoreJob:
     plan: StorePlan
     device_blocks: list[int]
+
+
+@attrs.define(eq=False)
+class _DemoteJob:
+    """The demotions of ``store.plan``; the store is submitted once they no longer read its host blocks."""
+
+    store: _StoreJob
+
+
+@attrs.define(eq=False)
+class _TierLoads:
+    """Load counters of one tier; ``busy_s`` is summed copy time (host), or the wall time with a load
+    in flight (disk: its jobs queue behind each other, so their own times would overlap)."""
+
+    jobs: int = 0
+    hits: int = 0
+    failed_jobs: int = 0
+    failed_blocks: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0
+    in_flight: int = 0
+    busy_since: float = 0.0
 
 
 class _Replay:
@@ -477,14 +602,15 @@ class _Replay:
         self.patterns = PatternGenerator(layout)
         self.workload = Workload(config)
         self.free: list[int] = list(range(layout.num_blocks - 1, -1, -1))
-        self.jobs: dict[int, _Request | _StoreJob] = {}
+        self.jobs: dict[int, _LoadJob | _StoreJob | _DemoteJob] = {}
         self.ready: list[_Request] = []
         self.next_job = 0
         self.next_request: tuple[bytes, ...] | None = None
         self.checks: list[tuple[list[int], tuple[bytes, ...], torch.Tensor]] = []
         self.requests = 0
         self.lookup_blocks = 0
-        self.hits_by_tier: dict[str, int] = {}
+        tiers = [Tier.HOST] + ([Tier.DISK] if manager.num_disk_blocks else [])
+        self.tiers = {tier: _TierLoads() for tier in tiers}
         self.load_submitted = 0
         self.verified = 0
         self.corrupted = 0
@@ -501,8 +627,14 @@ class _Replay:
         self.blocks_stored = 0
         self.bytes_loaded = 0
         self.bytes_stored = 0
-        self.load_busy_s = 0.0
         self.store_busy_s = 0.0
+        self.demote_jobs = 0
+        self.demoted_blocks = 0
+        self.bytes_demoted = 0
+        self.demote_busy_s = 0.0
+        self.demote_failed_blocks = 0
+        self.failed_demotes = 0
+        self.disk_io = ""
         self.compute_batches = 0
         self.overlapped_batches = 0
         self.events = {kind.value: 0 for kind in EventKind}
@@ -542,8 +674,11 @@ class _Replay:
         if self.progress is None:
             return
         looked = max(1, self.lookup_blocks)
+        disk = self.tiers.get(Tier.DISK)
+        from_disk = (f" ({100 * disk.hits / looked:.1f} % from disk), {self.demoted_blocks} demoted"
+                     if disk is not None else "")
         print(f"replay: {self.requests} requests, {self.load_submitted} block loads "
-              f"(target {self.c.blocks_to_load}), hit rate {100 * self.verified / looked:.1f} %, "
+              f"(target {self.c.blocks_to_load}), hit rate {100 * self.verified / looked:.1f} %{from_disk}, "
               f"{self.blocks_stored} stored, corrupted {self.corrupted}",
               file=self.progress, flush=True)
 
@@ -564,7 +699,7 @@ class _Replay:
 
     def _admit(self) -> bool:
         """Admit requests while device blocks and load slots last; submit their loads."""
-        loading = sum(1 for j in self.jobs.values() if isinstance(j, _Request))
+        loading = len({id(j.request) for j in self.jobs.values() if isinstance(j, _LoadJob)})
         first = self.requests
         admitted: list[_Request] = []
         while loading + len(admitted) < self.c.inflight_requests and self._admitting():
@@ -592,18 +727,32 @@ class _Replay:
         for request in admitted:
             plan = request.load_plan
             assert plan is not None
-            if any(tier is not Tier.HOST for tier in plan.tiers):
-                raise KVOffloadError("a disk-tier hit: the replay has no disk tier configured yet")
-            job = self._job_id()
-            self.worker.load(job, plan.blocks, request.device_blocks[: request.hits], stream=self.compute)
-            self.jobs[job] = request
-            self.load_jobs += 1
+            by_tier: dict[Tier, list[int]] = {}
+            for i, tier in enumerate(plan.tiers):
+                by_tier.setdefault(tier, []).append(i)
+            for tier, positions in by_tier.items():  # one job per tier: they come back separately
+                job = self._job_id()
+                source = [plan.blocks[i] for i in positions]
+                target = [request.device_blocks[i] for i in positions]
+                if tier is Tier.HOST:
+                    self.worker.load(job, source, target, stream=self.compute)
+                else:
+                    self.worker.load_from_disk(job, source, target, stream=self.compute)
+                self.jobs[job] = _LoadJob(request, tier, positions)
+                request.loads_pending += 1
+                loads = self.tiers[tier]
+                loads.jobs += 1
+                if loads.in_flight == 0:
+                    loads.busy_since = time.perf_counter()
+                loads.in_flight += 1
+                self.load_jobs += 1
         return True
 
     # ------------------------------------------------------------------ completions
 
     def _handle(self, results: list[TransferResult]) -> bool:
-        """Apply finished jobs: loads are verified (or become misses), stores complete in the manager."""
+        """Apply finished jobs: loads are verified (or become misses), stores complete in the manager,
+        finished demotions complete and release their plan's store."""
         verify_blocks: list[int] = []
         verify_keys: list[bytes] = []
         for result in results:
@@ -611,22 +760,36 @@ class _Replay:
             if isinstance(job, _StoreJob):
                 self._store_done(job, result)
                 continue
-            plan = job.load_plan
-            assert plan is not None and result.direction is Direction.LOAD
-            self.manager.complete_load(plan)  # the copy is over either way; the host copy is unchanged
-            self.load_busy_s += result.seconds
+            if isinstance(job, _DemoteJob):
+                self._demote_done(job, result)
+                continue
+            request, plan = job.request, job.request.load_plan
+            assert plan is not None and result.direction in (Direction.LOAD, Direction.LOAD_FROM_DISK)
+            keys = [request.keys[i] for i in job.positions]
+            # A failed disk load drops that disk copy in the manager (the tier dropped the record).
+            self.manager.complete_load(plan, keys, ok=result.ok)
+            tier = self.tiers[job.tier]
+            tier.in_flight -= 1
+            if job.tier is Tier.HOST:
+                tier.busy_s += result.seconds
+            elif tier.in_flight == 0:
+                tier.busy_s += time.perf_counter() - tier.busy_since
             if result.ok:
-                self.blocks_loaded += job.hits
+                self.blocks_loaded += len(keys)
                 self.bytes_loaded += result.nbytes
-                verify_blocks.extend(job.device_blocks[: job.hits])
-                verify_keys.extend(job.keys[: job.hits])
-                for tier in plan.tiers:
-                    self.hits_by_tier[tier.value] = self.hits_by_tier.get(tier.value, 0) + 1
+                tier.hits += len(keys)
+                tier.bytes += result.nbytes
+                verify_blocks.extend(request.device_blocks[i] for i in job.positions)
+                verify_keys.extend(keys)
             else:
                 self.failed_loads += 1
-                self.failed_load_blocks += job.hits
-                job.load_failed = True  # its blocks are misses: recomputed below, never verified
-            self.ready.append(job)
+                self.failed_load_blocks += len(keys)
+                tier.failed_jobs += 1
+                tier.failed_blocks += len(keys)
+                request.failed.extend(job.positions)  # misses: recomputed below, never verified
+            request.loads_pending -= 1
+            if request.loads_pending == 0:
+                self.ready.append(request)
         if verify_blocks:
             # Runs on the compute stream after the loads completed: the prefill's read of the prefix.
             flags = self.patterns.mismatches(verify_blocks, verify_keys)
@@ -645,6 +808,19 @@ class _Replay:
             self.store_failed_blocks += len(job.plan.keys)
         self.free.extend(job.device_blocks)  # the store no longer reads them: safe to overwrite
 
+    def _demote_done(self, job: _DemoteJob, result: TransferResult) -> None:
+        plan = job.store.plan
+        self.manager.complete_demote(plan, result.ok)  # failed: the disk copy is dropped, never loadable
+        self.demote_busy_s += result.seconds
+        if result.ok:
+            self.demoted_blocks += len(plan.demotions)
+            self.bytes_demoted += result.nbytes
+            self.disk_io = result.path
+        else:
+            self.failed_demotes += 1
+            self.demote_failed_blocks += len(plan.demotions)
+        self._submit_store(job.store)  # its result came back: nothing reads those host blocks now
+
     # ------------------------------------------------------------------ compute and stores
 
     def _compute_ready(self) -> bool:
@@ -655,9 +831,9 @@ class _Replay:
         blocks: list[int] = []
         keys: list[bytes] = []
         for request in batch:
-            first = 0 if request.load_failed else request.hits
-            blocks.extend(request.device_blocks[first:])
-            keys.extend(request.keys[first:])
+            positions = request.computed_positions()
+            blocks.extend(request.device_blocks[i] for i in positions)
+            keys.extend(request.keys[i] for i in positions)
         if blocks:
             self.compute_batches += 1
             self.overlapped_batches += bool(self.jobs)
@@ -670,24 +846,41 @@ class _Replay:
         return True
 
     def _store(self, request: _Request) -> None:
-        """Offload the request's computed blocks; free every device block no store reads."""
-        first = 0 if request.load_failed else request.hits
-        computed = request.keys[first:]
+        """Offload the request's computed blocks (demotions first); free every device block no store
+        reads."""
+        computed = [request.keys[i] for i in request.computed_positions()]
         plan = self.manager.prepare_store(computed) if computed else None
         if computed and plan is None:
             self.stores_skipped += len(computed)
-        if plan is None or not plan.keys:
+        if plan is None or not (plan.keys or plan.demotions):
             self.free.extend(request.device_blocks)
             return
-        assert not plan.demotions, "the replay configures no disk tier"
         index = {key: i for i, key in enumerate(request.keys)}
         stored = [request.device_blocks[index[key]] for key in plan.keys]
         kept = set(stored)
-        job = self._job_id()
-        self.worker.store(job, stored, plan.host_blocks, stream=self.compute)
-        self.jobs[job] = _StoreJob(plan, stored)
-        self.store_jobs += 1
+        store = _StoreJob(plan, stored)
+        if plan.demotions:
+            self._demote_then_store(store)
+        else:
+            self._submit_store(store)
         self.free.extend(b for b in request.device_blocks if b not in kept)
+
+    def _demote_then_store(self, store: _StoreJob) -> None:
+        """Submit the plan's demotions; its store follows in :meth:`_demote_done` (it overwrites the
+        host blocks the demotions read, so it may start only once their result came back)."""
+        demotions = store.plan.demotions
+        job = self._job_id()
+        self.worker.demote(job, [d.host_block for d in demotions], [d.disk_block for d in demotions])
+        self.jobs[job] = _DemoteJob(store)
+        self.demote_jobs += 1
+
+    def _submit_store(self, store: _StoreJob) -> None:
+        if not store.plan.keys:
+            return
+        job = self._job_id()
+        self.worker.store(job, store.device_blocks, store.plan.host_blocks, stream=self.compute)
+        self.jobs[job] = store
+        self.store_jobs += 1
 
     def _forward_events(self) -> None:
         for event in self.manager.events():
@@ -727,6 +920,8 @@ def run_replay(config: ReplayConfig, progress: TextIO | None = None) -> ReplayRe
     Raises:
         InvalidArgumentError: a bad configuration (see :meth:`ReplayConfig.check`), or ``backend``
             "cuda" without a CUDA device.
+        DiskError: the disk tier could not be created (e.g. ``disk_path`` exists and is not a
+            kvoffload tier file, the file system refuses O_DIRECT with ``disk_direct="on"``, no room).
     """
     config.check()
     use_cuda = config.backend == "cuda" or (config.backend == "auto" and torch.cuda.is_available())
@@ -743,16 +938,22 @@ def run_replay(config: ReplayConfig, progress: TextIO | None = None) -> ReplayRe
         device=device, fill=False,  # the replay writes every block before it reads it
     )
     layout = DeviceLayout.from_tensors(tensors, block_dim=block_dim)
-    manager = Manager.create(config.host_blocks, fingerprint=layout.fingerprint, policy=config.policy)
+    disk = (None if config.disk_path is None else
+            DiskConfig(config.disk_path, config.disk_blocks, direct=DISK_DIRECT[config.disk_direct]))
+    manager = Manager.create(config.host_blocks, fingerprint=layout.fingerprint, policy=config.policy,
+                             num_disk_blocks=config.disk_blocks if disk is not None else 0)
     if progress is not None:
+        disk_pool = (f", disk pool {config.disk_blocks} blocks "
+                     f"({config.disk_blocks * layout.record_bytes / _GB:.2f} GB) in {config.disk_path}"
+                     if disk is not None else "")
         print(f"replay: {config.layout} cache of {config.device_blocks} blocks on {device}, "
               f"{layout.block_bytes} bytes a block, host pool {config.host_blocks} blocks "
-              f"({config.host_blocks * layout.record_bytes / _GB:.2f} GB), policy {config.policy}",
-              file=progress, flush=True)
+              f"({config.host_blocks * layout.record_bytes / _GB:.2f} GB){disk_pool}, "
+              f"policy {config.policy}", file=progress, flush=True)
     compute = new_stream(device) if use_cuda else None
     wall = 0.0
     worker = Worker.create(layout, config.host_blocks, backend="cuda" if use_cuda else "host",
-                           path=config.path)
+                           path=config.path, disk=disk)
     shutdown_errors: list[str] = []
     try:
         replay = _Replay(config, layout, manager, worker, compute, progress)
@@ -774,37 +975,59 @@ def run_replay(config: ReplayConfig, progress: TextIO | None = None) -> ReplayRe
     replay.errors.extend(shutdown_errors)
     if use_cuda:
         torch.cuda.synchronize(device)
-    return _report(config, replay, layout, device, path, wall)
+    return _report(config, replay, layout, device, path, wall, worker.disk_stats())
 
 
 def _report(
     config: ReplayConfig, r: _Replay, layout: DeviceLayout, device: torch.device, path: str, wall: float,
+    disk: DiskStats | None,
 ) -> ReplayReport:
     stats = r.manager.stats()
     hit_tokens = r.verified * config.block_size
     recompute_s = hit_tokens / config.prefill_tokens_per_s
     looked = max(1, r.lookup_blocks)
+    tiers = {tier.value: loads for tier, loads in r.tiers.items()}
+    load_busy_s = sum(t.busy_s for t in tiers.values())
     return ReplayReport(
         backend="cuda" if device.type == "cuda" else "host", path=path, policy=config.policy,
         device=str(device), record_bytes=layout.record_bytes, block_bytes=layout.block_bytes,
         block_tokens=config.block_size, device_blocks=config.device_blocks, host_blocks=config.host_blocks,
         requests=r.requests, continued_requests=r.workload.continued, lookup_blocks=r.lookup_blocks,
-        hit_blocks=r.verified, hits_by_tier=dict(r.hits_by_tier), hit_rate=r.verified / looked,
+        hit_blocks=r.verified, hits_by_tier={name: t.hits for name, t in tiers.items()},
+        hit_rate_by_tier={name: t.hits / looked for name, t in tiers.items()},
+        load_jobs_by_tier={name: t.jobs for name, t in tiers.items()},
+        failed_load_jobs_by_tier={name: t.failed_jobs for name, t in tiers.items()},
+        failed_load_blocks_by_tier={name: t.failed_blocks for name, t in tiers.items()},
+        bytes_loaded_by_tier={name: t.bytes for name, t in tiers.items()},
+        load_gbps_by_tier={name: t.bytes / t.busy_s / _GB if t.busy_s > 0 else 0.0
+                           for name, t in tiers.items()},
+        hit_rate=r.verified / looked,
         manager_hit_rate=stats.hit_rate, computed_blocks=r.computed, failed_load_blocks=r.failed_load_blocks,
         load_jobs=r.load_jobs, store_jobs=r.store_jobs, blocks_loaded=r.blocks_loaded,
         blocks_stored=r.blocks_stored, store_failed_blocks=r.store_failed_blocks,
         stores_skipped_blocks=r.stores_skipped, host_evictions=stats.host_evictions,
         bytes_loaded=r.bytes_loaded, bytes_stored=r.bytes_stored,
-        load_gbps=r.bytes_loaded / r.load_busy_s / _GB if r.load_busy_s > 0 else 0.0,
+        load_gbps=r.bytes_loaded / load_busy_s / _GB if load_busy_s > 0 else 0.0,
         store_gbps=r.bytes_stored / r.store_busy_s / _GB if r.store_busy_s > 0 else 0.0,
         load_wall_gbps=r.bytes_loaded / wall / _GB if wall > 0 else 0.0,
         store_wall_gbps=r.bytes_stored / wall / _GB if wall > 0 else 0.0,
-        wall_s=wall, load_busy_s=r.load_busy_s, store_busy_s=r.store_busy_s,
+        wall_s=wall, load_busy_s=load_busy_s, store_busy_s=r.store_busy_s,
         overlap_fraction=r.overlapped_batches / r.compute_batches if r.compute_batches else 0.0,
         prefill_tokens_per_s=config.prefill_tokens_per_s, hit_tokens=hit_tokens, recompute_s=recompute_s,
-        prefill_saved_s=recompute_s - r.load_busy_s, verified_blocks=r.verified,
+        prefill_saved_s=recompute_s - load_busy_s, verified_blocks=r.verified,
         corrupted_blocks=r.corrupted, unverified_blocks=_unverified(r), failed_load_jobs=r.failed_loads,
-        failed_store_jobs=r.failed_stores, events=dict(r.events), target_blocks=config.blocks_to_load,
+        failed_store_jobs=r.failed_stores,
+        disk_path=config.disk_path or "", disk_blocks=config.disk_blocks if disk is not None else 0,
+        disk_io=r.disk_io, disk_evictions=stats.disk_evictions, demote_jobs=r.demote_jobs,
+        demoted_blocks=r.demoted_blocks, bytes_demoted=r.bytes_demoted, demote_busy_s=r.demote_busy_s,
+        demote_failed_blocks=r.demote_failed_blocks, failed_demote_jobs=r.failed_demotes,
+        disk_bytes_written=disk.bytes_written if disk is not None else 0,
+        disk_bytes_read=disk.bytes_read if disk is not None else 0,
+        disk_write_gbps=disk.write_gbps if disk is not None else 0.0,
+        disk_read_gbps=disk.read_gbps if disk is not None else 0.0,
+        disk_failures={name: int(getattr(disk, name)) for name in DISK_FAILURE_COUNTERS}
+        if disk is not None else {},
+        events=dict(r.events), target_blocks=config.blocks_to_load,
         target_reached=r.load_submitted >= config.blocks_to_load,
         corrupted_examples=tuple(r.examples), errors=tuple(r.errors),
     )
@@ -863,6 +1086,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--stall-cycles-per-block", type=int, default=d.stall_cycles_per_block,
                       help="cuda only: torch.cuda._sleep cycles per computed block, queued on the "
                            "compute stream before each compute batch (heavier compute)")
+    tier = parser.add_argument_group("disk tier (below the host pool; none without --disk-path)")
+    tier.add_argument("--disk-path", metavar="PATH", default=d.disk_path,
+                      help="the tier file (its directory must exist); created, or recreated empty, and "
+                           "left in place")
+    tier.add_argument("--disk-blocks", type=int, default=d.disk_blocks,
+                      help="records in the disk pool (required with --disk-path)")
+    tier.add_argument("--disk-direct", choices=tuple(DISK_DIRECT), default=d.disk_direct,
+                      help="O_DIRECT: on (or fail), off (buffered), auto (where the file system takes it)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -887,9 +1118,12 @@ def print_report(report: ReplayReport, out: TextIO | None = None) -> None:
     row("requests", f"{report.requests}", f"{report.continued_requests} continued a conversation")
     row("blocks looked up", f"{report.lookup_blocks}",
         f"{report.block_tokens} tokens, {report.block_bytes} bytes a block")
-    print(f"  {'tier':<22} {'hit blocks':>16}   hit rate", file=out)
-    for tier, count in sorted(report.hits_by_tier.items()):
-        print(f"  {'  ' + tier:<22} {count:>16}   {100 * count / looked:5.1f} %", file=out)
+    print(f"  {'tier':<22} {'hit blocks':>16}   hit rate   loads", file=out)
+    for tier, count in report.hits_by_tier.items():
+        print(f"  {'  ' + tier:<22} {count:>16}   {100 * count / looked:5.1f} %   "
+              f"{report.load_jobs_by_tier[tier]} jobs, {report.bytes_loaded_by_tier[tier] / _GB:.3f} GB, "
+              f"{report.load_gbps_by_tier[tier]:.2f} GB/s; failed {report.failed_load_jobs_by_tier[tier]} "
+              f"jobs, {report.failed_load_blocks_by_tier[tier]} blocks", file=out)
     print(f"  {'  all tiers':<22} {report.hit_blocks:>16}   {100 * report.hit_rate:5.1f} %   "
           f"(manager lookups: {100 * report.manager_hit_rate:.1f} %)", file=out)
     row("failed loads", f"{report.failed_load_blocks} blocks", "recomputed as misses")
@@ -898,6 +1132,18 @@ def print_report(report: ReplayReport, out: TextIO | None = None) -> None:
     row("block stores", f"{report.blocks_stored}",
         f"{report.store_jobs} jobs; {report.stores_skipped_blocks} blocks not offloaded (pool busy)")
     row("host evictions", f"{report.host_evictions}")
+    if report.disk_blocks:
+        disk_failed = {name: n for name, n in report.disk_failures.items() if n}
+        row("disk tier", f"{report.disk_blocks} blocks", f"{report.disk_path} ({report.disk_io or 'no I/O'})")
+        row("demotions", f"{report.demoted_blocks} blocks",
+            f"{report.demote_jobs} jobs, {report.bytes_demoted / _GB:.3f} GB; failed "
+            f"{report.failed_demote_jobs} jobs, {report.demote_failed_blocks} blocks")
+        row("disk evictions", f"{report.disk_evictions}")
+        row("disk bytes", f"{(report.disk_bytes_written + report.disk_bytes_read) / _GB:.3f} GB",
+            f"written {report.disk_bytes_written / _GB:.3f} at {report.disk_write_gbps:.2f} GB/s, read "
+            f"{report.disk_bytes_read / _GB:.3f} at {report.disk_read_gbps:.2f} GB/s (the tier's counters)")
+        row("disk failures", f"{sum(disk_failed.values())}",
+            ", ".join(f"{name} {n}" for name, n in disk_failed.items()) or "none")
     row("bytes moved", f"{(report.bytes_loaded + report.bytes_stored) / _GB:.3f} GB",
         f"loaded {report.bytes_loaded / _GB:.3f}, stored {report.bytes_stored / _GB:.3f}")
     row("load", f"{report.load_gbps:7.2f} GB/s", f"copy time; {report.load_wall_gbps:.2f} GB/s over the run")
@@ -909,8 +1155,9 @@ def print_report(report: ReplayReport, out: TextIO | None = None) -> None:
     row("wall", f"{report.wall_s:.2f} s")
     row("verified", f"{report.verified_blocks} blocks", "every loaded byte against its key's pattern")
     row("corrupted", f"{report.corrupted_blocks} blocks", f"unverified: {report.unverified_blocks}")
-    row("failed jobs", f"{report.failed_load_jobs + report.failed_store_jobs}",
-        f"{report.failed_load_jobs} load, {report.failed_store_jobs} store")
+    row("failed jobs", f"{report.failed_load_jobs + report.failed_store_jobs + report.failed_demote_jobs}",
+        f"{report.failed_load_jobs} load, {report.failed_store_jobs} store"
+        + (f", {report.failed_demote_jobs} demote" if report.disk_blocks else ""))
     for example in report.corrupted_examples:
         row("  corrupted", example)
     if report.target_blocks and not report.target_reached:
@@ -937,7 +1184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvoffload replay: no CUDA device in use - running the host backend (CPU tensors, copies "
               "by memmove on worker threads, compute in program order); figures are host memory speeds",
               flush=True)
-    report = run_replay(config, progress=None if args.quiet else sys.stderr)
+    try:
+        report = run_replay(config, progress=None if args.quiet else sys.stderr)
+    except DiskError as exc:  # the tier file could not be created or opened: nothing ran
+        print(f"kvoffload replay: the disk tier could not be created: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     print_report(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

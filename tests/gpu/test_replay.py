@@ -1,9 +1,12 @@
 """The engine replay on the cuda backend: a few thousand verified block loads with zero corruption on
 the dma and staged paths, with the compute stream stalled so that copies overlap real device work;
-and the control case that proves the replay's verification sees the race when copies ignore the
-compute stream (DESIGN §5 rules 1 and 2 broken on purpose)."""
+the same with a disk tier below a small host pool (disk hits loaded through the bounce slots and
+verified like host hits); and the control case that proves the replay's verification sees the race
+when copies ignore the compute stream (DESIGN §5 rules 1 and 2 broken on purpose)."""
 
 from __future__ import annotations
+
+import pathlib
 
 import attrs
 import pytest
@@ -23,6 +26,10 @@ GPU_SMALL = ReplayConfig(
 #: ~10 us of GPU time per computed block on the H200: compute that copies must wait for.
 STALL_CYCLES_PER_BLOCK = 20_000
 PATHS: tuple[PathName, ...] = ("dma", "staged")
+#: A host pool far smaller than the working set over a disk pool larger than it (4096 records of
+#: 132 KiB in the file: about 0.54 GB under tmp_path).
+DISK_HOST_BLOCKS = 512
+DISK_BLOCKS = 4096
 
 
 def describe(report: ReplayReport) -> str:
@@ -53,6 +60,25 @@ def test_replay_cli_on_cuda_exits_zero(device: torch.device) -> None:
     status = main(["--backend", "cuda", "--path", "dma", "--layers", "2", "--device-blocks", "1024",
                    "--host-blocks", "1024", "--documents", "100", "--blocks-to-load", "2000", "--quiet"])
     assert status == EXIT_OK
+
+
+def test_replay_on_cuda_with_a_disk_tier_verifies_disk_hits_with_zero_corruption(
+    device: torch.device, figures: Figures, tmp_path: pathlib.Path
+) -> None:
+    config = attrs.evolve(GPU_SMALL, host_blocks=DISK_HOST_BLOCKS, disk_blocks=DISK_BLOCKS,
+                          disk_path=str(tmp_path / "kv.bin"), stall_cycles_per_block=STALL_CYCLES_PER_BLOCK)
+    report = run_replay(config)
+    figures.add("replay cuda with disk tier",
+                f"{describe(report)}, disk hits {100 * report.hit_rate_by_tier['disk']:.1f} % at "
+                f"{report.load_gbps_by_tier['disk']:.1f} GB/s, {report.demoted_blocks} demoted "
+                f"({report.disk_io})")
+    assert report.failures() == []
+    assert report.corrupted_blocks == 0 and report.unverified_blocks == 0
+    assert report.verified_blocks == report.blocks_loaded == report.hit_blocks >= config.blocks_to_load
+    assert set(report.hits_by_tier) == {"host", "disk"}
+    assert report.hits_by_tier["disk"] > 0 and report.demoted_blocks > 0
+    assert not any(report.failed_load_jobs_by_tier.values()) and report.failed_demote_jobs == 0
+    assert not any(report.disk_failures.values())
 
 
 @pytest.mark.parametrize("path", PATHS)

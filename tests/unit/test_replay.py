@@ -74,6 +74,8 @@ def test_replay_verifies_every_load_with_zero_corruption(policy: str) -> None:
     assert report.policy == policy and report.backend == "host" and report.path == "host"
     assert report.blocks_loaded >= SMALL.blocks_to_load and report.target_reached
     assert report.hits_by_tier == {"host": report.hit_blocks}
+    assert report.hit_rate_by_tier == {"host": pytest.approx(report.hit_rate)}
+    assert report.disk_blocks == 0 and report.demote_jobs == 0 and report.disk_failures == {}
     assert 0.2 < report.hit_rate < 0.95, report.hit_rate
     assert report.hit_rate == pytest.approx(report.manager_hit_rate)  # no failed load here
     assert report.host_evictions > 0  # the pool is smaller than the working set
