@@ -147,11 +147,13 @@ def back_to_back_submit_us(layout: DeviceLayout, src: np.ndarray, host: np.ndarr
     """Median caller time of store() for jobs submitted one after another, as an engine does."""
     jobs = 4
     times = []
-    with Worker.create(layout, jobs * 256 + int(host.max()) + 1, path="dma") as w:
+    rng = np.random.default_rng(4)
+    with Worker.create(layout, jobs * src.shape[0], path="dma") as w:
         for rep in range(2):
             for job in range(jobs):
+                hosts = job * src.shape[0] + rng.permutation(src.shape[0])  # disjoint per job
                 t0 = time.perf_counter()
-                w.store(rep * jobs + job, src, host + job * 256)
+                w.store(rep * jobs + job, src, hosts)
                 times.append(time.perf_counter() - t0)
             w.wait([rep * jobs + j for j in range(jobs)], TIMEOUT_S)
     return float(np.median(times[jobs:])) * 1e6
