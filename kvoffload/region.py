@@ -25,6 +25,7 @@ attaching participants update the mapped count under ``flock``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -57,8 +58,6 @@ _LEFT_MAPPED: list[mmap.mmap] = []
 
 
 def _mapping_address(mm: mmap.mmap) -> int:
-    import ctypes
-
     anchor = ctypes.c_char.from_buffer(mm)
     try:
         return ctypes.addressof(anchor)

@@ -234,10 +234,10 @@ class Worker:
         self._bounce = bounce
         self._pipeline = pipeline
         self._lock = threading.Lock()
-        sizes = {Memory.DEVICE: layout.num_blocks, Memory.HOST: self.num_host_blocks}
+        self._sizes = {Memory.DEVICE: layout.num_blocks, Memory.HOST: self.num_host_blocks}
         if tier is not None:
-            sizes[Memory.DISK] = tier.num_blocks
-        self._book = _Bookkeeping(sizes)
+            self._sizes[Memory.DISK] = tier.num_blocks
+        self._book = _Bookkeeping(self._sizes)
         self._ready: dict[int, tuple[int, TransferResult]] = {}
         self._closed = False
 
@@ -474,12 +474,6 @@ class Worker:
         self._submit(Direction.LOAD_FROM_DISK, job_id, disk_blocks, device_blocks, stream,
                      "disk_blocks", "device_blocks")
 
-    def _limits(self, direction: Direction) -> tuple[int, int]:
-        source, target = SIDES[direction]
-        sizes = {Memory.DEVICE: self.layout.num_blocks, Memory.HOST: self.num_host_blocks,
-                 Memory.DISK: self._tier.num_blocks if self._tier is not None else 0}
-        return sizes[source], sizes[target]
-
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
         stream: object, src_name: str, dst_name: str,
@@ -490,7 +484,8 @@ class Worker:
                 f"{direction.value} needs a disk tier: create the worker with disk=DiskConfig(...)"
             )
         job = as_job_id(job_id)
-        num_src, num_dst = self._limits(direction)
+        source, target = SIDES[direction]
+        num_src, num_dst = self._sizes[source], self._sizes[target]
         src = as_block_ids(src_name, src_blocks, num_src)
         dst = as_block_ids(dst_name, dst_blocks, num_dst)
         check_pairs(src, dst, src_name, dst_name)

@@ -35,7 +35,6 @@ from kvoffload.errors import (
 from tests.unit.test_disk_support import (
     DISK_BLOCKS,
     FINGERPRINT,
-    GATE_S,
     HOST_ROWS,
     RECORD,
     WAIT_S,
