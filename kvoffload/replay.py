@@ -158,6 +158,9 @@ class ReplayConfig:
     requests, for a workload that loads less than one block per request). ``max_seconds == 0``: no
     time limit. ``disk_path`` None: no disk tier (``disk_blocks`` must then be 0); else the tier file
     (its directory must exist) with ``disk_blocks`` records, opened with ``DISK_DIRECT[disk_direct]``.
+    ``settle``: one request at a time, its loads, compute, stores and demotions all finished before
+    the next is admitted — the manager then sees the same sequence on every run, so hit rates are
+    reproducible (throughput is not representative).
     """
 
     backend: BackendName = "auto"
@@ -185,6 +188,7 @@ class ReplayConfig:
     max_conversations: int = 256
     max_request_blocks: int = 96
     inflight_requests: int = 16
+    settle: bool = False
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     stall_cycles_per_block: int = 0
     seed: int = 0
@@ -653,7 +657,8 @@ class _Replay:
             if not admitting and not self.jobs and not self.ready:
                 break
             progressed = self._handle(self.worker.poll())
-            progressed |= admitting and self._admit()
+            settled = not self.c.settle or (not self.jobs and not self.ready)
+            progressed |= admitting and settled and self._admit()
             progressed |= self._compute_ready()
             self._forward_events()
             if len(self.checks) >= _DRAIN_BATCHES:
@@ -702,7 +707,8 @@ class _Replay:
         loading = len({id(j.request) for j in self.jobs.values() if isinstance(j, _LoadJob)})
         first = self.requests
         admitted: list[_Request] = []
-        while loading + len(admitted) < self.c.inflight_requests and self._admitting():
+        limit = 1 if self.c.settle else self.c.inflight_requests
+        while loading + len(admitted) < limit and self._admitting():
             if self.next_request is None:
                 self.next_request = self.workload.next_request()
             keys = self.next_request
@@ -1081,6 +1087,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="longest request chain; a conversation that would exceed it ends")
     work.add_argument("--inflight-requests", type=int, default=d.inflight_requests,
                       help="requests waiting for their loads at once")
+    work.add_argument("--settle", action="store_true",
+                      help="one request at a time, each finished before the next: reproducible "
+                           "hit rates (not representative throughput)")
     work.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s,
                       help="prefill rate of the simulated model, for the time-saved estimate")
     work.add_argument("--stall-cycles-per-block", type=int, default=d.stall_cycles_per_block,

@@ -106,10 +106,10 @@ def test_replay_with_a_disk_tier_demotes_and_serves_disk_hits_with_zero_corrupti
 
 
 def test_the_disk_tier_raises_the_hit_rate_of_the_same_requests(tmp_path: pathlib.Path) -> None:
-    # Fewer requests in flight than elsewhere: a pool busy with pending stores skips offloads, which
-    # makes the host-only hit rate depend on timing.
+    # Settled: a pool busy with pending stores skips offloads, which would make both hit rates
+    # depend on timing; one settled request at a time gives the manager the same sequence each run.
     same_requests = attrs.evolve(SMALL_DISK, requests=250, blocks_to_load=0, host_blocks=96,
-                                 inflight_requests=2)
+                                 inflight_requests=2, settle=True)
     host_only = run_replay(attrs.evolve(same_requests, disk_blocks=0))
     with_tier = run_replay(with_disk(tmp_path, same_requests))
     assert host_only.ok and with_tier.ok
@@ -316,3 +316,12 @@ def test_a_disk_copy_that_failed_its_check_is_not_offered_again(tmp_path: pathli
         assert demotion.disk_block not in worker.disk_valid_blocks()  # the tier dropped the record
         assert manager.lookup([key_a]) == 0  # the damaged disk copy is never offered again
         assert manager.stats().disk_copies_dropped == 1
+
+
+def test_settled_replays_give_the_same_hit_rates_every_run(tmp_path: pathlib.Path) -> None:
+    config = attrs.evolve(SMALL_DISK, requests=120, blocks_to_load=0, host_blocks=64, settle=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = run_replay(with_disk(tmp_path / "a", config))
+    second = run_replay(with_disk(tmp_path / "b", config))
+    assert (first.hits_by_tier, first.demoted_blocks) == (second.hits_by_tier, second.demoted_blocks)
