@@ -22,7 +22,9 @@ import numpy.typing as npt
 
 from kvoffload.records import Direction
 
-__all__ = ["UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk", "plan_staged", "split_units"]
+__all__ = [
+    "UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk", "kernel_segments", "plan_staged",
+]
 
 I64Array = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
@@ -130,29 +132,6 @@ class CopyPlan:
             srcs, dsts, sizes = _merge_runs(srcs, dsts, sizes, area)
         return Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(sizes))
 
-    def kernel_units(
-        self, device_blocks: I64Array, host_base: int, host_rows: I64Array, chunk_records: int
-    ) -> U64Array:
-        """The copy kernel's units (see :func:`split_units`) for :meth:`build_device_host`.
-
-        When no two copies can merge and no page is larger than a unit (the common case), the
-        units are written straight into one array, without intermediate descriptors.
-        """
-        pages = self.pages
-        if self._mergeable or int(pages.nbytes.max()) > UNIT_MAX_BYTES:
-            return split_units(self.build_device_host(device_blocks, host_base, host_rows, chunk_records))
-        count = device_blocks.shape[0]
-        units = np.zeros((count * pages.num_pages, 4), dtype=np.int64)
-        dev_col, host_col = (0, 1) if self.direction is Direction.STORE else (1, 0)
-        dev = units[:, dev_col].reshape(count, pages.num_pages)
-        np.multiply(device_blocks[:, None], pages.dev_stride[None, :], out=dev)
-        dev += pages.dev_base
-        host = units[:, host_col].reshape(count, pages.num_pages)
-        np.multiply(host_rows[:, None], pages.record_bytes, out=host)
-        host += pages.host_offset + host_base
-        units[:, 2].reshape(count, pages.num_pages)[:] = pages.nbytes
-        return units.view(np.uint64)
-
     @functools.cached_property
     def _mergeable(self) -> bool:
         """Whether any two copies of a job could ever merge (decided once per plan).
@@ -203,48 +182,57 @@ def _merge_runs(
     return srcs[starts], dsts[starts], np.add.reduceat(sizes, starts)
 
 
-#: Largest unit of work of the copy kernel: longer copies are split so that warps share the work.
+#: Largest unit of work of the copy kernel: longer runs are split so that warps share the work.
 UNIT_MAX_BYTES: Final = 64 << 10
 
 
-def split_units(descriptors: Descriptors, unit_max: int = UNIT_MAX_BYTES) -> U64Array:
-    """The copy kernel's units for ``descriptors``: ``uint64 [n, 4]`` rows (src, dst, nbytes, 0),
-    each copy split into pieces of at most ``unit_max`` bytes (16-byte multiples except the last)."""
+def kernel_segments(pages: PageTable, unit_max: int = UNIT_MAX_BYTES) -> I64Array:
+    """The copy kernel's per-block work table: ``int64 [n, 4]`` rows ``(dev_base, dev_stride,
+    host_offset, nbytes)``.
+
+    Row ``s`` describes the same bytes of every block: for device block ``d`` and host row ``r`` of
+    a record array at ``host_base`` it copies ``nbytes`` bytes between ``dev_base + d * dev_stride``
+    and ``host_base + r * record_bytes + host_offset``. Pages that follow each other on both sides
+    in one device allocation with one stride are merged; every run is then split into pieces of at
+    most ``unit_max`` bytes (16-byte multiples except a page's last piece), so the warps of the
+    kernel share long pages. Computed once per layout; a job then passes only its block ids.
+    """
     if unit_max <= 0 or unit_max % 16:
         raise ValueError(f"unit_max = {unit_max} must be a positive multiple of 16")
-    sizes = descriptors.sizes.astype(np.int64)
-    if sizes.shape[0] == 0:
-        return np.zeros((0, 4), dtype=np.uint64)
-    if int(sizes.max()) <= unit_max:  # the common case: every copy is one unit
-        units = np.zeros((sizes.shape[0], 4), dtype=np.uint64)
-        units[:, 0] = descriptors.srcs
-        units[:, 1] = descriptors.dsts
-        units[:, 2] = descriptors.sizes
-        return units
+    p = pages
+    continues = (
+        (p.dev_base[1:] == p.dev_base[:-1] + p.nbytes[:-1])
+        & (p.dev_stride[1:] == p.dev_stride[:-1])
+        & (p.segment[1:] == p.segment[:-1])
+        & (p.host_offset[1:] == p.host_offset[:-1] + p.nbytes[:-1])
+    )
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~continues) + 1))
+    sizes = np.add.reduceat(p.nbytes, starts)
     pieces = np.maximum(1, (sizes + unit_max - 1) // unit_max)
-    owner = np.repeat(np.arange(sizes.shape[0]), pieces)
+    owner = np.repeat(np.arange(starts.shape[0]), pieces)
     first = np.cumsum(pieces) - pieces
-    within = np.arange(owner.shape[0]) - first[owner]
-    offset = within * unit_max
-    units = np.zeros((owner.shape[0], 4), dtype=np.uint64)
-    units[:, 0] = descriptors.srcs[owner] + offset.astype(np.uint64)
-    units[:, 1] = descriptors.dsts[owner] + offset.astype(np.uint64)
-    units[:, 2] = np.minimum(sizes[owner] - offset, unit_max).astype(np.uint64)
-    return units
+    offset = (np.arange(owner.shape[0]) - first[owner]) * unit_max
+    table = np.empty((owner.shape[0], 4), dtype=np.int64)
+    table[:, 0] = p.dev_base[starts][owner] + offset
+    table[:, 1] = p.dev_stride[starts][owner]
+    table[:, 2] = p.host_offset[starts][owner] + offset
+    table[:, 3] = np.minimum(sizes[owner] - offset, unit_max)
+    return table
 
 
 @attrs.frozen(eq=False)
 class StagedChunk:
     """One chunk of a staged job: the records of ``pairs`` go through staging slot ``slot``.
 
-    ``kernel`` are the copy-kernel units between the device pages and the slot (device -> slot for
-    a store, slot -> device for a load); ``dma`` are the record copies between the slot and the host
-    pool (slot -> host for a store, host -> slot for a load).
+    ``device_blocks[r]`` is the device block whose pages the copy kernel moves to or from row ``r``
+    of the slot (device -> slot for a store, slot -> device for a load; the rows are laid out like
+    host records, see :func:`kernel_segments`); ``dma`` are the record copies between the slot and
+    the host pool (slot -> host for a store, host -> slot for a load).
     """
 
     slot: int
     pairs: slice
-    kernel: U64Array
+    device_blocks: I64Array
     dma: Descriptors
 
 
@@ -275,14 +263,11 @@ def plan_staged(
         stop = min(start + rows_per_slot, device_blocks.shape[0])
         slot = (first_slot + index) % len(slot_bases)
         rows = np.arange(stop - start, dtype=np.int64)
-        # Device pages <-> the slot's rows, laid out like host records (the slot is one device
-        # allocation: one "chunk").
-        kernel = plan.kernel_units(device_blocks[start:stop], slot_bases[slot], rows, rows_per_slot)
         records = _record_copies(
             slot_bases[slot], plan.host_base, record, rows, host_blocks[start:stop],
             plan.chunk_records, to_host=store,
         )
-        chunks.append(StagedChunk(slot, slice(start, stop), kernel, records))
+        chunks.append(StagedChunk(slot, slice(start, stop), device_blocks[start:stop], records))
     return chunks
 
 

@@ -36,7 +36,7 @@ from kvoffload import bindings
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload._descriptors import CopyPlan, StagedChunk, plan_staged, split_units
+from kvoffload._descriptors import CopyPlan, StagedChunk, kernel_segments, plan_staged
 from kvoffload.errors import DeviceMismatchError, TransferError
 from kvoffload.records import Direction
 
@@ -61,7 +61,7 @@ __all__ = [
 #: capped so that a long wait costs little CPU.
 WAIT_SPIN_S: Final = 100e-6
 WAIT_POLL_MIN_S: Final = 50e-6
-WAIT_POLL_MAX_S: Final = 500e-6
+WAIT_POLL_MAX_S: Final = 100e-6
 _MS_PER_S: Final = 1e3
 
 
@@ -150,14 +150,12 @@ class CudaTicket:
         end: torch.cuda.Event | None,
         error: BaseException | None,
         device_index: int,
-        keep: tuple[object, ...] = (),
         path: str | None = None,
     ) -> None:
         self.start = start
         self.end = end
         self.error = error
         self.device_index = device_index
-        self.keep = keep  # host buffers the job's copies read: alive until the ticket is dropped
         self.path = path
 
     def done(self) -> bool:
@@ -348,17 +346,36 @@ class KernelBackend(CudaBackend):
         self._kernel_stream: torch.cuda.Stream = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
             kernel_stream_handle, device=device
         )
+        self._tables: dict[CopyPlan, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _units_buffer(self, units: npt.NDArray[np.uint64]) -> torch.Tensor:
-        """The units in pinned host memory, which the kernel reads through its device mapping.
+    def _device_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Device memory for this backend's streams, allocated on the kernel stream.
 
-        The ticket keeps the buffer until the job finished.
+        Never on the caller's stream: a block torch hands out there is safe only for that stream's
+        work — the caller's pending kernels may still write a block it freed — while this backend
+        writes its buffers before the compute fence (the table upload, a load's DMA into the ring).
         """
-        buffer = torch.empty(max(1, units.size), dtype=torch.int64, pin_memory=True)
-        buffer.numpy()[: units.size] = units.reshape(-1).view(np.int64)
-        return buffer
+        with torch.cuda.stream(self._kernel_stream):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _segments(self, plan: CopyPlan) -> tuple[int, int]:
+        """(device address, rows) of ``plan``'s :func:`kernel_segments` table, uploaded once per plan.
+
+        The upload runs on the kernel stream, so every kernel launched there after it sees the
+        table; the pinned source is kept with the table (the copy may still be running).
+        """
+        cached = self._tables.get(plan)
+        if cached is None:
+            table = kernel_segments(plan.pages)
+            source = torch.from_numpy(table).pin_memory()
+            on_device = self._device_buffer(table.shape, torch.int64)
+            with torch.cuda.stream(self._kernel_stream):
+                on_device.copy_(source, non_blocking=True)
+            cached = self._tables[plan] = (on_device, source)
+        return cached[0].data_ptr(), int(cached[0].shape[0])
 
     def _destroy(self) -> None:
+        self._tables.clear()  # torch frees the tables once the kernel stream's work finished
         super()._destroy()
         handle, self._kernel_handle = self._kernel_handle, 0
         if handle:
@@ -389,22 +406,24 @@ class SmBackend(KernelBackend):
         self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
         assert isinstance(fence, torch.cuda.Event)
-        units = split_units(plan.build(src, dst))
-        buffer = self._units_buffer(units)
+        store = self.direction is Direction.STORE
+        device_blocks, host_blocks = (src, dst) if store else (dst, src)
         kstream = self._kernel_stream
         start, end = new_event(timing=True), new_event(timing=True)
         error: BaseException | None = None
         try:
+            segments, count = self._segments(plan)
             kstream.wait_event(fence)
             start.record(kstream)
-            self.kernel.launch(buffer.data_ptr(), units.shape[0], self.ctas, kstream.cuda_stream)
+            self.kernel.launch(segments, count, device_blocks, host_blocks, plan.host_base,
+                               plan.pages.record_bytes, store, self.ctas, kstream.cuda_stream)
         except Exception as exc:
             error = exc
         try:
             end.record(kstream)
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self._device_index, keep=(buffer,))
+        return CudaTicket(start, end, error, self._device_index)
 
 
 class StagedBackend(KernelBackend):
@@ -413,8 +432,9 @@ class StagedBackend(KernelBackend):
     ring and the host pool (large copies: link speed at any page size). Chunks rotate over the ring's
     slots so that the kernel of one chunk overlaps the DMA of the previous one.
 
-    Owns (besides its two streams): the staging ring (device memory from torch's allocator, marked
-    as used by both streams, so it is never handed to another tensor before their work finished) and
+    Owns (besides its two streams): the staging ring (device memory from torch's allocator,
+    allocated on the kernel stream and marked as used by the copy stream, so it is neither handed
+    out while another stream's work may still use the block nor reused before their work finished) and
     one pair of events per slot. DESIGN §5 rule 5 holds on the device: a slot is written only after
     the event recorded after its previous read, through stream waits, whatever the host does.
     """
@@ -439,16 +459,14 @@ class StagedBackend(KernelBackend):
         super().__init__(direction, device, copier, stream_handle, kernel, kernel_stream_handle, ctas)
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self._staging: torch.Tensor | None = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
         assert self._stream is not None
+        self._staging: torch.Tensor | None = self._device_buffer((slots * slot_bytes,), torch.uint8)
         self._staging.record_stream(self._stream)
-        self._staging.record_stream(self._kernel_stream)
         base = self._staging.data_ptr()
         self.slot_bases = tuple(base + i * slot_bytes for i in range(slots))
         self._filled = [new_event(timing=False) for _ in range(slots)]
         self._drained = [new_event(timing=False) for _ in range(slots)]
         self._next_slot = 0
-        self._end_on_copy_stream = False
 
     @classmethod
     def create_staged(
@@ -473,48 +491,47 @@ class StagedBackend(KernelBackend):
             ))
         chunks = plan_staged(plan, src, dst, self.slot_bases, rows, self._next_slot)
         self._next_slot = (self._next_slot + len(chunks)) % self.slots
-        units = np.concatenate([c.kernel for c in chunks]) if chunks else np.zeros((0, 4), np.uint64)
-        buffer = self._units_buffer(units)
         start, end = new_event(timing=True), new_event(timing=True)
         store = self.direction is Direction.STORE
         kstream = self._kernel_stream
         error: BaseException | None = None
         last = kstream if not store else stream
         try:
+            segments = self._segments(plan)
             if store:
                 kstream.wait_event(fence)  # rule 1: the kernel reads pages compute may still write
                 start.record(kstream)
             else:
                 start.record(stream)
                 kstream.wait_event(fence)  # rule 2: the kernel writes pages compute may still read
-            offset = 0
             for chunk in chunks:
-                count = chunk.kernel.shape[0]
-                units_ptr = buffer.data_ptr() + offset * bindings.UNIT_DESCRIPTOR_BYTES
-                offset += count
                 if store:
-                    self._store_chunk(stream, chunk, units_ptr, count)
+                    self._store_chunk(stream, chunk, plan, segments)
                 else:
-                    self._load_chunk(stream, chunk, units_ptr, count)
+                    self._load_chunk(stream, chunk, plan, segments)
         except Exception as exc:  # part of the job may be enqueued: the end event still follows it
             error = exc
         try:
             if not store:
                 kstream.wait_stream(stream)  # a failed chunk must not leave a DMA behind the end
-                if self._end_on_copy_stream:
-                    stream.wait_stream(kstream)
-                    last = stream
             end.record(last)
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self._device_index, keep=(buffer,), path="staged")
+        return CudaTicket(start, end, error, self._device_index, path="staged")
+
+    def _gather(self, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]) -> None:
+        """Launch the kernel moving ``chunk``'s pages between the device cache and its slot."""
+        rows = np.arange(chunk.device_blocks.shape[0], dtype=np.int64)
+        self.kernel.launch(segments[0], segments[1], chunk.device_blocks, rows,
+                           self.slot_bases[chunk.slot], plan.pages.record_bytes,
+                           self.direction is Direction.STORE, self.ctas, self._kernel_stream.cuda_stream)
 
     def _store_chunk(
-        self, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+        self, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]
     ) -> None:
         kstream = self._kernel_stream
         kstream.wait_event(self._drained[chunk.slot])  # rule 5: the slot's last DMA finished
-        self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+        self._gather(chunk, plan, segments)
         self._filled[chunk.slot].record(kstream)
         stream.wait_event(self._filled[chunk.slot])
         self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
@@ -522,7 +539,7 @@ class StagedBackend(KernelBackend):
         self._drained[chunk.slot].record(stream)
 
     def _load_chunk(
-        self, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+        self, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]
     ) -> None:
         kstream = self._kernel_stream
         stream.wait_event(self._drained[chunk.slot])  # rule 5: the slot's last kernel finished
@@ -530,7 +547,7 @@ class StagedBackend(KernelBackend):
                          bindings.SrcAccessOrder.ANY, stream.cuda_stream)
         self._filled[chunk.slot].record(stream)
         kstream.wait_event(self._filled[chunk.slot])
-        self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+        self._gather(chunk, plan, segments)
         self._drained[chunk.slot].record(kstream)
 
     def _destroy(self) -> None:
@@ -540,8 +557,9 @@ class StagedBackend(KernelBackend):
 
 class AutoBackend(StagedBackend):
     """Auto path: each job takes the path the calibration found fastest for its direction and
-    size — batched DMA or staged. Both end on the copy stream, so jobs finish in submission order
-    whichever path moved them; ``TransferResult.path`` names the path each job took.
+    size — batched DMA or staged. Jobs finish in submission order whichever path moved them: a
+    staged load ends on the kernel stream, so a DMA load after it first waits for that stream;
+    ``TransferResult.path`` names the path each job took.
     """
 
     def __init__(
@@ -560,7 +578,6 @@ class AutoBackend(StagedBackend):
         super().__init__(direction, device, copier, stream_handle, kernel, kernel_stream_handle,
                          ctas, slots, slot_bytes)
         self._choose = choose
-        self._end_on_copy_stream = True
 
     @classmethod
     def create_auto(
@@ -582,6 +599,14 @@ class AutoBackend(StagedBackend):
         self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
         if self._choose(int(src.shape[0])) == "dma":
+            if self.direction is Direction.LOAD:
+                # A staged load ends on the kernel stream: the DMA job after it ends after it too.
+                # (Consecutive staged loads need no such wait, so their DMAs never idle behind the
+                # previous job's scatter kernel.)
+                try:
+                    stream.wait_stream(self._kernel_stream)
+                except Exception as exc:  # nothing was enqueued: the job fails at once
+                    return FailedTicket(exc)
             ticket = CudaBackend._issue_on(self, stream, plan, src, dst, fence)
             ticket.path = "dma"
             return ticket

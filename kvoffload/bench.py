@@ -94,10 +94,10 @@ def _layout(device: torch.device, page_bytes: int, num_blocks: int) -> DeviceLay
     return DeviceLayout.from_tensors({"kv": cache}, block_dim=1)
 
 
-def _worker(layout: DeviceLayout, num_host: int, path: str) -> Worker:
+def _worker(layout: DeviceLayout, num_host: int, path: str, kernel_ctas: int | None = None) -> Worker:
     if path == "loop":
         return Worker.create(layout, num_host, path="dma", copy_method="per-copy")
-    return Worker.create(layout, num_host, path=path)  # type: ignore[arg-type]
+    return Worker.create(layout, num_host, path=path, kernel_ctas=kernel_ctas)  # type: ignore[arg-type]
 
 
 def _run(w: Worker, jobs: list[tuple[str, np.ndarray, np.ndarray]], first: int) -> float:
@@ -169,7 +169,7 @@ class GemmLoad:
 
 def measure_path(
     device: torch.device, page_bytes: int, path: str, total_bytes: int, gemm: GemmLoad | None,
-    out: TextIO,
+    out: TextIO, kernel_ctas: int | None = None,
 ) -> BenchRow:
     """All figures of one path at one page size (see the module docstring)."""
     num = max(4, total_bytes // BLOCK_BYTES)
@@ -179,7 +179,7 @@ def measure_path(
     dev_a = rng.permutation(num)
     dev_b = num + rng.permutation(num)
     host = rng.permutation(2 * num)
-    with _worker(layout, 2 * num, path) as w:
+    with _worker(layout, 2 * num, path, kernel_ctas) as w:
         _run(w, _split("store", dev_a[:per_job], host[:per_job], per_job), 10**6)  # warm-up
         store_s = _run(w, _split("store", dev_a, host[:num], per_job), 0)
         bad = _mismatches_host(w, layout, dev_a, host[:num])
@@ -259,14 +259,16 @@ def gemm_beside_link(gemm: GemmLoad, device: torch.device) -> tuple[float, float
     return with_ms / ((before + after) / 2) - 1.0, moved / elapsed / _GB
 
 
-def small_job_ratio(device: torch.device, path: str) -> tuple[float, float]:
+def small_job_ratio(
+    device: torch.device, path: str, kernel_ctas: int | None = None
+) -> tuple[float, float]:
     """(median seconds of a 1-block job of 64 pages of 32 KiB, of one 2 MiB pinned copy)."""
     layout = _layout(device, 32 * KIB, 64)
     host = torch.empty(2 * MIB, dtype=torch.uint8, pin_memory=True)
     buf = torch.empty(2 * MIB, dtype=torch.uint8, device=device)
     stream = new_stream(device)
     copies, jobs = [], []
-    with _worker(layout, 8, path) as w:
+    with _worker(layout, 8, path, kernel_ctas) as w:
         for i in range(SMALL_JOB_REPEATS + 2):
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -289,6 +291,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", default=None, help="comma-separated page sizes in KiB")
     parser.add_argument("--total-mib", type=int, default=None, help="bytes moved per measurement")
     parser.add_argument("--gemm", action="store_true", help="also measure beside a bf16 GEMM stream")
+    parser.add_argument("--kernel-ctas", type=int, default=None,
+                        help="CTAs of the copy kernel (default: the worker's, every SM for staged, 8 for sm)")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--disk", default=None, metavar="DIR",
                         help="instead: the disk tier against raw O_DIRECT on DIR, and disk -> GPU")
@@ -320,8 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for page in pages:
         for path in paths:
-            rows.append(measure_path(device, page, path, total, gemm, progress))
-    small = {path: small_job_ratio(device, path) for path in paths if path != "loop"}
+            rows.append(measure_path(device, page, path, total, gemm, progress, args.kernel_ctas))
+    small = {path: small_job_ratio(device, path, args.kernel_ctas) for path in paths if path != "loop"}
     link_gemm = gemm_beside_link(gemm, device) if gemm is not None else None
     print(f"kvoffload bench on {torch.cuda.get_device_name(device)}")
     print(f"link limit: d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s, both at once {both:.1f} GB/s")

@@ -598,44 +598,67 @@ def unpin_chunks(pinner: HostPinner, chunks: Sequence[tuple[int, int]]) -> list[
 # ---------------------------------------------------------------------------------------------
 # Copy kernel (staged and SM transfer paths)
 
-#: The page-copy kernel. One warp copies one unit (a contiguous range of at most ``UNIT_MAX_BYTES``)
-#: at a time, grid-striding over units: 16-byte accesses with four loads in flight per lane, and a
-#: byte tail for units whose size is not a multiple of 16. Sources and destinations may be device
-#: memory or registered host memory (through its device mapping).
+#: The page-copy kernel. It is handed a per-layout table of segments (see
+#: ``_descriptors.kernel_segments``: the same bytes of every block) and, by value in its parameters,
+#: the device block and host row of each record it moves, so a job costs the host O(blocks), not
+#: O(pages). One warp copies one (row, segment) item at a time, grid-striding over them: 16-byte
+#: accesses with four loads in flight per lane, and a byte tail for segments whose size is not a
+#: multiple of 16. The host side is device memory (a staging slot) or registered host memory
+#: (through its device mapping).
 COPY_KERNEL_SOURCE: Final = r"""
-struct KvoUnit { unsigned long long src, dst, nbytes, pad; };
+#define KVO_ROWS 1024
+struct KvoSegment { long long dev_base, dev_stride, host_offset, nbytes; };
+struct KvoRows { long long dev[KVO_ROWS]; long long host[KVO_ROWS]; };
 
 extern "C" __global__ void __launch_bounds__(1024)
-kvo_copy_units(const KvoUnit* __restrict__ units, unsigned long long count)
+kvo_copy_blocks(const KvoSegment* __restrict__ segments, unsigned long long num_segments,
+                unsigned long long rows, unsigned long long host_base,
+                unsigned long long record_bytes, int to_host, const KvoRows ids)
 {
     const unsigned lane = threadIdx.x & 31u;
     const unsigned long long warp =
         ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) >> 5;
-    for (unsigned long long u = warp; u < count; u += warps) {
-        const KvoUnit unit = units[u];
-        const uint4* __restrict__ s = (const uint4*)unit.src;
-        uint4* __restrict__ d = (uint4*)unit.dst;
-        const unsigned long long n16 = unit.nbytes >> 4;
+    const unsigned long long items = rows * num_segments;
+    for (unsigned long long item = warp; item < items; item += warps) {
+        const unsigned long long row = item / num_segments;
+        const KvoSegment seg = segments[item - row * num_segments];
+        const unsigned long long dev =
+            (unsigned long long)(seg.dev_base + ids.dev[row] * seg.dev_stride);
+        const unsigned long long host =
+            host_base + (unsigned long long)ids.host[row] * record_bytes
+            + (unsigned long long)seg.host_offset;
+        const unsigned long long src = to_host ? dev : host;
+        const unsigned long long dst = to_host ? host : dev;
+        const uint4* __restrict__ s = (const uint4*)src;
+        uint4* __restrict__ d = (uint4*)dst;
+        const unsigned long long nbytes = (unsigned long long)seg.nbytes;
+        const unsigned long long n16 = nbytes >> 4;
         unsigned long long i = lane;
         for (; i + 96 < n16; i += 128) {
             const uint4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
             d[i] = a; d[i + 32] = b; d[i + 64] = c; d[i + 96] = e;
         }
         for (; i < n16; i += 32) d[i] = s[i];
-        const unsigned char* sb = (const unsigned char*)unit.src;
-        unsigned char* db = (unsigned char*)unit.dst;
-        for (unsigned long long j = (n16 << 4) + lane; j < unit.nbytes; j += 32) db[j] = sb[j];
+        const unsigned char* sb = (const unsigned char*)src;
+        unsigned char* db = (unsigned char*)dst;
+        for (unsigned long long j = (n16 << 4) + lane; j < nbytes; j += 32) db[j] = sb[j];
     }
 }
 """
-COPY_KERNEL_NAME: Final = b"kvo_copy_units"
-#: Bytes of one unit descriptor (src, dst, nbytes, pad: four uint64).
-UNIT_DESCRIPTOR_BYTES: Final = 32
+COPY_KERNEL_NAME: Final = b"kvo_copy_blocks"
+#: Records one launch of the copy kernel moves at most (the size of its by-value id arrays).
+KERNEL_ROWS: Final = 1024
 #: Threads per CTA of the copy kernel.
 COPY_KERNEL_THREADS: Final = 512
 #: ABI version ``cuLaunchKernel`` is resolved for (its signature is unchanged since CUDA 4.0).
 LAUNCH_ABI_VERSION: Final = 12000
+
+
+class _KernelRows(ctypes.Structure):
+    """The kernel's by-value ``KvoRows`` parameter."""
+
+    _fields_ = [("dev", ctypes.c_int64 * KERNEL_ROWS), ("host", ctypes.c_int64 * KERNEL_ROWS)]
 
 
 def _nvrtc_check(call: str, result: tuple[Any, Unpack[_Ts]]) -> tuple[Unpack[_Ts]]:
@@ -719,27 +742,55 @@ class CopyKernel:
         )
         return cls(device_index, int(function), prototype(int(result[1])))
 
-    def launch(self, units_ptr: int, count: int, ctas: int, stream: int) -> None:
-        """Copy ``count`` units described at device-accessible address ``units_ptr`` on ``stream``
-        with ``ctas`` CTAs of :data:`COPY_KERNEL_THREADS` threads.
+    def launch(
+        self,
+        segments_ptr: int,
+        num_segments: int,
+        device_blocks: npt.NDArray[np.int64],
+        host_rows: npt.NDArray[np.int64],
+        host_base: int,
+        record_bytes: int,
+        to_host: bool,
+        ctas: int,
+        stream: int,
+    ) -> None:
+        """Copy the pages of ``device_blocks[i]`` to or from row ``host_rows[i]`` of the record
+        array at ``host_base`` on ``stream``, with ``ctas`` CTAs of :data:`COPY_KERNEL_THREADS`
+        threads. ``segments_ptr`` is the device address of the layout's ``kernel_segments`` table
+        (``num_segments`` rows); ``host_base`` is a device address or registered host memory.
+        Launches once per :data:`KERNEL_ROWS` records (the ids travel in the launch parameters).
 
         Raises:
-            InvalidArgumentError: the legacy default stream, or a non-positive CTA count.
-            CudaError: the launch failed.
+            InvalidArgumentError: the legacy default stream, a non-positive CTA count, or id arrays
+                of different lengths.
+            CudaError: a launch failed (earlier launches of the call stay enqueued).
         """
         if stream == _LEGACY_DEFAULT_STREAM:
             raise InvalidArgumentError("kernels are never launched on the legacy default stream (0)")
         if ctas <= 0:
             raise InvalidArgumentError(f"ctas = {ctas} must be positive")
-        if count == 0:
-            return
-        arg_units = ctypes.c_uint64(units_ptr)
-        arg_count = ctypes.c_uint64(count)
-        params = (ctypes.c_void_p * 2)(ctypes.addressof(arg_units), ctypes.addressof(arg_count))
-        code = self._launch(
-            self._function, ctas, 1, 1, COPY_KERNEL_THREADS, 1, 1, 0, stream, params, None
+        if device_blocks.shape != host_rows.shape or device_blocks.ndim != 1:
+            raise InvalidArgumentError(
+                f"device_blocks {device_blocks.shape} and host_rows {host_rows.shape} must be "
+                "1-d arrays of one length"
+            )
+        dev = np.ascontiguousarray(device_blocks, dtype=np.int64)
+        host = np.ascontiguousarray(host_rows, dtype=np.int64)
+        fixed = (
+            ctypes.c_uint64(segments_ptr), ctypes.c_uint64(num_segments), ctypes.c_uint64(0),
+            ctypes.c_uint64(host_base), ctypes.c_uint64(record_bytes), ctypes.c_int(int(to_host)),
         )
-        _checked_code("cuLaunchKernel", code)
+        for start in range(0, dev.shape[0] if num_segments else 0, KERNEL_ROWS):
+            count = min(KERNEL_ROWS, dev.shape[0] - start)
+            rows = _KernelRows()
+            ctypes.memmove(rows.dev, dev[start:].ctypes.data, count * 8)
+            ctypes.memmove(rows.host, host[start:].ctypes.data, count * 8)
+            fixed[2].value = count
+            params = (ctypes.c_void_p * 7)(*(ctypes.addressof(a) for a in fixed), ctypes.addressof(rows))
+            code = self._launch(
+                self._function, ctas, 1, 1, COPY_KERNEL_THREADS, 1, 1, 0, stream, params, None
+            )
+            _checked_code("cuLaunchKernel", code)
 
 
 def _compile(source: str, arch: str) -> bytes:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvoffload import SrcAccessOrder, Worker, calibration
-from kvoffload._descriptors import StagedChunk
+from kvoffload._descriptors import CopyPlan, StagedChunk
 from kvoffload.backends import StagedBackend
 from tests.gpu._helpers import TIMEOUT_S, cache
 from tests.gpu.conftest import Figures
@@ -44,13 +44,20 @@ def test_auto_mixes_paths_and_still_finishes_jobs_in_order(device: torch.device)
         done = [r.job_id for r in w.wait(list(range(len(sizes))), TIMEOUT_S)]
         assert done == list(range(len(sizes)))
         dst = 128 + rng.permutation(128)[:at]
-        w.load(100, list(range(at)), dst)
-        assert all(r.ok for r in w.wait([100], TIMEOUT_S))
+        at = 0
+        for job, size in enumerate(sizes):  # loads of mixed paths: staged ends on the kernel stream
+            w.load(100 + job, list(range(at, at + size)), dst[at : at + size])
+            at += size
+        loads = w.wait([100 + job for job in range(len(sizes))], TIMEOUT_S)
+        assert [r.job_id for r in loads] == [100 + job for job in range(len(sizes))]
+        choose = w._load._backend._choose  # type: ignore[union-attr]
+        assert all(r.ok for r in loads) and [r.path for r in loads] == [choose(n) for n in sizes]
     assert torch.equal(layout.gather_records(dst), original[:at])
 
 
 def corrupting_store_chunk(
-    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan,
+    segments: tuple[int, int],
 ) -> None:
     """A broken staged store: the kernel never fills the slot, the DMA copies stale staging."""
     stream.wait_event(self._drained[chunk.slot])

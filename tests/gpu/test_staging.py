@@ -1,5 +1,8 @@
 """DESIGN §5 rule 5 for the staged path: a staging slot is reused only after the event of its last
 use. Controls that skip that wait corrupt data across back-to-back jobs; the real path shows none.
+And the backend's device buffers (the ring, the kernel's segment table) are allocated on its kernel
+stream: a control that allocates them on the caller's stream gets a block the caller's pending work
+still writes.
 
 The compute stream is stalled so that the kernel side of every chunk waits while the DMA side runs
 ahead (load), or so that all gathers run back to back once released while the DMAs trail (store).
@@ -12,8 +15,8 @@ import pytest
 import torch
 
 from kvoffload import DeviceLayout, Worker, bindings
-from kvoffload._descriptors import StagedChunk
-from kvoffload.backends import StagedBackend
+from kvoffload._descriptors import CopyPlan, StagedChunk
+from kvoffload.backends import KernelBackend, StagedBackend
 from tests.gpu._helpers import TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
 
@@ -22,11 +25,12 @@ BLOCKS_PER_JOB = 24
 
 
 def store_chunk_without_slot_wait(
-    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan,
+    segments: tuple[int, int],
 ) -> None:
     """CONTROL ONLY: the store chunk without waiting for the slot's previous DMA."""
     kstream = self._kernel_stream
-    self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+    self._gather(chunk, plan, segments)
     self._filled[chunk.slot].record(kstream)
     stream.wait_event(self._filled[chunk.slot])
     self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
@@ -35,7 +39,8 @@ def store_chunk_without_slot_wait(
 
 
 def load_chunk_without_slot_wait(
-    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, units_ptr: int, count: int
+    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan,
+    segments: tuple[int, int],
 ) -> None:
     """CONTROL ONLY: the load chunk without waiting for the slot's previous kernel."""
     kstream = self._kernel_stream
@@ -43,13 +48,22 @@ def load_chunk_without_slot_wait(
                      bindings.SrcAccessOrder.ANY, stream.cuda_stream)
     self._filled[chunk.slot].record(stream)
     kstream.wait_event(self._filled[chunk.slot])
-    self.kernel.launch(units_ptr, count, self.ctas, kstream.cuda_stream)
+    self._gather(chunk, plan, segments)
     self._drained[chunk.slot].record(kstream)
 
 
 def small_ring(layout: DeviceLayout) -> int:
     """staging_bytes for 2 slots of 2 records per direction: every job spans many chunks."""
     return 2 * 2 * 2 * layout.record_bytes
+
+
+def warm_up(w: Worker) -> None:
+    """One store and one load, so that the jobs of a test are issued within the compute stall (the
+    first job of a backend uploads the kernel's segment table)."""
+    w.store(10**6, [0], [0])
+    assert all(r.ok for r in w.wait([10**6], TIMEOUT_S))
+    w.load(10**6 + 1, [0], [0])
+    assert all(r.ok for r in w.wait([10**6 + 1], TIMEOUT_S))
 
 
 def back_to_back_stores(layout: DeviceLayout) -> int:
@@ -60,6 +74,7 @@ def back_to_back_stores(layout: DeviceLayout) -> int:
     host = np.arange(JOBS * BLOCKS_PER_JOB).reshape(JOBS, BLOCKS_PER_JOB)
     with Worker.create(layout, JOBS * BLOCKS_PER_JOB, path="staged",
                        staging_bytes=small_ring(layout)) as w:
+        warm_up(w)
         with torch.cuda.stream(compute):
             stall()
         for job in range(JOBS):
@@ -83,6 +98,7 @@ def back_to_back_loads(layout: DeviceLayout) -> int:
     host = rng.permutation(n).reshape(JOBS, BLOCKS_PER_JOB)
     with Worker.create(layout, n, path="staged", staging_bytes=small_ring(layout)) as w:
         records = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8)
+        warm_up(w)
         w.host_records().copy_(records)
         with torch.cuda.stream(compute):
             stall()
@@ -129,4 +145,54 @@ def test_load_reuses_a_slot_only_after_its_kernel_finished(
     assert control > 0, "the control did not race: the test cannot prove the rule"
     real = back_to_back_loads(layout)
     figures.add("staged load ring reuse, worker: bad pages", f"{real}")
+    assert real == 0
+
+
+def buffer_on_callers_stream(
+    self: KernelBackend, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """CONTROL ONLY: the backend's device buffers allocated on the caller's current stream."""
+    return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+def first_load_behind_a_freed_block(layout: DeviceLayout) -> int:
+    """Corrupted pages of a fresh worker's first load (which uploads the kernel's segment table),
+    submitted under a compute stream whose stalled work still zeroes a freed block of the table's
+    size."""
+    rng = np.random.default_rng(5)
+    compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+    n = BLOCKS_PER_JOB
+    dst = rng.permutation(layout.num_blocks)[:n]
+    host = rng.permutation(n)
+    records = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8)
+    table_rows = layout.pages_per_block  # per-layer pages never merge: one segment per page
+    with Worker.create(layout, n, path="staged", staging_bytes=small_ring(layout)) as w:
+        w.host_records().copy_(records)
+        with torch.cuda.stream(compute):
+            stall()
+            freed = torch.empty((table_rows, 4), dtype=torch.int64, device=layout.device)
+            freed.zero_()  # queued behind the stall; the block returns to this stream's pool now
+            del freed
+            w.load(0, host, dst, stream=compute)
+        assert all(r.ok for r in w.wait([0], TIMEOUT_S))
+    got = layout.gather_records(dst).cpu()
+    want = records[host]
+    bad = 0
+    table = layout.page_table
+    for offset, size in zip(table.host_offset.tolist(), table.nbytes.tolist()):
+        bad += int((got[:, offset : offset + size] != want[:, offset : offset + size]).any(dim=1).sum())
+    return bad
+
+
+def test_kernel_buffers_are_never_a_block_the_callers_pending_work_still_writes(
+    layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
+) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(KernelBackend, "_device_buffer", buffer_on_callers_stream)
+        control = first_load_behind_a_freed_block(layout)
+    figures.add("kernel segment table, control allocated on the caller's stream: bad pages",
+                f"{control} of {BLOCKS_PER_JOB * layout.pages_per_block}")
+    assert control > 0, "the control did not race: the test cannot prove the rule"
+    real = first_load_behind_a_freed_block(layout)
+    figures.add("kernel segment table, worker: bad pages", f"{real}")
     assert real == 0

@@ -1,6 +1,7 @@
-"""Chunk planning of the staged path and the copy kernel's units, on CPU: composing a job's kernel
-copies (device <-> slot) with its record DMAs (slot <-> host) moves exactly the bytes the plain plan
-moves; slots rotate and each holds at most its rows; units cover copies exactly."""
+"""Chunk planning of the staged path and the copy kernel's segment table, on CPU: composing a job's
+kernel copies (device <-> slot) with its record DMAs (slot <-> host) moves exactly the bytes the plain
+plan moves; slots rotate and each holds at most its rows; the segment table, expanded for any blocks
+the way the kernel expands it, moves exactly the bytes of the plain descriptors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload._descriptors import CopyPlan, Descriptors, PageTable, plan_staged, split_units
+from kvoffload._descriptors import CopyPlan, Descriptors, PageTable, kernel_segments, plan_staged
 from kvoffload.records import Direction
 
 U64 = npt.NDArray[np.uint64]
@@ -26,17 +27,45 @@ def byte_map(dsts: U64, srcs: U64, sizes: U64) -> dict[int, int]:
     return out
 
 
-def plan_for(direction: Direction, page_sizes: list[int]) -> CopyPlan:
-    offsets = np.cumsum([0] + [(p + 15) // 16 * 16 for p in page_sizes[:-1]])
+def plan_for(
+    direction: Direction, page_sizes: list[int], *, block_major: bool = False, record: int = RECORD
+) -> CopyPlan:
+    """Pages in separate allocations (per-tensor layouts), or, with ``block_major``, one allocation
+    holding each block's pages back to back (pages of one block then merge)."""
+    padded = [(p + 15) // 16 * 16 for p in page_sizes]
+    offsets = np.cumsum([0] + padded[:-1]).astype(np.int64)
+    n = len(page_sizes)
+    if block_major:
+        dev_base = (1 << 40) + offsets
+        dev_stride = np.full(n, sum(padded), dtype=np.int64)
+        segment = np.zeros(n, dtype=np.int64)
+    else:
+        dev_base = np.array([(1 << 40) + i * (1 << 32) for i in range(n)], dtype=np.int64)
+        dev_stride = np.array(padded, dtype=np.int64)
+        segment = np.arange(n, dtype=np.int64)
     pages = PageTable(
-        dev_base=np.array([(1 << 40) + i * (1 << 32) for i in range(len(page_sizes))], dtype=np.int64),
-        dev_stride=np.array([(p + 15) // 16 * 16 for p in page_sizes], dtype=np.int64),
-        nbytes=np.array(page_sizes, dtype=np.int64),
-        host_offset=offsets.astype(np.int64),
-        segment=np.arange(len(page_sizes), dtype=np.int64),
-        record_bytes=RECORD,
+        dev_base=dev_base, dev_stride=dev_stride, nbytes=np.array(page_sizes, dtype=np.int64),
+        host_offset=offsets, segment=segment, record_bytes=record,
     )
     return CopyPlan(pages, host_base=1 << 36, chunk_records=5, direction=direction)
+
+
+def kernel_byte_map(
+    plan: CopyPlan, device_blocks: npt.NDArray[np.int64], host_base: int,
+    host_rows: npt.NDArray[np.int64], unit_max: int = 64 << 10,
+) -> dict[int, int]:
+    """What the copy kernel does with ``kernel_segments``: destination -> source, 4-byte granules."""
+    table = kernel_segments(plan.pages, unit_max)
+    store = plan.direction is Direction.STORE
+    out: dict[int, int] = {}
+    for d, r in zip(device_blocks.tolist(), host_rows.tolist()):
+        for dev_base, stride, offset, nbytes in table.tolist():
+            dev = dev_base + d * stride
+            host = host_base + r * plan.pages.record_bytes + offset
+            src, dst = (dev, host) if store else (host, dev)
+            for k in range(0, nbytes, 4):
+                out[dst + k] = src + k
+    return out
 
 
 jobs = st.tuples(
@@ -63,7 +92,8 @@ def test_kernel_and_dma_together_move_the_bytes_of_the_plain_plan(
     chunks = plan_staged(plan, src, dst, SLOT_BASES, rows, first)
     composed: dict[int, int] = {}
     for chunk in chunks:
-        kernel = byte_map(chunk.kernel[:, 1], chunk.kernel[:, 0], chunk.kernel[:, 2])
+        slot_rows = np.arange(chunk.device_blocks.shape[0], dtype=np.int64)
+        kernel = kernel_byte_map(plan, chunk.device_blocks, SLOT_BASES[chunk.slot], slot_rows)
         dma = byte_map(*_triple(chunk.dma))
         if direction is Direction.STORE:  # device -> slot (kernel), then slot -> host (dma)
             # The DMA moves whole records: bytes the kernel did not write are record padding.
@@ -109,31 +139,41 @@ def test_record_dma_never_crosses_a_pin_chunk() -> None:
     assert chunk.dma.sizes.tolist() == [2 * RECORD, 2 * RECORD]  # records 3-4 | 5-6
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(1, 300_000), min_size=0, max_size=8), st.sampled_from([16, 4096, 65536]))
-def test_units_cover_each_copy_exactly_in_pieces_of_at_most_unit_max(
-    sizes: list[int], unit_max: int
+segment_jobs = st.tuples(
+    st.sampled_from([Direction.STORE, Direction.LOAD]),
+    st.lists(st.sampled_from([16, 52, 100, 512, 4096, 5000]), min_size=1, max_size=4),
+    st.booleans(),
+    st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True),
+    st.sampled_from([16, 256, 4096]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(segment_jobs)
+def test_segments_expanded_per_block_move_exactly_the_plain_descriptors(
+    job: tuple[Direction, list[int], bool, list[int], int],
 ) -> None:
-    n = len(sizes)
-    srcs = np.array([(1 << 40) + i * (1 << 24) for i in range(n)], dtype=np.uint64)
-    dsts = np.array([(1 << 41) + i * (1 << 24) for i in range(n)], dtype=np.uint64)
-    desc = Descriptors(dsts, srcs, np.array(sizes, dtype=np.uint64))
-    units = split_units(desc, unit_max)
-    assert units.dtype == np.uint64 and units.shape[1] == 4
-    assert (units[:, 2] <= unit_max).all() and (units[:, 3] == 0).all()
-    covered: list[tuple[int, int, int]] = sorted(
-        (int(u[0]), int(u[1]), int(u[2])) for u in units
-    )
-    spans: list[tuple[int, int, int]] = []
-    for s, d, size in covered:
-        if spans and spans[-1][0] + spans[-1][2] == s and spans[-1][1] + spans[-1][2] == d:
-            spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + size)
-        else:
-            spans.append((s, d, size))
-    assert spans == sorted(zip(srcs.tolist(), dsts.tolist(), sizes))
+    direction, page_sizes, block_major, blocks, unit_max = job
+    padded = sum((p + 15) // 16 * 16 for p in page_sizes)
+    plan = plan_for(direction, page_sizes, block_major=block_major, record=(padded + 4095) // 4096 * 4096)
+    device = np.array(blocks, dtype=np.int64)
+    host = device[::-1].copy()
+    expected = byte_map(*_triple(plan.build_device_host(device, plan.host_base, host, 5)))
+    assert kernel_byte_map(plan, device, plan.host_base, host, unit_max) == expected
+    table = kernel_segments(plan.pages, unit_max)
+    assert (table[:, 3] > 0).all() and (table[:, 3] <= unit_max).all()
+    assert (table[:, 0] % 16 == 0).all() and (table[:, 2] % 16 == 0).all()  # 16-byte accesses
+
+
+def test_pages_of_a_block_major_layout_merge_into_unit_sized_segments() -> None:
+    plan = plan_for(Direction.STORE, [4096] * 64, block_major=True, record=64 * 4096)
+    table = kernel_segments(plan.pages)
+    assert table[:, 3].tolist() == [64 << 10] * 4  # 256 KiB contiguous per block -> 4 units
+    separate = kernel_segments(plan_for(Direction.STORE, [4096] * 64).pages)
+    assert separate.shape[0] == 64  # one allocation per page: nothing merges
 
 
 def test_unit_max_must_be_a_positive_multiple_of_16() -> None:
-    empty = np.zeros(0, dtype=np.uint64)
+    plan = plan_for(Direction.STORE, [1024])
     with pytest.raises(ValueError, match="multiple of 16"):
-        split_units(Descriptors(empty, empty, empty), 100)
+        kernel_segments(plan.pages, 100)
