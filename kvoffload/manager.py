@@ -1,9 +1,10 @@
 """The scheduler-side block manager: which KV blocks the host pool and the disk hold, and which move.
 
 The :class:`Manager` decides *which* blocks move; a Worker moves the bytes. It owns only Python
-memory: the key → block map of each tier, the free lists, the eviction policies, the counters and the
-undrained events. It borrows nothing, holds no OS or GPU resource and so has no close method. It
-imports neither torch nor CUDA. It is not thread-safe: call it from the scheduler thread.
+memory: the key → block map of each tier, the free lists, the eviction policies, the copies each
+outstanding plan still waits for, the counters and the undrained events. It borrows nothing, holds no
+OS or GPU resource and so has no close method. It imports neither torch nor CUDA. It is not
+thread-safe: call it from the scheduler thread.
 
 A copy of a key in one tier (host, or disk when ``num_disk_blocks > 0``) is in one state::
 
@@ -24,11 +25,13 @@ The engine's protocol, each step:
    ``plan.host_blocks``; then ``complete_demote(plan, ok)`` and ``complete_store(plan, ok)``.
 3. Forward ``events()`` to the router.
 
-Keys are the engine's block hashes (``bytes``). Internally every key is namespaced by the model/layout
-fingerprint given at creation (:func:`namespaced_key`): the fingerprint's digest is a fixed-length
-prefix of every stored key, so a manager (or a persistent tier that names records by
-:meth:`Manager.namespaced`) never serves KV written under another fingerprint. Plans and events carry
-the engine's keys. A key twice in one ``prepare_store``, ``prepare_load`` or completion is refused
+Keys are the engine's block hashes (``bytes``), held exactly as the engine passes them: a manager is
+bound to one model/layout fingerprint for its whole life, starts empty and completes only its own
+plans, so every key it holds was stored under that fingerprint, and it never serves KV written under
+another one. What outlives a manager or is shared between fingerprints (a persistent tier's records)
+must name a block by :meth:`Manager.namespaced` (:func:`namespaced_key`): the fingerprint's
+fixed-length digest prefixed to the key. Policies, plans and events all carry the engine's keys. A key
+twice in one ``prepare_store``, ``prepare_load`` or completion is refused
 (:class:`~kvoffload.errors.DuplicateKeyError`: it would get two blocks, or two references one
 completion could not tell apart); ``lookup`` and ``touch`` accept duplicates.
 
@@ -54,8 +57,10 @@ import enum
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Final, Protocol
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from operator import attrgetter
+from typing import Any, Final, NamedTuple, Protocol, cast
 
 import attrs
 
@@ -148,16 +153,22 @@ class EventKind(enum.Enum):
     STORE_FAILED = "store_failed"
 
 
-@attrs.frozen
-class BlockEvent:
+class BlockEvent(NamedTuple):
     """One change of the loadable copies, for the engine to forward to a router.
 
-    ``key`` is the engine's key (not namespaced).
+    ``key`` is the engine's key (not namespaced). A named tuple: immutable, compared by value (as
+    the tuple ``(kind, key, tier)``), and cheap to build (a stored block costs two events).
     """
 
     kind: EventKind
     key: bytes
     tier: Tier
+
+
+def _events_of(kind: EventKind, keys: Iterable[bytes], tier: Tier) -> Iterator[BlockEvent]:
+    """``BlockEvent(kind, key, tier)`` for each of ``keys``, built in C (no Python frame per event)."""
+    rows = zip(itertools.repeat(kind), keys, itertools.repeat(tier))
+    return map(tuple.__new__, itertools.repeat(BlockEvent), rows)
 
 
 @attrs.frozen
@@ -268,7 +279,7 @@ class ManagerStats:
 class EvictionPolicy(Protocol):
     """The seam for eviction policies: it orders the *evictable* keys of one tier.
 
-    The manager calls it with namespaced keys (``bytes``) and guarantees: ``admit`` only for a key that
+    The manager calls it with the engine's keys (``bytes``) and guarantees: ``admit`` only for a key that
     is not resident; ``hit``/``hold``/``evict`` only for resident keys; ``release`` only for a held key;
     at most ``capacity`` resident (admitted, not evicted) keys. Every method must be O(1) amortised
     per key, except ``victims`` (O(returned + skipped excluded keys)) and ``clear``.
@@ -330,9 +341,8 @@ class LRUPolicy:
         return len(self._order) + len(self._held)
 
     def admit(self, key: bytes) -> None:
-        """Insert ``key`` as the most recent."""
+        """Insert ``key`` (not resident, as the protocol guarantees) as the most recent."""
         self._order[key] = None
-        self._order.move_to_end(key)
 
     def hit(self, key: bytes) -> None:
         """Make ``key`` the most recent (a held key becomes it at release)."""
@@ -416,13 +426,14 @@ class ARCPolicy:
 
     def admit(self, key: bytes) -> None:
         """Insert ``key``: into T1, or into T2 with adaptation when it is a ghost."""
-        if key in self._b1:
-            self._p = min(float(self.capacity), self._p + max(1.0, len(self._b2) / len(self._b1)))
-            del self._b1[key]
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self._p = min(float(self.capacity), self._p + max(1.0, len(b2) / len(b1)))
+            del b1[key]
             self._t2[key] = None
-        elif key in self._b2:
-            self._p = max(0.0, self._p - max(1.0, len(self._b1) / len(self._b2)))
-            del self._b2[key]
+        elif key in b2:
+            self._p = max(0.0, self._p - max(1.0, len(b1) / len(b2)))
+            del b2[key]
             self._t2[key] = None
         else:
             self._t1[key] = None
@@ -496,10 +507,16 @@ class ARCPolicy:
         self._p = 0.0
 
     def _trim_ghosts(self) -> None:
-        while self._b1 and len(self._t1) + self._held_t1 + len(self._b1) > self.capacity:
-            self._b1.popitem(last=False)
-        while self._b2 and len(self._b1) + len(self._b2) > self.capacity:
-            self._b2.popitem(last=False)
+        """Forget the oldest ghosts until ``|T1| + |B1|`` and ``|B1| + |B2|`` are <= capacity."""
+        b1, b2, capacity = self._b1, self._b2, self.capacity
+        over = len(self._t1) + self._held_t1 + len(b1) - capacity
+        while over > 0 and b1:
+            b1.popitem(last=False)
+            over -= 1
+        over = len(b1) + len(b2) - capacity
+        while over > 0 and b2:
+            b2.popitem(last=False)
+            over -= 1
 
 
 POLICY_NAMES: Final[dict[str, PolicyFactory]] = {"lru": LRUPolicy, "arc": ARCPolicy}
@@ -512,8 +529,24 @@ class _Copy(enum.Enum):
     FAILED = "failed"  # a load found it damaged: never offered again, dropped when its loads end
 
 
+# Module-level names for the members the per-block loops use: reading a member off its enum class
+# costs more than the rest of such a loop's step.
+_PENDING: Final = _Copy.PENDING
+_READY: Final = _Copy.READY
+_FAILED: Final = _Copy.FAILED
+_STORED: Final = EventKind.STORED
+_REMOVED: Final = EventKind.REMOVED
+_STORE_FAILED: Final = EventKind.STORE_FAILED
+_HOST: Final = Tier.HOST
+_DISK: Final = Tier.DISK
+_NO_KEYS: Final[frozenset[bytes]] = frozenset()
+
+
 class _Entry:
-    """Per-key state in both tiers; ``None`` state means no copy in that tier."""
+    """Per-key state in both tiers; ``None`` state means no copy in that tier.
+
+    ``prepare_store`` creates one for a new key, with its host copy pending for that plan.
+    """
 
     __slots__ = (
         "demote_src",
@@ -527,10 +560,10 @@ class _Entry:
         "host_state",
     )
 
-    def __init__(self) -> None:
-        self.host = -1
-        self.host_state: _Copy | None = None
-        self.host_plan = 0
+    def __init__(self, host: int, plan_id: int) -> None:
+        self.host = host
+        self.host_state: _Copy | None = _PENDING
+        self.host_plan = plan_id
         self.host_refs = 0
         self.disk = -1
         self.disk_state: _Copy | None = None
@@ -539,17 +572,57 @@ class _Entry:
         self.demote_src = -1  # host block a pending demotion reads; fenced at reset
 
 
+class _PlanCopies:
+    """The entries of one outstanding :class:`StorePlan`, so its completions need no key lookups.
+
+    Owns lists of entries (shared with the manager's key map): ``host`` co-indexed with the plan's
+    ``keys`` (its pending stores), ``disk`` with its ``demotions`` (its pending demotions), and the
+    counts of those copies not completed yet. A pending copy stops being pending only by its
+    completion (which counts it down exactly once) or by ``reset`` (which drops every record), so
+    while ``host_left == len(host)`` every store of the plan is still pending, and likewise for
+    ``disk``. The manager drops the record when both counts reach 0. ``keys`` and ``demotions`` are
+    the plan's own tuples: a completion of the whole plan uses the record only when it is handed
+    those very tuples; a copy of the plan (same values, other objects) looks its keys up instead.
+    """
+
+    __slots__ = ("demotions", "disk", "disk_left", "host", "host_left", "keys")
+
+    def __init__(
+        self, keys: tuple[bytes, ...], host: list[_Entry], demotions: tuple[Demotion, ...], disk: list[_Entry]
+    ) -> None:
+        self.keys = keys
+        self.host = host
+        self.host_left = len(host)
+        self.demotions = demotions
+        self.disk = disk
+        self.disk_left = len(disk)
+
+
 class _Pool:
     """The blocks of one tier: free list, counters, fenced blocks and the tier's policy."""
 
     def __init__(self, tier: Tier, capacity: int, policy: EvictionPolicy) -> None:
         self.tier = tier
+        on_host = tier is Tier.HOST
+        # this tier's fields of an entry, read in C over a batch of entries
+        self.state_of: Final[attrgetter[Any]] = attrgetter("host_state" if on_host else "disk_state")
+        self.refs_of: Final[attrgetter[Any]] = attrgetter("host_refs" if on_host else "disk_refs")
+        self.block_of: Final[attrgetter[Any]] = attrgetter("host" if on_host else "disk")
         self.capacity = capacity
         self.policy = policy
         self.free: list[int] = list(range(capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self.pending = 0
         self.loading = 0
         self.fenced: dict[int, int] = {}  # block -> stale plans still holding it
+
+    def take(self, count: int) -> list[int]:
+        """Remove ``count`` (<= free) blocks from the free list, in the order ``pop()`` gives them."""
+        free = self.free
+        start = len(free) - count
+        blocks = free[start:]
+        del free[start:]
+        blocks.reverse()
+        return blocks
 
     def stats(self) -> TierStats:
         fenced = len(self.fenced)
@@ -571,7 +644,7 @@ class _Fence(enum.Enum):
     LOAD = "load"
 
 
-_FenceKey = tuple[int, _Fence, bytes]  # (plan_id, what the plan does, namespaced key)
+_FenceKey = tuple[int, _Fence, bytes]  # (plan_id, what the plan does, key)
 
 
 class Manager:
@@ -599,7 +672,8 @@ class Manager:
         self._record_events = record_events
         self._epoch = 0
         self._entries: dict[bytes, _Entry] = {}
-        self._ready: set[bytes] = set()  # namespaced keys loadable from some tier
+        self._ready: set[bytes] = set()  # keys loadable from some tier
+        self._stores: dict[int, _PlanCopies] = {}  # outstanding store plan -> its pending copies
         self._loads: dict[int, dict[bytes, Tier]] = {}  # outstanding load plan -> key -> tier
         self._fences: dict[_FenceKey, list[tuple[_Pool, int]]] = {}
         self._events: list[BlockEvent] = []
@@ -676,7 +750,7 @@ class Manager:
 
     @property
     def fingerprint(self) -> bytes:
-        """The model/layout fingerprint every key is namespaced by."""
+        """The model/layout fingerprint this manager is bound to (see :meth:`namespaced`)."""
         return self._fingerprint
 
     @property
@@ -723,13 +797,11 @@ class Manager:
                 prefix).
         """
         self._check_keys("keys", keys)
-        ns = self._namespace
         ready = self._ready
-        hits = 0
-        for key in keys:
-            if ns + key not in ready:
-                break
-            hits += 1
+        if ready.issuperset(keys):  # one C loop when every key is ready
+            hits = len(keys)
+        else:  # the ready prefix, counted in C too
+            hits = len(list(itertools.takewhile(ready.__contains__, keys)))
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._lookup_hits += hits
@@ -745,18 +817,17 @@ class Manager:
             KeyTypeError: ``keys`` is not a sequence of bytes.
         """
         self._check_keys("keys", keys)
-        ns = self._namespace
         entries = self._entries
+        host_hit = self._host.policy.hit
         disk_policy = self._disk.policy if self._disk is not None else None
         for key in keys:
-            nk = ns + key
-            entry = entries.get(nk)
+            entry = entries.get(key)
             if entry is None:
                 continue
-            if entry.host_state is _Copy.READY:
-                self._host.policy.hit(nk)
-            if entry.disk_state is _Copy.READY and disk_policy is not None:
-                disk_policy.hit(nk)
+            if entry.host_state is _READY:
+                host_hit(key)
+            if entry.disk_state is _READY and disk_policy is not None:
+                disk_policy.hit(key)
 
     def events(self) -> list[BlockEvent]:
         """Return and forget the events recorded since the last call, oldest first."""
@@ -811,66 +882,66 @@ class Manager:
             DuplicateKeyError: a key appears twice (it would get two blocks).
             PolicyError: a custom policy proposed a victim that is not evictable.
         """
-        nkeys = self._namespaced_keys("keys", keys, unique=True)
+        self._check_unique_keys("keys", keys)
         entries = self._entries
         host = self._host
-        new = [i for i, nk in enumerate(nkeys) if nk not in entries]
-        protected = {nk for nk in nkeys if nk in entries}
+        new = [key for key in keys if key not in entries]
+        protected: AbstractSet[bytes] = _NO_KEYS
+        if len(new) != len(keys):
+            protected = {key for key in keys if key in entries}
         need = len(new) - len(host.free)
         host_victims: list[bytes] = []
+        host_entries: list[_Entry] = []
         if need > 0:
             host_victims = host.policy.victims(need, protected)
-            self._check_victims(host, host_victims, need, protected)
+            host_entries = self._victim_entries(host, host_victims, need, protected)
             if len(host_victims) < need:
                 return None
-        demote, disk_victims = self._plan_demotions(host_victims, protected)
+        disk = self._disk
+        demote_room = 0
+        demotable: list[bool] = []  # co-indexed with host_victims: no disk copy, may be demoted
+        disk_victims: list[bytes] = []
+        disk_entries: list[_Entry] = []
+        if disk is not None and host_victims:  # dry run: room on disk for the victims without a copy
+            demotable = [entry.disk_state is None for entry in host_entries]
+            candidates = sum(demotable)
+            shortfall = candidates - len(disk.free)
+            if shortfall > 0:
+                disk_victims = disk.policy.victims(shortfall, protected)
+                disk_entries = self._victim_entries(disk, disk_victims, shortfall, protected)
+            demote_room = min(candidates, len(disk.free) + len(disk_victims))
 
         plan_id = next(_PLAN_IDS)
-        ns_len = len(self._namespace)
-        record = self._record_events
-        events = self._events
-        disk = self._disk
-        disk_evicted: list[bytes] = []
-        for nk in disk_victims:
+        if disk_victims:
             assert disk is not None  # disk victims exist only with a disk tier
-            entry = entries[nk]
-            disk_evicted.append(nk[ns_len:])
-            disk.policy.evict(nk)
-            disk.free.append(entry.disk)
-            entry.disk_state = None
-            if record:
-                events.append(BlockEvent(EventKind.REMOVED, nk[ns_len:], Tier.DISK))
-            self._forget_if_empty(nk, entry)
+            self._evict(disk, disk_victims, disk_entries)
+            self._forget(disk_victims, disk_entries)
         demotions: list[Demotion] = []
-        evicted: list[bytes] = []
-        for nk in host_victims:
-            entry = entries[nk]
-            host.policy.evict(nk)
-            host.free.append(entry.host)
-            entry.host_state = None
-            key = nk[ns_len:]
-            evicted.append(key)
-            if record:
-                events.append(BlockEvent(EventKind.REMOVED, key, Tier.HOST))
-            if nk in demote:
-                assert disk is not None  # demotions exist only with a disk tier
-                entry.disk = disk.free.pop()
-                entry.disk_state = _Copy.PENDING
-                entry.disk_plan = plan_id
-                entry.demote_src = entry.host
-                disk.pending += 1
-                demotions.append(Demotion(key, entry.host, entry.disk))
-            self._forget_if_empty(nk, entry)
-        blocks: list[int] = []
-        for i in new:
-            nk = nkeys[i]
-            entry = _Entry()
-            entry.host = host.free.pop()
-            entry.host_state = _Copy.PENDING
-            entry.host_plan = plan_id
-            entries[nk] = entry
-            blocks.append(entry.host)
+        demoted: list[_Entry] = []
+        if host_victims:
+            self._evict(host, host_victims, host_entries)
+            if demote_room:
+                assert disk is not None  # room for demotions exists only with a disk tier
+                for key, entry, may_demote in zip(host_victims, host_entries, demotable):
+                    if may_demote:
+                        entry.disk = disk.free.pop()
+                        entry.disk_state = _PENDING
+                        entry.disk_plan = plan_id
+                        entry.demote_src = entry.host
+                        demotions.append(Demotion(key, entry.host, entry.disk))
+                        demoted.append(entry)
+                        if len(demoted) == demote_room:
+                            break
+                disk.pending += len(demoted)
+            self._forget(host_victims, host_entries)
+        blocks = host.take(len(new))
+        created = [_Entry(block, plan_id) for block in blocks]
+        entries.update(zip(new, created))
         host.pending += len(new)
+        plan_keys = tuple(new)
+        plan_demotions = tuple(demotions)
+        if created or demoted:
+            self._stores[plan_id] = _PlanCopies(plan_keys, created, plan_demotions, demoted)
         self._stores_planned += len(new)
         self._host_evictions += len(host_victims)
         self._disk_evictions += len(disk_victims)
@@ -879,11 +950,11 @@ class Manager:
             owner=self._owner,
             plan_id=plan_id,
             epoch=self._epoch,
-            keys=tuple(keys[i] for i in new),
+            keys=plan_keys,
             host_blocks=tuple(blocks),
-            evicted=tuple(evicted),
-            disk_evicted=tuple(disk_evicted),
-            demotions=tuple(demotions),
+            evicted=tuple(host_victims),
+            disk_evicted=tuple(disk_victims),
+            demotions=plan_demotions,
         )
 
     def complete_store(self, plan: StorePlan, ok: bool, keys: Sequence[bytes] | None = None) -> None:
@@ -900,38 +971,48 @@ class Manager:
             UnknownKeyError: a key is not in ``plan.keys``.
             KeyStateError: a key's store from this plan was already completed.
         """
-        nkeys = self._plan_keys(plan, StorePlan, ok, keys, plan.keys if isinstance(plan, StorePlan) else ())
+        self._check_plan(plan, StorePlan, ok)
+        if keys is not None:
+            self._check_plan_keys(plan.plan_id, keys, plan.keys)
         if plan.epoch != self._epoch:
-            self._complete_stale(plan.plan_id, _Fence.STORE, nkeys)
+            self._complete_stale(plan.plan_id, _Fence.STORE, plan.keys if keys is None else keys)
             return
-        ns_len = len(self._namespace)
-        found: list[_Entry] = []
-        for nk in nkeys:
-            entry = self._entries.get(nk)
-            if entry is None or entry.host_state is not _Copy.PENDING or entry.host_plan != plan.plan_id:
-                raise KeyStateError(
-                    f"key {nk[ns_len:]!r} of plan {plan.plan_id} has no pending store: it was already "
-                    "completed"
-                )
-            found.append(entry)
-        host = self._host
-        host.pending -= len(nkeys)
-        for nk, entry in zip(nkeys, found):
-            if ok:
-                entry.host_state = _Copy.READY
-                host.policy.admit(nk)
-                self._ready.add(nk)
-            else:
-                entry.host_state = None
-                host.free.append(entry.host)
-                self._forget_if_empty(nk, entry)
-            if self._record_events:
-                kind = EventKind.STORED if ok else EventKind.STORE_FAILED
-                self._events.append(BlockEvent(kind, nk[ns_len:], Tier.HOST))
-        if ok:
-            self._stores_completed += len(nkeys)
+        copies = self._stores.get(plan.plan_id)
+        found: list[_Entry]
+        if (
+            keys is None
+            and copies is not None
+            and copies.keys is plan.keys
+            and copies.host_left == len(copies.host)
+        ):
+            keys, found = plan.keys, copies.host  # the whole plan, every store still pending
         else:
-            self._stores_failed += len(nkeys)
+            keys = plan.keys if keys is None else keys
+            found = self._pending_entries(plan.plan_id, keys, _HOST)
+        if not found:
+            return
+        assert copies is not None  # a pending store of this epoch belongs to a recorded plan
+        host = self._host
+        host.pending -= len(found)
+        if ok:
+            admit = host.policy.admit
+            for key, entry in zip(keys, found):
+                entry.host_state = _READY
+                admit(key)
+            self._ready.update(keys)
+            self._stores_completed += len(found)
+        else:
+            host.free += [entry.host for entry in found]
+            for entry in found:
+                entry.host_state = None
+            self._forget(keys, found)
+            self._stores_failed += len(found)
+        if self._record_events:
+            kind = _STORED if ok else _STORE_FAILED
+            self._events += _events_of(kind, keys, _HOST)
+        copies.host_left -= len(found)
+        if not copies.host_left and not copies.disk_left:
+            del self._stores[plan.plan_id]
 
     def complete_demote(self, plan: StorePlan, ok: bool, keys: Sequence[bytes] | None = None) -> None:
         """Finish the demotions of ``keys`` (default: every key of ``plan.demotions``).
@@ -942,42 +1023,50 @@ class Manager:
 
         Raises: as :meth:`complete_store`, for the demotion keys of ``plan``.
         """
-        plan_keys = tuple(d.key for d in plan.demotions) if isinstance(plan, StorePlan) else ()
-        nkeys = self._plan_keys(plan, StorePlan, ok, keys, plan_keys)
+        self._check_plan(plan, StorePlan, ok)
+        plan_keys = [d.key for d in plan.demotions]
+        if keys is not None:
+            self._check_plan_keys(plan.plan_id, keys, plan_keys)
         if plan.epoch != self._epoch:
-            self._complete_stale(plan.plan_id, _Fence.DEMOTE, nkeys)
+            self._complete_stale(plan.plan_id, _Fence.DEMOTE, plan_keys if keys is None else keys)
             return
-        if not nkeys:
+        copies = self._stores.get(plan.plan_id)
+        found: list[_Entry]
+        if (
+            keys is None
+            and copies is not None
+            and copies.demotions is plan.demotions
+            and copies.disk_left == len(copies.disk)
+        ):
+            keys, found = plan_keys, copies.disk  # every demotion, all still pending
+        else:
+            keys = plan_keys if keys is None else keys
+            found = self._pending_entries(plan.plan_id, keys, _DISK)
+        if not found:
             return
-        ns_len = len(self._namespace)
-        found: list[_Entry] = []
-        for nk in nkeys:
-            entry = self._entries.get(nk)
-            if entry is None or entry.disk_state is not _Copy.PENDING or entry.disk_plan != plan.plan_id:
-                raise KeyStateError(
-                    f"key {nk[ns_len:]!r} of plan {plan.plan_id} has no pending demotion: it was already "
-                    "completed"
-                )
-            found.append(entry)
+        assert copies is not None  # a pending demotion of this epoch belongs to a recorded plan
         disk = self._disk
         assert disk is not None  # a pending demotion exists only with a disk tier
-        disk.pending -= len(nkeys)
-        for nk, entry in zip(nkeys, found):
-            if ok:
-                entry.disk_state = _Copy.READY
-                disk.policy.admit(nk)
-                self._ready.add(nk)
-            else:
-                entry.disk_state = None
-                disk.free.append(entry.disk)
-                self._forget_if_empty(nk, entry)
-            if self._record_events:
-                kind = EventKind.STORED if ok else EventKind.STORE_FAILED
-                self._events.append(BlockEvent(kind, nk[ns_len:], Tier.DISK))
+        disk.pending -= len(found)
         if ok:
-            self._demotions_completed += len(nkeys)
+            admit = disk.policy.admit
+            for key, entry in zip(keys, found):
+                entry.disk_state = _READY
+                admit(key)
+            self._ready.update(keys)
+            self._demotions_completed += len(found)
         else:
-            self._demotions_failed += len(nkeys)
+            disk.free += [entry.disk for entry in found]
+            for entry in found:
+                entry.disk_state = None
+            self._forget(keys, found)
+            self._demotions_failed += len(found)
+        if self._record_events:
+            kind = _STORED if ok else _STORE_FAILED
+            self._events += _events_of(kind, keys, _DISK)
+        copies.disk_left -= len(found)
+        if not copies.host_left and not copies.disk_left:
+            del self._stores[plan.plan_id]
 
     # ----------------------------------------------------------------- loads
 
@@ -993,43 +1082,42 @@ class Manager:
             UnknownKeyError: a key is not held in any tier.
             KeyStateError: a key is held but not ready (its store or demotion is pending).
         """
-        nkeys = self._namespaced_keys("keys", keys, unique=True)
+        self._check_unique_keys("keys", keys)
         entries = self._entries
-        ns_len = len(self._namespace)
-        for i, nk in enumerate(nkeys):
-            entry = entries.get(nk)
+        ready = self._ready
+        found: list[_Entry] = []
+        for i, key in enumerate(keys):
+            entry = entries.get(key)
             if entry is None:
-                raise UnknownKeyError(f"keys[{i}] = {nk[ns_len:]!r} is not held in any tier")
-            if nk not in self._ready:
-                raise KeyStateError(
-                    f"keys[{i}] = {nk[ns_len:]!r} is not ready (its store or demotion is pending)"
-                )
+                raise UnknownKeyError(f"keys[{i}] = {key!r} is not held in any tier")
+            if key not in ready:
+                raise KeyStateError(f"keys[{i}] = {key!r} is not ready (its store or demotion is pending)")
+            found.append(entry)
         host, disk = self._host, self._disk
         tiers: list[Tier] = []
         blocks: list[int] = []
         outstanding: dict[bytes, Tier] = {}
-        for nk in nkeys:
-            entry = entries[nk]
-            if entry.host_state is _Copy.READY:
-                tier, pool, block = Tier.HOST, host, entry.host
+        for key, entry in zip(keys, found):
+            if entry.host_state is _READY:
+                tier, pool, block = _HOST, host, entry.host
                 entry.host_refs += 1
                 first = entry.host_refs == 1
             else:
                 assert disk is not None  # ready and not on host: ready on disk
-                tier, pool, block = Tier.DISK, disk, entry.disk
+                tier, pool, block = _DISK, disk, entry.disk
                 entry.disk_refs += 1
                 first = entry.disk_refs == 1
-            pool.policy.hit(nk)
+            pool.policy.hit(key)
             if first:
-                pool.policy.hold(nk)
+                pool.policy.hold(key)
                 pool.loading += 1
             tiers.append(tier)
             blocks.append(block)
-            outstanding[nk] = tier
+            outstanding[key] = tier
         plan_id = next(_PLAN_IDS)
         if outstanding:
             self._loads[plan_id] = outstanding
-        self._loads_planned += len(nkeys)
+        self._loads_planned += len(keys)
         return LoadPlan(self._owner, plan_id, self._epoch, tuple(keys), tuple(tiers), tuple(blocks))
 
     def complete_load(
@@ -1053,21 +1141,26 @@ class Manager:
         """
         if not isinstance(ok, bool):
             raise ArgumentTypeError(f"ok = {ok!r} must be a bool")
-        nkeys = self._plan_keys(plan, LoadPlan, True, keys, plan.keys if isinstance(plan, LoadPlan) else ())
+        self._check_plan(plan, LoadPlan, True)
+        if keys is None:
+            keys = plan.keys
+        else:
+            self._check_plan_keys(plan.plan_id, keys, plan.keys)
         if plan.epoch != self._epoch:
-            self._complete_stale(plan.plan_id, _Fence.LOAD, nkeys)
+            self._complete_stale(plan.plan_id, _Fence.LOAD, keys)
             return
         outstanding = self._loads.get(plan.plan_id, {})
-        for nk in nkeys:
-            if nk not in outstanding:
+        for key in keys:
+            if key not in outstanding:
                 raise KeyStateError(
-                    f"key {nk[len(self._namespace) :]!r} of plan {plan.plan_id} has no outstanding "
-                    "prepare_load: it was already completed"
+                    f"key {key!r} of plan {plan.plan_id} has no outstanding prepare_load: it was "
+                    "already completed"
                 )
-        for nk in nkeys:
-            tier = outstanding.pop(nk)
-            entry = self._entries[nk]
-            if tier is Tier.HOST:
+        entries = self._entries
+        for key in keys:
+            tier = outstanding.pop(key)
+            entry = entries[key]
+            if tier is _HOST:
                 pool = self._host
                 entry.host_refs -= 1
                 last = entry.host_refs == 0
@@ -1076,19 +1169,20 @@ class Manager:
                 pool = self._disk
                 entry.disk_refs -= 1
                 last = entry.disk_refs == 0
-                if not ok and entry.disk_state is _Copy.READY:
-                    entry.disk_state = _Copy.FAILED
-                    self._forget_if_empty(nk, entry)  # no longer offered
+                if not ok and entry.disk_state is _READY:
+                    entry.disk_state = _FAILED  # no longer offered
+                    if entry.host_state is not _READY:
+                        self._ready.discard(key)
             if last:
-                pool.policy.release(nk)
+                pool.policy.release(key)
                 pool.loading -= 1
-                if tier is Tier.DISK and entry.disk_state is _Copy.FAILED:
-                    self._drop_failed_disk_copy(nk, entry)
+                if tier is _DISK and entry.disk_state is _FAILED:
+                    self._drop_failed_disk_copy(key, entry)
         if not outstanding:
             self._loads.pop(plan.plan_id, None)
-        self._loads_completed += len(nkeys)
+        self._loads_completed += len(keys)
         if not ok:
-            self._loads_failed += len(nkeys)
+            self._loads_failed += len(keys)
 
     # ----------------------------------------------------------------- reset
 
@@ -1109,31 +1203,32 @@ class Manager:
             raise ArgumentTypeError(f"in_flight_done = {in_flight_done!r} must be a bool")
         entries = self._entries
         if self._record_events:
-            ns_len = len(self._namespace)
-            for nk in self._ready:
-                entry = entries[nk]
-                if entry.host_state is _Copy.READY:
-                    self._events.append(BlockEvent(EventKind.REMOVED, nk[ns_len:], Tier.HOST))
-                if entry.disk_state is _Copy.READY:
-                    self._events.append(BlockEvent(EventKind.REMOVED, nk[ns_len:], Tier.DISK))
+            events = self._events
+            for key in self._ready:
+                entry = entries[key]
+                if entry.host_state is _READY:
+                    events.append(BlockEvent(_REMOVED, key, _HOST))
+                if entry.disk_state is _READY:
+                    events.append(BlockEvent(_REMOVED, key, _DISK))
         host, disk = self._host, self._disk
         if in_flight_done:
             self._fences.clear()
         else:
-            for nk, entry in entries.items():
-                if entry.host_state is _Copy.PENDING:
-                    self._fence((entry.host_plan, _Fence.STORE, nk), [(host, entry.host)])
-                if entry.disk_state is _Copy.PENDING:
-                    assert disk is not None  # a pending demotion exists only with a disk tier
-                    self._fence(
-                        (entry.disk_plan, _Fence.DEMOTE, nk), [(disk, entry.disk), (host, entry.demote_src)]
-                    )
+            for plan_id, copies in self._stores.items():  # every pending copy is in its plan's record
+                for key, entry in zip(copies.keys, copies.host):
+                    if entry.host_state is _PENDING and entry.host_plan == plan_id:
+                        self._fence((plan_id, _Fence.STORE, key), [(host, entry.host)])
+                for demotion, entry in zip(copies.demotions, copies.disk):
+                    if entry.disk_state is _PENDING and entry.disk_plan == plan_id:
+                        assert disk is not None  # a pending demotion exists only with a disk tier
+                        holds = [(disk, entry.disk), (host, entry.demote_src)]
+                        self._fence((plan_id, _Fence.DEMOTE, demotion.key), holds)
             for plan_id, outstanding in self._loads.items():
-                for nk, tier in outstanding.items():
-                    entry = entries[nk]
-                    pool, block = (host, entry.host) if tier is Tier.HOST else (disk, entry.disk)
+                for key, tier in outstanding.items():
+                    entry = entries[key]
+                    pool, block = (host, entry.host) if tier is _HOST else (disk, entry.disk)
                     assert pool is not None  # a disk load exists only with a disk tier
-                    self._fence((plan_id, _Fence.LOAD, nk), [(pool, block)])
+                    self._fence((plan_id, _Fence.LOAD, key), [(pool, block)])
         fenced: dict[_Pool, dict[int, int]] = {host: {}}
         if disk is not None:
             fenced[disk] = {}
@@ -1145,6 +1240,7 @@ class Manager:
             disk.reset(fenced[disk])
         entries.clear()
         self._ready.clear()
+        self._stores.clear()
         self._loads.clear()
         self._epoch += 1
         self._resets += 1
@@ -1165,30 +1261,22 @@ class Manager:
                     f"{name}[{i}] = {key!r:.80} is a {type(key).__name__}; keys must be bytes"
                 )
 
-    def _namespaced_keys(self, name: str, keys: object, *, unique: bool) -> list[bytes]:
+    def _check_unique_keys(self, name: str, keys: object) -> None:
+        """``_check_keys``, and no key twice (:class:`DuplicateKeyError` naming both positions)."""
         self._check_keys(name, keys)
         assert isinstance(keys, Sequence)  # _check_keys proved it
-        ns = self._namespace
-        nkeys = [ns + key for key in keys]
-        if unique and len(set(nkeys)) != len(nkeys):
-            seen: dict[bytes, int] = {}
-            for i, nk in enumerate(nkeys):
-                if nk in seen:
-                    raise DuplicateKeyError(
-                        f"{name}[{i}] = {keys[i]!r} repeats {name}[{seen[nk]}]; each key may appear once"
-                    )
-                seen[nk] = i
-        return nkeys
+        if len(set(keys)) == len(keys):
+            return
+        seen: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            if key in seen:
+                raise DuplicateKeyError(
+                    f"{name}[{i}] = {key!r} repeats {name}[{seen[key]}]; each key may appear once"
+                )
+            seen[key] = i
 
-    def _plan_keys(
-        self,
-        plan: object,
-        kind: type[StorePlan] | type[LoadPlan],
-        ok: object,
-        keys: Sequence[bytes] | None,
-        plan_keys: tuple[bytes, ...],
-    ) -> list[bytes]:
-        """Validate a completion's arguments against the plan alone; return the namespaced keys."""
+    def _check_plan(self, plan: object, kind: type[StorePlan] | type[LoadPlan], ok: object) -> None:
+        """Validate a completion's plan and ``ok`` (before its keys)."""
         if not isinstance(plan, kind):
             raise ArgumentTypeError(
                 f"plan = {plan!r:.80} is a {type(plan).__name__}; expected a {kind.__name__}"
@@ -1197,80 +1285,115 @@ class Manager:
             raise InvalidArgumentError(f"plan {plan.plan_id} was prepared by another Manager")
         if not isinstance(ok, bool):
             raise ArgumentTypeError(f"ok = {ok!r} is a {type(ok).__name__}; it must be a bool")
-        if keys is None:
-            return [self._namespace + key for key in plan_keys]
-        nkeys = self._namespaced_keys("keys", keys, unique=True)
+
+    def _check_plan_keys(self, plan_id: int, keys: Sequence[bytes], plan_keys: Sequence[bytes]) -> None:
+        """Validate a completion's explicit ``keys`` against the plan's keys alone."""
+        self._check_unique_keys("keys", keys)
         members = set(plan_keys)
         for i, key in enumerate(keys):
             if key not in members:
-                raise UnknownKeyError(f"keys[{i}] = {key!r} is not one of plan {plan.plan_id}'s keys")
-        return nkeys
+                raise UnknownKeyError(f"keys[{i}] = {key!r} is not one of plan {plan_id}'s keys")
 
-    def _check_victims(self, pool: _Pool, victims: list[bytes], count: int, protected: set[bytes]) -> None:
+    def _pending_entries(self, plan_id: int, keys: Sequence[bytes], tier: Tier) -> list[_Entry]:
+        """The entries of ``keys`` whose ``tier`` copy is pending for ``plan_id``, or KeyStateError."""
+        on_host = tier is _HOST
+        entries = self._entries
+        found: list[_Entry] = []
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or not (
+                entry.host_state is _PENDING and entry.host_plan == plan_id
+                if on_host
+                else entry.disk_state is _PENDING and entry.disk_plan == plan_id
+            ):
+                what = "store" if on_host else "demotion"
+                raise KeyStateError(
+                    f"key {key!r} of plan {plan_id} has no pending {what}: it was already completed"
+                )
+            found.append(entry)
+        return found
+
+    def _victim_entries(
+        self, pool: _Pool, victims: list[bytes], count: int, protected: AbstractSet[bytes]
+    ) -> list[_Entry]:
+        """Check that the policy's ``victims`` are evictable (else :class:`PolicyError`); their entries."""
         if len(victims) > count or len(set(victims)) != len(victims):
             raise PolicyError(
                 f"{type(pool.policy).__name__}.victims({count}) returned {len(victims)} keys "
                 f"({len(set(victims))} distinct); expected at most {count} distinct keys"
             )
-        on_host = pool.tier is Tier.HOST
-        for nk in victims:
-            entry = self._entries.get(nk)
-            ok = (
-                entry is not None
-                and nk not in protected
-                and (entry.host_state if on_host else entry.disk_state) is _Copy.READY
-                and (entry.host_refs if on_host else entry.disk_refs) == 0
-            )
-            if not ok:
+        # One C pass per check: the cache misses of a batch's lookups overlap a little in C.
+        found = list(map(self._entries.get, victims))
+        if (
+            None not in found
+            and protected.isdisjoint(victims)
+            and list(map(pool.state_of, found)).count(_READY) == len(found)
+            and not any(map(pool.refs_of, found))
+        ):
+            return cast("list[_Entry]", found)
+        for key, entry in zip(victims, found):  # name the first victim that is not evictable
+            if (
+                entry is None
+                or key in protected
+                or pool.state_of(entry) is not _READY
+                or pool.refs_of(entry) != 0
+            ):
                 raise PolicyError(
-                    f"{type(pool.policy).__name__} proposed {nk[len(self._namespace) :]!r} as a "
-                    f"{pool.tier.value} victim, but it is not evictable (unknown, pending, loading or "
-                    "protected by the request)"
+                    f"{type(pool.policy).__name__} proposed {key!r} as a {pool.tier.value} victim, but "
+                    "it is not evictable (unknown, pending, loading or protected by the request)"
                 )
+        raise AssertionError("unreachable: some victim failed a check above")
 
-    def _plan_demotions(
-        self, host_victims: list[bytes], protected: set[bytes]
-    ) -> tuple[set[bytes], list[bytes]]:
-        """Dry run: which host victims are demoted, and which disk blocks are evicted for them."""
-        disk = self._disk
-        if disk is None or not host_victims:
-            return set(), []
+    def _evict(self, pool: _Pool, victims: list[bytes], found: list[_Entry]) -> None:
+        """Evict ``victims`` (checked, with their entries ``found``) from ``pool``: ``REMOVED`` events.
+
+        Their copies in that tier are gone and their blocks free; see :meth:`_forget` for the rest.
+        """
+        evict = pool.policy.evict
+        for key in victims:
+            evict(key)
+        pool.free += map(pool.block_of, found)
+        if pool.tier is _HOST:
+            for entry in found:
+                entry.host_state = None
+        else:
+            for entry in found:
+                entry.disk_state = None
+        if self._record_events:
+            self._events += _events_of(_REMOVED, victims, pool.tier)
+
+    def _forget(self, keys: Sequence[bytes], found: list[_Entry]) -> None:
+        """Drop the entries (``found``) of ``keys`` left with no copy; keep ``_ready`` exact for them."""
         entries = self._entries
-        candidates = [nk for nk in host_victims if entries[nk].disk_state is None]
-        shortfall = len(candidates) - len(disk.free)
-        disk_victims: list[bytes] = []
-        if shortfall > 0:
-            disk_victims = disk.policy.victims(shortfall, protected)
-            self._check_victims(disk, disk_victims, shortfall, protected)
-        room = len(disk.free) + len(disk_victims)
-        return set(candidates[:room]), disk_victims
+        still_ready: list[bytes] = []
+        for key, entry in zip(keys, found):
+            if entry.host_state is None and entry.disk_state is None:
+                del entries[key]
+            elif entry.host_state is _READY or entry.disk_state is _READY:
+                still_ready.append(key)
+        self._ready.difference_update(keys)
+        if still_ready:
+            self._ready.update(still_ready)
 
-    def _drop_failed_disk_copy(self, nk: bytes, entry: _Entry) -> None:
+    def _drop_failed_disk_copy(self, key: bytes, entry: _Entry) -> None:
         """Free the disk block of a copy a load found damaged, once no load holds it."""
         disk = self._disk
         assert disk is not None
-        disk.policy.evict(nk)
+        disk.policy.evict(key)
         disk.free.append(entry.disk)
         entry.disk_state = None
         self._disk_copies_dropped += 1
         if self._record_events:
-            self._events.append(BlockEvent(EventKind.REMOVED, nk[len(self._namespace) :], Tier.DISK))
-        self._forget_if_empty(nk, entry)
-
-    def _forget_if_empty(self, nk: bytes, entry: _Entry) -> None:
-        """Drop the entry when no tier holds a copy; keep ``_ready`` exact either way."""
-        if entry.host_state is None and entry.disk_state is None:
-            del self._entries[nk]
-        if entry.host_state is not _Copy.READY and entry.disk_state is not _Copy.READY:
-            self._ready.discard(nk)
+            self._events.append(BlockEvent(_REMOVED, key, _DISK))
+        self._forget([key], [entry])
 
     def _fence(self, key: _FenceKey, holds: list[tuple[_Pool, int]]) -> None:
         self._fences.setdefault(key, []).extend(holds)
 
-    def _complete_stale(self, plan_id: int, what: _Fence, nkeys: list[bytes]) -> None:
+    def _complete_stale(self, plan_id: int, what: _Fence, keys: Iterable[bytes]) -> None:
         """A completion from an earlier epoch: release the blocks it fenced, change nothing else."""
-        for nk in nkeys:
-            for pool, block in self._fences.pop((plan_id, what, nk), ()):
+        for key in keys:
+            for pool, block in self._fences.pop((plan_id, what, key), ()):
                 left = pool.fenced[block] - 1
                 if left:
                     pool.fenced[block] = left

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import pickle
+import re
 from collections.abc import Callable, Container, Sequence
 
 import attrs
@@ -156,6 +158,37 @@ def test_a_plan_from_a_manager_with_another_fingerprint_is_rejected() -> None:
     assert_unchanged(m2, before)
 
 
+def test_policies_plans_and_events_carry_the_engine_keys() -> None:
+    m = make(host=1)
+    stored(m, [A])
+    assert m.host_policy.victims(1, ()) == [A]
+    plan = m.prepare_store([B])
+    assert plan is not None and (plan.keys, plan.evicted) == ((B,), (A,))
+    m.complete_store(plan, True)
+    assert [e.key for e in m.events()] == [A, A, B]
+
+
+def test_a_manager_serves_only_keys_stored_under_its_own_fingerprint() -> None:
+    m1, m2 = make(), Manager.create(2, fingerprint="model-b/layout-1")
+    stored(m1, [A])
+    assert (m1.lookup([A]), m2.lookup([A])) == (1, 0)
+    with pytest.raises(UnknownKeyError):
+        m2.prepare_load([A])
+
+
+def test_block_event_is_an_immutable_value_with_a_readable_repr() -> None:
+    event = BlockEvent(EventKind.STORED, A, Tier.HOST)
+    assert (event.kind, event.key, event.tier) == (EventKind.STORED, A, Tier.HOST)
+    assert event == BlockEvent(EventKind.STORED, A, Tier.HOST) != BlockEvent(EventKind.REMOVED, A, Tier.HOST)
+    assert hash(event) == hash(BlockEvent(EventKind.STORED, A, Tier.HOST))
+    with pytest.raises(AttributeError):
+        event.kind = EventKind.REMOVED  # type: ignore[misc]
+    assert repr(event) == f"BlockEvent(kind={EventKind.STORED!r}, key={A!r}, tier={Tier.HOST!r})"
+    m = make()
+    stored(m, [A])
+    assert all(type(e) is BlockEvent for e in m.events())
+
+
 # ---------------------------------------------------------------------------- bad keys
 
 
@@ -262,6 +295,43 @@ def test_complete_store_of_a_subset_completes_only_that_subset() -> None:
     assert (m.lookup([B]), m.lookup([A])) == (1, 0)
     m.complete_store(plan, False, keys=[A])
     assert m.stats().host.free == 3
+
+
+def test_complete_store_of_the_whole_plan_after_part_of_it_raises_and_changes_nothing() -> None:
+    m = make(host=4)
+    plan = m.prepare_store([A, B, C])
+    assert plan is not None
+    m.complete_store(plan, True, keys=[B])
+    before = snapshot(m)
+    message = f"key {B!r} of plan {plan.plan_id} has no pending store"
+    with pytest.raises(KeyStateError, match=re.escape(message)):
+        m.complete_store(plan, True)  # keys=None means all of plan.keys, and B was completed
+    assert_unchanged(m, before)
+    m.complete_store(plan, False, keys=[A])
+    m.complete_store(plan, True, keys=[C])
+    assert m.lookup([B, C]) == 2 and m.lookup([A]) == 0
+    with pytest.raises(KeyStateError):
+        m.complete_store(plan, True, keys=[C])
+    assert m.stats().host.pending == 0
+
+
+def test_a_copy_of_a_plan_completes_like_the_plan_itself() -> None:
+    m = make(host=1, disk=1)
+    stored(m, [A])
+    plan = m.prepare_store([B])  # demotes A
+    assert plan is not None
+    copy = pickle.loads(pickle.dumps(plan))  # equal keys in new objects
+    assert copy == plan and copy.keys is not plan.keys
+    m.complete_demote(copy, True)
+    m.complete_store(copy, True)
+    assert m.lookup([A]) == 1 and m.lookup([B]) == 1
+    before = snapshot(m)
+    for twice in (plan, copy):
+        with pytest.raises(KeyStateError):
+            m.complete_store(twice, True)
+        with pytest.raises(KeyStateError):
+            m.complete_demote(twice, True)
+    assert_unchanged(m, before)
 
 
 @pytest.mark.parametrize("ok", [1, None, "yes"])
@@ -572,6 +642,25 @@ def test_prepare_store_does_not_evict_the_disk_copy_of_its_own_keys() -> None:
     assert plan.keys == (C,) and plan.evicted == (B,)
     assert plan.demotions == () and plan.disk_evicted == ()
     assert m.lookup([A]) == 1
+
+
+def test_complete_demote_of_all_demotions_after_part_of_them_raises_and_changes_nothing() -> None:
+    m = make(host=2, disk=2)
+    stored(m, [A, B])
+    plan = m.prepare_store([C, D])  # demotes A and B
+    assert plan is not None and {d.key for d in plan.demotions} == {A, B}
+    m.complete_store(plan, True)
+    m.complete_demote(plan, True, keys=[A])
+    before = snapshot(m)
+    message = f"key {A!r} of plan {plan.plan_id} has no pending demotion"
+    with pytest.raises(KeyStateError, match=re.escape(message)):
+        m.complete_demote(plan, True)
+    assert_unchanged(m, before)
+    m.complete_demote(plan, False, keys=[B])
+    assert m.lookup([A]) == 1 and m.lookup([B]) == 0
+    s = m.stats()
+    assert (s.disk.pending, s.disk.ready, s.disk.free) == (0, 1, 1)
+    assert (s.demotions_completed, s.demotions_failed) == (1, 1)
 
 
 def test_complete_demote_of_a_plan_without_demotions_is_a_no_op() -> None:

@@ -36,12 +36,14 @@ class CompleteStore:
     plan: int
     ok: bool
     only_one: bool
+    whole: bool  # keys=None (refused while part of the plan was completed already)
 
 
 @attrs.frozen
 class CompleteDemote:
     plan: int
     ok: bool
+    only_one: bool  # else keys=None (refused while part of the demotions were completed already)
 
 
 @attrs.frozen
@@ -90,9 +92,9 @@ Op = Union[
 # and overlapping loads happen in most examples, with a reset every ~25 operations
 WEIGHTED_OPS: list[tuple[int, st.SearchStrategy[Op]]] = [
     (5, st.builds(Store, key_lists)),
-    (5, st.builds(CompleteStore, index, st.just(True), st.booleans())),
-    (1, st.builds(CompleteStore, index, st.just(False), st.booleans())),
-    (2, st.builds(CompleteDemote, index, st.booleans())),
+    (5, st.builds(CompleteStore, index, st.just(True), st.booleans(), st.booleans())),
+    (1, st.builds(CompleteStore, index, st.just(False), st.booleans(), st.booleans())),
+    (2, st.builds(CompleteDemote, index, st.booleans(), st.booleans())),
     (1, st.builds(CompleteTwice, index)),
     (1, st.builds(Load, key_lists)),
     (3, st.builds(LoadReady, st.lists(index, min_size=1, max_size=2))),
@@ -263,8 +265,18 @@ class Harness:
         out = pending[op.plan % len(pending)]
         plan = out.plan
         assert isinstance(plan, StorePlan)
-        keys = [min(out.stores)] if op.only_one else sorted(out.stores)
-        self.m.complete_store(plan, op.ok, keys)
+        if op.whole:
+            if out.stores != set(plan.keys) and out.epoch == self.epoch:
+                before = self.m.stats()
+                with pytest.raises(KeyStateError):  # a key of the plan was completed already
+                    self.m.complete_store(plan, op.ok)
+                assert self.m.stats() == before
+                return
+            keys = sorted(out.stores)  # a stale whole completion releases what is still fenced
+            self.m.complete_store(plan, op.ok)
+        else:
+            keys = [min(out.stores)] if op.only_one else sorted(out.stores)
+            self.m.complete_store(plan, op.ok, keys)
         for k in keys:
             if out.epoch != self.epoch:  # fenced: the completion only releases the block
                 self.unfence(out, Tier.HOST, plan.host_blocks[plan.keys.index(k)])
@@ -282,8 +294,20 @@ class Harness:
         out = pending[op.plan % len(pending)]
         plan = out.plan
         assert isinstance(plan, StorePlan)
-        self.m.complete_demote(plan, op.ok)
-        for d in plan.demotions:
+        if op.only_one:
+            keys = {min(out.demotions)}
+            self.m.complete_demote(plan, op.ok, sorted(keys))
+        elif out.demotions != {d.key for d in plan.demotions} and out.epoch == self.epoch:
+            before = self.m.stats()
+            with pytest.raises(KeyStateError):  # a demotion of the plan was completed already
+                self.m.complete_demote(plan, op.ok)
+            assert self.m.stats() == before
+            return
+        else:
+            keys = set(out.demotions)  # a stale whole completion releases what is still fenced
+            self.m.complete_demote(plan, op.ok)
+        done = [d for d in plan.demotions if d.key in keys]
+        for d in done:
             if out.epoch != self.epoch:
                 self.unfence(out, Tier.DISK, d.disk_block)
                 self.unfence(out, Tier.HOST, d.host_block)
@@ -291,7 +315,7 @@ class Harness:
                 self.disk[d.key].ready = True
             else:
                 del self.disk[d.key]
-        out.demotions.clear()
+        out.demotions -= {d.key for d in done}
         self.retire(out)
 
     def complete_twice(self, op: CompleteTwice) -> None:
@@ -458,7 +482,7 @@ def test_lru_evicts_exactly_the_least_recently_used_ready_block(
                 m.complete_load(m.prepare_load([key]))
             order.remove(key)
             order.append(key)
-        assert m.host_policy.victims(capacity, ()) == [m.namespaced(k) for k in order]
+        assert m.host_policy.victims(capacity, ()) == order  # policies see the engine's keys
 
 
 @settings(max_examples=200, deadline=None)
