@@ -59,6 +59,9 @@ __all__ = [
 #: Waiting first polls without sleeping for this long (small jobs finish in tens of microseconds and
 #: a sleep would add its own granularity to their latency), then sleeps with a doubling backoff
 #: capped so that a long wait costs little CPU.
+#: What issuing one staged chunk costs the host (a kernel launch, a DMA call, three events), in
+#: descriptors of batched DMA (about a microsecond each in the driver).
+CHUNK_ISSUE_COST: Final = 40
 WAIT_SPIN_S: Final = 100e-6
 WAIT_POLL_MIN_S: Final = 50e-6
 WAIT_POLL_MAX_S: Final = 100e-6
@@ -129,6 +132,10 @@ class Backend(Protocol):
 
     def can_issue_here(self) -> bool:
         """Whether :meth:`issue` may run on the calling thread (a submitter's) as it is."""
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """Host work of issuing a job of ``pairs`` blocks, in descriptors (copies or kernel rows)
+        built and handed to the driver: what the handler weighs to issue it on the caller's thread."""
 
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Enqueue the copies of the pairs ``(src[i], dst[i])`` behind ``fence`` (issuer thread);
@@ -260,6 +267,10 @@ class CudaBackend:
         the one the copies need, and issuing changes nothing the caller relies on)."""
         return torch.cuda.current_device() == self._device_index
 
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """One descriptor per page (batched DMA; the driver's cost grows with it)."""
+        return pairs * plan.pages.num_pages
+
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Wait for the fence on the copy stream, enqueue the copies, record the end event."""
         with self._state:
@@ -347,6 +358,11 @@ class KernelBackend(CudaBackend):
             kernel_stream_handle, device=device
         )
         self._tables: dict[CopyPlan, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """A kernel row per block (the per-page work is the kernel's): O(blocks), whatever the
+        page count."""
+        return pairs
 
     def _device_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Device memory for this backend's streams, allocated on the kernel stream.
@@ -519,6 +535,12 @@ class StagedBackend(KernelBackend):
             return FailedTicket(exc if error is None else error)
         return CudaTicket(start, end, error, self._device_index, path="staged")
 
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """A kernel row and a record copy per block, and :data:`CHUNK_ISSUE_COST` per chunk (its
+        kernel launch, DMA call and events)."""
+        rows = max(1, self.slot_bytes // plan.pages.record_bytes)
+        return 2 * pairs + CHUNK_ISSUE_COST * -(-pairs // rows)
+
     def _gather(self, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]) -> None:
         """Launch the kernel moving ``chunk``'s pages between the device cache and its slot."""
         rows = np.arange(chunk.device_blocks.shape[0], dtype=np.int64)
@@ -594,6 +616,12 @@ class AutoBackend(StagedBackend):
     def path(self) -> str:
         """``"auto"`` (each result names the path its job took)."""
         return "auto"
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """The cost of the path the calibration picks for ``pairs`` blocks."""
+        if self._choose(pairs) == "dma":
+            return CudaBackend.issue_cost(self, plan, pairs)
+        return StagedBackend.issue_cost(self, plan, pairs)
 
     def _issue_on(
         self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
@@ -721,6 +749,10 @@ class HostBackend:
     def can_issue_here(self) -> bool:
         """Never: host copies run on the issuer thread, not on the caller's."""
         return False
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """One copy per page (done during the issue itself)."""
+        return pairs * plan.pages.num_pages
 
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Copy every page now; the ticket is complete when returned."""

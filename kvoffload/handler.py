@@ -10,7 +10,9 @@ caller's thread (so the job waits for the work queued before the call), appends 
 FIFO and hands it to the issuer thread, which builds the descriptors and enqueues the copies. The
 caller therefore pays only for validation and one event record, however many pages the job has
 (the driver's per-page cost is paid on the issuer thread, which releases the GIL while in the
-driver).
+driver) — except for jobs that are cheap to issue (few descriptors; more when none is in flight),
+which are issued on the caller's thread when nothing else is queued (see
+:data:`INLINE_ISSUE_MAX_DESCRIPTORS`).
 
 Jobs of one direction run on one stream, so they finish in submission order: ``poll`` pops finished
 transfers from the head only. A job that fails to issue or to complete comes back as a result with
@@ -77,9 +79,17 @@ I64Array = npt.NDArray[np.int64]
 
 #: How long a handler's shutdown waits by default for its jobs to finish.
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
-#: A job of at most this many pages is issued on the caller's thread when no other job is queued or
-#: being issued: it saves the thread handoff (tens of microseconds) while the driver call stays short.
-INLINE_ISSUE_MAX_PAGES: Final = 1024
+#: A job whose issue builds at most this many descriptors (``Backend.issue_cost``: a page each for
+#: batched DMA, a block and a share of each chunk for the kernel paths) is issued on the caller's
+#: thread when no other job is queued or being issued: it saves the thread handoff (tens of
+#: microseconds) while the issue stays short (about 150 us for a 64 MiB staged job of 32 blocks).
+INLINE_ISSUE_MAX_DESCRIPTORS: Final = 256
+#: The same limit when no job is in flight at all (the first of a burst): the issuer thread would
+#: first have to win the GIL from a caller that keeps submitting (up to the interpreter's switch
+#: interval, 5 ms) while the copy engines idle. Later jobs of the burst go to the issuer thread,
+#: which issues them while the first one moves. Batched DMA of many pages stays off the caller's
+#: thread (the driver's per-page cost: milliseconds for 16k pages).
+INLINE_ISSUE_IDLE_MAX_DESCRIPTORS: Final = 4096
 #: The issuer thread is joined for at least this long even when the deadline has passed: an idle
 #: thread stops within microseconds, and only a thread stuck in a copy should count as running.
 ISSUER_JOIN_MIN_S: Final = 0.05
@@ -357,13 +367,17 @@ class DirectionHandler:
             self._record(job_id, self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None))
             return
         transfer = _Transfer(job_id, src, dst, nbytes, fence)
-        small = int(src.shape[0]) * self._plan.pages.num_pages <= INLINE_ISSUE_MAX_PAGES
+        cost = backend.issue_cost(self._plan, int(src.shape[0]))
         with self._lock:
+            self._advance()
+            idle = not self._fifo  # no job in flight: nothing for this one to overlap with
             self._fifo.append(transfer)
             self._ids.add(job_id)
             self._submitted += 1
-            # Nothing queued or being issued: a small job is issued here, without a thread handoff.
-            inline = small and self._pending == 0 and backend.can_issue_here()
+            # Nothing queued or being issued: a cheap job is issued here, without a thread handoff;
+            # so is a costlier one when no job is in flight (see INLINE_ISSUE_MAX_DESCRIPTORS).
+            limit = INLINE_ISSUE_MAX_DESCRIPTORS if not idle else INLINE_ISSUE_IDLE_MAX_DESCRIPTORS
+            inline = cost <= limit and self._pending == 0 and backend.can_issue_here()
             self._pending += 1
             if inline:
                 self._issue_lock.acquire()  # taken under _lock: no queued job can overtake this one

@@ -22,7 +22,11 @@ from kvoffload import (
     WaitTimeoutError,
 )
 from kvoffload._descriptors import CopyPlan, Descriptors, PageTable
-from kvoffload.handler import DirectionHandler
+from kvoffload.handler import (
+    INLINE_ISSUE_IDLE_MAX_DESCRIPTORS,
+    INLINE_ISSUE_MAX_DESCRIPTORS,
+    DirectionHandler,
+)
 from kvoffload.records import Direction
 
 I64Array = npt.NDArray[np.int64]
@@ -71,6 +75,7 @@ class FakeBackend:
         self.release_error: Exception | None = None
         self.issue_error: Exception | None = None
         self.inline = False
+        self.cost_per_block = 1  # descriptors the issue of one block builds (Backend.issue_cost)
 
     def fence(self, stream: object | None) -> object:
         if stream is not None:
@@ -83,6 +88,8 @@ class FakeBackend:
     def can_issue_here(self) -> bool:
         return self.inline
 
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        return pairs * self.cost_per_block
 
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> FakeTicket:
         descriptors = plan.build(src, dst)
@@ -365,6 +372,45 @@ def test_small_job_with_nothing_pending_is_issued_on_the_callers_thread() -> Non
         handler.submit(1, [1], [1])
         assert threads == [threading.get_ident()]  # issued before submit returned, right here
         assert [r.job_id for r in handler.wait([1], timeout=HANG_GUARD_S)] == [1]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def issuing_threads(backend: FakeBackend) -> list[int]:
+    """Record the thread of every issue of ``backend``."""
+    threads: list[int] = []
+    original_issue = backend.issue
+
+    def recording_issue(plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> FakeTicket:
+        threads.append(threading.get_ident())
+        return original_issue(plan, src, dst, fence)
+
+    backend.issue = recording_issue  # type: ignore[method-assign]
+    return threads
+
+
+def test_a_costly_job_is_issued_here_only_when_no_job_is_in_flight() -> None:
+    backend = FakeBackend(auto_finish=False)
+    backend.inline = True
+    backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS  # two blocks: over the plain limit
+    threads = issuing_threads(backend)
+    handler = make_handler(backend)
+    here = threading.get_ident()
+    try:
+        handler.submit(1, [0, 1], [0, 1])  # nothing in flight: issued right here
+        assert threads == [here]
+        handler.submit(2, [2, 3], [2, 3])  # job 1 still in flight: the issuer thread takes it
+        wait_until_issued(backend, 2)
+        assert threads[1] != here
+        for ticket in backend.tickets:
+            ticket.finish()
+        handler.wait([1, 2], timeout=HANG_GUARD_S)
+        backend.cost_per_block = INLINE_ISSUE_IDLE_MAX_DESCRIPTORS  # over even the idle limit
+        handler.submit(3, [4, 5], [4, 5])
+        wait_until_issued(backend, 3)
+        assert threads[2] != here
+        backend.tickets[2].finish()
+        handler.wait([3], timeout=HANG_GUARD_S)
     finally:
         handler.shutdown(timeout=HANG_GUARD_S)
 
