@@ -15,7 +15,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, TextIO
 
 import attrs
@@ -42,6 +42,8 @@ GEMM_N: Final = 8192
 #: Products per GEMM window (about 60 ms on an H200) and store jobs kept in flight beside it.
 GEMM_WINDOW_PRODUCTS: Final = 40
 GEMM_JOBS_IN_FLIGHT: Final = 4
+#: Rounds of (GEMM alone, GEMM beside transfers, GEMM alone) per figure; the median is reported.
+GEMM_ROUNDS: Final = 5
 SMALL_JOB_REPEATS: Final = 20
 
 
@@ -210,53 +212,70 @@ def measure_path(
 def _with_gemm(
     w: Worker, layout: DeviceLayout, dev: np.ndarray, host: np.ndarray, per_job: int, gemm: GemmLoad,
 ) -> tuple[float, float]:
-    """(GEMM slowdown, store GB/s) with stores kept in flight beside a GEMM window.
+    """(GEMM slowdown, store GB/s), medians over :data:`GEMM_ROUNDS` rounds of stores kept in
+    flight beside a GEMM window (see :func:`_gemm_rounds`).
 
-    The GEMM window alone is timed before and after (their mean is the reference), so clock drift
-    shows up as noise on both sides rather than as a bias. Up to ``GEMM_JOBS_IN_FLIGHT`` store jobs
-    run at once, on rotating host blocks so that no two in-flight jobs write one record.
+    Up to ``GEMM_JOBS_IN_FLIGHT`` store jobs run at once, on rotating host blocks so that no two
+    in-flight jobs write one record.
     """
-    before = gemm.alone_ms()
     jobs = _split("store", dev, host, per_job)
-    begin, end = gemm.start()
-    in_flight: list[int] = []
-    moved = 0
     job = 10**7
-    t0 = time.perf_counter()
-    while not _done(end):
-        if len(in_flight) >= GEMM_JOBS_IN_FLIGHT:
-            w.wait([in_flight.pop(0)], TIMEOUT_S)
-        _, s, d = jobs[job % len(jobs)]
-        w.store(job, s, d)
-        in_flight.append(job)
-        moved += s.shape[0] * layout.block_bytes
-        job += 1
-    w.wait(in_flight, TIMEOUT_S)
-    elapsed = time.perf_counter() - t0
-    with_ms = float(begin.elapsed_time(end))
-    after = gemm.alone_ms()
-    return with_ms / ((before + after) / 2) - 1.0, moved / elapsed / _GB
+
+    def beside(end: torch.cuda.Event) -> int:
+        nonlocal job
+        in_flight: list[int] = []
+        moved = 0
+        while not _done(end):
+            if len(in_flight) >= GEMM_JOBS_IN_FLIGHT:
+                w.wait([in_flight.pop(0)], TIMEOUT_S)
+            _, s, d = jobs[job % len(jobs)]
+            w.store(job, s, d)
+            in_flight.append(job)
+            moved += s.shape[0] * layout.block_bytes
+            job += 1
+        w.wait(in_flight, TIMEOUT_S)
+        return moved
+
+    return _gemm_rounds(gemm, beside)
+
+
+def _gemm_rounds(gemm: GemmLoad, beside: Callable[[torch.cuda.Event], int]) -> tuple[float, float]:
+    """Median (GEMM slowdown, GB/s) over :data:`GEMM_ROUNDS` rounds. Each round times a GEMM window
+    alone, one with ``beside(end)`` moving bytes until the window's end event, and one alone again;
+    the mean of the two alone windows is that round's reference, so clock drift shows up as noise on
+    both sides rather than as a bias, and the median drops a round another tenant disturbed."""
+    slowdowns: list[float] = []
+    rates: list[float] = []
+    for _ in range(GEMM_ROUNDS):
+        before = gemm.alone_ms()
+        begin, end = gemm.start()
+        t0 = time.perf_counter()
+        moved = beside(end)
+        elapsed = time.perf_counter() - t0
+        with_ms = float(begin.elapsed_time(end))
+        after = gemm.alone_ms()
+        slowdowns.append(with_ms / ((before + after) / 2) - 1.0)
+        rates.append(moved / elapsed / _GB)
+    return statistics.median(slowdowns), statistics.median(rates)
 
 
 def gemm_beside_link(gemm: GemmLoad, device: torch.device) -> tuple[float, float]:
     """(GEMM slowdown, GB/s) beside back-to-back 64 MiB pinned copies: the cost of host-link traffic
-    itself, the floor any path's slowdown is compared with."""
+    itself, the floor any path's slowdown is compared with (medians, as :func:`_with_gemm`)."""
     host = torch.empty(JOB_BYTES, dtype=torch.uint8, pin_memory=True)
     buf = torch.empty(JOB_BYTES, dtype=torch.uint8, device=device)
     stream = new_stream(device)
-    before = gemm.alone_ms()
-    begin, end = gemm.start()
-    moved = 0
-    t0 = time.perf_counter()
-    while not _done(end):
-        with torch.cuda.stream(stream):
-            host.copy_(buf, non_blocking=True)
-        stream.synchronize()
-        moved += JOB_BYTES
-    elapsed = time.perf_counter() - t0
-    with_ms = float(begin.elapsed_time(end))
-    after = gemm.alone_ms()
-    return with_ms / ((before + after) / 2) - 1.0, moved / elapsed / _GB
+
+    def beside(end: torch.cuda.Event) -> int:
+        moved = 0
+        while not _done(end):
+            with torch.cuda.stream(stream):
+                host.copy_(buf, non_blocking=True)
+            stream.synchronize()
+            moved += JOB_BYTES
+        return moved
+
+    return _gemm_rounds(gemm, beside)
 
 
 def small_job_ratio(
