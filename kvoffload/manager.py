@@ -972,47 +972,11 @@ class Manager:
             KeyStateError: a key's store from this plan was already completed.
         """
         self._check_plan(plan, StorePlan, ok)
-        if keys is not None:
-            self._check_plan_keys(plan.plan_id, keys, plan.keys)
-        if plan.epoch != self._epoch:
-            self._complete_stale(plan.plan_id, _Fence.STORE, plan.keys if keys is None else keys)
-            return
-        copies = self._stores.get(plan.plan_id)
-        found: list[_Entry]
-        if (
-            keys is None
-            and copies is not None
-            and copies.keys is plan.keys
-            and copies.host_left == len(copies.host)
-        ):
-            keys, found = plan.keys, copies.host  # the whole plan, every store still pending
-        else:
-            keys = plan.keys if keys is None else keys
-            found = self._pending_entries(plan.plan_id, keys, _HOST)
-        if not found:
-            return
-        assert copies is not None  # a pending store of this epoch belongs to a recorded plan
-        host = self._host
-        host.pending -= len(found)
+        done = self._complete_copies(plan, ok, keys, plan.keys, _Fence.STORE)
         if ok:
-            admit = host.policy.admit
-            for key, entry in zip(keys, found):
-                entry.host_state = _READY
-                admit(key)
-            self._ready.update(keys)
-            self._stores_completed += len(found)
+            self._stores_completed += done
         else:
-            host.free += [entry.host for entry in found]
-            for entry in found:
-                entry.host_state = None
-            self._forget(keys, found)
-            self._stores_failed += len(found)
-        if self._record_events:
-            kind = _STORED if ok else _STORE_FAILED
-            self._events += _events_of(kind, keys, _HOST)
-        copies.host_left -= len(found)
-        if not copies.host_left and not copies.disk_left:
-            del self._stores[plan.plan_id]
+            self._stores_failed += done
 
     def complete_demote(self, plan: StorePlan, ok: bool, keys: Sequence[bytes] | None = None) -> None:
         """Finish the demotions of ``keys`` (default: every key of ``plan.demotions``).
@@ -1024,49 +988,69 @@ class Manager:
         Raises: as :meth:`complete_store`, for the demotion keys of ``plan``.
         """
         self._check_plan(plan, StorePlan, ok)
-        plan_keys = [d.key for d in plan.demotions]
+        done = self._complete_copies(plan, ok, keys, [d.key for d in plan.demotions], _Fence.DEMOTE)
+        if ok:
+            self._demotions_completed += done
+        else:
+            self._demotions_failed += done
+
+    def _complete_copies(
+        self,
+        plan: StorePlan,
+        ok: bool,
+        keys: Sequence[bytes] | None,
+        plan_keys: Sequence[bytes],
+        what: _Fence,
+    ) -> int:
+        """The body of :meth:`complete_store` (``what`` STORE: host copies) and
+        :meth:`complete_demote` (DEMOTE: disk copies) once the plan is checked; returns how many
+        copies it completed (0 for a plan of an earlier epoch)."""
         if keys is not None:
             self._check_plan_keys(plan.plan_id, keys, plan_keys)
         if plan.epoch != self._epoch:
-            self._complete_stale(plan.plan_id, _Fence.DEMOTE, plan_keys if keys is None else keys)
-            return
+            self._complete_stale(plan.plan_id, what, plan_keys if keys is None else keys)
+            return 0
+        on_host = what is _Fence.STORE
         copies = self._stores.get(plan.plan_id)
-        found: list[_Entry]
-        if (
-            keys is None
-            and copies is not None
-            and copies.demotions is plan.demotions
-            and copies.disk_left == len(copies.disk)
-        ):
-            keys, found = plan_keys, copies.disk  # every demotion, all still pending
-        else:
+        found: list[_Entry] | None = None
+        if keys is None and copies is not None:
+            recorded, left, whole = (
+                (copies.host, copies.host_left, copies.keys is plan.keys)
+                if on_host
+                else (copies.disk, copies.disk_left, copies.demotions is plan.demotions)
+            )
+            if whole and left == len(recorded):  # the whole plan, every copy still pending
+                keys, found = plan_keys, recorded
+        if found is None:
             keys = plan_keys if keys is None else keys
-            found = self._pending_entries(plan.plan_id, keys, _DISK)
+            found = self._pending_entries(plan.plan_id, keys, _HOST if on_host else _DISK)
         if not found:
-            return
-        assert copies is not None  # a pending demotion of this epoch belongs to a recorded plan
-        disk = self._disk
-        assert disk is not None  # a pending demotion exists only with a disk tier
-        disk.pending -= len(found)
+            return 0
+        assert copies is not None and keys is not None  # a pending copy belongs to a recorded plan
+        pool = self._host if on_host else self._disk
+        assert pool is not None  # a pending demotion exists only with a disk tier
+        state = "host_state" if on_host else "disk_state"
+        pool.pending -= len(found)
         if ok:
-            admit = disk.policy.admit
+            admit = pool.policy.admit
             for key, entry in zip(keys, found):
-                entry.disk_state = _READY
+                setattr(entry, state, _READY)
                 admit(key)
             self._ready.update(keys)
-            self._demotions_completed += len(found)
         else:
-            disk.free += [entry.disk for entry in found]
+            pool.free += map(pool.block_of, found)
             for entry in found:
-                entry.disk_state = None
+                setattr(entry, state, None)
             self._forget(keys, found)
-            self._demotions_failed += len(found)
         if self._record_events:
-            kind = _STORED if ok else _STORE_FAILED
-            self._events += _events_of(kind, keys, _DISK)
-        copies.disk_left -= len(found)
+            self._events += _events_of(_STORED if ok else _STORE_FAILED, keys, pool.tier)
+        if on_host:
+            copies.host_left -= len(found)
+        else:
+            copies.disk_left -= len(found)
         if not copies.host_left and not copies.disk_left:
             del self._stores[plan.plan_id]
+        return len(found)
 
     # ----------------------------------------------------------------- loads
 
