@@ -105,13 +105,16 @@ def back_to_back_loads(layout: DeviceLayout) -> int:
         for job in range(JOBS):
             w.load(job, host[job], dst[job], stream=compute)
         assert all(r.ok for r in w.wait(list(range(JOBS)), TIMEOUT_S))
-    bad = 0
+    return sum(bad_pages(layout, dst[job], records[host[job]]) for job in range(JOBS))
+
+
+def bad_pages(layout: DeviceLayout, device_blocks: np.ndarray, want: torch.Tensor) -> int:
+    """Pages of ``device_blocks`` whose bytes differ from the host records ``want`` (padding aside)."""
+    got = layout.gather_records(device_blocks).cpu()
     table = layout.page_table
-    for job in range(JOBS):
-        got = layout.gather_records(dst[job]).cpu()
-        want = records[host[job]]
-        for offset, size in zip(table.host_offset.tolist(), table.nbytes.tolist()):
-            bad += int((got[:, offset : offset + size] != want[:, offset : offset + size]).any(dim=1).sum())
+    bad = 0
+    for offset, size in zip(table.host_offset.tolist(), table.nbytes.tolist()):
+        bad += int((got[:, offset : offset + size] != want[:, offset : offset + size]).any(dim=1).sum())
     return bad
 
 
@@ -175,13 +178,7 @@ def first_load_behind_a_freed_block(layout: DeviceLayout) -> int:
             del freed
             w.load(0, host, dst, stream=compute)
         assert all(r.ok for r in w.wait([0], TIMEOUT_S))
-    got = layout.gather_records(dst).cpu()
-    want = records[host]
-    bad = 0
-    table = layout.page_table
-    for offset, size in zip(table.host_offset.tolist(), table.nbytes.tolist()):
-        bad += int((got[:, offset : offset + size] != want[:, offset : offset + size]).any(dim=1).sum())
-    return bad
+    return bad_pages(layout, dst, records[host])
 
 
 def test_kernel_buffers_are_never_a_block_the_callers_pending_work_still_writes(
