@@ -254,9 +254,10 @@ def plan_staged(
         raise ValueError("a staged plan needs at least one slot of at least one record")
     store = plan.direction is Direction.STORE
     device_blocks, host_blocks = (src_blocks, dst_blocks) if store else (dst_blocks, src_blocks)
-    # In host order, consecutive host records become one DMA; the pairing is unchanged.
-    order = np.argsort(host_blocks, kind="stable")
-    device_blocks, host_blocks = device_blocks[order], host_blocks[order]
+    if device_blocks.shape[0] > 1:
+        # In host order, consecutive host records become one DMA; the pairing is unchanged.
+        order = np.argsort(host_blocks, kind="stable")
+        device_blocks, host_blocks = device_blocks[order], host_blocks[order]
     record = plan.pages.record_bytes
     chunks: list[StagedChunk] = []
     for index, start in enumerate(range(0, device_blocks.shape[0], rows_per_slot)):
@@ -275,6 +276,11 @@ def _record_copies(
     slot_base: int, host_base: int, record: int, rows: I64Array, host_blocks: I64Array,
     chunk_records: int, *, to_host: bool,
 ) -> Descriptors:
+    if rows.shape[0] == 1:  # one record: no run to merge, and no array arithmetic to pay for
+        slot_one, host_one = slot_base + int(rows[0]) * record, host_base + int(host_blocks[0]) * record
+        src_one, dst_one = (slot_one, host_one) if to_host else (host_one, slot_one)
+        return Descriptors(np.array([dst_one], dtype=np.uint64), np.array([src_one], dtype=np.uint64),
+                           np.array([record], dtype=np.uint64))
     slot_addr = slot_base + rows * record
     host_addr = host_base + host_blocks * record
     sizes: I64Array = np.full(rows.shape[0], record, dtype=np.int64)

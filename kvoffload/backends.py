@@ -65,7 +65,8 @@ CHUNK_ISSUE_COST: Final = 40
 WAIT_SPIN_S: Final = 100e-6
 WAIT_POLL_MIN_S: Final = 50e-6
 WAIT_POLL_MAX_S: Final = 100e-6
-_MS_PER_S: Final = 1e3
+#: Row indices 0..n of a staging slot, for chunks of up to this many records.
+_ROWS: Final = np.arange(1024, dtype=np.int64)
 
 
 def poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
@@ -149,27 +150,26 @@ class Backend(Protocol):
 
 
 class CudaTicket:
-    """A job issued on a CUDA stream: a start and an end event on the copy stream."""
+    """A job issued on CUDA streams: a start event before its first copy and an end event after
+    its last (pooled events: they go back to the pool with the ticket)."""
 
     def __init__(
         self,
-        start: torch.cuda.Event,
-        end: torch.cuda.Event | None,
+        start: bindings.Event,
+        end: bindings.Event | None,
         error: BaseException | None,
-        device_index: int,
         path: str | None = None,
     ) -> None:
         self.start = start
         self.end = end
         self.error = error
-        self.device_index = device_index
         self.path = path
 
     def done(self) -> bool:
         """``cuEventQuery`` on the end event; raises :class:`~kvoffload.errors.CudaError`."""
         if self.end is None:
             return True
-        return bindings.event_done(self.end.cuda_event, self.device_index)
+        return self.end.done()
 
     def wait(self, timeout_s: float) -> bool:
         """Poll the end event (spinning briefly, then with backoff) until done or ``timeout_s``."""
@@ -179,7 +179,7 @@ class CudaTicket:
         """Device time between the start and end events."""
         if self.end is None:
             return 0.0
-        return float(self.start.elapsed_time(self.end)) / _MS_PER_S
+        return self.start.seconds_until(self.end)
 
 
 class CudaBackend:
@@ -216,6 +216,8 @@ class CudaBackend:
         self._state = threading.Lock()
         self._issuing = False
         self._destroy_pending = False
+        self._timing_events = bindings.event_pool(self._device_index, timing=True)
+        self._events = bindings.event_pool(self._device_index, timing=False)
 
     @classmethod
     def create(
@@ -240,21 +242,22 @@ class CudaBackend:
         return self._stream
 
     def fence(self, stream: object | None) -> object:
-        """Record an event on the compute stream (default: the device's current stream)."""
+        """Record a pooled event on the compute stream (default: the device's current stream); the
+        event goes back to the pool when the last job that waits for it was issued."""
         if stream is None:
-            compute = torch.cuda.current_stream(self.device)
+            handle = current_stream_handle(self._device_index)
         elif isinstance(stream, torch.cuda.Stream):
-            compute = stream
+            if stream.device != self.device:
+                raise DeviceMismatchError(
+                    f"stream is on {stream.device} but the layout's tensors are on {self.device}"
+                )
+            handle = stream.cuda_stream
         else:
             raise DeviceMismatchError(
                 f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
             )
-        if compute.device != self.device:
-            raise DeviceMismatchError(
-                f"stream is on {compute.device} but the layout's tensors are on {self.device}"
-            )
-        event = new_event(timing=False)
-        event.record(compute)
+        event = bindings.Event(self._events)
+        event.record(handle)
         return event
 
     def start_thread(self) -> None:
@@ -274,11 +277,15 @@ class CudaBackend:
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Wait for the fence on the copy stream, enqueue the copies, record the end event."""
         with self._state:
-            stream = self._stream
-            if stream is None:
+            if self._stream is None:
                 return FailedTicket(TransferError("the backend was released before the job was issued"))
+            stream = self._handle
             self._issuing = True
         try:
+            try:
+                bindings.ensure_context_current(self._device_index)
+            except Exception as exc:  # nothing was enqueued: the job fails at once
+                return FailedTicket(exc)
             return self._issue_on(stream, plan, src, dst, fence)
         finally:
             with self._state:
@@ -288,30 +295,37 @@ class CudaBackend:
                 self._destroy()
 
     def _issue_on(
-        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+        self, stream: int, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
-        """Enqueue one job on ``stream`` (the batched-DMA path); subclasses add other paths."""
-        assert isinstance(fence, torch.cuda.Event)
+        """Enqueue one job on the copy stream ``stream`` (the batched-DMA path); subclasses add
+        other paths."""
+        assert isinstance(fence, bindings.Event)
         descriptors = plan.build(src, dst)
-        start = new_event(timing=True)
         try:
-            stream.wait_event(fence)
+            start, end = bindings.Event(self._timing_events), bindings.Event(self._timing_events)
+            fence.wait_on(stream)
             start.record(stream)
         except Exception as exc:  # nothing was enqueued: the job fails at once
             return FailedTicket(exc)
         error: BaseException | None = None
         try:
             self.copier.copy(
-                descriptors.dsts, descriptors.srcs, descriptors.sizes, self._order, stream.cuda_stream
+                descriptors.dsts, descriptors.srcs, descriptors.sizes, self._order, stream
             )
         except Exception as exc:  # copies may be partly enqueued: wait for the end event anyway
             error = exc
-        end = new_event(timing=True)
         try:
             end.record(stream)
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self._device_index)
+        return CudaTicket(start, end, error)
+
+    def _stream_waits_for(self, waiter: int, stream: int) -> None:
+        """Make ``waiter`` wait for the work queued on ``stream`` so far (an event of the pool,
+        recorded and waited for, then dropped)."""
+        marker = bindings.Event(self._events)
+        marker.record(stream)
+        marker.wait_on(waiter)
 
     def release(self) -> None:
         """Stop issuing and destroy the copy stream (now, or when the issue in progress returns).
@@ -352,6 +366,7 @@ class KernelBackend(CudaBackend):
     ) -> None:
         super().__init__(direction, device, copier, stream_handle)
         self.kernel = kernel
+        self.launcher = kernel.launcher()
         self.ctas = ctas
         self._kernel_handle = kernel_stream_handle
         self._kernel_stream: torch.cuda.Stream = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
@@ -419,27 +434,30 @@ class SmBackend(KernelBackend):
         return "sm"
 
     def _issue_on(
-        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+        self, stream: int, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
-        assert isinstance(fence, torch.cuda.Event)
+        assert isinstance(fence, bindings.Event)
         store = self.direction is Direction.STORE
         device_blocks, host_blocks = (src, dst) if store else (dst, src)
-        kstream = self._kernel_stream
-        start, end = new_event(timing=True), new_event(timing=True)
+        kstream = self._kernel_handle
+        try:
+            start, end = bindings.Event(self._timing_events), bindings.Event(self._timing_events)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            return FailedTicket(exc)
         error: BaseException | None = None
         try:
             segments, count = self._segments(plan)
-            kstream.wait_event(fence)
+            fence.wait_on(kstream)
             start.record(kstream)
-            self.kernel.launch(segments, count, device_blocks, host_blocks, plan.host_base,
-                               plan.pages.record_bytes, store, self.ctas, kstream.cuda_stream)
+            self.launcher.launch(segments, count, device_blocks, host_blocks, plan.host_base,
+                                 plan.pages.record_bytes, store, self.ctas, kstream)
         except Exception as exc:
             error = exc
         try:
             end.record(kstream)
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self._device_index)
+        return CudaTicket(start, end, error)
 
 
 class StagedBackend(KernelBackend):
@@ -480,8 +498,8 @@ class StagedBackend(KernelBackend):
         self._staging.record_stream(self._stream)
         base = self._staging.data_ptr()
         self.slot_bases = tuple(base + i * slot_bytes for i in range(slots))
-        self._filled = [new_event(timing=False) for _ in range(slots)]
-        self._drained = [new_event(timing=False) for _ in range(slots)]
+        self._filled = [bindings.Event(self._events) for _ in range(slots)]
+        self._drained = [bindings.Event(self._events) for _ in range(slots)]
         self._next_slot = 0
 
     @classmethod
@@ -496,9 +514,9 @@ class StagedBackend(KernelBackend):
         )
 
     def _issue_on(
-        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+        self, stream: int, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
-        assert isinstance(fence, torch.cuda.Event)
+        assert isinstance(fence, bindings.Event)
         rows = self.slot_bytes // plan.pages.record_bytes
         if rows == 0:
             return FailedTicket(TransferError(
@@ -507,19 +525,22 @@ class StagedBackend(KernelBackend):
             ))
         chunks = plan_staged(plan, src, dst, self.slot_bases, rows, self._next_slot)
         self._next_slot = (self._next_slot + len(chunks)) % self.slots
-        start, end = new_event(timing=True), new_event(timing=True)
+        try:
+            start, end = bindings.Event(self._timing_events), bindings.Event(self._timing_events)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            return FailedTicket(exc)
         store = self.direction is Direction.STORE
-        kstream = self._kernel_stream
+        kstream = self._kernel_handle
         error: BaseException | None = None
         last = kstream if not store else stream
         try:
             segments = self._segments(plan)
             if store:
-                kstream.wait_event(fence)  # rule 1: the kernel reads pages compute may still write
+                fence.wait_on(kstream)  # rule 1: the kernel reads pages compute may still write
                 start.record(kstream)
             else:
                 start.record(stream)
-                kstream.wait_event(fence)  # rule 2: the kernel writes pages compute may still read
+                fence.wait_on(kstream)  # rule 2: the kernel writes pages compute may still read
             for chunk in chunks:
                 if store:
                     self._store_chunk(stream, chunk, plan, segments)
@@ -529,11 +550,11 @@ class StagedBackend(KernelBackend):
             error = exc
         try:
             if not store:
-                kstream.wait_stream(stream)  # a failed chunk must not leave a DMA behind the end
+                self._stream_waits_for(kstream, stream)  # no DMA of a failed chunk after the end
             end.record(last)
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self._device_index, path="staged")
+        return CudaTicket(start, end, error, path="staged")
 
     def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
         """A kernel row and a record copy per block, and :data:`CHUNK_ISSUE_COST` per chunk (its
@@ -543,32 +564,33 @@ class StagedBackend(KernelBackend):
 
     def _gather(self, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]) -> None:
         """Launch the kernel moving ``chunk``'s pages between the device cache and its slot."""
-        rows = np.arange(chunk.device_blocks.shape[0], dtype=np.int64)
-        self.kernel.launch(segments[0], segments[1], chunk.device_blocks, rows,
-                           self.slot_bases[chunk.slot], plan.pages.record_bytes,
-                           self.direction is Direction.STORE, self.ctas, self._kernel_stream.cuda_stream)
+        rows = _ROWS[: chunk.device_blocks.shape[0]] if chunk.device_blocks.shape[0] <= _ROWS.shape[0] \
+            else np.arange(chunk.device_blocks.shape[0], dtype=np.int64)
+        self.launcher.launch(segments[0], segments[1], chunk.device_blocks, rows,
+                             self.slot_bases[chunk.slot], plan.pages.record_bytes,
+                             self.direction is Direction.STORE, self.ctas, self._kernel_handle)
 
     def _store_chunk(
-        self, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]
+        self, stream: int, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]
     ) -> None:
-        kstream = self._kernel_stream
-        kstream.wait_event(self._drained[chunk.slot])  # rule 5: the slot's last DMA finished
+        kstream = self._kernel_handle
+        self._drained[chunk.slot].wait_on(kstream)  # rule 5: the slot's last DMA finished
         self._gather(chunk, plan, segments)
         self._filled[chunk.slot].record(kstream)
-        stream.wait_event(self._filled[chunk.slot])
+        self._filled[chunk.slot].wait_on(stream)
         self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
-                         bindings.SrcAccessOrder.STREAM, stream.cuda_stream)
+                         bindings.SrcAccessOrder.STREAM, stream)
         self._drained[chunk.slot].record(stream)
 
     def _load_chunk(
-        self, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]
+        self, stream: int, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]
     ) -> None:
-        kstream = self._kernel_stream
-        stream.wait_event(self._drained[chunk.slot])  # rule 5: the slot's last kernel finished
+        kstream = self._kernel_handle
+        self._drained[chunk.slot].wait_on(stream)  # rule 5: the slot's last kernel finished
         self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
-                         bindings.SrcAccessOrder.ANY, stream.cuda_stream)
+                         bindings.SrcAccessOrder.ANY, stream)
         self._filled[chunk.slot].record(stream)
-        kstream.wait_event(self._filled[chunk.slot])
+        self._filled[chunk.slot].wait_on(kstream)
         self._gather(chunk, plan, segments)
         self._drained[chunk.slot].record(kstream)
 
@@ -624,7 +646,7 @@ class AutoBackend(StagedBackend):
         return StagedBackend.issue_cost(self, plan, pairs)
 
     def _issue_on(
-        self, stream: torch.cuda.Stream, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
+        self, stream: int, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
         if self._choose(int(src.shape[0])) == "dma":
             if self.direction is Direction.LOAD:
@@ -632,7 +654,7 @@ class AutoBackend(StagedBackend):
                 # (Consecutive staged loads need no such wait, so their DMAs never idle behind the
                 # previous job's scatter kernel.)
                 try:
-                    stream.wait_stream(self._kernel_stream)
+                    self._stream_waits_for(stream, self._kernel_handle)
                 except Exception as exc:  # nothing was enqueued: the job fails at once
                     return FailedTicket(exc)
             ticket = CudaBackend._issue_on(self, stream, plan, src, dst, fence)
@@ -671,6 +693,17 @@ def new_stream(device: torch.device) -> torch.cuda.Stream:
 def new_event(*, timing: bool) -> torch.cuda.Event:
     """A CUDA event; created by the driver at its first record."""
     return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
+_raw_current_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The handle of the calling thread's current torch stream on the device (torch's raw accessor
+    where it has one: a tenth of the cost of building the stream object)."""
+    if _raw_current_stream is not None:
+        return int(_raw_current_stream(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
 def _index(device: torch.device) -> int:

@@ -53,7 +53,14 @@ __all__ = [
     "check",
     "create_stream",
     "destroy_stream",
-    "event_done",
+    "ensure_context_current",
+    "Event",
+    "EventPool",
+    "KernelLauncher",
+    "event_pool",
+    "elapsed_seconds",
+    "memcpy_async",
+    "resolve_driver_function",
     "make_context_current",
     "pin_chunks",
     "synchronize_device",
@@ -205,6 +212,21 @@ def make_context_current(device_index: int) -> None:
     _call_driver("cuCtxSetCurrent", lambda: _drv.cuCtxSetCurrent(ctx))
 
 
+def ensure_context_current(device_index: int) -> None:
+    """Make the device's primary context current in the calling thread unless it already is (one
+    ``cuCtxGetCurrent`` through ctypes when it is). Batched copies and launches need it; a stream
+    handle alone does not carry it to the driver.
+
+    Raises:
+        CudaError: the driver refused.
+    """
+    current = ctypes.c_void_p(0)
+    code = _hot().ctx_get_current(ctypes.byref(current))
+    ctx = _primary_contexts.get(device_index)
+    if code != 0 or ctx is None or (current.value or 0) != int(ctx):
+        make_context_current(device_index)
+
+
 def _device_handle(device_index: int) -> _drv.CUdevice:
     (dev,) = _call_driver("cuDeviceGet", lambda: _drv.cuDeviceGet(device_index))
     return dev
@@ -293,11 +315,16 @@ class Copier:
     Thread-safe: it holds no per-call state.
     """
 
-    def __init__(self, method: CopyMethod, abi_version: int | None, symbol: int | None) -> None:
+    def __init__(
+        self, method: CopyMethod, abi_version: int | None, symbol: int | None, device_index: int = 0
+    ) -> None:
         self.method = method
+        self.device_index = device_index
         self._abi_version = abi_version
         self._attrs = {order: _make_attrs(order) for order in SrcAccessOrder}
+        self._attrs_ptr = {order: attrs_struct.getPtr() for order, attrs_struct in self._attrs.items()}
         self._attrs_idx = np.zeros(1, dtype=np.uint64)
+        self._attrs_idx_ptr = self._attrs_idx.ctypes.data
         self._fn: Callable[..., int] | None = None
         if method is CopyMethod.BATCH_CTYPES:
             if symbol is None or abi_version is None:
@@ -320,7 +347,7 @@ class Copier:
                 f"{caps.driver_version} on {caps.device_name} does not provide"
             )
         symbol = _resolve_batch_symbol(caps.batch_abi_version) if caps.batch_abi_version else None
-        return cls(chosen, caps.batch_abi_version, symbol)
+        return cls(chosen, caps.batch_abi_version, symbol, caps.device_index)
 
     @property
     def path(self) -> str:
@@ -340,6 +367,9 @@ class Copier:
         The arrays must be C-contiguous ``uint64`` of equal length; the copies run in stream order
         relative to earlier work on ``stream`` (for ``ANY``, their source may be read earlier).
 
+        A single copy goes through ``cuMemcpyAsync`` (stream-ordered, which satisfies either order):
+        the batch call costs the host several times more for one descriptor.
+
         Raises:
             InvalidArgumentError: the legacy default stream, or malformed arrays.
             CudaError: the driver refused the copies. Copies of earlier batches of the same call
@@ -353,6 +383,9 @@ class Copier:
             raise InvalidArgumentError(
                 f"descriptor arrays differ in length: dsts {count}, srcs {len(srcs)}, sizes {len(sizes)}"
             )
+        if count == 1 and self.method is CopyMethod.BATCH_CTYPES:
+            memcpy_async(int(dsts[0]), int(srcs[0]), int(sizes[0]), stream, self.device_index)
+            return
         for start in range(0, count, BATCH_MAX_COPIES):
             stop = min(count, start + BATCH_MAX_COPIES)
             if self.method is CopyMethod.BATCH_CTYPES:
@@ -369,17 +402,17 @@ class Copier:
         d = np.ascontiguousarray(dsts, dtype=np.uint64)
         s = np.ascontiguousarray(srcs, dtype=np.uint64)
         n = np.ascontiguousarray(sizes, dtype=np.uint64)
-        attrs_ptr = self._attrs[order].getPtr()
+        attrs_ptr = self._attrs_ptr[order]
         if self._abi_version >= BATCH_ABI_CUDA_13_0:
             code = self._fn(
                 d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d),
-                attrs_ptr, self._attrs_idx.ctypes.data, 1, stream,
+                attrs_ptr, self._attrs_idx_ptr, 1, stream,
             )
         else:
             fail_idx = ctypes.c_size_t(0)
             code = self._fn(
                 d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d),
-                attrs_ptr, self._attrs_idx.ctypes.data, 1, ctypes.addressof(fail_idx), stream,
+                attrs_ptr, self._attrs_idx_ptr, 1, ctypes.addressof(fail_idx), stream,
             )
         _checked_code("cuMemcpyBatchAsync", code)
 
@@ -446,24 +479,6 @@ def destroy_stream(device_index: int, handle: int) -> None:
     _call_driver("cuStreamDestroy", lambda: _drv.cuStreamDestroy(_drv.CUstream(handle)))
 
 
-def event_done(event_handle: int, device_index: int) -> bool:
-    """Whether a CUDA event of the given device has completed (``cuEventQuery``); never blocks.
-
-    Callable from any thread: a thread with no current context gets the device's primary context.
-
-    Raises:
-        CudaError: the query failed (a fault in the work before the event, a lost device).
-    """
-    result = _drv.cuEventQuery(_drv.CUevent(event_handle))
-    if result[0] == _drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-        make_context_current(device_index)
-        result = _drv.cuEventQuery(_drv.CUevent(event_handle))
-    if result[0] == _drv.CUresult.CUDA_ERROR_NOT_READY:
-        return False
-    check("cuEventQuery", result)
-    return True
-
-
 def synchronize_device(device_index: int, timeout_s: float) -> bool:
     """Wait for all work on the device, for at most ``timeout_s``.
 
@@ -495,6 +510,188 @@ def synchronize_device(device_index: int, timeout_s: float) -> bool:
     if error is not None:
         raise error
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Stream-ordered calls on the submission path
+
+#: ABI version the submission-path calls are resolved for (their signatures are unchanged since it).
+HOT_ABI_VERSION: Final = 12000
+#: ``CU_EVENT_DISABLE_TIMING``.
+EVENT_DISABLE_TIMING: Final = 2
+#: Free events an :class:`EventPool` keeps; more are destroyed as they come back.
+EVENT_POOL_MAX_FREE: Final = 1024
+_INVALID_CONTEXT: Final = int(_drv.CUresult.CUDA_ERROR_INVALID_CONTEXT)
+_NOT_READY: Final = int(_drv.CUresult.CUDA_ERROR_NOT_READY)
+
+
+def resolve_driver_function(name: bytes, abi_version: int, *argtypes: Any) -> Callable[..., int]:
+    """A driver entry point resolved with ``cuGetProcAddress`` for ``abi_version``, callable through
+    ctypes (``CUresult`` as an int; the GIL is released during the call).
+
+    Raises:
+        CudaError: the driver does not provide the symbol for that version.
+    """
+    try:
+        result = _drv.cuGetProcAddress(name, abi_version, 0)
+    except RuntimeError as exc:  # no driver library
+        raise CudaError("cuGetProcAddress", -1, "DRIVER_UNAVAILABLE", str(exc)) from exc
+    address = int(result[1]) if int(result[0]) == 0 and result[1] is not None else 0
+    if not address:
+        raise CudaError("cuGetProcAddress", int(result[0]), _decode(name), "symbol not found")
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(address)
+
+
+class _HotCalls:
+    """The driver calls a job's submission makes, called through ctypes: about a microsecond each,
+    against several for cuda-python's wrappers or torch's event objects."""
+
+    def __init__(self) -> None:
+        p, u, f = ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_float)
+        self.event_create = resolve_driver_function(b"cuEventCreate", HOT_ABI_VERSION, ctypes.POINTER(p), u)
+        self.event_destroy = resolve_driver_function(b"cuEventDestroy", HOT_ABI_VERSION, p)
+        self.event_record = resolve_driver_function(b"cuEventRecord", HOT_ABI_VERSION, p, p)
+        self.event_query = resolve_driver_function(b"cuEventQuery", HOT_ABI_VERSION, p)
+        self.event_elapsed = resolve_driver_function(b"cuEventElapsedTime", HOT_ABI_VERSION, f, p, p)
+        self.stream_wait_event = resolve_driver_function(b"cuStreamWaitEvent", HOT_ABI_VERSION, p, p, u)
+        self.ctx_get_current = resolve_driver_function(b"cuCtxGetCurrent", HOT_ABI_VERSION, ctypes.POINTER(p))
+        self.memcpy_async = resolve_driver_function(
+            b"cuMemcpyAsync", HOT_ABI_VERSION, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, p
+        )
+
+
+@functools.cache
+def _hot() -> _HotCalls:
+    return _HotCalls()
+
+
+def _hot_call(call: str, device_index: int, fn: Callable[..., int], *args: Any) -> int:
+    """Run a ctypes driver call; on a thread with no current context, make the device's current and
+    retry once. Returns the ``CUresult`` (``NOT_READY`` included); raises on any other error."""
+    code = fn(*args)
+    if code == _INVALID_CONTEXT:
+        make_context_current(device_index)
+        code = fn(*args)
+    if code != 0 and code != _NOT_READY:
+        _raise_for(call, _drv.CUresult(code))
+    return code
+
+
+def elapsed_seconds(start: int, end: int, device_index: int) -> float:
+    """Device time between two completed timing events (``cuEventElapsedTime``), in seconds.
+
+    Raises:
+        CudaError: an event is not complete or was made without timing.
+    """
+    ms = ctypes.c_float(0.0)
+    _hot_call("cuEventElapsedTime", device_index, _hot().event_elapsed, ctypes.byref(ms), start, end)
+    return float(ms.value) / 1e3
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int, device_index: int) -> None:
+    """One stream-ordered copy (``cuMemcpyAsync``): its source is read after every earlier wait on
+    ``stream``, as with :attr:`SrcAccessOrder.STREAM`.
+
+    Raises:
+        InvalidArgumentError: the legacy default stream.
+        CudaError: the driver refused.
+    """
+    if stream == _LEGACY_DEFAULT_STREAM:
+        raise InvalidArgumentError("copies are never issued on the legacy default stream (0)")
+    _hot_call("cuMemcpyAsync", device_index, _hot().memcpy_async, dst, src, nbytes, stream)
+
+
+class EventPool:
+    """Reusable CUDA events of one device and kind: recording a pooled event costs a driver call,
+    against an event create, record and destroy for a fresh one.
+
+    Owns: its free events (at most :data:`EVENT_POOL_MAX_FREE`; extra ones are destroyed as they come
+    back). One pool per (device, kind) lives for the process, like the primary context: an event
+    may still be referenced by work on any stream until the process ends. Thread-safe.
+    """
+
+    def __init__(self, device_index: int, timing: bool) -> None:
+        self.device_index = device_index
+        self.timing = timing
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        """A free event (created when none is free).
+
+        Raises:
+            CudaError: the driver could not create one.
+        """
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        handle = ctypes.c_void_p(0)
+        flags = 0 if self.timing else EVENT_DISABLE_TIMING
+        _hot_call("cuEventCreate", self.device_index, _hot().event_create, ctypes.byref(handle), flags)
+        return int(handle.value or 0)
+
+    def give(self, event: int) -> None:
+        """Return an event nothing will wait on or query any more (its last record may still be
+        pending: a later record replaces it). Never raises."""
+        with self._lock:
+            if len(self._free) < EVENT_POOL_MAX_FREE:
+                self._free.append(event)
+                return
+        try:
+            _hot_call("cuEventDestroy", self.device_index, _hot().event_destroy, event)
+        except Exception:  # a destroy that fails leaves the event to the process; nothing to undo
+            pass
+
+    @property
+    def free(self) -> int:
+        """Events ready to be taken."""
+        with self._lock:
+            return len(self._free)
+
+
+@functools.cache
+def event_pool(device_index: int, timing: bool) -> EventPool:
+    """The process's :class:`EventPool` for one device and kind."""
+    return EventPool(device_index, timing)
+
+
+class Event:
+    """One event taken from an :class:`EventPool`, returned to it when this object is dropped.
+
+    Owns: its event, from construction until it is garbage (CPython drops it as the last reference
+    goes: the ticket whose result was read, the fence whose last job was issued, the backend that
+    was released). Nothing waits on a dropped event: stream waits capture the record they were
+    enqueued after, and queries go through this object.
+    """
+
+    __slots__ = ("handle", "device_index", "_pool")
+
+    def __init__(self, pool: EventPool) -> None:
+        self.handle = pool.take()
+        self.device_index = pool.device_index
+        self._pool = pool
+
+    def record(self, stream: int) -> None:
+        """Record on ``stream`` (replacing the previous record). Raises :class:`CudaError`."""
+        _hot_call("cuEventRecord", self.device_index, _hot().event_record, self.handle, stream)
+
+    def wait_on(self, stream: int) -> None:
+        """Make ``stream`` wait for this event's current record. Raises :class:`CudaError`."""
+        _hot_call("cuStreamWaitEvent", self.device_index, _hot().stream_wait_event, stream,
+                  self.handle, 0)
+
+    def done(self) -> bool:
+        """Whether the current record completed; never blocks. Raises :class:`CudaError`."""
+        return _hot_call("cuEventQuery", self.device_index, _hot().event_query, self.handle) == 0
+
+    def seconds_until(self, end: Event) -> float:
+        """Device seconds from this event to ``end`` (both timing events, both complete)."""
+        return elapsed_seconds(self.handle, end.handle, self.device_index)
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.give(self.handle)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,14 +803,14 @@ def unpin_chunks(pinner: HostPinner, chunks: Sequence[tuple[int, int]]) -> list[
 #: multiple of 16. The host side is device memory (a staging slot) or registered host memory
 #: (through its device mapping).
 COPY_KERNEL_SOURCE: Final = r"""
-#define KVO_ROWS 1024
 struct KvoSegment { long long dev_base, dev_stride, host_offset, nbytes; };
-struct KvoRows { long long dev[KVO_ROWS]; long long host[KVO_ROWS]; };
+template <int R> struct KvoRows { long long dev[R]; long long host[R]; };
 
-extern "C" __global__ void __launch_bounds__(1024)
-kvo_copy_blocks(const KvoSegment* __restrict__ segments, unsigned long long num_segments,
-                unsigned long long rows, unsigned long long host_base,
-                unsigned long long record_bytes, int to_host, const KvoRows ids)
+template <int R>
+__device__ __forceinline__ void kvo_copy(
+    const KvoSegment* __restrict__ segments, unsigned long long num_segments,
+    unsigned long long rows, unsigned long long host_base, unsigned long long record_bytes,
+    int to_host, const KvoRows<R>& ids)
 {
     const unsigned lane = threadIdx.x & 31u;
     const unsigned long long warp =
@@ -645,20 +842,27 @@ kvo_copy_blocks(const KvoSegment* __restrict__ segments, unsigned long long num_
         for (unsigned long long j = (n16 << 4) + lane; j < nbytes; j += 32) db[j] = sb[j];
     }
 }
+
+#define KVO_ENTRY(NAME, R)                                                                   \
+extern "C" __global__ void __launch_bounds__(1024)                                           \
+NAME(const KvoSegment* __restrict__ segments, unsigned long long num_segments,               \
+     unsigned long long rows, unsigned long long host_base, unsigned long long record_bytes, \
+     int to_host, const KvoRows<R> ids)                                                      \
+{ kvo_copy<R>(segments, num_segments, rows, host_base, record_bytes, to_host, ids); }
+
+KVO_ENTRY(kvo_copy_blocks, 1024)
+KVO_ENTRY(kvo_copy_blocks_small, 32)
 """
-COPY_KERNEL_NAME: Final = b"kvo_copy_blocks"
-#: Records one launch of the copy kernel moves at most (the size of its by-value id arrays).
-KERNEL_ROWS: Final = 1024
+#: The kernel's entry points and the records each moves per launch (the size of its by-value id
+#: arrays): the large one carries 16 KiB of parameters, the small one 512 bytes, which the driver
+#: copies at every launch (a few microseconds less for a job of a few blocks).
+COPY_KERNEL_ENTRIES: Final = ((b"kvo_copy_blocks_small", 32), (b"kvo_copy_blocks", 1024))
+#: Records one launch of the copy kernel moves at most.
+KERNEL_ROWS: Final = COPY_KERNEL_ENTRIES[-1][1]
 #: Threads per CTA of the copy kernel.
 COPY_KERNEL_THREADS: Final = 512
 #: ABI version ``cuLaunchKernel`` is resolved for (its signature is unchanged since CUDA 4.0).
 LAUNCH_ABI_VERSION: Final = 12000
-
-
-class _KernelRows(ctypes.Structure):
-    """The kernel's by-value ``KvoRows`` parameter."""
-
-    _fields_ = [("dev", ctypes.c_int64 * KERNEL_ROWS), ("host", ctypes.c_int64 * KERNEL_ROWS)]
 
 
 def _nvrtc_check(call: str, result: tuple[Any, Unpack[_Ts]]) -> tuple[Unpack[_Ts]]:
@@ -703,14 +907,16 @@ class CopyKernel:
     """The page-copy kernel, compiled with NVRTC for one device and loaded once per process.
 
     Owns: the loaded module (kept for the process lifetime, like the primary context: kernels may be
-    in flight on any stream until the process ends). Launches go through ``cuLaunchKernel`` resolved
-    with ``cuGetProcAddress`` and called through ctypes, so a launch costs a few microseconds.
+    in flight on any stream until the process ends). Launches go through a :class:`KernelLauncher`
+    (one per issuing backend: it owns the parameter buffers).
     """
 
-    def __init__(self, device_index: int, function: int, launch: Callable[..., int]) -> None:
+    def __init__(
+        self, device_index: int, functions: tuple[tuple[int, int], ...], launch: Callable[..., int]
+    ) -> None:
         self.device_index = device_index
-        self._function = function
-        self._launch = launch
+        self.functions = functions  # (function handle, rows per launch), ascending rows
+        self.launch_fn = launch
 
     @classmethod
     @functools.cache
@@ -729,18 +935,49 @@ class CopyKernel:
         )
         image = _compile(COPY_KERNEL_SOURCE, f"sm_{major}{minor}")
         (module,) = _call_driver("cuModuleLoadData", lambda: _drv.cuModuleLoadData(image))
-        (function,) = _call_driver(
-            "cuModuleGetFunction", lambda: _drv.cuModuleGetFunction(module, COPY_KERNEL_NAME)
+        functions = []
+        for name, rows in COPY_KERNEL_ENTRIES:
+            (function,) = _call_driver(
+                "cuModuleGetFunction", lambda: _drv.cuModuleGetFunction(module, name)
+            )
+            functions.append((int(function), rows))
+        p, u = ctypes.c_void_p, ctypes.c_uint
+        launch = resolve_driver_function(
+            b"cuLaunchKernel", LAUNCH_ABI_VERSION, p, u, u, u, u, u, u, u, p, p, p
         )
-        result = _drv.cuGetProcAddress(b"cuLaunchKernel", LAUNCH_ABI_VERSION, 0)
-        if int(result[0]) != 0 or not int(result[1]):
-            raise CudaError("cuGetProcAddress", int(result[0]), "cuLaunchKernel", "symbol not found")
-        prototype = ctypes.CFUNCTYPE(
-            ctypes.c_int, ctypes.c_void_p,
-            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-            ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        )
-        return cls(device_index, int(function), prototype(int(result[1])))
+        return cls(device_index, tuple(functions), launch)
+
+    def launcher(self) -> KernelLauncher:
+        """A launcher with parameter buffers of its own (one per issuing backend)."""
+        return KernelLauncher(self)
+
+
+class _LaunchParams:
+    """The parameter block of one kernel entry point, built once and refilled per launch."""
+
+    def __init__(self, function: int, rows: int) -> None:
+        self.function = function
+        self.rows = rows
+        self.scalars = (ctypes.c_uint64 * 5)()  # segments, num_segments, rows, host_base, record_bytes
+        self.to_host = ctypes.c_int(0)
+        self.ids = (ctypes.c_int64 * (2 * rows))()  # KvoRows<rows>: dev[rows] then host[rows]
+        self.id_view = np.frombuffer(memoryview(self.ids), dtype=np.int64)
+        base = ctypes.addressof(self.scalars)
+        addresses = [base + 8 * i for i in range(5)]
+        addresses += [ctypes.addressof(self.to_host), ctypes.addressof(self.ids)]
+        self.pointers = (ctypes.c_void_p * 7)(*addresses)
+
+
+class KernelLauncher:
+    """Launches the copy kernel with parameter buffers built once.
+
+    Owns: one parameter block per entry point. Not thread-safe: its backend launches from one thread
+    at a time (the handler issues one job at a time).
+    """
+
+    def __init__(self, kernel: CopyKernel) -> None:
+        self.kernel = kernel
+        self._params = [_LaunchParams(function, rows) for function, rows in kernel.functions]
 
     def launch(
         self,
@@ -758,7 +995,8 @@ class CopyKernel:
         array at ``host_base`` on ``stream``, with ``ctas`` CTAs of :data:`COPY_KERNEL_THREADS`
         threads. ``segments_ptr`` is the device address of the layout's ``kernel_segments`` table
         (``num_segments`` rows); ``host_base`` is a device address or registered host memory.
-        Launches once per :data:`KERNEL_ROWS` records (the ids travel in the launch parameters).
+        Launches once per :data:`KERNEL_ROWS` records (the ids travel in the launch parameters; a
+        launch of at most 32 records uses the entry point with 512 bytes of them).
 
         Raises:
             InvalidArgumentError: the legacy default stream, a non-positive CTA count, or id arrays
@@ -774,23 +1012,23 @@ class CopyKernel:
                 f"device_blocks {device_blocks.shape} and host_rows {host_rows.shape} must be "
                 "1-d arrays of one length"
             )
-        dev = np.ascontiguousarray(device_blocks, dtype=np.int64)
-        host = np.ascontiguousarray(host_rows, dtype=np.int64)
-        fixed = (
-            ctypes.c_uint64(segments_ptr), ctypes.c_uint64(num_segments), ctypes.c_uint64(0),
-            ctypes.c_uint64(host_base), ctypes.c_uint64(record_bytes), ctypes.c_int(int(to_host)),
-        )
-        for start in range(0, dev.shape[0] if num_segments else 0, KERNEL_ROWS):
-            count = min(KERNEL_ROWS, dev.shape[0] - start)
-            rows = _KernelRows()
-            ctypes.memmove(rows.dev, dev[start:].ctypes.data, count * 8)
-            ctypes.memmove(rows.host, host[start:].ctypes.data, count * 8)
-            fixed[2].value = count
-            params = (ctypes.c_void_p * 7)(*(ctypes.addressof(a) for a in fixed), ctypes.addressof(rows))
-            code = self._launch(
-                self._function, ctas, 1, 1, COPY_KERNEL_THREADS, 1, 1, 0, stream, params, None
-            )
-            _checked_code("cuLaunchKernel", code)
+        total = int(device_blocks.shape[0]) if num_segments else 0
+        small = self._params[0]
+        for start in range(0, total, KERNEL_ROWS):
+            count = min(KERNEL_ROWS, total - start)
+            params = small if count <= small.rows else self._params[-1]
+            scalars = params.scalars
+            scalars[0] = segments_ptr
+            scalars[1] = num_segments
+            scalars[2] = count
+            scalars[3] = host_base
+            scalars[4] = record_bytes
+            params.to_host.value = int(to_host)
+            params.id_view[:count] = device_blocks[start : start + count]
+            params.id_view[params.rows : params.rows + count] = host_rows[start : start + count]
+            _hot_call("cuLaunchKernel", self.kernel.device_index, self.kernel.launch_fn,
+                      params.function, ctas, 1, 1, COPY_KERNEL_THREADS, 1, 1, 0, stream,
+                      params.pointers, None)
 
 
 def _compile(source: str, arch: str) -> bytes:

@@ -144,12 +144,19 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
     """Convert block ids to an ``int64`` array and check every id is in ``[0, limit)``.
 
     Accepts a sequence of ints or a 1-D integer numpy array / torch tensor (anything numpy converts
-    to a 1-D integer array); refuses bools, floats, strings and nested sequences.
+    to a 1-D integer array); refuses bools, floats, strings and nested sequences. The result is
+    always a new array: the caller may reuse its own buffer as soon as the call returns.
 
     Raises:
         BlockIdTypeError: not integers, or not one-dimensional.
         InvalidBlockIdError: a negative or out-of-range id (the message names the first one).
     """
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
+        ids = values.astype(np.int64)  # a copy, even of int64 ids
+        # One reduction checks both bounds: a negative id (or a uint64 one past int64) reads as
+        # a huge unsigned value. Errors are named by the general path below.
+        if ids.size == 0 or int(ids.view(np.uint64).max()) < limit:
+            return ids
     if isinstance(values, (str, bytes)) or values is None:
         raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     if isinstance(values, (list, tuple)):
@@ -160,6 +167,7 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
                 )
             if not 0 <= v < limit:  # before any cast: a huge id must be named by its own value
                 raise InvalidBlockIdError(_out_of_range(name, i, int(v), limit))
+        return np.array(values, dtype=np.int64)  # every id is an int in range
     try:
         array = np.asarray(values)
     except (TypeError, ValueError) as exc:
@@ -175,7 +183,7 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
     if array.min() < 0 or array.max() >= limit:  # compared in the ids' own dtype
         i = int(np.flatnonzero((array < 0) | (array >= limit))[0])
         raise InvalidBlockIdError(_out_of_range(name, i, int(array[i]), limit))
-    return np.ascontiguousarray(array.astype(np.int64, copy=False))
+    return np.array(array, dtype=np.int64)  # a copy: never a view of the caller's buffer
 
 
 def _out_of_range(name: str, index: int, value: int, limit: int) -> str:
@@ -207,7 +215,7 @@ class _Transfer:
     dst: I64Array
     nbytes: int
     fence: object
-    issued: threading.Event = attrs.field(factory=threading.Event)
+    issued: bool = False  # set under the handler's lock, with a notify of ``_issued``
     ticket: Ticket | None = None
 
 
@@ -238,6 +246,7 @@ class DirectionHandler:
         self._page_bytes = int(plan.pages.block_bytes)
         self._sequence = sequence if sequence is not None else itertools.count()
         self._lock = threading.Lock()
+        self._issued = threading.Condition(self._lock)  # notified whenever a transfer was issued
         self._fifo: collections.deque[_Transfer] = collections.deque()
         self._done: dict[int, tuple[int, TransferResult]] = {}
         self._ids: set[int] = set()
@@ -400,10 +409,11 @@ class DirectionHandler:
                 transfer.ticket = backend.issue(self._plan, transfer.src, transfer.dst, transfer.fence)
             except Exception as exc:  # reported as the job's failure
                 transfer.ticket = _failed(exc)
-        transfer.fence = None
+        transfer.fence = None  # the fence's event goes back to its pool once no job holds it
         with self._lock:
             self._pending -= 1
-        transfer.issued.set()
+            transfer.issued = True
+            self._issued.notify_all()
 
     def _issuer_loop(self) -> None:
         backend = self._backend
@@ -461,7 +471,8 @@ class DirectionHandler:
         self._check_open()
         ids = as_job_ids(job_ids)
         seconds = as_timeout(timeout)
-        unknown = [j for j in ids if not self.known_job(j)]
+        with self._lock:
+            unknown = [j for j in ids if j not in self._ids]
         if unknown:
             raise UnknownJobError(
                 f"{self.direction.value} job(s) {unknown} are neither in flight nor waiting to be polled"
@@ -483,8 +494,10 @@ class DirectionHandler:
                     f"{self.direction.value} job(s) {missing} did not finish within {seconds} s",
                     pending=missing,
                 )
-            if not head.issued.wait(remaining):
-                continue
+            with self._lock:
+                if not head.issued:
+                    self._wait_issued(head, remaining)
+                    continue
             ticket = head.ticket
             assert ticket is not None
             try:
@@ -492,11 +505,16 @@ class DirectionHandler:
             except Exception:  # _advance records the failure as the job's result
                 pass
 
+    def _wait_issued(self, transfer: _Transfer, timeout: float) -> bool:
+        """Wait (holding the lock, which the wait releases) until ``transfer`` was issued; True
+        when it was within ``timeout``."""
+        return self._issued.wait_for(lambda: transfer.issued, timeout)
+
     def _advance(self) -> None:
         """Pop finished transfers from the head (caller holds the lock; never blocks)."""
         while self._fifo:
             head = self._fifo[0]
-            if not head.issued.is_set():
+            if not head.issued:
                 return
             ticket = head.ticket
             assert ticket is not None
@@ -600,7 +618,9 @@ class DirectionHandler:
                 head = self._fifo[0] if self._fifo else None
             if head is None:
                 return
-            if not head.issued.wait(max(0.0, deadline - time.monotonic())):
+            with self._lock:
+                issued = self._wait_issued(head, max(0.0, deadline - time.monotonic()))
+            if not issued:
                 raise WaitTimeoutError(
                     f"{self.direction.value} job {head.job_id} was not issued before the shutdown "
                     "deadline", pending=[head.job_id],

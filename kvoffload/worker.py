@@ -133,6 +133,11 @@ class _Job:
     writes: I64Array
 
 
+#: Jobs of at most this many blocks are booked with scalar indexing (a few numpy calls on tiny
+#: arrays cost more than a loop over their ids).
+_SCALAR_BOOKING_MAX: Final = 16
+
+
 class _Bookkeeping:
     """In-flight readers and writers per block of each memory (the caller holds the lock)."""
 
@@ -147,17 +152,15 @@ class _Bookkeeping:
         if job_id in self.jobs:
             raise JobIdError(f"job {job_id} is already in flight or waiting to be polled")
         source, target = SIDES[direction]
-        busy_source = self.writes[source][reads]
-        if bool(busy_source.any()):
-            i = int(np.flatnonzero(busy_source)[0])
+        i = _first_busy(reads, self.writes[source])
+        if i >= 0:
             other = self._holder(int(reads[i]), source, writers_only=True)
             raise BlockConflictError(
                 f"{direction.value} job {job_id}: {read_name}[{i}] = {int(reads[i])} is being written "
                 f"by in-flight job {other}; submit after it completed"
             )
-        busy_target = self.reads[target][writes] | self.writes[target][writes]
-        if bool(busy_target.any()):
-            i = int(np.flatnonzero(busy_target)[0])
+        i = _first_busy(writes, self.reads[target], self.writes[target])
+        if i >= 0:
             other = self._holder(int(writes[i]), target, writers_only=False)
             raise BlockConflictError(
                 f"{direction.value} job {job_id}: {write_name}[{i}] = {int(writes[i])} is in use by "
@@ -176,9 +179,8 @@ class _Bookkeeping:
 
     def add(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> None:
         source, target = SIDES[direction]
-        reads = _distinct(reads)  # a block read twice by one job is one reader
-        self.reads[source][reads] += 1
-        self.writes[target][writes] += 1  # destinations are distinct (checked)
+        _count(self.reads[source], reads, 1)
+        _count(self.writes[target], writes, 1)
         self.jobs[job_id] = _Job(direction, reads, writes)
 
     def remove(self, job_id: int) -> None:
@@ -186,18 +188,32 @@ class _Bookkeeping:
         if job is None:
             return
         source, target = SIDES[job.direction]
-        self.reads[source][job.reads] -= 1
-        self.writes[target][job.writes] -= 1
+        _count(self.reads[source], job.reads, -1)
+        _count(self.writes[target], job.writes, -1)
 
 
-def _distinct(ids: I64Array) -> I64Array:
-    """``ids`` without repeats (returned as is when it has none, the common case)."""
-    if ids.size < 2:
-        return ids
-    ordered = np.sort(ids)
-    if bool((ordered[1:] != ordered[:-1]).all()):
-        return ids
-    return np.unique(ordered)
+def _first_busy(ids: I64Array, *counts: I32Array) -> int:
+    """Index of the first id with a nonzero count in any of ``counts``, or -1."""
+    if ids.shape[0] <= _SCALAR_BOOKING_MAX:
+        for i, block in enumerate(ids.tolist()):
+            if any(c[block] for c in counts):
+                return i
+        return -1
+    busy = counts[0][ids] != 0
+    for c in counts[1:]:
+        busy |= c[ids] != 0
+    return int(np.argmax(busy)) if bool(busy.any()) else -1
+
+
+def _count(counts: I32Array, ids: I64Array, delta: int) -> None:
+    """Add ``delta`` to the count of each id. ``add`` and ``remove`` pass one job's same array, so
+    they take the same branch: a block a job lists twice (a store reading one device block into two
+    records) counts once in the vector branch and twice in the scalar one, and is released alike."""
+    if ids.shape[0] <= _SCALAR_BOOKING_MAX:
+        for block in ids.tolist():
+            counts[block] += delta
+    else:
+        counts[ids] += delta
 
 
 class Worker:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvoffload import DeviceLayout
-from kvoffload.backends import CudaBackend, new_event, new_stream
+from kvoffload import DeviceLayout, bindings
+from kvoffload.backends import CudaBackend, new_stream
 from kvoffload.demo import build_cache
 
 #: ~5 ms of GPU time on the H200 test machine: long enough for a copy to overtake queued compute.
@@ -34,8 +34,8 @@ def _idle_fence(self: CudaBackend, stream: object | None) -> object:
     """CONTROL ONLY: a fence on an idle stream instead of the compute stream, so the job's copies do
     not wait for queued compute (DESIGN §5 rules 1 and 2 broken on purpose)."""
     idle = new_stream(self.device)
-    event = new_event(timing=False)
-    event.record(idle)
+    event = bindings.Event(bindings.event_pool(idle.device.index or 0, timing=False))
+    event.record(idle.cuda_stream)
     return event
 
 

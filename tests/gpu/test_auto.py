@@ -56,13 +56,13 @@ def test_auto_mixes_paths_and_still_finishes_jobs_in_order(device: torch.device)
 
 
 def corrupting_store_chunk(
-    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan,
+    self: StagedBackend, stream: int, chunk: StagedChunk, plan: CopyPlan,
     segments: tuple[int, int],
 ) -> None:
     """A broken staged store: the kernel never fills the slot, the DMA copies stale staging."""
-    stream.wait_event(self._drained[chunk.slot])
+    self._drained[chunk.slot].wait_on(stream)
     self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
-                     SrcAccessOrder.STREAM, stream.cuda_stream)
+                     SrcAccessOrder.STREAM, stream)
     self._drained[chunk.slot].record(stream)
 
 

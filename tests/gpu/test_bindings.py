@@ -4,6 +4,7 @@ the legacy default stream refused, the access order of each direction, bounded s
 from __future__ import annotations
 
 import mmap
+import threading
 
 import numpy as np
 import pytest
@@ -89,15 +90,41 @@ def test_bounded_synchronize_reports_an_idle_device(device: torch.device) -> Non
     assert bindings.synchronize_device(device.index or 0, 10.0)
 
 
-def test_event_query_is_not_ready_then_done(device: torch.device) -> None:
+def test_pooled_event_is_not_ready_then_done_and_returns_to_its_pool(device: torch.device) -> None:
+    pool = bindings.EventPool(device.index or 0, timing=True)
     stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    start, end = bindings.Event(pool), bindings.Event(pool)
+    start.record(stream.cuda_stream)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(10**8)  # type: ignore[no-untyped-call]
-        event.record(stream)
-    assert not bindings.event_done(event.cuda_event, device.index or 0)
-    event.synchronize()
-    assert bindings.event_done(event.cuda_event, device.index or 0)
+    end.record(stream.cuda_stream)
+    assert not end.done()
+    stream.synchronize()
+    assert end.done()
+    assert start.seconds_until(end) > 0
+    handles = {start.handle, end.handle}
+    del start, end
+    assert pool.free == 2
+    assert bindings.Event(pool).handle in handles
+
+
+def test_events_work_from_a_thread_with_no_current_context(device: torch.device) -> None:
+    pool = bindings.EventPool(device.index or 0, timing=False)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    outcome: list[object] = []
+
+    def run() -> None:  # a fresh thread: no context is current in it
+        try:
+            event = bindings.Event(pool)
+            event.record(stream.cuda_stream)
+            outcome.append(event.done() or stream.query())
+        except Exception as exc:  # reported below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    assert outcome == [True]
 
 
 def test_each_direction_owns_a_stream_of_its_own_until_shutdown(device: torch.device) -> None:

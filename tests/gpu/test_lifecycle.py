@@ -125,13 +125,14 @@ def test_driver_fault_fails_that_job_and_later_jobs_still_work(device: torch.dev
     with Worker.create(layout, 16) as w:
         backend = w._store._backend
         assert isinstance(backend, CudaBackend)
-        attrs = backend.copier._attrs
-        good_attrs = attrs[bindings.SrcAccessOrder.STREAM]
+        pointers = backend.copier._attrs_ptr
+        good_attrs = pointers[bindings.SrcAccessOrder.STREAM]
         # An INVALID source access order is refused by the driver itself (CUDA_ERROR_INVALID_VALUE).
-        attrs[bindings.SrcAccessOrder.STREAM] = driver.CUmemcpyAttributes()
+        invalid = driver.CUmemcpyAttributes()
+        pointers[bindings.SrcAccessOrder.STREAM] = invalid.getPtr()
         w.store(1, [13], [0])
         (bad,) = w.wait([1], TIMEOUT_S)
-        attrs[bindings.SrcAccessOrder.STREAM] = good_attrs
+        pointers[bindings.SrcAccessOrder.STREAM] = good_attrs
         assert not bad.ok
         assert isinstance(bad.error, CudaError), bad.error
         assert bad.error.call == "cuMemcpyBatchAsync"

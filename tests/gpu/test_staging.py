@@ -25,29 +25,29 @@ BLOCKS_PER_JOB = 24
 
 
 def store_chunk_without_slot_wait(
-    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan,
+    self: StagedBackend, stream: int, chunk: StagedChunk, plan: CopyPlan,
     segments: tuple[int, int],
 ) -> None:
     """CONTROL ONLY: the store chunk without waiting for the slot's previous DMA."""
-    kstream = self._kernel_stream
+    kstream = self._kernel_handle
     self._gather(chunk, plan, segments)
     self._filled[chunk.slot].record(kstream)
-    stream.wait_event(self._filled[chunk.slot])
+    self._filled[chunk.slot].wait_on(stream)
     self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
-                     bindings.SrcAccessOrder.STREAM, stream.cuda_stream)
+                     bindings.SrcAccessOrder.STREAM, stream)
     self._drained[chunk.slot].record(stream)
 
 
 def load_chunk_without_slot_wait(
-    self: StagedBackend, stream: torch.cuda.Stream, chunk: StagedChunk, plan: CopyPlan,
+    self: StagedBackend, stream: int, chunk: StagedChunk, plan: CopyPlan,
     segments: tuple[int, int],
 ) -> None:
     """CONTROL ONLY: the load chunk without waiting for the slot's previous kernel."""
-    kstream = self._kernel_stream
+    kstream = self._kernel_handle
     self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
-                     bindings.SrcAccessOrder.ANY, stream.cuda_stream)
+                     bindings.SrcAccessOrder.ANY, stream)
     self._filled[chunk.slot].record(stream)
-    kstream.wait_event(self._filled[chunk.slot])
+    self._filled[chunk.slot].wait_on(kstream)
     self._gather(chunk, plan, segments)
     self._drained[chunk.slot].record(kstream)
 

@@ -196,6 +196,45 @@ def test_stuck_copy_shutdown_returns_and_leaves_the_region_mapped(
         StuckBackend.gate.set()
 
 
+class GatedBackend(HostBackend):
+    """Holds every copy until ``gate`` is set: jobs stay queued, not yet issued."""
+
+    gate = threading.Event()
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        self.gate.wait(TIMEOUT_S)
+        super().copy_one(dst, src, size)
+
+
+def test_a_caller_may_reuse_its_id_buffers_as_soon_as_submit_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engines refill one preallocated id buffer per step: a queued job must keep the ids it was
+    given, for its copies and for the conflict bookkeeping."""
+    monkeypatch.setattr(kvoffload.worker, "HostBackend", GatedBackend)
+    GatedBackend.gate.clear()
+    layout = small_cache("per-layer")
+    device_ids = np.array([0, 1, 2], dtype=np.int64)
+    host_ids = np.array([5, 6, 7], dtype=np.int64)
+    with Worker.create(layout, HOST_BLOCKS) as w:
+        try:
+            w.store(1, device_ids, host_ids)  # held in its first copy: job 2 stays queued
+            w.store(2, device_ids + 3, host_ids + 3)
+            device_ids[:] = [10, 11, 12]  # the caller refills its buffers for the next step
+            host_ids[:] = [20, 21, 22]
+            w.store(3, device_ids, host_ids)  # records 20-22 are free: no conflict with job 1
+        finally:
+            GatedBackend.gate.set()
+        assert all(r.ok for r in w.wait([1, 2, 3], TIMEOUT_S))
+        records = w.host_records()
+        assert torch.equal(records[[5, 6, 7]], layout.gather_records([0, 1, 2]))
+        assert torch.equal(records[[20, 21, 22]], layout.gather_records([10, 11, 12]))
+        del records
+        w.store(4, [0, 1, 2], [5, 6, 7])  # the bookkeeping released exactly what each job held
+        w.load(5, [20], [30])
+        assert all(r.ok for r in w.wait([4, 5], TIMEOUT_S))
+
+
 def test_shared_region_worker_round_trip_leaves_no_file() -> None:
     name = f"kvoffload-test-{uuid.uuid4().hex}"
     layout = small_cache("mla")
