@@ -405,6 +405,34 @@ class KernelBackend(CudaBackend):
             cached = self._tables[plan] = (on_device, source)
         return cached[0].data_ptr(), int(cached[0].shape[0])
 
+    def _issue_direct(
+        self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object, ctas: int
+    ) -> Ticket:
+        """The SM path: one kernel on the kernel stream between the device cache and the mapped
+        host records, with ``ctas`` CTAs."""
+        assert isinstance(fence, bindings.Event)
+        store = self.direction is Direction.STORE
+        device_blocks, host_blocks = (src, dst) if store else (dst, src)
+        kstream = self._kernel_handle
+        try:
+            start, end = bindings.Event(self._timing_events), bindings.Event(self._timing_events)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            return FailedTicket(exc)
+        error: BaseException | None = None
+        try:
+            segments, count = self._segments(plan)
+            fence.wait_on(kstream)
+            start.record(kstream)
+            self.launcher.launch(segments, count, device_blocks, host_blocks, plan.host_base,
+                                 plan.pages.record_bytes, store, ctas, kstream)
+        except Exception as exc:
+            error = exc
+        try:
+            end.record(kstream)
+        except Exception as exc:
+            return FailedTicket(exc if error is None else error)
+        return CudaTicket(start, end, error)
+
     def _destroy(self) -> None:
         self._tables.clear()  # torch frees the tables once the kernel stream's work finished
         super()._destroy()
@@ -436,29 +464,7 @@ class SmBackend(KernelBackend):
     def _issue_on(
         self, stream: int, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
-        assert isinstance(fence, bindings.Event)
-        store = self.direction is Direction.STORE
-        device_blocks, host_blocks = (src, dst) if store else (dst, src)
-        kstream = self._kernel_handle
-        try:
-            start, end = bindings.Event(self._timing_events), bindings.Event(self._timing_events)
-        except Exception as exc:  # nothing was enqueued: the job fails at once
-            return FailedTicket(exc)
-        error: BaseException | None = None
-        try:
-            segments, count = self._segments(plan)
-            fence.wait_on(kstream)
-            start.record(kstream)
-            self.launcher.launch(segments, count, device_blocks, host_blocks, plan.host_base,
-                                 plan.pages.record_bytes, store, self.ctas, kstream)
-        except Exception as exc:
-            error = exc
-        try:
-            end.record(kstream)
-        except Exception as exc:
-            return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error)
-
+        return self._issue_direct(plan, src, dst, fence, self.ctas)
 
 class StagedBackend(KernelBackend):
     """Staged path: the copy kernel moves pages between the device cache and a staging ring in
@@ -601,9 +607,14 @@ class StagedBackend(KernelBackend):
 
 class AutoBackend(StagedBackend):
     """Auto path: each job takes the path the calibration found fastest for its direction and
-    size — batched DMA or staged. Jobs finish in submission order whichever path moved them: a
-    staged load ends on the kernel stream, so a DMA load after it first waits for that stream;
-    ``TransferResult.path`` names the path each job took.
+    size — batched DMA, staged, or (for the smallest jobs, when the host pool is mapped) the SM
+    kernel. ``TransferResult.path`` names the path each job took.
+
+    Jobs finish in submission order whichever path moved them. DMA jobs run on the copy stream and
+    SM jobs on the kernel stream; a staged job spans both and ends after everything queued on
+    either before it. So a DMA or SM job whose stream differs from the one the previous job ended
+    on first waits for that stream (an event), and consecutive jobs of one path wait for nothing
+    more than their stream order.
     """
 
     def __init__(
@@ -618,20 +629,23 @@ class AutoBackend(StagedBackend):
         slots: int,
         slot_bytes: int,
         choose: Callable[[int], str],
+        sm_ctas: int = 8,
     ) -> None:
         super().__init__(direction, device, copier, stream_handle, kernel, kernel_stream_handle,
                          ctas, slots, slot_bytes)
         self._choose = choose
+        self.sm_ctas = sm_ctas
+        self._last_end = 0  # the stream the previous job ended on (0: none yet)
 
     @classmethod
     def create_auto(
         cls, direction: Direction, device: torch.device, copier: bindings.Copier, ctas: int,
-        slots: int, slot_bytes: int, choose: Callable[[int], str],
+        slots: int, slot_bytes: int, choose: Callable[[int], str], sm_ctas: int = 8,
     ) -> AutoBackend:
         """An auto backend with two streams of its own; nothing leaks if construction fails."""
         return _with_two_streams(
             device, lambda copy, kernel, fn: cls(direction, device, copier, copy, fn, kernel, ctas,
-                                                 slots, slot_bytes, choose)
+                                                 slots, slot_bytes, choose, sm_ctas)
         )
 
     @property
@@ -641,26 +655,34 @@ class AutoBackend(StagedBackend):
 
     def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
         """The cost of the path the calibration picks for ``pairs`` blocks."""
-        if self._choose(pairs) == "dma":
+        chosen = self._choose(pairs)
+        if chosen == "dma":
             return CudaBackend.issue_cost(self, plan, pairs)
+        if chosen == "sm":
+            return KernelBackend.issue_cost(self, plan, pairs)
         return StagedBackend.issue_cost(self, plan, pairs)
 
     def _issue_on(
         self, stream: int, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object
     ) -> Ticket:
-        if self._choose(int(src.shape[0])) == "dma":
-            if self.direction is Direction.LOAD:
-                # A staged load ends on the kernel stream: the DMA job after it ends after it too.
-                # (Consecutive staged loads need no such wait, so their DMAs never idle behind the
-                # previous job's scatter kernel.)
-                try:
-                    self._stream_waits_for(stream, self._kernel_handle)
-                except Exception as exc:  # nothing was enqueued: the job fails at once
-                    return FailedTicket(exc)
+        chosen = self._choose(int(src.shape[0]))
+        kstream = self._kernel_handle
+        if chosen == "staged":
+            self._last_end = kstream if self.direction is Direction.LOAD else stream
+            return StagedBackend._issue_on(self, stream, plan, src, dst, fence)
+        own, other = (stream, kstream) if chosen == "dma" else (kstream, stream)
+        if self._last_end == other:
+            try:
+                self._stream_waits_for(own, other)
+            except Exception as exc:  # nothing was enqueued: the job fails at once
+                return FailedTicket(exc)
+        self._last_end = own
+        if chosen == "dma":
             ticket = CudaBackend._issue_on(self, stream, plan, src, dst, fence)
-            ticket.path = "dma"
-            return ticket
-        return StagedBackend._issue_on(self, stream, plan, src, dst, fence)
+        else:
+            ticket = self._issue_direct(plan, src, dst, fence, self.sm_ctas)
+        ticket.path = chosen
+        return ticket
 
 
 _B = TypeVar("_B", bound="KernelBackend")

@@ -607,14 +607,15 @@ class EventPool:
 
     Owns: its free events (at most :data:`EVENT_POOL_MAX_FREE`; extra ones are destroyed as they come
     back). One pool per (device, kind) lives for the process, like the primary context: an event
-    may still be referenced by work on any stream until the process ends. Thread-safe.
+    may still be referenced by work on any stream until the process ends. Thread-safe without a
+    lock: ``list.pop`` and ``list.append`` are atomic under the GIL (two threads returning events at
+    once may keep a few more than the bound).
     """
 
     def __init__(self, device_index: int, timing: bool) -> None:
         self.device_index = device_index
         self.timing = timing
         self._free: list[int] = []
-        self._lock = threading.Lock()
 
     def take(self) -> int:
         """A free event (created when none is free).
@@ -622,9 +623,10 @@ class EventPool:
         Raises:
             CudaError: the driver could not create one.
         """
-        with self._lock:
-            if self._free:
-                return self._free.pop()
+        try:
+            return self._free.pop()
+        except IndexError:
+            pass
         handle = ctypes.c_void_p(0)
         flags = 0 if self.timing else EVENT_DISABLE_TIMING
         _hot_call("cuEventCreate", self.device_index, _hot().event_create, ctypes.byref(handle), flags)
@@ -633,10 +635,9 @@ class EventPool:
     def give(self, event: int) -> None:
         """Return an event nothing will wait on or query any more (its last record may still be
         pending: a later record replaces it). Never raises."""
-        with self._lock:
-            if len(self._free) < EVENT_POOL_MAX_FREE:
-                self._free.append(event)
-                return
+        if len(self._free) < EVENT_POOL_MAX_FREE:
+            self._free.append(event)
+            return
         try:
             _hot_call("cuEventDestroy", self.device_index, _hot().event_destroy, event)
         except Exception:  # a destroy that fails leaves the event to the process; nothing to undo
@@ -645,8 +646,7 @@ class EventPool:
     @property
     def free(self) -> int:
         """Events ready to be taken."""
-        with self._lock:
-            return len(self._free)
+        return len(self._free)
 
 
 @functools.cache
@@ -978,6 +978,21 @@ class KernelLauncher:
     def __init__(self, kernel: CopyKernel) -> None:
         self.kernel = kernel
         self._params = [_LaunchParams(function, rows) for function, rows in kernel.functions]
+        # The launch arguments as ctypes objects, per (entry, CTAs, stream): ctypes then passes
+        # them without converting each Python int (a microsecond or more per launch).
+        self._arguments: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+
+    def _launch_arguments(self, params: _LaunchParams, ctas: int, stream: int) -> tuple[Any, ...]:
+        key = (params.function, ctas, stream)
+        arguments = self._arguments.get(key)
+        if arguments is None:
+            one = ctypes.c_uint(1)
+            arguments = self._arguments[key] = (
+                ctypes.c_void_p(params.function), ctypes.c_uint(ctas), one, one,
+                ctypes.c_uint(COPY_KERNEL_THREADS), one, one, ctypes.c_uint(0),
+                ctypes.c_void_p(stream), params.pointers, None,
+            )
+        return arguments
 
     def launch(
         self,
@@ -1027,8 +1042,7 @@ class KernelLauncher:
             params.id_view[:count] = device_blocks[start : start + count]
             params.id_view[params.rows : params.rows + count] = host_rows[start : start + count]
             _hot_call("cuLaunchKernel", self.kernel.device_index, self.kernel.launch_fn,
-                      params.function, ctas, 1, 1, COPY_KERNEL_THREADS, 1, 1, 0, stream,
-                      params.pointers, None)
+                      *self._launch_arguments(params, ctas, stream))
 
 
 def _compile(source: str, arch: str) -> bytes:

@@ -5,13 +5,18 @@ pages and a scratch host pool, through short-lived :class:`~kvoffload.worker.Wor
 its own, and releases them. The engine's device cache is never touched.
 
 For each direction it times the ``dma`` and ``staged`` paths on jobs of a few sizes (1 block, a few
-blocks, about 64 MiB), checks every byte each path moved, and keeps, per size bucket, the fastest
-path that moved its bytes correctly — a path that fails its own check is never chosen. The result is
-cached per process by (device, page geometry) and can be persisted to a JSON file.
+blocks, about 64 MiB), and the ``sm`` path on the smallest bucket only (where the host can map the
+pool), checks every byte each path moved, and keeps, per size bucket, the fastest path that moved
+its bytes correctly — a path that fails its own check is never chosen. ``sm`` is a latency path: one
+kernel launch and no DMA hand-off wins for jobs of a few blocks, and such a job holds its few CTAs
+for tens of microseconds; bulk jobs never take it (it competes with compute for the SMs). The
+result is cached per process by (device, page geometry, whether ``sm`` was allowed) and can be
+persisted to a JSON file.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -26,7 +31,7 @@ import numpy as np
 import torch
 
 from kvoffload import bindings
-from kvoffload.backends import CudaBackend, StagedBackend
+from kvoffload.backends import CudaBackend, SmBackend, StagedBackend
 from kvoffload.handler import DirectionHandler
 from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload.records import Direction
@@ -43,7 +48,11 @@ LARGE_JOB_BYTES: Final = 64 << 20
 REPEATS: Final = 3
 WAIT_S: Final = 60.0
 _FILE_VERSION: Final = 1
-_CANDIDATES: Final = ("dma", "staged")
+_CANDIDATES: Final = ("dma", "staged", "sm")
+#: Size buckets (from the smallest) where the ``sm`` path competes.
+SM_BUCKETS: Final = 1
+#: CTAs of the ``sm`` path's kernel under ``auto`` (the ``sm`` path's default cap).
+SM_CTAS: Final = 8
 
 
 @attrs.frozen
@@ -61,23 +70,19 @@ class AutoChoice:
 
     def path_for(self, direction: Direction, blocks: int) -> str:
         """The path for a job of ``blocks`` blocks in ``direction``."""
-        chosen = self.paths[direction.value]
-        index = 0
-        for i, bound in enumerate(self.buckets):
-            if blocks >= bound:
-                index = i
-        return chosen[index]
+        return self.paths[direction.value][max(0, bisect.bisect_right(self.buckets, blocks) - 1)]
 
 
 _cache: dict[str, AutoChoice] = {}
 _cache_lock = threading.Lock()
 
 
-def geometry_key(device_index: int, pages: PageTable) -> str:
-    """The cache key: device name and the page sizes of a record."""
+def geometry_key(device_index: int, pages: PageTable, allow_sm: bool = False) -> str:
+    """The cache key: device name, the page sizes of a record, and ``|sm`` when the ``sm`` path
+    competed."""
     name = bindings.capabilities(device_index).device_name
     sizes = ",".join(str(n) for n in pages.nbytes.tolist())
-    return f"{name}|{pages.record_bytes}|{sizes}"
+    return f"{name}|{pages.record_bytes}|{sizes}" + ("|sm" if allow_sm else "")
 
 
 def calibrate(
@@ -89,20 +94,23 @@ def calibrate(
     staging_slots: int,
     kernel_ctas: int,
     persist_path: str | None = None,
+    allow_sm: bool = False,
 ) -> AutoChoice:
     """The :class:`AutoChoice` for this device and page geometry (measured once per process).
 
     With ``persist_path``, a choice saved there for the same key is reused, and a new one is saved.
+    ``allow_sm``: the ``sm`` path competes for the smallest jobs (the caller's host pool must be
+    addressable by kernels as is).
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = geometry_key(index, pages)
+    key = geometry_key(index, pages, allow_sm)
     with _cache_lock:
         if key in _cache:
             return _cache[key]
     choice = _load(persist_path, key) if persist_path else None
     if choice is None:
         choice = _measure(device, index, pages, key, copier, staging_bytes_per_direction,
-                          staging_slots, kernel_ctas)
+                          staging_slots, kernel_ctas, allow_sm)
         if persist_path:
             _save(persist_path, choice)
     with _cache_lock:
@@ -130,11 +138,14 @@ def _scratch_pages(device: torch.device, pages: PageTable, blocks: int) -> tuple
 
 def _measure(
     device: torch.device, index: int, pages: PageTable, key: str, copier: bindings.Copier,
-    staging_bytes: int, slots: int, ctas: int,
+    staging_bytes: int, slots: int, ctas: int, allow_sm: bool,
 ) -> AutoChoice:
     blocks = max(SIZE_BUCKETS_BLOCKS[-1] + 1, LARGE_JOB_BYTES // max(1, pages.block_bytes))
     slot_bytes = staging_bytes // slots // 4096 * 4096
-    candidates = [p for p in _CANDIDATES if p != "staged" or slot_bytes >= pages.record_bytes]
+    candidates = [
+        p for p in _CANDIDATES
+        if (p != "staged" or slot_bytes >= pages.record_bytes) and (p != "sm" or allow_sm)
+    ]
     scratch, table = _scratch_pages(device, pages, 2 * blocks)
     region = RegionOwner.create(num_records=2 * blocks, record_bytes=pages.record_bytes,
                                 pinner=bindings.CudaHostPinner(index))
@@ -150,8 +161,8 @@ def _measure(
                                      sizes, blocks, scratch, region)
                 if figures is not None:
                     measured[path] = figures
-            if not measured:
-                measured = {"dma": tuple(0.0 for _ in sizes)}
+            if not any(p != "sm" for p in measured):  # the bulk buckets need a bulk path
+                measured["dma"] = tuple(0.0 for _ in sizes)
             gbps[direction.value] = measured
             paths[direction.value] = tuple(_fastest(measured, i) for i in range(len(sizes)))
     finally:
@@ -164,8 +175,10 @@ def _measure(
 
 
 def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
-    """The path with the highest figure at size ``index`` (the first listed on a tie)."""
-    return max(measured, key=lambda path: measured[path][index])
+    """The path with the highest figure at size ``index`` (the first listed on a tie); ``sm`` only
+    in the first :data:`SM_BUCKETS` buckets."""
+    allowed = [p for p in measured if p != "sm" or index < SM_BUCKETS]
+    return max(allowed, key=lambda path: measured[path][index])
 
 
 def _time_path(
@@ -177,6 +190,9 @@ def _time_path(
     backend: CudaBackend
     if path == "dma":
         backend = CudaBackend.create(plan.direction, device, copier)
+    elif path == "sm":
+        backend = SmBackend.create_sm(plan.direction, device, copier, SM_CTAS)
+        sizes = sizes[:SM_BUCKETS]
     else:
         backend = StagedBackend.create_staged(plan.direction, device, copier, ctas, slots, slot_bytes)
     handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
@@ -206,7 +222,7 @@ def _time_path(
         del records
     finally:
         handler.shutdown(WAIT_S)
-    return tuple(figures)
+    return tuple(figures) + (0.0,) * (len(SIZE_BUCKETS_BLOCKS) + 1 - len(figures))
 
 
 def _verified(

@@ -55,6 +55,7 @@ from kvoffload.backends import (
     StagedBackend,
 )
 from kvoffload._pipeline import DiskPipeline
+from kvoffload import calibration
 from kvoffload.calibration import calibrate
 from kvoffload.disk import DiskConfig, DiskRecordInfo, DiskStats, DiskTier
 from kvoffload.errors import (
@@ -196,8 +197,9 @@ def _first_busy(ids: I64Array, *counts: I32Array) -> int:
     """Index of the first id with a nonzero count in any of ``counts``, or -1."""
     if ids.shape[0] <= _SCALAR_BOOKING_MAX:
         for i, block in enumerate(ids.tolist()):
-            if any(c[block] for c in counts):
-                return i
+            for c in counts:
+                if c[block]:
+                    return i
         return -1
     busy = counts[0][ids] != 0
     for c in counts[1:]:
@@ -856,12 +858,13 @@ def _cuda_backend(
     ctas = kernel_ctas or bindings.multiprocessor_count(index)
     if path == "staged":
         return StagedBackend.create_staged(direction, device, copier, ctas, staging_slots, slot_bytes)
+    mapped = bindings.host_pointer_is_device_pointer(index, region.base_ptr)
     choice = calibrate(device, layout.page_table, copier=copier,
                        staging_bytes_per_direction=per_direction, staging_slots=staging_slots,
-                       kernel_ctas=ctas, persist_path=calibration_path)
+                       kernel_ctas=ctas, persist_path=calibration_path, allow_sm=mapped)
     return AutoBackend.create_auto(
         direction, device, copier, ctas, staging_slots, slot_bytes,
-        functools.partial(choice.path_for, direction),
+        functools.partial(choice.path_for, direction), sm_ctas=calibration.SM_CTAS,
     )
 
 

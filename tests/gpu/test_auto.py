@@ -55,6 +55,32 @@ def test_auto_mixes_paths_and_still_finishes_jobs_in_order(device: torch.device)
     assert torch.equal(layout.gather_records(dst), original[:at])
 
 
+def test_auto_moves_every_byte_whichever_path_each_job_takes(device: torch.device) -> None:
+    """Every pair of consecutive paths (dma, sm, staged) in both directions: the streams a job ends
+    on differ by path, and each job must still move exactly its bytes."""
+    layout = cache("per-layer", device, num_blocks=256, layers=8, seed=4)
+    forced = {1: "sm", 2: "dma", 3: "staged"}
+    sizes = [1, 3, 2, 1, 3, 1, 2, 2, 1, 1, 3, 3, 2]
+    total = sum(sizes)
+    rng = np.random.default_rng(3)
+    src = rng.permutation(128)[:total]
+    dst = 128 + rng.permutation(128)[:total]
+    host = rng.permutation(128)[:total]
+    original = layout.gather_records(src)
+    with Worker.create(layout, 128, path="auto") as w:
+        for handler in (w._store, w._load):
+            handler._backend._choose = forced.__getitem__  # type: ignore[union-attr]
+        for base, submit, a, b in ((0, w.store, src, host), (100, w.load, host, dst)):
+            at = 0
+            for job, size in enumerate(sizes):
+                submit(base + job, a[at : at + size], b[at : at + size])
+                at += size
+            results = w.wait([base + job for job in range(len(sizes))], TIMEOUT_S)
+            assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+            assert [r.path for r in results] == [forced[n] for n in sizes]
+    assert torch.equal(layout.gather_records(dst), original)
+
+
 def corrupting_store_chunk(
     self: StagedBackend, stream: int, chunk: StagedChunk, plan: CopyPlan,
     segments: tuple[int, int],
@@ -74,7 +100,8 @@ def test_auto_never_chooses_a_path_that_failed_its_own_check(
     layout = cache("per-layer", device, num_blocks=256, layers=8, seed=9)
     with Worker.create(layout, 64, path="auto") as w:
         choose = w._store._backend._choose  # type: ignore[union-attr]
-        assert all(choose(size) == "dma" for size in (1, 8, 64, 1000))
+        assert all(choose(size) != "staged" for size in (1, 8, 64, 1000))
+        assert all(choose(size) == "dma" for size in (8, 64, 1000))  # sm competes below 8 only
         w.store(1, list(range(40)), list(range(40)))
         (result,) = w.wait([1], TIMEOUT_S)
         assert result.ok and result.path == "dma"

@@ -70,7 +70,7 @@ class RecordingCopier:
 
 def test_stores_read_in_stream_order_and_loads_may_read_any_time(device: torch.device) -> None:
     layout = cache("per-layer", device, num_blocks=32, layers=2)
-    with Worker.create(layout, 8) as w:
+    with Worker.create(layout, 8, path="dma") as w:
         recorders = {}
         for handler in (w._store, w._load):
             backend = handler._backend

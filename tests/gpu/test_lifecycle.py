@@ -122,7 +122,7 @@ def test_drain_whose_event_wait_raises_still_tears_everything_down(
 
 def test_driver_fault_fails_that_job_and_later_jobs_still_work(device: torch.device) -> None:
     layout = cache("per-layer", device, num_blocks=64, layers=2)
-    with Worker.create(layout, 16) as w:
+    with Worker.create(layout, 16, path="dma") as w:
         backend = w._store._backend
         assert isinstance(backend, CudaBackend)
         pointers = backend.copier._attrs_ptr
@@ -130,7 +130,7 @@ def test_driver_fault_fails_that_job_and_later_jobs_still_work(device: torch.dev
         # An INVALID source access order is refused by the driver itself (CUDA_ERROR_INVALID_VALUE).
         invalid = driver.CUmemcpyAttributes()
         pointers[bindings.SrcAccessOrder.STREAM] = invalid.getPtr()
-        w.store(1, [13], [0])
+        w.store(1, [13, 20], [0, 5])  # apart on both sides: several copies, one batched call
         (bad,) = w.wait([1], TIMEOUT_S)
         pointers[bindings.SrcAccessOrder.STREAM] = good_attrs
         assert not bad.ok

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from kvoffload.calibration import AutoChoice, _load, _save
+from kvoffload.calibration import SM_BUCKETS, AutoChoice, _fastest, _load, _save
 from kvoffload.records import Direction
 
 
@@ -43,3 +43,14 @@ def test_a_damaged_or_foreign_file_is_ignored(tmp_path: pathlib.Path) -> None:
     assert _load(str(path), choice().key) is None
     _save(str(path), choice())  # a damaged file is replaced, not fatal
     assert _load(str(path), choice().key) == choice()
+
+
+def test_sm_competes_only_in_the_smallest_bucket() -> None:
+    measured: dict[str, tuple[float, ...]] = {
+        "dma": (5.0, 20.0, 30.0), "staged": (4.0, 30.0, 50.0), "sm": (9.0, 90.0, 90.0)}
+    assert SM_BUCKETS == 1
+    assert [_fastest(measured, i) for i in range(3)] == ["sm", "staged", "staged"]
+    slow_sm: dict[str, tuple[float, ...]] = {"dma": (5.0, 1.0, 1.0), "sm": (4.0, 0.0, 0.0)}
+    assert _fastest(slow_sm, 0) == "dma"
+    no_bulk: dict[str, tuple[float, ...]] = {"dma": (0.0, 0.0, 0.0), "sm": (4.0, 0.0, 0.0)}
+    assert _fastest(no_bulk, 1) == "dma"
