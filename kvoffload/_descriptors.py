@@ -254,38 +254,60 @@ def plan_staged(
         raise ValueError("a staged plan needs at least one slot of at least one record")
     store = plan.direction is Direction.STORE
     device_blocks, host_blocks = (src_blocks, dst_blocks) if store else (dst_blocks, src_blocks)
-    if device_blocks.shape[0] > 1:
-        # In host order, consecutive host records become one DMA; the pairing is unchanged.
-        order = np.argsort(host_blocks, kind="stable")
-        device_blocks, host_blocks = device_blocks[order], host_blocks[order]
+    count = int(device_blocks.shape[0])
     record = plan.pages.record_bytes
+    if count <= 1:  # one record (or none): no order to choose and no run to merge
+        slot = first_slot % len(slot_bases)
+        records = _single_record_copy(slot_bases[slot], plan.host_base, record, host_blocks,
+                                      to_host=store)
+        return [StagedChunk(slot, slice(0, count), device_blocks, records)]
+    # In host order, consecutive host records become one DMA; the pairing is unchanged.
+    order = np.argsort(host_blocks, kind="stable")
+    device_blocks, host_blocks = device_blocks[order], host_blocks[order]
+    # The record copies of every chunk at once: row r of the job is row r % rows_per_slot of chunk
+    # r // rows_per_slot, whose slot rotates from first_slot. A run never crosses a chunk (its slot)
+    # or a pin chunk of the host pool.
+    index = np.arange(count, dtype=np.int64)
+    one_chunk = count <= rows_per_slot
+    if one_chunk:
+        slot_addr = slot_bases[first_slot % len(slot_bases)] + index * record
+    else:
+        chunk_of = index // rows_per_slot
+        bases = np.asarray(slot_bases, dtype=np.int64)
+        slot_addr = bases[(first_slot + chunk_of) % len(slot_bases)] + (index % rows_per_slot) * record
+    host_addr = plan.host_base + host_blocks * record
+    srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
+    area = host_blocks // plan.chunk_records
+    if not one_chunk:
+        area = area * (count // rows_per_slot + 1) + chunk_of  # one area per (pin chunk, job chunk)
+    continues = (
+        (srcs[1:] == srcs[:-1] + record) & (dsts[1:] == dsts[:-1] + record) & (area[1:] == area[:-1])
+    )
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~continues) + 1))
+    sizes = np.diff(np.append(starts, count)) * record
+    copy_srcs, copy_dsts = _as_u64(srcs[starts]), _as_u64(dsts[starts])
+    copy_sizes = _as_u64(sizes)
+    bounds = (
+        [0, int(starts.shape[0])] if one_chunk
+        else np.searchsorted(chunk_of[starts], np.arange(-(-count // rows_per_slot) + 1)).tolist()
+    )
     chunks: list[StagedChunk] = []
-    for index, start in enumerate(range(0, device_blocks.shape[0], rows_per_slot)):
-        stop = min(start + rows_per_slot, device_blocks.shape[0])
-        slot = (first_slot + index) % len(slot_bases)
-        rows = np.arange(stop - start, dtype=np.int64)
-        records = _record_copies(
-            slot_bases[slot], plan.host_base, record, rows, host_blocks[start:stop],
-            plan.chunk_records, to_host=store,
-        )
-        chunks.append(StagedChunk(slot, slice(start, stop), device_blocks[start:stop], records))
+    for index_, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        start, stop = index_ * rows_per_slot, min(count, (index_ + 1) * rows_per_slot)
+        chunks.append(StagedChunk(
+            (first_slot + index_) % len(slot_bases), slice(start, stop), device_blocks[start:stop],
+            Descriptors(copy_dsts[lo:hi], copy_srcs[lo:hi], copy_sizes[lo:hi]),
+        ))
     return chunks
 
 
-def _record_copies(
-    slot_base: int, host_base: int, record: int, rows: I64Array, host_blocks: I64Array,
-    chunk_records: int, *, to_host: bool,
+def _single_record_copy(
+    slot_base: int, host_base: int, record: int, host_blocks: I64Array, *, to_host: bool
 ) -> Descriptors:
-    if rows.shape[0] == 1:  # one record: no run to merge, and no array arithmetic to pay for
-        slot_one, host_one = slot_base + int(rows[0]) * record, host_base + int(host_blocks[0]) * record
-        src_one, dst_one = (slot_one, host_one) if to_host else (host_one, slot_one)
-        return Descriptors(np.array([dst_one], dtype=np.uint64), np.array([src_one], dtype=np.uint64),
-                           np.array([record], dtype=np.uint64))
-    slot_addr = slot_base + rows * record
-    host_addr = host_base + host_blocks * record
-    sizes: I64Array = np.full(rows.shape[0], record, dtype=np.int64)
-    srcs, dsts = (slot_addr, host_addr) if to_host else (host_addr, slot_addr)
-    area = host_blocks // chunk_records
-    if rows.shape[0] > 1:
-        srcs, dsts, sizes = _merge_runs(srcs, dsts, sizes, area)
-    return Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(sizes))
+    """The record copy of a job of at most one record (none for an empty job), in row 0 of its slot."""
+    if host_blocks.shape[0] == 0:
+        return Descriptors(_EMPTY_U64, _EMPTY_U64, _EMPTY_U64)
+    host_one = host_base + int(host_blocks[0]) * record
+    src_one, dst_one = (slot_base, host_one) if to_host else (host_one, slot_base)
+    return Descriptors(np.array([dst_one], dtype=np.uint64), np.array([src_one], dtype=np.uint64),
+                       np.array([record], dtype=np.uint64))

@@ -525,9 +525,13 @@ _INVALID_CONTEXT: Final = int(_drv.CUresult.CUDA_ERROR_INVALID_CONTEXT)
 _NOT_READY: Final = int(_drv.CUresult.CUDA_ERROR_NOT_READY)
 
 
-def resolve_driver_function(name: bytes, abi_version: int, *argtypes: Any) -> Callable[..., int]:
+def resolve_driver_function(
+    name: bytes, abi_version: int, *argtypes: Any, release_gil: bool = True
+) -> Callable[..., int]:
     """A driver entry point resolved with ``cuGetProcAddress`` for ``abi_version``, callable through
-    ctypes (``CUresult`` as an int; the GIL is released during the call).
+    ctypes (``CUresult`` as an int). The GIL is released during the call unless ``release_gil`` is
+    False: only for calls that never wait (queries), where handing the GIL to another thread and
+    taking it back costs more than the call and can keep the caller waiting for it.
 
     Raises:
         CudaError: the driver does not provide the symbol for that version.
@@ -539,22 +543,26 @@ def resolve_driver_function(name: bytes, abi_version: int, *argtypes: Any) -> Ca
     address = int(result[1]) if int(result[0]) == 0 and result[1] is not None else 0
     if not address:
         raise CudaError("cuGetProcAddress", int(result[0]), _decode(name), "symbol not found")
-    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(address)
+    prototype = ctypes.CFUNCTYPE if release_gil else ctypes.PYFUNCTYPE
+    return prototype(ctypes.c_int, *argtypes)(address)
 
 
 class _HotCalls:
     """The driver calls a job's submission makes, called through ctypes: about a microsecond each,
-    against several for cuda-python's wrappers or torch's event objects."""
+    against several for cuda-python's wrappers or torch's event objects. Calls that enqueue work
+    release the GIL (the driver may block one while a stream's queue is full); queries keep it."""
 
     def __init__(self) -> None:
         p, u, f = ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_float)
-        self.event_create = resolve_driver_function(b"cuEventCreate", HOT_ABI_VERSION, ctypes.POINTER(p), u)
-        self.event_destroy = resolve_driver_function(b"cuEventDestroy", HOT_ABI_VERSION, p)
-        self.event_record = resolve_driver_function(b"cuEventRecord", HOT_ABI_VERSION, p, p)
-        self.event_query = resolve_driver_function(b"cuEventQuery", HOT_ABI_VERSION, p)
-        self.event_elapsed = resolve_driver_function(b"cuEventElapsedTime", HOT_ABI_VERSION, f, p, p)
-        self.stream_wait_event = resolve_driver_function(b"cuStreamWaitEvent", HOT_ABI_VERSION, p, p, u)
-        self.ctx_get_current = resolve_driver_function(b"cuCtxGetCurrent", HOT_ABI_VERSION, ctypes.POINTER(p))
+        resolve = resolve_driver_function
+        self.event_create = resolve(b"cuEventCreate", HOT_ABI_VERSION, ctypes.POINTER(p), u)
+        self.event_destroy = resolve(b"cuEventDestroy", HOT_ABI_VERSION, p)
+        self.event_record = resolve(b"cuEventRecord", HOT_ABI_VERSION, p, p)
+        self.event_query = resolve(b"cuEventQuery", HOT_ABI_VERSION, p, release_gil=False)
+        self.event_elapsed = resolve(b"cuEventElapsedTime", HOT_ABI_VERSION, f, p, p, release_gil=False)
+        self.stream_wait_event = resolve(b"cuStreamWaitEvent", HOT_ABI_VERSION, p, p, u)
+        self.ctx_get_current = resolve(b"cuCtxGetCurrent", HOT_ABI_VERSION, ctypes.POINTER(p),
+                                       release_gil=False)
         self.memcpy_async = resolve_driver_function(
             b"cuMemcpyAsync", HOT_ABI_VERSION, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, p
         )

@@ -46,6 +46,9 @@ SIZE_BUCKETS_BLOCKS: Final = (1, 8)
 #: Bytes of the largest calibration job (it also bounds the scratch memory: twice this).
 LARGE_JOB_BYTES: Final = 64 << 20
 REPEATS: Final = 3
+#: Repeats of the small-bucket jobs (tens of microseconds each: their median needs more samples on
+#: a shared host).
+SMALL_REPEATS: Final = 15
 WAIT_S: Final = 60.0
 _FILE_VERSION: Final = 1
 _CANDIDATES: Final = ("dma", "staged", "sm")
@@ -205,7 +208,7 @@ def _time_path(
         for size in sizes:
             ids = np.arange(size, dtype=np.int64)
             times = []
-            for _ in range(REPEATS):
+            for _ in range(REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS):
                 torch.cuda.synchronize(device)
                 start = time.perf_counter()
                 handler.submit(job, ids, ids + blocks)

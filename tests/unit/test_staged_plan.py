@@ -139,6 +139,15 @@ def test_record_dma_never_crosses_a_pin_chunk() -> None:
     assert chunk.dma.sizes.tolist() == [2 * RECORD, 2 * RECORD]  # records 3-4 | 5-6
 
 
+def test_record_dma_never_crosses_into_the_next_chunk_even_when_slots_are_adjacent() -> None:
+    plan = plan_for(Direction.STORE, [1024])
+    rows = 2
+    adjacent = (SLOT_BASES[0], SLOT_BASES[0] + rows * RECORD)  # slot 1 starts where slot 0 ends
+    chunks = plan_staged(plan, np.arange(4), np.arange(10, 14), adjacent, rows)
+    assert [c.dma.sizes.tolist() for c in chunks] == [[2 * RECORD], [2 * RECORD]]
+    assert [int(c.dma.srcs[0]) for c in chunks] == list(adjacent)
+
+
 segment_jobs = st.tuples(
     st.sampled_from([Direction.STORE, Direction.LOAD]),
     st.lists(st.sampled_from([16, 52, 100, 512, 4096, 5000]), min_size=1, max_size=4),
