@@ -116,9 +116,12 @@ def as_job_ids(job_ids: Iterable[object]) -> list[int]:
     Raises:
         JobIdError: a non-int id, a duplicate, or ``job_ids`` not iterable.
     """
-    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+    if type(job_ids) is list and all(type(j) is int for j in job_ids):  # the common call
+        ids: list[int] = list(job_ids)
+    elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
         raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}")
-    ids = [as_job_id(j) for j in job_ids]
+    else:
+        ids = [as_job_id(j) for j in job_ids]
     if len(set(ids)) != len(ids):
         dup = next(j for j in ids if ids.count(j) > 1)
         raise JobIdError(f"job_ids lists job {dup} more than once")
