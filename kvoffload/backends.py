@@ -372,7 +372,8 @@ class KernelBackend(CudaBackend):
         self._kernel_stream: torch.cuda.Stream = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
             kernel_stream_handle, device=device
         )
-        self._tables: dict[CopyPlan, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per plan: the table on the device, its pinned source, its address and its rows.
+        self._tables: dict[CopyPlan, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
 
     def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
         """A kernel row per block (the per-page work is the kernel's): O(blocks), whatever the
@@ -402,8 +403,8 @@ class KernelBackend(CudaBackend):
             on_device = self._device_buffer(table.shape, torch.int64)
             with torch.cuda.stream(self._kernel_stream):
                 on_device.copy_(source, non_blocking=True)
-            cached = self._tables[plan] = (on_device, source)
-        return cached[0].data_ptr(), int(cached[0].shape[0])
+            cached = self._tables[plan] = (on_device, source, on_device.data_ptr(), int(table.shape[0]))
+        return cached[2], cached[3]
 
     def _issue_direct(
         self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object, ctas: int

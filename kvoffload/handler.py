@@ -249,7 +249,8 @@ class DirectionHandler:
         self._page_bytes = int(plan.pages.block_bytes)
         self._sequence = sequence if sequence is not None else itertools.count()
         self._lock = threading.Lock()
-        self._issued = threading.Condition(self._lock)  # notified whenever a transfer was issued
+        self._issued = threading.Condition(self._lock)  # notified when a transfer was issued
+        self._issue_waiters = 0  # threads waiting on ``_issued`` (under the lock)
         self._fifo: collections.deque[_Transfer] = collections.deque()
         self._done: dict[int, tuple[int, TransferResult]] = {}
         self._ids: set[int] = set()
@@ -416,7 +417,8 @@ class DirectionHandler:
         with self._lock:
             self._pending -= 1
             transfer.issued = True
-            self._issued.notify_all()
+            if self._issue_waiters:
+                self._issued.notify_all()
 
     def _issuer_loop(self) -> None:
         backend = self._backend
@@ -511,7 +513,11 @@ class DirectionHandler:
     def _wait_issued(self, transfer: _Transfer, timeout: float) -> bool:
         """Wait (holding the lock, which the wait releases) until ``transfer`` was issued; True
         when it was within ``timeout``."""
-        return self._issued.wait_for(lambda: transfer.issued, timeout)
+        self._issue_waiters += 1
+        try:
+            return self._issued.wait_for(lambda: transfer.issued, timeout)
+        finally:
+            self._issue_waiters -= 1
 
     def _advance(self) -> None:
         """Pop finished transfers from the head (caller holds the lock; never blocks)."""
