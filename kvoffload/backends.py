@@ -176,8 +176,9 @@ class CudaTicket:
         return poll_until(self.done, timeout_s)
 
     def seconds(self) -> float:
-        """Device time between the start and end events."""
-        if self.end is None:
+        """Device time between the start and end events (0.0 for a job that failed: its start event
+        may not have been recorded)."""
+        if self.end is None or self.error is not None:
             return 0.0
         return self.start.seconds_until(self.end)
 
@@ -243,7 +244,12 @@ class CudaBackend:
 
     def fence(self, stream: object | None) -> object:
         """Record a pooled event on the compute stream (default: the device's current stream); the
-        event goes back to the pool when the last job that waits for it was issued."""
+        event goes back to the pool when the last job that waits for it was issued.
+
+        The event is created and recorded with this backend's device current (a caller whose
+        current device is another one gets it switched for the call and restored): the handle of a
+        legacy default stream (0) names the stream of the current device.
+        """
         if stream is None:
             handle = current_stream_handle(self._device_index)
         elif isinstance(stream, torch.cuda.Stream):
@@ -256,8 +262,14 @@ class CudaBackend:
             raise DeviceMismatchError(
                 f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
             )
+        if torch.cuda.current_device() == self._device_index:
+            return self._record_fence(handle)
+        with torch.cuda.device(self._device_index):
+            return self._record_fence(handle)
+
+    def _record_fence(self, stream: int) -> bindings.Event:
         event = bindings.Event(self._events)
-        event.record(handle)
+        event.record(stream)
         return event
 
     def start_thread(self) -> None:
@@ -266,8 +278,9 @@ class CudaBackend:
         bindings.make_context_current(self._device_index)
 
     def can_issue_here(self) -> bool:
-        """True when the calling thread's current device is this backend's (its context is then
-        the one the copies need, and issuing changes nothing the caller relies on)."""
+        """True when the calling thread's current device is this backend's. Issuing there makes the
+        device's primary context current on the thread if it was not (the context the CUDA runtime,
+        and so torch, uses for that device)."""
         return torch.cuda.current_device() == self._device_index
 
     def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
@@ -669,8 +682,10 @@ class AutoBackend(StagedBackend):
         chosen = self._choose(int(src.shape[0]))
         kstream = self._kernel_handle
         if chosen == "staged":
-            self._last_end = kstream if self.direction is Direction.LOAD else stream
-            return StagedBackend._issue_on(self, stream, plan, src, dst, fence)
+            ticket = StagedBackend._issue_on(self, stream, plan, src, dst, fence)
+            if isinstance(ticket, CudaTicket):  # something was enqueued: it ends on that stream
+                self._last_end = kstream if self.direction is Direction.LOAD else stream
+            return ticket
         own, other = (stream, kstream) if chosen == "dma" else (kstream, stream)
         if self._last_end == other:
             try:

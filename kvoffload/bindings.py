@@ -188,7 +188,7 @@ class Capabilities:
     notes: tuple[str, ...] = ()
 
 
-_init_lock = threading.Lock()
+_init_lock = threading.RLock()  # re-entrant: an event returned by the collector may need it
 _primary_contexts: dict[int, _drv.CUcontext] = {}
 
 
@@ -525,13 +525,11 @@ _INVALID_CONTEXT: Final = int(_drv.CUresult.CUDA_ERROR_INVALID_CONTEXT)
 _NOT_READY: Final = int(_drv.CUresult.CUDA_ERROR_NOT_READY)
 
 
-def resolve_driver_function(
-    name: bytes, abi_version: int, *argtypes: Any, release_gil: bool = True
-) -> Callable[..., int]:
+def resolve_driver_function(name: bytes, abi_version: int, *argtypes: Any) -> Callable[..., int]:
     """A driver entry point resolved with ``cuGetProcAddress`` for ``abi_version``, callable through
-    ctypes (``CUresult`` as an int). The GIL is released during the call unless ``release_gil`` is
-    False: only for calls that never wait (queries), where handing the GIL to another thread and
-    taking it back costs more than the call and can keep the caller waiting for it.
+    ctypes (``CUresult`` as an int). The GIL is released during the call: any driver call may wait
+    on a lock another thread's long call holds (a host registration, a module load), and the other
+    Python threads must go on meanwhile.
 
     Raises:
         CudaError: the driver does not provide the symbol for that version.
@@ -543,14 +541,12 @@ def resolve_driver_function(
     address = int(result[1]) if int(result[0]) == 0 and result[1] is not None else 0
     if not address:
         raise CudaError("cuGetProcAddress", int(result[0]), _decode(name), "symbol not found")
-    prototype = ctypes.CFUNCTYPE if release_gil else ctypes.PYFUNCTYPE
-    return prototype(ctypes.c_int, *argtypes)(address)
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(address)
 
 
 class _HotCalls:
     """The driver calls a job's submission makes, called through ctypes: about a microsecond each,
-    against several for cuda-python's wrappers or torch's event objects. Calls that enqueue work
-    release the GIL (the driver may block one while a stream's queue is full); queries keep it."""
+    against several for cuda-python's wrappers or torch's event objects."""
 
     def __init__(self) -> None:
         p, u, f = ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_float)
@@ -558,11 +554,10 @@ class _HotCalls:
         self.event_create = resolve(b"cuEventCreate", HOT_ABI_VERSION, ctypes.POINTER(p), u)
         self.event_destroy = resolve(b"cuEventDestroy", HOT_ABI_VERSION, p)
         self.event_record = resolve(b"cuEventRecord", HOT_ABI_VERSION, p, p)
-        self.event_query = resolve(b"cuEventQuery", HOT_ABI_VERSION, p, release_gil=False)
-        self.event_elapsed = resolve(b"cuEventElapsedTime", HOT_ABI_VERSION, f, p, p, release_gil=False)
+        self.event_query = resolve(b"cuEventQuery", HOT_ABI_VERSION, p)
+        self.event_elapsed = resolve(b"cuEventElapsedTime", HOT_ABI_VERSION, f, p, p)
         self.stream_wait_event = resolve(b"cuStreamWaitEvent", HOT_ABI_VERSION, p, p, u)
-        self.ctx_get_current = resolve(b"cuCtxGetCurrent", HOT_ABI_VERSION, ctypes.POINTER(p),
-                                       release_gil=False)
+        self.ctx_get_current = resolve(b"cuCtxGetCurrent", HOT_ABI_VERSION, ctypes.POINTER(p))
         self.memcpy_async = resolve_driver_function(
             b"cuMemcpyAsync", HOT_ABI_VERSION, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, p
         )

@@ -125,3 +125,41 @@ def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.
     figures.add(f"load race [{path}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
     assert seen == 0
     assert not_loaded == 0
+
+
+def current_stream_store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> int:
+    """As :func:`store_race`, with the compute work on the layout device's *current* stream and the
+    job submitted with ``stream=None`` while another device is the caller's current one."""
+    index = torch.tensor(BLOCKS, device=layout.device)
+    stale = 0
+    for trial in range(trials):
+        old, new = (2 * trial) % 251, (2 * trial + 1) % 251
+        with torch.cuda.device(layout.device):
+            fill_blocks(layout, index, old)
+            torch.cuda.synchronize(layout.device)
+            stall()
+            fill_blocks(layout, index, new)  # the writes the store must see
+        assert torch.cuda.current_device() != layout.device.index
+        w.store(first_job + trial, BLOCKS, HOST)
+        (result,) = w.wait([first_job + trial], TIMEOUT_S)
+        assert result.ok, result.error
+        stale += mismatched_pages(layout, w.host_records()[HOST], new)
+    return stale
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("path", PATHS)
+def test_a_caller_on_another_device_still_fences_the_layouts_device(path: PathName) -> None:
+    """The fence is created and recorded on the layout's device whatever device the calling thread
+    has current: with ``stream=None`` it is that device's current stream (not the caller's device's
+    legacy stream, which handle 0 would name), and with an explicit stream the event is one of its
+    device."""
+    original = torch.cuda.current_device()
+    layout = cache("per-layer", torch.device("cuda", 1), num_blocks=128, layers=8)
+    try:
+        with Worker.create(layout, 64, path=path) as w:
+            torch.cuda.set_device(0)  # the caller's current device is another one from here on
+            assert current_stream_store_race(w, layout, TRIALS // 4, 0) == 0
+            assert store_race(w, layout, TRIALS // 4, 1000) == 0
+    finally:
+        torch.cuda.set_device(original)
