@@ -584,8 +584,8 @@ class StagedBackend(KernelBackend):
 
     def _gather(self, chunk: StagedChunk, plan: CopyPlan, segments: tuple[int, int]) -> None:
         """Launch the kernel moving ``chunk``'s pages between the device cache and its slot."""
-        rows = _ROWS[: chunk.device_blocks.shape[0]] if chunk.device_blocks.shape[0] <= _ROWS.shape[0] \
-            else np.arange(chunk.device_blocks.shape[0], dtype=np.int64)
+        count = int(chunk.device_blocks.shape[0])
+        rows = _ROWS[:count] if count <= _ROWS.shape[0] else np.arange(count, dtype=np.int64)
         self.launcher.launch(segments[0], segments[1], chunk.device_blocks, rows,
                              self.slot_bases[chunk.slot], plan.pages.record_bytes,
                              self.direction is Direction.STORE, self.ctas, self._kernel_handle)
