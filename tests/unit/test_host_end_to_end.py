@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import kvoffload.worker
-from kvoffload import DeviceLayout, Direction, ShutdownError, TransferError, Worker
+from kvoffload import (
+    BlockConflictError, DeviceLayout, Direction, ShutdownError, TransferError, Worker,
+)
 from kvoffload.backends import HostBackend
 from kvoffload.demo import LAYOUTS, build_cache
 from kvoffload.demo import main as demo_main
@@ -137,6 +139,27 @@ def test_shutdown_with_500_jobs_in_flight_finishes_them_and_releases_the_region(
     stats = w.stats().store
     assert (stats.submitted, stats.completed, stats.failed, stats.in_flight) == (500, 500, 0, 0)
     assert region.released
+
+
+def test_conflicts_of_jobs_of_many_blocks_are_named_and_released(worker: Worker) -> None:
+    """Jobs of more than a few blocks are booked with array operations (small ones id by id): the
+    conflict names the first clashing id, and completion releases exactly what the job held."""
+    worker.store(1, list(range(20)), list(range(20)))  # not waited for: stays in the books
+    reads_written = list(range(20, 39)) + [19]
+    with pytest.raises(BlockConflictError,
+                       match=r"load job 2: host_blocks\[19\] = 19 is being written by in-flight job 1"):
+        worker.load(2, reads_written, list(range(20, 40)))
+    repeated_reads = list(range(40, 48)) * 2 + [40, 41, 42, 43]
+    writes_in_use = list(range(21, 40)) + [5]
+    with pytest.raises(BlockConflictError,
+                       match=r"store job 3: host_blocks\[19\] = 5 is in use by in-flight job 1"):
+        worker.store(3, repeated_reads, writes_in_use)
+    assert all(r.ok for r in worker.wait([1], TIMEOUT_S))
+    worker.load(2, reads_written, list(range(20, 40)))
+    assert all(r.ok for r in worker.wait([2], TIMEOUT_S))
+    worker.store(3, repeated_reads, writes_in_use)
+    worker.store(4, list(range(20)), list(range(6, 21)) + [0, 1, 2, 3, 4])  # job 1's blocks are free
+    assert all(r.ok for r in worker.wait([3, 4], TIMEOUT_S))
 
 
 class FailingBackend(HostBackend):
