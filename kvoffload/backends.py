@@ -262,7 +262,7 @@ class CudaBackend:
             raise DeviceMismatchError(
                 f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
             )
-        if torch.cuda.current_device() == self._device_index:
+        if current_device_index() == self._device_index:
             return self._record_fence(handle)
         with torch.cuda.device(self._device_index):
             return self._record_fence(handle)
@@ -281,7 +281,7 @@ class CudaBackend:
         """True when the calling thread's current device is this backend's. Issuing there makes the
         device's primary context current on the thread if it was not (the context the CUDA runtime,
         and so torch, uses for that device)."""
-        return torch.cuda.current_device() == self._device_index
+        return current_device_index() == self._device_index
 
     def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
         """One descriptor per page (batched DMA; the driver's cost grows with it)."""
@@ -742,6 +742,17 @@ def current_stream_handle(device_index: int) -> int:
     if _raw_current_stream is not None:
         return int(_raw_current_stream(device_index))
     return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+_raw_current_device: Callable[[], int] | None = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_device_index() -> int:
+    """The calling thread's current CUDA device (torch's raw accessor where it has one: it skips
+    the lazy-initialisation check, done by then, as the backends exist)."""
+    if _raw_current_device is not None:
+        return int(_raw_current_device())
+    return torch.cuda.current_device()
 
 
 def _index(device: torch.device) -> int:

@@ -476,37 +476,52 @@ class DirectionHandler:
         self._check_open()
         ids = as_job_ids(job_ids)
         seconds = as_timeout(timeout)
-        with self._lock:
-            unknown = [j for j in ids if j not in self._ids]
-        if unknown:
-            raise UnknownJobError(
-                f"{self.direction.value} job(s) {unknown} are neither in flight nor waiting to be polled"
-            )
-        deadline = time.monotonic() + seconds
+        return self.wait_until(ids, time.monotonic() + seconds, seconds)
+
+    def wait_until(
+        self, ids: list[int], deadline: float, timeout: float
+    ) -> list[tuple[int, TransferResult]]:
+        """As :meth:`wait_sequenced` for ids the caller validated (distinct ints), until the
+        ``time.monotonic()`` ``deadline``; ``timeout`` is only named in the error.
+
+        Raises:
+            ClosedError: after shutdown.
+            UnknownJobError, WaitTimeoutError: as :meth:`wait`.
+        """
+        self._check_open()
+        first = True
         while True:
             with self._lock:
+                if first:
+                    unknown = [j for j in ids if j not in self._ids]
+                    if unknown:
+                        raise UnknownJobError(
+                            f"{self.direction.value} job(s) {unknown} are neither in flight nor "
+                            "waiting to be polled"
+                        )
+                    first = False
                 self._advance()
-                missing = [j for j in ids if j not in self._done]
+                done = self._done
+                missing = [j for j in ids if j not in done]
                 if not missing:
                     self._ids.difference_update(ids)
-                    return [self._done.pop(j) for j in ids]
+                    return [done.pop(j) for j in ids]
                 head = self._fifo[0] if self._fifo else None
-            if head is None:
-                raise UnknownJobError(f"job(s) {missing} were returned by a concurrent call")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WaitTimeoutError(
-                    f"{self.direction.value} job(s) {missing} did not finish within {seconds} s",
-                    pending=missing,
-                )
-            with self._lock:
-                if not head.issued:
+                remaining = deadline - time.monotonic()
+                if head is not None and not head.issued and remaining > 0:
                     self._wait_issued(head, remaining)
                     continue
+            if head is None:
+                raise UnknownJobError(f"job(s) {missing} were returned by a concurrent call")
+            if remaining <= 0:
+                raise WaitTimeoutError(
+                    f"{self.direction.value} job(s) {missing} did not finish within {timeout} s",
+                    pending=missing,
+                )
             ticket = head.ticket
             assert ticket is not None
             try:
-                ticket.wait(max(0.0, deadline - time.monotonic()))
+                ticket.wait(remaining)
             except Exception:  # _advance records the failure as the job's result
                 pass
 

@@ -28,6 +28,10 @@ class Direction(enum.Enum):
     STORE_TO_DISK = "store_to_disk"
     LOAD_FROM_DISK = "load_from_disk"
 
+    # Members are singletons compared by identity: hash them by identity too (enum's own hash runs
+    # Python code, and the submit path looks directions up several times per job).
+    __hash__ = object.__hash__
+
 
 @attrs.frozen
 class TransferResult:

@@ -115,6 +115,8 @@ class Memory(enum.Enum):
     HOST = "host"
     DISK = "disk"
 
+    __hash__ = object.__hash__  # identity, as Direction's
+
 
 #: (memory read, memory written) by a job of each direction.
 SIDES: Final = {
@@ -569,18 +571,28 @@ class Worker:
         self._check_open()
         ids = as_job_ids(job_ids)
         seconds = as_timeout(timeout)
+        deadline = time.monotonic() + seconds
         with self._lock:
-            unknown = [j for j in ids if j not in self._book.jobs]
+            jobs, ready = self._book.jobs, self._ready
+            unknown = [j for j in ids if j not in jobs]
             if unknown:
                 raise UnknownJobError(f"job(s) {unknown} are neither in flight nor waiting to be polled")
-            directions = {j: self._book.jobs[j].direction for j in ids}
-        deadline = time.monotonic() + seconds
-        for source, kinds in self._result_sources():
-            wanted = [j for j in ids if directions[j] in kinds and j not in self._ready]
-            if not wanted:
-                continue
+            wanted: dict[Direction, list[int]] = {}
+            for j in ids:
+                if j not in ready:
+                    wanted.setdefault(jobs[j].direction, []).append(j)
+        for direction, some in wanted.items():
             try:
-                got = source.wait_sequenced(wanted, max(0.0, deadline - time.monotonic()))
+                if direction is Direction.STORE:
+                    got = self._store.wait_until(some, deadline, seconds)
+                elif direction is Direction.LOAD:
+                    got = self._load.wait_until(some, deadline, seconds)
+                else:
+                    source: _ResultSource | None = (
+                        self._pipeline if direction in _PIPELINE_DIRECTIONS else self._tier
+                    )
+                    assert source is not None
+                    got = source.wait_sequenced(some, max(0.0, deadline - time.monotonic()))
             except WaitTimeoutError as exc:
                 with self._lock:
                     pending = [j for j in ids if j not in self._ready]
@@ -589,22 +601,12 @@ class Worker:
                 ) from exc
             with self._lock:
                 for item in got:
-                    self._ready[item[1].job_id] = item
+                    ready[item[1].job_id] = item
         with self._lock:
-            results = [self._ready.pop(j)[1] for j in ids]
+            results = [ready.pop(j)[1] for j in ids]
             for j in ids:
                 self._book.remove(j)
         return results
-
-    def _result_sources(self) -> list[tuple[_ResultSource, tuple[Direction, ...]]]:
-        sources: list[tuple[_ResultSource, tuple[Direction, ...]]] = [
-            (self._store, (Direction.STORE,)), (self._load, (Direction.LOAD,)),
-        ]
-        if self._tier is not None:
-            sources.append((self._tier, (Direction.DEMOTE, Direction.PROMOTE)))
-        if self._pipeline is not None:
-            sources.append((self._pipeline, _PIPELINE_DIRECTIONS))
-        return sources
 
     # --------------------------------------------------------------------------------- inspection
 
