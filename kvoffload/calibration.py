@@ -6,8 +6,10 @@ its own, and releases them. The engine's device cache is never touched.
 
 For each direction it times the ``dma`` and ``staged`` paths on jobs of a few sizes (1 block, a few
 blocks, about 64 MiB), and the ``sm`` path on the smallest bucket only (where the host can map the
-pool), checks every byte each path moved, and keeps, per size bucket, the fastest path that moved
-its bytes correctly — a path that fails its own check is never chosen. ``sm`` is a latency path: one
+pool). The paths take turns within every repeat (see :func:`turns`), so that a shared host's
+drift weighs on all of them alike. Each path's last job at each size writes into a cleared
+destination and every byte is checked; per size bucket the fastest path that moved its bytes
+correctly is kept — a path that fails its own check is never chosen. ``sm`` is a latency path: one
 kernel launch and no DMA hand-off wins for jobs of a few blocks, and such a job holds its few CTAs
 for tens of microseconds; bulk jobs never take it (it competes with compute for the SMs). The
 result is cached per process by (device, page geometry, whether ``sm`` was allowed) and can be
@@ -17,13 +19,14 @@ persisted to a JSON file.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import os
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 import attrs
@@ -158,12 +161,13 @@ def _measure(
     try:
         for direction in (Direction.STORE, Direction.LOAD):
             plan = CopyPlan(table, region.base_ptr, region.chunk_records, direction)
-            measured: dict[str, tuple[float, ...]] = {}
-            for path in candidates:
-                figures = _time_path(device, index, plan, path, copier, slot_bytes, slots, ctas,
-                                     sizes, blocks, scratch, region)
-                if figures is not None:
-                    measured[path] = figures
+            with contextlib.ExitStack() as handlers:
+                made = {
+                    path: handlers.enter_context(
+                        _handler(device, plan, path, copier, slot_bytes, slots, ctas, blocks))
+                    for path in candidates
+                }
+                measured = _time_paths(device, plan, made, sizes, blocks, scratch, region)
             if not any(p != "sm" for p in measured):  # the bulk buckets need a bulk path
                 measured["dma"] = tuple(0.0 for _ in sizes)
             gbps[direction.value] = measured
@@ -184,48 +188,102 @@ def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
     return max(allowed, key=lambda path: measured[path][index])
 
 
-def _time_path(
-    device: torch.device, index: int, plan: CopyPlan, path: str, copier: bindings.Copier,
-    slot_bytes: int, slots: int, ctas: int, sizes: Sequence[int], blocks: int,
-    scratch: torch.Tensor, region: RegionOwner,
-) -> tuple[float, ...] | None:
-    """GB/s of ``path`` at each job size, or None when it moved a byte wrong."""
+@contextlib.contextmanager
+def _handler(
+    device: torch.device, plan: CopyPlan, path: str, copier: bindings.Copier, slot_bytes: int,
+    slots: int, ctas: int, blocks: int,
+) -> Iterator[DirectionHandler]:
+    """A handler of ``path`` over the scratch pool, shut down when the block exits."""
     backend: CudaBackend
     if path == "dma":
         backend = CudaBackend.create(plan.direction, device, copier)
     elif path == "sm":
         backend = SmBackend.create_sm(plan.direction, device, copier, SM_CTAS)
-        sizes = sizes[:SM_BUCKETS]
     else:
         backend = StagedBackend.create_staged(plan.direction, device, copier, ctas, slots, slot_bytes)
     handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
                                       num_src_blocks=2 * blocks, num_dst_blocks=2 * blocks)
-    figures: list[float] = []
-    job = 0
     try:
-        records = region.records()
-        records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))  # never zeros
-        for size in sizes:
-            ids = np.arange(size, dtype=np.int64)
-            times = []
-            for _ in range(REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS):
-                torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                handler.submit(job, ids, ids + blocks)
-                (result,) = handler.wait([job], WAIT_S)
-                times.append(time.perf_counter() - start)
-                job += 1
-                if not result.ok:
-                    _log.warning("auto calibration: path %s failed: %s", path, result.error)
-                    return None
-            if not _verified(plan, scratch, records, ids, ids + blocks, blocks):
-                _log.warning("auto calibration: path %s moved bytes wrong; never chosen", path)
-                return None
-            figures.append(size * plan.pages.block_bytes / statistics.median(times) / 1e9)
-        del records
+        yield handler
     finally:
         handler.shutdown(WAIT_S)
-    return tuple(figures) + (0.0,) * (len(SIZE_BUCKETS_BLOCKS) + 1 - len(figures))
+
+
+def turns(paths: Sequence[str], repeats: int) -> list[str]:
+    """The order the paths are timed in: every repeat times each path once, starting one path
+    later each time, so a drift in the host's speed (a shared machine) weighs on all of them
+    alike and none is always timed first or last."""
+    n = len(paths)
+    return [paths[(r + k) % n] for r in range(repeats) for k in range(n)]
+
+
+def _time_paths(
+    device: torch.device, plan: CopyPlan, handlers: dict[str, DirectionHandler],
+    sizes: Sequence[int], blocks: int, scratch: torch.Tensor, region: RegionOwner,
+) -> dict[str, tuple[float, ...]]:
+    """GB/s of each path at each job size (``sm`` at the first :data:`SM_BUCKETS` sizes only, 0.0
+    above), the paths timed in :func:`turns`. A path that fails a job, or whose verified job — into
+    a destination cleared just before it — leaves a byte wrong, is left out."""
+    records = region.records()
+    records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))  # never all zeros
+    alive = list(handlers)
+    figures: dict[str, list[float]] = {path: [] for path in handlers}
+    job = 0
+
+    def run(path: str, ids: np.ndarray) -> float | None:
+        nonlocal job
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        handlers[path].submit(job, ids, ids + blocks)
+        (result,) = handlers[path].wait([job], WAIT_S)
+        job += 1
+        if result.ok:
+            return time.perf_counter() - start
+        _log.warning("auto calibration: path %s failed: %s", path, result.error)
+        alive.remove(path)
+        return None
+
+    try:
+        for index, size in enumerate(sizes):
+            ids = np.arange(size, dtype=np.int64)
+            here = [p for p in alive if p != "sm" or index < SM_BUCKETS]
+            times: dict[str, list[float]] = {path: [] for path in here}
+            repeats = REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS
+            for path in turns(here, repeats):
+                if path in alive:
+                    seconds = run(path, ids)
+                    if seconds is not None:
+                        times[path].append(seconds)
+            for path in here:
+                if path not in alive:
+                    continue
+                _clear(plan, scratch, records, ids + blocks)
+                if run(path, ids) is None:
+                    continue
+                if not _verified(plan, scratch, records, ids, ids + blocks, blocks):
+                    _log.warning("auto calibration: path %s moved bytes wrong; never chosen", path)
+                    alive.remove(path)
+                    continue
+                figures[path].append(size * plan.pages.block_bytes / statistics.median(times[path]) / 1e9)
+    finally:
+        del records  # a view of the pool must not outlive its cleanup
+    return {path: tuple(figures[path]) + (0.0,) * (len(sizes) - len(figures[path]))
+            for path in alive}
+
+
+def _clear(plan: CopyPlan, scratch: torch.Tensor, records: torch.Tensor, dst: np.ndarray) -> None:
+    """Zero the destination of a job writing ``dst`` (host records for a store, device blocks of
+    ``scratch`` for a load), so that a path that skips a page cannot pass on an earlier job's
+    bytes. ``dst`` is a contiguous range of ids."""
+    first, count = int(dst[0]), int(dst.shape[0])
+    if plan.direction is Direction.STORE:
+        records[first : first + count].zero_()
+        return
+    pages, base = plan.pages, int(scratch.data_ptr())
+    for p in range(pages.num_pages):
+        stride = int(pages.dev_stride[p])
+        at = int(pages.dev_base[p]) - base + first * stride
+        scratch[at : at + count * stride].zero_()
 
 
 def _verified(

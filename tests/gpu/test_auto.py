@@ -1,5 +1,6 @@
 """The auto path: each job takes the path the calibration chose for its size, results name it, jobs
-finish in order across paths, and a path that fails its own check is never chosen."""
+finish in order across paths, and a path that fails its own check (bytes wrong, or none moved) is
+never chosen."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import SrcAccessOrder, Worker, calibration
+from kvoffload import SrcAccessOrder, Worker, bindings, calibration
 from kvoffload._descriptors import CopyPlan, StagedChunk
-from kvoffload.backends import StagedBackend
+from kvoffload.backends import CudaTicket, SmBackend, StagedBackend, Ticket
 from tests.gpu._helpers import TIMEOUT_S, cache
 from tests.gpu.conftest import Figures
 
@@ -106,3 +107,38 @@ def test_auto_never_chooses_a_path_that_failed_its_own_check(
         (result,) = w.wait([1], TIMEOUT_S)
         assert result.ok and result.path == "dma"
         assert torch.equal(w.host_records()[:40].to(device), layout.gather_records(list(range(40))))
+
+
+def copying_nothing(
+    self: SmBackend, stream: int, plan: CopyPlan, src: object, dst: object, fence: object
+) -> Ticket:
+    """An sm job that waits for its fence and completes, but moves no byte (the fastest "path")."""
+    assert isinstance(fence, bindings.Event)
+    kstream = self._kernel_handle
+    start, end = bindings.Event(self._timing_events), bindings.Event(self._timing_events)
+    fence.wait_on(kstream)
+    start.record(kstream)
+    end.record(kstream)
+    return CudaTicket(start, end, None)
+
+
+def test_auto_never_chooses_a_path_that_copies_nothing(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paths are timed in turns on one destination: a path that skips its copies must not pass
+    its check on the bytes another path wrote there before it (its verified job writes into a
+    cleared destination)."""
+    monkeypatch.setattr(calibration, "_cache", {})
+    monkeypatch.setattr(SmBackend, "_issue_on", copying_nothing)
+    layout = cache("per-layer", device, num_blocks=256, layers=8, seed=11)
+    with Worker.create(layout, 64, path="auto") as w:
+        for handler in (w._store, w._load):
+            choose = handler._backend._choose  # type: ignore[union-attr]
+            assert all(choose(size) != "sm" for size in (1, 2, 7))
+        w.store(1, [3], [4])
+        (result,) = w.wait([1], TIMEOUT_S)
+        assert result.ok and result.path in ("dma", "staged")
+        assert torch.equal(w.host_records()[4:5].to(device), layout.gather_records([3]))
+    (choice,) = calibration._cache.values()
+    assert choice.key.endswith("|sm")  # sm competed, and was dropped in both directions
+    assert all("sm" not in measured for measured in choice.gbps.values())

@@ -1,12 +1,22 @@
-"""The auto path's calibration record on CPU: bucket lookup and persistence across processes."""
+"""The auto path's calibration on CPU: bucket lookup, persistence across processes, the order
+paths are timed in, and the cleared destination of each verified job."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 
-from kvoffload.calibration import SM_BUCKETS, AutoChoice, _fastest, _load, _save
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import DeviceLayout
+from kvoffload._descriptors import CopyPlan
+from kvoffload.calibration import (
+    SM_BUCKETS, AutoChoice, _clear, _fastest, _load, _save, _scratch_pages, _verified, turns,
+)
 from kvoffload.records import Direction
+from kvoffload._caches import build_cache
 
 
 def choice(key: str = "H200|2097152|32768") -> AutoChoice:
@@ -54,3 +64,56 @@ def test_sm_competes_only_in_the_smallest_bucket() -> None:
     assert _fastest(slow_sm, 0) == "dma"
     no_bulk: dict[str, tuple[float, ...]] = {"dma": (0.0, 0.0, 0.0), "sm": (4.0, 0.0, 0.0)}
     assert _fastest(no_bulk, 1) == "dma"
+
+
+def test_every_repeat_times_each_path_once_starting_one_later() -> None:
+    order = turns(["dma", "staged", "sm"], 4)
+    rounds = [order[i : i + 3] for i in range(0, len(order), 3)]
+    assert all(sorted(r) == ["dma", "sm", "staged"] for r in rounds)
+    assert [r[0] for r in rounds] == ["dma", "staged", "sm", "dma"]
+    assert turns(["dma"], 2) == ["dma", "dma"]
+    assert turns([], 3) == []
+
+
+def _copy_pages(plan: CopyPlan, scratch: torch.Tensor, records: torch.Tensor, src: np.ndarray,
+                dst: np.ndarray) -> None:
+    """What a correct path does, on CPU tensors."""
+    pages, base = plan.pages, scratch.data_ptr()
+    store = plan.direction is Direction.STORE
+    for s, d in zip(src.tolist(), dst.tolist()):
+        dev, host = (s, d) if store else (d, s)
+        for p in range(pages.num_pages):
+            at = int(pages.dev_base[p]) - base + dev * int(pages.dev_stride[p])
+            n, off = int(pages.nbytes[p]), int(pages.host_offset[p])
+            if store:
+                records[host, off : off + n] = scratch[at : at + n]
+            else:
+                scratch[at : at + n] = records[host, off : off + n]
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_path_that_copies_nothing_fails_its_check_once_the_destination_is_cleared(
+    direction: Direction,
+) -> None:
+    """Paths take turns on one destination: without the clear, a path that skips its copies would
+    pass on the bytes the path before it wrote."""
+    tensors, block_dim = build_cache("per-layer", num_blocks=4, layers=3, kv_heads=2, head_dim=32,
+                                     block_size=4, dtype=torch.bfloat16, device=torch.device("cpu"))
+    pages = DeviceLayout.from_tensors(tensors, block_dim=block_dim).page_table
+    blocks = 6
+    scratch, table = _scratch_pages(torch.device("cpu"), pages, 2 * blocks)
+    records = torch.randint(0, 256, (2 * blocks, pages.record_bytes), dtype=torch.uint8)
+    plan = CopyPlan(table, records.data_ptr(), 2 * blocks, direction)
+    ids = np.arange(3, dtype=np.int64)
+    src, dst = (ids, ids + blocks) if direction is Direction.STORE else (ids + blocks, ids)
+
+    def verified() -> bool:
+        return _verified(plan, scratch, records, src, dst, blocks)
+
+    _copy_pages(plan, scratch, records, src, dst)  # the path timed before
+    assert verified()
+    assert verified()  # a path that copied nothing: the earlier bytes still match (the hazard)
+    _clear(plan, scratch, records, dst)
+    assert not verified()  # cleared: the same no-op is caught
+    _copy_pages(plan, scratch, records, src, dst)
+    assert verified()  # a path that copies passes
