@@ -26,7 +26,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 import attrs
@@ -77,6 +77,11 @@ class AutoChoice:
     def path_for(self, direction: Direction, blocks: int) -> str:
         """The path for a job of ``blocks`` blocks in ``direction``."""
         return self.paths[direction.value][max(0, bisect.bisect_right(self.buckets, blocks) - 1)]
+
+    def chooser(self, direction: Direction) -> Callable[[int], str]:
+        """:meth:`path_for` of one direction, as a function of the block count (looked up once)."""
+        paths, buckets = self.paths[direction.value], self.buckets
+        return lambda blocks: paths[max(0, bisect.bisect_right(buckets, blocks) - 1)]
 
 
 _cache: dict[str, AutoChoice] = {}

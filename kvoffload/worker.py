@@ -866,7 +866,7 @@ def _cuda_backend(
                        kernel_ctas=ctas, persist_path=calibration_path, allow_sm=mapped)
     return AutoBackend.create_auto(
         direction, device, copier, ctas, staging_slots, slot_bytes,
-        functools.partial(choice.path_for, direction), sm_ctas=calibration.SM_CTAS,
+        choice.chooser(direction), sm_ctas=calibration.SM_CTAS,
     )
 
 

@@ -34,6 +34,9 @@ def test_a_job_takes_the_bucket_of_the_largest_size_not_above_it() -> None:
     assert [c.path_for(Direction.STORE, n) for n in (1, 7, 8, 31, 32, 10_000)] == [
         "dma", "dma", "staged", "staged", "staged", "staged"]
     assert [c.path_for(Direction.LOAD, n) for n in (1, 8, 31, 32)] == ["dma", "dma", "dma", "staged"]
+    for direction in (Direction.STORE, Direction.LOAD):
+        choose = c.chooser(direction)
+        assert [choose(n) for n in range(0, 40)] == [c.path_for(direction, n) for n in range(0, 40)]
 
 
 def test_a_saved_choice_is_read_back_for_its_key_only(tmp_path: pathlib.Path) -> None:
