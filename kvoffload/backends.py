@@ -164,12 +164,15 @@ class CudaTicket:
         self.end = end
         self.error = error
         self.path = path
+        self._done = end is None
 
     def done(self) -> bool:
-        """``cuEventQuery`` on the end event; raises :class:`~kvoffload.errors.CudaError`."""
-        if self.end is None:
-            return True
-        return self.end.done()
+        """``cuEventQuery`` on the end event until it reports completion (then no more queries);
+        raises :class:`~kvoffload.errors.CudaError`."""
+        if not self._done:
+            assert self.end is not None
+            self._done = self.end.done()
+        return self._done
 
     def wait(self, timeout_s: float) -> bool:
         """Poll the end event (spinning briefly, then with backoff) until done or ``timeout_s``."""

@@ -143,6 +143,10 @@ def as_timeout(timeout: object, name: str = "timeout") -> float:
     return value
 
 
+#: Lists of at most this many ids are checked one by one (numpy's fixed cost is larger there).
+_SHORT_IDS: Final = 16
+
+
 def as_block_ids(name: str, values: object, limit: int) -> I64Array:
     """Convert block ids to an ``int64`` array and check every id is in ``[0, limit)``.
 
@@ -163,6 +167,14 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
     if isinstance(values, (str, bytes)) or values is None:
         raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     if isinstance(values, (list, tuple)):
+        if len(values) > _SHORT_IDS and all(type(v) is int for v in values):
+            try:
+                ids = np.array(values, dtype=np.int64)
+            except OverflowError:  # an id past int64: named by the loop below
+                pass
+            else:
+                if int(ids.view(np.uint64).max()) < limit:  # negative ids read as huge
+                    return ids
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise BlockIdTypeError(

@@ -581,8 +581,9 @@ class Worker:
             for j in ids:
                 if j not in ready:
                     wanted.setdefault(jobs[j].direction, []).append(j)
-        for direction, some in wanted.items():
-            try:
+        found: dict[int, tuple[int, TransferResult]] = {}
+        try:
+            for direction, some in wanted.items():
                 if direction is Direction.STORE:
                     got = self._store.wait_until(some, deadline, seconds)
                 elif direction is Direction.LOAD:
@@ -593,17 +594,19 @@ class Worker:
                     )
                     assert source is not None
                     got = source.wait_sequenced(some, max(0.0, deadline - time.monotonic()))
-            except WaitTimeoutError as exc:
-                with self._lock:
-                    pending = [j for j in ids if j not in self._ready]
+                for item in got:
+                    found[item[1].job_id] = item
+        except BaseException as exc:  # what finished stays available to poll() and wait()
+            with self._lock:
+                ready.update(found)
+                pending = [j for j in ids if j not in ready]
+            if isinstance(exc, WaitTimeoutError):
                 raise WaitTimeoutError(
                     f"job(s) {pending} did not finish within {seconds} s", pending=pending
                 ) from exc
-            with self._lock:
-                for item in got:
-                    ready[item[1].job_id] = item
+            raise
         with self._lock:
-            results = [ready.pop(j)[1] for j in ids]
+            results = [(found[j] if j in found else ready.pop(j))[1] for j in ids]
             for j in ids:
                 self._book.remove(j)
         return results

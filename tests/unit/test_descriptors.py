@@ -382,8 +382,8 @@ _INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.ui
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(
-    ids=st.lists(st.integers(-3, 12), max_size=10),
-    limit=st.integers(1, 10),
+    ids=st.lists(st.integers(-3, 12), max_size=40),  # past 16: the long-list branch
+    limit=st.integers(1, 14),
     container=st.sampled_from(["list", "tuple", "numpy", "torch"]),
     dtype=st.sampled_from(_INT_DTYPES),
 )
@@ -421,8 +421,8 @@ _NOT_INTS = st.sampled_from([1.0, 2.5, True, False, "1", None, b"1", [1], np.flo
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(
-    ids=st.lists(st.integers(0, 7), max_size=6),
-    bad=st.lists(st.tuples(st.integers(0, 6), _NOT_INTS), min_size=1, max_size=3),
+    ids=st.lists(st.integers(0, 7), max_size=30),
+    bad=st.lists(st.tuples(st.integers(0, 30), _NOT_INTS), min_size=1, max_size=3),
 )
 def test_as_block_ids_refuses_any_non_int_element_naming_the_first(
     ids: list[int], bad: list[tuple[int, object]]
@@ -444,9 +444,13 @@ def test_as_block_ids_refuses_any_non_int_element_naming_the_first(
         pytest.param([2**63], id="list-2**63"),
         pytest.param(np.asarray([2**63], dtype=np.uint64), id="uint64-2**63"),
         pytest.param([2**70], id="list-2**70"),
+        pytest.param([0] * 20 + [2**63], id="long-list-2**63"),
+        pytest.param([0] * 20 + [2**70], id="long-list-2**70"),
+        pytest.param([0] * 20 + [-1], id="long-list-negative"),
     ],
 )
 def test_as_block_ids_names_a_huge_id_by_its_value(values: object) -> None:
-    big = int(np.asarray(values, dtype=object)[0])
-    with pytest.raises(InvalidBlockIdError, match=rf"host_blocks\[0\] = {big} is out of range"):
+    at = len(values) - 1 if isinstance(values, list) else 0
+    big = int(np.asarray(values, dtype=object)[at])
+    with pytest.raises(InvalidBlockIdError, match=rf"host_blocks\[{at}\] = {big} is out of range"):
         as_block_ids("host_blocks", values, 8)
