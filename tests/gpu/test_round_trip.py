@@ -137,7 +137,8 @@ def test_large_job_of_256_blocks_by_64_pages(device: torch.device, figures: Figu
                 f"{float(np.median(submit_s[2:])) * 1e6:8.1f} us")
     figures.add("submit, 256 x 64-page store jobs back to back (median)",
                 f"{back_to_back_submit_us(layout, src, host):8.1f} us")
-    figures.add("submit, 256 x 64-page store jobs back to back, staged (issued by the caller)",
+    figures.add("submit, 256 x 64-page store jobs back to back, staged (the first of a burst is "
+                "issued on the caller's thread)",
                 f"{back_to_back_submit_us(layout, src, host, 'staged'):8.1f} us")
     figures.add("store 256 x 64 x 32 KiB, one job alone, dma (copy-stream time)",
                 f"{stored.nbytes / stored.seconds / 1e9:8.1f} GB/s")
