@@ -4,7 +4,8 @@ Owns: one memory mapping (anonymous, or of a shared file under ``/dev/shm``), it
 and file name (until unlinked), and the host registrations (pinning) of the record area.
 Borrows: the :class:`~kvoffload.bindings.HostPinner` that registers memory with the device.
 
-``create`` maps, populates (``MAP_POPULATE``: registration of pre-faulted memory is ~7x faster),
+``create`` maps, populates (``MAP_POPULATE``: registration of pre-faulted memory is ~7x faster; an
+anonymous pool is private memory kept out of child processes, see :func:`_map`),
 pins in chunks (record-aligned, at most ``PIN_CHUNK_BYTES`` each, rolled back in reverse on failure)
 and makes the record view. Each step registers its undo; on any failure the undos run and nothing
 leaks.
@@ -53,6 +54,9 @@ _SHARED_VERSION: Final = 1
 _HEADER_FORMAT: Final = "<8sIIQQII"  # magic, version, pad, num_records, record_bytes, participants, mapped
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _FILE_MODE: Final = 0o600
+#: ``madvise`` advice that keeps a range out of child processes (Linux's value where ``mmap`` does
+#: not name it).
+_MADV_DONTFORK: Final = int(getattr(mmap, "MADV_DONTFORK", 10))
 #: Mappings that must never be unmapped (an unpin failed); kept referenced for the process lifetime.
 _LEFT_MAPPED: list[mmap.mmap] = []
 
@@ -381,12 +385,28 @@ def _create_file(path: str, nbytes: int) -> int:
 
 
 def _map(fd: int | None, nbytes: int) -> mmap.mmap:
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    """Map and populate ``nbytes``: of the file ``fd`` (shared), or anonymous memory.
+
+    An anonymous pool is private memory (populated several times faster than shared anonymous
+    memory, which the kernel backs with shmem pages, and eligible for transparent huge pages),
+    marked ``MADV_DONTFORK``: a child process gets no copy of it, so a fork can neither duplicate a
+    pinned pool nor leave this process's writes on pages that a copy-on-write split moved away from
+    the ones the device reads.
+    """
+    shared = fd is not None
+    flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | getattr(mmap, "MAP_POPULATE", 0)
     try:
-        return mmap.mmap(-1 if fd is None else fd, nbytes, flags=flags,
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(-1 if fd is None else fd, nbytes, flags=flags,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError) as exc:
         raise RegionError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
+    if not shared:
+        try:
+            mapping.madvise(_MADV_DONTFORK)
+        except OSError as exc:
+            mapping.close()
+            raise RegionError(f"cannot keep the host pool out of child processes: {exc}") from exc
+    return mapping
 
 
 def _records_view(mapping: mmap.mmap, offset: int, num_records: int, record_bytes: int) -> torch.Tensor:

@@ -136,6 +136,31 @@ def test_abandon_leaves_memory_pinned_and_mapped() -> None:
     assert [op for op, _, _ in pinner.log] == ["register"]
 
 
+def _maps_address(address: int) -> bool:
+    """Whether the calling process maps ``address`` (from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_an_anonymous_pool_stays_out_of_child_processes() -> None:
+    """A forked child must get no copy of the pinned pool (neither a duplicate of its memory nor a
+    copy-on-write split of the pages the device reads); a shared pool is the same memory in both."""
+    region = RegionOwner.create(num_records=4, record_bytes=RECORD, pinner=RecordingPinner())
+    try:
+        assert _maps_address(region.base_ptr)
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            os._exit(1 if _maps_address(region.base_ptr) else 0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child process maps the pool"
+    finally:
+        region.cleanup()
+
+
 def test_shared_region_is_unlinked_once_mapped_by_its_only_participant(shm_name: str) -> None:
     region = RegionOwner.create(num_records=3, record_bytes=RECORD, pinner=RecordingPinner(),
                                 shared_name=shm_name)
