@@ -37,6 +37,9 @@ PATHS: Final = ("loop", "dma", "staged", "sm", "auto")
 #: A block is about this large whatever the page size (pages per block = this / page size).
 BLOCK_BYTES: Final = 2 * MIB
 JOB_BYTES: Final = 64 * MIB
+#: Bytes moved per measurement (8 jobs of 64 MiB with ``--quick``, which finishes within a minute).
+TOTAL_BYTES: Final = 2048 * MIB
+QUICK_TOTAL_BYTES: Final = 512 * MIB
 TIMEOUT_S: Final = 300.0
 GEMM_N: Final = 8192
 #: Products per GEMM window (about 60 ms on an H200) and store jobs kept in flight beside it.
@@ -336,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pages = (tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages
              else QUICK_PAGE_SIZES if args.quick else PAGE_SIZES)
     paths = tuple(p for p in args.paths.split(",") if p)
-    total = (args.total_mib * MIB if args.total_mib else (1024 * MIB if args.quick else 2048 * MIB))
+    total = (args.total_mib * MIB if args.total_mib
+             else QUICK_TOTAL_BYTES if args.quick else TOTAL_BYTES)
     _log(progress, "measuring the link limit")
     d2h, h2d, both = link_limits(device, 1 << 30)
     gemm = GemmLoad(device) if args.gemm else None
