@@ -37,9 +37,12 @@ PATHS: Final = ("loop", "dma", "staged", "sm", "auto")
 #: A block is about this large whatever the page size (pages per block = this / page size).
 BLOCK_BYTES: Final = 2 * MIB
 JOB_BYTES: Final = 64 * MIB
-#: Bytes moved per measurement (8 jobs of 64 MiB with ``--quick``, which finishes within a minute).
+#: Bytes moved per measurement (16 jobs of 64 MiB with ``--quick``, which finishes within a minute).
 TOTAL_BYTES: Final = 2048 * MIB
-QUICK_TOTAL_BYTES: Final = 512 * MIB
+QUICK_TOTAL_BYTES: Final = 1024 * MIB
+#: With ``--quick``, the per-page copy loop moves at most this much per measurement: it runs at a
+#: few GB/s at small pages, where this is already a measurement of tens of milliseconds.
+QUICK_LOOP_BYTES: Final = 256 * MIB
 TIMEOUT_S: Final = 300.0
 GEMM_N: Final = 8192
 #: Products per GEMM window (about 60 ms on an H200) and store jobs kept in flight beside it.
@@ -124,12 +127,16 @@ def _split(kind: str, src: np.ndarray, dst: np.ndarray, per_job: int) -> list[tu
 
 
 def _mismatches_host(w: Worker, layout: DeviceLayout, dev: np.ndarray, host: np.ndarray) -> int:
+    """Blocks whose host record ``host[i]`` differs from device block ``dev[i]``, compared on the
+    device (the whole pool crosses the link once, from its pinned pages)."""
     records = w.host_records()
+    pool = records.to(layout.device)
+    del records  # no view of the pool outlives this call
+    rows = torch.from_numpy(np.ascontiguousarray(host)).to(layout.device)
     bad = 0
     for i in range(0, dev.shape[0], 64):
-        got = records[host[i : i + 64]].to(layout.device)
+        got = pool.index_select(0, rows[i : i + 64])
         bad += int((got != layout.gather_records(dev[i : i + 64])).any(dim=1).sum())
-    del records
     return bad
 
 
@@ -177,6 +184,7 @@ def measure_path(
     out: TextIO, kernel_ctas: int | None = None,
 ) -> BenchRow:
     """All figures of one path at one page size (see the module docstring)."""
+    began = time.perf_counter()
     num = max(4, total_bytes // BLOCK_BYTES)
     layout = _layout(device, page_bytes, 2 * num)
     per_job = max(1, JOB_BYTES // layout.block_bytes)
@@ -208,7 +216,8 @@ def measure_path(
         mismatched_blocks=bad,
     )
     _log(out, f"  {page_bytes // KIB:>5} KiB {path:<7} store {row.store_gbps:6.1f}  load "
-              f"{row.load_gbps:6.1f}  both {row.both_gbps:6.1f} GB/s  mismatched {bad}")
+              f"{row.load_gbps:6.1f}  both {row.both_gbps:6.1f} GB/s  mismatched {bad}  "
+              f"({time.perf_counter() - began:.1f} s)")
     return row
 
 
@@ -308,7 +317,8 @@ def small_job_ratio(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench's command-line options."""
-    parser.add_argument("--quick", action="store_true", help="fewer page sizes and bytes (< 1 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer page sizes and bytes, the copy loop 256 MiB (< 1 min)")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths")
     parser.add_argument("--pages", default=None, help="comma-separated page sizes in KiB")
     parser.add_argument("--total-mib", type=int, default=None, help="bytes moved per measurement")
@@ -341,15 +351,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = tuple(p for p in args.paths.split(",") if p)
     total = (args.total_mib * MIB if args.total_mib
              else QUICK_TOTAL_BYTES if args.quick else TOTAL_BYTES)
+    began = time.perf_counter()
     _log(progress, "measuring the link limit")
     d2h, h2d, both = link_limits(device, 1 << 30)
     gemm = GemmLoad(device) if args.gemm else None
     rows = []
     for page in pages:
         for path in paths:
-            rows.append(measure_path(device, page, path, total, gemm, progress, args.kernel_ctas))
+            nbytes = min(total, QUICK_LOOP_BYTES) if args.quick and path == "loop" else total
+            rows.append(measure_path(device, page, path, nbytes, gemm, progress, args.kernel_ctas))
+    _log(progress, f"1-block jobs ({time.perf_counter() - began:.1f} s so far)")
     small = {path: small_job_ratio(device, path, args.kernel_ctas) for path in paths if path != "loop"}
     link_gemm = gemm_beside_link(gemm, device) if gemm is not None else None
+    _log(progress, f"done in {time.perf_counter() - began:.1f} s")
     print(f"kvoffload bench on {torch.cuda.get_device_name(device)}")
     print(f"link limit: d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s, both at once {both:.1f} GB/s")
     header = f"{'page':>8} {'path':<7} {'store GB/s':>16} {'load GB/s':>16} {'both GB/s':>16}"
