@@ -606,6 +606,10 @@ class Worker:
                 ) from exc
             raise
         with self._lock:
+            gone = [j for j in ids if j not in found and j not in ready]
+            if gone:  # another thread's wait or poll returned them meanwhile: keep the rest
+                ready.update(found)
+                raise UnknownJobError(f"job(s) {gone} were returned by a concurrent call")
             results = [(found[j] if j in found else ready.pop(j))[1] for j in ids]
             for j in ids:
                 self._book.remove(j)

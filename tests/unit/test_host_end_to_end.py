@@ -17,7 +17,8 @@ import torch
 
 import kvoffload.worker
 from kvoffload import (
-    BlockConflictError, DeviceLayout, Direction, ShutdownError, TransferError, Worker,
+    BlockConflictError, DeviceLayout, Direction, ShutdownError, TransferError, UnknownJobError,
+    WaitTimeoutError, Worker,
 )
 from kvoffload.backends import HostBackend
 from kvoffload.demo import LAYOUTS, build_cache
@@ -277,3 +278,35 @@ def test_demo_runs_the_host_backend_verifies_and_says_so(capsys: pytest.CaptureF
     assert "host backend" in out
     assert re.search(r"mismatched\s+0 blocks", out)
     assert re.search(r"result\s+OK", out)
+
+
+def test_a_wait_that_loses_a_job_to_a_concurrent_call_keeps_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait for [1, 3] whose job 1 (already finished) is returned by another thread's wait while
+    it waits for job 3: it names job 1, and job 3's result and bookkeeping are not lost."""
+    with Worker.create(small_cache("per-layer"), HOST_BLOCKS) as w:
+        w.store(1, [0], [0])
+        w.store(3, [1], [1])
+        w.load(2, [5], [5])
+
+        def load_times_out(ids: list[int], deadline: float, timeout: float) -> object:
+            raise WaitTimeoutError("held back", pending=ids)
+
+        with monkeypatch.context() as patch:  # job 1 finishes into the worker's ready results
+            patch.setattr(w._load, "wait_until", load_times_out)
+            with pytest.raises(WaitTimeoutError):
+                w.wait([1, 2], TIMEOUT_S)
+        store_wait = w._store.wait_until
+
+        def another_thread_takes_job_1(ids: list[int], deadline: float, timeout: float) -> object:
+            assert [r.job_id for r in w.wait([1], TIMEOUT_S)] == [1]
+            return store_wait(ids, deadline, timeout)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(w._store, "wait_until", another_thread_takes_job_1)
+            with pytest.raises(UnknownJobError, match=r"job\(s\) \[1\] were returned by a concurrent"):
+                w.wait([1, 3], TIMEOUT_S)
+        assert sorted(r.job_id for r in w.wait([3, 2], TIMEOUT_S)) == [2, 3]
+        w.store(4, [2], [1])  # job 3 released host block 1
+        assert w.wait([4], TIMEOUT_S)[0].ok
