@@ -5,7 +5,7 @@ and file name (until unlinked), and the host registrations (pinning) of the reco
 Borrows: the :class:`~kvoffload.bindings.HostPinner` that registers memory with the device.
 
 ``create`` maps, populates (``MAP_POPULATE``: registration of pre-faulted memory is ~7x faster; an
-anonymous pool is private memory kept out of child processes, see :func:`_map`),
+anonymous pool is private memory that a forked child sees as zero pages, see :func:`_map`),
 pins in chunks (record-aligned, at most ``PIN_CHUNK_BYTES`` each, rolled back in reverse on failure)
 and makes the record view. Each step registers its undo; on any failure the undos run and nothing
 leaks.
@@ -54,9 +54,9 @@ _SHARED_VERSION: Final = 1
 _HEADER_FORMAT: Final = "<8sIIQQII"  # magic, version, pad, num_records, record_bytes, participants, mapped
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _FILE_MODE: Final = 0o600
-#: ``madvise`` advice that keeps a range out of child processes (Linux's value where ``mmap`` does
-#: not name it).
-_MADV_DONTFORK: Final = int(getattr(mmap, "MADV_DONTFORK", 10))
+#: ``madvise`` advice that gives a forked child zero pages in a range instead of the parent's
+#: (Linux 4.14; the kernel's value where ``mmap`` does not name it).
+_MADV_WIPEONFORK: Final = int(getattr(mmap, "MADV_WIPEONFORK", 18))
 #: Mappings that must never be unmapped (an unpin failed); kept referenced for the process lifetime.
 _LEFT_MAPPED: list[mmap.mmap] = []
 
@@ -389,9 +389,10 @@ def _map(fd: int | None, nbytes: int) -> mmap.mmap:
 
     An anonymous pool is private memory (populated several times faster than shared anonymous
     memory, which the kernel backs with shmem pages, and eligible for transparent huge pages),
-    marked ``MADV_DONTFORK``: a child process gets no copy of it, so a fork can neither duplicate a
-    pinned pool nor leave this process's writes on pages that a copy-on-write split moved away from
-    the ones the device reads.
+    marked ``MADV_WIPEONFORK``: a forked child sees the range as fresh zero pages, so a fork neither
+    copies the pinned pool nor shares its pages copy-on-write (which would move this process's
+    writes away from the pages the device reads). The child keeps a mapping of its own at that
+    address, so its unmap there (a copied object being freed) touches nothing else.
     """
     shared = fd is not None
     flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | getattr(mmap, "MAP_POPULATE", 0)
@@ -402,7 +403,7 @@ def _map(fd: int | None, nbytes: int) -> mmap.mmap:
         raise RegionError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
     if not shared:
         try:
-            mapping.madvise(_MADV_DONTFORK)
+            mapping.madvise(_MADV_WIPEONFORK)
         except OSError as exc:
             mapping.close()
             raise RegionError(f"cannot keep the host pool out of child processes: {exc}") from exc
