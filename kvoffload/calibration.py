@@ -26,6 +26,7 @@ import os
 import statistics
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
@@ -35,6 +36,7 @@ import torch
 
 from kvoffload import bindings
 from kvoffload.backends import CudaBackend, SmBackend, StagedBackend
+from kvoffload.errors import TransferError
 from kvoffload.handler import DirectionHandler
 from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload.records import Direction
@@ -173,8 +175,7 @@ def _measure(
                     for path in candidates
                 }
                 measured = _time_paths(device, plan, made, sizes, blocks, scratch, region)
-            if not any(p != "sm" for p in measured):  # the bulk buckets need a bulk path
-                measured["dma"] = tuple(0.0 for _ in sizes)
+            _check_bulk(measured, key, direction)
             gbps[direction.value] = measured
             paths[direction.value] = tuple(_fastest(measured, i) for i in range(len(sizes)))
     finally:
@@ -184,6 +185,22 @@ def _measure(
     choice = AutoChoice(key=key, buckets=buckets, paths=paths, gbps=gbps)
     _log.info("auto path calibration for %s: %s", key, paths)
     return choice
+
+
+def _check_bulk(measured: dict[str, tuple[float, ...]], key: str, direction: Direction) -> None:
+    """Refuse a calibration in which no bulk path (``dma``, ``staged``) moved its bytes correctly:
+    ``auto`` would have to take a path that failed its own check.
+
+    Raises:
+        TransferError: naming the direction and the paths that passed.
+    """
+    if not any(p != "sm" for p in measured):
+        passed = ", ".join(measured) or "none"
+        raise TransferError(
+            f"auto path calibration for {key}: no bulk path (dma, staged) moved its "
+            f"{direction.value} bytes correctly (paths that passed: {passed}); the device or its "
+            "driver is at fault - see the log for each path's failure"
+        )
 
 
 def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
@@ -230,7 +247,6 @@ def _time_paths(
     above), the paths timed in :func:`turns`. A path that fails a job, or whose verified job — into
     a destination cleared just before it — leaves a byte wrong, is left out."""
     records = region.records()
-    records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))  # never all zeros
     alive = list(handlers)
     figures: dict[str, list[float]] = {path: [] for path in handlers}
     job = 0
@@ -249,6 +265,7 @@ def _time_paths(
         return None
 
     try:
+        records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))  # never all zeros
         for index, size in enumerate(sizes):
             ids = np.arange(size, dtype=np.int64)
             here = [p for p in alive if p != "sm" or index < SM_BUCKETS]
@@ -270,6 +287,11 @@ def _time_paths(
                     alive.remove(path)
                     continue
                 figures[path].append(size * plan.pages.block_bytes / statistics.median(times[path]) / 1e9)
+    except BaseException as exc:
+        # The traceback's frames (_clear's, _verified's) hold views of the pool: drop their locals
+        # so that the region's cleanup can unmap it while the error propagates.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         del records  # a view of the pool must not outlive its cleanup
     return {path: tuple(figures[path]) + (0.0,) * (len(sizes) - len(figures[path]))

@@ -13,8 +13,10 @@ import torch
 from kvoffload import DeviceLayout
 from kvoffload._descriptors import CopyPlan
 from kvoffload.calibration import (
-    SM_BUCKETS, AutoChoice, _clear, _fastest, _load, _save, _scratch_pages, _verified, turns,
+    SM_BUCKETS, AutoChoice, _check_bulk, _clear, _fastest, _load, _save, _scratch_pages, _verified,
+    turns,
 )
+from kvoffload.errors import TransferError
 from kvoffload.records import Direction
 from kvoffload._caches import build_cache
 
@@ -120,3 +122,14 @@ def test_a_path_that_copies_nothing_fails_its_check_once_the_destination_is_clea
     assert not verified()  # cleared: the same no-op is caught
     _copy_pages(plan, scratch, records, src, dst)
     assert verified()  # a path that copies passes
+
+
+def test_a_calibration_without_a_correct_bulk_path_is_refused() -> None:
+    """auto never takes a path that failed its own check: with only sm left (or nothing), the
+    worker cannot be built on auto, and the error says which direction and what passed."""
+    _check_bulk({"dma": (1.0, 2.0, 3.0)}, "H200|x", Direction.STORE)
+    _check_bulk({"staged": (1.0, 2.0, 3.0), "sm": (9.0, 0.0, 0.0)}, "H200|x", Direction.LOAD)
+    with pytest.raises(TransferError, match=r"no bulk path .* store bytes .* passed: sm\)"):
+        _check_bulk({"sm": (9.0, 0.0, 0.0)}, "H200|x", Direction.STORE)
+    with pytest.raises(TransferError, match=r"load bytes correctly \(paths that passed: none\)"):
+        _check_bulk({}, "H200|x", Direction.LOAD)
