@@ -19,6 +19,12 @@ from kvoffload.errors import (
     ClosedError,
     CudaError,
     DeviceMismatchError,
+    DiskError,
+    DiskFormatError,
+    DiskIntegrityError,
+    DiskIOError,
+    DiskPathError,
+    DiskShutdownError,
     DuplicateKeyError,
     InvalidArgumentError,
     InvalidBlockIdError,
@@ -46,16 +52,24 @@ from kvoffload.manager import (
     LRUPolicy,
     Manager,
     ManagerStats,
+    PolicyFactory,
     StorePlan,
     Tier,
     TierStats,
 )
-from kvoffload.records import Direction, HandlerStats, TransferResult, WorkerStats
+from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult, WorkerStats
 
 if TYPE_CHECKING:
     from kvoffload.bindings import Capabilities, CopyMethod, SrcAccessOrder
+    from kvoffload.disk import (
+        DiskCapabilities,
+        DiskConfig,
+        DiskErrorKind,
+        DiskRecordInfo,
+        DiskStats,
+    )
     from kvoffload.layout import DeviceLayout, TensorGeometry
-    from kvoffload.worker import Worker
+    from kvoffload.worker import BackendName, PathName, Worker
 
 __version__ = "0.1.0.dev0"
 
@@ -66,6 +80,13 @@ _LAZY: dict[str, str] = {
     "SrcAccessOrder": "kvoffload.bindings",
     "DeviceLayout": "kvoffload.layout",
     "TensorGeometry": "kvoffload.layout",
+    "DiskCapabilities": "kvoffload.disk",
+    "DiskConfig": "kvoffload.disk",
+    "DiskErrorKind": "kvoffload.disk",
+    "DiskRecordInfo": "kvoffload.disk",
+    "DiskStats": "kvoffload.disk",
+    "BackendName": "kvoffload.worker",
+    "PathName": "kvoffload.worker",
     "Worker": "kvoffload.worker",
 }
 
@@ -79,12 +100,18 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "ARCPolicy",
     "ArgumentTypeError",
+    "BackendName",
     "BlockConflictError",
     "BlockEvent",
     "BlockIdTypeError",
+    "BlockIds",
     "Capabilities",
     "ClosedError",
     "CopyMethod",
@@ -93,6 +120,17 @@ __all__ = [
     "DeviceLayout",
     "DeviceMismatchError",
     "Direction",
+    "DiskCapabilities",
+    "DiskConfig",
+    "DiskError",
+    "DiskErrorKind",
+    "DiskFormatError",
+    "DiskIOError",
+    "DiskIntegrityError",
+    "DiskPathError",
+    "DiskRecordInfo",
+    "DiskShutdownError",
+    "DiskStats",
     "DuplicateKeyError",
     "EventKind",
     "EvictionPolicy",
@@ -108,7 +146,9 @@ __all__ = [
     "LoadPlan",
     "Manager",
     "ManagerStats",
+    "PathName",
     "PolicyError",
+    "PolicyFactory",
     "RegionError",
     "ShutdownError",
     "SrcAccessOrder",

@@ -11,7 +11,7 @@ device copies of others:
   then write the set to disk; a set is filled again only after its disk write finished.
 * load from disk: read rounds of records from disk into every free set, copy each set to its device
   blocks (after the caller's compute fence) as its read completes; a set is read into again only
-  after its device copy finished (DESIGN §5 rule 5 — the reused bounce slot that a peer's disk load
+  after its device copy finished (docs/design.md §5 rule 5 — the reused bounce slot that a peer's disk load
   overwrote while its last copy still read it). A job's result is reported only after its trailing
   copies finished: nothing it started still touches a slot.
 

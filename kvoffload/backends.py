@@ -492,7 +492,7 @@ class StagedBackend(KernelBackend):
     Owns (besides its two streams): the staging ring (device memory from torch's allocator,
     allocated on the kernel stream and marked as used by the copy stream, so it is neither handed
     out while another stream's work may still use the block nor reused before their work finished) and
-    one pair of events per slot. DESIGN §5 rule 5 holds on the device: a slot is written only after
+    one pair of events per slot. docs/design.md §5 rule 5 holds on the device: a slot is written only after
     the event recorded after its previous read, through stream waits, whatever the host does.
     """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -338,7 +339,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.disk is not None:
         from kvoffload import disk_bench
 
+        if not os.path.isdir(args.disk):
+            parser.error(f"--disk {args.disk!r} is not a directory")
         extra = ["--quick"] if args.quick else []
+        if args.json:
+            extra += ["--json", args.json]
+        if args.total_mib:
+            extra += ["--gib", str(args.total_mib / 1024)]
         return disk_bench.main(["--path", args.disk, "--pipeline", *extra])
     if not torch.cuda.is_available():
         print("kvoffload bench: no CUDA device - the bench measures the host link and needs a GPU",

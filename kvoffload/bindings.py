@@ -90,7 +90,7 @@ class SrcAccessOrder(enum.IntEnum):
     ``STREAM`` reads in stream order, after every earlier wait on the stream: mandatory for stores,
     whose source is device memory that compute may still be writing. ``ANY`` lets the driver read the
     source at any time after the call; it is allowed for loads only because their source is pinned
-    host memory that no stream writes while the load is in flight (DESIGN §5 rule 3).
+    host memory that no stream writes while the load is in flight (docs/design.md §5 rule 3).
     """
 
     STREAM = 1

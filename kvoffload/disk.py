@@ -37,7 +37,8 @@ Verification, on every read: the header's CRC, magic, version, file id and VALID
 the generation the index expects, then (with ``DiskConfig.checksum``, when the record was written
 with one) the payload's CRC32. The index is
 the authority: a block it does not hold is refused (``not_valid``) whatever the file says, and a
-record that fails a check is dropped from it. A failed read zero-fills the destination rows of the
+block whose read fails in any way (a check, a short read, an I/O error) is dropped from it. After a
+warm restart the index is header-verified (docs/design.md §9.4). A failed read zero-fills the destination rows of the
 blocks that failed (after a short read or an I/O error: every row of that system call); rows of
 blocks that verified keep their bytes, but the request completes as a whole with ``ok=False``.
 
@@ -66,7 +67,7 @@ What the Worker can rely on for the GPU <-> disk pipeline (``write_records``/``r
 * until the handle is done, the tier's threads read (a write) or write (a read) its host rows:
   leave them alone. Once ``DiskIO.done()`` is true or ``DiskIO.wait(t)`` returned True, no thread of
   the tier touches them again, whatever the outcome, so the slot may be reused or handed to a copy
-  engine (DESIGN §5 rule 5 on the disk side; draining the host<->device copies is the Worker's part);
+  engine (docs/design.md §5 rule 5 on the disk side; draining the host<->device copies is the Worker's part);
 * ``ok`` means every record was written in full (the index then lists it under a new generation) or
   read and verified. With ``ok=False``, ``error`` is the failure of the lowest failed position (a
   :class:`~kvoffload.errors.DiskError` unless the tier shut down), ``failed`` names every failed
@@ -76,7 +77,7 @@ What the Worker can rely on for the GPU <-> disk pipeline (``write_records``/``r
   every later read (``checksum_mismatch``), never served;
 * ``shutdown`` waits for these handles too, and stops every thread before the descriptor is closed.
 
-Shutdown contract (DESIGN §6): mark closed; drain the requests in flight head-first (oldest first)
+Shutdown contract (docs/design.md §6): mark closed; drain the requests in flight head-first (oldest first)
 with the deadline. If the drain passes its deadline: log it, stop issuing (requests not yet started
 fail at once), forget the queue, keep the error. Then stop the I/O and checksum threads, each joined
 with the remaining time. Only when every thread stopped is the descriptor closed (exactly once) and
@@ -235,8 +236,9 @@ class DiskConfig:
     """How to open the disk tier. Validated at construction (typed errors naming the field).
 
     Attributes:
-        path: the tier file. Its parent directory must exist. A missing, empty or all-zero file is
-            created; an existing file that is not a kvoffload tier is never overwritten.
+        path: the tier file. Its parent directory must exist. A missing or zero-length file is
+            created; any other file that is not a kvoffload tier is refused, never overwritten
+            (``DiskFormatError``, kind ``not_a_tier``).
         num_blocks: disk records in the file (the file holds ``4096 + num_blocks * (4096 +
             record_bytes)`` bytes).
         reuse: warm restart: open an existing tier file with the same layout fingerprint and geometry
@@ -518,6 +520,7 @@ class _FileState:
     recreated: bool
     note: str
     fingerprint_mismatch: bool
+    found_bytes: int = 0  # the file's size when it was opened (a reused file may be extended)
 
 
 # ------------------------------------------------------------------------------------------ tier
@@ -763,7 +766,8 @@ class DiskTier:
                 continue
             flags, hdr_block, generation, _crc, key = header
             newest = max(newest, generation)
-            if hdr_block != block or not flags & _FLAG_VALID:
+            cut = self._slot_offset(block) + self.slot_bytes > self._state.found_bytes
+            if hdr_block != block or not flags & _FLAG_VALID or cut:
                 rejected += 1
                 continue
             found.append((block, generation, key))
@@ -819,8 +823,10 @@ class DiskTier:
     def valid_blocks(self) -> dict[int, DiskRecordInfo]:
         """The index: every disk block holding a record that may be read, with its generation and key.
 
-        A snapshot (later requests change the index, not this dict). After a warm restart it lists
-        the records whose headers were valid; their payloads are verified when read.
+        A snapshot (later requests change the index, not this dict). It is *header-verified*
+        (docs/design.md §9.4): after a warm restart it lists the records whose header verified and
+        whose slot lies wholly inside the file as found; payloads are verified on every read, and a
+        block leaves the index on any failed read (checksum, header, short read or I/O error).
 
         Raises:
             ClosedError: after shutdown.
@@ -1139,8 +1145,8 @@ class DiskTier:
         n = int(piece.rows.shape[0])
         first = piece.first_block
         with self._lock:
-            piece.index_valid = self._valid[first : first + n].copy()
-            piece.index_generation = self._generation[first : first + n].copy()
+            piece.index_valid = valid = self._valid[first : first + n].copy()
+            piece.index_generation = generation = self._generation[first : first + n].copy()
         headers = _aligned(n * PAGE_BYTES)
         iov: list[U8Array] = []
         for i in range(n):
@@ -1164,8 +1170,24 @@ class DiskTier:
         if error is None:
             return True
         outcome.kinds.append(DiskErrorKind(error.kind))
+        self._unindex(first, valid, generation)
         self._fail(piece, error)
         return False
+
+    def _unindex(
+        self, first: int, valid: npt.NDArray[np.bool_], generation: npt.NDArray[np.uint64]
+    ) -> None:
+        """Drop blocks ``first..`` from the index after a failed read of them — unless a write
+        replaced them since the read was issued (their generation moved on)."""
+        n = int(valid.shape[0])
+        with self._lock:
+            same = (
+                valid & self._valid[first : first + n]
+                & (self._generation[first : first + n] == generation)
+            )
+            self._valid[first : first + n] &= ~same
+            for i in np.flatnonzero(same).tolist():
+                self._keys.pop(first + i, None)
 
     def _verify_read(self, piece: _Piece) -> None:
         """Verify every record of a read piece; zero-fill and un-index the ones that fail."""
@@ -1616,14 +1638,15 @@ def _prepare_file(fd: int, config: DiskConfig, fingerprint: bytes, record_bytes:
     path = config.path
     expected = _file_bytes(config.num_blocks, record_bytes)
     size = os.fstat(fd).st_size
-    first = os.pread(fd, PAGE_BYTES, 0) if size else b""
-    if not first.strip(b"\0"):
+    if size == 0:
         return _create_file(fd, config, fingerprint, record_bytes, recreated=False, note="",
                             mismatch=False)
+    first = os.pread(fd, PAGE_BYTES, 0)
     if first[: len(_FILE_MAGIC)] != _FILE_MAGIC:
         raise DiskFormatError(
-            f"{path!r} exists and is not a kvoffload disk tier (no {_FILE_MAGIC!r} header); it is "
-            "never overwritten: remove it or choose another path",
+            f"{path!r} holds {size} bytes and is not a kvoffload disk tier (it does not start with "
+            f"{_FILE_MAGIC!r}); a file that is not a tier is never overwritten: remove it or choose "
+            "another path",
             kind=DiskErrorKind.NOT_A_TIER, path=path,
         )
     problem = _header_problem(first, config, fingerprint, record_bytes)
@@ -1635,7 +1658,7 @@ def _prepare_file(fd: int, config: DiskConfig, fingerprint: bytes, record_bytes:
             note = (f"the file was {size} bytes, {expected} expected: extended; records past the "
                     "old end are not valid")
         return _FileState(file_id=file_id, reused=True, recreated=False, note=note,
-                          fingerprint_mismatch=False)
+                          fingerprint_mismatch=False, found_bytes=size)
     if problem is None:
         return _create_file(fd, config, fingerprint, record_bytes, recreated=True,
                             note="reuse=False: the existing tier file was recreated empty",
@@ -1680,14 +1703,14 @@ def _create_file(
     fd: int, config: DiskConfig, fingerprint: bytes, record_bytes: int, *, recreated: bool, note: str,
     mismatch: bool,
 ) -> _FileState:
-    """Empty the file, size it, then write the header last (a crash before leaves no header)."""
+    """Empty the file, write its header, then size it: a crash at any point leaves an empty file
+    (created again) or a tier whose records are not valid yet — never a file that is not a tier."""
     expected = _file_bytes(config.num_blocks, record_bytes)
     try:
         os.ftruncate(fd, 0)
     except OSError as exc:
         raise DiskIOError(f"cannot empty {config.path!r}: {exc.strerror}", kind=_os_kind(exc.errno),
                           path=config.path, errno=exc.errno) from None
-    _size_file(fd, config, expected)
     file_id = int.from_bytes(os.urandom(8), "little")
     page = bytearray(PAGE_BYTES)
     _FILE_HEADER.pack_into(page, 0, _FILE_MAGIC, FORMAT_VERSION, 0, record_bytes, config.num_blocks,
@@ -1704,6 +1727,7 @@ def _create_file(
             f"writing the header of {config.path!r} wrote {written} of {PAGE_BYTES} bytes",
             kind=DiskErrorKind.SHORT_WRITE, path=config.path,
         )
+    _size_file(fd, config, expected)
     return _FileState(file_id=file_id, reused=False, recreated=recreated, note=note,
                       fingerprint_mismatch=mismatch)
 

@@ -18,7 +18,7 @@ Jobs of one direction run on one stream, so they finish in submission order: ``p
 transfers from the head only. A job that fails to issue or to complete comes back as a result with
 ``ok=False`` and its error; it is never dropped and never counted as done.
 
-Shutdown contract (DESIGN §6): look at the head transfer, wait for its end (with the deadline), pop it
+Shutdown contract (docs/design.md §6): look at the head transfer, wait for its end (with the deadline), pop it
 only after the wait succeeded. If a wait raises or passes the deadline: log it, stop the issuer from
 issuing anything more, clear the queue, keep the error, stop waiting. Then release the backend and
 join the issuer thread *unconditionally*. Finally re-raise the kept error (several failures come as
@@ -35,7 +35,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -57,7 +57,7 @@ from kvoffload.errors import (
     UnknownJobError,
     WaitTimeoutError,
 )
-from kvoffload.records import Direction, HandlerStats, TransferResult
+from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult
 
 __all__ = [
     "BlockIds",
@@ -74,7 +74,6 @@ _log = logging.getLogger("kvoffload.handler")
 #: they are kept for the rest of the process rather than freed under a running copy.
 _ABANDONED: list[object] = []
 
-BlockIds = Sequence[int] | npt.NDArray[np.integer]
 I64Array = npt.NDArray[np.int64]
 
 #: How long a handler's shutdown waits by default for its jobs to finish.
@@ -166,6 +165,14 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
             return ids
     if isinstance(values, (str, bytes)) or values is None:
         raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    if isinstance(values, (set, frozenset, Mapping)) or (
+        isinstance(values, Iterable) and not isinstance(values, (Sequence, np.ndarray))
+        and not hasattr(values, "__array__")
+    ):
+        raise BlockIdTypeError(
+            f"{name} must be an ordered sequence of ints (a list, tuple, numpy array or tensor), "
+            f"got a {type(values).__name__}: ids pair up by position, so their order matters"
+        )
     if isinstance(values, (list, tuple)):
         if len(values) > _SHORT_IDS and all(type(v) is int for v in values):
             try:

@@ -27,7 +27,7 @@ import numpy.typing as npt
 import torch
 
 from kvoffload._descriptors import PageTable
-from kvoffload.errors import LayoutError
+from kvoffload.errors import ArgumentTypeError, LayoutError
 
 __all__ = ["PAGE_ALIGN_BYTES", "RECORD_ALIGN_BYTES", "DeviceLayout", "TensorGeometry"]
 
@@ -99,12 +99,25 @@ class DeviceLayout:
     record_bytes: int
     page_table: PageTable
     fingerprint: str
+    model_id: str = ""
+
+    def __repr__(self) -> str:
+        """One line: tensors, device, blocks, pages and record size, fingerprint prefix."""
+        return (
+            f"DeviceLayout({len(self.geometries)} tensors on {self.device}, {self.num_blocks} blocks, "
+            f"{self.pages_per_block} pages ({self.block_bytes} bytes) per block, record "
+            f"{self.record_bytes} bytes, model_id={self.model_id!r}, "
+            f"fingerprint {self.fingerprint[:12]}...)"
+        )
 
     @classmethod
     def from_tensors(
         cls,
         tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
         block_dim: int | Mapping[str, int],
+        *,
+        num_blocks: int | None = None,
+        model_id: str = "",
     ) -> DeviceLayout:
         """Describe the engine's tensors, each with an explicit block dim.
 
@@ -112,24 +125,38 @@ class DeviceLayout:
             tensors: the device cache tensors, by name (a sequence is named ``"0"``, ``"1"``, ...).
             block_dim: the block dim of every tensor, or a mapping giving each tensor's own block dim
                 (negative values count from the end, as in torch).
+            num_blocks: the number of blocks the engine allocated; when given, every tensor's block
+                dim must have exactly this size (it catches a wrong ``block_dim``, which would
+                otherwise describe, say, the K/V dim of size 2 as the blocks).
+            model_id: the caller's name for the model whose KV these tensors hold (for example its
+                name and revision). It is part of :attr:`fingerprint`, so records written for one
+                model are never read for another of the same shapes.
 
         Raises:
             LayoutError: naming the tensor and the rule: no tensors, not a tensor, mixed devices,
-                a block dim out of range or missing, zero blocks, different block counts, a page that
-                is not contiguous, a page or block stride not 16-byte aligned, pages that overlap
-                (within a tensor or across tensors) without being the same bytes.
+                a block dim out of range or missing, zero blocks, different block counts, a block
+                count other than ``num_blocks``, a page that is not contiguous, a page or block
+                stride not 16-byte aligned, pages that overlap (within a tensor or across tensors)
+                without being the same bytes.
+            ArgumentTypeError: ``num_blocks`` not an int or ``model_id`` not a str.
         """
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)):
+            raise ArgumentTypeError(
+                f"num_blocks = {num_blocks!r} must be an int or None, not a {type(num_blocks).__name__}"
+            )
+        if not isinstance(model_id, str):
+            raise ArgumentTypeError(f"model_id = {model_id!r} must be a str, not a {type(model_id).__name__}")
         named = _named_tensors(tensors)
         dims = _block_dims(named, block_dim)
         device = _common_device(named)
-        num_blocks = _common_block_count(named, dims)
+        num_blocks = _common_block_count(named, dims, num_blocks)
         segments: dict[int, int] = {}
         pages = [
             _tensor_pages(name, t, dims[name], segments.setdefault(_storage_key(t), len(segments)))
             for name, t in named.items()
         ]
         _check_no_partial_overlap(pages, num_blocks)
-        return cls._assemble(named, pages, device, num_blocks)
+        return cls._assemble(named, pages, device, num_blocks, model_id)
 
     @classmethod
     def _assemble(
@@ -138,6 +165,7 @@ class DeviceLayout:
         pages: list[_TensorPages],
         device: torch.device,
         num_blocks: int,
+        model_id: str,
     ) -> DeviceLayout:
         seen: dict[tuple[int, int, int], int] = {}
         dev_base: list[int] = []
@@ -192,7 +220,8 @@ class DeviceLayout:
             num_blocks=num_blocks,
             record_bytes=record_bytes,
             page_table=table,
-            fingerprint=_fingerprint(geometries, record_bytes),
+            fingerprint=_fingerprint(geometries, record_bytes, model_id),
+            model_id=model_id,
         )
 
     @property
@@ -302,13 +331,20 @@ def _common_device(named: dict[str, torch.Tensor]) -> torch.device:
     return first.device
 
 
-def _common_block_count(named: dict[str, torch.Tensor], dims: dict[str, int]) -> int:
+def _common_block_count(
+    named: dict[str, torch.Tensor], dims: dict[str, int], expected: int | None
+) -> int:
     first_name = next(iter(named))
     count = named[first_name].shape[dims[first_name]]
     for name, t in named.items():
         n = t.shape[dims[name]]
         if n == 0:
             raise LayoutError(f"tensor {name!r} has zero blocks (shape {tuple(t.shape)})")
+        if expected is not None and n != expected:
+            raise LayoutError(
+                f"tensor {name!r} has {n} blocks along block dim {dims[name]} (shape "
+                f"{tuple(t.shape)}) but num_blocks = {expected}: is block_dim right?"
+            )
         if n != count:
             raise LayoutError(
                 f"tensor {name!r} has {n} blocks but tensor {first_name!r} has {count}: "
@@ -443,15 +479,22 @@ def _check_pages_disjoint_or_equal(a: _TensorPages, b: _TensorPages, num_blocks:
         )
 
 
-def _fingerprint(geometries: list[TensorGeometry], record_bytes: int) -> str:
+#: Bumped whenever what the fingerprint covers changes.
+_FINGERPRINT_VERSION: Final = 2
+
+
+def _fingerprint(geometries: list[TensorGeometry], record_bytes: int, model_id: str) -> str:
+    """What makes a record's bytes meaningful (docs/design.md §9.3), and nothing else: every page in
+    record order with its dtype, shape, bytes and record offset; the record size; the model id. Not
+    the number of device blocks, tensor names or addresses."""
+    pages = [
+        [g.dtype, list(g.shape[g.block_dim + 1 :]), g.page_bytes, offset]
+        for g in geometries
+        for offset in g.host_offsets
+    ]
     payload = json.dumps(
-        {
-            "record_bytes": record_bytes,
-            "tensors": [
-                [g.name, list(g.shape), g.dtype, g.block_dim, g.page_bytes, list(g.host_offsets)]
-                for g in geometries
-            ],
-        },
+        {"version": _FINGERPRINT_VERSION, "model_id": model_id, "record_bytes": record_bytes,
+         "pages": pages},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()

@@ -647,22 +647,37 @@ class _Fence(enum.Enum):
 _FenceKey = tuple[int, _Fence, bytes]  # (plan_id, what the plan does, key)
 
 
+class _ManagerParts(NamedTuple):
+    fingerprint: bytes
+    host: _Pool
+    disk: _Pool | None
+    policy_name: str
+    record_events: bool
+
+
 class Manager:
     """The host (and optional disk) block pool of one model/layout fingerprint.
 
+    Build it with ``Manager.create(num_host_blocks, fingerprint=..., ...)``.
+
     Owns Python state only (see the module docstring); nothing to close. Every method either does all
     it says or raises before changing anything (state, policy order, counters, events). Not
-    thread-safe. Build it with :meth:`create`.
+    thread-safe.
     """
 
-    def __init__(
-        self,
-        fingerprint: bytes,
-        host: _Pool,
-        disk: _Pool | None,
-        policy_name: str,
-        record_events: bool,
-    ) -> None:
+    def __init__(self, parts: _ManagerParts) -> None:
+        """Take the pools :meth:`create` built (use :meth:`create`).
+
+        Raises:
+            ArgumentTypeError: ``parts`` is not what :meth:`create` builds.
+        """
+        if not isinstance(parts, _ManagerParts):
+            raise ArgumentTypeError(
+                "a Manager is built with Manager.create(num_host_blocks, fingerprint=..., ...), not "
+                f"Manager({type(parts).__name__})"
+            )
+        fingerprint, host, disk = parts.fingerprint, parts.host, parts.disk
+        policy_name, record_events = parts.policy_name, parts.record_events
         self._fingerprint = fingerprint
         self._namespace = _namespace_prefix(fingerprint)
         self._owner = next(_MANAGER_IDS)
@@ -744,7 +759,7 @@ class Manager:
             raise ArgumentTypeError(f"policy = {policy!r} must be a policy name or a factory")
         host = _Pool(Tier.HOST, num_host_blocks, factory(num_host_blocks))
         disk = _Pool(Tier.DISK, num_disk_blocks, factory(num_disk_blocks)) if num_disk_blocks else None
-        return cls(fp, host, disk, policy_name, record_events)
+        return cls(_ManagerParts(fp, host, disk, policy_name, record_events))
 
     # ----------------------------------------------------------------- read-only views
 

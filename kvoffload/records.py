@@ -6,10 +6,25 @@ Records are frozen attrs classes: they are values, safe to hand to another threa
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Union
 
 import attrs
+from typing_extensions import TypeAlias
 
-__all__ = ["Direction", "HandlerStats", "TransferResult", "WorkerStats"]
+if TYPE_CHECKING:  # only named in annotations: this module imports neither at run time
+    from collections.abc import Sequence
+    from typing import Any
+
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
+__all__ = ["BlockIds", "Direction", "HandlerStats", "TransferResult", "WorkerStats"]
+
+#: Block ids as every job method accepts them: a sequence of ints, a 1-D integer numpy array, or a
+#: 1-D integer torch tensor (on the CPU: ids are read on the host). Ids are copied at the call, so the
+#: caller may reuse its buffer as soon as the call returns.
+BlockIds: TypeAlias = Union["Sequence[int]", "npt.NDArray[np.integer[Any]]", "torch.Tensor"]
 
 
 class Direction(enum.Enum):

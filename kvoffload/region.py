@@ -41,7 +41,7 @@ import torch
 from kvoffload.bindings import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
 from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError
 
-__all__ = ["SHM_DIR", "RegionOwner"]
+__all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "host_memory_available"]
 
 _log = logging.getLogger("kvoffload.region")
 
@@ -117,6 +117,7 @@ class RegionOwner:
         shared_name: str | None = None,
         participants: int = 1,
         chunk_bytes: int = PIN_CHUNK_BYTES,
+        check_memory: bool = True,
     ) -> RegionOwner:
         """Map, populate and pin a pool of ``num_records`` records of ``record_bytes`` bytes.
 
@@ -124,10 +125,16 @@ class RegionOwner:
         ``participants`` processes map; the creator counts as the first. The file is unlinked as soon
         as all of them mapped it (at once when ``participants`` is 1).
 
+        With ``check_memory`` (the default) the pool's size is first checked against the memory the
+        machine can give (:func:`host_memory_available`): a pool that cannot fit is refused before
+        anything is mapped, instead of being killed by the kernel while it is populated. Pass False
+        only where the kernel under-reports what it can give (a VM whose memory grows on use).
+
         Raises:
             InvalidArgumentError: non-positive sizes, a record size that is not a multiple of 4096,
                 a malformed shared name, or ``participants < 1``.
-            RegionError: the file exists or mapping failed; nothing is left behind.
+            RegionError: the pool does not fit the memory available (the message gives both
+                numbers), the file exists or mapping failed; nothing is left behind.
             KVOffloadError: pinning failed (e.g. :class:`~kvoffload.errors.CudaError`); nothing is
                 left pinned, mapped or linked.
         """
@@ -137,6 +144,8 @@ class RegionOwner:
         if isinstance(participants, bool) or not isinstance(participants, int) or participants < 1:
             raise InvalidArgumentError(f"participants = {participants!r} must be an int >= 1")
         pool_bytes = num_records * record_bytes
+        if check_memory:
+            check_host_memory(pool_bytes, f"a host pool of {num_records} records of {record_bytes} bytes")
         with contextlib.ExitStack() as undo:
             fd: int | None = None
             path: str | None = None
@@ -343,6 +352,62 @@ class RegionOwner:
                 ResourceWarning,
                 stacklevel=2,
             )
+
+
+#: Where the kernel reports the memory it can give, and the cgroup (v2, then v1) limits.
+PROC_MEMINFO: Final = "/proc/meminfo"
+CGROUP_ROOT: Final = "/sys/fs/cgroup"
+
+
+def host_memory_available(
+    meminfo: str = PROC_MEMINFO, cgroup_root: str = CGROUP_ROOT
+) -> tuple[int, str] | None:
+    """The bytes of memory this process can still populate, and where that figure comes from.
+
+    The smaller of the kernel's ``MemAvailable`` and the room left under this process's cgroup memory
+    limit (v2 ``memory.max - memory.current``, else v1 ``memory.limit_in_bytes -
+    memory.usage_in_bytes``). None when neither can be read (not Linux).
+    """
+    found: list[tuple[int, str]] = []
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file, name in (
+        ("memory.max", "memory.current", "cgroup memory.max"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "cgroup memory limit"),
+    ):
+        try:
+            with open(os.path.join(cgroup_root, limit_file)) as f:
+                limit_text = f.read().strip()
+            with open(os.path.join(cgroup_root, usage_file)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text != "max" and int(limit_text) < 1 << 60:  # v1 reports "no limit" as ~2**63
+            found.append((max(0, int(limit_text) - usage), name))
+        break
+    return min(found) if found else None
+
+
+def check_host_memory(nbytes: int, what: str) -> None:
+    """Refuse ``nbytes`` of new host memory when the machine cannot give it (see
+    :func:`host_memory_available`).
+
+    Raises:
+        RegionError: naming ``what``, its size and the memory available.
+    """
+    available = host_memory_available()
+    if available is not None and nbytes > available[0]:
+        raise RegionError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB, but this machine can give "
+            f"{available[0] / 2**30:.2f} GiB ({available[1]}); ask for fewer host blocks (or pass "
+            "check_memory=False where the kernel under-reports the memory it can give)"
+        )
 
 
 def _check_sizes(num_records: int, record_bytes: int, chunk_bytes: int) -> None:

@@ -18,8 +18,8 @@ Each request follows the Manager's protocol: ``lookup`` gives the ready prefix; 
 ``prepare_load``, the destination device blocks are poisoned on the compute stream, ``Worker.load``
 (ordered after the compute stream), and on completion the blocks are verified and ``complete_load`` is
 called (with a disk tier, per tier: see below). A failed load is a miss: its blocks are recomputed,
-never counted or verified as hits (a peer that counted a failed load as loaded served another request's
-KV: FACTS §3, Dynamo #15079). The misses are "computed": the compute stream writes every byte of each
+never counted or verified as hits (counting a failed load as loaded would serve another request's
+KV). The misses are "computed": the compute stream writes every byte of each
 block with the key's pattern; then ``prepare_store`` (None: the pool has no room now, the blocks are
 not offloaded) and ``Worker.store`` ordered after those writes (``stream=`` the compute stream),
 ``complete_store(plan, ok)`` when its result arrives; evictions happen inside the manager. Device
@@ -39,10 +39,9 @@ loadable from disk. Meanwhile the loop goes on, so demotions overlap compute as 
 are loaded per tier: one ``Worker.load`` job for its host hits and one ``Worker.load_from_disk`` job
 for its disk hits (``LoadPlan.tiers``), each completed in the manager (``complete_load`` of its keys)
 when its result arrives. Blocks of a job that succeeded are verified as hits of that tier; blocks of a
-failed job (an I/O error, a record failing its checksum) are recomputed misses, whichever tier. The
-manager cannot be told that a disk record failed its check (``complete_load`` has no outcome), so it
-keeps offering that key from disk and each such load fails again and is recomputed (a manager gap,
-shown by an xfail test in ``tests/unit/test_replay_disk.py``).
+failed job (an I/O error, a record failing its checksum) are recomputed misses, whichever tier; the
+job is completed in the manager with ``ok=False``, which drops the keys' disk copies, so a record
+that failed its check is never offered again.
 
 Verification. A key's pattern fills the whole record: with ``lo``, ``hi`` the 32-bit halves of the
 key's 64-bit seed (a blake2b digest of the key), 32-bit word ``j`` of the record is

@@ -9,14 +9,14 @@ Rules it enforces across directions, before anything is submitted (typed errors;
 unchanged afterwards):
 
 * a job may not read a block that an in-flight job writes (a store reading a device block a load
-  is filling; a load reading a host record a store is filling: rule 4, a record is loadable only
-  after its store completed);
+  is filling; a load reading a host record a store is filling: a record is loadable only after its
+  store completed, docs/design.md §5 rule 4);
 * a job may not write a block that an in-flight job reads or writes;
 * job ids are unique among jobs in flight or finished and not yet returned by ``poll``/``wait``.
 
 A job stays "in flight" until its result has been returned to the caller.
 
-Shutdown contract (DESIGN §6): shut down the store handler, then the load handler, each in its own
+Shutdown contract (docs/design.md §6): shut down the store handler, then the load handler, each in its own
 try/except, collecting failures. If either failed (or an issuer thread is still running), fall back
 to a device-wide synchronize bounded by the remaining time. Clean the region up once, but only when
 the device is proven idle; otherwise abandon it mapped and pinned (unmapping memory a DMA engine may
@@ -83,7 +83,7 @@ from kvoffload.layout import DeviceLayout
 from kvoffload.records import Direction, TransferResult, WorkerStats
 from kvoffload.region import RegionOwner
 
-__all__ = ["DEFAULT_SM_CTAS", "DEFAULT_STAGING_BYTES", "BackendName", "PathName", "Worker"]
+__all__ = ["DEFAULT_SM_CTAS", "DEFAULT_STAGING_BYTES", "BackendName", "PathName", "Worker", "WorkerParts"]
 
 _log = logging.getLogger("kvoffload.worker")
 
@@ -96,7 +96,7 @@ _PATHS: Final = ("auto", "dma", "staged", "sm")
 #: Device memory for the staged path's rings, both directions together.
 DEFAULT_STAGING_BYTES: Final = 256 << 20
 DEFAULT_STAGING_SLOTS: Final = 2
-#: CTAs of the SM path's kernel: enough to fill the host link (FACTS §1), few enough to leave the
+#: CTAs of the SM path's kernel: enough to fill the host link (measured: 8 CTAs move about 51 GB/s on an H200), few enough to leave the
 #: SMs to compute.
 DEFAULT_SM_CTAS: Final = 8
 #: Pinned bounce memory for device <-> disk jobs: each half holds several disk requests, so that the
@@ -220,39 +220,54 @@ def _count(counts: I32Array, ids: I64Array, delta: int) -> None:
         counts[ids] += delta
 
 
+@attrs.frozen(eq=False)
+class WorkerParts:
+    """What :meth:`Worker.create` built, handed to the worker that owns it from then on."""
+
+    layout: DeviceLayout
+    region: RegionOwner
+    store_handler: DirectionHandler
+    load_handler: DirectionHandler
+    backend_name: str
+    device_sync: Callable[[float], bool]
+    num_host_blocks: int
+    capabilities: bindings.Capabilities | None = None
+    tier: DiskTier | None = None
+    bounce: tuple[DirectionHandler, DirectionHandler] | None = None
+    pipeline: DiskPipeline | None = None
+
+
 class Worker:
     """Moves KV blocks between the engine's device cache and a host pool (see the module docstring).
 
-    Build it with :meth:`create`; ``__init__`` only stores its collaborators, so tests can inject
-    mocks. Usable as a context manager (leaving the block calls :meth:`shutdown`).
+    Build it with ``Worker.create(layout, num_host_blocks, ...)`` (``Worker(parts)`` takes what
+    ``create`` assembled).
+    Usable as a context manager (leaving the block calls :meth:`shutdown`).
     """
 
-    def __init__(
-        self,
-        *,
-        layout: DeviceLayout,
-        region: RegionOwner,
-        store_handler: DirectionHandler,
-        load_handler: DirectionHandler,
-        backend_name: str,
-        device_sync: Callable[[float], bool],
-        capabilities: bindings.Capabilities | None = None,
-        num_host_blocks: int | None = None,
-        tier: DiskTier | None = None,
-        bounce: tuple[DirectionHandler, DirectionHandler] | None = None,
-        pipeline: DiskPipeline | None = None,
-    ) -> None:
+    def __init__(self, parts: WorkerParts) -> None:
+        """Take ownership of the parts :meth:`create` built (use :meth:`create`).
+
+        Raises:
+            ArgumentTypeError: ``parts`` is not a :class:`WorkerParts`.
+        """
+        if not isinstance(parts, WorkerParts):
+            raise ArgumentTypeError(
+                "a Worker is built with Worker.create(layout, num_host_blocks, ...), not "
+                f"Worker({type(parts).__name__})"
+            )
+        layout, region = parts.layout, parts.region
         self.layout = layout
-        self.backend = backend_name
-        self.capabilities = capabilities
-        self.num_host_blocks = region.num_records if num_host_blocks is None else num_host_blocks
+        self.backend = parts.backend_name
+        self.capabilities = parts.capabilities
+        self.num_host_blocks = parts.num_host_blocks
         self._region = region
-        self._store = store_handler
-        self._load = load_handler
-        self._device_sync = device_sync
-        self._tier = tier
-        self._bounce = bounce
-        self._pipeline = pipeline
+        self._store = parts.store_handler
+        self._load = parts.load_handler
+        self._device_sync = parts.device_sync
+        self._tier = tier = parts.tier
+        self._bounce = parts.bounce
+        self._pipeline = parts.pipeline
         self._lock = threading.Lock()
         self._sizes = {Memory.DEVICE: layout.num_blocks, Memory.HOST: self.num_host_blocks}
         if tier is not None:
@@ -281,6 +296,7 @@ class Worker:
         calibration_path: str | None = None,
         disk: DiskConfig | None = None,
         bounce_slots: int | None = None,
+        check_memory: bool = True,
     ) -> Worker:
         """Build the region and both handlers; on any failure everything built so far is released.
 
@@ -313,13 +329,18 @@ class Worker:
             bounce_slots: pinned records (beyond ``num_host_blocks``) that carry device <-> disk
                 jobs; at least 2 (two halves used in turn). Default: about 64 MiB of records (at
                 least 4, at most 256).
+            check_memory: refuse a pool larger than the memory the machine can give (MemAvailable
+                and the cgroup limit) before mapping anything; pass False only where the kernel
+                under-reports it (a VM whose memory grows as it is used).
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
             InvalidArgumentError: a bad size, backend name, copy method or shared name.
             DeviceMismatchError: ``device`` is not the layout's device, or the backend does not fit
                 the layout's device.
-            RegionError, CudaError: the pool could not be mapped or pinned (nothing is left behind).
+            RegionError: the pool does not fit the memory available (the message gives the numbers),
+                or could not be mapped (nothing is left behind).
+            CudaError: the pool could not be pinned (nothing is left behind).
         """
         if not isinstance(layout, DeviceLayout):
             raise ArgumentTypeError(
@@ -342,6 +363,8 @@ class Worker:
             bounce_slots -= bounce_slots % 2
         if isinstance(bounce_slots, bool) or not isinstance(bounce_slots, int) or bounce_slots < 2:
             raise InvalidArgumentError(f"bounce_slots = {bounce_slots!r} must be an int >= 2")
+        if not isinstance(check_memory, bool):
+            raise ArgumentTypeError(f"check_memory = {check_memory!r} must be a bool")
         slots = bounce_slots if disk is not None else 0
         with contextlib.ExitStack() as undo:
             caps: bindings.Capabilities | None = None
@@ -356,7 +379,7 @@ class Worker:
                 device_sync = functools.partial(bindings.synchronize_device, index)
             region = RegionOwner.create(
                 num_records=num_host_blocks + slots, record_bytes=layout.record_bytes, pinner=pinner,
-                shared_name=shared_name, chunk_bytes=pin_chunk_bytes,
+                shared_name=shared_name, chunk_bytes=pin_chunk_bytes, check_memory=check_memory,
             )
             undo.callback(region.cleanup)
             sequence = itertools.count()
@@ -395,11 +418,11 @@ class Worker:
                     block_bytes=layout.block_bytes, sequence=sequence,
                 )
                 undo.callback(pipeline.shutdown, _CREATE_ROLLBACK_TIMEOUT_S)
-            worker = cls(
+            worker = cls(WorkerParts(
                 layout=layout, region=region, store_handler=handlers[0], load_handler=handlers[1],
                 backend_name=chosen, device_sync=device_sync, capabilities=caps,
                 num_host_blocks=num_host_blocks, tier=tier, bounce=bounce, pipeline=pipeline,
-            )
+            ))
             undo.pop_all()
         return worker
 
@@ -635,14 +658,14 @@ class Worker:
 
     def host_records(self) -> torch.Tensor:
         """The host pool as ``uint8 [num_host_blocks, record_bytes]`` (a view: for inspection and
-        tests). Do not keep it past :meth:`shutdown`: a view still referenced then defers the unmap
+        tests; exactly the records ``host_blocks`` ids address, never the disk tier's bounce slots). Do not keep it past :meth:`shutdown`: a view still referenced then defers the unmap
         and triggers a ``ResourceWarning``.
 
         Raises:
             ClosedError: after shutdown.
         """
         self._check_open()
-        return self._region.records()
+        return self._region.records()[: self.num_host_blocks]  # never the disk tier's bounce slots
 
     def stats(self) -> WorkerStats:
         """A snapshot of the configuration and of both directions' counters."""

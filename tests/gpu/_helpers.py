@@ -32,7 +32,7 @@ def stall(cycles: int = SLEEP_CYCLES) -> None:
 
 def _idle_fence(self: CudaBackend, stream: object | None) -> object:
     """CONTROL ONLY: a fence on an idle stream instead of the compute stream, so the job's copies do
-    not wait for queued compute (DESIGN §5 rules 1 and 2 broken on purpose)."""
+    not wait for queued compute (docs/design.md §5 rule 1 and 2 broken on purpose)."""
     idle = new_stream(self.device)
     event = bindings.Event(bindings.event_pool(idle.device.index or 0, timing=False))
     event.record(idle.cuda_stream)

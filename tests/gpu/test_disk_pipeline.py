@@ -1,5 +1,5 @@
 """The GPU <-> disk pipeline through bounce slots on the real device: round trips are bit-exact, and
-DESIGN §5 rule 5 holds over 100 back-to-back loads — a control that neither waits for a set's last
+docs/design.md §5 rule 5 holds over 100 back-to-back loads — a control that neither waits for a set's last
 copy nor drains the trailing copies corrupts the next call's data; the real pipeline shows none."""
 
 from __future__ import annotations

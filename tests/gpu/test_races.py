@@ -1,4 +1,4 @@
-"""Self-validating race tests for DESIGN §5 rules 1 and 2.
+"""Self-validating race tests for docs/design.md §5 rule 1 and 2.
 
 The compute stream is stalled with ``torch.cuda._sleep`` and then writes (store case) or reads
 (load case) the blocks a job touches. Each test first runs a control worker whose fence ignores the

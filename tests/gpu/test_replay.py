@@ -2,7 +2,7 @@
 the dma and staged paths, with the compute stream stalled so that copies overlap real device work;
 the same with a disk tier below a small host pool (disk hits loaded through the bounce slots and
 verified like host hits); and the control case that proves the replay's verification sees the race
-when copies ignore the compute stream (DESIGN §5 rules 1 and 2 broken on purpose)."""
+when copies ignore the compute stream (docs/design.md §5 rule 1 and 2 broken on purpose)."""
 
 from __future__ import annotations
 

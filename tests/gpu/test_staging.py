@@ -1,4 +1,4 @@
-"""DESIGN §5 rule 5 for the staged path: a staging slot is reused only after the event of its last
+"""docs/design.md §5 rule 5 for the staged path: a staging slot is reused only after the event of its last
 use. Controls that skip that wait corrupt data across back-to-back jobs; the real path shows none.
 And the backend's device buffers (the ring, the kernel's segment table) are allocated on its kernel
 stream: a control that allocates them on the caller's stream gets a block the caller's pending work

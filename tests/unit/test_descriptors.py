@@ -1,5 +1,5 @@
 """CopyPlan.build against a brute-force reference (one copy per (pair, page), built with a Python
-loop), and the id validation helpers of the handler against simple references (DESIGN §3.1)."""
+loop), and the id validation helpers of the handler against simple references (docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """DiskTier on real files: bit-exact round trips, the file format (one aligned call per run of
-records), every failure of issue 4 part 4 reported as ``ok=False`` with its kind counted and nothing
+records), every failure kind reported as ``ok=False`` with its kind counted and nothing
 invalid served, warm restart, recreate, and direct/buffered I/O.
 
 Faults are injected by subclassing the tier (``FaultyTier`` overrides ``_pread``/``_pwrite``) or by
@@ -317,7 +317,7 @@ def test_a_truncated_file_fails_the_read_with_a_short_read(
      (raise_errno(errno.EBADMSG), DiskErrorKind.OS_ERROR)],
     ids=["eio", "short", "other-errno"],
 )
-def test_a_failed_read_call_fails_the_job_and_zero_fills_its_rows(
+def test_a_failed_read_call_fails_the_job_zero_fills_its_rows_and_unlists_its_blocks(
     make_tier: MakeTier, region: RegionOwner, fault: Fault, kind: DiskErrorKind,
 ) -> None:
     tier = faulty(make_tier, io_threads=1)  # one I/O thread: calls in queue order
@@ -330,7 +330,7 @@ def test_a_failed_read_call_fails_the_job_and_zero_fills_its_rows(
     assert int(region.records()[10:12].count_nonzero()) == 0
     assert torch.equal(region.records()[12], before[2])
     assert tier.stats().failures(kind) == 1
-    assert {4, 5, 9} <= set(tier.valid_blocks())  # an I/O error does not condemn the records
+    assert set(tier.valid_blocks()) == {9}  # the index never lists a block that failed a read
 
 
 @pytest.mark.parametrize(
@@ -496,7 +496,7 @@ def test_reuse_of_a_missing_file_creates_it(make_tier: MakeTier, tmp_path: Any) 
     assert not caps.reused and not caps.recreated and os.path.getsize(caps.path) == caps.file_bytes
 
 
-def test_reuse_of_a_cut_short_file_extends_it_and_serves_only_whole_records(
+def test_reuse_of_a_cut_short_file_extends_it_and_lists_only_whole_records(
     make_tier: MakeTier, region: RegionOwner,
 ) -> None:
     tier = make_tier()
@@ -507,12 +507,14 @@ def test_reuse_of_a_cut_short_file_extends_it_and_serves_only_whole_records(
     again = make_tier(reuse=True)
     assert "extended" in again.capabilities().note
     assert os.path.getsize(again.path) == again.capabilities().file_bytes
-    assert set(again.valid_blocks()) == {4, 5}
-    again.read(2, [4, 5], [10, 11])
-    result = one(again, 2)
+    assert set(again.valid_blocks()) == {4}  # block 5's header is intact, its payload is not
+    assert again.capabilities().rejected_records == 1
+    again.read(2, [4], [10])
+    assert one(again, 2).ok and torch.equal(region.records()[10], before[0])
+    again.read(3, [5], [11])
+    result = one(again, 3)
     assert not result.ok and isinstance(result.error, DiskIntegrityError)
-    assert result.error.kind == DiskErrorKind.CHECKSUM_MISMATCH and result.error.blocks == (5,)
-    assert torch.equal(region.records()[10], before[0])
+    assert result.error.kind == DiskErrorKind.NOT_VALID and result.error.blocks == (5,)
 
 
 # ---------------------------------------------------------------------------- direct / buffered

@@ -1,5 +1,5 @@
 """DirectionHandler: FIFO completion, failures reported never dropped, and the shutdown contract of
-DESIGN §6 (head-first wait, pop after success; on failure log, clear, keep the error; release
+docs/design.md §6 (head-first wait, pop after success; on failure log, clear, keep the error; release
 everything unconditionally; re-raise)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The layers of DESIGN §3 depend downward only, and only the bindings layer imports cuda-python.
+"""The layers of docs/design.md §3 depend downward only, and only the bindings layer imports cuda-python.
 
 Each module of the package has a rank; a module may import only modules of a lower rank (or the
 same module's own private helpers listed with the same rank). RegionOwner and DirectionHandler are
@@ -42,10 +42,24 @@ CUDA_MODULES = {"bindings"}
 TORCH_FREE = {"errors", "records", "bindings", "_descriptors", "manager"}
 
 
-def imported_modules(path: pathlib.Path) -> set[str]:
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imported for annotations only)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for stmt in node.body:
+                inside.update(id(n) for n in ast.walk(stmt))
+    return inside
+
+
+def imported_modules(path: pathlib.Path, *, runtime_only: bool = False) -> set[str]:
+    """Modules ``path`` imports; with ``runtime_only``, not those imported for annotations only."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    skip = _type_checking_only(tree) if runtime_only else set()
     found: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
@@ -90,7 +104,8 @@ def test_lowest_layers_and_the_manager_do_not_import_torch(name: str) -> None:
     path = PACKAGE / f"{name}.py"
     if not path.exists():
         pytest.skip(f"{name}.py does not exist yet")
-    assert not any(m == "torch" or m.startswith("torch.") for m in imported_modules(path))
+    modules = imported_modules(path, runtime_only=True)
+    assert not any(m == "torch" or m.startswith("torch.") for m in modules)
 
 
 def test_region_and_handler_are_siblings() -> None:

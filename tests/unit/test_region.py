@@ -1,6 +1,6 @@
 """RegionOwner on real mappings (anonymous and shared under /dev/shm), with pinning recorded by a
 fake pinner: record-aligned chunks, rollback in reverse, cleanup exactly once in the order of
-DESIGN §3.3, never unmapping registered memory, never leaving a view over unmapped memory, and no
+docs/design.md §6, never unmapping registered memory, never leaving a view over unmapped memory, and no
 shared file left behind."""
 
 from __future__ import annotations

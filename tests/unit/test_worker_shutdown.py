@@ -1,4 +1,4 @@
-"""Worker.shutdown follows DESIGN §6: store, then load, each isolated; a bounded device-sync fallback
+"""Worker.shutdown follows docs/design.md §6: store, then load, each isolated; a bounded device-sync fallback
 when either failed; the region cleaned exactly once, or left mapped when the device is not proven
 idle; one ShutdownError with every failure, raised after all cleanup.
 

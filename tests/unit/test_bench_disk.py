@@ -1,0 +1,80 @@
+"""``python -m kvoffload bench --disk DIR``: it fits the machine's memory, writes ``--json``, names
+the flag the user typed, and leaves no file behind on any exit, a SIGTERM included."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvoffload import bench, disk_bench
+from kvoffload.region import host_memory_available
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_data_size_is_capped_by_the_memory_available() -> None:
+    available = host_memory_available()
+    if available is None:
+        pytest.skip("this platform reports no available memory")
+    huge = 4 * available[0]
+    fitted = disk_bench.fit_to_memory(huge, 1 << 30, cpu_cache=True)
+    assert fitted < huge and 3 * fitted + (2 << 30) <= available[0] * disk_bench.MEMORY_SHARE + 1
+    assert disk_bench.fit_to_memory(64 << 20, 1 << 20, cpu_cache=True) == 64 << 20
+
+
+def test_a_run_writes_its_json_and_leaves_no_file(tmp_path: pathlib.Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    out = tmp_path / "figures.json"
+    status = bench.main(["--disk", str(data), "--quick", "--total-mib", "16", "--json", str(out)])
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert report["pipeline"]["mismatched_blocks"] == 0 and report["rows"][0]["name"] == "raw"
+    assert list(data.iterdir()) == []
+
+
+def test_a_missing_directory_is_named_by_the_flag_the_user_typed(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--disk", str(tmp_path / "nowhere")])
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "error: --disk" in error and "--path" not in error
+
+
+def test_sigterm_removes_the_benchmark_files(tmp_path: pathlib.Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvoffload", "bench", "--disk", str(tmp_path), "--total-mib", "256"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.iterdir()):  # wait until it created a file
+            assert proc.poll() is None and time.monotonic() < deadline, "no benchmark file appeared"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert status == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_left_by_a_killed_run_is_removed_by_the_next(tmp_path: pathlib.Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = tmp_path / f"kvoffload-bench-tier-{int(dead.stdout)}.bin"
+    stale.write_bytes(b"x" * 4096)
+    mine = tmp_path / "keep-me.bin"
+    mine.write_bytes(b"y")
+    disk_bench._sweep_stale_files(str(tmp_path))
+    assert not stale.exists() and mine.exists()
