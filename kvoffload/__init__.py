@@ -3,8 +3,9 @@
 The public surface is exactly ``__all__``; integrators import from here (and from
 ``kvoffload.testing`` in their tests). See README.md for a quick start.
 
-Names that need torch or CUDA (the worker, the layout, the bindings) are imported on first use, so
-a scheduler process that uses only the :class:`Manager` never imports torch.
+Names that need torch or CUDA (the worker, the layout, the driver bindings) are imported on first
+use, so a scheduler process that uses only the :class:`Manager` never imports torch, and one without
+a GPU never imports cuda-python.
 """
 
 from __future__ import annotations
@@ -42,52 +43,55 @@ from kvoffload.errors import (
     UnknownPolicyError,
     WaitTimeoutError,
 )
-from kvoffload.manager import (
+from kvoffload.disk.config import (
+    DiskCapabilities,
+    DiskConfig,
+    DiskErrorKind,
+    DiskRecordInfo,
+    DiskStats,
+)
+from kvoffload.manager.manager import Manager
+from kvoffload.manager.policies import (
+    POLICY_NAMES,
     ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    PolicyFactory,
+)
+from kvoffload.manager.records import (
+    NAMESPACE_PREFIX_BYTES,
     BlockEvent,
     Demotion,
     EventKind,
-    EvictionPolicy,
     LoadPlan,
-    LRUPolicy,
-    Manager,
     ManagerStats,
-    PolicyFactory,
     StorePlan,
     Tier,
     TierStats,
+    namespaced_key,
 )
 from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult, WorkerStats
 
 if TYPE_CHECKING:
-    from kvoffload.bindings import Capabilities, CopyMethod, SrcAccessOrder
-    from kvoffload.disk import (
-        DiskCapabilities,
-        DiskConfig,
-        DiskErrorKind,
-        DiskRecordInfo,
-        DiskStats,
-    )
+    from kvoffload.bindings.driver import Capabilities, CopyMethod, SrcAccessOrder
     from kvoffload.layout import DeviceLayout, TensorGeometry
-    from kvoffload.worker import BackendName, PathName, Worker
+    from kvoffload.region import host_memory_available
+    from kvoffload.worker.assembly import BackendName, PathName
+    from kvoffload.worker.worker import Worker
 
 __version__ = "0.1.0.dev0"
 
 #: Public names importable lazily, by the module that defines them.
 _LAZY: dict[str, str] = {
-    "Capabilities": "kvoffload.bindings",
-    "CopyMethod": "kvoffload.bindings",
-    "SrcAccessOrder": "kvoffload.bindings",
+    "Capabilities": "kvoffload.bindings.driver",
+    "CopyMethod": "kvoffload.bindings.driver",
+    "SrcAccessOrder": "kvoffload.bindings.driver",
     "DeviceLayout": "kvoffload.layout",
     "TensorGeometry": "kvoffload.layout",
-    "DiskCapabilities": "kvoffload.disk",
-    "DiskConfig": "kvoffload.disk",
-    "DiskErrorKind": "kvoffload.disk",
-    "DiskRecordInfo": "kvoffload.disk",
-    "DiskStats": "kvoffload.disk",
-    "BackendName": "kvoffload.worker",
-    "PathName": "kvoffload.worker",
-    "Worker": "kvoffload.worker",
+    "host_memory_available": "kvoffload.region",
+    "BackendName": "kvoffload.worker.assembly",
+    "PathName": "kvoffload.worker.assembly",
+    "Worker": "kvoffload.worker.worker",
 }
 
 
@@ -145,7 +149,9 @@ __all__ = [
     "LayoutError",
     "LoadPlan",
     "Manager",
+    "NAMESPACE_PREFIX_BYTES",
     "ManagerStats",
+    "POLICY_NAMES",
     "PathName",
     "PolicyError",
     "PolicyFactory",
@@ -165,4 +171,6 @@ __all__ = [
     "Worker",
     "WorkerStats",
     "__version__",
+    "host_memory_available",
+    "namespaced_key",
 ]

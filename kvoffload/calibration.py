@@ -1,8 +1,10 @@
 """Calibration of the ``auto`` transfer path: which path moves a job fastest, by direction and size.
 
-Owns nothing after it returns: it measures with scratch device tensors shaped like the layout's
-pages and a scratch host pool, through short-lived :class:`~kvoffload.worker.Worker`-free handlers of
-its own, and releases them. The engine's device cache is never touched.
+Measures; builds nothing. The caller (the worker's assembly) hands it a factory of scratch host
+pools and a factory of one-path handlers — the same components a worker is built from — and it
+times them on scratch device tensors shaped like the layout's pages. Owns nothing after it returns
+(the factories' context managers release what they made). The engine's device cache is never
+touched.
 
 For each direction it times the ``dma`` and ``staged`` paths on jobs of a few sizes (1 block, a few
 blocks, about 64 MiB), and the ``sm`` path on the smallest bucket only (where the host can map the
@@ -27,22 +29,19 @@ import statistics
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from typing import Final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, Protocol
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from kvoffload import bindings
-from kvoffload.backends import CudaBackend, SmBackend, StagedBackend
-from kvoffload.errors import TransferError
-from kvoffload.handler import DirectionHandler
 from kvoffload._descriptors import CopyPlan, PageTable
-from kvoffload.records import Direction
-from kvoffload.region import RegionOwner
+from kvoffload.errors import TransferError
+from kvoffload.records import Direction, TransferResult
 
-__all__ = ["AutoChoice", "calibrate"]
+__all__ = ["CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key"]
 
 _log = logging.getLogger("kvoffload.calibration")
 
@@ -56,11 +55,41 @@ REPEATS: Final = 3
 SMALL_REPEATS: Final = 15
 WAIT_S: Final = 60.0
 _FILE_VERSION: Final = 1
-_CANDIDATES: Final = ("dma", "staged", "sm")
+#: The paths ``auto`` chooses among, in order of preference on a tie.
+CANDIDATES: Final = ("dma", "staged", "sm")
 #: Size buckets (from the smallest) where the ``sm`` path competes.
 SM_BUCKETS: Final = 1
-#: CTAs of the ``sm`` path's kernel under ``auto`` (the ``sm`` path's default cap).
-SM_CTAS: Final = 8
+
+
+class ScratchPool(Protocol):
+    """The host pool calibration copies to and from (a region, as the worker's)."""
+
+    base_ptr: int
+
+    @property
+    def chunk_records(self) -> int:
+        """Records per pin chunk."""
+
+    def records(self) -> torch.Tensor:
+        """The pool as ``uint8 [records, record_bytes]``."""
+
+
+class PathHandler(Protocol):
+    """A direction handler moving jobs on one path (what :class:`HandlerFactory` makes)."""
+
+    def submit(self, job_id: int, src_blocks: npt.NDArray[np.int64],
+               dst_blocks: npt.NDArray[np.int64]) -> None:
+        """Submit one job."""
+
+    def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
+        """Wait for jobs, with a deadline."""
+
+
+#: ``(num_records, record_bytes)`` -> a scratch pool, released when the context exits.
+PoolFactory = Callable[[int, int], contextlib.AbstractContextManager[ScratchPool]]
+#: ``(path, plan, num_blocks)`` -> a handler of that path over the plan, shut down when the context
+#: exits.
+HandlerFactory = Callable[[str, CopyPlan, int], contextlib.AbstractContextManager[PathHandler]]
 
 
 @attrs.frozen
@@ -90,40 +119,38 @@ _cache: dict[str, AutoChoice] = {}
 _cache_lock = threading.Lock()
 
 
-def geometry_key(device_index: int, pages: PageTable, allow_sm: bool = False) -> str:
+def geometry_key(device_name: str, pages: PageTable, candidates: Sequence[str]) -> str:
     """The cache key: device name, the page sizes of a record, and ``|sm`` when the ``sm`` path
     competed."""
-    name = bindings.capabilities(device_index).device_name
     sizes = ",".join(str(n) for n in pages.nbytes.tolist())
-    return f"{name}|{pages.record_bytes}|{sizes}" + ("|sm" if allow_sm else "")
+    return f"{device_name}|{pages.record_bytes}|{sizes}" + ("|sm" if "sm" in candidates else "")
 
 
 def calibrate(
     device: torch.device,
     pages: PageTable,
     *,
-    copier: bindings.Copier,
-    staging_bytes_per_direction: int,
-    staging_slots: int,
-    kernel_ctas: int,
+    key: str,
+    candidates: Sequence[str],
+    scratch_pool: PoolFactory,
+    handler_for: HandlerFactory,
     persist_path: str | None = None,
-    allow_sm: bool = False,
 ) -> AutoChoice:
-    """The :class:`AutoChoice` for this device and page geometry (measured once per process).
+    """The :class:`AutoChoice` for ``key`` (see :func:`geometry_key`), measured once per process.
 
-    With ``persist_path``, a choice saved there for the same key is reused, and a new one is saved.
-    ``allow_sm``: the ``sm`` path competes for the smallest jobs (the caller's host pool must be
-    addressable by kernels as is).
+    ``candidates`` are the paths that may be chosen (``sm`` only where the caller's host pool is
+    addressable by kernels as is; ``staged`` only where a record fits a staging slot). With
+    ``persist_path``, a choice saved there for the same key is reused, and a new one is saved.
+
+    Raises:
+        TransferError: no bulk path (``dma``, ``staged``) moved its bytes correctly.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = geometry_key(index, pages, allow_sm)
     with _cache_lock:
         if key in _cache:
             return _cache[key]
     choice = _load(persist_path, key) if persist_path else None
     if choice is None:
-        choice = _measure(device, index, pages, key, copier, staging_bytes_per_direction,
-                          staging_slots, kernel_ctas, allow_sm)
+        choice = _measure(device, pages, key, candidates, scratch_pool, handler_for)
         if persist_path:
             _save(persist_path, choice)
     with _cache_lock:
@@ -150,36 +177,28 @@ def _scratch_pages(device: torch.device, pages: PageTable, blocks: int) -> tuple
 
 
 def _measure(
-    device: torch.device, index: int, pages: PageTable, key: str, copier: bindings.Copier,
-    staging_bytes: int, slots: int, ctas: int, allow_sm: bool,
+    device: torch.device, pages: PageTable, key: str, candidates: Sequence[str],
+    scratch_pool: PoolFactory, handler_for: HandlerFactory,
 ) -> AutoChoice:
     blocks = max(SIZE_BUCKETS_BLOCKS[-1] + 1, LARGE_JOB_BYTES // max(1, pages.block_bytes))
-    slot_bytes = staging_bytes // slots // 4096 * 4096
-    candidates = [
-        p for p in _CANDIDATES
-        if (p != "staged" or slot_bytes >= pages.record_bytes) and (p != "sm" or allow_sm)
-    ]
     scratch, table = _scratch_pages(device, pages, 2 * blocks)
-    region = RegionOwner.create(num_records=2 * blocks, record_bytes=pages.record_bytes,
-                                pinner=bindings.CudaHostPinner(index))
     sizes = (*SIZE_BUCKETS_BLOCKS, blocks)
     gbps: dict[str, dict[str, tuple[float, ...]]] = {}
     paths: dict[str, tuple[str, ...]] = {}
     try:
-        for direction in (Direction.STORE, Direction.LOAD):
-            plan = CopyPlan(table, region.base_ptr, region.chunk_records, direction)
-            with contextlib.ExitStack() as handlers:
-                made = {
-                    path: handlers.enter_context(
-                        _handler(device, plan, path, copier, slot_bytes, slots, ctas, blocks))
-                    for path in candidates
-                }
-                measured = _time_paths(device, plan, made, sizes, blocks, scratch, region)
-            _check_bulk(measured, key, direction)
-            gbps[direction.value] = measured
-            paths[direction.value] = tuple(_fastest(measured, i) for i in range(len(sizes)))
+        with scratch_pool(2 * blocks, pages.record_bytes) as region:
+            for direction in (Direction.STORE, Direction.LOAD):
+                plan = CopyPlan(table, region.base_ptr, region.chunk_records, direction)
+                with contextlib.ExitStack() as handlers:
+                    made = {
+                        path: handlers.enter_context(handler_for(path, plan, 2 * blocks))
+                        for path in candidates
+                    }
+                    measured = _time_paths(device, plan, made, sizes, blocks, scratch, region)
+                _check_bulk(measured, key, direction)
+                gbps[direction.value] = measured
+                paths[direction.value] = tuple(_fastest(measured, i) for i in range(len(sizes)))
     finally:
-        region.cleanup()
         del scratch
     buckets = (*SIZE_BUCKETS_BLOCKS, blocks)
     choice = AutoChoice(key=key, buckets=buckets, paths=paths, gbps=gbps)
@@ -210,27 +229,6 @@ def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
     return max(allowed, key=lambda path: measured[path][index])
 
 
-@contextlib.contextmanager
-def _handler(
-    device: torch.device, plan: CopyPlan, path: str, copier: bindings.Copier, slot_bytes: int,
-    slots: int, ctas: int, blocks: int,
-) -> Iterator[DirectionHandler]:
-    """A handler of ``path`` over the scratch pool, shut down when the block exits."""
-    backend: CudaBackend
-    if path == "dma":
-        backend = CudaBackend.create(plan.direction, device, copier)
-    elif path == "sm":
-        backend = SmBackend.create_sm(plan.direction, device, copier, SM_CTAS)
-    else:
-        backend = StagedBackend.create_staged(plan.direction, device, copier, ctas, slots, slot_bytes)
-    handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
-                                      num_src_blocks=2 * blocks, num_dst_blocks=2 * blocks)
-    try:
-        yield handler
-    finally:
-        handler.shutdown(WAIT_S)
-
-
 def turns(paths: Sequence[str], repeats: int) -> list[str]:
     """The order the paths are timed in: every repeat times each path once, starting one path
     later each time, so a drift in the host's speed (a shared machine) weighs on all of them
@@ -240,8 +238,8 @@ def turns(paths: Sequence[str], repeats: int) -> list[str]:
 
 
 def _time_paths(
-    device: torch.device, plan: CopyPlan, handlers: dict[str, DirectionHandler],
-    sizes: Sequence[int], blocks: int, scratch: torch.Tensor, region: RegionOwner,
+    device: torch.device, plan: CopyPlan, handlers: dict[str, PathHandler],
+    sizes: Sequence[int], blocks: int, scratch: torch.Tensor, region: ScratchPool,
 ) -> dict[str, tuple[float, ...]]:
     """GB/s of each path at each job size (``sm`` at the first :data:`SM_BUCKETS` sizes only, 0.0
     above), the paths timed in :func:`turns`. A path that fails a job, or whose verified job — into

@@ -1,9 +1,10 @@
 """DirectionHandler: one direction's jobs, from submit to result.
 
-Owns: its backend (copy stream and events, or the host copy), the FIFO of in-flight transfers, the
-results not yet returned, and one issuer thread. Borrows: the copy plan's addresses (the device
-tensors and the host records belong to the layout and the region; the worker keeps them alive for
-longer than this handler).
+Owns: its backend (copy streams and events, or the host copy), the FIFO of in-flight transfers, and
+one issuer thread. Borrows: the copy plan's addresses (the device tensors and the host records
+belong to the layout and the region; the worker keeps them alive for longer than this handler) and
+its job book (:class:`~kvoffload._jobs.JobBook`: its own, or the worker's shared one), where it
+publishes results.
 
 ``submit`` validates everything before touching the device, captures the compute-stream fence in the
 caller's thread (so the job waits for the work queued before the call), appends the transfer to the
@@ -14,60 +15,51 @@ driver) — except for jobs that are cheap to issue (few descriptors; more when 
 which are issued on the caller's thread when nothing else is queued (see
 :data:`INLINE_ISSUE_MAX_DESCRIPTORS`).
 
-Jobs of one direction run on one stream, so they finish in submission order: ``poll`` pops finished
+Jobs of one direction run in submission order, so they finish in it: completion pops finished
 transfers from the head only. A job that fails to issue or to complete comes back as a result with
 ``ok=False`` and its error; it is never dropped and never counted as done.
 
-Shutdown contract (docs/design.md §6): look at the head transfer, wait for its end (with the deadline), pop it
-only after the wait succeeded. If a wait raises or passes the deadline: log it, stop the issuer from
-issuing anything more, clear the queue, keep the error, stop waiting. Then release the backend and
-join the issuer thread *unconditionally*. Finally re-raise the kept error (several failures come as
-one :class:`~kvoffload.errors.ShutdownError`). A second ``shutdown`` does nothing; every other call
-after it raises :class:`~kvoffload.errors.ClosedError`.
+Shutdown contract (docs/design.md §6): look at the head transfer, wait for its end (with the
+deadline), pop it only after the wait succeeded. If a wait raises or passes the deadline: log it,
+stop the issuer from issuing anything more, clear the queue, keep the error, stop waiting. Then
+release the backend and join the issuer thread *unconditionally*. Finally re-raise the kept error
+(several failures come as one :class:`~kvoffload.errors.ShutdownError`). A second ``shutdown`` does
+nothing; every other call after it raises :class:`~kvoffload.errors.ClosedError`.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Final
+from collections.abc import Iterable
+from typing import Final, Protocol
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload._descriptors import CopyPlan
-from kvoffload.backends import Backend, FailedTicket, Ticket
+from kvoffload._jobs import FailedTicket, JobBook
+from kvoffload._validate import as_block_ids, as_job_id, as_job_ids, as_timeout, check_pairs
 from kvoffload.errors import (
-    ArgumentTypeError,
-    BlockIdTypeError,
     ClosedError,
     DeviceMismatchError,
-    InvalidArgumentError,
-    InvalidBlockIdError,
-    JobIdError,
     ShutdownError,
     TransferError,
-    UnknownJobError,
     WaitTimeoutError,
 )
-from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult
+from kvoffload.records import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    BlockIds,
+    Direction,
+    HandlerStats,
+    TransferResult,
+)
 
-__all__ = [
-    "BlockIds",
-    "DirectionHandler",
-    "as_block_ids",
-    "as_job_id",
-    "as_job_ids",
-    "as_timeout",
-    "find_duplicate",
-]
+__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "DirectionHandler", "Ticket"]
 
 _log = logging.getLogger("kvoffload.handler")
 #: Transfers abandoned by a failed drain: their tickets keep host buffers a copy may still read, so
@@ -76,12 +68,10 @@ _ABANDONED: list[object] = []
 
 I64Array = npt.NDArray[np.int64]
 
-#: How long a handler's shutdown waits by default for its jobs to finish.
-DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 #: A job whose issue builds at most this many descriptors (``Backend.issue_cost``: a page each for
 #: batched DMA, a block and a share of each chunk for the kernel paths) is issued on the caller's
 #: thread when no other job is queued or being issued: it saves the thread handoff (tens of
-#: microseconds) while the issue stays short (about 150 us for a 64 MiB staged job of 32 blocks).
+#: microseconds) while the issue stays short.
 INLINE_ISSUE_MAX_DESCRIPTORS: Final = 256
 #: The same limit when no job is in flight at all (the first of a burst): the issuer thread would
 #: first have to win the GIL from a caller that keeps submitting (up to the interpreter's switch
@@ -95,139 +85,70 @@ ISSUER_JOIN_MIN_S: Final = 0.05
 _EMPTY_PATH: Final = "none"
 
 
-# ------------------------------------------------------------------------------------ validation
+# ------------------------------------------------------------------------------- the seam
 
 
-def as_job_id(job_id: object) -> int:
-    """Check that a job id is an ``int`` (not a bool) and return it.
+class Ticket(Protocol):
+    """The handle of one issued job.
 
-    Raises:
-        JobIdError: any other type.
+    ``error`` is set when issuing failed part-way: the ticket still completes once whatever was
+    enqueued has finished, and the job is then reported failed with that error. ``path`` names the
+    path that moved the job (None: the backend's own).
     """
-    if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
-        raise JobIdError(f"job_id must be an int, got {type(job_id).__name__} {job_id!r}")
-    return int(job_id)
+
+    error: BaseException | None
+    path: str | None
+
+    def done(self) -> bool:
+        """Whether the job's copies finished; never blocks. Raises if completion failed."""
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for completion; True when done. Raises if completion failed."""
+
+    def seconds(self) -> float:
+        """How long the copies ran (valid once done)."""
+
+    def release(self) -> None:
+        """Give back what the ticket holds (its events); called once, after it completed and its
+        result was read."""
 
 
-def as_job_ids(job_ids: Iterable[object]) -> list[int]:
-    """Check a collection of job ids (each as :func:`as_job_id`); duplicates are refused.
+class Backend(Protocol):
+    """Where one direction's copies run (see the module docstring)."""
 
-    Raises:
-        JobIdError: a non-int id, a duplicate, or ``job_ids`` not iterable.
-    """
-    if type(job_ids) is list and all(type(j) is int for j in job_ids):  # the common call
-        ids: list[int] = list(job_ids)
-    elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
-        raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}")
-    else:
-        ids = [as_job_id(j) for j in job_ids]
-    if len(set(ids)) != len(ids):
-        dup = next(j for j in ids if ids.count(j) > 1)
-        raise JobIdError(f"job_ids lists job {dup} more than once")
-    return ids
+    name: str
+    direction: Direction
 
+    @property
+    def path(self) -> str:
+        """The transfer-path name reported in results."""
 
-def as_timeout(timeout: object, name: str = "timeout") -> float:
-    """Check a timeout in seconds: a finite, non-negative real number.
+    def fence(self, stream: object | None) -> object:
+        """Capture the compute-stream position the next job must wait for (caller's thread).
 
-    Raises:
-        InvalidArgumentError: negative, NaN or infinite (every wait has a deadline).
-        ArgumentTypeError: not a number (also a ``TypeError``).
-    """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
-    value = float(timeout)
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgumentError(f"{name} = {timeout!r} must be finite and >= 0 seconds")
-    return value
+        Raises:
+            DeviceMismatchError: ``stream`` is not a stream of the backend's device.
+        """
 
+    def release_fence(self, fence: object) -> None:
+        """Give back a fence from :meth:`fence` once no job that waits for it is left to issue."""
 
-#: Lists of at most this many ids are checked one by one (numpy's fixed cost is larger there).
-_SHORT_IDS: Final = 16
+    def start_thread(self) -> None:
+        """Prepare the calling (issuer) thread for :meth:`issue`."""
 
+    def can_issue_here(self) -> bool:
+        """Whether :meth:`issue` may run on the calling thread (a submitter's) as it is."""
 
-def as_block_ids(name: str, values: object, limit: int) -> I64Array:
-    """Convert block ids to an ``int64`` array and check every id is in ``[0, limit)``.
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """Host work of issuing a job of ``pairs`` blocks, in descriptors (copies or kernel rows)
+        built and handed to the driver: what the handler weighs to issue it on the caller's thread."""
 
-    Accepts a sequence of ints or a 1-D integer numpy array / torch tensor (anything numpy converts
-    to a 1-D integer array); refuses bools, floats, strings and nested sequences. The result is
-    always a new array: the caller may reuse its own buffer as soon as the call returns.
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
+        """Enqueue the copies of the pairs ``(src[i], dst[i])`` behind ``fence`` (issuer thread);
+        never raises: a failure is the ticket's ``error``."""
 
-    Raises:
-        BlockIdTypeError: not integers, or not one-dimensional.
-        InvalidBlockIdError: a negative or out-of-range id (the message names the first one).
-    """
-    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
-        ids = values.astype(np.int64)  # a copy, even of int64 ids
-        # One reduction checks both bounds: a negative id (or a uint64 one past int64) reads as
-        # a huge unsigned value. Errors are named by the general path below.
-        if ids.size == 0 or int(ids.view(np.uint64).max()) < limit:
-            return ids
-    if isinstance(values, (str, bytes)) or values is None:
-        raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    if isinstance(values, (set, frozenset, Mapping)) or (
-        isinstance(values, Iterable) and not isinstance(values, (Sequence, np.ndarray))
-        and not hasattr(values, "__array__")
-    ):
-        raise BlockIdTypeError(
-            f"{name} must be an ordered sequence of ints (a list, tuple, numpy array or tensor), "
-            f"got a {type(values).__name__}: ids pair up by position, so their order matters"
-        )
-    if isinstance(values, (list, tuple)):
-        if len(values) > _SHORT_IDS and all(type(v) is int for v in values):
-            try:
-                ids = np.array(values, dtype=np.int64)
-            except OverflowError:  # an id past int64: named by the loop below
-                pass
-            else:
-                if int(ids.view(np.uint64).max()) < limit:  # negative ids read as huge
-                    return ids
-        for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise BlockIdTypeError(
-                    f"{name}[{i}] = {v!r} is a {type(v).__name__}, not an int"
-                )
-            if not 0 <= v < limit:  # before any cast: a huge id must be named by its own value
-                raise InvalidBlockIdError(_out_of_range(name, i, int(v), limit))
-        return np.array(values, dtype=np.int64)  # every id is an int in range
-    try:
-        array = np.asarray(values)
-    except (TypeError, ValueError) as exc:
-        raise BlockIdTypeError(f"{name} is not a sequence of ints: {exc}") from exc
-    if array.ndim != 1:
-        if array.ndim == 0:
-            raise BlockIdTypeError(f"{name} must be a sequence of ints, got a scalar {values!r}")
-        raise BlockIdTypeError(f"{name} must be one-dimensional, got shape {array.shape}")
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if array.dtype.kind not in "iu":
-        raise BlockIdTypeError(f"{name} must hold integers, got dtype {array.dtype}")
-    if array.min() < 0 or array.max() >= limit:  # compared in the ids' own dtype
-        i = int(np.flatnonzero((array < 0) | (array >= limit))[0])
-        raise InvalidBlockIdError(_out_of_range(name, i, int(array[i]), limit))
-    return np.array(array, dtype=np.int64)  # a copy: never a view of the caller's buffer
-
-
-def _out_of_range(name: str, index: int, value: int, limit: int) -> str:
-    return f"{name}[{index}] = {value} is out of range (the pool has {limit} blocks: 0..{limit - 1})"
-
-
-def find_duplicate(ids: I64Array) -> int | None:
-    """Index of the first id that repeats an earlier one, or None."""
-    if ids.size < 2:
-        return None
-    ordered = np.sort(ids)
-    if not bool((ordered[1:] == ordered[:-1]).any()):  # the common case, without an argsort
-        return None
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    repeats = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
-    if repeats.size == 0:
-        return None
-    return int(order[repeats + 1].min())
-
-
-# -------------------------------------------------------------------------------------- handler
+    def release(self) -> None:
+        """Drop streams and events; called once, after the last ticket completed or was abandoned."""
 
 
 @attrs.define(eq=False)
@@ -237,6 +158,7 @@ class _Transfer:
     dst: I64Array
     nbytes: int
     fence: object
+    owns_fence: bool  # the handler took the fence (and gives it back once the job was issued)
     issued: bool = False  # set under the handler's lock, with a notify of ``_issued``
     ticket: Ticket | None = None
 
@@ -244,10 +166,13 @@ class _Transfer:
 class DirectionHandler:
     """Submits, tracks and drains the jobs of one direction (see the module docstring).
 
-    Build it with :meth:`create`; ``__init__`` only stores fields (tests build it with mocks).
+    Build it with :meth:`create`; ``__init__`` only stores fields (tests build it with fakes).
     Methods may be called from several threads; none blocks on a device event while holding the
     handler's lock.
     """
+
+    #: Completions are looked for (device events), not pushed by a thread of the handler.
+    pushes = False
 
     def __init__(
         self,
@@ -257,7 +182,7 @@ class DirectionHandler:
         backend: Backend,
         num_src_blocks: int,
         num_dst_blocks: int,
-        sequence: Iterator[int] | None = None,
+        book: JobBook | None = None,
     ) -> None:
         self.direction = direction
         self.num_src_blocks = num_src_blocks
@@ -266,13 +191,13 @@ class DirectionHandler:
         self._backend: Backend | None = backend
         self._path = backend.path
         self._page_bytes = int(plan.pages.block_bytes)
-        self._sequence = sequence if sequence is not None else itertools.count()
+        self._owns_book = book is None
+        self._book = book if book is not None else JobBook()
+        self._book.attach(self)
         self._lock = threading.Lock()
         self._issued = threading.Condition(self._lock)  # notified when a transfer was issued
         self._issue_waiters = 0  # threads waiting on ``_issued`` (under the lock)
         self._fifo: collections.deque[_Transfer] = collections.deque()
-        self._done: dict[int, tuple[int, TransferResult]] = {}
-        self._ids: set[int] = set()
         self._queue: queue.SimpleQueue[_Transfer | None] = queue.SimpleQueue()
         self._issue_lock = threading.Lock()  # held while a job is being issued: one at a time
         self._pending = 0  # jobs queued or being issued
@@ -294,15 +219,16 @@ class DirectionHandler:
         backend: Backend,
         num_src_blocks: int,
         num_dst_blocks: int,
-        sequence: Iterator[int] | None = None,
+        book: JobBook | None = None,
     ) -> DirectionHandler:
         """A handler with its issuer thread started.
 
-        ``sequence`` orders results across handlers (the worker shares one between its two).
+        ``book``: where results are published (the worker shares one between its components);
+        None gives the handler a book of its own, released with it.
         """
         handler = cls(
             direction=direction, plan=plan, backend=backend, num_src_blocks=num_src_blocks,
-            num_dst_blocks=num_dst_blocks, sequence=sequence,
+            num_dst_blocks=num_dst_blocks, book=book,
         )
         thread = threading.Thread(
             target=handler._issuer_loop, name=f"kvoffload-{direction.value}", daemon=True
@@ -328,17 +254,14 @@ class DirectionHandler:
         """True when the issuer thread is not running (it can issue no more copies)."""
         return self._thread is None or not self._thread.is_alive()
 
-    def known_job(self, job_id: int) -> bool:
-        """Whether ``job_id`` is in flight or finished and not yet returned."""
-        with self._lock:
-            return job_id in self._ids
-
     # ----------------------------------------------------------------------------------- submit
 
     def submit(
-        self, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds, *, stream: object = None
+        self, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds, *, stream: object = None,
+        fence: object = None,
     ) -> None:
-        """Validate and submit one job; see :meth:`submit_validated` for what happens after.
+        """Validate and submit one job; see :meth:`submit_validated` for what happens after (and
+        for ``fence``).
 
         Raises (before anything is submitted; the handler is unchanged):
             ClosedError: after shutdown.
@@ -352,12 +275,16 @@ class DirectionHandler:
         src = as_block_ids("src_blocks", src_blocks, self.num_src_blocks)
         dst = as_block_ids("dst_blocks", dst_blocks, self.num_dst_blocks)
         check_pairs(src, dst, "src_blocks", "dst_blocks")
-        if self.known_job(job):
-            raise JobIdError(f"job {job} is already in flight or waiting to be polled")
-        self.submit_validated(job, src, dst, stream=stream)
+        self._book.reserve(job, self)
+        try:
+            self.submit_validated(job, src, dst, stream=stream, fence=fence)
+        except BaseException:
+            self._book.forget(job)
+            raise
 
     def fence(self, stream: object = None) -> object:
-        """Capture the compute-stream position a later job must wait for (see :meth:`submit_validated`).
+        """Capture the compute-stream position later jobs must wait for (see :meth:`submit_validated`).
+        The caller owns it and gives it back with :meth:`release_fence`.
 
         Raises:
             ClosedError: after shutdown.
@@ -368,11 +295,18 @@ class DirectionHandler:
         assert backend is not None
         return backend.fence(stream)
 
+    def release_fence(self, fence: object) -> None:
+        """Give back a fence from :meth:`fence` once every job submitted with it was issued (see
+        :meth:`wait_issued`). Does nothing after shutdown (the backend is gone)."""
+        backend = self._backend
+        if backend is not None:
+            backend.release_fence(fence)
+
     def submit_validated(
         self, job_id: int, src: I64Array, dst: I64Array, *, stream: object = None,
         fence: object = None,
     ) -> None:
-        """Submit a job whose ids the caller already validated.
+        """Submit a job whose ids the caller already validated and reserved in the book.
 
         Orders the job after the work queued on ``stream`` (the compute stream) before this call,
         or, when ``fence`` (from :meth:`fence`) is given, after the work queued when it was taken.
@@ -387,24 +321,26 @@ class DirectionHandler:
         backend = self._backend
         assert backend is not None
         nbytes = int(src.shape[0]) * self._page_bytes
+        owns_fence = fence is None
         try:
             if fence is None:
                 fence = backend.fence(stream)  # also for an empty job: it checks the stream argument
         except DeviceMismatchError:
             raise
         except Exception as exc:  # a device fault: the job is reported failed, never dropped
-            self._record(job_id, self._result(job_id, False, nbytes, 0.0, self._path, exc))
+            self._record(self._result(job_id, False, nbytes, 0.0, self._path, exc))
             return
         if src.shape[0] == 0:
-            self._record(job_id, self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None))
+            if owns_fence:
+                backend.release_fence(fence)
+            self._record(self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None))
             return
-        transfer = _Transfer(job_id, src, dst, nbytes, fence)
+        transfer = _Transfer(job_id, src, dst, nbytes, fence, owns_fence)
         cost = backend.issue_cost(self._plan, int(src.shape[0]))
         with self._lock:
             self._advance()
             idle = not self._fifo  # no job in flight: nothing for this one to overlap with
             self._fifo.append(transfer)
-            self._ids.add(job_id)
             self._submitted += 1
             # Nothing queued or being issued: a cheap job is issued here, without a thread handoff;
             # so is a costlier one when no job is in flight (see INLINE_ISSUE_MAX_DESCRIPTORS).
@@ -424,15 +360,18 @@ class DirectionHandler:
     def _issue(self, backend: Backend, transfer: _Transfer, init_error: BaseException | None) -> None:
         """Issue one transfer (the caller holds ``_issue_lock``) and publish its ticket."""
         if init_error is not None:
-            transfer.ticket = _failed(init_error)
+            transfer.ticket = FailedTicket(init_error)
         elif self._abort.is_set():
-            transfer.ticket = _failed(TransferError("the handler shut down before the job was issued"))
+            transfer.ticket = FailedTicket(
+                TransferError("the handler shut down before the job was issued"))
         else:
             try:
                 transfer.ticket = backend.issue(self._plan, transfer.src, transfer.dst, transfer.fence)
             except Exception as exc:  # reported as the job's failure
-                transfer.ticket = _failed(exc)
-        transfer.fence = None  # the fence's event goes back to its pool once no job holds it
+                transfer.ticket = FailedTicket(exc)
+        fence, transfer.fence = transfer.fence, None
+        if transfer.owns_fence:
+            backend.release_fence(fence)  # no other job waits for it: the wait was enqueued
         with self._lock:
             self._pending -= 1
             transfer.issued = True
@@ -454,24 +393,26 @@ class DirectionHandler:
             with self._issue_lock:
                 self._issue(backend, transfer, init_error)
 
+    def wait_issued(self, timeout: float) -> bool:
+        """Wait until every job submitted so far was issued (so a fence they share may be given
+        back); True when they were within ``timeout``."""
+        with self._lock:
+            pending = [t for t in self._fifo if not t.issued]
+            if not pending:
+                return True
+            return self._wait_issued(pending[-1], timeout)
+
     # ------------------------------------------------------------------------------ completion
 
     def poll(self) -> list[TransferResult]:
-        """Results of every job finished since the last ``poll``, in completion order.
+        """Results of every job finished since the last ``poll``, in completion order (the book's:
+        with a shared book, its other sources' too). Never blocks.
 
-        Never blocks. Raises :class:`ClosedError` after shutdown.
+        Raises:
+            ClosedError: after shutdown.
         """
-        return [result for _, result in self.poll_sequenced()]
-
-    def poll_sequenced(self) -> list[tuple[int, TransferResult]]:
-        """As :meth:`poll`, each result with its completion sequence number."""
         self._check_open()
-        with self._lock:
-            self._advance()
-            out = sorted(self._done.values(), key=lambda item: item[0])
-            self._ids.difference_update(self._done)
-            self._done.clear()
-        return out
+        return self._book.poll()
 
     def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
         """Wait until the given jobs finished; return their results in the order asked.
@@ -486,63 +427,32 @@ class DirectionHandler:
             WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
                 in flight (the finished ones stay available too).
         """
-        return [result for _, result in self.wait_sequenced(job_ids, timeout)]
-
-    def wait_sequenced(
-        self, job_ids: Iterable[int], timeout: float
-    ) -> list[tuple[int, TransferResult]]:
-        """As :meth:`wait`, each result with its completion sequence number."""
         self._check_open()
         ids = as_job_ids(job_ids)
         seconds = as_timeout(timeout)
-        return self.wait_until(ids, time.monotonic() + seconds, seconds)
+        return self._book.wait(ids, time.monotonic() + seconds, seconds)
 
-    def wait_until(
-        self, ids: list[int], deadline: float, timeout: float
-    ) -> list[tuple[int, TransferResult]]:
-        """As :meth:`wait_sequenced` for ids the caller validated (distinct ints), until the
-        ``time.monotonic()`` ``deadline``; ``timeout`` is only named in the error.
+    def advance(self) -> None:
+        """Publish the results of the jobs that finished (the book's call); never blocks."""
+        with self._lock:
+            self._advance()
 
-        Raises:
-            ClosedError: after shutdown.
-            UnknownJobError, WaitTimeoutError: as :meth:`wait`.
-        """
-        self._check_open()
-        first = True
-        while True:
-            with self._lock:
-                if first:
-                    unknown = [j for j in ids if j not in self._ids]
-                    if unknown:
-                        raise UnknownJobError(
-                            f"{self.direction.value} job(s) {unknown} are neither in flight nor "
-                            "waiting to be polled"
-                        )
-                    first = False
-                self._advance()
-                done = self._done
-                missing = [j for j in ids if j not in done]
-                if not missing:
-                    self._ids.difference_update(ids)
-                    return [done.pop(j) for j in ids]
-                head = self._fifo[0] if self._fifo else None
-                remaining = deadline - time.monotonic()
-                if head is not None and not head.issued and remaining > 0:
-                    self._wait_issued(head, remaining)
-                    continue
+    def wait_progress(self, job_id: int, timeout: float) -> None:
+        """Wait up to ``timeout`` for the head job to be issued, then to finish (jobs finish in
+        order, so ``job_id`` is done no earlier); the book's call, with its deadline."""
+        with self._lock:
+            head = self._fifo[0] if self._fifo else None
             if head is None:
-                raise UnknownJobError(f"job(s) {missing} were returned by a concurrent call")
-            if remaining <= 0:
-                raise WaitTimeoutError(
-                    f"{self.direction.value} job(s) {missing} did not finish within {timeout} s",
-                    pending=missing,
-                )
-            ticket = head.ticket
-            assert ticket is not None
-            try:
-                ticket.wait(remaining)
-            except Exception:  # _advance records the failure as the job's result
-                pass
+                return
+            if not head.issued:
+                self._wait_issued(head, timeout)
+                return
+        ticket = head.ticket
+        assert ticket is not None
+        try:
+            ticket.wait(timeout)
+        except Exception:  # _advance records the failure as the job's result
+            pass
 
     def _wait_issued(self, transfer: _Transfer, timeout: float) -> bool:
         """Wait (holding the lock, which the wait releases) until ``transfer`` was issued; True
@@ -572,12 +482,14 @@ class DirectionHandler:
             self._record_locked(self._finished(head, ticket))
 
     def _finished(self, transfer: _Transfer, ticket: Ticket) -> TransferResult:
+        """The result of a completed transfer; its ticket's events go back to their pool."""
         error = ticket.error
         try:
             seconds = ticket.seconds()
         except Exception as exc:  # timing is advisory; a failed read must not fail the job
             _log.debug("could not read job %d's copy time: %s", transfer.job_id, exc)
             seconds = 0.0
+        ticket.release()
         path = ticket.path or self._path
         return self._result(transfer.job_id, error is None, transfer.nbytes, seconds, path, error)
 
@@ -589,21 +501,20 @@ class DirectionHandler:
             path=path, error=error,
         )
 
-    def _record(self, job_id: int, result: TransferResult) -> None:
+    def _record(self, result: TransferResult) -> None:
         """Record the result of a job that finished at submit (empty, or failed to fence)."""
         with self._lock:
             self._submitted += 1
-            self._ids.add(job_id)
             self._record_locked(result)
 
     def _record_locked(self, result: TransferResult) -> None:
-        self._done[result.job_id] = (next(self._sequence), result)
         if result.ok:
             self._completed += 1
             self._bytes_done += result.nbytes
             self._busy_s += result.seconds
         else:
             self._failed += 1
+        self._book.finish(result.job_id, result)
 
     def stats(self) -> HandlerStats:
         """Counters since creation (also valid after shutdown)."""
@@ -676,8 +587,9 @@ class DirectionHandler:
                     "deadline", pending=[head.job_id],
                 )
             with self._lock:
-                self._fifo.popleft()
-                self._record_locked(self._finished(head, ticket))
+                if self._fifo and self._fifo[0] is head:  # a concurrent advance may have popped it
+                    self._fifo.popleft()
+                    self._record_locked(self._finished(head, ticket))
 
     def _release(self, deadline: float) -> list[BaseException]:
         """Stop the issuer thread and release the backend; never raises, returns the failures."""
@@ -699,34 +611,10 @@ class DirectionHandler:
                         "(a copy may still be in progress)"
                     )
                 )
-        with self._lock:
-            self._done.clear()
-            self._ids.clear()
+        if self._owns_book:
+            self._book.clear()
         return failures
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"the {self.direction.value} handler was shut down")
-
-
-def check_pairs(src: I64Array, dst: I64Array, src_name: str, dst_name: str) -> None:
-    """Refuse unequal lengths and duplicate destinations (two copies into one block race).
-
-    Raises:
-        InvalidBlockIdError: naming the lengths or the duplicated destination.
-    """
-    if src.shape[0] != dst.shape[0]:
-        raise InvalidBlockIdError(
-            f"{src_name} has {src.shape[0]} ids but {dst_name} has {dst.shape[0]}: they pair up and "
-            "must have equal lengths"
-        )
-    dup = find_duplicate(dst)
-    if dup is not None:
-        raise InvalidBlockIdError(
-            f"{dst_name}[{dup}] = {int(dst[dup])} repeats an earlier destination: each block may be "
-            "written once per job"
-        )
-
-
-def _failed(error: BaseException) -> Ticket:
-    return FailedTicket(error)

@@ -6,7 +6,7 @@ Records are frozen attrs classes: they are values, safe to hand to another threa
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Final, Union
 
 import attrs
 from typing_extensions import TypeAlias
@@ -19,7 +19,17 @@ if TYPE_CHECKING:  # only named in annotations: this module imports neither at r
     import numpy.typing as npt
     import torch
 
-__all__ = ["BlockIds", "Direction", "HandlerStats", "TransferResult", "WorkerStats"]
+__all__ = [
+    "DEFAULT_SHUTDOWN_TIMEOUT_S",
+    "BlockIds",
+    "Direction",
+    "HandlerStats",
+    "TransferResult",
+    "WorkerStats",
+]
+
+#: How long a component's ``shutdown`` waits by default for its jobs to finish, in seconds.
+DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 
 #: Block ids as every job method accepts them: a sequence of ints, a 1-D integer numpy array, or a
 #: 1-D integer torch tensor (on the CPU: ids are read on the host). Ids are copied at the call, so the

@@ -2,7 +2,7 @@
 
 Owns: one memory mapping (anonymous, or of a shared file under ``/dev/shm``), its file descriptor
 and file name (until unlinked), and the host registrations (pinning) of the record area.
-Borrows: the :class:`~kvoffload.bindings.HostPinner` that registers memory with the device.
+Borrows: the :class:`~kvoffload.bindings.pinning.HostPinner` that registers memory with the device.
 
 ``create`` maps, populates (``MAP_POPULATE``: registration of pre-faulted memory is ~7x faster; an
 anonymous pool is private memory that a forked child sees as zero pages, see :func:`_map`),
@@ -38,7 +38,7 @@ from typing import Final
 
 import torch
 
-from kvoffload.bindings import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
+from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
 from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError
 
 __all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "host_memory_available"]

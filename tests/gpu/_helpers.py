@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, bindings
-from kvoffload.backends import CudaBackend, new_stream
-from kvoffload.demo import build_cache
+from kvoffload import DeviceLayout
+from kvoffload.backends.cuda import CudaBackend
+from kvoffload.bindings import driver
+from kvoffload.cli._caches import build_cache
+from kvoffload.cli._torch import new_stream
 
 #: ~5 ms of GPU time on the H200 test machine: long enough for a copy to overtake queued compute.
 SLEEP_CYCLES = 10**7
@@ -34,7 +36,7 @@ def _idle_fence(self: CudaBackend, stream: object | None) -> object:
     """CONTROL ONLY: a fence on an idle stream instead of the compute stream, so the job's copies do
     not wait for queued compute (docs/design.md §5 rule 1 and 2 broken on purpose)."""
     idle = new_stream(self.device)
-    event = bindings.Event(bindings.event_pool(idle.device.index or 0, timing=False))
+    event = driver.Event(driver.event_pool(idle.device.index or 0, timing=False))
     event.record(idle.cuda_stream)
     return event
 

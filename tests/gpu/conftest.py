@@ -3,6 +3,7 @@ tests measure so that the run ends with one table of them (reported, never asser
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterator
 
 import pytest
@@ -11,12 +12,19 @@ import torch
 _FIGURES: list[tuple[str, str]] = []
 
 
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
+    """Mark this directory's tests as GPU tests, and skip them (with the reason) without CUDA; tests
+    collected from elsewhere in the same session are left alone."""
     skip = pytest.mark.skip(reason="no CUDA device: torch.cuda.is_available() is False")
     for item in items:
-        item.add_marker(skip)
+        if _HERE not in item.path.resolve().parents:
+            continue
+        item.add_marker(pytest.mark.gpu)
+        if not torch.cuda.is_available():
+            item.add_marker(skip)
 
 
 class Figures:

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import SrcAccessOrder, Worker, bindings, calibration
+from kvoffload import SrcAccessOrder, Worker, calibration
 from kvoffload._descriptors import CopyPlan, StagedChunk
-from kvoffload.backends import CudaTicket, SmBackend, StagedBackend, Ticket
+from kvoffload.backends.cuda import CudaStreams, CudaTicket, PathTicket
+from kvoffload.backends.kernel import SmPath, StagedPath
+from kvoffload.bindings import driver
 from tests.gpu._helpers import TIMEOUT_S, cache
 from tests.gpu.conftest import Figures
 
@@ -83,10 +85,11 @@ def test_auto_moves_every_byte_whichever_path_each_job_takes(device: torch.devic
 
 
 def corrupting_store_chunk(
-    self: StagedBackend, stream: int, chunk: StagedChunk, plan: CopyPlan,
+    self: StagedPath, streams: CudaStreams, chunk: StagedChunk, plan: CopyPlan,
     segments: tuple[int, int],
 ) -> None:
     """A broken staged store: the kernel never fills the slot, the DMA copies stale staging."""
+    stream = streams.copy
     self._drained[chunk.slot].wait_on(stream)
     self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
                      SrcAccessOrder.STREAM, stream)
@@ -97,7 +100,7 @@ def test_auto_never_chooses_a_path_that_failed_its_own_check(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(calibration, "_cache", {})
-    monkeypatch.setattr(StagedBackend, "_store_chunk", corrupting_store_chunk)
+    monkeypatch.setattr(StagedPath, "_store_chunk", corrupting_store_chunk)
     layout = cache("per-layer", device, num_blocks=256, layers=8, seed=9)
     with Worker.create(layout, 64, path="auto") as w:
         choose = w._store._backend._choose  # type: ignore[union-attr]
@@ -110,16 +113,16 @@ def test_auto_never_chooses_a_path_that_failed_its_own_check(
 
 
 def copying_nothing(
-    self: SmBackend, stream: int, plan: CopyPlan, src: object, dst: object, fence: object
-) -> Ticket:
+    self: SmPath, streams: CudaStreams, plan: CopyPlan, src: object, dst: object,
+    fence: driver.Event,
+) -> PathTicket:
     """An sm job that waits for its fence and completes, but moves no byte (the fastest "path")."""
-    assert isinstance(fence, bindings.Event)
-    kstream = self._kernel_handle
-    start, end = bindings.Event(self._timing_events), bindings.Event(self._timing_events)
+    kstream = streams.kernel
+    start, end = driver.Event(streams.timing_events), driver.Event(streams.timing_events)
     fence.wait_on(kstream)
     start.record(kstream)
     end.record(kstream)
-    return CudaTicket(start, end, None)
+    return CudaTicket(start, end, None, self.name)
 
 
 def test_auto_never_chooses_a_path_that_copies_nothing(
@@ -129,7 +132,7 @@ def test_auto_never_chooses_a_path_that_copies_nothing(
     its check on the bytes another path wrote there before it (its verified job writes into a
     cleared destination)."""
     monkeypatch.setattr(calibration, "_cache", {})
-    monkeypatch.setattr(SmBackend, "_issue_on", copying_nothing)
+    monkeypatch.setattr(SmPath, "issue", copying_nothing)
     layout = cache("per-layer", device, num_blocks=256, layers=8, seed=11)
     with Worker.create(layout, 64, path="auto") as w:
         for handler in (w._store, w._load):

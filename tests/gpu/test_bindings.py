@@ -10,25 +10,27 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import CudaError, Direction, InvalidArgumentError, SrcAccessOrder, Worker, bindings
-from kvoffload.backends import CudaBackend
+from kvoffload import CudaError, Direction, InvalidArgumentError, SrcAccessOrder, Worker
+from kvoffload.backends.cuda import CudaBackend, DmaPath
+from kvoffload.bindings import driver
+from kvoffload.bindings.copier import Copier
 from tests.gpu._helpers import TIMEOUT_S, cache
 from tests.gpu.conftest import Figures
 
 
 def test_capabilities_report_driver_device_and_batch_memcpy(device: torch.device,
                                                             figures: Figures) -> None:
-    caps = bindings.capabilities(device.index or 0)
+    caps = driver.capabilities(device.index or 0)
     assert caps.driver_version >= 12000
     assert caps.device_name == torch.cuda.get_device_name(device)
-    if caps.driver_version >= bindings.BATCH_ABI_CUDA_12_8:
-        assert caps.batch_memcpy and caps.copy_method is bindings.CopyMethod.BATCH_CTYPES
+    if caps.driver_version >= driver.BATCH_ABI_CUDA_12_8:
+        assert caps.batch_memcpy and caps.copy_method is driver.CopyMethod.BATCH_CTYPES
     figures.add("driver / batch ABI / device",
                 f"{caps.driver_version} / {caps.batch_abi_version} / {caps.device_name}")
 
 
 def test_registering_a_range_twice_is_a_named_cuda_error(device: torch.device) -> None:
-    pinner = bindings.CudaHostPinner(device.index or 0)
+    pinner = driver.CudaHostPinner(device.index or 0)
     buf = mmap.mmap(-1, 1 << 20)
     array = np.frombuffer(buf, dtype=np.uint8)
     ptr = array.ctypes.data
@@ -48,7 +50,7 @@ def test_registering_a_range_twice_is_a_named_cuda_error(device: torch.device) -
 
 
 def test_legacy_default_stream_is_refused(device: torch.device) -> None:
-    copier = bindings.Copier.create(bindings.capabilities(device.index or 0))
+    copier = Copier.create(driver.capabilities(device.index or 0))
     empty = np.zeros(1, dtype=np.uint64)
     with pytest.raises(InvalidArgumentError, match="legacy default stream"):
         copier.copy(empty, empty, empty, SrcAccessOrder.STREAM, 0)
@@ -57,7 +59,7 @@ def test_legacy_default_stream_is_refused(device: torch.device) -> None:
 class RecordingCopier:
     """Wraps a real copier and records the access order of every call."""
 
-    def __init__(self, inner: bindings.Copier) -> None:
+    def __init__(self, inner: Copier) -> None:
         self.inner = inner
         self.path = inner.path
         self.orders: list[SrcAccessOrder] = []
@@ -75,8 +77,10 @@ def test_stores_read_in_stream_order_and_loads_may_read_any_time(device: torch.d
         for handler in (w._store, w._load):
             backend = handler._backend
             assert isinstance(backend, CudaBackend)
-            recorders[handler.direction] = RecordingCopier(backend.copier)
-            backend.copier = recorders[handler.direction]  # type: ignore[assignment]
+            dma = backend.paths["dma"]
+            assert isinstance(dma, DmaPath)
+            recorders[handler.direction] = RecordingCopier(dma.copier)
+            dma.copier = recorders[handler.direction]  # type: ignore[assignment]
         w.store(1, [1], [1])
         w.wait([1], TIMEOUT_S)
         w.load(2, [1], [2])
@@ -87,13 +91,13 @@ def test_stores_read_in_stream_order_and_loads_may_read_any_time(device: torch.d
 
 def test_bounded_synchronize_reports_an_idle_device(device: torch.device) -> None:
     torch.cuda.synchronize(device)
-    assert bindings.synchronize_device(device.index or 0, 10.0)
+    assert driver.synchronize_device(device.index or 0, 10.0)
 
 
-def test_pooled_event_is_not_ready_then_done_and_returns_to_its_pool(device: torch.device) -> None:
-    pool = bindings.EventPool(device.index or 0, timing=True)
+def test_pooled_event_is_not_ready_then_done_and_returns_to_its_pool_when_released(device: torch.device) -> None:
+    pool = driver.EventPool(device.index or 0, timing=True)
     stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    start, end = bindings.Event(pool), bindings.Event(pool)
+    start, end = driver.Event(pool), driver.Event(pool)
     start.record(stream.cuda_stream)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(10**8)  # type: ignore[no-untyped-call]
@@ -103,19 +107,21 @@ def test_pooled_event_is_not_ready_then_done_and_returns_to_its_pool(device: tor
     assert end.done()
     assert start.seconds_until(end) > 0
     handles = {start.handle, end.handle}
-    del start, end
+    start.release()
+    end.release()
+    end.release()  # a second release gives nothing back twice
     assert pool.free == 2
-    assert bindings.Event(pool).handle in handles
+    assert driver.Event(pool).handle in handles
 
 
 def test_events_work_from_a_thread_with_no_current_context(device: torch.device) -> None:
-    pool = bindings.EventPool(device.index or 0, timing=False)
+    pool = driver.EventPool(device.index or 0, timing=False)
     stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     outcome: list[object] = []
 
     def run() -> None:  # a fresh thread: no context is current in it
         try:
-            event = bindings.Event(pool)
+            event = driver.Event(pool)
             event.record(stream.cuda_stream)
             outcome.append(event.done() or stream.query())
         except Exception as exc:  # reported below
@@ -132,10 +138,10 @@ def test_each_direction_owns_a_stream_of_its_own_until_shutdown(device: torch.de
     w = Worker.create(layout, 8)
     backends = [h._backend for h in (w._store, w._load)]
     assert all(isinstance(b, CudaBackend) for b in backends)
-    handles = {b.stream.cuda_stream for b in backends if isinstance(b, CudaBackend) and b.stream}
+    handles = {b.streams.copy for b in backends if isinstance(b, CudaBackend)}
     assert len(handles) == 2 and 0 not in handles
     assert torch.cuda.current_stream(device).cuda_stream not in handles
     pool = {torch.cuda.Stream(device).cuda_stream for _ in range(40)}  # type: ignore[no-untyped-call]
     assert not handles & pool  # never one of torch's shared pool streams
     w.shutdown(timeout=TIMEOUT_S)
-    assert all(isinstance(b, CudaBackend) and b.stream is None for b in backends)
+    assert all(isinstance(b, CudaBackend) and b.streams.copy == 0 for b in backends)

@@ -7,7 +7,7 @@ import torch
 
 from kvoffload import Worker
 from kvoffload.testing import check_worker_contract
-from kvoffload.worker import PathName
+from kvoffload import PathName
 from tests.gpu._helpers import cache
 
 

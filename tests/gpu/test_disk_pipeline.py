@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, SrcAccessOrder, Worker
-from kvoffload._pipeline import STEP_TIMEOUT_S, DiskPipeline
-from kvoffload.backends import CudaBackend
-from kvoffload.disk import DiskConfig
+from kvoffload import DeviceLayout, DiskConfig, SrcAccessOrder, Worker
+from kvoffload.backends.cuda import CudaBackend, DmaPath
+from kvoffload.handler import DirectionHandler
+from kvoffload.worker.pipeline import STEP_TIMEOUT_S, DiskPipeline
 from tests.gpu._helpers import TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
 
@@ -32,8 +32,7 @@ def load_without_rule_5(self: DiskPipeline, job: Any) -> None:
         rows = self._sets[index % len(self._sets)][: part.stop - part.start]
         io = self._tier.read_records(job.disk_blocks[part], rows)
         io.wait(STEP_TIMEOUT_S)
-        self._from_slots.submit_validated(next(self._ids), rows, job.device_blocks[part],
-                                          fence=job.fence)
+        self._from_slots.submit(next(self._ids), rows, job.device_blocks[part], fence=job.fence)
 
 
 def corrupted_after_back_to_back_loads(
@@ -47,10 +46,13 @@ def corrupted_after_back_to_back_loads(
         row[:] = rng.choice(SOURCES, PER_CALL, replace=False)
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     with Worker.create(layout, 8, disk=DiskConfig(path, SOURCES), bounce_slots=8) as w:
-        assert w._bounce is not None
-        backend = w._bounce[1]._backend
+        bounce_load = dict(w._stop_order)["bounce load handler"]
+        assert isinstance(bounce_load, DirectionHandler)
+        backend = bounce_load._backend
         assert isinstance(backend, CudaBackend)
-        backend._order = order
+        dma = backend.paths["dma"]
+        assert isinstance(dma, DmaPath)
+        dma.order = order
         w.store_to_disk(0, src, src)
         assert w.wait([0], TIMEOUT_S)[0].ok
         with torch.cuda.stream(compute):

@@ -9,17 +9,18 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from cuda.bindings import driver
+from cuda.bindings import driver as cuda_driver
 
-from kvoffload import CudaError, ShutdownError, Worker, bindings
-from kvoffload.backends import CudaBackend, CudaTicket
+from kvoffload import CudaError, ShutdownError, SrcAccessOrder, Worker
+from kvoffload.backends.cuda import CudaBackend, CudaTicket, DmaPath
+from kvoffload.bindings import driver
 from tests.gpu._helpers import SLEEP_CYCLES, TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
 
 HANG_GUARD_S = 120.0  # "does not hang" bound; never a performance assertion
 
 
-class RecordingPinner(bindings.CudaHostPinner):
+class RecordingPinner(driver.CudaHostPinner):
     """The real pinner, recording what it registered and unregistered."""
 
     registered: list[int] = []
@@ -35,11 +36,11 @@ class RecordingPinner(bindings.CudaHostPinner):
 
 
 @pytest.fixture
-def recording_pinner(monkeypatch: pytest.MonkeyPatch) -> type[RecordingPinner]:
+def recording_pinner(device: torch.device) -> RecordingPinner:
+    """The real pinner, injected into the workers a test creates (``Worker.create(pinner=...)``)."""
     RecordingPinner.registered = []
     RecordingPinner.unregistered = []
-    monkeypatch.setattr(bindings, "CudaHostPinner", RecordingPinner)
-    return RecordingPinner
+    return RecordingPinner(device.index or 0)
 
 
 def run_with_guard(fn: Callable[[], None]) -> BaseException | None:
@@ -67,10 +68,10 @@ JOBS_IN_FLIGHT = 100
 
 
 def test_shutdown_with_jobs_in_flight_drains_unpins_and_unmaps(
-    device: torch.device, recording_pinner: type[RecordingPinner], figures: Figures
+    device: torch.device, recording_pinner: RecordingPinner, figures: Figures
 ) -> None:
     layout = cache("per-layer", device, num_blocks=256, layers=8)
-    w = Worker.create(layout, 600, pin_chunk_bytes=64 * layout.record_bytes)
+    w = Worker.create(layout, 600, pin_chunk_bytes=64 * layout.record_bytes, pinner=recording_pinner)
     region = w._region
     compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(compute):
@@ -95,11 +96,11 @@ def test_shutdown_with_jobs_in_flight_drains_unpins_and_unmaps(
 
 
 def test_drain_whose_event_wait_raises_still_tears_everything_down(
-    device: torch.device, recording_pinner: type[RecordingPinner], monkeypatch: pytest.MonkeyPatch,
+    device: torch.device, recording_pinner: RecordingPinner, monkeypatch: pytest.MonkeyPatch,
     figures: Figures,
 ) -> None:
     layout = cache("per-layer", device, num_blocks=128, layers=4)
-    w = Worker.create(layout, 64)
+    w = Worker.create(layout, 64, pinner=recording_pinner)
     region = w._region
     for job in range(40):
         w.store(job, [job], [job])
@@ -125,14 +126,16 @@ def test_driver_fault_fails_that_job_and_later_jobs_still_work(device: torch.dev
     with Worker.create(layout, 16, path="dma") as w:
         backend = w._store._backend
         assert isinstance(backend, CudaBackend)
-        pointers = backend.copier._attrs_ptr
-        good_attrs = pointers[bindings.SrcAccessOrder.STREAM]
+        dma = backend.paths["dma"]
+        assert isinstance(dma, DmaPath)
+        pointers = dma.copier._attrs_ptr
+        good_attrs = pointers[SrcAccessOrder.STREAM]
         # An INVALID source access order is refused by the driver itself (CUDA_ERROR_INVALID_VALUE).
-        invalid = driver.CUmemcpyAttributes()
-        pointers[bindings.SrcAccessOrder.STREAM] = invalid.getPtr()
+        invalid = cuda_driver.CUmemcpyAttributes()
+        pointers[SrcAccessOrder.STREAM] = invalid.getPtr()
         w.store(1, [13, 20], [0, 5])  # apart on both sides: several copies, one batched call
         (bad,) = w.wait([1], TIMEOUT_S)
-        pointers[bindings.SrcAccessOrder.STREAM] = good_attrs
+        pointers[SrcAccessOrder.STREAM] = good_attrs
         assert not bad.ok
         assert isinstance(bad.error, CudaError), bad.error
         assert bad.error.call == "cuMemcpyBatchAsync"

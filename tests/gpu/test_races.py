@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvoffload import DeviceLayout, Worker
-from kvoffload.worker import PathName
+from kvoffload import PathName
 from tests.gpu._helpers import TIMEOUT_S, cache, no_fence, stall
 from tests.gpu.conftest import Figures
 

@@ -12,8 +12,8 @@ import attrs
 import pytest
 import torch
 
-from kvoffload.replay import EXIT_OK, ReplayConfig, ReplayReport, main, run_replay
-from kvoffload.worker import PathName
+from kvoffload.cli.replay import EXIT_OK, ReplayConfig, ReplayReport, main, run_replay
+from kvoffload import PathName
 from tests.gpu._helpers import no_fence
 from tests.gpu.conftest import Figures
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvoffload import CopyMethod, DeviceLayout, Worker
-from kvoffload.demo import LAYOUTS
-from kvoffload.worker import PathName
+from kvoffload.cli.demo import LAYOUTS
+from kvoffload import PathName
 from tests.gpu._helpers import TIMEOUT_S, cache
 from tests.gpu.conftest import Figures
 

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, Worker, bindings
+from kvoffload import DeviceLayout, SrcAccessOrder, Worker
 from kvoffload._descriptors import CopyPlan, StagedChunk
-from kvoffload.backends import KernelBackend, StagedBackend
+from kvoffload.backends import kernel as kernel_paths
+from kvoffload.backends.cuda import CudaStreams
+from kvoffload.backends.kernel import StagedPath
 from tests.gpu._helpers import TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
 
@@ -25,30 +27,28 @@ BLOCKS_PER_JOB = 24
 
 
 def store_chunk_without_slot_wait(
-    self: StagedBackend, stream: int, chunk: StagedChunk, plan: CopyPlan,
+    self: StagedPath, streams: CudaStreams, chunk: StagedChunk, plan: CopyPlan,
     segments: tuple[int, int],
 ) -> None:
     """CONTROL ONLY: the store chunk without waiting for the slot's previous DMA."""
-    kstream = self._kernel_handle
-    self._gather(chunk, plan, segments)
+    stream, kstream = streams.copy, streams.kernel
+    self._gather(streams, chunk, plan, segments)
     self._filled[chunk.slot].record(kstream)
     self._filled[chunk.slot].wait_on(stream)
-    self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
-                     bindings.SrcAccessOrder.STREAM, stream)
+    self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes, SrcAccessOrder.STREAM, stream)
     self._drained[chunk.slot].record(stream)
 
 
 def load_chunk_without_slot_wait(
-    self: StagedBackend, stream: int, chunk: StagedChunk, plan: CopyPlan,
+    self: StagedPath, streams: CudaStreams, chunk: StagedChunk, plan: CopyPlan,
     segments: tuple[int, int],
 ) -> None:
     """CONTROL ONLY: the load chunk without waiting for the slot's previous kernel."""
-    kstream = self._kernel_handle
-    self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes,
-                     bindings.SrcAccessOrder.ANY, stream)
+    stream, kstream = streams.copy, streams.kernel
+    self.copier.copy(chunk.dma.dsts, chunk.dma.srcs, chunk.dma.sizes, SrcAccessOrder.ANY, stream)
     self._filled[chunk.slot].record(stream)
     self._filled[chunk.slot].wait_on(kstream)
-    self._gather(chunk, plan, segments)
+    self._gather(streams, chunk, plan, segments)
     self._drained[chunk.slot].record(kstream)
 
 
@@ -127,7 +127,7 @@ def test_store_reuses_a_slot_only_after_its_dma_finished(
     layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
 ) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr(StagedBackend, "_store_chunk", store_chunk_without_slot_wait)
+        patch.setattr(StagedPath, "_store_chunk", store_chunk_without_slot_wait)
         control = back_to_back_stores(layout)
     figures.add("staged store ring reuse, control without the slot wait: bad records",
                 f"{control} of {JOBS * BLOCKS_PER_JOB}")
@@ -141,7 +141,7 @@ def test_load_reuses_a_slot_only_after_its_kernel_finished(
     layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
 ) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr(StagedBackend, "_load_chunk", load_chunk_without_slot_wait)
+        patch.setattr(StagedPath, "_load_chunk", load_chunk_without_slot_wait)
         control = back_to_back_loads(layout)
     figures.add("staged load ring reuse, control without the slot wait: bad pages",
                 f"{control} of {JOBS * BLOCKS_PER_JOB * layout.pages_per_block}")
@@ -152,10 +152,10 @@ def test_load_reuses_a_slot_only_after_its_kernel_finished(
 
 
 def buffer_on_callers_stream(
-    self: KernelBackend, shape: tuple[int, ...], dtype: torch.dtype
+    streams: CudaStreams, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """CONTROL ONLY: the backend's device buffers allocated on the caller's current stream."""
-    return torch.empty(shape, dtype=dtype, device=self.device)
+    return torch.empty(shape, dtype=dtype, device=streams.device)
 
 
 def first_load_behind_a_freed_block(layout: DeviceLayout) -> int:
@@ -185,7 +185,7 @@ def test_kernel_buffers_are_never_a_block_the_callers_pending_work_still_writes(
     layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
 ) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr(KernelBackend, "_device_buffer", buffer_on_callers_stream)
+        patch.setattr(kernel_paths, "device_buffer", buffer_on_callers_stream)
         control = first_load_behind_a_freed_block(layout)
     figures.add("kernel segment table, control allocated on the caller's stream: bad pages",
                 f"{control} of {BLOCKS_PER_JOB * layout.pages_per_block}")

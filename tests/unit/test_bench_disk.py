@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvoffload import bench, disk_bench
+from kvoffload.cli import bench, disk_bench
 from kvoffload.region import host_memory_available
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

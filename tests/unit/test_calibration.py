@@ -18,7 +18,7 @@ from kvoffload.calibration import (
 )
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction
-from kvoffload._caches import build_cache
+from kvoffload.cli._caches import build_cache
 
 
 def choice(key: str = "H200|2097152|32768") -> AutoChoice:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvoffload import DeviceLayout, Direction
 from kvoffload._descriptors import CopyPlan, Descriptors, PageTable
 from kvoffload.errors import BlockIdTypeError, InvalidBlockIdError
-from kvoffload.handler import as_block_ids, find_duplicate
+from kvoffload._validate import as_block_ids, find_duplicate
 
 I64Array = npt.NDArray[np.int64]
 

@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvoffload.disk import PAGE_BYTES, DiskConfig, DiskErrorKind, DiskIO, DiskTier
+from kvoffload.disk.config import PAGE_BYTES, DiskConfig, DiskErrorKind
+from kvoffload.disk.requests import DiskIO
+from kvoffload.disk.tier import DiskTier
 from kvoffload.errors import DiskError, DiskFormatError, DiskIntegrityError, DiskIOError
 from kvoffload.records import Direction
 from kvoffload.region import RegionOwner

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvoffload.disk import PAGE_BYTES, DiskConfig, DiskErrorKind, DiskTier
+from kvoffload.disk.config import PAGE_BYTES, DiskConfig, DiskErrorKind
+from kvoffload.disk.tier import DiskTier
 from kvoffload.errors import (
     ArgumentTypeError,
     BlockConflictError,
@@ -82,7 +83,7 @@ def test_shutdown_drains_in_flight_writes_before_closing_the_descriptor(
     assert io.done() and io.ok
     stats = tier.stats()
     assert (stats.records_written, stats.write_failed, stats.in_flight) == (4, 0, 0)
-    assert tier.threads_stopped and tier.closed
+    assert tier.thread_stopped and tier.closed
     again = make_tier(reuse=True)
     assert set(again.valid_blocks()) == {4, 5, 6, 7}
 
@@ -122,16 +123,16 @@ def test_a_stuck_io_thread_keeps_the_descriptor_open_and_shutdown_says_so(tmp_pa
             tier.shutdown(timeout=0.2)
         assert info.value.fd_left_open and isinstance(info.value, ShutdownError)
         assert any(isinstance(f, WaitTimeoutError) for f in info.value.failures)
-        assert not tier.threads_stopped
+        assert not tier.thread_stopped
         os.fstat(fd)  # still open: the stuck thread may still use it
         tier.shutdown()  # idempotent, even after a failed shutdown
         with pytest.raises(ClosedError):
             tier.poll()
     finally:
         gate.set()
-        for thread in tier._threads:
+        for thread in tier._stages._threads:
             thread.join(WAIT_S)
-    assert not any(thread.is_alive() for thread in tier._threads)
+    assert not any(thread.is_alive() for thread in tier._stages._threads)
     os.close(fd)  # the test's job now: the tier never closes a descriptor it left open
 
 

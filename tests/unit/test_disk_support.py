@@ -16,8 +16,9 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from kvoffload.bindings import NoPinner
-from kvoffload.disk import PAGE_BYTES, DiskConfig, DiskTier
+from kvoffload.bindings.pinning import NoPinner
+from kvoffload.disk.config import PAGE_BYTES, DiskConfig
+from kvoffload.disk.tier import DiskTier
 from kvoffload.errors import DiskError
 from kvoffload.records import TransferResult
 from kvoffload.region import RegionOwner

@@ -21,90 +21,17 @@ from kvoffload import (
     UnknownJobError,
     WaitTimeoutError,
 )
-from kvoffload._descriptors import CopyPlan, Descriptors, PageTable
+from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload.handler import (
     INLINE_ISSUE_IDLE_MAX_DESCRIPTORS,
     INLINE_ISSUE_MAX_DESCRIPTORS,
     DirectionHandler,
 )
 from kvoffload.records import Direction
+from kvoffload.testing import FakeBackend, FakeTicket
 
 I64Array = npt.NDArray[np.int64]
 HANG_GUARD_S = 30.0  # generous bound for "does not hang"; never a performance assertion
-
-
-class FakeTicket:
-    """Completes when ``finish`` is called; ``wait`` may be made to raise."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self.path: str | None = None
-        self._event = threading.Event()
-        self.wait_error: BaseException | None = None
-        self.done_error: BaseException | None = None
-
-    def finish(self) -> None:
-        self._event.set()
-
-    def done(self) -> bool:
-        if self.done_error is not None:
-            raise self.done_error
-        return self._event.is_set()
-
-    def wait(self, timeout_s: float) -> bool:
-        if self.wait_error is not None:
-            raise self.wait_error
-        return self._event.wait(timeout_s)
-
-    def seconds(self) -> float:
-        return 0.001
-
-
-class FakeBackend:
-    """Issues FakeTickets; ``auto_finish`` completes them at once."""
-
-    name = "fake"
-    path = "fake"
-
-    def __init__(self, direction: Direction = Direction.STORE, auto_finish: bool = True) -> None:
-        self.direction = direction
-        self.auto_finish = auto_finish
-        self.tickets: list[FakeTicket] = []
-        self.issued: list[Descriptors] = []
-        self.released = 0
-        self.release_error: Exception | None = None
-        self.issue_error: Exception | None = None
-        self.inline = False
-        self.cost_per_block = 1  # descriptors the issue of one block builds (Backend.issue_cost)
-
-    def fence(self, stream: object | None) -> object:
-        if stream is not None:
-            raise DeviceMismatchError("fake backend takes no stream")
-        return None
-
-    def start_thread(self) -> None:
-        pass
-
-    def can_issue_here(self) -> bool:
-        return self.inline
-
-    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
-        return pairs * self.cost_per_block
-
-    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> FakeTicket:
-        descriptors = plan.build(src, dst)
-        ticket = FakeTicket()
-        ticket.error = self.issue_error
-        self.issued.append(descriptors)
-        self.tickets.append(ticket)
-        if self.auto_finish:
-            ticket.finish()
-        return ticket
-
-    def release(self) -> None:
-        self.released += 1
-        if self.release_error is not None:
-            raise self.release_error
 
 
 def make_plan(direction: Direction) -> CopyPlan:

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-import kvoffload.worker
 from kvoffload import (
-    BlockConflictError, DeviceLayout, Direction, ShutdownError, TransferError, UnknownJobError,
-    WaitTimeoutError, Worker,
+    BlockConflictError, DeviceLayout, Direction, ShutdownError, TransferError, TransferResult,
+    UnknownJobError, Worker,
 )
-from kvoffload.backends import HostBackend
-from kvoffload.demo import LAYOUTS, build_cache
-from kvoffload.demo import main as demo_main
+from kvoffload.backends.host import HostBackend
+from kvoffload.cli.demo import LAYOUTS, build_cache
+from kvoffload.cli.demo import main as demo_main
 from kvoffload.region import SHM_DIR
 
 TIMEOUT_S = 60.0
@@ -78,7 +77,7 @@ def test_random_job_stream_matches_a_reference_model() -> None:
                 out.update(dev if direction_side == "dev" else host)
             return out
 
-        def settle(results: list[kvoffload.TransferResult]) -> None:
+        def settle(results: list[TransferResult]) -> None:
             for r in results:
                 assert r.ok, r.error
                 direction, src, dst = in_flight.pop(r.job_id)
@@ -175,12 +174,9 @@ class FailingBackend(HostBackend):
         super().copy_one(dst, src, size)
 
 
-def test_failed_copy_reports_ok_false_and_other_jobs_are_unaffected(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", FailingBackend)
+def test_failed_copy_reports_ok_false_and_other_jobs_are_unaffected() -> None:
     layout = small_cache("per-layer")
-    with Worker.create(layout, HOST_BLOCKS) as w:
+    with Worker.create(layout, HOST_BLOCKS, backend_factory=FailingBackend) as w:
         records = w.host_records()
         FailingBackend.lo = records[3].data_ptr()
         FailingBackend.hi = FailingBackend.lo + layout.record_bytes
@@ -204,12 +200,9 @@ class StuckBackend(HostBackend):
         super().copy_one(dst, src, size)
 
 
-def test_stuck_copy_shutdown_returns_and_leaves_the_region_mapped(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", StuckBackend)
+def test_stuck_copy_shutdown_returns_and_leaves_the_region_mapped() -> None:
     StuckBackend.gate.clear()
-    w = Worker.create(small_cache("per-layer"), HOST_BLOCKS)
+    w = Worker.create(small_cache("per-layer"), HOST_BLOCKS, backend_factory=StuckBackend)
     w.store(1, [0], [0])
     try:
         with pytest.raises(ShutdownError) as info:
@@ -230,17 +223,14 @@ class GatedBackend(HostBackend):
         super().copy_one(dst, src, size)
 
 
-def test_a_caller_may_reuse_its_id_buffers_as_soon_as_submit_returns(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_caller_may_reuse_its_id_buffers_as_soon_as_submit_returns() -> None:
     """Engines refill one preallocated id buffer per step: a queued job must keep the ids it was
     given, for its copies and for the conflict bookkeeping."""
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", GatedBackend)
     GatedBackend.gate.clear()
     layout = small_cache("per-layer")
     device_ids = np.array([0, 1, 2], dtype=np.int64)
     host_ids = np.array([5, 6, 7], dtype=np.int64)
-    with Worker.create(layout, HOST_BLOCKS) as w:
+    with Worker.create(layout, HOST_BLOCKS, backend_factory=GatedBackend) as w:
         try:
             w.store(1, device_ids, host_ids)  # held in its first copy: job 2 stays queued
             w.store(2, device_ids + 3, host_ids + 3)
@@ -280,33 +270,42 @@ def test_demo_runs_the_host_backend_verifies_and_says_so(capsys: pytest.CaptureF
     assert re.search(r"result\s+OK", out)
 
 
+class HoldingBackend(HostBackend):
+    """Holds a copy while ``hold`` is set, until ``gate`` is set."""
+
+    hold = threading.Event()
+    gate = threading.Event()
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        if self.hold.is_set():
+            self.gate.wait(TIMEOUT_S)
+        super().copy_one(dst, src, size)
+
+
 def test_a_wait_that_loses_a_job_to_a_concurrent_call_keeps_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A wait for [1, 3] whose job 1 (already finished) is returned by another thread's wait while
     it waits for job 3: it names job 1, and job 3's result and bookkeeping are not lost."""
-    with Worker.create(small_cache("per-layer"), HOST_BLOCKS) as w:
+    HoldingBackend.hold.clear()
+    HoldingBackend.gate.clear()
+    with Worker.create(small_cache("per-layer"), HOST_BLOCKS, backend_factory=HoldingBackend) as w:
         w.store(1, [0], [0])
-        w.store(3, [1], [1])
-        w.load(2, [5], [5])
+        w._store.wait_issued(TIMEOUT_S)
+        HoldingBackend.hold.set()
+        w.store(3, [1], [1])  # held in its copy until the gate opens
+        store_progress = w._store.wait_progress
 
-        def load_times_out(ids: list[int], deadline: float, timeout: float) -> object:
-            raise WaitTimeoutError("held back", pending=ids)
-
-        with monkeypatch.context() as patch:  # job 1 finishes into the worker's ready results
-            patch.setattr(w._load, "wait_until", load_times_out)
-            with pytest.raises(WaitTimeoutError):
-                w.wait([1, 2], TIMEOUT_S)
-        store_wait = w._store.wait_until
-
-        def another_thread_takes_job_1(ids: list[int], deadline: float, timeout: float) -> object:
+        def another_thread_takes_job_1(job_id: int, timeout: float) -> None:
             assert [r.job_id for r in w.wait([1], TIMEOUT_S)] == [1]
-            return store_wait(ids, deadline, timeout)
+            HoldingBackend.gate.set()
+            store_progress(job_id, timeout)
 
         with monkeypatch.context() as patch:
-            patch.setattr(w._store, "wait_until", another_thread_takes_job_1)
+            patch.setattr(w._store, "wait_progress", another_thread_takes_job_1)
             with pytest.raises(UnknownJobError, match=r"job\(s\) \[1\] were returned by a concurrent"):
                 w.wait([1, 3], TIMEOUT_S)
-        assert sorted(r.job_id for r in w.wait([3, 2], TIMEOUT_S)) == [2, 3]
+        HoldingBackend.hold.clear()
+        assert [r.job_id for r in w.wait([3], TIMEOUT_S)] == [3]
         w.store(4, [2], [1])  # job 3 released host block 1
         assert w.wait([4], TIMEOUT_S)[0].ok

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kvoffload.manager import POLICY_NAMES
-from kvoffload.manager_bench import (
+from kvoffload import POLICY_NAMES
+from kvoffload.cli.manager_bench import (
     FLOOR,
     FLOOR_OPS,
     Row,

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.errors import KeyStateError, UnknownKeyError
-from kvoffload.manager import ARCPolicy, LoadPlan, LRUPolicy, Manager, StorePlan, Tier
+from kvoffload import ARCPolicy, LoadPlan, LRUPolicy, Manager, StorePlan, Tier
 
 KEYS: list[bytes] = [bytes([i]) * 4 for i in range(6)]
 MIN_OPS = 20

@@ -233,9 +233,9 @@ def test_the_public_surface_loads_without_torch_until_a_torch_name_is_used() -> 
 
     code = (
         "import sys, kvoffload\n"
-        "from kvoffload import DiskError, BlockIds, KeyStateError, PolicyFactory\n"
+        "from kvoffload import DiskError, BlockIds, KeyStateError, PolicyFactory, DiskConfig\n"
         "assert 'torch' not in sys.modules\n"
-        "kvoffload.DiskConfig\n"
+        "kvoffload.DeviceLayout\n"
         "assert 'torch' in sys.modules\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvoffload import InvalidArgumentError, RegionError, ShutdownError
-from kvoffload.bindings import pin_chunks
+from kvoffload.bindings.pinning import pin_chunks
 from kvoffload.errors import ClosedError, KVOffloadError
 from kvoffload.region import SHM_DIR, RegionOwner
 
@@ -229,7 +229,7 @@ def test_killed_process_leaves_no_shared_file(shm_name: str) -> None:
     code = (
         "import os, signal\n"
         "from kvoffload.region import RegionOwner\n"
-        "from kvoffload.bindings import NoPinner\n"
+        "from kvoffload.bindings.pinning import NoPinner\n"
         f"RegionOwner.create(num_records=2, record_bytes={RECORD}, pinner=NoPinner(), "
         f"shared_name={shm_name!r})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -16,23 +16,13 @@ import numpy.typing as npt
 import pytest
 import torch
 
-import kvoffload.worker
 from kvoffload import DeviceLayout, Direction, TransferError
 from kvoffload._descriptors import CopyPlan
-from kvoffload.backends import HostBackend, Ticket
-from kvoffload.manager import LoadPlan, Manager
-from kvoffload._caches import build_cache
-from kvoffload.replay import (
-    EXIT_FAILED,
-    EXIT_OK,
-    PatternGenerator,
-    ReplayConfig,
-    ReplayReport,
-    Workload,
-    block_key,
-    main,
-    run_replay,
-)
+from kvoffload.backends.host import HostBackend, HostTicket
+from kvoffload import LoadPlan, Manager
+from kvoffload.cli._caches import build_cache
+from kvoffload.cli._replay_model import PatternGenerator, Workload, block_key
+from kvoffload.cli.replay import EXIT_FAILED, EXIT_OK, ReplayConfig, ReplayReport, main, run_replay
 
 I64Array = npt.NDArray[np.int64]
 #: Small records (4 pages of 512 bytes: 4096-byte records) so that a run takes about a second.
@@ -197,7 +187,7 @@ class FailEveryThirdLoad(HostBackend):
 
     jobs: ClassVar[int] = 0
 
-    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> HostTicket:
         if self.direction is Direction.LOAD:
             FailEveryThirdLoad.jobs += 1
         return super().issue(plan, src, dst, fence)
@@ -220,11 +210,11 @@ class FailStores(HostBackend):
 def test_a_flipped_byte_in_a_loaded_block_is_counted_and_fails_the_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
 ) -> None:
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", FlipLoadedByte)
     monkeypatch.setattr(FlipLoadedByte, "copies", 0)
     monkeypatch.setattr(FlipLoadedByte, "flips", 0)
     out = tmp_path / "replay.json"
-    status = main([*SMALL_ARGS, "--blocks-to-load", "600", "--json", str(out)])
+    status = main([*SMALL_ARGS, "--blocks-to-load", "600", "--json", str(out)],
+                  backend_factory=FlipLoadedByte)
     text = capsys.readouterr().out
     assert status == EXIT_FAILED
     assert FlipLoadedByte.flips > 0
@@ -234,11 +224,8 @@ def test_a_flipped_byte_in_a_loaded_block_is_counted_and_fails_the_run(
     assert "FAILED" in text and "corrupted blocks" in text
 
 
-def test_a_store_that_copies_nothing_is_caught_when_its_blocks_are_loaded(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", SkipStoreCopy)
-    report = run_replay(attrs.evolve(SMALL, blocks_to_load=300))
+def test_a_store_that_copies_nothing_is_caught_when_its_blocks_are_loaded() -> None:
+    report = run_replay(attrs.evolve(SMALL, blocks_to_load=300), backend_factory=SkipStoreCopy)
     assert report.verified_blocks > 0
     assert report.corrupted_blocks == report.verified_blocks  # every stale record is caught
     assert not report.ok and len(report.corrupted_examples) > 0
@@ -257,9 +244,8 @@ def test_a_wrong_host_block_from_the_scheduler_is_caught(monkeypatch: pytest.Mon
 
 
 def test_a_failed_load_is_a_recomputed_miss_never_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", FailEveryThirdLoad)
     monkeypatch.setattr(FailEveryThirdLoad, "jobs", 0)
-    report = run_replay(attrs.evolve(SMALL, blocks_to_load=600))
+    report = run_replay(attrs.evolve(SMALL, blocks_to_load=600), backend_factory=FailEveryThirdLoad)
     assert report.failed_load_jobs > 0 and report.failed_load_blocks > 0
     assert report.corrupted_blocks == 0 and report.unverified_blocks == 0
     # Hits are the verified loads only; the failed ones were recomputed like any miss.
@@ -270,9 +256,8 @@ def test_a_failed_load_is_a_recomputed_miss_never_a_hit(monkeypatch: pytest.Monk
     assert not report.ok and "failed jobs" in "; ".join(report.failures())
 
 
-def test_a_failed_store_never_becomes_loadable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", FailStores)
-    report = run_replay(attrs.evolve(SMALL, requests=80))
+def test_a_failed_store_never_becomes_loadable() -> None:
+    report = run_replay(attrs.evolve(SMALL, requests=80), backend_factory=FailStores)
     assert report.requests == 80
     assert report.failed_store_jobs > 0 and report.store_failed_blocks > 0
     assert report.blocks_stored == 0

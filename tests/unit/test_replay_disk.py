@@ -19,20 +19,13 @@ import pytest
 import torch
 
 from kvoffload import DeviceLayout, Worker
-from kvoffload._caches import build_cache
-from kvoffload.disk import PAGE_BYTES, DiskConfig, DiskTier
-from kvoffload.manager import Manager, StorePlan, Tier
-from kvoffload.replay import (
-    DISK_FAILURE_COUNTERS,
-    EXIT_FAILED,
-    EXIT_OK,
-    ReplayConfig,
-    ReplayReport,
-    _Replay,
-    _StoreJob,
-    main,
-    run_replay,
-)
+from kvoffload.cli._caches import build_cache
+from kvoffload.disk.config import PAGE_BYTES, DiskConfig
+from kvoffload.disk.tier import DiskTier
+from kvoffload import Manager, StorePlan, Tier
+from kvoffload.cli._replay_engine import _Replay, _StoreJob
+from kvoffload.cli._replay_model import DISK_FAILURE_COUNTERS
+from kvoffload.cli.replay import EXIT_FAILED, EXIT_OK, ReplayConfig, ReplayReport, main, run_replay
 
 U8Array = npt.NDArray[np.uint8]
 TIMEOUT_S = 60.0

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-import kvoffload.worker
 from kvoffload import BlockConflictError, DeviceLayout, Direction, InvalidArgumentError, Worker
-from kvoffload._caches import build_cache
-from kvoffload._pipeline import STEP_TIMEOUT_S, DiskPipeline
-from kvoffload.backends import HostBackend
-from kvoffload.disk import DiskConfig
+from kvoffload.cli._caches import build_cache
+from kvoffload.worker.pipeline import STEP_TIMEOUT_S, DiskPipeline
+from kvoffload.backends.host import HostBackend
+from kvoffload import DiskConfig
 
 TIMEOUT_S = 60.0
 NUM_BLOCKS = 64
@@ -162,7 +161,7 @@ def _load_without_waiting(self: DiskPipeline, job: Any) -> None:
         io = self._tier.read_records(job.disk_blocks[part], rows)
         io.wait(STEP_TIMEOUT_S)
         copy = next(self._ids)
-        self._from_slots.submit_validated(copy, rows, job.device_blocks[part], fence=job.fence)
+        self._from_slots.submit(copy, rows, job.device_blocks[part], fence=job.fence)
         copies.append(copy)
     self._from_slots.wait(copies, STEP_TIMEOUT_S)
 
@@ -171,7 +170,7 @@ def corrupted_blocks_after_disk_loads(disk_path: str) -> int:
     layout = make_layout(seed=5)
     src = list(range(24))
     with Worker.create(layout, HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS),
-                       bounce_slots=8) as w:
+                       bounce_slots=8, backend_factory=SlowHostBackend) as w:
         w.store_to_disk(1, src, src)
         assert w.wait([1], TIMEOUT_S)[0].ok
         dst = list(range(32, 56))
@@ -185,7 +184,6 @@ def corrupted_blocks_after_disk_loads(disk_path: str) -> int:
 def test_a_bounce_slot_is_refilled_only_after_its_last_copy_finished(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvoffload.worker, "HostBackend", SlowHostBackend)
     with monkeypatch.context() as patch:
         patch.setattr(DiskPipeline, "_load", _load_without_waiting)
         control = corrupted_blocks_after_disk_loads(str(tmp_path / "control.bin"))
@@ -196,7 +194,7 @@ def test_a_bounce_slot_is_refilled_only_after_its_last_copy_finished(
 def test_shutdown_stops_pipeline_handlers_bounce_handlers_tier_then_region(disk_path: str) -> None:
     calls: list[str] = []
     w = Worker.create(make_layout(), HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS))
-    parts = dict(w._parts())
+    parts = dict(w._stop_order)
     for name, part in parts.items():
         original = part.shutdown
 

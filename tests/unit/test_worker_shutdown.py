@@ -15,7 +15,8 @@ import pytest
 
 from kvoffload import ClosedError, CudaError, InvalidArgumentError, ShutdownError, Worker
 from kvoffload.records import Direction
-from kvoffload.worker import Memory, _Bookkeeping
+from kvoffload._jobs import JobBook
+from kvoffload.worker.booking import Bookkeeping, Memory
 
 
 class FakeHandler:
@@ -67,17 +68,13 @@ def make_worker(
 
     store = FakeHandler("store", calls, store_error)
     load = FakeHandler("load", calls, load_error)
-    worker = Worker.__new__(Worker)
-    worker._store = store  # type: ignore[assignment]
-    worker._load = load  # type: ignore[assignment]
+    worker = Worker.__new__(Worker)  # only what the shutdown contract is about
+    worker._stop_order = [("store handler", store), ("load handler", load)]
     worker._region = FakeRegion(calls, region_error)  # type: ignore[assignment]
     worker._device_sync = sync if sync is not None else default_sync
-    worker._tier = None
-    worker._bounce = None
-    worker._pipeline = None
     worker._lock = threading.Lock()
-    worker._book = _Bookkeeping({Memory.DEVICE: 4, Memory.HOST: 8})
-    worker._ready = {}
+    worker._book = Bookkeeping({Memory.DEVICE: 4, Memory.HOST: 8})
+    worker._jobs = JobBook()
     worker._closed = False
     return worker, store, load
 

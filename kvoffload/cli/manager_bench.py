@@ -28,7 +28,7 @@ from typing import Final
 
 import attrs
 
-from kvoffload.manager import POLICY_NAMES, Manager, StorePlan
+from kvoffload import POLICY_NAMES, Manager, StorePlan
 
 KEY_BYTES: Final = 32  # an engine block hash (sha256-sized)
 BATCH_BLOCKS: Final = 256  # blocks per call, about one long request's worth of blocks

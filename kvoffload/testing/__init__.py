@@ -1,4 +1,11 @@
-"""A reusable contract suite for integrators' tests: ``check_worker_contract(make_worker)``.
+"""Testing aids for integrators: the worker contract suite and backends to inject.
+
+``check_worker_contract(make_worker)`` runs the behaviour every :class:`~kvoffload.Worker` promises;
+:class:`FakeBackend` (jobs that complete when told to, failures on demand) and :class:`HostBackend`
+(real ``memmove`` copies, to subclass for fault injection) plug into
+``Worker.create(..., backend_factory=...)``.
+
+The contract suite:
 
 It runs the behaviour every :class:`~kvoffload.Worker` promises against a worker the integrator
 builds (any backend, any path, their own layout), and raises ``AssertionError`` naming the clause
@@ -19,18 +26,29 @@ from typing import Final
 import numpy as np
 import torch
 
-from kvoffload.errors import (
+from kvoffload import (
     BlockConflictError,
     ClosedError,
+    DeviceLayout,
+    Direction,
     InvalidBlockIdError,
     JobIdError,
     UnknownJobError,
+    Worker,
 )
-from kvoffload.layout import DeviceLayout
-from kvoffload.records import Direction
-from kvoffload.worker import Worker
+from kvoffload.backends.host import HostBackend
+from kvoffload.handler import Backend, Ticket
+from kvoffload.testing.fake import FakeBackend, FakeTicket
 
-__all__ = ["CLAUSES", "check_worker_contract"]
+__all__ = [
+    "CLAUSES",
+    "Backend",
+    "FakeBackend",
+    "FakeTicket",
+    "HostBackend",
+    "Ticket",
+    "check_worker_contract",
+]
 
 WAIT_S: Final = 60.0
 POLL_INTERVAL_S: Final = 0.001

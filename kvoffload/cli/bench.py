@@ -23,9 +23,8 @@ import attrs
 import numpy as np
 import torch
 
-from kvoffload.backends import new_event, new_stream
-from kvoffload.layout import DeviceLayout
-from kvoffload.worker import Worker
+from kvoffload import DeviceLayout, Worker
+from kvoffload.cli._torch import new_event, new_stream
 
 __all__ = ["BenchRow", "main"]
 
@@ -337,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.disk is not None:
-        from kvoffload import disk_bench
+        from kvoffload.cli import disk_bench
 
         if not os.path.isdir(args.disk):
             parser.error(f"--disk {args.disk!r} is not a directory")

@@ -1,8 +1,9 @@
 """The GPU <-> disk pipeline: device blocks to disk records and back, through pinned bounce slots.
 
-Owns: one thread that runs these jobs one after another, in submission order, and the results not
-yet returned. Borrows: two direction handlers of its own (device <-> bounce rows; their results never
-reach the engine), the disk tier, and the bounce rows of the host region.
+Owns: one thread that runs these jobs one after another, in submission order. Borrows: two direction
+handlers (device <-> bounce rows, with books of their own: their results never reach the engine), the
+disk tier, the bounce rows of the host region, and the job book where it publishes each job's result
+(the Worker's shared book: the pipeline is a source that pushes).
 
 The bounce slots are split into sets used in turn, so that disk I/O into some sets overlaps the
 device copies of others:
@@ -28,22 +29,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
 from typing import Final, Literal
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.disk import DiskIO, DiskTier
-from kvoffload.errors import (
-    ClosedError,
-    ShutdownError,
-    TransferError,
-    UnknownJobError,
-    WaitTimeoutError,
-)
-from kvoffload.handler import DirectionHandler, as_job_ids, as_timeout
+from kvoffload._jobs import JobBook
+from kvoffload._validate import as_timeout
+from kvoffload.disk.requests import DiskIO
+from kvoffload.disk.tier import DiskTier
+from kvoffload.errors import ClosedError, ShutdownError, TransferError, WaitTimeoutError
+from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction, TransferResult
 
 __all__ = ["DiskPipeline"]
@@ -83,7 +80,7 @@ class DiskPipeline:
         tier: DiskTier,
         slot_rows: I64Array,
         block_bytes: int,
-        sequence: Iterator[int],
+        book: JobBook,
     ) -> None:
         if slot_rows.shape[0] < 2:
             raise ValueError("the disk pipeline needs at least 2 bounce slots")
@@ -94,13 +91,10 @@ class DiskPipeline:
         self._from_slots = from_slots
         self._tier = tier
         self._block_bytes = block_bytes
-        self._sequence = sequence
+        self._book = book
+        book.attach(self)
         self._ids = itertools.count()
-        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._known: set[int] = set()
-        self._done: dict[int, tuple[int, TransferResult]] = {}
-        self._finished = threading.Condition(self._lock)
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -108,11 +102,11 @@ class DiskPipeline:
     @classmethod
     def create(
         cls, *, to_slots: DirectionHandler, from_slots: DirectionHandler, tier: DiskTier,
-        slot_rows: I64Array, block_bytes: int, sequence: Iterator[int],
+        slot_rows: I64Array, block_bytes: int, book: JobBook,
     ) -> DiskPipeline:
-        """A pipeline with its thread started."""
+        """A pipeline with its thread started; results are published in ``book``."""
         pipeline = cls(to_slots=to_slots, from_slots=from_slots, tier=tier, slot_rows=slot_rows,
-                       block_bytes=block_bytes, sequence=sequence)
+                       block_bytes=block_bytes, book=book)
         thread = threading.Thread(target=pipeline._run, name="kvoffload-disk-pipeline", daemon=True)
         pipeline._thread = thread
         thread.start()
@@ -123,28 +117,35 @@ class DiskPipeline:
         """True when the pipeline thread is not running."""
         return self._thread is None or not self._thread.is_alive()
 
+    def _handler(self, direction: Direction) -> DirectionHandler:
+        return self._to_slots if direction is Direction.STORE_TO_DISK else self._from_slots
+
     def fence(self, direction: Direction, stream: object) -> object:
-        """Capture the caller's compute-stream position for a job of ``direction``.
+        """Capture the caller's compute-stream position for a job of ``direction``; the pipeline
+        owns it once the job is submitted (and gives it back when the job finished), the caller
+        until then (:meth:`release_fence`).
 
         Raises:
             DeviceMismatchError: a stream of another device (any stream on the host backend).
         """
-        handler = self._to_slots if direction is Direction.STORE_TO_DISK else self._from_slots
-        return handler.fence(stream)
+        return self._handler(direction).fence(stream)
+
+    def release_fence(self, direction: Direction, fence: object) -> None:
+        """Give back a fence of :meth:`fence` that no submitted job holds."""
+        self._handler(direction).release_fence(fence)
 
     def submit(
         self, job_id: int, direction: Direction, device_blocks: I64Array, disk_blocks: I64Array,
         fence: object,
     ) -> None:
-        """Queue a validated job; its result comes from :meth:`poll_sequenced`/:meth:`wait_sequenced`.
+        """Queue a validated job (its id reserved in the book, which gets its result). The job owns
+        ``fence`` from here on.
 
         Raises:
             ClosedError: after shutdown.
         """
         if self._closed:
             raise ClosedError("the disk pipeline was shut down")
-        with self._lock:
-            self._known.add(job_id)
         self._queue.put(_Job(job_id, direction, device_blocks, disk_blocks, fence))
 
     # --------------------------------------------------------------------------------- the thread
@@ -185,7 +186,7 @@ class DiskPipeline:
                     index, part = free.popleft(), rounds.popleft()
                     rows = self._sets[index][: part.stop - part.start]
                     copy = next(self._ids)
-                    self._to_slots.submit_validated(copy, job.device_blocks[part], rows, fence=job.fence)
+                    self._to_slots.submit(copy, job.device_blocks[part], rows, fence=job.fence)
                     copying.append((index, part, copy))
                 if copying:
                     index, part, copy = copying.popleft()
@@ -235,9 +236,8 @@ class DiskPipeline:
                         first_error = first_error or io.error
                         keep[list(io.failed)] = False  # a record that failed never reaches the device
                     copy = next(self._ids)
-                    self._from_slots.submit_validated(
-                        copy, rows[keep], job.device_blocks[part][keep], fence=job.fence
-                    )
+                    self._from_slots.submit(copy, rows[keep], job.device_blocks[part][keep],
+                                            fence=job.fence)
                     copying.append((index, copy))
                 # Reclaim sets whose copy finished; block only when nothing else can move.
                 while copying:
@@ -264,43 +264,20 @@ class DiskPipeline:
             job_id=job.job_id, direction=job.direction, ok=error is None, nbytes=nbytes,
             seconds=time.perf_counter() - job.submitted, path=_PATH, error=error,
         )
-        with self._lock:
-            self._done[job.job_id] = (next(self._sequence), result)
-            self._finished.notify_all()
+        # Every copy that waited for the fence was issued (and finished): it goes back to its pool.
+        self._handler(job.direction).release_fence(job.fence)
+        self._book.finish(job.job_id, result)
 
     # ------------------------------------------------------------------------------- completion
 
-    def poll_sequenced(self) -> list[tuple[int, TransferResult]]:
-        """Finished jobs since the last call, with their completion sequence numbers."""
-        with self._lock:
-            out = list(self._done.values())
-            self._known.difference_update(self._done)
-            self._done.clear()
-        return out
+    #: Results are published by the pipeline's thread (waiters sleep on the book).
+    pushes = True
 
-    def wait_sequenced(self, job_ids: Iterable[int], timeout: float) -> list[tuple[int, TransferResult]]:
-        """Wait until the given jobs finished; their results in the order asked.
+    def advance(self) -> None:
+        """Nothing to look for: the pipeline's thread publishes results as jobs finish."""
 
-        Raises:
-            UnknownJobError: an id this pipeline does not hold.
-            WaitTimeoutError: the deadline passed (the jobs stay in flight).
-        """
-        ids = as_job_ids(job_ids)
-        deadline = time.monotonic() + as_timeout(timeout)
-        with self._lock:
-            unknown = [j for j in ids if j not in self._known]
-            if unknown:
-                raise UnknownJobError(f"disk job(s) {unknown} are not in flight")
-            while True:
-                missing = [j for j in ids if j not in self._done]
-                if not missing:
-                    self._known.difference_update(ids)
-                    return [self._done.pop(j) for j in ids]
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise WaitTimeoutError(f"disk job(s) {missing} did not finish in time",
-                                           pending=missing)
-                self._finished.wait(remaining)
+    def wait_progress(self, job_id: int, timeout: float) -> None:
+        """Not called: the book waits for a pushing source itself."""
 
     def shutdown(self, timeout: float) -> None:
         """Let queued jobs finish (bounded by ``timeout``), then stop the thread. Idempotent.

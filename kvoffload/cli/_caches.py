@@ -9,7 +9,7 @@ from typing import Final
 
 import torch
 
-from kvoffload.errors import InvalidArgumentError
+from kvoffload import InvalidArgumentError
 
 __all__ = ["LAYOUTS", "MLA_WIDTH", "build_cache"]
 

@@ -4,9 +4,9 @@ Measures, with the same I/O size and thread count:
 
 * raw: plain ``os.pwritev``/``os.preadv`` of page-aligned buffers on an O_DIRECT file (no headers, no
   checksum), each thread moving ``--io-mib`` per call over its share of the file;
-* tier: :class:`~kvoffload.disk.DiskTier` DEMOTE and PROMOTE jobs between a host pool (a
-  :class:`~kvoffload.region.RegionOwner`, unpinned) and a tier file of the same payload size, with
-  checksums on and off (to show what the CRC costs);
+* tier: ``Worker.demote``/``Worker.promote`` jobs between the host pool of a host-backend worker and
+  its disk tier, a file of the same payload size, with checksums on and off (to show what the CRC
+  costs);
 * ``zlib.crc32`` alone over the pool on the same number of threads.
 
 Tier jobs are half a pool each, at most two in flight, alternating halves, so no two jobs in flight
@@ -47,9 +47,7 @@ import numpy.typing as npt
 import torch
 from typing_extensions import Buffer
 
-from kvoffload.bindings import NoPinner
-from kvoffload.disk import DiskConfig, DiskTier
-from kvoffload.region import RegionOwner, host_memory_available
+from kvoffload import DeviceLayout, DiskConfig, Worker, host_memory_available
 
 __all__ = ["main"]
 
@@ -156,7 +154,7 @@ def _timed_threads(work: Callable[[int], None], threads: int, nbytes: int) -> fl
     return nbytes / elapsed / 1e9
 
 
-def _tier_pass(tier: DiskTier, num_blocks: int, half: int, write: bool, first_job: int) -> float:
+def _tier_pass(tier: Worker, num_blocks: int, half: int, write: bool, first_job: int) -> float:
     """Move ``num_blocks`` records in jobs of ``half`` rows, two in flight; GB/s of payload."""
     jobs: list[int] = []
     start = time.perf_counter()
@@ -168,12 +166,12 @@ def _tier_pass(tier: DiskTier, num_blocks: int, half: int, write: bool, first_jo
             _expect_ok(tier.wait([jobs.pop(0)], WAIT_S))
         job = first_job + k
         if write:
-            tier.write(job, rows, blocks)
+            tier.demote(job, rows, blocks)
         else:
-            tier.read(job, blocks, rows)
+            tier.promote(job, blocks, rows)
         jobs.append(job)
     _expect_ok(tier.wait(jobs, WAIT_S))
-    return num_blocks * tier.record_bytes / (time.perf_counter() - start) / 1e9
+    return num_blocks * tier.layout.record_bytes / (time.perf_counter() - start) / 1e9
 
 
 def _expect_ok(results: Sequence[object]) -> None:
@@ -195,8 +193,6 @@ def _crc_gbps(pool: U8Array, threads: int) -> float:
 def _mismatched(layout: object, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> int:
     """Blocks of ``dst`` whose records differ from ``src``'s, compared a slice at a time (never two
     whole copies of the data in memory)."""
-    from kvoffload.layout import DeviceLayout
-
     assert isinstance(layout, DeviceLayout)
     step = max(1, (64 << 20) // layout.record_bytes)
     bad = 0
@@ -257,9 +253,7 @@ def pipeline_figures(
     disk in the same state), and checked byte for byte. Reports the best of each and the median of
     the per-repeat ratios.
     """
-    from kvoffload._caches import build_cache
-    from kvoffload.layout import DeviceLayout
-    from kvoffload.worker import Worker
+    from kvoffload.cli._caches import build_cache
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -366,47 +360,47 @@ def _run(args: argparse.Namespace) -> int:
     raw_path = os.path.join(args.path, f"kvoffload-bench-raw-{os.getpid()}.bin")
     tier_path = os.path.join(args.path, f"kvoffload-bench-tier-{os.getpid()}.bin")
 
-    region = RegionOwner.create(num_records=pool_rows, record_bytes=record_bytes, pinner=NoPinner())
-    try:
-        records = region.records()
-        records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))
-        original = records.clone()
-        runs: dict[str, list[tuple[float, float]]] = {}
-        direct_raw = True
-        tier_reason = ""
-        job = 0
-        for rep in range(repeats):
-            _progress(f"repeat {rep + 1}/{repeats}: raw, {data_bytes / GIB:.2f} GiB")
-            w, r, direct_raw = _raw(raw_path, data_bytes, io_bytes, args.threads)
-            runs.setdefault("raw", []).append((w, r))
-            _progress(f"  raw: {w:.2f} / {r:.2f} GB/s")
-            for checksum in (True, False):
-                name = f"tier, checksum {'on' if checksum else 'off'}"
-                _progress(f"repeat {rep + 1}/{repeats}: {name}")
-                config = DiskConfig(tier_path, num_blocks=num_blocks, io_threads=args.threads,
-                                    checksum_threads=args.checksum_threads, io_bytes=io_bytes,
-                                    checksum=checksum)
-                tier = DiskTier.create(config, fingerprint=FINGERPRINT, record_bytes=record_bytes,
-                                       records=records)
-                try:
-                    tier_reason = tier.capabilities().reason
+    # The tier moves host records of a host-backend worker; its one-page "device cache" is unused.
+    layout = DeviceLayout.from_tensors({"record": torch.zeros(1, record_bytes, dtype=torch.uint8)}, 0,
+                                       model_id=FINGERPRINT)
+    runs: dict[str, list[tuple[float, float]]] = {}
+    direct_raw = True
+    tier_reason = ""
+    job = 0
+    for rep in range(repeats):
+        _progress(f"repeat {rep + 1}/{repeats}: raw, {data_bytes / GIB:.2f} GiB")
+        w, r, direct_raw = _raw(raw_path, data_bytes, io_bytes, args.threads)
+        runs.setdefault("raw", []).append((w, r))
+        _progress(f"  raw: {w:.2f} / {r:.2f} GB/s")
+        for checksum in (True, False):
+            name = f"tier, checksum {'on' if checksum else 'off'}"
+            _progress(f"repeat {rep + 1}/{repeats}: {name}")
+            config = DiskConfig(tier_path, num_blocks=num_blocks, io_threads=args.threads,
+                                checksum_threads=args.checksum_threads, io_bytes=io_bytes,
+                                checksum=checksum)
+            try:
+                with Worker.create(layout, pool_rows, disk=config, bounce_slots=2) as tier:
+                    caps = tier.disk_capabilities()
+                    assert caps is not None
+                    tier_reason = caps.reason
+                    records = tier.host_records()
+                    records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))
+                    original = records.clone()
                     w = _tier_pass(tier, num_blocks, half, True, job)
                     job += num_blocks
                     r = _tier_pass(tier, num_blocks, half, False, job)
                     job += num_blocks
-                finally:
-                    try:
-                        tier.shutdown()
-                    finally:
-                        os.unlink(tier_path)
-                if not torch.equal(records, original):
-                    raise RuntimeError("the host pool differs from its original bytes after reading")
-                runs.setdefault(name, []).append((w, r))
-                _progress(f"  {name}: {w:.2f} / {r:.2f} GB/s")
-        crc = max(_crc_gbps(records.numpy(), args.threads) for _ in range(repeats))
-        del records
-    finally:
-        region.cleanup()
+                    intact = torch.equal(records, original)
+                    del records, original
+            finally:
+                if os.path.exists(tier_path):
+                    os.unlink(tier_path)
+            if not intact:
+                raise RuntimeError("the host pool differs from its original bytes after reading")
+            runs.setdefault(name, []).append((w, r))
+            _progress(f"  {name}: {w:.2f} / {r:.2f} GB/s")
+    sample = np.frombuffer(os.urandom(pool_rows * record_bytes), dtype=np.uint8).reshape(pool_rows, -1)
+    crc = max(_crc_gbps(sample, args.threads) for _ in range(repeats))
 
     rows = [_figures(name, got, runs["raw"]) for name, got in runs.items()]
     pipe = pipeline_figures(args.path, data_bytes, args.threads, repeats) if args.pipeline else None

@@ -20,11 +20,9 @@ from typing import Final, TextIO
 import attrs
 import torch
 
-from kvoffload._caches import LAYOUTS, build_cache
-from kvoffload.backends import new_event, new_stream
-from kvoffload.layout import DeviceLayout
-from kvoffload.records import TransferResult
-from kvoffload.worker import Worker
+from kvoffload import DeviceLayout, TransferResult, Worker
+from kvoffload.cli._caches import LAYOUTS, build_cache
+from kvoffload.cli._torch import new_event, new_stream
 
 __all__ = ["LAYOUTS", "DemoReport", "build_cache", "main", "measure_link", "run_demo"]
 

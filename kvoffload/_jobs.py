@@ -1,0 +1,195 @@
+"""JobBook: jobs from submit to returned result, for every component that completes jobs.
+
+Also here: :class:`FailedTicket`, the handle of a job that failed before anything was enqueued
+(every backend and the handler make them).
+
+Owns: the ids of the jobs in flight (submitted, result not yet returned) with the source that will
+complete each, and the finished results not yet returned, in completion order. Borrows: its
+*sources* (a direction handler, the disk tier, the disk pipeline), which publish results with
+:meth:`JobBook.finish`.
+
+One book serves one job front. A component used on its own keeps a book of its own; the Worker
+gives its handlers, disk tier and pipeline one shared book, so a job id is unique across all of
+them (checked once, at :meth:`JobBook.reserve`), ``poll`` returns every component's results in the
+order they finished, and ``wait`` waits for any mix of them — nothing is merged by hand.
+
+Completion reaches the book two ways. A source whose threads finish jobs by themselves (the disk
+tier, the pipeline) *pushes*: it calls :meth:`finish` from its thread, and a waiter sleeps on the
+book until it does. A source whose completions must be looked for (a handler: its jobs end with
+device events) is *pulled*: ``poll`` and ``wait`` call its ``advance()``, which publishes whatever
+finished, and a waiter blocks in its ``wait_progress()`` with the deadline. The book never calls a
+source while holding its own lock (sources call :meth:`finish` under theirs).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from kvoffload.errors import JobIdError, UnknownJobError, WaitTimeoutError
+from kvoffload.records import TransferResult
+
+__all__ = ["FailedTicket", "JobBook", "JobSource"]
+
+
+class JobSource(Protocol):
+    """A component that completes jobs recorded in a :class:`JobBook`."""
+
+    #: True when the source publishes results from its own threads (waiters sleep on the book);
+    #: False when completions must be looked for (``advance`` and ``wait_progress``).
+    pushes: bool
+
+    def advance(self) -> None:
+        """Publish the results of jobs that finished; never blocks."""
+
+    def wait_progress(self, job_id: int, timeout: float) -> None:
+        """Block for at most ``timeout`` seconds until ``job_id`` (or a job before it) may have
+        finished; pulled sources only. Never raises for the job's own failure."""
+
+
+class JobBook:
+    """Ids in flight and results in completion order, with poll and a bounded wait (see the module
+    docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)
+        self._sources: list[JobSource] = []
+        self._open: dict[int, JobSource] = {}
+        self._done: dict[int, TransferResult] = {}  # insertion order is completion order
+        self._waiters = 0
+
+    def attach(self, source: JobSource) -> None:
+        """Add a source whose completions ``poll`` and ``wait`` look for."""
+        with self._lock:
+            if source not in self._sources:
+                self._sources.append(source)
+
+    def reserve(self, job_id: int, source: JobSource) -> None:
+        """Record a job about to be submitted to ``source``.
+
+        Raises:
+            JobIdError: the id is in flight or finished and not yet returned.
+        """
+        with self._lock:
+            if job_id in self._open:
+                raise JobIdError(f"job {job_id} is already in flight or waiting to be polled")
+            self._open[job_id] = source
+
+    def forget(self, job_id: int) -> None:
+        """Drop the reservation of a job whose submit failed before anything was queued."""
+        with self._lock:
+            self._open.pop(job_id, None)
+            self._done.pop(job_id, None)
+
+    def finish(self, job_id: int, result: TransferResult) -> None:
+        """Publish a job's result (a source's call; once per job)."""
+        with self._lock:
+            self._done[job_id] = result
+            if self._waiters:
+                self._finished.notify_all()
+
+    def known(self, job_id: int) -> bool:
+        """Whether ``job_id`` is in flight or finished and not yet returned."""
+        with self._lock:
+            return job_id in self._open
+
+    def __len__(self) -> int:
+        """Jobs in flight or finished and not yet returned."""
+        with self._lock:
+            return len(self._open)
+
+    def poll(self) -> list[TransferResult]:
+        """Every result published since the last call, oldest completion first; never blocks."""
+        with self._lock:
+            sources = list(self._sources)
+        for source in sources:
+            if not source.pushes:
+                source.advance()
+        with self._lock:
+            results = list(self._done.values())
+            for result in results:
+                self._open.pop(result.job_id, None)
+            self._done.clear()
+        return results
+
+    def wait(self, ids: list[int], deadline: float, timeout: float) -> list[TransferResult]:
+        """Wait until the jobs ``ids`` (distinct ints, validated by the caller) finished, until the
+        ``time.monotonic()`` ``deadline``; return their results in the order asked. ``timeout`` is
+        only named in the error. Other jobs' results stay for the next ``poll``.
+
+        Raises:
+            UnknownJobError: an id neither in flight nor finished-and-unreturned, or one that a
+                concurrent ``poll`` or ``wait`` returned meanwhile (the other jobs stay).
+            WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
+                in flight (the finished ones stay available too).
+        """
+        with self._lock:
+            unknown = [j for j in ids if j not in self._open]
+            if unknown:
+                raise UnknownJobError(f"job(s) {unknown} are neither in flight nor waiting to be polled")
+        while True:
+            with self._lock:
+                sources = {id(s): s for j in ids if j not in self._done
+                           and (s := self._open.get(j)) is not None and not s.pushes}
+            for source in sources.values():
+                source.advance()
+            with self._lock:
+                gone = [j for j in ids if j not in self._open]
+                if gone:
+                    raise UnknownJobError(f"job(s) {gone} were returned by a concurrent call")
+                missing = [j for j in ids if j not in self._done]
+                if not missing:
+                    results = [self._done.pop(j) for j in ids]
+                    for j in ids:
+                        del self._open[j]
+                    return results
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WaitTimeoutError(
+                        f"job(s) {missing} did not finish within {timeout} s", pending=missing
+                    )
+                first = missing[0]
+                source = self._open[first]
+                if source.pushes:
+                    self._waiters += 1
+                    try:
+                        self._finished.wait_for(
+                            lambda: first in self._done or first not in self._open, remaining
+                        )
+                    finally:
+                        self._waiters -= 1
+                    continue
+            source.wait_progress(first, remaining)
+
+    def clear(self) -> None:
+        """Forget every job and result (the owner's shutdown)."""
+        with self._lock:
+            self._open.clear()
+            self._done.clear()
+            if self._waiters:
+                self._finished.notify_all()
+
+
+class FailedTicket:
+    """A job that failed before anything was enqueued. Holds nothing."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+        self.path: str | None = None
+
+    def done(self) -> bool:
+        """Always: nothing was enqueued."""
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Always: nothing was enqueued."""
+        return True
+
+    def seconds(self) -> float:
+        """0.0: nothing ran."""
+        return 0.0
+
+    def release(self) -> None:
+        """Nothing to give back."""

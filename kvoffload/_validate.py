@@ -1,0 +1,180 @@
+"""Argument checks shared by every job front (the worker, the handler, the disk tier): job ids, block
+ids, timeouts and id pairs. Each raises a typed error whose message names the argument, the value and
+the rule, before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.errors import (
+    ArgumentTypeError,
+    BlockIdTypeError,
+    InvalidArgumentError,
+    InvalidBlockIdError,
+    JobIdError,
+)
+
+__all__ = [
+    "as_block_ids",
+    "as_job_id",
+    "as_job_ids",
+    "as_timeout",
+    "check_pairs",
+    "find_duplicate",
+]
+
+I64Array = npt.NDArray[np.int64]
+
+
+def as_job_id(job_id: object) -> int:
+    """Check that a job id is an ``int`` (not a bool) and return it.
+
+    Raises:
+        JobIdError: any other type.
+    """
+    if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
+        raise JobIdError(f"job_id must be an int, got {type(job_id).__name__} {job_id!r}")
+    return int(job_id)
+
+
+def as_job_ids(job_ids: Iterable[object]) -> list[int]:
+    """Check a collection of job ids (each as :func:`as_job_id`); duplicates are refused.
+
+    Raises:
+        JobIdError: a non-int id, a duplicate, or ``job_ids`` not iterable.
+    """
+    if type(job_ids) is list and all(type(j) is int for j in job_ids):  # the common call
+        ids: list[int] = list(job_ids)
+    elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+        raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}")
+    else:
+        ids = [as_job_id(j) for j in job_ids]
+    if len(set(ids)) != len(ids):
+        dup = next(j for j in ids if ids.count(j) > 1)
+        raise JobIdError(f"job_ids lists job {dup} more than once")
+    return ids
+
+
+def as_timeout(timeout: object, name: str = "timeout") -> float:
+    """Check a timeout in seconds: a finite, non-negative real number.
+
+    Raises:
+        InvalidArgumentError: negative, NaN or infinite (every wait has a deadline).
+        ArgumentTypeError: not a number (also a ``TypeError``).
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
+    value = float(timeout)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(f"{name} = {timeout!r} must be finite and >= 0 seconds")
+    return value
+
+
+#: Lists of at most this many ids are checked one by one (numpy's fixed cost is larger there).
+_SHORT_IDS: Final = 16
+
+
+def as_block_ids(name: str, values: object, limit: int) -> I64Array:
+    """Convert block ids to an ``int64`` array and check every id is in ``[0, limit)``.
+
+    Accepts a sequence of ints or a 1-D integer numpy array / torch tensor (anything numpy converts
+    to a 1-D integer array); refuses bools, floats, strings and nested sequences. The result is
+    always a new array: the caller may reuse its own buffer as soon as the call returns.
+
+    Raises:
+        BlockIdTypeError: not integers, or not one-dimensional.
+        InvalidBlockIdError: a negative or out-of-range id (the message names the first one).
+    """
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
+        ids = values.astype(np.int64)  # a copy, even of int64 ids
+        # One reduction checks both bounds: a negative id (or a uint64 one past int64) reads as
+        # a huge unsigned value. Errors are named by the general path below.
+        if ids.size == 0 or int(ids.view(np.uint64).max()) < limit:
+            return ids
+    if isinstance(values, (str, bytes)) or values is None:
+        raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    if isinstance(values, (set, frozenset, Mapping)) or (
+        isinstance(values, Iterable) and not isinstance(values, (Sequence, np.ndarray))
+        and not hasattr(values, "__array__")
+    ):
+        raise BlockIdTypeError(
+            f"{name} must be an ordered sequence of ints (a list, tuple, numpy array or tensor), "
+            f"got a {type(values).__name__}: ids pair up by position, so their order matters"
+        )
+    if isinstance(values, (list, tuple)):
+        if len(values) > _SHORT_IDS and all(type(v) is int for v in values):
+            try:
+                ids = np.array(values, dtype=np.int64)
+            except OverflowError:  # an id past int64: named by the loop below
+                pass
+            else:
+                if int(ids.view(np.uint64).max()) < limit:  # negative ids read as huge
+                    return ids
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise BlockIdTypeError(
+                    f"{name}[{i}] = {v!r} is a {type(v).__name__}, not an int"
+                )
+            if not 0 <= v < limit:  # before any cast: a huge id must be named by its own value
+                raise InvalidBlockIdError(_out_of_range(name, i, int(v), limit))
+        return np.array(values, dtype=np.int64)  # every id is an int in range
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise BlockIdTypeError(f"{name} is not a sequence of ints: {exc}") from exc
+    if array.ndim != 1:
+        if array.ndim == 0:
+            raise BlockIdTypeError(f"{name} must be a sequence of ints, got a scalar {values!r}")
+        raise BlockIdTypeError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise BlockIdTypeError(f"{name} must hold integers, got dtype {array.dtype}")
+    if array.min() < 0 or array.max() >= limit:  # compared in the ids' own dtype
+        i = int(np.flatnonzero((array < 0) | (array >= limit))[0])
+        raise InvalidBlockIdError(_out_of_range(name, i, int(array[i]), limit))
+    return np.array(array, dtype=np.int64)  # a copy: never a view of the caller's buffer
+
+
+def _out_of_range(name: str, index: int, value: int, limit: int) -> str:
+    return f"{name}[{index}] = {value} is out of range (the pool has {limit} blocks: 0..{limit - 1})"
+
+
+def find_duplicate(ids: I64Array) -> int | None:
+    """Index of the first id that repeats an earlier one, or None."""
+    if ids.size < 2:
+        return None
+    ordered = np.sort(ids)
+    if not bool((ordered[1:] == ordered[:-1]).any()):  # the common case, without an argsort
+        return None
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    repeats = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
+    if repeats.size == 0:
+        return None
+    return int(order[repeats + 1].min())
+
+
+def check_pairs(src: I64Array, dst: I64Array, src_name: str, dst_name: str) -> None:
+    """Refuse unequal lengths and duplicate destinations (two copies into one block race).
+
+    Raises:
+        InvalidBlockIdError: naming the lengths or the duplicated destination.
+    """
+    if src.shape[0] != dst.shape[0]:
+        raise InvalidBlockIdError(
+            f"{src_name} has {src.shape[0]} ids but {dst_name} has {dst.shape[0]}: they pair up and "
+            "must have equal lengths"
+        )
+    dup = find_duplicate(dst)
+    if dup is not None:
+        raise InvalidBlockIdError(
+            f"{dst_name}[{dup}] = {int(dst[dup])} repeats an earlier destination: each block may be "
+            "written once per job"
+        )

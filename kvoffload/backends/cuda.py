@@ -1,0 +1,486 @@
+"""The CUDA backend: one direction's copies on streams of its own, through the transfer paths it was
+given.
+
+Owns, per direction: its streams (:class:`CudaStreams`: a copy stream, and a kernel stream when a
+path runs the copy kernel; created with the driver, never taken from torch's shared pool, destroyed
+exactly once), and the transfer paths it was built with (each may own device buffers and events).
+Borrows: the device tensors and host records (through the addresses in the copy plan) and the
+caller's compute stream (it only records an event on it).
+
+The backend is composed, not inherited: :class:`DmaPath` (batched DMA, here) and the kernel paths
+(:mod:`kvoffload.backends.kernel`: ``sm`` and ``staged``) are interchangeable
+:class:`TransferPath` objects, and a chooser picks one per job — always the same one for a fixed
+path, the calibrated one for ``auto``. Jobs of one direction finish in submission order whichever
+path moved them: a path runs on the copy stream, on the kernel stream, or on both (``staged``, which
+ends after everything queued on either before it); a job on one stream first waits for the other
+when the previous job ended there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Final, Literal, Protocol, Union
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvoffload._descriptors import CopyPlan
+from kvoffload._jobs import FailedTicket
+from kvoffload.bindings import driver
+from kvoffload.bindings.copier import Copier
+from kvoffload.errors import DeviceMismatchError, TransferError
+from kvoffload.records import Direction
+
+__all__ = [
+    "CudaBackend",
+    "CudaStreams",
+    "CudaTicket",
+    "DmaPath",
+    "PathTicket",
+    "TransferPath",
+    "access_order",
+    "current_device_index",
+    "current_stream_handle",
+    "device_index",
+]
+
+I64Array = npt.NDArray[np.int64]
+#: What a transfer path's issue returns.
+PathTicket = Union["CudaTicket", FailedTicket]
+#: Waiting first polls without sleeping for this long (small jobs finish in tens of microseconds and
+#: a sleep would add its own granularity to their latency), then sleeps with a doubling backoff
+#: capped so that a long wait costs little CPU.
+WAIT_SPIN_S: Final = 100e-6
+WAIT_POLL_MIN_S: Final = 50e-6
+WAIT_POLL_MAX_S: Final = 100e-6
+#: Where a path's jobs run.
+StreamName = Literal["copy", "kernel", "both"]
+COPY: Final = "copy"
+KERNEL: Final = "kernel"
+BOTH: Final = "both"
+
+
+def poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Call ``done`` until it is true or ``timeout_s`` passed; True when it became true.
+
+    Spins (yielding the GIL) for :data:`WAIT_SPIN_S`, then sleeps with a doubling backoff.
+    """
+    now = time.monotonic()
+    deadline = now + timeout_s
+    spin_until = now + min(WAIT_SPIN_S, timeout_s)
+    delay = WAIT_POLL_MIN_S
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if now < spin_until:
+            time.sleep(0)
+            continue
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, WAIT_POLL_MAX_S)
+    return True
+
+
+def access_order(direction: Direction) -> driver.SrcAccessOrder:
+    """The source access order of a direction's copies: STREAM for stores (their source is device
+    memory compute may still write), ANY for loads (pinned host memory no stream writes while the
+    load is in flight; docs/design.md §5 rules 1 and 3)."""
+    return driver.SrcAccessOrder.STREAM if direction is Direction.STORE else driver.SrcAccessOrder.ANY
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (the current device when it names none)."""
+    index: int | None = device.index
+    return index if index is not None else torch.cuda.current_device()
+
+
+_raw_current_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_raw_current_device: Callable[[], int] | None = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_stream_handle(index: int) -> int:
+    """The handle of the calling thread's current torch stream on the device (torch's raw accessor
+    where it has one: a tenth of the cost of building the stream object)."""
+    if _raw_current_stream is not None:
+        return int(_raw_current_stream(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def current_device_index() -> int:
+    """The calling thread's current CUDA device (torch's raw accessor where it has one: it skips
+    the lazy-initialisation check, done by then, as the backends exist)."""
+    if _raw_current_device is not None:
+        return int(_raw_current_device())
+    return torch.cuda.current_device()
+
+
+class CudaTicket:
+    """A job issued on CUDA streams: a start event before its first copy and an end event after its
+    last (pooled events, given back by :meth:`release`)."""
+
+    def __init__(
+        self,
+        start: driver.Event,
+        end: driver.Event | None,
+        error: BaseException | None,
+        path: str | None = None,
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.error = error
+        self.path = path
+        self._done = end is None
+
+    def done(self) -> bool:
+        """``cuEventQuery`` on the end event until it reports completion (then no more queries);
+        raises :class:`~kvoffload.errors.CudaError`."""
+        if not self._done:
+            assert self.end is not None
+            self._done = self.end.done()
+        return self._done
+
+    def wait(self, timeout_s: float) -> bool:
+        """Poll the end event (spinning briefly, then with backoff) until done or ``timeout_s``."""
+        return poll_until(self.done, timeout_s)
+
+    def seconds(self) -> float:
+        """Device time between the start and end events (0.0 for a job that failed: its start event
+        may not have been recorded)."""
+        if self.end is None or self.error is not None:
+            return 0.0
+        return self.start.seconds_until(self.end)
+
+    def release(self) -> None:
+        """Give both events back to their pool (the job completed: nothing waits on them)."""
+        self.start.release()
+        if self.end is not None:
+            self.end.release()
+
+
+class CudaStreams:
+    """The streams of one direction's backend, and the event pools its jobs draw from.
+
+    Owns: the copy stream and, when asked for, the kernel stream (both non-blocking, created with
+    the driver), destroyed exactly once by :meth:`destroy`. Borrows: the process-wide event pools.
+    """
+
+    def __init__(self, index: int, device: torch.device, copy: int, kernel: int) -> None:
+        self.index = index
+        self.device = device
+        self.copy = copy
+        self.kernel = kernel  # 0: none
+        self.timing_events = driver.event_pool(index, timing=True)
+        self.events = driver.event_pool(index, timing=False)
+        self.kernel_stream: torch.cuda.Stream | None = (
+            torch.cuda.ExternalStream(kernel, device=device)  # type: ignore[no-untyped-call]
+            if kernel else None
+        )
+
+    @classmethod
+    def create(cls, device: torch.device, *, kernel: bool) -> CudaStreams:
+        """A copy stream, and a kernel stream when ``kernel``; nothing leaks if creation fails.
+
+        Raises:
+            CudaError: the driver could not create a stream.
+        """
+        index = device_index(device)
+        copy = driver.create_stream(index)
+        try:
+            second = driver.create_stream(index) if kernel else 0
+        except BaseException:
+            driver.destroy_stream(index, copy)
+            raise
+        return cls(index, device, copy, second)
+
+    def wait(self, waiter: int, stream: int) -> None:
+        """Make ``waiter`` wait for the work queued on ``stream`` so far (a pooled event, recorded,
+        waited for and given back: a stream wait captures the record it was enqueued after).
+
+        Raises:
+            CudaError: the driver refused.
+        """
+        marker = driver.Event(self.events)
+        try:
+            marker.record(stream)
+            marker.wait_on(waiter)
+        finally:
+            marker.release()
+
+    def destroy(self) -> None:
+        """Destroy both streams (work still queued on them completes first). A second call does
+        nothing.
+
+        Raises:
+            CudaError: the driver refused (the other stream is destroyed anyway).
+        """
+        handles = [h for h in (self.copy, self.kernel) if h]
+        self.copy = self.kernel = 0
+        self.kernel_stream = None
+        failure: BaseException | None = None
+        for handle in handles:
+            try:
+                driver.destroy_stream(self.index, handle)
+            except Exception as exc:  # the other stream must still go
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+
+class TransferPath(Protocol):
+    """One way of moving a job's pages, run on streams it borrows from its backend."""
+
+    #: The name reported in results (``"dma"``, ``"dma-loop"``, ``"staged"``, ``"sm"``).
+    name: str
+    #: Where its jobs run: the copy stream, the kernel stream, or both.
+    stream: StreamName
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """Host work of issuing ``pairs`` blocks, in descriptors (see ``Backend.issue_cost``)."""
+
+    def issue(
+        self, streams: CudaStreams, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event
+    ) -> PathTicket:
+        """Enqueue the job behind ``fence``; never raises (a failure is the ticket's ``error``)."""
+
+    def end_stream(self, streams: CudaStreams) -> int:
+        """The stream a job of this path ends on (for a path on one stream: that stream)."""
+
+    def release(self) -> None:
+        """Drop buffers and events; called once, by the backend's release, before its streams go."""
+
+
+class DmaPath:
+    """Batched DMA on the copy stream: one descriptor per page run. Owns nothing."""
+
+    stream: StreamName = COPY
+
+    def __init__(self, direction: Direction, copier: Copier) -> None:
+        self.direction = direction
+        self.copier = copier
+        self.order = access_order(direction)
+        self.name = copier.path
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """One descriptor per page (the driver's cost grows with it)."""
+        return pairs * plan.pages.num_pages
+
+    def issue(
+        self, streams: CudaStreams, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event
+    ) -> PathTicket:
+        """Wait for the fence on the copy stream, enqueue the copies, record the end event."""
+        stream = streams.copy
+        descriptors = plan.build(src, dst)
+        try:
+            start = driver.Event(streams.timing_events)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            return FailedTicket(exc)
+        try:
+            end = driver.Event(streams.timing_events)
+            fence.wait_on(stream)
+            start.record(stream)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            start.release()
+            return FailedTicket(exc)
+        error: BaseException | None = None
+        try:
+            self.copier.copy(descriptors.dsts, descriptors.srcs, descriptors.sizes, self.order, stream)
+        except Exception as exc:  # copies may be partly enqueued: wait for the end event anyway
+            error = exc
+        try:
+            end.record(stream)
+        except Exception as exc:
+            return FailedTicket(exc if error is None else error)
+        return CudaTicket(start, end, error, self.name)
+
+    def end_stream(self, streams: CudaStreams) -> int:
+        """The copy stream."""
+        return streams.copy
+
+    def release(self) -> None:
+        """Nothing to drop."""
+
+
+class CudaBackend:
+    """One direction's copies on CUDA streams through its transfer paths (see the module docstring).
+
+    Owns its :class:`CudaStreams` and its paths; ``release`` drops the paths' buffers and destroys
+    the streams exactly once — at once, or, when a job is being issued at that moment, by that
+    issue as it returns. The events of a job are owned by its ticket; a fence by whoever took it.
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        direction: Direction,
+        streams: CudaStreams,
+        paths: Mapping[str, TransferPath],
+        choose: Callable[[int], str],
+        path_name: str,
+    ) -> None:
+        self.direction = direction
+        self.device = streams.device
+        self.streams = streams
+        self.paths = dict(paths)
+        self._choose = choose
+        self._path_name = path_name
+        self._index = streams.index
+        self._state = threading.Lock()
+        self._released = False
+        self._issuing = False
+        self._destroy_pending = False
+        self._last_end = 0  # the stream the previous job ended on (0: none yet)
+
+    @classmethod
+    def create(
+        cls,
+        direction: Direction,
+        device: torch.device,
+        make_paths: Callable[[CudaStreams], Mapping[str, TransferPath]],
+        *,
+        choose: Callable[[int], str] | None = None,
+        kernel_stream: bool = False,
+        path_name: str | None = None,
+    ) -> CudaBackend:
+        """Create the streams, then the paths on them (``make_paths``), then the backend; whatever
+        was made is released if a later step fails.
+
+        ``choose`` maps a job's block count to a path name (default: the only path); ``path_name``
+        is what results report when a ticket names no path (default: that path's name).
+
+        Raises:
+            CudaError: a stream or a path's buffer could not be created.
+        """
+        streams = CudaStreams.create(device, kernel=kernel_stream)
+        try:
+            paths = make_paths(streams)
+        except BaseException:
+            streams.destroy()
+            raise
+        if choose is None:
+            (only,) = paths
+            choose = lambda _blocks: only  # noqa: E731 - a fixed path
+        name = path_name if path_name is not None else next(iter(paths.values())).name
+        return cls(direction, streams, paths, choose, name)
+
+    @property
+    def path(self) -> str:
+        """The path name results report (``"auto"`` for a calibrated choice)."""
+        return self._path_name
+
+    def fence(self, stream: object | None) -> object:
+        """Record a pooled event on the compute stream (default: the device's current stream); the
+        caller gives it back with :meth:`release_fence` once the last job waiting for it was issued.
+
+        The event is recorded with this backend's device current (a caller whose current device is
+        another one gets it switched for the call and restored): the handle of a legacy default
+        stream (0) names the stream of the current device.
+        """
+        if stream is None:
+            handle = current_stream_handle(self._index)
+        elif isinstance(stream, torch.cuda.Stream):
+            if stream.device != self.device:
+                raise DeviceMismatchError(
+                    f"stream is on {stream.device} but the layout's tensors are on {self.device}"
+                )
+            handle = stream.cuda_stream
+        else:
+            raise DeviceMismatchError(
+                f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
+            )
+        if current_device_index() == self._index:
+            return self._record_fence(handle)
+        with torch.cuda.device(self._index):
+            return self._record_fence(handle)
+
+    def _record_fence(self, stream: int) -> driver.Event:
+        event = driver.Event(self.streams.events)
+        try:
+            event.record(stream)
+        except BaseException:
+            event.release()
+            raise
+        return event
+
+    def release_fence(self, fence: object) -> None:
+        """Give the fence's event back to its pool."""
+        if isinstance(fence, driver.Event):
+            fence.release()
+
+    def start_thread(self) -> None:
+        """Make the device's context current in the issuer thread."""
+        torch.cuda.set_device(self.device)
+        driver.make_context_current(self._index)
+
+    def can_issue_here(self) -> bool:
+        """True when the calling thread's current device is this backend's. Issuing there makes the
+        device's primary context current on the thread if it was not (the context the CUDA runtime,
+        and so torch, uses for that device)."""
+        return current_device_index() == self._index
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """The cost of the path chosen for ``pairs`` blocks."""
+        return self.paths[self._choose(pairs)].issue_cost(plan, pairs)
+
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> PathTicket:
+        """Issue the job on the path chosen for its size, ordered after the previous job."""
+        with self._state:
+            if self._released:
+                return FailedTicket(TransferError("the backend was released before the job was issued"))
+            self._issuing = True
+        try:
+            try:
+                driver.ensure_context_current(self._index)
+            except Exception as exc:  # nothing was enqueued: the job fails at once
+                return FailedTicket(exc)
+            assert isinstance(fence, driver.Event)
+            return self._issue_on(plan, src, dst, fence)
+        finally:
+            with self._state:
+                self._issuing = False
+                destroy = self._destroy_pending
+            if destroy:
+                self._destroy()
+
+    def _issue_on(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event) -> PathTicket:
+        path = self.paths[self._choose(int(src.shape[0]))]
+        streams = self.streams
+        if path.stream == BOTH:
+            ticket = path.issue(streams, plan, src, dst, fence)
+            if isinstance(ticket, CudaTicket):  # something was enqueued: it ends on that stream
+                self._last_end = path.end_stream(streams)
+            return ticket
+        own, other = (
+            (streams.copy, streams.kernel) if path.stream == COPY else (streams.kernel, streams.copy)
+        )
+        if other and self._last_end == other:
+            try:
+                streams.wait(own, other)
+            except Exception as exc:  # nothing was enqueued: the job fails at once
+                return FailedTicket(exc)
+        self._last_end = own
+        return path.issue(streams, plan, src, dst, fence)
+
+    def release(self) -> None:
+        """Stop issuing, drop the paths' buffers and destroy the streams (now, or when the issue in
+        progress returns).
+
+        Raises:
+            CudaError: the driver refused to destroy a stream.
+        """
+        with self._state:
+            if self._released:
+                return
+            self._released = True
+            if self._issuing:
+                self._destroy_pending = True
+                return
+        self._destroy()
+
+    def _destroy(self) -> None:
+        for path in self.paths.values():
+            path.release()  # torch frees device buffers once the streams' work on them finished
+        self.streams.destroy()

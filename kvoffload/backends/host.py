@@ -1,0 +1,111 @@
+"""The host backend: copies between CPU tensors and host records with ``memmove`` on the issuer
+thread.
+
+It is a real implementation, not a mock: the same descriptors, ordering and shutdown contract as the
+CUDA backend, so the CPU suite runs the whole worker end to end through it, and the demo uses it on
+a machine without a GPU (saying so). Owns nothing; its fence is empty, because on the CPU the
+caller's program order is the compute order. Fault injection in tests subclasses it and overrides
+:meth:`HostBackend.copy_one` (raise, or block).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload._descriptors import CopyPlan
+from kvoffload.errors import DeviceMismatchError, TransferError
+from kvoffload.records import Direction
+
+__all__ = ["HostBackend", "HostTicket"]
+
+I64Array = npt.NDArray[np.int64]
+
+
+class HostTicket:
+    """A job copied on the issuer thread: complete when :meth:`HostBackend.issue` returns it."""
+
+    def __init__(self, elapsed_s: float, error: BaseException | None) -> None:
+        self.error = error
+        self.path: str | None = None
+        self._elapsed_s = elapsed_s
+
+    def done(self) -> bool:
+        """Always: the copy ran before the ticket was made."""
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Always: the copy ran before the ticket was made."""
+        return True
+
+    def seconds(self) -> float:
+        """Thread time of the copy."""
+        return self._elapsed_s
+
+    def release(self) -> None:
+        """Nothing to give back."""
+
+
+class HostBackend:
+    """Copies between CPU tensors and host records with ``memmove`` (see the module docstring)."""
+
+    name = "host"
+
+    def __init__(self, direction: Direction) -> None:
+        self.direction = direction
+        self._released = threading.Event()
+
+    @property
+    def path(self) -> str:
+        """``"host"``."""
+        return "host"
+
+    def fence(self, stream: object | None) -> object:
+        """Nothing to capture; ``stream`` must be None (CPU work is synchronous)."""
+        if stream is not None:
+            raise DeviceMismatchError(
+                f"the host backend takes no stream (got {type(stream).__name__}): CPU tensors have "
+                "no compute stream to order after"
+            )
+        return None
+
+    def release_fence(self, fence: object) -> None:
+        """Nothing to give back."""
+
+    def start_thread(self) -> None:
+        """No per-thread setup."""
+
+    def can_issue_here(self) -> bool:
+        """Never: host copies run on the issuer thread, not on the caller's."""
+        return False
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """One copy per page (done during the issue itself)."""
+        return pairs * plan.pages.num_pages
+
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> HostTicket:
+        """Copy every page now; the ticket is complete when returned."""
+        start = time.perf_counter()
+        try:
+            descriptors = plan.build(src, dst)
+            for to, frm, size in zip(
+                descriptors.dsts.tolist(), descriptors.srcs.tolist(), descriptors.sizes.tolist()
+            ):
+                if self._released.is_set():
+                    raise TransferError("the backend was released while the job was copying")
+                self.copy_one(to, frm, size)
+        except Exception as exc:
+            return HostTicket(time.perf_counter() - start, exc)
+        return HostTicket(time.perf_counter() - start, None)
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        """Copy ``size`` bytes from address ``src`` to address ``dst``."""
+        ctypes.memmove(dst, src, size)
+
+    def release(self) -> None:
+        """Stop any job still copying at its next descriptor."""
+        self._released.set()

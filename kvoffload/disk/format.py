@@ -1,0 +1,467 @@
+"""The disk tier's file format: the file header, the record header, and how a file is opened.
+
+Version 1; little-endian; every offset and size a multiple of 4096 (docs/design.md §9)::
+
+    offset 0             file header page (4096 B): magic "KVOFDISK", version, record_bytes,
+                         num_blocks, slot_bytes, data_offset, file_id (random, new at every
+                         creation), the layout fingerprint (UTF-8), and at byte 4092 the CRC32 of
+                         the page's first 4092 bytes
+    4096 + b * slot      the slot of disk block b, slot = 4096 + record_bytes bytes:
+                           record header page (4096 B): magic "KVOFREC1", version, flags (VALID,
+                           CHECKSUM), file_id, disk block id b, generation, payload bytes, CRC32 of
+                           the payload, the record's key (<= MAX_KEY_BYTES), and at byte 4092 the
+                           CRC32 of the page's first 4092 bytes
+                           payload (record_bytes B): the host record, byte for byte
+
+Opening (:func:`prepare_file`): a missing or zero-length file is created — header first, then
+sized, so a crash leaves an empty file or a valid tier; a file with a tier header is reused or
+recreated as the config says; **any other file is refused, never overwritten**.
+
+A record is checked (:meth:`RecordCodec.verify`) against the index on every read: the header's CRC,
+magic, version, file id and VALID flag, the block id, the generation the index expects, then the
+payload's CRC32 when the record was written with one. The record format is one format for every
+tier that stores records (a record is its header page and its payload).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_codes
+import logging
+import os
+import stat
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Final, cast
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+from kvoffload.disk.config import PAGE_BYTES, DiskConfig, DiskErrorKind
+from kvoffload.errors import (
+    ArgumentTypeError,
+    DiskError,
+    DiskFormatError,
+    DiskIntegrityError,
+    DiskIOError,
+    DiskPathError,
+    InvalidArgumentError,
+    KeyTypeError,
+)
+
+__all__ = [
+    "FILE_MODE",
+    "FORMAT_VERSION",
+    "MAX_KEY_BYTES",
+    "MAX_SYSCALL_BYTES",
+    "FileState",
+    "RecordCodec",
+    "aligned",
+    "buf",
+    "check_fingerprint",
+    "check_keys",
+    "check_path",
+    "close_quietly",
+    "file_bytes",
+    "open_io_fd",
+    "os_kind",
+    "prepare_file",
+    "span",
+    "unlink_quietly",
+]
+
+_log = logging.getLogger("kvoffload.disk")
+
+U8Array = npt.NDArray[np.uint8]
+
+#: Version of the file format this module writes and reads.
+FORMAT_VERSION: Final = 1
+#: Linux moves at most this many bytes per read/write system call.
+MAX_SYSCALL_BYTES: Final = 0x7FFFF000
+#: Longest key a record header stores.
+MAX_KEY_BYTES: Final = 1024
+MAX_FINGERPRINT_BYTES: Final = 2048
+FILE_MODE: Final = 0o600
+_CRC_OFFSET: Final = PAGE_BYTES - 4
+_FILE_MAGIC: Final = b"KVOFDISK"
+_RECORD_MAGIC: Final = b"KVOFREC1"
+# magic, version, reserved, record_bytes, num_blocks, slot_bytes, data_offset, file_id, fingerprint len
+_FILE_HEADER: Final = struct.Struct("<8sIIQQQQQH")
+# magic, version, flags, file_id, block, generation, payload bytes, payload crc, key length
+_RECORD_HEADER: Final = struct.Struct("<8sIIQQQQIH")
+_CRC: Final = struct.Struct("<I")
+_FLAG_VALID: Final = 1
+_FLAG_CHECKSUM: Final = 2
+
+
+@attrs.frozen
+class FileState:
+    """What opening a tier file found or made on disk."""
+
+    file_id: int
+    reused: bool
+    recreated: bool
+    note: str
+    fingerprint_mismatch: bool
+    found_bytes: int = 0  # the file's size when it was opened (a reused file may be extended)
+
+
+@attrs.frozen
+class RecordCodec:
+    """Packs, parses and verifies the record headers of one tier file (its file id and record size).
+
+    Owns nothing; every method works on buffers it is given.
+    """
+
+    file_id: int
+    record_bytes: int
+    path: str
+
+    def slot_offset(self, block: int) -> int:
+        """Byte offset of disk block ``block``'s slot (its header page)."""
+        return PAGE_BYTES + block * (PAGE_BYTES + self.record_bytes)
+
+    def pack(self, page: U8Array, block: int, generation: int, crc: int, key: bytes,
+             checksum: bool) -> None:
+        """Write the header of one record into ``page`` (4096 zeroed-then-filled bytes)."""
+        flags = _FLAG_VALID | (_FLAG_CHECKSUM if checksum else 0)
+        page.fill(0)
+        _RECORD_HEADER.pack_into(
+            buf(page), 0, _RECORD_MAGIC, FORMAT_VERSION, flags, self.file_id, block, generation,
+            self.record_bytes, crc, len(key),
+        )
+        page[_RECORD_HEADER.size : _RECORD_HEADER.size + len(key)] = np.frombuffer(key, dtype=np.uint8)
+        _CRC.pack_into(buf(page), _CRC_OFFSET, zlib.crc32(buf(page[:_CRC_OFFSET])))
+
+    def parse(self, headers: U8Array, offset: int) -> tuple[int, int, int, int, bytes] | str:
+        """``(flags, block, generation, payload crc, key)`` of a record header, or why it is invalid."""
+        page = headers[offset : offset + PAGE_BYTES]
+        magic, version, flags, file_id, block, generation, nbytes, crc, key_len = (
+            _RECORD_HEADER.unpack_from(buf(page), 0)
+        )
+        if magic != _RECORD_MAGIC:
+            return "no record header (never written, or the header was lost)"
+        (stored,) = _CRC.unpack_from(buf(page), _CRC_OFFSET)
+        if zlib.crc32(buf(page[:_CRC_OFFSET])) != stored:
+            return "the record header's CRC32 does not match (torn or damaged header)"
+        if version != FORMAT_VERSION:
+            return f"record format version {version}, expected {FORMAT_VERSION}"
+        if file_id != self.file_id:
+            return "the record belongs to another tier file (file id differs)"
+        if nbytes != self.record_bytes or key_len > MAX_KEY_BYTES:
+            return f"the record header says {nbytes} payload bytes, the tier has {self.record_bytes}"
+        start = _RECORD_HEADER.size
+        return flags, block, generation, crc, page[start : start + key_len].tobytes()
+
+    def header_is_valid(self, flags: int) -> bool:
+        """Whether parsed header flags mark the record valid."""
+        return bool(flags & _FLAG_VALID)
+
+    def has_magic(self, page: U8Array) -> bool:
+        """Whether ``page`` starts like a record header (a damaged one counts as rejected)."""
+        return page[: len(_RECORD_MAGIC)].tobytes() == _RECORD_MAGIC
+
+    def verify(
+        self, headers: U8Array, i: int, payload: U8Array, block: int, valid: bool, expected: int,
+        check_payload: bool,
+    ) -> DiskIntegrityError | None:
+        """Check record ``i`` of a read against the index (the module docstring: the order of
+        checks); None when it verified."""
+        where = f"disk block {block} of {self.path!r}"
+        if not valid:
+            return self._integrity(
+                DiskErrorKind.NOT_VALID, block,
+                f"{where} holds no valid record (never written, or its last write failed)",
+            )
+        header = self.parse(headers, i * PAGE_BYTES)
+        if isinstance(header, str):
+            return self._integrity(DiskErrorKind.HEADER_INVALID, block, f"{where}: {header}")
+        flags, hdr_block, generation, crc, _key = header
+        if not flags & _FLAG_VALID:
+            return self._integrity(DiskErrorKind.HEADER_INVALID, block, f"{where}: not marked valid")
+        if hdr_block != block:
+            return self._integrity(
+                DiskErrorKind.BLOCK_MISMATCH, block,
+                f"{where}: the record header names disk block {hdr_block} (another block's data)",
+            )
+        if generation != expected:
+            return self._integrity(
+                DiskErrorKind.GENERATION_MISMATCH, block,
+                f"{where}: the record is generation {generation}, the index expects {expected}",
+            )
+        if check_payload and flags & _FLAG_CHECKSUM:
+            actual = zlib.crc32(buf(payload))
+            if actual != crc:
+                return self._integrity(
+                    DiskErrorKind.CHECKSUM_MISMATCH, block,
+                    f"{where}: payload CRC32 {actual:#010x} does not match the header's {crc:#010x}",
+                )
+        return None
+
+    def _integrity(self, kind: DiskErrorKind, block: int, message: str) -> DiskIntegrityError:
+        return DiskIntegrityError(message, kind=kind, path=self.path, blocks=(block,))
+
+
+def aligned(nbytes: int) -> U8Array:
+    """A zeroed, page-aligned buffer (O_DIRECT needs aligned memory)."""
+    raw = np.zeros(nbytes + PAGE_BYTES, dtype=np.uint8)
+    shift = (-raw.ctypes.data) % PAGE_BYTES
+    return raw[shift : shift + nbytes]
+
+
+def buf(array: U8Array) -> Buffer:
+    """A numpy array as a buffer for os, zlib and struct (numpy's stubs do not declare one)."""
+    return cast(Buffer, array)
+
+
+def span(first: int, n: int) -> str:
+    return str(first) if n == 1 else f"{first}..{first + n - 1}"
+
+
+def os_kind(code: int | None) -> DiskErrorKind:
+    if code == errno_codes.EIO:
+        return DiskErrorKind.EIO
+    if code == errno_codes.ENOSPC:
+        return DiskErrorKind.ENOSPC
+    return DiskErrorKind.OS_ERROR
+
+
+def unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def file_bytes(num_blocks: int, record_bytes: int) -> int:
+    return PAGE_BYTES + num_blocks * (PAGE_BYTES + record_bytes)
+
+
+def check_fingerprint(fingerprint: object) -> bytes:
+    if not isinstance(fingerprint, str):
+        raise ArgumentTypeError(
+            f"fingerprint must be a str (DeviceLayout.fingerprint), got {type(fingerprint).__name__}"
+        )
+    encoded = fingerprint.encode()
+    if not encoded or len(encoded) > MAX_FINGERPRINT_BYTES:
+        raise InvalidArgumentError(
+            f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes of UTF-8, got {len(encoded)}"
+        )
+    return encoded
+
+
+def check_keys(keys: object, count: int) -> list[bytes] | None:
+    if keys is None:
+        return None
+    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+        raise KeyTypeError(
+            f"keys must be a sequence of bytes (one per disk block), got {type(keys).__name__}"
+        )
+    if len(keys) != count:
+        raise InvalidArgumentError(f"keys has {len(keys)} entries but disk_blocks has {count}")
+    out: list[bytes] = []
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes):
+            raise KeyTypeError(f"keys[{i}] = {key!r} is a {type(key).__name__}, not bytes")
+        if len(key) > MAX_KEY_BYTES:
+            raise InvalidArgumentError(f"keys[{i}] has {len(key)} bytes; at most {MAX_KEY_BYTES}")
+        out.append(key)
+    return out
+
+
+def check_path(path: str) -> None:
+    if os.path.isdir(path):
+        raise DiskPathError(
+            f"DiskConfig.path = {path!r} is a directory; give a file path inside it "
+            f"(e.g. {os.path.join(path, 'kv.bin')!r})"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise DiskPathError(
+            f"the parent directory {parent!r} of DiskConfig.path = {path!r} does not exist"
+        )
+    if not os.path.isdir(parent):
+        raise DiskPathError(f"the parent {parent!r} of DiskConfig.path = {path!r} is not a directory")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise DiskPathError(f"cannot inspect DiskConfig.path = {path!r}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise DiskPathError(f"DiskConfig.path = {path!r} exists and is not a regular file")
+
+
+def prepare_file(fd: int, config: DiskConfig, fingerprint: bytes, record_bytes: int) -> FileState:
+    """Check an existing file against the config and reuse, extend or (re)create it."""
+    path = config.path
+    expected = file_bytes(config.num_blocks, record_bytes)
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return _create_file(fd, config, fingerprint, record_bytes, recreated=False, note="",
+                            mismatch=False)
+    first = os.pread(fd, PAGE_BYTES, 0)
+    if first[: len(_FILE_MAGIC)] != _FILE_MAGIC:
+        raise DiskFormatError(
+            f"{path!r} holds {size} bytes and is not a kvoffload disk tier (it does not start with "
+            f"{_FILE_MAGIC!r}); a file that is not a tier is never overwritten: remove it or choose "
+            "another path",
+            kind=DiskErrorKind.NOT_A_TIER, path=path,
+        )
+    problem = _header_problem(first, config, fingerprint, record_bytes)
+    if problem is None and config.reuse:
+        file_id = _FILE_HEADER.unpack_from(first, 0)[7]
+        note = ""
+        if size < expected:
+            _size_file(fd, config, expected)
+            note = (f"the file was {size} bytes, {expected} expected: extended; records past the "
+                    "old end are not valid")
+        return FileState(file_id=file_id, reused=True, recreated=False, note=note,
+                          fingerprint_mismatch=False, found_bytes=size)
+    if problem is None:
+        return _create_file(fd, config, fingerprint, record_bytes, recreated=True,
+                            note="reuse=False: the existing tier file was recreated empty",
+                            mismatch=False)
+    kind, message = problem
+    if config.reuse and not config.recreate:
+        raise DiskFormatError(
+            f"{path!r} cannot be reused: {message} (pass DiskConfig(recreate=True) to recreate it)",
+            kind=kind, path=path,
+        )
+    _log.warning("disk tier %s: recreating the file: %s", path, message)
+    return _create_file(fd, config, fingerprint, record_bytes, recreated=True,
+                        note=f"recreated: {message}",
+                        mismatch=kind is DiskErrorKind.FINGERPRINT_MISMATCH)
+
+
+def _header_problem(
+    page: bytes, config: DiskConfig, fingerprint: bytes, record_bytes: int
+) -> tuple[DiskErrorKind, str] | None:
+    intact = len(page) == PAGE_BYTES and (
+        zlib.crc32(page[:_CRC_OFFSET]) == _CRC.unpack_from(page, _CRC_OFFSET)[0]
+    )
+    if not intact:
+        return DiskErrorKind.HEADER_INVALID, "its file header is damaged (CRC32 mismatch)"
+    _magic, version, _r, rec, blocks, slot, data, _fid, fp_len = _FILE_HEADER.unpack_from(page, 0)
+    if version != FORMAT_VERSION:
+        return (DiskErrorKind.VERSION_MISMATCH,
+                f"format version {version}, this library reads {FORMAT_VERSION}")
+    stored = page[_FILE_HEADER.size : _FILE_HEADER.size + fp_len]
+    if stored != fingerprint:
+        return (DiskErrorKind.FINGERPRINT_MISMATCH,
+                f"it holds another layout (fingerprint {stored.decode(errors='replace')[:16]}..., "
+                f"this layout is {fingerprint.decode()[:16]}...)")
+    if (rec, blocks, slot, data) != (record_bytes, config.num_blocks, PAGE_BYTES + rec, PAGE_BYTES):
+        return (DiskErrorKind.GEOMETRY_MISMATCH,
+                f"it holds {blocks} records of {rec} bytes, the config asks for {config.num_blocks} of "
+                f"{record_bytes}")
+    return None
+
+
+def _create_file(
+    fd: int, config: DiskConfig, fingerprint: bytes, record_bytes: int, *, recreated: bool, note: str,
+    mismatch: bool,
+) -> FileState:
+    """Empty the file, write its header, then size it: a crash at any point leaves an empty file
+    (created again) or a tier whose records are not valid yet — never a file that is not a tier."""
+    expected = file_bytes(config.num_blocks, record_bytes)
+    try:
+        os.ftruncate(fd, 0)
+    except OSError as exc:
+        raise DiskIOError(f"cannot empty {config.path!r}: {exc.strerror}", kind=os_kind(exc.errno),
+                          path=config.path, errno=exc.errno) from None
+    file_id = int.from_bytes(os.urandom(8), "little")
+    page = bytearray(PAGE_BYTES)
+    _FILE_HEADER.pack_into(page, 0, _FILE_MAGIC, FORMAT_VERSION, 0, record_bytes, config.num_blocks,
+                           PAGE_BYTES + record_bytes, PAGE_BYTES, file_id, len(fingerprint))
+    page[_FILE_HEADER.size : _FILE_HEADER.size + len(fingerprint)] = fingerprint
+    _CRC.pack_into(page, _CRC_OFFSET, zlib.crc32(bytes(page[:_CRC_OFFSET])))
+    try:
+        written = os.pwrite(fd, bytes(page), 0)
+    except OSError as exc:
+        raise DiskIOError(f"cannot write the header of {config.path!r}: {exc.strerror}",
+                          kind=os_kind(exc.errno), path=config.path, errno=exc.errno) from None
+    if written != PAGE_BYTES:
+        raise DiskIOError(
+            f"writing the header of {config.path!r} wrote {written} of {PAGE_BYTES} bytes",
+            kind=DiskErrorKind.SHORT_WRITE, path=config.path,
+        )
+    _size_file(fd, config, expected)
+    return FileState(file_id=file_id, reused=False, recreated=recreated, note=note,
+                      fingerprint_mismatch=mismatch)
+
+
+def _size_file(fd: int, config: DiskConfig, nbytes: int) -> None:
+    try:
+        if config.preallocate:
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
+    except OSError as exc:
+        try:
+            free = os.statvfs(config.path)
+            room = f"; the file system has {free.f_bavail * free.f_frsize} bytes free"
+        except OSError:
+            room = ""
+        raise DiskIOError(
+            f"cannot size {config.path!r} to {nbytes} bytes: {exc.strerror}{room}",
+            kind=os_kind(exc.errno), path=config.path, errno=exc.errno,
+        ) from None
+
+
+def open_io_fd(
+    path: str, direct: bool | None, setup_fd: int, open_file: Callable[[str, int], int]
+) -> tuple[int, bool, str]:
+    """The descriptor the I/O threads use: O_DIRECT when asked (``direct=True``: or fail) or when the
+    file system accepts it (``None``; probed with one aligned read), else ``setup_fd``; and why.
+
+    Raises:
+        DiskPathError: the file cannot be opened with O_DIRECT for another reason than EINVAL.
+        DiskIOError: the probe read failed for another reason than EINVAL.
+        DiskError: ``direct=True`` and O_DIRECT cannot be used.
+    """
+    if direct is False:
+        return setup_fd, False, "buffered: DiskConfig.direct = False"
+    o_direct = getattr(os, "O_DIRECT", 0)
+    refused = ""
+    if not o_direct:
+        refused = "this platform has no O_DIRECT"
+    else:
+        try:
+            fd = open_file(path, os.O_RDWR | os.O_CLOEXEC | o_direct)
+        except OSError as exc:
+            if exc.errno != errno_codes.EINVAL:
+                raise DiskPathError(
+                    f"cannot open DiskConfig.path = {path!r} with O_DIRECT: {exc.strerror}"
+                ) from None
+            refused = f"the file system refused O_DIRECT at open ({exc.strerror})"
+        else:
+            probe = aligned(PAGE_BYTES)
+            try:
+                got = os.preadv(fd, [buf(probe)], 0)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno != errno_codes.EINVAL:
+                    raise DiskIOError(
+                        f"the O_DIRECT probe read of {path!r} failed: {exc.strerror}",
+                        kind=os_kind(exc.errno), path=path, errno=exc.errno,
+                    ) from None
+                refused = f"the file system refused an aligned O_DIRECT read ({exc.strerror})"
+            else:
+                if got == PAGE_BYTES:
+                    return fd, True, "O_DIRECT accepted"
+                os.close(fd)
+                refused = f"the O_DIRECT probe read returned {got} of {PAGE_BYTES} bytes"
+    if direct is True:
+        raise DiskError(
+            f"DiskConfig.direct = True but O_DIRECT cannot be used on {path!r}: {refused}",
+            kind=DiskErrorKind.DIRECT_REFUSED, path=path,
+        )
+    _log.info("disk tier %s: buffered I/O (%s)", path, refused)
+    return setup_fd, False, f"buffered: {refused}"

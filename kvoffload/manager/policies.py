@@ -1,0 +1,262 @@
+"""Eviction policies: the seam (:class:`EvictionPolicy`) and the two the Manager ships, LRU and ARC.
+
+A policy orders the *evictable* keys of one tier; the manager decides what is evictable. Each holds
+only Python containers of keys, O(1) amortised per operation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Container, Iterator
+from typing import Final, Protocol
+
+from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
+
+__all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "PolicyFactory"]
+
+
+class EvictionPolicy(Protocol):
+    """The seam for eviction policies: it orders the *evictable* keys of one tier.
+
+    The manager calls it with the engine's keys (``bytes``) and guarantees: ``admit`` only for a key that
+    is not resident; ``hit``/``hold``/``evict`` only for resident keys; ``release`` only for a held key;
+    at most ``capacity`` resident (admitted, not evicted) keys. Every method must be O(1) amortised
+    per key, except ``victims`` (O(returned + skipped excluded keys)) and ``clear``.
+    """
+
+    def admit(self, key: bytes) -> None:
+        """``key`` became ready in this tier; it is evictable."""
+
+    def hit(self, key: bytes) -> None:
+        """``key`` (resident, held or not) was used: by ``touch`` or ``prepare_load``."""
+
+    def hold(self, key: bytes) -> None:
+        """``key`` started loading: it must not be proposed as a victim until ``release``."""
+
+    def release(self, key: bytes) -> None:
+        """The last load of ``key`` completed: it is evictable again."""
+
+    def victims(self, count: int, exclude: Container[bytes]) -> list[bytes]:
+        """Return up to ``count`` distinct evictable keys not in ``exclude``, next victim first.
+
+        Must not change the policy: the manager may discard the answer (a refused plan).
+        """
+
+    def evict(self, key: bytes) -> None:
+        """``key``, returned by the last ``victims`` call, was evicted (in that order)."""
+
+    def clear(self) -> None:
+        """Forget every key, including history (``reset``)."""
+
+
+PolicyFactory = Callable[[int], EvictionPolicy]
+"""Builds a policy for a tier of the given capacity (in blocks); :class:`LRUPolicy` is one."""
+
+
+def _check_capacity(capacity: object) -> int:
+    if not isinstance(capacity, int) or isinstance(capacity, bool):
+        raise ArgumentTypeError(
+            f"capacity = {capacity!r} is a {type(capacity).__name__}; it must be an int"
+        )
+    if capacity < 1:
+        raise InvalidArgumentError(f"capacity = {capacity} must be >= 1 block")
+    return capacity
+
+
+class LRUPolicy:
+    """Least recently used first. Admission, hits, holds and evictions are O(1).
+
+    Owns an ``OrderedDict`` of evictable keys (least recent first) and a set of held keys. A released
+    key counts as just used.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity: Final = _check_capacity(capacity)
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._held: set[bytes] = set()
+
+    def __len__(self) -> int:
+        """Resident keys (evictable and held)."""
+        return len(self._order) + len(self._held)
+
+    def admit(self, key: bytes) -> None:
+        """Insert ``key`` (not resident, as the protocol guarantees) as the most recent."""
+        self._order[key] = None
+
+    def hit(self, key: bytes) -> None:
+        """Make ``key`` the most recent (a held key becomes it at release)."""
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def hold(self, key: bytes) -> None:
+        """Take ``key`` out of the eviction order."""
+        del self._order[key]
+        self._held.add(key)
+
+    def release(self, key: bytes) -> None:
+        """Put ``key`` back as the most recent."""
+        self._held.remove(key)
+        self._order[key] = None
+
+    def victims(self, count: int, exclude: Container[bytes]) -> list[bytes]:
+        """Up to ``count`` least recent evictable keys not in ``exclude``."""
+        if count <= 0:
+            return []
+        if not exclude:  # islice walks the links without touching the key objects
+            return list(itertools.islice(self._order, count))
+        out: list[bytes] = []
+        for key in self._order:
+            if key not in exclude:
+                out.append(key)
+                if len(out) == count:
+                    break
+        return out
+
+    def evict(self, key: bytes) -> None:
+        """Forget ``key``."""
+        del self._order[key]
+
+    def clear(self) -> None:
+        """Forget every key."""
+        self._order.clear()
+        self._held.clear()
+
+
+class ARCPolicy:
+    """Adaptive replacement cache (Megiddo & Modha, FAST 2003), O(1) amortised per operation.
+
+    Resident keys are split into T1 (seen once) and T2 (seen again); evicted keys are remembered in the
+    ghost lists B1 and B2. A re-admitted ghost moves the target size ``p`` of T1 (towards recency after
+    a B1 hit, towards frequency after a B2 hit) and lands in T2. Victims come from T1 while
+    ``|T1| > p``, else from T2. Ghosts are bounded: ``|T1| + |B1| <= capacity`` and
+    ``|B1| + |B2| <= capacity``; each trimmed ghost was pushed by an earlier eviction, hence O(1)
+    amortised. Held (loading) keys keep their list membership but leave the eviction order.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity: Final = _check_capacity(capacity)
+        self._t1: OrderedDict[bytes, None] = OrderedDict()
+        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._held: dict[bytes, bool] = {}  # key -> belongs to T2
+        self._held_t1 = 0
+        self._p = 0.0
+
+    def __len__(self) -> int:
+        """Resident keys (evictable and held)."""
+        return len(self._t1) + len(self._t2) + len(self._held)
+
+    @property
+    def target_t1(self) -> float:
+        """The adaptive target size ``p`` of T1, in blocks (0 <= p <= capacity)."""
+        return self._p
+
+    @property
+    def ghost_sizes(self) -> tuple[int, int]:
+        """``(|B1|, |B2|)``: evicted keys remembered for adaptation."""
+        return len(self._b1), len(self._b2)
+
+    @property
+    def resident_sizes(self) -> tuple[int, int]:
+        """``(|T1|, |T2|)`` including held keys."""
+        held_t2 = len(self._held) - self._held_t1
+        return len(self._t1) + self._held_t1, len(self._t2) + held_t2
+
+    def admit(self, key: bytes) -> None:
+        """Insert ``key``: into T1, or into T2 with adaptation when it is a ghost."""
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self._p = min(float(self.capacity), self._p + max(1.0, len(b2) / len(b1)))
+            del b1[key]
+            self._t2[key] = None
+        elif key in b2:
+            self._p = max(0.0, self._p - max(1.0, len(b1) / len(b2)))
+            del b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+        self._trim_ghosts()
+
+    def hit(self, key: bytes) -> None:
+        """Move ``key`` to the most recent end of T2."""
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+        elif key in self._held and not self._held[key]:
+            self._held[key] = True
+            self._held_t1 -= 1
+
+    def hold(self, key: bytes) -> None:
+        """Take ``key`` out of the eviction order, remembering its list."""
+        if key in self._t1:
+            del self._t1[key]
+            self._held[key] = False
+            self._held_t1 += 1
+        else:
+            del self._t2[key]
+            self._held[key] = True
+
+    def release(self, key: bytes) -> None:
+        """Put ``key`` back at the most recent end of its list."""
+        if self._held.pop(key):
+            self._t2[key] = None
+        else:
+            self._held_t1 -= 1
+            self._t1[key] = None
+
+    def victims(self, count: int, exclude: Container[bytes]) -> list[bytes]:
+        """Up to ``count`` keys in ARC's REPLACE order (T1 while ``|T1| > p``), skipping ``exclude``."""
+        out: list[bytes] = []
+        from_t1: Iterator[bytes] = (k for k in self._t1 if k not in exclude)
+        from_t2: Iterator[bytes] = (k for k in self._t2 if k not in exclude)
+        size_t1 = len(self._t1) + self._held_t1
+        while len(out) < count:
+            prefer_t1 = size_t1 > self._p
+            key = next(from_t1 if prefer_t1 else from_t2, None)
+            took_t1 = prefer_t1
+            if key is None:
+                key = next(from_t2 if prefer_t1 else from_t1, None)
+                took_t1 = not prefer_t1
+                if key is None:
+                    break
+            out.append(key)
+            if took_t1:
+                size_t1 -= 1
+        return out
+
+    def evict(self, key: bytes) -> None:
+        """Move ``key`` from T1 to B1 or from T2 to B2, then trim the ghosts."""
+        if key in self._t1:
+            del self._t1[key]
+            self._b1[key] = None
+        else:
+            del self._t2[key]
+            self._b2[key] = None
+        self._trim_ghosts()
+
+    def clear(self) -> None:
+        """Forget every key and reset ``p``."""
+        for od in (self._t1, self._t2, self._b1, self._b2):
+            od.clear()
+        self._held.clear()
+        self._held_t1 = 0
+        self._p = 0.0
+
+    def _trim_ghosts(self) -> None:
+        """Forget the oldest ghosts until ``|T1| + |B1|`` and ``|B1| + |B2|`` are <= capacity."""
+        b1, b2, capacity = self._b1, self._b2, self.capacity
+        over = len(self._t1) + self._held_t1 + len(b1) - capacity
+        while over > 0 and b1:
+            b1.popitem(last=False)
+            over -= 1
+        over = len(b1) + len(b2) - capacity
+        while over > 0 and b2:
+            b2.popitem(last=False)
+            over -= 1
+
+
+POLICY_NAMES: Final[dict[str, PolicyFactory]] = {"lru": LRUPolicy, "arc": ARCPolicy}

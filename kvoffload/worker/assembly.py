@@ -1,0 +1,438 @@
+"""Assembly: builds what a Worker is made of, from the arguments of ``Worker.create``.
+
+Owns nothing once it returns: every part it built is handed, in a :class:`WorkerParts`, to the
+worker that owns it from then on; on any failure the parts built so far are released in reverse
+order (an undo list) and nothing is left mapped, pinned, running or open. It is the one place that
+knows how the layers fit together: the region, one handler per direction (each over a backend of
+the chosen kind, composed of its transfer paths), the calibration of ``auto`` (fed with the same
+components), and the disk tier with its pipeline and bounce handlers.
+
+The lowest layer is injected: ``backend_factory`` replaces the host or CUDA backend of every
+handler (both directions, and the disk pipeline's bounce handlers), ``pinner`` the host registration (tests use them; so can an integrator who brings its
+own copy engine). The CUDA layers (``kvoffload.bindings``, the CUDA backend and its paths) are
+imported only when a CUDA worker is built, so a host-only worker runs without cuda-python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import attrs
+import numpy as np
+import torch
+
+from kvoffload import calibration
+from kvoffload._descriptors import CopyPlan
+from kvoffload._jobs import JobBook
+from kvoffload.backends.host import HostBackend
+from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, NoPinner
+from kvoffload.disk.config import DiskConfig
+from kvoffload.worker.pipeline import DiskPipeline
+from kvoffload.disk.tier import DiskTier
+from kvoffload.errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
+from kvoffload.handler import Backend, DirectionHandler
+from kvoffload.layout import RECORD_ALIGN_BYTES, DeviceLayout
+from kvoffload.records import Direction
+from kvoffload.region import RegionOwner
+
+if TYPE_CHECKING:
+    from kvoffload.backends.cuda import CudaBackend, CudaStreams, TransferPath
+    from kvoffload.bindings.copier import Copier
+    from kvoffload.bindings.driver import Capabilities
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "BackendName",
+    "PathName",
+    "WorkerOptions",
+    "WorkerParts",
+    "assemble",
+]
+
+BackendName = Literal["auto", "cuda", "host"]
+PathName = Literal["auto", "dma", "staged", "sm"]
+#: ``direction -> backend``: builds a direction's backend in place of the host or CUDA one.
+BackendFactory = Callable[[Direction], Backend]
+_BACKENDS: Final = ("auto", "cuda", "host")
+_PATHS: Final = ("auto", "dma", "staged", "sm")
+#: Device memory for the staged path's rings, both directions together.
+DEFAULT_STAGING_BYTES: Final = 256 << 20
+DEFAULT_STAGING_SLOTS: Final = 2
+#: Pinned bounce memory for device <-> disk jobs: each half holds several disk requests, so that the
+#: tier's I/O threads read in parallel (64 MiB is 32 records of 2 MiB).
+DEFAULT_BOUNCE_BYTES: Final = 64 << 20
+MIN_BOUNCE_SLOTS: Final = 4
+MAX_BOUNCE_SLOTS: Final = 256
+#: Time a failed ``create`` gives the parts it already started to stop.
+CREATE_ROLLBACK_TIMEOUT_S: Final = 10.0
+#: How long calibration gives one of its scratch handlers to stop.
+_CALIBRATION_STOP_S: Final = 60.0
+
+
+@attrs.frozen
+class WorkerOptions:
+    """The keyword arguments of ``Worker.create`` (documented there), validated by :func:`assemble`."""
+
+    device: torch.device | str | None = None
+    backend: str = "auto"
+    shared_name: str | None = None
+    copy_method: object = None
+    pin_chunk_bytes: int = PIN_CHUNK_BYTES
+    path: str = "auto"
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    staging_slots: int = DEFAULT_STAGING_SLOTS
+    kernel_ctas: int | None = None
+    calibration_path: str | None = None
+    disk: DiskConfig | None = None
+    bounce_slots: int | None = None
+    check_memory: bool = True
+    backend_factory: BackendFactory | None = None
+    pinner: HostPinner | None = None
+
+
+@attrs.frozen(eq=False)
+class WorkerParts:
+    """What :func:`assemble` built, handed to the worker that owns it from then on."""
+
+    layout: DeviceLayout
+    region: RegionOwner
+    store_handler: DirectionHandler
+    load_handler: DirectionHandler
+    book: JobBook
+    backend_name: str
+    device_sync: Callable[[float], bool]
+    num_host_blocks: int
+    capabilities: Capabilities | None = None
+    tier: DiskTier | None = None
+    bounce: tuple[DirectionHandler, DirectionHandler] | None = None
+    pipeline: DiskPipeline | None = None
+
+
+def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions) -> WorkerParts:
+    """Validate every argument, then build the parts; on any failure release what was built.
+
+    Raises: as ``Worker.create``.
+    """
+    if not isinstance(layout, DeviceLayout):
+        raise ArgumentTypeError(
+            f"layout must be a DeviceLayout (from DeviceLayout.from_tensors), got {type(layout).__name__}"
+        )
+    if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int):
+        raise ArgumentTypeError(
+            f"num_host_blocks = {num_host_blocks!r} must be a positive int, not a "
+            f"{type(num_host_blocks).__name__}"
+        )
+    if num_host_blocks <= 0:
+        raise InvalidArgumentError(f"num_host_blocks = {num_host_blocks} must be a positive int")
+    o = options
+    chosen = _choose_backend(layout, o.backend, o.device)
+    _check_copy_method_backend(o.copy_method, chosen)
+    _check_path(o.path, chosen, o.staging_bytes, o.staging_slots, o.kernel_ctas)
+    if o.disk is not None and not isinstance(o.disk, DiskConfig):
+        raise ArgumentTypeError(f"disk must be a DiskConfig or None, got {type(o.disk).__name__}")
+    slots = _bounce_slots(o.bounce_slots, layout.record_bytes) if o.disk is not None else 0
+    if not isinstance(o.check_memory, bool):
+        raise ArgumentTypeError(f"check_memory = {o.check_memory!r} must be a bool")
+    if o.backend_factory is not None and not callable(o.backend_factory):
+        raise ArgumentTypeError(f"backend_factory = {o.backend_factory!r} must be callable or None")
+    cuda = _cuda_parts(layout, o.copy_method) if chosen == "cuda" else None
+    with contextlib.ExitStack() as undo:
+        pinner = o.pinner if o.pinner is not None else (cuda.pinner if cuda else NoPinner())
+        region = RegionOwner.create(
+            num_records=num_host_blocks + slots, record_bytes=layout.record_bytes, pinner=pinner,
+            shared_name=o.shared_name, chunk_bytes=o.pin_chunk_bytes, check_memory=o.check_memory,
+        )
+        undo.callback(region.cleanup)
+        book = JobBook()
+        handlers = []
+        for direction, num_src, num_dst in (
+            (Direction.STORE, layout.num_blocks, num_host_blocks),
+            (Direction.LOAD, num_host_blocks, layout.num_blocks),
+        ):
+            plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
+            if o.backend_factory is not None:
+                backend = o.backend_factory(direction)
+            elif cuda is not None:
+                backend = _cuda_backend(direction, layout, region, cuda, o)
+            else:
+                backend = HostBackend(direction)
+            undo.callback(backend.release)
+            handler = DirectionHandler.create(direction=direction, plan=plan, backend=backend,
+                                              num_src_blocks=num_src, num_dst_blocks=num_dst, book=book)
+            undo.callback(handler.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
+            handlers.append(handler)
+        tier: DiskTier | None = None
+        bounce: tuple[DirectionHandler, DirectionHandler] | None = None
+        pipeline: DiskPipeline | None = None
+        if o.disk is not None:
+            tier = DiskTier.create(o.disk, fingerprint=layout.fingerprint,
+                                   record_bytes=layout.record_bytes, records=region.records(), book=book)
+            undo.callback(tier.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
+            bounce = _bounce_handlers(layout, region, cuda, o.backend_factory, undo)
+            pipeline = DiskPipeline.create(
+                to_slots=bounce[0], from_slots=bounce[1], tier=tier,
+                slot_rows=np.arange(num_host_blocks, num_host_blocks + slots, dtype=np.int64),
+                block_bytes=layout.block_bytes, book=book,
+            )
+            undo.callback(pipeline.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
+        parts = WorkerParts(
+            layout=layout, region=region, store_handler=handlers[0], load_handler=handlers[1],
+            book=book, backend_name=chosen, num_host_blocks=num_host_blocks,
+            device_sync=cuda.device_sync if cuda is not None else _host_sync,
+            capabilities=cuda.capabilities if cuda is not None else None,
+            tier=tier, bounce=bounce, pipeline=pipeline,
+        )
+        undo.pop_all()
+    return parts
+
+
+# ------------------------------------------------------------------------------------ arguments
+
+
+def _choose_backend(
+    layout: DeviceLayout, backend: str, device: torch.device | str | None
+) -> Literal["cuda", "host"]:
+    if backend not in _BACKENDS:
+        raise InvalidArgumentError(f"backend = {backend!r} must be one of {', '.join(_BACKENDS)}")
+    if device is not None:
+        try:
+            wanted = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise DeviceMismatchError(f"device = {device!r} is not a torch device: {exc}") from exc
+        index: int | None = wanted.index
+        if wanted.type == "cuda" and index is None and layout.device.type == "cuda":
+            wanted = torch.device("cuda", _index(wanted))
+        if wanted != layout.device:
+            raise DeviceMismatchError(
+                f"device = {wanted} but the layout's tensors are on {layout.device}"
+            )
+    kind = layout.device.type
+    if backend == "auto":
+        if kind == "cuda":
+            return "cuda"
+        if kind == "cpu":
+            return "host"
+        raise DeviceMismatchError(f"no backend for tensors on {layout.device}")
+    if backend == "cuda" and kind != "cuda":
+        raise DeviceMismatchError(f"backend 'cuda' needs CUDA tensors; the layout is on {layout.device}")
+    if backend == "host" and kind != "cpu":
+        raise DeviceMismatchError(f"backend 'host' needs CPU tensors; the layout is on {layout.device}")
+    return "cuda" if backend == "cuda" else "host"
+
+
+def _check_path(
+    path: str, backend: str, staging_bytes: int, staging_slots: int, kernel_ctas: int | None
+) -> None:
+    if path not in _PATHS:
+        raise InvalidArgumentError(f"path = {path!r} must be one of {', '.join(_PATHS)}")
+    if backend != "cuda" and path != "auto":
+        raise InvalidArgumentError(f"path = {path!r} applies to the cuda backend only (backend is {backend!r})")
+    for name, value, least in (("staging_bytes", staging_bytes, 1), ("staging_slots", staging_slots, 2)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(f"{name} = {value!r} must be an int")
+        if value < least:
+            raise InvalidArgumentError(f"{name} = {value} must be at least {least}")
+    if kernel_ctas is not None:
+        if isinstance(kernel_ctas, bool) or not isinstance(kernel_ctas, int):
+            raise ArgumentTypeError(f"kernel_ctas = {kernel_ctas!r} must be an int or None")
+        if kernel_ctas <= 0:
+            raise InvalidArgumentError(f"kernel_ctas = {kernel_ctas} must be positive")
+
+
+def _bounce_slots(bounce_slots: int | None, record_bytes: int) -> int:
+    if bounce_slots is None:
+        default = max(MIN_BOUNCE_SLOTS, min(MAX_BOUNCE_SLOTS, DEFAULT_BOUNCE_BYTES // record_bytes))
+        return default - default % 2
+    if isinstance(bounce_slots, bool) or not isinstance(bounce_slots, int) or bounce_slots < 2:
+        raise InvalidArgumentError(f"bounce_slots = {bounce_slots!r} must be an int >= 2")
+    return bounce_slots
+
+
+def _index(device: torch.device) -> int:
+    index: int | None = device.index
+    return index if index is not None else torch.cuda.current_device()
+
+
+def _host_sync(timeout_s: float) -> bool:
+    """The host backend has no device: once its threads stopped, nothing touches the region."""
+    return True
+
+
+# ---------------------------------------------------------------------------------------- cuda
+
+
+@attrs.frozen
+class _Cuda:
+    """The device-wide parts of a CUDA worker (each stateless or process-wide: nothing to release)."""
+
+    index: int
+    capabilities: Capabilities
+    copier: Copier
+    pinner: HostPinner
+    device_sync: Callable[[float], bool]
+
+
+def _cuda_parts(layout: DeviceLayout, copy_method: object) -> _Cuda:
+    """The driver's capabilities, the copier, the pinner and the device-wide sync (the only place
+    the assembly touches the driver layer, so a host-only worker never imports cuda-python)."""
+    from kvoffload.bindings import driver
+    from kvoffload.bindings.copier import Copier
+
+    method = _copy_method(copy_method, driver.CopyMethod)
+    index = _index(layout.device)
+    caps = driver.capabilities(index)
+    return _Cuda(index=index, capabilities=caps, copier=Copier.create(caps, method),
+                 pinner=driver.CudaHostPinner(index),
+                 device_sync=functools.partial(driver.synchronize_device, index))
+
+
+def _copy_method(method: object, kinds: type[enum.Enum]) -> Any:
+    if method is None or isinstance(method, kinds):
+        return method
+    try:
+        return kinds(method)
+    except ValueError:
+        names = ", ".join(str(m.value) for m in kinds)
+        raise InvalidArgumentError(f"copy_method = {method!r} must be one of {names}") from None
+
+
+def _check_copy_method_backend(copy_method: object, backend: str) -> None:
+    if copy_method is not None and backend != "cuda":
+        raise InvalidArgumentError(f"copy_method applies to the cuda backend only (backend is {backend!r})")
+
+
+def _slot_bytes(options: WorkerOptions) -> int:
+    """Bytes of one staging slot: the staged path's share of the rings, whole OS pages."""
+    per_direction = options.staging_bytes // 2
+    return per_direction // options.staging_slots // RECORD_ALIGN_BYTES * RECORD_ALIGN_BYTES
+
+
+def _path_factory(
+    direction: Direction, cuda: _Cuda, options: WorkerOptions, names: tuple[str, ...]
+) -> Callable[[CudaStreams], Mapping[str, TransferPath]]:
+    """``streams -> {name: path}`` for the named transfer paths of one direction."""
+
+    def make(streams: CudaStreams) -> Mapping[str, TransferPath]:
+        from kvoffload.backends import kernel as kpaths
+        from kvoffload.backends.cuda import DmaPath
+        from kvoffload.bindings import driver
+        from kvoffload.bindings.kernel import CopyKernel
+
+        copier = cuda.copier
+        paths: dict[str, TransferPath] = {}
+        if "dma" in names:
+            paths["dma"] = DmaPath(direction, copier)
+        if "sm" in names or "staged" in names:
+            kernel = CopyKernel.for_device(cuda.index)
+            tables = kpaths.SegmentTables(streams)
+            if "sm" in names:
+                ctas = options.kernel_ctas if options.path == "sm" and options.kernel_ctas else kpaths.SM_CTAS
+                paths["sm"] = kpaths.SmPath(direction, kernel, tables, ctas)
+            if "staged" in names:
+                ctas = options.kernel_ctas or driver.multiprocessor_count(cuda.index)
+                paths["staged"] = kpaths.StagedPath(direction, streams, kernel, copier, tables, ctas,
+                                                    options.staging_slots, _slot_bytes(options))
+        return paths
+
+    return make
+
+
+def _cuda_backend(
+    direction: Direction, layout: DeviceLayout, region: RegionOwner, cuda: _Cuda, options: WorkerOptions,
+) -> CudaBackend:
+    """The backend of one direction for the chosen transfer path (see ``Worker.create``)."""
+    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.bindings import driver
+
+    path = options.path
+    fits = _slot_bytes(options) >= layout.record_bytes
+    if path == "staged" and not fits:
+        raise InvalidArgumentError(
+            f"path 'staged': a host record of {layout.record_bytes} bytes does not fit a staging slot "
+            f"of {_slot_bytes(options)} bytes (staging_bytes = {options.staging_bytes} over 2 "
+            f"directions x {options.staging_slots} slots); raise staging_bytes or use path 'dma'"
+        )
+    mapped = path in ("sm", "auto") and driver.host_pointer_is_device_pointer(cuda.index, region.base_ptr)
+    if path == "sm" and not mapped:
+        raise InvalidArgumentError("path 'sm' needs host memory the device addresses as is (UVA)")
+    device = layout.device
+    if path in ("dma", "sm", "staged") or not fits:
+        name = path if path != "auto" else "dma"
+        return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, (name,)),
+                                  kernel_stream=name != "dma")
+    candidates = tuple(p for p in calibration.CANDIDATES if p != "sm" or mapped)
+    choice = calibration.calibrate(
+        device, layout.page_table,
+        key=calibration.geometry_key(cuda.capabilities.device_name, layout.page_table, candidates),
+        candidates=candidates,
+        scratch_pool=functools.partial(_scratch_pool, cuda),
+        handler_for=functools.partial(_path_handler, cuda, options, device),
+        persist_path=options.calibration_path,
+    )
+    return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, candidates),
+                              choose=choice.chooser(direction), kernel_stream=True, path_name="auto")
+
+
+@contextlib.contextmanager
+def _scratch_pool(cuda: _Cuda, num_records: int, record_bytes: int) -> Iterator[RegionOwner]:
+    """A pinned scratch pool for calibration, released when the block exits."""
+    region = RegionOwner.create(num_records=num_records, record_bytes=record_bytes, pinner=cuda.pinner)
+    try:
+        yield region
+    finally:
+        region.cleanup()
+
+
+@contextlib.contextmanager
+def _path_handler(
+    cuda: _Cuda, options: WorkerOptions, device: torch.device, path: str, plan: CopyPlan, blocks: int,
+) -> Iterator[DirectionHandler]:
+    """A handler of one ``path`` over ``plan`` for calibration, shut down when the block exits."""
+    from kvoffload.backends.cuda import CudaBackend
+
+    backend = CudaBackend.create(plan.direction, device,
+                                 _path_factory(plan.direction, cuda, options, (path,)),
+                                 kernel_stream=path != "dma")
+    handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
+                                      num_src_blocks=blocks, num_dst_blocks=blocks)
+    try:
+        yield handler
+    finally:
+        handler.shutdown(_CALIBRATION_STOP_S)
+
+
+# ---------------------------------------------------------------------------------------- disk
+
+
+def _bounce_handlers(
+    layout: DeviceLayout, region: RegionOwner, cuda: _Cuda | None,
+    backend_factory: BackendFactory | None, undo: contextlib.ExitStack,
+) -> tuple[DirectionHandler, DirectionHandler]:
+    """The handlers that copy device blocks to and from bounce rows (batched DMA or host copies);
+    their ids and results are internal to the disk pipeline (books of their own)."""
+    made = []
+    for direction, num_src, num_dst in (
+        (Direction.STORE, layout.num_blocks, region.num_records),
+        (Direction.LOAD, region.num_records, layout.num_blocks),
+    ):
+        plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
+        backend: Backend
+        if backend_factory is not None:
+            backend = backend_factory(direction)
+        elif cuda is not None:
+            from kvoffload.backends.cuda import CudaBackend
+
+            backend = CudaBackend.create(direction, layout.device,
+                                         _path_factory(direction, cuda, WorkerOptions(), ("dma",)))
+        else:
+            backend = HostBackend(direction)
+        undo.callback(backend.release)
+        handler = DirectionHandler.create(direction=direction, plan=plan, backend=backend,
+                                          num_src_blocks=num_src, num_dst_blocks=num_dst)
+        undo.callback(handler.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
+        made.append(handler)
+    return made[0], made[1]

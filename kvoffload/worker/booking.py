@@ -1,0 +1,134 @@
+"""Booking: which blocks of which memory the jobs in flight read and write.
+
+Owns the per-block reader and writer counts of the device cache, the host pool and the disk tier, and
+each in-flight job's blocks. It enforces the rules that span directions (docs/design.md §4): a job
+may not read a block an in-flight job writes, nor write a block an in-flight job reads or writes.
+Not thread-safe: the worker holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.errors import BlockConflictError
+from kvoffload.records import Direction
+
+__all__ = ["SIDES", "Bookkeeping", "Memory"]
+
+I64Array = npt.NDArray[np.int64]
+I32Array = npt.NDArray[np.int32]
+
+
+class Memory(enum.Enum):
+    """Where a block id points: the device cache, the host pool, or the disk tier."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+    __hash__ = object.__hash__  # identity, as Direction's
+
+
+#: (memory read, memory written) by a job of each direction.
+SIDES: Final = {
+    Direction.STORE: (Memory.DEVICE, Memory.HOST),
+    Direction.LOAD: (Memory.HOST, Memory.DEVICE),
+    Direction.DEMOTE: (Memory.HOST, Memory.DISK),
+    Direction.PROMOTE: (Memory.DISK, Memory.HOST),
+    Direction.STORE_TO_DISK: (Memory.DEVICE, Memory.DISK),
+    Direction.LOAD_FROM_DISK: (Memory.DISK, Memory.DEVICE),
+}
+
+
+@attrs.define(eq=False)
+class _Job:
+    direction: Direction
+    reads: I64Array
+    writes: I64Array
+
+
+#: Jobs of at most this many blocks are booked with scalar indexing (a few numpy calls on tiny
+#: arrays cost more than a loop over their ids).
+SCALAR_BOOKING_MAX: Final = 16
+
+
+class Bookkeeping:
+    """In-flight readers and writers per block of each memory (the caller holds the lock)."""
+
+    def __init__(self, sizes: dict[Memory, int]) -> None:
+        self.reads = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
+        self.writes = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
+        self.jobs: dict[int, _Job] = {}
+
+    def check(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
+              read_name: str, write_name: str) -> None:
+        """Refuse any conflict with in-flight jobs (see the module docstring)."""
+        source, target = SIDES[direction]
+        i = _first_busy(reads, self.writes[source])
+        if i >= 0:
+            other = self._holder(int(reads[i]), source, writers_only=True)
+            raise BlockConflictError(
+                f"{direction.value} job {job_id}: {read_name}[{i}] = {int(reads[i])} is being written "
+                f"by in-flight job {other}; submit after it completed"
+            )
+        i = _first_busy(writes, self.reads[target], self.writes[target])
+        if i >= 0:
+            other = self._holder(int(writes[i]), target, writers_only=False)
+            raise BlockConflictError(
+                f"{direction.value} job {job_id}: {write_name}[{i}] = {int(writes[i])} is in use by "
+                f"in-flight job {other}; submit after it completed"
+            )
+
+    def _holder(self, block: int, memory: Memory, *, writers_only: bool) -> str:
+        """Name an in-flight job touching ``block`` of ``memory`` (the error path only)."""
+        for job_id, job in self.jobs.items():
+            source, target = SIDES[job.direction]
+            candidates = [(job.writes, target)] + ([] if writers_only else [(job.reads, source)])
+            for blocks, side in candidates:
+                if side is memory and bool(np.any(blocks == block)):
+                    return f"{job_id} ({job.direction.value})"
+        return "(unknown)"
+
+    def add(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> None:
+        source, target = SIDES[direction]
+        _count(self.reads[source], reads, 1)
+        _count(self.writes[target], writes, 1)
+        self.jobs[job_id] = _Job(direction, reads, writes)
+
+    def remove(self, job_id: int) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        source, target = SIDES[job.direction]
+        _count(self.reads[source], job.reads, -1)
+        _count(self.writes[target], job.writes, -1)
+
+
+def _first_busy(ids: I64Array, *counts: I32Array) -> int:
+    """Index of the first id with a nonzero count in any of ``counts``, or -1."""
+    if ids.shape[0] <= SCALAR_BOOKING_MAX:
+        for i, block in enumerate(ids.tolist()):
+            for c in counts:
+                if c[block]:
+                    return i
+        return -1
+    busy = counts[0][ids] != 0
+    for c in counts[1:]:
+        busy |= c[ids] != 0
+    return int(np.argmax(busy)) if bool(busy.any()) else -1
+
+
+def _count(counts: I32Array, ids: I64Array, delta: int) -> None:
+    """Add ``delta`` to the count of each id. ``add`` and ``remove`` pass one job's same array, so
+    they take the same branch: a block a job lists twice (a store reading one device block into two
+    records) counts once in the vector branch and twice in the scalar one, and is released alike."""
+    if ids.shape[0] <= SCALAR_BOOKING_MAX:
+        for block in ids.tolist():
+            counts[block] += delta
+    else:
+        counts[ids] += delta

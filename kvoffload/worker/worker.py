@@ -1,0 +1,555 @@
+"""Worker: one GPU's offload engine, composed of a host region, two direction handlers and an
+optional disk tier.
+
+Owns: the host region (alone: it is the only object that knows both directions share that memory,
+so it is the only one that may release it), the store and load handlers, the disk tier, its
+pipeline and bounce handlers, the job book they share, and the in-flight block bookkeeping that
+spans directions. Borrows: the layout (and through it the engine's tensors, which must outlive the
+worker).
+
+Every job method validates its arguments, books the job's blocks, reserves its id in the book and
+hands it to the component its direction routes to (a table, built once). Rules it enforces before
+anything is submitted (typed errors; the worker is unchanged afterwards; docs/design.md §4):
+
+* a job may not read a block that an in-flight job writes (a store reading a device block a load
+  is filling; a load reading a host record a store is filling: a record is loadable only after its
+  store completed, docs/design.md §5 rule 4);
+* a job may not write a block that an in-flight job reads or writes;
+* job ids are unique among jobs in flight or finished and not yet returned by ``poll``/``wait``.
+
+A job stays "in flight" until its result has been returned to the caller.
+
+Shutdown contract (docs/design.md §6): shut down the pipeline, the store handler, the load handler,
+the bounce handlers and the disk tier, each in its own try/except, collecting failures. If any
+failed (or a thread of theirs still runs), fall back to a device-wide synchronize bounded by the
+remaining time. Clean the region up once, but only when the device is proven idle; otherwise abandon
+it mapped and pinned (unmapping memory a DMA engine may still write is worse than a leak) and say
+so. Then raise one :class:`ShutdownError` carrying every failure — after all cleanup is done.
+``shutdown`` is idempotent; every other call after it raises :class:`ClosedError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvoffload._jobs import JobSource
+from kvoffload._validate import as_block_ids, as_job_id, as_job_ids, as_timeout, check_pairs
+from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner
+from kvoffload.disk.config import DiskCapabilities, DiskConfig, DiskRecordInfo, DiskStats
+from kvoffload.errors import (
+    ArgumentTypeError,
+    ClosedError,
+    InvalidArgumentError,
+    ShutdownError,
+    WaitTimeoutError,
+)
+from kvoffload.handler import Backend
+from kvoffload.layout import DeviceLayout
+from kvoffload.records import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    BlockIds,
+    Direction,
+    TransferResult,
+    WorkerStats,
+)
+from kvoffload.worker.assembly import (
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_SLOTS,
+    BackendName,
+    PathName,
+    WorkerOptions,
+    WorkerParts,
+    assemble,
+)
+from kvoffload.worker.booking import SIDES, Bookkeeping, Memory
+
+if TYPE_CHECKING:
+    from kvoffload.bindings.driver import CopyMethod
+
+__all__ = ["BackendName", "PathName", "Worker", "WorkerParts"]
+
+_log = logging.getLogger("kvoffload.worker")
+
+I64Array = npt.NDArray[np.int64]
+#: The directions that go through the disk pipeline (their fence is taken before booking).
+_PIPELINE_DIRECTIONS: Final = (Direction.STORE_TO_DISK, Direction.LOAD_FROM_DISK)
+#: ``(job, src, dst, stream, fence)``: hands a validated, booked, reserved job to its component.
+_Submit = Callable[[int, I64Array, I64Array, object, object], None]
+
+
+class _Stoppable(Protocol):
+    """A part the worker shuts down before it releases the region."""
+
+    def shutdown(self, timeout: float) -> None: ...
+
+    @property
+    def thread_stopped(self) -> bool: ...
+
+
+class Worker:
+    """Moves KV blocks between the engine's device cache and a host pool (see the module docstring).
+
+    Build it with ``Worker.create(layout, num_host_blocks, ...)`` (``Worker(parts)`` takes what
+    ``create`` assembled). Usable as a context manager (leaving the block calls :meth:`shutdown`).
+    """
+
+    def __init__(self, parts: WorkerParts) -> None:
+        """Take ownership of the parts :meth:`create` built (use :meth:`create`).
+
+        Raises:
+            ArgumentTypeError: ``parts`` is not a :class:`WorkerParts`.
+        """
+        if not isinstance(parts, WorkerParts):
+            raise ArgumentTypeError(
+                "a Worker is built with Worker.create(layout, num_host_blocks, ...), not "
+                f"Worker({type(parts).__name__})"
+            )
+        self.layout = parts.layout
+        self.backend = parts.backend_name
+        self.capabilities = parts.capabilities
+        self.num_host_blocks = parts.num_host_blocks
+        self._region = parts.region
+        self._store = parts.store_handler
+        self._load = parts.load_handler
+        self._device_sync = parts.device_sync
+        self._tier = parts.tier
+        self._pipeline = parts.pipeline
+        self._jobs = parts.book
+        self._lock = threading.Lock()
+        self._sizes = {Memory.DEVICE: parts.layout.num_blocks, Memory.HOST: parts.num_host_blocks}
+        if parts.tier is not None:
+            self._sizes[Memory.DISK] = parts.tier.num_blocks
+        self._book = Bookkeeping(self._sizes)
+        self._routes = self._route_table()
+        # What shutdown stops, in order: the pipeline (a client of the bounce handlers), the store
+        # and load handlers, the bounce handlers, the disk tier (its threads may read into host
+        # records); the region comes after all of them.
+        self._stop_order: list[tuple[str, _Stoppable]] = []
+        if parts.pipeline is not None:
+            self._stop_order.append(("disk pipeline", parts.pipeline))
+        self._stop_order += [("store handler", self._store), ("load handler", self._load)]
+        if parts.bounce is not None:
+            self._stop_order += [("bounce store handler", parts.bounce[0]),
+                                 ("bounce load handler", parts.bounce[1])]
+        if parts.tier is not None:
+            self._stop_order.append(("disk tier", parts.tier))
+        self._closed = False
+
+    def _route_table(self) -> dict[Direction, tuple[JobSource, _Submit]]:
+        """Where each direction's jobs go: the component that completes them and its submit call."""
+        store, load = self._store, self._load
+        routes: dict[Direction, tuple[JobSource, _Submit]] = {
+            Direction.STORE: (store, lambda j, s, d, stream, _f: store.submit_validated(j, s, d, stream=stream)),
+            Direction.LOAD: (load, lambda j, s, d, stream, _f: load.submit_validated(j, s, d, stream=stream)),
+        }
+        tier, pipeline = self._tier, self._pipeline
+        if tier is not None and pipeline is not None:
+            routes[Direction.DEMOTE] = (tier, lambda j, s, d, _s, _f: tier.write_validated(j, s, d))
+            routes[Direction.PROMOTE] = (tier, lambda j, s, d, _s, _f: tier.read_validated(j, s, d))
+            routes[Direction.STORE_TO_DISK] = (
+                pipeline, lambda j, s, d, _s, fence: pipeline.submit(j, Direction.STORE_TO_DISK, s, d, fence))
+            routes[Direction.LOAD_FROM_DISK] = (
+                pipeline, lambda j, s, d, _s, fence: pipeline.submit(j, Direction.LOAD_FROM_DISK, d, s, fence))
+        return routes
+
+    # ---------------------------------------------------------------------------------- creation
+
+    @classmethod
+    def create(
+        cls,
+        layout: DeviceLayout,
+        num_host_blocks: int,
+        *,
+        device: torch.device | str | None = None,
+        backend: BackendName = "auto",
+        shared_name: str | None = None,
+        copy_method: CopyMethod | str | None = None,
+        pin_chunk_bytes: int = PIN_CHUNK_BYTES,
+        path: PathName = "auto",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
+        kernel_ctas: int | None = None,
+        calibration_path: str | None = None,
+        disk: DiskConfig | None = None,
+        bounce_slots: int | None = None,
+        check_memory: bool = True,
+        backend_factory: Callable[[Direction], Backend] | None = None,
+        pinner: HostPinner | None = None,
+    ) -> Worker:
+        """Build the region and both handlers; on any failure everything built so far is released.
+
+        Args:
+            layout: the engine's device cache, from :meth:`DeviceLayout.from_tensors`.
+            num_host_blocks: host records in the pool (each ``layout.record_bytes`` bytes).
+            device: the device the layout must be on (checked; None accepts the layout's).
+            backend: ``"cuda"`` (CUDA tensors, copies by DMA), ``"host"`` (CPU tensors, copies on a
+                thread), or ``"auto"``: cuda when the layout's tensors are on a CUDA device, host when
+                they are CPU tensors.
+            shared_name: None for an anonymous pool, else the pool is ``/dev/shm/<shared_name>``
+                (unlinked as soon as it is mapped).
+            copy_method: cuda backend only: ``"batch-ctypes"`` (default where the driver has batch
+                memcpy), ``"batch-bindings"`` or ``"per-copy"``.
+            pin_chunk_bytes: largest single host registration (rounded down to whole records).
+            path: cuda backend only: how pages move. ``"dma"``: one batched DMA descriptor per page
+                run. ``"staged"``: a copy kernel gathers pages into a device staging ring and the DMA
+                engine moves whole records (link speed at any page size, little compute cost).
+                ``"sm"``: the copy kernel reads and writes host memory directly (costs SMs).
+                ``"auto"``: per job, the path a calibration measured once per process (for this
+                device and page geometry) to be fastest for the job's direction and size; dma when a
+                record does not fit a staging slot.
+            staging_bytes: device memory of the staged path's rings, both directions together.
+            staging_slots: slots per ring (at least 2, so that kernel and DMA overlap).
+            kernel_ctas: CTAs of the copy kernel (default: every SM for staged, 8 for sm).
+            calibration_path: a JSON file where the auto path's calibration is kept across
+                processes (read when it has this device's and geometry's entry, written otherwise).
+            disk: a disk tier below the host pool (:class:`~kvoffload.DiskConfig`); enables
+                :meth:`demote`, :meth:`promote`, :meth:`store_to_disk` and :meth:`load_from_disk`.
+            bounce_slots: pinned records (beyond ``num_host_blocks``) that carry device <-> disk
+                jobs; at least 2 (two halves used in turn). Default: about 64 MiB of records (at
+                least 4, at most 256).
+            check_memory: refuse a pool larger than the memory the machine can give (MemAvailable
+                and the cgroup limit) before mapping anything; pass False only where the kernel
+                under-reports it (a VM whose memory grows as it is used).
+            backend_factory: ``direction -> backend``: builds each direction's backend in place of
+                the host or CUDA one (tests, and integrators bringing their own copy engine; see
+                ``kvoffload.testing.FakeBackend`` for what a backend does).
+            pinner: registers the pool with the device in place of the CUDA pinner (tests).
+
+        Raises:
+            ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
+            InvalidArgumentError: a bad size, backend name, copy method or shared name.
+            DeviceMismatchError: ``device`` is not the layout's device, or the backend does not fit
+                the layout's device.
+            RegionError: the pool does not fit the memory available (the message gives the numbers),
+                or could not be mapped (nothing is left behind).
+            CudaError: the pool could not be pinned (nothing is left behind).
+            DiskError: the disk tier could not be opened (a file that is not a tier, another
+                fingerprint, a path that cannot be used; nothing is left behind).
+        """
+        options = WorkerOptions(
+            device=device, backend=backend, shared_name=shared_name, copy_method=copy_method,
+            pin_chunk_bytes=pin_chunk_bytes, path=path, staging_bytes=staging_bytes,
+            staging_slots=staging_slots, kernel_ctas=kernel_ctas, calibration_path=calibration_path,
+            disk=disk, bounce_slots=bounce_slots, check_memory=check_memory,
+            backend_factory=backend_factory, pinner=pinner,
+        )
+        return cls(assemble(layout, num_host_blocks, options))
+
+    # ------------------------------------------------------------------------------------- jobs
+
+    def store(
+        self, job_id: int, device_blocks: BlockIds, host_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy ``device_blocks[i]`` into host record ``host_blocks[i]``, after queued compute.
+
+        The copy waits for every kernel queued on ``stream`` (default: the device's current stream)
+        before this call, and reads the source in stream order, so it never copies a block the
+        compute stream has not finished writing. The device blocks must not be overwritten until the
+        job's result came back. The result comes from :meth:`poll` or :meth:`wait`.
+
+        Raises (before anything is submitted; the worker is unchanged):
+            ClosedError: after shutdown.
+            JobIdError: a non-int job id, or one in flight or not yet returned.
+            BlockIdTypeError, InvalidBlockIdError: non-integer, negative or out-of-range ids,
+                unequal lengths, a host block twice.
+            BlockConflictError: a device block an in-flight load writes, or a host block an in-flight
+                job reads or writes.
+            DeviceMismatchError: a stream of another device (any stream on the host backend).
+        """
+        self._submit(Direction.STORE, job_id, device_blocks, host_blocks, stream,
+                     "device_blocks", "host_blocks")
+
+    def load(
+        self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy host record ``host_blocks[i]`` into ``device_blocks[i]``, after queued compute.
+
+        The copy waits for every kernel queued on ``stream`` before this call, so it never
+        overwrites a block that queued compute still reads. The device blocks hold undefined bytes
+        until the job's result came back with ``ok=True``.
+
+        Raises (before anything is submitted; the worker is unchanged): as :meth:`store`, with the
+        conflict rules mirrored (a host record an in-flight store writes; a device block an in-flight
+        job reads or writes; a device block twice).
+        """
+        self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
+                     "host_blocks", "device_blocks")
+
+    def demote(self, job_id: int, host_blocks: BlockIds, disk_blocks: BlockIds) -> None:
+        """Write host records ``host_blocks[i]`` to disk records ``disk_blocks[i]`` (checksummed).
+
+        The host records must not be changed until the result came back; on ``ok`` the disk records
+        are valid (and survive a restart with ``DiskConfig(reuse=True)``).
+
+        Raises (before anything is submitted; the worker is unchanged): ``ClosedError``,
+        ``InvalidArgumentError`` without a disk tier, and the id and conflict errors of :meth:`store`
+        (a host record an in-flight job writes; a disk record an in-flight job reads or writes).
+        """
+        self._submit(Direction.DEMOTE, job_id, host_blocks, disk_blocks, None,
+                     "host_blocks", "disk_blocks")
+
+    def promote(self, job_id: int, disk_blocks: BlockIds, host_blocks: BlockIds) -> None:
+        """Read disk records ``disk_blocks[i]`` into host records ``host_blocks[i]``, verifying each.
+
+        A record that fails its check (checksum, generation, I/O error) fails the job; its host
+        record is zero-filled, never given another block's bytes.
+
+        Raises: as :meth:`demote`, mirrored.
+        """
+        self._submit(Direction.PROMOTE, job_id, disk_blocks, host_blocks, None,
+                     "disk_blocks", "host_blocks")
+
+    def store_to_disk(
+        self, job_id: int, device_blocks: BlockIds, disk_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy device blocks to disk records through the bounce slots, after queued compute.
+
+        Ordered like :meth:`store` (after the work queued on ``stream`` before this call). The
+        result comes back once every disk write finished.
+
+        Raises: as :meth:`store`, with disk blocks in place of host blocks.
+        """
+        self._submit(Direction.STORE_TO_DISK, job_id, device_blocks, disk_blocks, stream,
+                     "device_blocks", "disk_blocks")
+
+    def load_from_disk(
+        self, job_id: int, disk_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+    ) -> None:
+        """Copy disk records to device blocks through the bounce slots, after queued compute.
+
+        Ordered like :meth:`load`. The result comes back only when no copy of the job still uses a
+        bounce slot. A record that fails its check is not copied: its device block keeps its previous
+        contents and the job is ``ok=False``.
+
+        Raises: as :meth:`load`, with disk blocks in place of host blocks.
+        """
+        self._submit(Direction.LOAD_FROM_DISK, job_id, disk_blocks, device_blocks, stream,
+                     "disk_blocks", "device_blocks")
+
+    def _submit(
+        self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
+        stream: object, src_name: str, dst_name: str,
+    ) -> None:
+        self._check_open()
+        route = self._routes.get(direction)
+        if route is None:
+            raise InvalidArgumentError(
+                f"{direction.value} needs a disk tier: create the worker with disk=DiskConfig(...)"
+            )
+        source, submit = route
+        job = as_job_id(job_id)
+        from_memory, to_memory = SIDES[direction]
+        src = as_block_ids(src_name, src_blocks, self._sizes[from_memory])
+        dst = as_block_ids(dst_name, dst_blocks, self._sizes[to_memory])
+        check_pairs(src, dst, src_name, dst_name)
+        fence: object = None
+        if self._pipeline is not None and direction in _PIPELINE_DIRECTIONS:
+            fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError
+        try:
+            with self._lock:
+                self._book.check(job, direction, src, dst, src_name, dst_name)
+                self._jobs.reserve(job, source)
+                self._book.add(job, direction, src, dst)
+        except BaseException:
+            if fence is not None:
+                self._pipeline.release_fence(direction, fence)  # type: ignore[union-attr]
+            raise
+        try:
+            submit(job, src, dst, stream, fence)
+        except BaseException:
+            with self._lock:
+                self._book.remove(job)
+                self._jobs.forget(job)
+            raise
+
+    def poll(self) -> list[TransferResult]:
+        """Every job finished since the last call, oldest completion first; never blocks.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        results = self._jobs.poll()
+        self._release(results)
+        return results
+
+    def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
+        """Wait until the given jobs finished (any direction); return their results in order.
+
+        Other jobs' results stay for :meth:`poll`. Waiting for a job also waits for the earlier jobs
+        of its direction.
+
+        Raises:
+            ClosedError: after shutdown.
+            JobIdError, InvalidArgumentError: malformed ids or timeout (before waiting).
+            UnknownJobError: an id neither in flight nor finished-and-unreturned, or one another
+                thread's ``poll``/``wait`` returned meanwhile (the other jobs stay available).
+            WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
+                in flight, and every finished one stays available.
+        """
+        self._check_open()
+        ids = as_job_ids(job_ids)
+        seconds = as_timeout(timeout)
+        results = self._jobs.wait(ids, time.monotonic() + seconds, seconds)
+        self._release(results)
+        return results
+
+    def _release(self, results: list[TransferResult]) -> None:
+        """The returned jobs leave the bookkeeping: their blocks are free for later jobs."""
+        if results:
+            with self._lock:
+                for result in results:
+                    self._book.remove(result.job_id)
+
+    # --------------------------------------------------------------------------------- inspection
+
+    def disk_valid_blocks(self) -> dict[int, DiskRecordInfo]:
+        """The disk records that hold verified data (the warm-restart index), by disk block.
+
+        Raises:
+            ClosedError: after shutdown.
+            InvalidArgumentError: the worker has no disk tier.
+        """
+        self._check_open()
+        if self._tier is None:
+            raise InvalidArgumentError("the worker has no disk tier")
+        return self._tier.valid_blocks()
+
+    def disk_stats(self) -> DiskStats | None:
+        """The disk tier's counters (jobs, bytes, each failure kind), or None without a tier."""
+        return self._tier.stats() if self._tier is not None else None
+
+    def disk_capabilities(self) -> DiskCapabilities | None:
+        """How the disk tier was opened (direct or buffered I/O and why, geometry, warm restart),
+        or None without a tier."""
+        return self._tier.capabilities() if self._tier is not None else None
+
+    def host_records(self) -> torch.Tensor:
+        """The host pool as ``uint8 [num_host_blocks, record_bytes]`` (a view: for inspection and
+        tests; exactly the records ``host_blocks`` ids address, never the disk tier's bounce slots).
+        Do not keep it past :meth:`shutdown`: a view still referenced then defers the unmap and
+        triggers a ``ResourceWarning``.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        return self._region.records()[: self.num_host_blocks]  # never the disk tier's bounce slots
+
+    def stats(self) -> WorkerStats:
+        """A snapshot of the configuration and of both directions' counters."""
+        return WorkerStats(
+            backend=self.backend,
+            path=self._store.path,
+            num_device_blocks=self.layout.num_blocks,
+            num_host_blocks=self.num_host_blocks,
+            record_bytes=self.layout.record_bytes,
+            store=self._store.stats(),
+            load=self._load.stats(),
+        )
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` was called."""
+        return self._closed
+
+    def shutdown(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        """Drain both directions and release everything, with the contract of the module docstring.
+
+        Idempotent. Returns within about ``timeout`` seconds whatever the device does.
+
+        Raises:
+            InvalidArgumentError: a malformed timeout (nothing is done then).
+            ShutdownError: after all cleanup, carrying every failure; ``region_left_mapped`` when the
+                region was abandoned because the device could not be proven idle.
+        """
+        seconds = as_timeout(timeout)
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + seconds
+        failures: list[BaseException] = []
+        failed = False
+        for name, part in self._stop_order:
+            try:
+                part.shutdown(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                _log.error("%s shutdown failed: %s", name, exc)
+                failures.append(exc)
+                failed = True
+        idle = True
+        if failed or not self._threads_stopped():
+            idle = self._fallback_sync(deadline, failures) and self._threads_stopped()
+        left_mapped = False
+        if idle:
+            try:
+                self._region.cleanup()
+            except ShutdownError as exc:
+                failures.extend(exc.failures)
+                left_mapped = exc.region_left_mapped
+            except Exception as exc:
+                failures.append(exc)
+        else:
+            self._region.abandon()
+            left_mapped = True
+        self._jobs.clear()
+        with self._lock:
+            self._book = Bookkeeping({})
+        if failures or left_mapped:
+            raise ShutdownError("worker shutdown failed", failures, region_left_mapped=left_mapped)
+
+    def _threads_stopped(self) -> bool:
+        return all(part.thread_stopped for _, part in self._stop_order)
+
+    def _fallback_sync(self, deadline: float, failures: list[BaseException]) -> bool:
+        """Device-wide synchronize bounded by the deadline; True only if the device proved idle."""
+        try:
+            synced = self._device_sync(max(0.0, deadline - time.monotonic()))
+        except Exception as exc:
+            _log.error("fallback device synchronize failed: %s", exc)
+            failures.append(exc)
+            return False
+        if not synced:
+            failures.append(WaitTimeoutError("the fallback device synchronize did not finish in time"))
+        return synced
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the worker was shut down")
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.shutdown()
+            return
+        try:
+            self.shutdown()
+        except ShutdownError as shutdown_error:  # the body's exception is the one to see
+            _log.error("shutdown after an exception also failed: %s", shutdown_error)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(
+                "Worker was never shut down; call shutdown() or use it as a context manager",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+
