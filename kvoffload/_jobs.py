@@ -23,14 +23,68 @@ source while holding its own lock (sources call :meth:`finish` under theirs).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
-from kvoffload.errors import JobIdError, UnknownJobError, WaitTimeoutError
+import numpy as np
+
+from kvoffload.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    JobIdError,
+    UnknownJobError,
+    WaitTimeoutError,
+)
 from kvoffload.records import TransferResult
 
-__all__ = ["FailedTicket", "JobBook", "JobSource"]
+__all__ = ["FailedTicket", "JobBook", "JobSource", "as_job_id", "as_job_ids", "as_timeout"]
+
+
+def as_job_id(job_id: object) -> int:
+    """Check that a job id is an ``int`` (not a bool) and return it.
+
+    Raises:
+        JobIdError: any other type.
+    """
+    if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
+        raise JobIdError(f"job_id must be an int, got {type(job_id).__name__} {job_id!r}")
+    return int(job_id)
+
+
+def as_job_ids(job_ids: Iterable[object]) -> list[int]:
+    """Check a collection of job ids (each as :func:`as_job_id`); duplicates are refused.
+
+    Raises:
+        JobIdError: a non-int id, a duplicate, or ``job_ids`` not iterable.
+    """
+    if type(job_ids) is list and all(type(j) is int for j in job_ids):  # the common call
+        ids: list[int] = list(job_ids)
+    elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+        raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}")
+    else:
+        ids = [as_job_id(j) for j in job_ids]
+    if len(set(ids)) != len(ids):
+        dup = next(j for j in ids if ids.count(j) > 1)
+        raise JobIdError(f"job_ids lists job {dup} more than once")
+    return ids
+
+
+def as_timeout(timeout: object, name: str = "timeout") -> float:
+    """Check a timeout in seconds: a finite, non-negative real number.
+
+    Raises:
+        InvalidArgumentError: negative, NaN or infinite (every wait has a deadline).
+        ArgumentTypeError: not a number (also a ``TypeError``).
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
+    value = float(timeout)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(f"{name} = {timeout!r} must be finite and >= 0 seconds")
+    return value
 
 
 class JobSource(Protocol):
@@ -114,7 +168,19 @@ class JobBook:
             self._done.clear()
         return results
 
-    def wait(self, ids: list[int], deadline: float, timeout: float) -> list[TransferResult]:
+    def wait(self, job_ids: Iterable[object], timeout: object) -> list[TransferResult]:
+        """Wait until the jobs ``job_ids`` finished, for at most ``timeout`` seconds; return their
+        results in the order asked. Other jobs' results stay for the next ``poll``.
+
+        Raises:
+            JobIdError, InvalidArgumentError: malformed ids or timeout (before waiting).
+            UnknownJobError, WaitTimeoutError: as :meth:`wait_until`.
+        """
+        ids = as_job_ids(job_ids)
+        seconds = as_timeout(timeout)
+        return self.wait_until(ids, time.monotonic() + seconds, seconds)
+
+    def wait_until(self, ids: list[int], deadline: float, timeout: float) -> list[TransferResult]:
         """Wait until the jobs ``ids`` (distinct ints, validated by the caller) finished, until the
         ``time.monotonic()`` ``deadline``; return their results in the order asked. ``timeout`` is
         only named in the error. Other jobs' results stay for the next ``poll``.

@@ -1,81 +1,25 @@
-"""Argument checks shared by every job front (the worker, the handler, the disk tier): job ids, block
-ids, timeouts and id pairs. Each raises a typed error whose message names the argument, the value and
+"""Argument checks shared by every job front (the worker, the handler, the disk tier): block ids and
+id pairs (job ids and timeouts are checked by the job book, :mod:`kvoffload._jobs`). Each raises a typed error whose message names the argument, the value and
 the rule, before anything is submitted.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.errors import (
-    ArgumentTypeError,
-    BlockIdTypeError,
-    InvalidArgumentError,
-    InvalidBlockIdError,
-    JobIdError,
-)
+from kvoffload.errors import BlockIdTypeError, InvalidBlockIdError
 
 __all__ = [
     "as_block_ids",
-    "as_job_id",
-    "as_job_ids",
-    "as_timeout",
     "check_pairs",
     "find_duplicate",
 ]
 
 I64Array = npt.NDArray[np.int64]
-
-
-def as_job_id(job_id: object) -> int:
-    """Check that a job id is an ``int`` (not a bool) and return it.
-
-    Raises:
-        JobIdError: any other type.
-    """
-    if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
-        raise JobIdError(f"job_id must be an int, got {type(job_id).__name__} {job_id!r}")
-    return int(job_id)
-
-
-def as_job_ids(job_ids: Iterable[object]) -> list[int]:
-    """Check a collection of job ids (each as :func:`as_job_id`); duplicates are refused.
-
-    Raises:
-        JobIdError: a non-int id, a duplicate, or ``job_ids`` not iterable.
-    """
-    if type(job_ids) is list and all(type(j) is int for j in job_ids):  # the common call
-        ids: list[int] = list(job_ids)
-    elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
-        raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}")
-    else:
-        ids = [as_job_id(j) for j in job_ids]
-    if len(set(ids)) != len(ids):
-        dup = next(j for j in ids if ids.count(j) > 1)
-        raise JobIdError(f"job_ids lists job {dup} more than once")
-    return ids
-
-
-def as_timeout(timeout: object, name: str = "timeout") -> float:
-    """Check a timeout in seconds: a finite, non-negative real number.
-
-    Raises:
-        InvalidArgumentError: negative, NaN or infinite (every wait has a deadline).
-        ArgumentTypeError: not a number (also a ``TypeError``).
-    """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
-    value = float(timeout)
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgumentError(f"{name} = {timeout!r} must be finite and >= 0 seconds")
-    return value
-
-
 #: Lists of at most this many ids are checked one by one (numpy's fixed cost is larger there).
 _SHORT_IDS: Final = 16
 

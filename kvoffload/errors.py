@@ -8,7 +8,8 @@ Every error the library raises on purpose derives from :class:`KVOffloadError`. 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 __all__ = [
     "ArgumentTypeError",
@@ -31,6 +32,7 @@ __all__ = [
     "KeyStateError",
     "KeyTypeError",
     "LayoutError",
+    "MissingDependencyError",
     "PolicyError",
     "RegionError",
     "ShutdownError",
@@ -85,6 +87,11 @@ class LayoutError(KVOffloadError, ValueError):
     that is not contiguous, a misaligned page, zero blocks, a block dim out of range, overlapping
     tensors).
     """
+
+
+class MissingDependencyError(KVOffloadError, ImportError):
+    """Raised when a feature needs an optional dependency that is not installed; the message names
+    the extra to install (``pip install 'kvoffload[cuda]'`` for the GPU paths)."""
 
 
 class RegionError(KVOffloadError):
@@ -287,3 +294,19 @@ class DiskShutdownError(ShutdownError):
                 "use it and the host records)"
             )
         super().__init__(message, failures)
+
+
+def warn_on_del(released_flag: str, message: str) -> Callable[[object], None]:
+    """A ``__del__`` for an owner: a ``ResourceWarning`` when ``owner.<released_flag>`` is False (it
+    was never closed). It releases nothing (no cleanup runs in a finalizer) and says nothing while
+    the interpreter shuts down (the warning function is bound here, not looked up then)."""
+    warn = warnings.warn
+
+    def __del__(owner: object) -> None:
+        try:
+            if not getattr(owner, released_flag, True):
+                warn(message, ResourceWarning, stacklevel=2)
+        except Exception:  # interpreter shutdown: the warnings machinery may already be gone
+            pass
+
+    return __del__

@@ -42,8 +42,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload._descriptors import CopyPlan
-from kvoffload._jobs import FailedTicket, JobBook
-from kvoffload._validate import as_block_ids, as_job_id, as_job_ids, as_timeout, check_pairs
+from kvoffload._jobs import FailedTicket, JobBook, as_job_id, as_timeout
+from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.errors import (
     ClosedError,
     DeviceMismatchError,
@@ -428,9 +428,7 @@ class DirectionHandler:
                 in flight (the finished ones stay available too).
         """
         self._check_open()
-        ids = as_job_ids(job_ids)
-        seconds = as_timeout(timeout)
-        return self._book.wait(ids, time.monotonic() + seconds, seconds)
+        return self._book.wait(job_ids, timeout)
 
     def advance(self) -> None:
         """Publish the results of the jobs that finished (the book's call); never blocks."""

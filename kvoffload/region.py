@@ -39,7 +39,7 @@ from typing import Final
 import torch
 
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
-from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError
+from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError, warn_on_del
 
 __all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "host_memory_available"]
 
@@ -344,14 +344,11 @@ class RegionOwner:
             except OSError as exc:
                 failures.append(exc)
 
-    def __del__(self) -> None:
-        if not getattr(self, "_released", True):
-            warnings.warn(
-                "RegionOwner was never cleaned up; call cleanup() (its memory stays pinned until the "
-                "process exits)",
-                ResourceWarning,
-                stacklevel=2,
-            )
+    __del__ = warn_on_del(
+        "_released",
+        "RegionOwner was never cleaned up; call cleanup() (its memory stays pinned until "
+        "the process exits)"
+    )
 
 
 #: Where the kernel reports the memory it can give, and the cgroup (v2, then v1) limits.

@@ -481,6 +481,9 @@ class CudaBackend:
         self._destroy()
 
     def _destroy(self) -> None:
+        # The paths' torch buffers go first, while their streams still exist: torch's allocator
+        # may act on a block's streams when the block is freed (a freed buffer that outlived its
+        # stream crashed the process when the streams were destroyed first).
         for path in self.paths.values():
-            path.release()  # torch frees device buffers once the streams' work on them finished
+            path.release()
         self.streams.destroy()

@@ -131,7 +131,8 @@ class SmPath:
         return streams.kernel
 
     def release(self) -> None:
-        """Nothing of its own to drop (the tables belong to the backend's composition)."""
+        """Drop the segment tables it shares (idempotent: the staged path may drop them too)."""
+        self.tables.release()
 
 
 class StagedPath:
@@ -259,9 +260,10 @@ class StagedPath:
         self._drained[chunk.slot].record(kstream)
 
     def release(self) -> None:
-        """Drop the ring (torch frees it once both streams finished their work on it) and give the
-        slot events back. A second call does nothing."""
+        """Drop the ring (torch frees it once both streams finished their work on it) and the segment
+        tables, and give the slot events back. A second call does nothing."""
         self._staging = None
+        self.tables.release()
         events, self._filled, self._drained = self._filled + self._drained, [], []
         for event in events:
             event.release()

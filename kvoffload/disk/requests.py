@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload._validate import as_timeout
+from kvoffload._jobs import as_timeout
 from kvoffload.disk.config import DiskErrorKind
 from kvoffload.records import Direction
 

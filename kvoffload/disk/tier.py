@@ -56,7 +56,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Final, cast
 
@@ -65,8 +64,8 @@ import numpy.typing as npt
 import torch
 from typing_extensions import Buffer
 
-from kvoffload._jobs import JobBook
-from kvoffload._validate import as_block_ids, as_job_id, as_job_ids, as_timeout, check_pairs
+from kvoffload._jobs import JobBook, as_job_id, as_timeout
+from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.disk.config import (
     KIND_FIELDS,
     PAGE_BYTES,
@@ -102,6 +101,7 @@ from kvoffload.errors import (
     DiskShutdownError,
     InvalidArgumentError,
     WaitTimeoutError,
+    warn_on_del,
 )
 from kvoffload.records import DEFAULT_SHUTDOWN_TIMEOUT_S, BlockIds, Direction, TransferResult
 
@@ -564,9 +564,7 @@ class DiskTier:
                 in flight (the finished ones stay available too).
         """
         self._check_open()
-        ids = as_job_ids(job_ids)
-        seconds = as_timeout(timeout)
-        return self._book.wait(ids, time.monotonic() + seconds, seconds)
+        return self._book.wait(job_ids, timeout)
 
     # ---------------------------------------------------------------------------------- shutdown
 
@@ -642,14 +640,11 @@ class DiskTier:
         self._host = None
         self._records = None
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(
-                "DiskTier was never shut down; call shutdown() (its file stays open and its threads "
-                "idle until the process exits)",
-                ResourceWarning,
-                stacklevel=2,
-            )
+    __del__ = warn_on_del(
+        "_closed",
+        "DiskTier was never shut down; call shutdown() (its file stays open and its threads "
+        "idle until the process exits)"
+    )
 
 
 def _host_view(records: object, record_bytes: int) -> U8Array:

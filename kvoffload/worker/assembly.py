@@ -33,7 +33,12 @@ from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, NoPinner
 from kvoffload.disk.config import DiskConfig
 from kvoffload.worker.pipeline import DiskPipeline
 from kvoffload.disk.tier import DiskTier
-from kvoffload.errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
+from kvoffload.errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    InvalidArgumentError,
+    MissingDependencyError,
+)
 from kvoffload.handler import Backend, DirectionHandler
 from kvoffload.layout import RECORD_ALIGN_BYTES, DeviceLayout
 from kvoffload.records import Direction
@@ -279,8 +284,14 @@ class _Cuda:
 def _cuda_parts(layout: DeviceLayout, copy_method: object) -> _Cuda:
     """The driver's capabilities, the copier, the pinner and the device-wide sync (the only place
     the assembly touches the driver layer, so a host-only worker never imports cuda-python)."""
-    from kvoffload.bindings import driver
-    from kvoffload.bindings.copier import Copier
+    try:
+        from kvoffload.bindings import driver
+        from kvoffload.bindings.copier import Copier
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"the cuda backend needs cuda-python ({exc}); install it with pip install "
+            "'kvoffload[cuda]' (or pass CPU tensors for the host backend)"
+        ) from exc
 
     method = _copy_method(copy_method, driver.CopyMethod)
     index = _index(layout.device)

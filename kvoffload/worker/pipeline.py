@@ -35,8 +35,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload._jobs import JobBook
-from kvoffload._validate import as_timeout
+from kvoffload._jobs import JobBook, as_timeout
 from kvoffload.disk.requests import DiskIO
 from kvoffload.disk.tier import DiskTier
 from kvoffload.errors import ClosedError, ShutdownError, TransferError, WaitTimeoutError

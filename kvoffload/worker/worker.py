@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Protocol
@@ -42,8 +41,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvoffload._jobs import JobSource
-from kvoffload._validate import as_block_ids, as_job_id, as_job_ids, as_timeout, check_pairs
+from kvoffload._jobs import JobSource, as_job_id, as_timeout
+from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner
 from kvoffload.disk.config import DiskCapabilities, DiskConfig, DiskRecordInfo, DiskStats
 from kvoffload.errors import (
@@ -52,6 +51,7 @@ from kvoffload.errors import (
     InvalidArgumentError,
     ShutdownError,
     WaitTimeoutError,
+    warn_on_del,
 )
 from kvoffload.handler import Backend
 from kvoffload.layout import DeviceLayout
@@ -398,9 +398,7 @@ class Worker:
                 in flight, and every finished one stays available.
         """
         self._check_open()
-        ids = as_job_ids(job_ids)
-        seconds = as_timeout(timeout)
-        results = self._jobs.wait(ids, time.monotonic() + seconds, seconds)
+        results = self._jobs.wait(job_ids, timeout)
         self._release(results)
         return results
 
@@ -544,12 +542,9 @@ class Worker:
         except ShutdownError as shutdown_error:  # the body's exception is the one to see
             _log.error("shutdown after an exception also failed: %s", shutdown_error)
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(
-                "Worker was never shut down; call shutdown() or use it as a context manager",
-                ResourceWarning,
-                stacklevel=2,
-            )
+    __del__ = warn_on_del(
+        "_closed",
+        "Worker was never shut down; call shutdown() or use it as a context manager"
+    )
 
 

@@ -246,6 +246,31 @@ def test_a_host_worker_runs_without_cuda_python() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_cuda_worker_without_cuda_python_names_the_extra_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'cuda' or name.startswith('cuda.'):\n"
+        "            raise ImportError('No module named cuda')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, kvoffload\n"
+        "from kvoffload.worker.assembly import _cuda_parts\n"
+        "layout = kvoffload.DeviceLayout.from_tensors({'kv': torch.zeros(2, 8, 64)}, 1)\n"
+        "try:\n"
+        "    _cuda_parts(layout, None)\n"
+        "except kvoffload.MissingDependencyError as exc:\n"
+        "    assert \"kvoffload[cuda]\" in str(exc) and isinstance(exc, ImportError), exc\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_every_public_name_resolves() -> None:
     import kvoffload
 

@@ -227,3 +227,36 @@ def test_bookkeeping_is_dropped_at_shutdown() -> None:
     worker._book.add(3, Direction.STORE, np.array([1]), np.array([2]))
     worker.shutdown(timeout=5.0)
     assert worker._book.jobs == {}
+
+
+def test_a_worker_never_shut_down_warns_when_collected_and_releases_nothing() -> None:
+    import gc
+
+    import torch
+
+    from kvoffload import DeviceLayout
+
+    layout = DeviceLayout.from_tensors({"kv": torch.zeros(2, 8, 4, 64, dtype=torch.bfloat16)}, 1)
+    w = Worker.create(layout, 4)
+    region = w._region
+    try:
+        with pytest.warns(ResourceWarning, match="Worker was never shut down"):
+            w.__del__()
+        assert not region.released  # a finalizer never releases: the owner's shutdown does
+    finally:
+        w.shutdown()
+    gc.collect()
+
+
+def test_an_unclosed_worker_at_interpreter_exit_prints_no_traceback() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, kvoffload\n"
+        "t = {'kv': torch.zeros(2, 8, 4, 64, dtype=torch.bfloat16)}\n"
+        "w = kvoffload.Worker.create(kvoffload.DeviceLayout.from_tensors(t, 1), 4)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
