@@ -173,3 +173,18 @@ def test_integrations_use_only_the_public_surface(path: pathlib.Path) -> None:
 def test_the_core_never_imports_an_integration(path: pathlib.Path) -> None:
     bad = {m for m in _imports(path) if m.startswith("kvoffload.integrations") or m == "vllm"}
     assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_readme_kv_transfer_config_is_valid_json_the_adapter_accepts() -> None:
+    import json
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    section = readme.split("## Use with vLLM", 1)[1]
+    block = re.search(r"```json\n(.*?)```", section, re.S)
+    assert block is not None, "the vLLM section has no json block"
+    config = json.loads(block.group(1))
+    assert config["kv_connector"] == "OffloadingConnector"
+    extra = config["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"]) == ("KVOffloadSpec", "kvoffload.integrations.vllm")
+    AdapterOptions.from_extra_config(extra)

@@ -123,8 +123,10 @@ class EngineRunner:
         spec_module_path: str = SPEC_MODULE,
         extra_config: dict[str, Any] | None = None,
         kv_events: bool = True,
+        device: str = "cpu",
     ) -> None:
         self.block_size = block_size
+        self.device = torch.device(device)
         self.num_gpu_blocks = num_gpu_blocks
         config_extra: dict[str, Any] = {
             "spec_name": spec_name,
@@ -138,6 +140,7 @@ class EngineRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             extra_config=config_extra,
             kv_events=kv_events,
+            device=self.device.type,
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
@@ -171,7 +174,9 @@ class EngineRunner:
             )
             #: The device KV cache: one tensor per layer, blocks first, a token's KV per row.
             self.kv: dict[str, torch.Tensor] = {
-                name: torch.zeros(num_gpu_blocks, block_size, TOKEN_BYTES, dtype=torch.int8)
+                name: torch.zeros(
+                    num_gpu_blocks, block_size, TOKEN_BYTES, dtype=torch.int8, device=self.device
+                )
                 for name in layer_names
             }
             self.worker_connector.register_kv_caches(self.kv)
@@ -324,24 +329,42 @@ class EngineRunner:
             self._digests[req_id] = known
         return known
 
+    def _positions(self, blocks: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (GPU block, slot) index tensors of token positions ``start .. end - 1``."""
+        positions = torch.arange(start, end)
+        table = torch.as_tensor(blocks, dtype=torch.long)
+        return (
+            table[positions // self.block_size].to(self.device),
+            (positions % self.block_size).to(self.device),
+        )
+
+    def _expected(self, layer: int, digests: list[bytes], start: int, end: int) -> torch.Tensor:
+        rows = b"".join(token_kv(layer, digests[p]) for p in range(start, end))
+        return torch.frombuffer(bytearray(rows), dtype=torch.int8).reshape(end - start, TOKEN_BYTES)
+
     def _verify(self, req_id: str, blocks: list[int], digests: list[bytes], end: int) -> int:
-        for position in range(end):
-            block, slot = blocks[position // self.block_size], position % self.block_size
-            for layer, name in enumerate(self.layer_names):
-                got = self.kv[name][block, slot].numpy().tobytes()
-                if got != token_kv(layer, digests[position]):
-                    raise KVMismatch(
-                        f"{req_id}: token {position} of layer {layer} (GPU block {block}, slot "
-                        f"{slot}) does not hold its KV before the forward pass"
-                    )
+        if end == 0:
+            return 0
+        index = self._positions(blocks, 0, end)
+        for layer, name in enumerate(self.layer_names):
+            got = self.kv[name][index].cpu()
+            bad = (got != self._expected(layer, digests, 0, end)).any(dim=1).nonzero()
+            if bad.numel():
+                position = int(bad[0, 0])
+                block, slot = blocks[position // self.block_size], position % self.block_size
+                raise KVMismatch(
+                    f"{req_id}: token {position} of layer {layer} (GPU block {block}, slot "
+                    f"{slot}) does not hold its KV before the forward pass "
+                    f"({bad.numel()} of {end} tokens differ)"
+                )
         return end
 
     def _write(self, blocks: list[int], digests: list[bytes], start: int, end: int) -> None:
-        for position in range(start, end):
-            block, slot = blocks[position // self.block_size], position % self.block_size
-            for layer, name in enumerate(self.layer_names):
-                row = torch.frombuffer(bytearray(token_kv(layer, digests[position])), dtype=torch.int8)
-                self.kv[name][block, slot] = row
+        if end == start:
+            return
+        index = self._positions(blocks, start, end)
+        for layer, name in enumerate(self.layer_names):
+            self.kv[name][index] = self._expected(layer, digests, start, end).to(self.device)
 
     # ------------------------------------------------------------------------- cache state
 
@@ -373,8 +396,9 @@ def build_vllm_config(
     max_num_batched_tokens: int,
     extra_config: dict[str, Any],
     kv_events: bool,
+    device: str = "cpu",
 ) -> VllmConfig:
-    """A ``VllmConfig`` for the shipped tiny model on CPU, with the offloading connector."""
+    """A ``VllmConfig`` for the shipped tiny model, with the offloading connector."""
     model_config = ModelConfig(model=str(MODEL_DIR), dtype="float16", seed=0, skip_tokenizer_init=True)
     scheduler_config = SchedulerConfig(
         max_num_seqs=8,
@@ -397,6 +421,6 @@ def build_vllm_config(
         cache_config=cache_config,
         kv_transfer_config=transfer_config,
         kv_events_config=events_config,
-        device_config=DeviceConfig("cpu"),
+        device_config=DeviceConfig(device),
     )
     return config
