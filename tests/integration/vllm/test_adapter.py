@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -37,7 +38,8 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvoffload import ClosedError, UnknownKeyError  # noqa: E402
+import kvoffload  # noqa: E402
+from kvoffload import ClosedError, UnknownKeyError, WaitTimeoutError  # noqa: E402
 from kvoffload.integrations.vllm import (  # noqa: E402
     HostChunkSpec,
     KVOffloadManager,
@@ -47,6 +49,7 @@ from kvoffload.integrations.vllm import (  # noqa: E402
     UnsupportedVLLMFeatureError,
     UnsupportedVLLMVersionError,
     VLLMConfigError,
+    VLLMTransferError,
 )
 
 PAGE = 1024  # bytes of one block of one KV tensor
@@ -299,6 +302,48 @@ def test_shutdown_is_idempotent_and_later_calls_raise_closed(
     worker.shutdown()
     with pytest.raises(ClosedError):
         worker.get_finished()
+
+
+class StalledEngine:
+    """A real worker whose ``wait`` never sees its jobs finish (a device that stopped): it sleeps
+    out the deadline and raises as kvoffload's ``wait`` does then."""
+
+    def __init__(self, worker: kvoffload.Worker) -> None:
+        self.worker = worker
+
+    def store(self, job_id: int, device_blocks: Any, host_blocks: Any) -> None:
+        self.worker.store(job_id, device_blocks, host_blocks)
+
+    def load(self, job_id: int, host_blocks: Any, device_blocks: Any) -> None:
+        self.worker.load(job_id, host_blocks, device_blocks)
+
+    def poll(self) -> list[kvoffload.TransferResult]:
+        return []
+
+    def wait(self, job_ids: Iterable[int], timeout: float) -> list[kvoffload.TransferResult]:
+        time.sleep(timeout)
+        ids = list(job_ids)
+        raise WaitTimeoutError(f"job(s) {ids} did not finish within {timeout} s", pending=ids)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.worker.shutdown(timeout)
+
+
+def test_wait_has_a_deadline_and_names_the_late_jobs() -> None:
+    spec = KVOffloadSpec(offloading_config(wait_timeout_s=0.2))
+    layout = spec.build_layout(caches())
+    worker = KVOffloadWorker(
+        StalledEngine(kvoffload.Worker.create(layout, 8)), blocks_per_chunk=1, transfer_retries=1,
+        wait_timeout_s=0.2,
+    )
+    try:
+        worker.submit_store(41, GPULoadStoreSpec([0], group_sizes=[1], block_indices=[0]), HostChunkSpec([3]))
+        started = time.monotonic()
+        with pytest.raises(VLLMTransferError, match=r"vLLM job\(s\) \[41\] did not finish within") as info:
+            worker.wait({41})
+        assert info.value.job_id == 41 and time.monotonic() - started < 30
+    finally:
+        worker.shutdown()
 
 
 def test_spec_with_the_wrong_chunk_count_is_refused(
