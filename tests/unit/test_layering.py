@@ -70,6 +70,10 @@ LAYERS: dict[str, int] = {
     "cli.replay": 13,
     "cli.__init__": 14,
     "__main__": 15,
+    # engine adapters, optional extras on the public surface
+    "integrations.__init__": 10,
+    "integrations.vllm_support": 10,
+    "integrations.vllm": 11,
 }
 CUDA_PACKAGES = ("bindings.",)
 #: Modules that must not import torch at run time (the scheduler side and what it stands on).
@@ -129,7 +133,7 @@ def layer_of(module: str) -> str:
 
 
 def package_modules() -> list[pathlib.Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if "integrations" not in p.parts)
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def test_every_module_has_a_layer() -> None:
@@ -165,14 +169,24 @@ def test_the_scheduler_side_and_the_lowest_layers_do_not_import_torch(name: str)
 
 
 @pytest.mark.parametrize(
-    "path", sorted((PACKAGE / "cli").glob("*.py")), ids=lambda p: p.stem
+    "path", sorted((PACKAGE / "cli").glob("*.py")) + sorted((PACKAGE / "integrations").glob("*.py")),
+    ids=lambda p: f"{p.parent.name}/{p.stem}",
 )
 def test_the_tools_use_the_public_api_only(path: pathlib.Path) -> None:
+    own = f"kvoffload.{path.parent.name}"
     for module in imported_modules(path):
         if module.startswith("kvoffload"):
-            assert module == "kvoffload" or module.startswith("kvoffload.cli"), (
-                f"cli/{path.name} imports {module}: the tools use only names from kvoffload"
+            assert module in ("kvoffload", "kvoffload.testing") or module.startswith(own), (
+                f"{path.parent.name}/{path.name} imports {module}: the tools use only names from "
+                "kvoffload"
             )
+
+
+def test_the_core_never_imports_an_integration() -> None:
+    for path in package_modules():
+        if "integrations" in path.parts:
+            continue
+        assert not any(m.startswith("kvoffload.integrations") for m in imported_modules(path)), path
 
 
 def test_region_and_handler_are_siblings() -> None:

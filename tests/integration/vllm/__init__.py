@@ -1,0 +1,1 @@
+"""kvoffload as vLLM's offloading spec, driven by vLLM's own scheduler and connector on CPU."""

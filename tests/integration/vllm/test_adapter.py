@@ -1,0 +1,409 @@
+"""The adapter's mapping of every vLLM manager and worker method, called directly.
+
+The spec is built from vLLM's own ``OffloadingConfig``; the worker from vLLM's ``CanonicalKVCaches``
+over CPU tensors (kvoffload's host backend moves the bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integration.vllm.conftest import VLLM_REASON
+
+pytest.importorskip("vllm", reason=VLLM_REASON)
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+import kvoffload  # noqa: E402
+from kvoffload import ClosedError, UnknownKeyError, WaitTimeoutError  # noqa: E402
+from kvoffload.integrations.vllm import (  # noqa: E402
+    HostChunkSpec,
+    KVOffloadManager,
+    KVOffloadSpec,
+    KVOffloadWorker,
+    Metrics,
+    UnsupportedVLLMFeatureError,
+    UnsupportedVLLMVersionError,
+    VLLMConfigError,
+    VLLMTransferError,
+)
+
+PAGE = 1024  # bytes of one block of one KV tensor
+RECORD = 4096
+CTX = ReqContext(req_id="r")
+
+
+def offloading_config(
+    *,
+    host_chunks: int = 8,
+    blocks_per_chunk: int = 1,
+    kv_bytes_per_block: int = 2 * PAGE,
+    world_size: int = 1,
+    events: bool = True,
+    **extra: Any,
+) -> OffloadingConfig:
+    extra_config = {"host_bytes": host_chunks * blocks_per_chunk * RECORD, **extra}
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=kv_bytes_per_block,
+        enable_kv_cache_events=events,
+        extra_config=extra_config,
+        engine_id="engine-0",
+        model=OffloadingModelConfig(name="tiny", dtype="float16", max_model_len=2048),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+def stored(manager: KVOffloadManager, keys: list[bytes]) -> list[int]:
+    out = manager.prepare_store(keys, CTX)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, CTX)
+    assert isinstance(out.store_spec, HostChunkSpec)
+    return [int(chunk) for chunk in out.store_spec.chunk_ids]
+
+
+# --------------------------------------------------------------------------------- manager
+
+
+@pytest.fixture
+def manager() -> KVOffloadManager:
+    return KVOffloadSpec(offloading_config(host_chunks=4)).get_manager()
+
+
+def test_lookup_is_miss_then_hit_pending_then_hit(manager: KVOffloadManager) -> None:
+    k = key(1)
+    assert manager.lookup(k, CTX) is LookupResult.MISS
+    out = manager.prepare_store([k], CTX)
+    assert out is not None and out.keys_to_store == [k] and out.evicted_keys == []
+    assert manager.lookup(k, CTX) is LookupResult.HIT_PENDING
+    manager.complete_store([k], CTX)
+    assert manager.lookup(k, CTX) is LookupResult.HIT
+    assert manager.get_load_source(k, CTX) is CacheHitSource.HOST
+
+
+def test_prepare_store_skips_held_keys_and_evicts_lru_never_the_requests_own(
+    manager: KVOffloadManager,
+) -> None:
+    stored(manager, [key(i) for i in range(4)])
+    manager.touch([key(0)], CTX)  # key 1 is now the least recently used
+    out = manager.prepare_store([key(2), key(9)], CTX)  # key 2 is held: skipped and protected
+    assert out is not None
+    assert out.keys_to_store == [key(9)] and out.evicted_keys == [key(1)]
+    assert manager.lookup(key(1), CTX) is LookupResult.MISS
+
+
+def test_prepare_store_returns_none_when_nothing_is_evictable(manager: KVOffloadManager) -> None:
+    stored(manager, [key(i) for i in range(4)])
+    manager.prepare_load([key(0), key(1), key(2), key(3)], CTX)  # loading: not evictable
+    assert manager.prepare_store([key(5)], CTX) is None
+    assert manager.lookup(key(5), CTX) is LookupResult.MISS
+
+
+def test_failed_store_frees_its_chunks_and_is_a_metadata_only_removal(
+    manager: KVOffloadManager,
+) -> None:
+    list(manager.take_events())
+    out = manager.prepare_store([key(1), key(2)], CTX)
+    assert out is not None
+    manager.complete_store([key(1)], CTX, success=True)
+    manager.complete_store([key(2)], CTX, success=False)
+    assert manager.lookup(key(2), CTX) is LookupResult.MISS
+    assert manager.stats().host.free == 3
+    events = list(manager.take_events())
+    assert [(e.keys, e.removed, e.metadata_only) for e in events] == [
+        ([key(1)], False, False),
+        ([key(2)], True, True),
+    ]
+
+
+def test_events_are_batched_by_kind(manager: KVOffloadManager) -> None:
+    stored(manager, [key(i) for i in range(4)])
+    out = manager.prepare_store([key(7), key(8)], CTX)  # evicts two
+    assert out is not None
+    events = list(manager.take_events())
+    assert [(len(e.keys), e.removed) for e in events] == [(4, False), (2, True)]
+    assert events[1].keys == out.evicted_keys
+    assert list(manager.take_events()) == []
+
+
+def test_no_events_when_vllm_does_not_publish_them() -> None:
+    manager = KVOffloadSpec(offloading_config(events=False)).get_manager()
+    stored(manager, [key(1)])
+    assert list(manager.take_events()) == []
+
+
+def test_overlapping_loads_of_a_key_complete_one_by_one(manager: KVOffloadManager) -> None:
+    (chunk,) = stored(manager, [key(1)])
+    spec_a = manager.prepare_load([key(1)], CTX)
+    spec_b = manager.prepare_load([key(1)], CTX)
+    assert isinstance(spec_a, HostChunkSpec) and spec_a.chunk_ids.tolist() == [chunk]
+    assert isinstance(spec_b, HostChunkSpec) and spec_b.chunk_ids.tolist() == [chunk]
+    manager.complete_load([key(1)], CTX)
+    assert manager.stats().host.loading == 1
+    manager.complete_load([key(1)], CTX)
+    assert manager.stats().host.loading == 0
+    with pytest.raises(UnknownKeyError, match="no outstanding load"):
+        manager.complete_load([key(1)], CTX)
+
+
+def test_reset_fences_in_flight_chunks_until_on_reset_flushed(manager: KVOffloadManager) -> None:
+    stored(manager, [key(1)])
+    manager.prepare_load([key(1)], CTX)
+    pending = manager.prepare_store([key(2), key(3)], CTX)
+    assert pending is not None
+    manager.reset_cache()
+    assert manager.lookup(key(1), CTX) is LookupResult.MISS
+    assert manager.lookup(key(2), CTX) is LookupResult.MISS
+    assert manager.stats().host.fenced == 3 and manager.unsettled_plans == 2
+    fresh = manager.prepare_store([key(4)], CTX)
+    assert fresh is not None and isinstance(fresh.store_spec, HostChunkSpec)
+    assert isinstance(pending.store_spec, HostChunkSpec)
+    old = set(pending.store_spec.chunk_ids.tolist())
+    assert old.isdisjoint(fresh.store_spec.chunk_ids.tolist()), "a chunk an old store writes was reused"
+    manager.complete_store([key(2), key(3)], CTX)  # a late completion of the old plan: ignored
+    assert manager.lookup(key(2), CTX) is LookupResult.MISS
+
+    manager.on_reset_flushed()
+
+    stats = manager.stats()
+    assert stats.host.fenced == 0 and stats.host.free == 3 and manager.unsettled_plans == 0
+    assert stats.stale_completions == 2
+
+
+def test_get_stats_reports_declared_metrics_with_counters_since_last_call(
+    manager: KVOffloadManager,
+) -> None:
+    declared = KVOffloadSpec.build_metric_definitions({})
+    stored(manager, [key(i) for i in range(4)])
+    manager.prepare_store([key(8)], CTX)  # one eviction, one pending
+    first = manager.get_stats()
+    types, values = first.metric_sections()
+    assert set(values) <= set(declared)
+    assert values[Metrics.EVICTIONS][()] == 1
+    assert values[Metrics.HOST_USAGE][()] == 1.0 and values[Metrics.HOST_WRITE_USAGE][()] == 0.25
+    second_values = manager.get_stats().metric_sections()[1]
+    assert Metrics.EVICTIONS not in second_values, "a counter was reported twice"
+
+
+def test_config_info_fills_the_declared_labels(manager: KVOffloadManager) -> None:
+    (info,) = manager.config_info()
+    assert tuple(info) == KVOffloadSpec.config_info_keys({})
+    assert info["host_num_chunks"] == 4 and info["eviction_policy"] == "lru"
+
+
+def test_on_new_request_offloads_chunk_by_chunk_and_shutdown_is_quiet(
+    manager: KVOffloadManager,
+) -> None:
+    assert isinstance(manager.on_new_request(CTX), RequestOffloadingContext)
+    manager.shutdown()
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+def caches(num_blocks: int = 16, tensors: int = 2, groups: list[list[int]] | None = None) -> CanonicalKVCaches:
+    data = [torch.zeros(num_blocks, PAGE, dtype=torch.int8) for _ in range(tensors)]
+    refs = [[CanonicalKVCacheRef(i, PAGE) for i in group] for group in (groups or [list(range(tensors))])]
+    return CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in data], refs)
+
+
+@pytest.fixture
+def worker_and_caches() -> Iterator[tuple[KVOffloadWorker, CanonicalKVCaches]]:
+    kv = caches()
+    worker = KVOffloadSpec(offloading_config(host_chunks=4, blocks_per_chunk=2)).get_worker(kv)
+    yield worker, kv
+    worker.shutdown()
+
+
+def fill(kv: CanonicalKVCaches, blocks: list[int], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.tensors:
+        for b in blocks:
+            t.tensor[b] = torch.randint(-128, 128, (PAGE,), dtype=torch.int8, generator=gen)
+
+
+def finished(worker: KVOffloadWorker, job_id: int) -> Any:
+    worker.wait({job_id})
+    (result,) = worker.get_finished()
+    return result
+
+
+def test_store_then_unaligned_load_round_trips_every_byte(
+    worker_and_caches: tuple[KVOffloadWorker, CanonicalKVCaches],
+) -> None:
+    worker, kv = worker_and_caches
+    fill(kv, [3, 4, 5, 6], seed=1)
+    original = [t.tensor[[3, 4, 5, 6]].clone() for t in kv.tensors]
+    gpu = GPULoadStoreSpec([3, 4, 5, 6], group_sizes=[4], block_indices=[0])
+    assert worker.submit_store(7, gpu, HostChunkSpec([2, 0]))
+    result = finished(worker, 7)
+    assert result.job_id == 7 and result.success and result.transfer_size == 4 * 2 * PAGE
+    for t in kv.tensors:
+        t.tensor.zero_()
+    # blocks 1..3 of the request: chunk 2 from its second record, then all of chunk 0
+    target = GPULoadStoreSpec([9, 10, 11], group_sizes=[3], block_indices=[1])
+    assert worker.submit_load(8, HostChunkSpec([2, 0]), target, expedited=True)
+    assert finished(worker, 8).success
+    for t, before in zip(kv.tensors, original):
+        assert torch.equal(t.tensor[[9, 10, 11]], before[1:]), "a reloaded byte differs"
+        assert not t.tensor[:9].any() and not t.tensor[12:].any(), "a load wrote outside its blocks"
+
+
+def test_wait_ignores_jobs_it_does_not_hold_and_results_come_once(
+    worker_and_caches: tuple[KVOffloadWorker, CanonicalKVCaches],
+) -> None:
+    worker, _ = worker_and_caches
+    worker.wait({123})  # never submitted here (another rank's job, or one already reported)
+    worker.submit_store(1, GPULoadStoreSpec([0], group_sizes=[1], block_indices=[0]), HostChunkSpec([1]))
+    worker.wait({1})
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    assert worker.get_finished() == []
+
+
+def test_shutdown_is_idempotent_and_later_calls_raise_closed(
+    worker_and_caches: tuple[KVOffloadWorker, CanonicalKVCaches],
+) -> None:
+    worker, _ = worker_and_caches
+    worker.shutdown()
+    worker.shutdown()
+    with pytest.raises(ClosedError):
+        worker.get_finished()
+
+
+class StalledEngine:
+    """A real worker whose ``wait`` never sees its jobs finish (a device that stopped): it sleeps
+    out the deadline and raises as kvoffload's ``wait`` does then."""
+
+    def __init__(self, worker: kvoffload.Worker) -> None:
+        self.worker = worker
+
+    def store(self, job_id: int, device_blocks: Any, host_blocks: Any) -> None:
+        self.worker.store(job_id, device_blocks, host_blocks)
+
+    def load(self, job_id: int, host_blocks: Any, device_blocks: Any) -> None:
+        self.worker.load(job_id, host_blocks, device_blocks)
+
+    def poll(self) -> list[kvoffload.TransferResult]:
+        return []
+
+    def wait(self, job_ids: Iterable[int], timeout: float) -> list[kvoffload.TransferResult]:
+        time.sleep(timeout)
+        ids = list(job_ids)
+        raise WaitTimeoutError(f"job(s) {ids} did not finish within {timeout} s", pending=ids)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.worker.shutdown(timeout)
+
+
+def test_wait_has_a_deadline_and_names_the_late_jobs() -> None:
+    spec = KVOffloadSpec(offloading_config(wait_timeout_s=0.2))
+    layout = spec.build_layout(caches())
+    worker = KVOffloadWorker(
+        StalledEngine(kvoffload.Worker.create(layout, 8)), blocks_per_chunk=1, transfer_retries=1,
+        wait_timeout_s=0.2,
+    )
+    try:
+        worker.submit_store(41, GPULoadStoreSpec([0], group_sizes=[1], block_indices=[0]), HostChunkSpec([3]))
+        started = time.monotonic()
+        with pytest.raises(VLLMTransferError, match=r"vLLM job\(s\) \[41\] did not finish within") as info:
+            worker.wait({41})
+        assert info.value.job_id == 41 and time.monotonic() - started < 30
+    finally:
+        worker.shutdown()
+
+
+def test_spec_with_the_wrong_chunk_count_is_refused(
+    worker_and_caches: tuple[KVOffloadWorker, CanonicalKVCaches],
+) -> None:
+    worker, _ = worker_and_caches
+    gpu = GPULoadStoreSpec([0, 1, 2], group_sizes=[3], block_indices=[0])
+    with pytest.raises(VLLMConfigError, match="needs 2 host chunk"):
+        worker.submit_store(1, gpu, HostChunkSpec([0]))
+    assert worker.get_finished() == []
+
+
+def test_a_group_covering_only_some_tensors_is_refused() -> None:
+    spec = KVOffloadSpec(offloading_config())
+    with pytest.raises(UnsupportedVLLMFeatureError, match=r"group 1 covers only some .*tensor\(s\) \[0\]"):
+        spec.get_worker(caches(groups=[[0, 1], [1]]))
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({"world_size": 2}, UnsupportedVLLMFeatureError, "2 worker processes"),
+        ({"canonical_layout": True}, UnsupportedVLLMFeatureError, "canonical_layout"),
+        ({"cpu_bytes_to_use": 1 << 30}, UnsupportedVLLMFeatureError, "give the host pool size"),
+        ({"disk_path": "/tmp/x"}, UnsupportedVLLMFeatureError, "disk tier"),
+        ({"store_threshold": 2}, UnsupportedVLLMFeatureError, "store_threshold"),
+        ({"eviction_policy": "fifo"}, VLLMConfigError, "eviction_policy"),
+        ({"host_bytes": 100}, VLLMConfigError, "holds no chunk"),
+        ({"kv_bytes_per_block": 0}, UnsupportedVLLMFeatureError, "worker_kv_bytes_per_block = 0"),
+    ],
+)
+def test_unsupported_configurations_are_refused_when_the_spec_is_built(
+    overrides: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        KVOffloadSpec(offloading_config(**overrides))
+
+
+def test_a_replicated_layout_is_refused() -> None:
+    config = offloading_config()
+    object.__setattr__(config, "replicated_layout", True)
+    with pytest.raises(UnsupportedVLLMFeatureError, match="replicated"):
+        KVOffloadSpec(config)
+
+
+def test_importing_the_adapter_with_another_vllm_version_fails_clearly() -> None:
+    code = (
+        "import vllm; vllm.__version__ = '0.34.0'\n"
+        "try:\n"
+        "    import kvoffload.integrations.vllm\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{UnsupportedVLLMVersionError.__name__} vllm 0.34.0 is not supported" in done.stdout
