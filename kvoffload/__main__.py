@@ -6,6 +6,8 @@ Commands:
   bench          every transfer path side by side with the link limit (needs a GPU)
   replay         an engine-shaped workload through Manager + Worker; every loaded byte verified
   manager-bench  per-block cost of the scheduler-side manager at 10k and 1M blocks
+  engine-demo    transformers' continuous batching with and without kvoffload: time to first token,
+                 prompt tokens recomputed, decode tokens/s, identical tokens (extra "transformers")
 """
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ from kvoffload import bench, demo, manager_bench, replay
 
 __all__ = ["main"]
 
+def _engine_demo(argv: Sequence[str]) -> int:
+    from kvoffload.integrations import transformers_demo  # imports transformers only when run
+
+    return transformers_demo.main(argv)
+
+
 _COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "demo": (demo.main, "store and reload a synthetic KV cache, verify every byte, report speed"),
     "bench": (bench.main, "every transfer path side by side with the link limit, bytes checked"),
     "replay": (replay.main, "engine-shaped workload through Manager + Worker, every loaded byte verified"),
     "manager-bench": (lambda argv: manager_bench.main(list(argv)), "per-block cost of the scheduler-side manager"),
+    "engine-demo": (_engine_demo, "transformers' continuous batching with and without kvoffload"),
 }
 
 

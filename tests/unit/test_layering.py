@@ -35,6 +35,7 @@ RANKS: dict[str, int] = {
     "replay": 7,
     "disk_bench": 7,
     "manager_bench": 7,
+    "integrations": 8,
     "__main__": 9,
     "__init__": 9,
 }
