@@ -158,7 +158,9 @@ def check_surface() -> None:
             continue
         where = f"{module_name}.{path}"
         if expected == "dict":
-            if not isinstance(value, dict) or not all(isinstance(v, type) for v in value.values()):
+            if not isinstance(value, dict) or not all(
+                isinstance(v, (type, _SchedulerFactory)) for v in value.values()
+            ):
                 problems.append(f"{where}: expected a dict of scheduler classes, found {type(value).__name__}")
         elif expected == "class":
             if not isinstance(value, type):

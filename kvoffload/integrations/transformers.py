@@ -342,9 +342,16 @@ class _Session:
                 blocks.setdefault(_key(block_hash), (block, block_hash))
         if not blocks:
             return
-        plan = self._manager.prepare_store(list(blocks))
+        keys = list(blocks)
+        count = len(keys)
+        plan = self._manager.prepare_store(keys)
+        if plan is None:  # the step's leading blocks, as many as the pool takes now
+            count = min(count, self._manager.num_host_blocks)
+            while plan is None and count > 0:
+                plan = self._manager.prepare_store(keys[:count])
+                count = count if plan is not None else count // 2
+        self._counts.blocks_not_stored += len(keys) - count
         if plan is None:
-            self._counts.blocks_not_stored += len(blocks)
             return
         if not plan.keys:
             return

@@ -127,3 +127,28 @@ def test_every_public_name_resolves() -> None:
 
     for name in kvoffload.__all__:
         assert getattr(kvoffload, name) is not None, name
+
+
+#: What integration modules may import from kvoffload: the public surface, each other, and
+#: kvoffload.disk for DiskConfig (until it is public as kvoffload.DiskConfig).
+INTEGRATION_IMPORTS = {"kvoffload", "kvoffload.testing", "kvoffload.integrations", "kvoffload.disk"}
+
+
+def integration_modules() -> list[pathlib.Path]:
+    return sorted((PACKAGE / "integrations").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", integration_modules(), ids=lambda p: p.stem)
+def test_integrations_use_only_the_public_surface(path: pathlib.Path) -> None:
+    for module in imported_modules(path):
+        if module == "kvoffload" or module.startswith("kvoffload."):
+            assert module in INTEGRATION_IMPORTS or module.startswith("kvoffload.integrations."), (
+                f"integrations/{path.name} imports {module}: use the public names of kvoffload"
+            )
+
+
+def test_the_core_never_imports_an_integration() -> None:
+    for path in package_modules():
+        if path.stem == "__main__":
+            continue  # the CLI imports an integration's demo inside its command, when it is run
+        assert not any(m.startswith("kvoffload.integrations") for m in imported_modules(path)), path.stem
