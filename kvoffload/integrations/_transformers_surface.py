@@ -16,7 +16,8 @@ What is used, and what the integration relies on (transformers 5.24):
 * ``Scheduler.schedule_batch(token_budget, cache_budget)``: one call per step, in the generation
   thread, after the previous step's outputs were applied; returns ``(list[FutureRequestState] |
   None, ...)``, None when nothing fits in the cache (the caller then evicts or offloads requests
-  and calls it again). ``FutureRequestState.state`` / ``.query_length``.
+  and calls it again). ``FutureRequestState.state`` / ``.query_length``. ``Scheduler.starved_requests``:
+  the active requests that did not get cache in that step (the caller then offloads requests).
 * ``Scheduler._infer_request_tokens(state, ids)``: where a pending request's prompt is matched
   against the ledger (``cache.search_prefix_match``) under the same conditions as
   :func:`_matches_prefix`. A host hit is loaded and registered just before it.
@@ -404,8 +405,9 @@ class SchedulerHooks(Protocol):
     def after_prefix_match(self, token: object, matched_tokens: int) -> None:
         """The match of :meth:`before_prefix_match` found ``matched_tokens`` prompt tokens."""
 
-    def after_schedule(self, chunks: list[ScheduledChunk] | None) -> bool:
-        """The step was scheduled (None: nothing fit). True asks for one more scheduling attempt."""
+    def after_schedule(self, chunks: list[ScheduledChunk] | None, starved: bool) -> bool:
+        """The step was scheduled (None: nothing fit; ``starved``: some active requests did not get
+        the cache they need). True asks for one more scheduling attempt (only after None)."""
 
 
 class _Registry:
@@ -453,6 +455,7 @@ class _HookedScheduler:
     and tells the hooks about every step."""
 
     _kvoffload_hooks: SchedulerHooks
+    starved_requests: list[Any]
 
     def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
         hooks = self._kvoffload_hooks
@@ -460,9 +463,9 @@ class _HookedScheduler:
         if not hooks.before_schedule():
             return schedule(token_budget, cache_budget)
         result = schedule(token_budget, cache_budget)
-        if hooks.after_schedule(_chunks(result[0])):
+        if hooks.after_schedule(_chunks(result[0]), bool(self.starved_requests)):
             result = schedule(token_budget, cache_budget)
-            hooks.after_schedule(_chunks(result[0]))
+            hooks.after_schedule(_chunks(result[0]), bool(self.starved_requests))
         return result
 
     def _infer_request_tokens(self, state: Any, request_ids_to_remove_from_waiting: set[str]) -> Any:

@@ -133,6 +133,9 @@ class OffloadStats:
         prompt_tokens_computed: prompt tokens that ran through the model (prefill chunks).
         engine_blocks_evicted: cached (unreferenced) engine blocks evicted to make room for loads.
         manager: the current (or last) session's :class:`~kvoffload.ManagerStats`, or None.
+
+    Counts are as of the engine's last scheduling step: a job that finished after it is counted at
+    the next step (an idle engine schedules no step).
     """
 
     sessions: int
@@ -259,11 +262,7 @@ class _Session:
             hits = self._manager.lookup(wanted) if wanted else 0
             if hits == 0:
                 return match
-            room = cache.available_blocks()
-            if room < hits + 1:  # a block for the prompt's rest too; cached engine blocks make room
-                evicted = cache.evict_cached(hits + 1 - room, keep=resident)
-                self._counts.engine_blocks_evicted += evicted
-                room += evicted
+            room = self._make_room(cache, worker, hits + 1, resident)  # a block for the prompt's rest
             count = min(hits, room - 1)
             if count <= 0:
                 return match
@@ -312,12 +311,14 @@ class _Session:
                 else:
                     self._counts.prompt_tokens_disk += size
 
-    def after_schedule(self, chunks: list[surface.ScheduledChunk] | None) -> bool:
-        """Count the prompt tokens of the step; when nothing fit and stores hold blocks, wait for
-        them (so that the engine may evict the blocks) and ask for another attempt."""
+    def after_schedule(self, chunks: list[surface.ScheduledChunk] | None, starved: bool) -> bool:
+        """Count the prompt tokens of the step. When the cache was short (nothing fit, or active
+        requests starved) while stores hold blocks, wait for those stores so that the engine may
+        evict their blocks; after nothing fit, ask for another attempt."""
         with self._lock:
             if chunks is not None:
                 self._counts.prompt_tokens_computed += sum(c.tokens for c in chunks if c.prompt)
+            if not (chunks is None or starved):
                 return False
             if self._closed or self._worker is None or not (self._stores or self._demotions):
                 return False
@@ -327,7 +328,7 @@ class _Session:
                 _log.warning("stores still hold engine blocks after %.1f s: %s",
                              self._owner.load_timeout, exc)
                 return False
-            return True
+            return chunks is None
 
     # ------------------------------------------------------------------ internals (lock held)
 
@@ -365,6 +366,27 @@ class _Session:
             self._demotions[job] = store
         else:
             self._submit_store(worker, store)
+
+    def _make_room(self, cache: surface.EngineCache, worker: WorkerLike, wanted: int,
+                   resident: list[int]) -> int:
+        """Free engine blocks for a load of ``wanted - 1`` blocks: evict cached blocks (never the
+        prompt's ``resident`` prefix), and if that is not enough, wait for the stores that hold
+        blocks and evict again. Returns the blocks available."""
+        room = cache.available_blocks()
+        for attempt in range(2):
+            if room >= wanted:
+                break
+            evicted = cache.evict_cached(wanted - room, keep=resident)
+            self._counts.engine_blocks_evicted += evicted
+            room += evicted
+            if room >= wanted or attempt or not (self._stores or self._demotions):
+                break
+            try:
+                self._drain(worker, self._owner.load_timeout)
+            except kvoffload.WaitTimeoutError as exc:
+                _log.warning("stores still hold engine blocks after %.1f s: %s", self._owner.load_timeout, exc)
+                break
+        return room
 
     def _submit_store(self, worker: WorkerLike, store: _Store) -> None:
         job = next(self._jobs)

@@ -173,7 +173,7 @@ class _PromptCounter:
     def after_prefix_match(self, token: object, matched_tokens: int) -> None:
         self.engine_cache += matched_tokens
 
-    def after_schedule(self, chunks: list[surface.ScheduledChunk] | None) -> bool:
+    def after_schedule(self, chunks: list[surface.ScheduledChunk] | None, starved: bool) -> bool:
         if chunks is not None:
             self.computed += sum(c.tokens for c in chunks if c.prompt)
         return False

@@ -195,6 +195,8 @@ class FailingLoads:
                 layout = self.worker.layout
                 noise = torch.randint(0, 256, (len(blocks), layout.record_bytes), dtype=torch.uint8)
                 layout.scatter_records(blocks, noise)
+                if layout.device.type == "cuda":  # written on this thread's stream: done before use
+                    torch.cuda.synchronize(layout.device)
                 if self.report_failure:
                     result = attrs.evolve(result, ok=False, error=kvoffload.TransferError("injected"))
             results.append(result)
@@ -202,3 +204,31 @@ class FailingLoads:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self.worker.shutdown(timeout)
+
+
+class UnpolledStores(FailingLoads):
+    """A worker whose ``poll`` never returns a finished store: only ``wait`` does (as if every store
+    were still in flight whenever the scheduler looks), so the blocks they hold stay held."""
+
+    def __init__(self, worker: kvoffload.Worker) -> None:
+        super().__init__(worker, count=0)
+        self.hidden: dict[int, kvoffload.TransferResult] = {}
+        self.waited_stores = 0
+
+    def poll(self) -> list[kvoffload.TransferResult]:
+        results = []
+        for result in self.worker.poll():
+            if result.direction is kvoffload.Direction.STORE:
+                self.hidden[result.job_id] = result
+            else:
+                results.append(result)
+        return results
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[kvoffload.TransferResult]:
+        ids = list(job_ids)
+        found = {j: self.hidden.pop(j) for j in ids if j in self.hidden}
+        self.waited_stores += len(found)
+        rest = [j for j in ids if j not in found]
+        if rest:
+            found.update({r.job_id: r for r in self.worker.wait(rest, timeout)})
+        return [found[j] for j in ids]

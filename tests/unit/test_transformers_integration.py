@@ -40,6 +40,7 @@ from tests.unit._cb_workload import (  # noqa: E402
     SUFFIX_TOKENS_C,
     FailingLoads,
     PhaseRun,
+    UnpolledStores,
     cb_configs,
     generate_reference,
     run_phases,
@@ -128,6 +129,21 @@ def test_control_the_injected_bytes_change_the_tokens_when_the_failure_is_hidden
     assert stats.blocks_loaded_host == PREFIX_BLOCKS
     changed = [n for n in ("C0", "C1") if run.outputs[n] != big_cache_run.outputs[n]]
     assert changed, "random bytes in the loaded blocks left every output unchanged: the test cannot fail"
+
+
+def test_blocks_held_by_stores_are_released_when_the_cache_is_short(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    made: list[UnpolledStores] = []
+
+    def unpolled(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(UnpolledStores(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    run, stats = _offloaded(model, make_worker=unpolled)
+    assert made[0].waited_stores > 0  # the filler did not fit until the stores holding P were waited for
+    assert run.outputs == big_cache_run.outputs
+    assert stats.blocks_loaded_host == PREFIX_BLOCKS and run.prompt_tokens("C") == SUFFIX_TOKENS_C
 
 
 def test_disk_tier_serves_blocks_demoted_from_a_small_host_pool(

@@ -63,7 +63,7 @@ class _Capture:
     def after_prefix_match(self, token: object, matched_tokens: int) -> None:
         pass
 
-    def after_schedule(self, chunks: list[surface.ScheduledChunk] | None) -> bool:
+    def after_schedule(self, chunks: list[surface.ScheduledChunk] | None, starved: bool) -> bool:
         return False
 
 
@@ -240,6 +240,13 @@ def test_an_entry_replaced_by_someone_else_is_left_alone() -> None:
     finally:
         SCHEDULER_MAPPING["prefill_first"] = original.original if isinstance(original, surface._SchedulerFactory) else original
     assert surface.mapping_is_original()
+
+
+def test_a_scheduler_reports_its_starved_requests(served: surface.EngineCache) -> None:
+    from transformers.generation.continuous_batching.scheduler import FIFOScheduler
+
+    scheduler = FIFOScheduler(served.engine_cache, 0.1, 4)
+    assert scheduler.starved_requests == []
 
 
 def test_a_hooked_scheduler_is_a_subclass_of_the_one_it_replaces(model: Any) -> None:
