@@ -27,15 +27,21 @@ What happens in a session (all of it in the engine's generation thread):
   and waited for; then they are registered in the engine's cache, so its prefix match shares them
   and prefill runs only on the rest. A load that fails (or does not finish within
   ``load_timeout``) registers nothing from the first failed block on: those tokens are recomputed.
-* When a step cannot be scheduled for lack of cache while stores still hold blocks, the stores are
-  waited for and the step is scheduled again (the only case where the scheduler waits for a store).
+* Room for a load is made by evicting cached engine blocks (every complete block is stored, so the
+  host pool normally holds them), never the prompt's resident prefix. When the engine's cache is
+  short while stores still hold blocks (a step in which nothing fit or active requests starved, or a
+  load without room), those stores are waited for, so that the engine may evict the blocks; after a
+  step in which nothing fit, the step is scheduled again. These are the only cases where the
+  scheduler waits for a store.
 
 Host records live as long as the engine's cache: one session (one ``generate_batch`` call, or a
 persistent manager's life). A later session of the same model in the same ``offloading`` context
-gets a fresh pool (the previous one is drained and released when the new session builds its
-scheduler). Only models whose layers are all full attention (the engine shares prefixes only
-there), on the CPU or one CUDA device, without tensor parallelism, are supported; on CUDA the
-engine's synchronous batching is the tested mode.
+gets a fresh pool: the previous one is drained and released when the new session builds its
+scheduler, so until then the previous session's worker keeps its engine cache tensor alive (on a
+GPU, size later sessions with ``num_blocks`` or open one ``offloading`` context per session). Only
+models whose layers are all full attention (the engine shares prefixes only there), on the CPU or
+one CUDA device, without tensor parallelism, are supported; on CUDA the engine's synchronous
+batching is the tested mode.
 
 Requires transformers in :data:`SUPPORTED_TRANSFORMERS` (``pip install 'kvoffload[transformers]'``);
 other versions are refused with :class:`UnsupportedEngineError`.
