@@ -242,11 +242,14 @@ class _Session:
         once closed (after releasing the references stores in flight held at close)."""
         with self._lock:
             cache = self._cache
-            if self._closed:
+            if self._closed:  # the worker is shut down: no copy touches these blocks any more
                 if cache is not None:
                     for block in self._held:
                         cache.release(block)
+                    for _, _, blocks in self._late_loads.values():
+                        cache.return_blocks(blocks)
                     self._held.clear()
+                    self._late_loads.clear()
                     self._cache = None
                 return False
             assert self._worker is not None and cache is not None

@@ -232,3 +232,29 @@ class UnpolledStores(FailingLoads):
         if rest:
             found.update({r.job_id: r for r in self.worker.wait(rest, timeout)})
         return [found[j] for j in ids]
+
+
+class LateLoads(FailingLoads):
+    """A worker whose first load is reported late: ``wait`` for it raises ``WaitTimeoutError`` (the
+    copy itself completes, and its result comes from a later ``poll``)."""
+
+    def __init__(self, worker: kvoffload.Worker) -> None:
+        super().__init__(worker, count=0)
+        self.late: int | None = None
+        self.late_results: list[kvoffload.TransferResult] = []
+
+    def load(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
+             stream: object = None) -> None:
+        self.worker.load(job_id, host_blocks, device_blocks, stream=stream)
+        if self.late is None:
+            self.late = job_id
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[kvoffload.TransferResult]:
+        if self.late is not None and self.late in job_ids:
+            raise kvoffload.WaitTimeoutError(f"job(s) [{self.late}] did not finish (injected)", pending=[self.late])
+        return self.worker.wait(job_ids, timeout)
+
+    def poll(self) -> list[kvoffload.TransferResult]:
+        results = self.worker.poll()
+        self.late_results += [r for r in results if r.job_id == self.late]
+        return results

@@ -39,6 +39,7 @@ from tests.unit._cb_workload import (  # noqa: E402
     SMALL_CACHE_BLOCKS,
     SUFFIX_TOKENS_C,
     FailingLoads,
+    LateLoads,
     PhaseRun,
     UnpolledStores,
     cb_configs,
@@ -117,6 +118,20 @@ def test_a_failed_load_is_recomputed_with_identical_tokens(model: Any, big_cache
     assert run.prompt_tokens("C") == len(PHASES["C"][0]) + (len(PHASES["C"][1]) - 16 * PREFIX_BLOCKS)
     assert run.outputs == big_cache_run.outputs
     assert stats.manager is not None and stats.manager.loads_failed == PREFIX_BLOCKS
+
+
+def test_a_late_load_is_recomputed_and_completed_when_it_finishes(model: Any, big_cache_run: PhaseRun) -> None:
+    made: list[LateLoads] = []
+
+    def late(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(LateLoads(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    run, stats = _offloaded(model, make_worker=late)
+    assert run.outputs == big_cache_run.outputs
+    assert stats.blocks_load_failed == PREFIX_BLOCKS  # the late job; a later attempt may load P again
+    assert [r.ok for r in made[0].late_results] == [True]  # collected by a later step
+    assert stats.manager is not None and stats.manager.host.loading == 0  # its references were dropped
 
 
 def test_control_the_injected_bytes_change_the_tokens_when_the_failure_is_hidden(
