@@ -151,9 +151,10 @@ def check_surface() -> None:
     for module_name, path, expected in _NAMES:
         try:
             value: Any = _module(module_name)
-            for part in path.split("."):
-                value = inspect.getattr_static(value, part) if part == "num_free_sectors" else getattr(
-                    value, part)
+            *owners, name = path.split(".")
+            for part in owners:
+                value = getattr(value, part)
+            value = inspect.getattr_static(value, name) if expected == "property" else getattr(value, name)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{module_name}.{path}: missing ({exc})")
             continue

@@ -205,7 +205,8 @@ class _Session:
     Owns the worker (shut down by :meth:`close`) and the references it holds in the engine's cache
     for stores in flight (released in the generation thread: at the next step, or by
     :meth:`before_schedule` once closed). Borrows the cache. Every method but :meth:`close` and
-    :meth:`stats` runs in the engine's generation thread; all of them take the offloader's lock.
+    :meth:`manager_stats` runs in the engine's generation thread; all of them take the offloader's
+    lock.
     """
 
     def __init__(self, owner: Offloader, cache: surface.EngineCache, manager: kvoffload.Manager,
