@@ -26,12 +26,15 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 import attrs
 import torch
 
 from kvoffload.integrations import _transformers_surface as surface
+
+if TYPE_CHECKING:
+    from kvoffload.integrations.transformers import OffloadStats
 
 __all__ = ["PRESETS", "DemoConfig", "RunResult", "Workload", "build_model", "main", "make_workload", "run_engine"]
 
@@ -120,7 +123,7 @@ class RunResult:
     prompt_tokens_return: int
     prompt_tokens_total: int
     errors: list[str]
-    stats: object = None
+    stats: OffloadStats | None = None
 
 
 def make_workload(cfg: DemoConfig) -> Workload:
