@@ -7,6 +7,8 @@ Commands:
                  the disk tier against raw O_DIRECT
   replay         an engine-shaped workload through Manager + Worker; every loaded byte verified
   manager-bench  per-block cost of the scheduler-side manager at 10k and 1M blocks
+  engine-demo    transformers' continuous batching with and without kvoffload: time to first token,
+                 prompt tokens recomputed, decode tokens/s, identical tokens (extra "transformers")
 
 The tools use the public API only (``kvoffload``), like an integrator's code would.
 """
@@ -20,11 +22,18 @@ from kvoffload.cli import bench, demo, manager_bench, replay
 
 __all__ = ["main"]
 
+def _engine_demo(argv: Sequence[str]) -> int:
+    from kvoffload.integrations import transformers_demo  # imports transformers only when run
+
+    return transformers_demo.main(argv)
+
+
 _COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "demo": (demo.main, "store and reload a synthetic KV cache, verify every byte, report speed"),
     "bench": (bench.main, "every transfer path side by side with the link limit, bytes checked"),
     "replay": (replay.main, "engine-shaped workload through Manager + Worker, every loaded byte verified"),
     "manager-bench": (lambda argv: manager_bench.main(list(argv)), "per-block cost of the scheduler-side manager"),
+    "engine-demo": (_engine_demo, "transformers' continuous batching with and without kvoffload"),
 }
 
 
@@ -34,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print("usage: python -m kvoffload <command> [options]\n\ncommands:")
         for name, (_, summary) in _COMMANDS.items():
-            print(f"  {name:<10} {summary}")
+            print(f"  {name:<14} {summary}")
         return 0 if args else 2
     command = _COMMANDS.get(args[0])
     if command is None:

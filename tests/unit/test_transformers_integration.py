@@ -1,0 +1,312 @@
+"""kvoffload as the host tier of transformers' continuous batching, on the CPU (host backend).
+
+A tiny random-weight Llama in fp32 with 16-token blocks serves phases A (prompts with prefix P), B
+(a filler that evicts P from a 16-block engine cache) and C (new prompts with prefix P), one
+request at a time. Runs: small cache + kvoffload, a cache big enough to keep P, and plain
+``model.generate``. CI installs the ``transformers`` extra and sets KVOFFLOAD_REQUIRE_TRANSFORMERS=1,
+so a missing transformers fails there instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.unit._cb_workload import require_transformers
+
+require_transformers()
+
+import kvoffload  # noqa: E402
+from kvoffload import DiskConfig  # noqa: E402
+from kvoffload.integrations import _transformers_surface as surface  # noqa: E402
+from kvoffload.integrations.transformers import (  # noqa: E402
+    SUPPORTED_TRANSFORMERS,
+    OffloadStats,
+    UnsupportedEngineError,
+    WorkerLike,
+    offloading,
+)
+from tests.unit._cb_workload import (  # noqa: E402
+    BIG_CACHE_BLOCKS,
+    PHASES,
+    PREFIX_BLOCKS,
+    SMALL_CACHE_BLOCKS,
+    SUFFIX_TOKENS_C,
+    FailingLoads,
+    LateLoads,
+    PhaseRun,
+    UnpolledStores,
+    cb_configs,
+    generate_reference,
+    run_phases,
+    serve,
+    tiny_llama,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama(CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def big_cache_run(model: Any) -> PhaseRun:
+    run = run_phases(model, BIG_CACHE_BLOCKS)
+    assert not run.errors
+    return run
+
+
+def _offloaded(model: Any, **kwargs: Any) -> tuple[PhaseRun, OffloadStats]:
+    with offloading(model, 64, **kwargs) as off:
+        run = run_phases(model, SMALL_CACHE_BLOCKS, off)
+    assert not run.errors, run.errors
+    return run, off.stats()
+
+
+def _bits(values: list[float]) -> list[int]:
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+
+
+def test_offload_tokens_and_logprobs_equal_the_big_cache_and_generate(model: Any, big_cache_run: PhaseRun) -> None:
+    run, stats = _offloaded(model)
+    assert stats.blocks_loaded_host == PREFIX_BLOCKS  # P came back from the host pool
+    for name, (tokens, logprobs) in run.outputs.items():
+        big_tokens, big_logprobs = big_cache_run.outputs[name]
+        assert tokens == big_tokens, name
+        assert _bits(logprobs) == _bits(big_logprobs), name  # bit for bit
+        phase, index = name[0], int(name[1:])
+        ref_tokens, ref_logprobs = generate_reference(model, PHASES[phase][index])
+        assert tokens == ref_tokens, name
+        # plain generate runs other kernels (a DynamicCache, other shapes): equal up to fp32 rounding
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-5), name
+
+
+def test_return_phase_runs_only_the_suffixes_through_the_model(model: Any) -> None:
+    run, stats = _offloaded(model)
+    plain = run_phases(model, SMALL_CACHE_BLOCKS)
+    assert run.prompt_tokens("C") == SUFFIX_TOKENS_C  # counted by a forward hook on the model
+    assert plain.prompt_tokens("C") > SUFFIX_TOKENS_C + PREFIX_BLOCKS  # without kvoffload P is recomputed
+    before, after = run.stats["B"], run.stats["C"]
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == SUFFIX_TOKENS_C
+    assert after.blocks_loaded_host - before.blocks_loaded_host == PREFIX_BLOCKS  # the evicted P blocks
+    assert after.prompt_tokens_host - before.prompt_tokens_host == PREFIX_BLOCKS * 16
+    assert after.blocks_load_failed == 0 and after.blocks_store_failed == 0
+
+
+def test_complete_blocks_are_stored_before_any_eviction(model: Any) -> None:
+    run, _ = _offloaded(model)
+    after_a = run.stats["A"]
+    assert after_a.engine_blocks_evicted == 0 and after_a.blocks_loaded_host == 0
+    assert after_a.blocks_stored == PREFIX_BLOCKS  # P's blocks, stored as they completed in A0
+    assert after_a.manager is not None and after_a.manager.stores_completed == PREFIX_BLOCKS
+
+
+def test_a_failed_load_is_recomputed_with_identical_tokens(model: Any, big_cache_run: PhaseRun) -> None:
+    def failing(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        return FailingLoads(kvoffload.Worker.create(layout, blocks, disk=disk))
+
+    run, stats = _offloaded(model, make_worker=failing)
+    assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
+    assert run.prompt_tokens("C") == len(PHASES["C"][0]) + (len(PHASES["C"][1]) - 16 * PREFIX_BLOCKS)
+    assert run.outputs == big_cache_run.outputs
+    assert stats.manager is not None and stats.manager.loads_failed == PREFIX_BLOCKS
+
+
+def test_a_late_load_is_recomputed_and_completed_when_it_finishes(model: Any, big_cache_run: PhaseRun) -> None:
+    made: list[LateLoads] = []
+
+    def late(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(LateLoads(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    run, stats = _offloaded(model, make_worker=late)
+    assert run.outputs == big_cache_run.outputs
+    assert stats.blocks_load_failed == PREFIX_BLOCKS  # the late job; a later attempt may load P again
+    assert [r.ok for r in made[0].late_results] == [True]  # collected by a later step
+    assert stats.manager is not None and stats.manager.host.loading == 0  # its references were dropped
+
+
+def test_control_the_injected_bytes_change_the_tokens_when_the_failure_is_hidden(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    def lying(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        return FailingLoads(kvoffload.Worker.create(layout, blocks, disk=disk), report_failure=False)
+
+    run, stats = _offloaded(model, make_worker=lying)
+    assert stats.blocks_loaded_host == PREFIX_BLOCKS
+    changed = [n for n in ("C0", "C1") if run.outputs[n] != big_cache_run.outputs[n]]
+    assert changed, "random bytes in the loaded blocks left every output unchanged: the test cannot fail"
+
+
+def test_blocks_held_by_stores_are_released_when_the_cache_is_short(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    made: list[UnpolledStores] = []
+
+    def unpolled(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(UnpolledStores(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    run, stats = _offloaded(model, make_worker=unpolled)
+    assert made[0].waited_stores > 0  # the filler did not fit until the stores holding P were waited for
+    assert run.outputs == big_cache_run.outputs
+    assert stats.blocks_loaded_host == PREFIX_BLOCKS and run.prompt_tokens("C") == SUFFIX_TOKENS_C
+
+
+def test_disk_tier_serves_blocks_demoted_from_a_small_host_pool(
+    model: Any, big_cache_run: PhaseRun, tmp_path: pathlib.Path
+) -> None:
+    disk = DiskConfig(str(tmp_path / "tier"), num_blocks=64, preallocate=False)
+    with offloading(model, 8, disk) as off:
+        run = run_phases(model, SMALL_CACHE_BLOCKS, off)
+    stats = off.stats()
+    assert not run.errors
+    assert run.outputs == big_cache_run.outputs
+    assert stats.manager is not None and stats.manager.demotions_completed > 0
+    assert stats.blocks_loaded_disk > 0 and stats.prompt_tokens_disk == 16 * stats.blocks_loaded_disk
+    assert stats.blocks_loaded_host + stats.blocks_loaded_disk == PREFIX_BLOCKS
+    assert run.prompt_tokens("C") == SUFFIX_TOKENS_C
+
+
+def test_exit_leaves_nothing_behind(model: Any) -> None:
+    made: list[kvoffload.Worker] = []
+
+    def keep(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(kvoffload.Worker.create(layout, blocks, disk=disk))
+        return made[-1]
+
+    threads = set(threading.enumerate())
+    shm = set(os.listdir("/dev/shm"))
+    with offloading(model, 64, make_worker=keep) as off:
+        assert not surface.mapping_is_original()
+        run_phases(model, SMALL_CACHE_BLOCKS, off)
+    assert surface.mapping_is_original()
+    assert len(made) == 1 and made[0].closed
+    assert not model._forward_pre_hooks
+    assert set(threading.enumerate()) <= threads
+    assert set(os.listdir("/dev/shm")) <= shm
+    with pytest.raises(kvoffload.ClosedError):
+        made[0].poll()
+
+
+def test_a_session_that_outlives_the_context_continues_without_kvoffload(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        with offloading(model, 64) as off:
+            first = serve(manager, PHASES["A"][0])
+        after_exit = [serve(manager, p) for p in PHASES["B"] + PHASES["C"]]
+        cache = manager.batch_processor.cache
+        ledger = next(iter(cache.cache_allocators.values())).ledger
+        assert not ledger.shared_ref_counts  # the references stores held were released in the loop
+    assert off.stats().blocks_stored == PREFIX_BLOCKS
+    assert (first.generated_tokens, first.logprobs) == big_cache_run.outputs["A0"]
+    assert [(r.generated_tokens, r.logprobs) for r in after_exit] == [
+        big_cache_run.outputs[n] for n in ("B0", "C0", "C1")
+    ]
+    assert off.stats().blocks_loaded_host == 0  # C was recomputed: kvoffload was gone
+
+
+def test_a_session_without_prefix_sharing_is_left_alone(model: Any) -> None:
+    with offloading(model, 64) as off:
+        run = run_phases(model, SMALL_CACHE_BLOCKS, off, allow_block_sharing=False)
+    stats = off.stats()
+    assert not run.errors
+    assert stats.sessions == 0 and stats.sessions_without_prefix_sharing == 1
+    assert stats.blocks_stored == 0
+
+
+def test_each_session_gets_its_own_pool_and_the_previous_one_is_released(model: Any) -> None:
+    made: list[kvoffload.Worker] = []
+
+    def keep(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(kvoffload.Worker.create(layout, blocks, disk=disk))
+        return made[-1]
+
+    with offloading(model, 64, make_worker=keep) as off:
+        run_phases(model, SMALL_CACHE_BLOCKS, off)
+        run_phases(model, SMALL_CACHE_BLOCKS, off)
+        assert len(made) == 2 and made[0].closed and not made[1].closed
+        assert off.stats().sessions == 2
+    assert made[1].closed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"num_host_blocks": 0}, kvoffload.InvalidArgumentError, "num_host_blocks = 0"),
+        ({"num_host_blocks": "8"}, kvoffload.ArgumentTypeError, "num_host_blocks = '8'"),
+        ({"num_host_blocks": True}, kvoffload.ArgumentTypeError, "num_host_blocks = True"),
+        ({"num_host_blocks": 8, "disk": "/tmp/x"}, kvoffload.ArgumentTypeError, "disk = '/tmp/x'"),
+        ({"num_host_blocks": 8, "policy": "mru"}, kvoffload.UnknownPolicyError, "policy = 'mru'"),
+        ({"num_host_blocks": 8, "load_timeout": 0}, kvoffload.InvalidArgumentError, "load_timeout = 0"),
+        ({"num_host_blocks": 8, "make_worker": 3}, kvoffload.ArgumentTypeError, "make_worker = 3"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_hooked(
+    model: Any, kwargs: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        with offloading(model, **kwargs):
+            pass
+    assert surface.mapping_is_original()
+
+
+def test_a_model_in_two_contexts_at_once_is_refused(model: Any) -> None:
+    with offloading(model, 8):
+        with pytest.raises(kvoffload.InvalidArgumentError, match="another offloading"):
+            with offloading(model, 8):
+                pass
+        assert not surface.mapping_is_original()
+    assert surface.mapping_is_original()
+
+
+def test_not_a_model_is_refused() -> None:
+    with pytest.raises(kvoffload.ArgumentTypeError, match="not a transformers model"):
+        with offloading(torch.nn.Linear(2, 2), 8):
+            pass
+
+
+def test_a_model_with_sliding_window_layers_is_refused() -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=16)
+    with pytest.raises(UnsupportedEngineError, match="sliding_attention"):
+        with offloading(MistralForCausalLM(config), 8):
+            pass
+    assert surface.mapping_is_original()
+
+
+@pytest.mark.parametrize("version", ["5.23.0", "5.25.0", "5.25.0.dev0", "6.0.0", "4.57.6"])
+def test_a_transformers_version_outside_the_range_is_refused_naming_it(
+    model: Any, version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(surface, "installed_version", lambda: version)
+    with pytest.raises(UnsupportedEngineError, match=f"transformers {version} is installed.*{SUPPORTED_TRANSFORMERS}"):
+        with offloading(model, 8):
+            pass
+    assert surface.mapping_is_original()
+
+
+def test_a_missing_transformers_is_refused_naming_the_extra(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(surface, "installed_version", lambda: None)
+    with pytest.raises(UnsupportedEngineError, match=r"not installed.*kvoffload\[transformers\]"):
+        with offloading(model, 8):
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_registration() -> Iterator[None]:
+    yield
+    assert surface.mapping_is_original()
