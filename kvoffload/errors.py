@@ -371,8 +371,9 @@ class RemoteShutdownError(ShutdownError):
 
     ``client_left_open`` is true when an operation was still running inside the store client at the
     deadline: the client (and its registration of the host rows) was deliberately not closed, since
-    closing it under a running call could let that call touch freed memory; the host rows are then
-    still in use and must not be unmapped.
+    closing it under a running call could let that call touch freed memory; the store releases it
+    when that call returns (``wait_idle`` tells). Until then the host rows are still in use and must
+    not be unmapped.
     """
 
     def __init__(
@@ -382,6 +383,6 @@ class RemoteShutdownError(ShutdownError):
         if client_left_open:
             message += (
                 " (the store client was left open: an operation was still running in it and may "
-                "still use the host rows)"
+                "still use the host rows; it is released when that operation returns)"
             )
         super().__init__(message, failures)

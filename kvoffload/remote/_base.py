@@ -24,8 +24,9 @@ queued run (each bounded by its own deadline) unless the close deadline passes f
 not started are failed (``closed``). The lane is joined with the deadline; only when it stopped are
 the client's registrations released and the client closed, exactly once. A lane still inside the
 client keeps the client open for the rest of the process (closing it under a running call could let
-the call touch freed memory) and the :class:`~kvoffload.errors.RemoteShutdownError` says so
-(``client_left_open``). ``close`` is idempotent; no cleanup in ``__del__``.
+the call touch freed memory): the lane releases it when that call returns, and the
+:class:`~kvoffload.errors.RemoteShutdownError` says so (``client_left_open``). ``close`` is
+idempotent; no cleanup in ``__del__``.
 """
 
 from __future__ import annotations
@@ -483,22 +484,38 @@ class RemoteStoreBase:
             self._closed = True
         failures: list[BaseException] = []
         stopped = self._lane.stop(deadline, self._zero_failed)
-        if not stopped:
-            failures.append(
-                TimeoutError(f"the {self.backend} store's lane was still inside the client at the close deadline")
-            )
-        self._pool.shutdown(wait=stopped)
-        if stopped:
-            try:
-                self._client.close()
-            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
-                failures.append(exc)
-            self._rows = None
         self._released = True
+        if stopped:
+            failures.extend(self._release())
+        else:
+            failures.append(
+                TimeoutError(
+                    f"the {self.backend} store's lane was still inside the client at the close deadline; "
+                    "the client is released when that call returns"
+                )
+            )
+            if self._lane.release_when_stopped(self._release_quietly):
+                failures.extend(self._release())  # it stopped meanwhile
         if failures:
             raise RemoteShutdownError(
                 f"closing the {self.backend} store failed", failures, client_left_open=not stopped
             )
+
+    def _release(self) -> list[BaseException]:
+        """Stop the checksum threads, close the client and drop the rows (the lane has stopped)."""
+        failures: list[BaseException] = []
+        self._pool.shutdown(wait=True)
+        try:
+            self._client.close()
+        except Exception as exc:  # noqa: BLE001 - collected and re-raised by close
+            failures.append(exc)
+        self._rows = None
+        return failures
+
+    def _release_quietly(self) -> None:
+        """The lane's last act after a close that timed out: release, and warn what failed."""
+        for failure in self._release():
+            warnings.warn(f"releasing the {self.backend} store after close: {failure}", ResourceWarning, stacklevel=1)
 
     def __enter__(self) -> RemoteStoreBase:
         return self
@@ -754,6 +771,8 @@ class _Lane:
         self._thread: threading.Thread | None = None
         self._run: Callable[[_Op], None] | None = None
         self._finish: Callable[[_Op], None] | None = None
+        self._on_exit: Callable[[], None] | None = None
+        self._exited = False
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run ``fn`` on a fresh thread before the lane starts (client set-up), with a deadline.
@@ -801,6 +820,14 @@ class _Lane:
             pass
         self.cond.notify_all()
 
+    def release_when_stopped(self, release: Callable[[], None]) -> bool:
+        """Have the lane call ``release`` as it exits; False, and nothing registered, if it exited."""
+        with self.cond:
+            if self._exited:
+                return True
+            self._on_exit = release
+            return False
+
     def _loop(self) -> None:
         assert self._run is not None
         while True:
@@ -808,7 +835,10 @@ class _Lane:
                 while not self.queue and not self._stopping:
                     self.cond.wait()
                 if not self.queue:
-                    return
+                    self._exited = True
+                    on_exit, self._on_exit = self._on_exit, None
+                    self.cond.notify_all()
+                    break
                 op = self.queue.popleft()
                 if op.state is not _State.PENDING:
                     self.cond.notify_all()
@@ -824,6 +854,8 @@ class _Lane:
                 self.running = None
                 op.done.set()
                 self.cond.notify_all()
+        if on_exit is not None:
+            on_exit()
 
     def stop(self, deadline: float, cancelled: Callable[[_Op], None]) -> bool:
         """Let the queued ops run until ``deadline``, then fail the rest (``closed``, each handed to
