@@ -5,8 +5,9 @@ and a small pool of checksum threads; it borrows the host rows (``uint8[n, recor
 creator. Callers submit a call from any thread and wait for it until the call's deadline:
 
 * put: the records are cut into chunks of ``batch_records``; the checksum threads compute each
-  chunk's payload CRC32s and header pages ahead of the lane (two chunks of header pages, so the
-  client sends chunk k while chunk k+1 is prepared), and the lane hands each chunk to the client;
+  chunk's payload CRC32s and header pages (and the client's staged copy, if it sends copies) ahead
+  of the lane, in two slots, so the client sends chunk k while chunk k+1 is prepared; the lane
+  hands each chunk to the client;
 * get: the lane fetches chunk k into the header pages and the host rows while the checksum threads
   verify chunk k-1 (:func:`~kvoffload.remote._record.check_record`); a key that failed anywhere has
   its host row zero-filled before the call returns;
@@ -121,7 +122,12 @@ class StoreClient(Protocol):
 
     backend: str
 
-    def put_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array) -> list[ChunkStatus]: ...
+    def prepare_put(self, slot: int, headers: U8Array, rows: I64Array) -> None:
+        """Checksum thread, after the chunk's header pages were packed: stage what ``put_chunk`` of
+        the same ``slot`` (0..HEADER_SLOTS-1) will send, if the client sends copies."""
+        ...
+
+    def put_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array, slot: int) -> list[ChunkStatus]: ...
 
     def get_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array) -> list[ChunkStatus]: ...
 
@@ -648,23 +654,25 @@ class RemoteStoreBase:
         start = (k % HEADER_SLOTS) * self._batch
         return self._headers[start : start + size]
 
-    def _prepare(self, op: _Op, chunk: range, pages: U8Array) -> None:
-        """Checksum thread: payload CRCs and header pages of one put chunk."""
+    def _prepare(self, op: _Op, chunk: range, k: int) -> None:
+        """Checksum thread: payload CRCs and header pages of put chunk ``k``, then the client's staging."""
         rows = self._rows
         assert rows is not None and op.rows is not None
+        pages = self._page_slot(k, len(chunk))
         for j, i in enumerate(chunk):
             row = rows[int(op.rows[i])]
             pack_header(
                 pages[j], key=op.keys[i], generation=op.put_generations[i], crc=payload_crc(row),
                 payload_bytes=self._record_bytes, fingerprint=self._fingerprint,
             )
+        self._client.prepare_put(k % HEADER_SLOTS, pages, op.rows[chunk.start : chunk.stop])
 
     def _run_put(self, op: _Op) -> None:
         assert op.rows is not None
         chunks = self._chunks(len(op.keys))
         ready: dict[int, concurrent.futures.Future[None]] = {}
         for k in range(min(HEADER_SLOTS, len(chunks))):
-            ready[k] = self._pool.submit(self._prepare, op, chunks[k], self._page_slot(k, len(chunks[k])))
+            ready[k] = self._pool.submit(self._prepare, op, chunks[k], k)
         try:
             for k, chunk in enumerate(chunks):
                 ready.pop(k).result()
@@ -673,16 +681,16 @@ class RemoteStoreBase:
                 pages = self._page_slot(k, len(chunk))
                 rows = op.rows[chunk.start : chunk.stop]
                 keys = op.keys[chunk.start : chunk.stop]
-                for i, status in zip(chunk, self._call(op, chunk, lambda: self._client.put_chunk(keys, pages, rows))):
+                slot = k % HEADER_SLOTS
+                for i, status in zip(chunk, self._call(op, chunk, lambda: self._client.put_chunk(keys, pages, rows, slot))):
                     if status.kind is None:
                         op.succeeded[i] = True
                         op.generations[i] = op.put_generations[i]
                     else:
                         op.fail(i, status.kind, status.message, status.code)
                 if k + HEADER_SLOTS < len(chunks):
-                    nxt = chunks[k + HEADER_SLOTS]
                     ready[k + HEADER_SLOTS] = self._pool.submit(
-                        self._prepare, op, nxt, self._page_slot(k + HEADER_SLOTS, len(nxt))
+                        self._prepare, op, chunks[k + HEADER_SLOTS], k + HEADER_SLOTS
                     )
         finally:
             for future in ready.values():  # never leave a checksum thread on the header pages

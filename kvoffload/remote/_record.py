@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from typing import Final, cast
 
 import attrs
@@ -36,6 +37,7 @@ __all__ = [
     "FLAG_CHECKSUM",
     "FLAG_FINGERPRINT",
     "FLAG_VALID",
+    "CRC32_IMPLEMENTATION",
     "FORMAT_VERSION",
     "HEADER_CRC_OFFSET",
     "KEY_OFFSET",
@@ -79,9 +81,24 @@ def _buf(array: U8Array) -> Buffer:
     return cast(Buffer, array)
 
 
+def _fastest_crc32() -> tuple[Callable[[Buffer], int], str]:
+    """ISA-L's CRC32 where the ``isal`` package is installed (the same CRC-32 as zlib's, about ten
+    times faster with carry-less multiplication), else zlib's."""
+    try:
+        from isal import isal_zlib  # noqa: PLC0415 - an optional accelerator
+    except ImportError:
+        return zlib.crc32, "zlib"
+    crc = cast(Callable[[Buffer], int], isal_zlib.crc32)
+    probe = bytes(range(256)) * 17
+    return (crc, "isal") if crc(probe) == zlib.crc32(probe) else (zlib.crc32, "zlib")
+
+
+_PAYLOAD_CRC32, CRC32_IMPLEMENTATION = _fastest_crc32()
+
+
 def payload_crc(payload: U8Array) -> int:
-    """CRC32 (zlib) of a host record; releases the GIL while it runs."""
-    return zlib.crc32(_buf(payload))
+    """CRC32 of a host record (``CRC32_IMPLEMENTATION`` says whose: ``"isal"`` or ``"zlib"``)."""
+    return _PAYLOAD_CRC32(_buf(payload))
 
 
 def pack_header(

@@ -6,10 +6,10 @@ its host row) through ``batch_put_from_multi_buffers``, and a get lands them the
 ``batch_get_into_multi_buffers``. Keys are stored as ``key_prefix + key.hex()``.
 
 The store's own rules, as this client sees them: a put of a key that exists keeps the existing
-object (the first writer wins); a remove is forced past the object's lease (a get racing it reads a
-record that fails its checks, never a foreign one served); when the cluster's memory is full the master evicts objects whose
-lease expired, and refuses puts (``store_full``) while none can be evicted; an evicted key is a clean
-miss. Status codes map to kinds: -704 ``not_found``; -200 and -1700 ``store_full``; -900 and -901
+object (the first writer wins); a remove is forced past the object's lease (a get racing it
+reads a record that fails its checks, never a foreign one served); when the cluster's memory is full
+the master evicts objects whose lease expired, and refuses puts (``store_full``) while none can be
+evicted; an evicted key is a clean miss. Status codes map to kinds: -704 ``not_found``; -200 and -1700 ``store_full``; -900 and -901
 ``unavailable``; -600 and -800 on a get ``size_mismatch`` when the object's size is not one record
 of this layout, else ``transfer_failed``; -707 ``transfer_failed``; any other ``rejected``.
 
@@ -160,7 +160,10 @@ class _MooncakeClient:
             for j, r in enumerate(rows)
         ]
 
-    def put_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array) -> list[ChunkStatus]:
+    def prepare_put(self, slot: int, headers: U8Array, rows: I64Array) -> None:
+        """Nothing to stage: the engine reads the header pages and the rows where they are."""
+
+    def put_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array, slot: int) -> list[ChunkStatus]:
         codes = self._store.batch_put_from_multi_buffers(
             [self.name(k) for k in keys], self._buffers(headers, rows), [self._sizes] * len(keys)
         )

@@ -1,7 +1,8 @@
 """RedisClusterStore: the remote tier on a Redis Cluster (``redis`` with ``hiredis``, optional extra).
 
 A record is one Redis string: the header page followed by the host record. A put copies each chunk's
-records into a staging buffer the store owns (``batch_records`` records) and sends them with
+records into a staging buffer the store owns (two slots of ``batch_records`` records, filled by the
+checksum threads ahead of the sends) and sends them with
 ``SET key value NX`` in one pipeline (the first writer wins, as on Mooncake); a get receives each
 value as ``bytes`` and copies it into the header page and the host row. Keys are stored as
 ``key_prefix + key`` and spread over the cluster's slots.
@@ -117,7 +118,7 @@ class _RedisClient:
         self._rows = rows
         self._prefix = prefix
         self._record_bytes = int(rows.shape[1])
-        self._staging = np.empty((batch, PAGE_BYTES + self._record_bytes), dtype=np.uint8)
+        self._staging = np.empty((HEADER_SLOTS, batch, PAGE_BYTES + self._record_bytes), dtype=np.uint8)
 
     def _pipeline(self, keys: Sequence[bytes], command: str, *args: Any, **kwargs: Any) -> list[Any]:
         pipe = self._cluster.pipeline(transaction=False)
@@ -125,13 +126,17 @@ class _RedisClient:
             getattr(pipe, command)(self._prefix + key, *args, **kwargs)
         return list(pipe.execute(raise_on_error=False))
 
-    def put_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array) -> list[ChunkStatus]:
+    def prepare_put(self, slot: int, headers: U8Array, rows: I64Array) -> None:
+        """Copy each record (header page, host row) into staging slot ``slot`` as one value."""
+        staging = self._staging[slot]
+        for j, row in enumerate(rows):
+            staging[j, :PAGE_BYTES] = headers[j]
+            staging[j, PAGE_BYTES:] = self._rows[int(row)]
+
+    def put_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array, slot: int) -> list[ChunkStatus]:
         pipe = self._cluster.pipeline(transaction=False)
-        for j, (key, row) in enumerate(zip(keys, rows)):
-            value = self._staging[j]
-            value[:PAGE_BYTES] = headers[j]
-            value[PAGE_BYTES:] = self._rows[int(row)]
-            pipe.set(self._prefix + key, memoryview(value), nx=True)
+        for j, key in enumerate(keys):
+            pipe.set(self._prefix + key, memoryview(self._staging[slot, j]), nx=True)
         replies = pipe.execute(raise_on_error=False)
         return [self.failure(r) if isinstance(r, Exception) else OK for r in replies]
 

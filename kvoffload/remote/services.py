@@ -214,7 +214,7 @@ class MooncakeServices:
         self.lender = lender
 
     @classmethod
-    def start(cls, *, segment_bytes: int = 256 << 20, lease_ttl_ms: int = 200, timeout: float = 30.0) -> MooncakeServices:
+    def start(cls, *, segment_bytes: int = 256 << 20, lease_ttl_ms: int = 1000, timeout: float = 30.0) -> MooncakeServices:
         """Start the master, then the lender, each waited for until it listens (within ``timeout``).
 
         ``lease_ttl_ms`` is the master's lease of an object after each access (it is not evicted or

@@ -41,7 +41,10 @@ class ScriptedClient:
         if self.gate is not None:
             assert self.gate.wait(30)
 
-    def put_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64) -> list[ChunkStatus]:
+    def prepare_put(self, slot: int, headers: U8, rows: I64) -> None:
+        pass
+
+    def put_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64, slot: int) -> list[ChunkStatus]:
         self._hold()
         for j, key in enumerate(keys):
             self.data.setdefault(key, headers[j].tobytes() + self.rows[int(rows[j])].tobytes())
