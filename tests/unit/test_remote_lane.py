@@ -170,3 +170,23 @@ def test_a_deadline_that_passes_before_the_call_starts_leaves_the_client_untouch
     assert store.wait_idle(10)
     assert store.stats().failures["timeout"] == 1
     store.close()
+
+
+def test_host_rows_may_be_a_cpu_torch_tensor_and_bad_rows_are_refused() -> None:
+    import torch
+
+    from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
+    from kvoffload.remote._base import as_host_rows
+
+    tensor = torch.zeros((4, PAGE_BYTES), dtype=torch.uint8)
+    view = as_host_rows(tensor)
+    view[1, 7] = 9
+    assert int(tensor[1, 7]) == 9, "the rows are borrowed, not copied"
+    with pytest.raises(ArgumentTypeError):
+        as_host_rows(torch.zeros((4, PAGE_BYTES), dtype=torch.float32))
+    with pytest.raises(InvalidArgumentError):
+        as_host_rows(np.zeros((4, 1000), dtype=np.uint8))
+    with pytest.raises(InvalidArgumentError):
+        as_host_rows(np.zeros((4, 2 * PAGE_BYTES), dtype=np.uint8)[:, ::2])
+    with pytest.raises(ArgumentTypeError):
+        as_host_rows([[0] * PAGE_BYTES])
