@@ -35,6 +35,13 @@ __all__ = [
     "MissingDependencyError",
     "PolicyError",
     "RegionError",
+    "RemoteError",
+    "RemoteIntegrityError",
+    "RemoteMissError",
+    "RemoteShutdownError",
+    "RemoteStoreError",
+    "RemoteTimeoutError",
+    "RemoteUnavailableError",
     "ShutdownError",
     "TransferError",
     "UnknownJobError",
@@ -292,6 +299,98 @@ class DiskShutdownError(ShutdownError):
             message += (
                 " (the disk file descriptor was kept open: an I/O thread did not stop and may still "
                 "use it and the host records)"
+            )
+        super().__init__(message, failures)
+
+
+class RemoteError(KVOffloadError):
+    """Base of the remote tier's errors that say something about the store or a record broke.
+
+    ``kind`` names the failure in one word (the values of ``kvoffload.remote.RemoteErrorKind``, e.g.
+    ``"not_found"``, ``"checksum_mismatch"``, ``"timeout"``), ``keys`` are the block keys concerned
+    and ``code`` is the store client's own status code when it gave one. The subclasses say when
+    each kind is used; a remote call carries them in its result, one per failed key.
+    """
+
+    def __init__(
+        self, message: str, *, kind: str, keys: Sequence[bytes] = (), code: int | None = None
+    ) -> None:
+        self.kind = kind
+        self.keys: tuple[bytes, ...] = tuple(keys)
+        self.code = code
+        super().__init__(message)
+
+
+class RemoteMissError(RemoteError, TransferError):
+    """A get found no record under the key (``"not_found"``): never stored, evicted, or removed.
+
+    A clean miss: nothing was served, and the host row was zero-filled.
+    """
+
+
+class RemoteIntegrityError(RemoteError, TransferError):
+    """A record read back did not verify, and was not served (its host row was zero-filled).
+
+    Kinds: ``"size_mismatch"`` (the stored value is not one header page plus one host record of this
+    layout), ``"header_invalid"`` (no record header, a header whose CRC32 fails, another format
+    version, a header that is not a remote record's), ``"fingerprint_mismatch"`` (written by an
+    instance with another layout), ``"key_mismatch"`` (the header names another key),
+    ``"generation_mismatch"`` (another write of the key than the caller expects) and
+    ``"checksum_mismatch"`` (the payload is not the bytes that were written).
+    """
+
+
+class RemoteTimeoutError(RemoteError, TransferError):
+    """The call's deadline passed before the key's operation finished (``"timeout"``).
+
+    ``settled`` is False when the store client was still inside the operation at the deadline: it may
+    still read (a put) or write (a get) the host rows of the call until the store reports it idle
+    (``wait_idle``); the rows of such a get are zero-filled once the operation returns.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        keys: Sequence[bytes] = (),
+        settled: bool = True,
+        code: int | None = None,
+    ) -> None:
+        self.settled = settled
+        super().__init__(message, kind="timeout", keys=keys, code=code)
+
+
+class RemoteUnavailableError(RemoteError, TransferError):
+    """The store could not be reached or did not answer (``"unavailable"``: refused connection,
+    failed RPC, a server that went away), or the store was closed before the operation started
+    (``"closed"``). Also raised by ``create`` when the store cannot be joined (nothing is left open).
+    """
+
+
+class RemoteStoreError(RemoteError, TransferError):
+    """The store answered, but refused or failed the operation: ``"store_full"`` (no space and
+    nothing it may evict), ``"transfer_failed"`` (its data transfer failed) or ``"rejected"`` (any
+    other status; ``code`` holds it)."""
+
+
+class RemoteShutdownError(ShutdownError):
+    """Raised by a remote store's ``close`` after all cleanup ran, carrying every failure.
+
+    ``client_left_open`` is true when an operation was still running inside the store client at the
+    deadline: the client (and its registration of the host rows) was deliberately not closed, since
+    closing it under a running call could let that call touch freed memory; the store releases it
+    when that call returns (``wait_idle`` tells). Until then the host rows are still in use and must
+    not be unmapped.
+    """
+
+    def __init__(
+        self, message: str, failures: Sequence[BaseException] = (), *, client_left_open: bool = False
+    ) -> None:
+        self.client_left_open = client_left_open
+        if client_left_open:
+            message += (
+                " (the store client was left open: an operation was still running in it and may "
+                "still use the host rows; it is released when that operation returns)"
             )
         super().__init__(message, failures)
 

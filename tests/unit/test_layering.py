@@ -70,6 +70,15 @@ LAYERS: dict[str, int] = {
     "cli.replay": 13,
     "cli.__init__": 14,
     "__main__": 15,
+    # the remote tier (an optional extra)
+    "remote._types": 1,
+    "remote._record": 2,
+    "remote._base": 3,
+    "remote.mooncake": 4,
+    "remote.redis_cluster": 4,
+    "remote.services": 5,
+    "remote.__init__": 5,
+    "remote.bench": 6,
     # engine adapters, optional extras on the public surface
     "integrations.__init__": 10,
     "integrations.vllm_support": 10,

@@ -1,0 +1,192 @@
+"""The shared machinery of the remote stores (lane, deadlines, close) with a scripted store client.
+
+The stores themselves run against real services in tests/remote; these cases need a client that
+hangs or answers on command, which a real service cannot do deterministically.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvoffload.errors import RemoteShutdownError, RemoteTimeoutError, RemoteUnavailableError
+from kvoffload.remote._base import HEADER_SLOTS, OK, ChunkStatus, RemoteStoreBase, _Lane
+from kvoffload.remote._record import PAGE_BYTES
+from kvoffload.remote._types import RemoteErrorKind
+
+RECORD = PAGE_BYTES
+U8 = np.ndarray[Any, np.dtype[np.uint8]]
+I64 = np.ndarray[Any, np.dtype[np.int64]]
+
+
+class ScriptedClient:
+    """Keeps records in a dict; ``gate`` (when set) holds every call until it is opened."""
+
+    backend = "scripted"
+
+    def __init__(self, rows: U8) -> None:
+        self.rows = rows
+        self.data: dict[bytes, bytes] = {}
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.closed = 0
+
+    def _hold(self) -> None:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(30)
+
+    def prepare_put(self, slot: int, headers: U8, rows: I64) -> None:
+        pass
+
+    def put_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64, slot: int) -> list[ChunkStatus]:
+        self._hold()
+        for j, key in enumerate(keys):
+            self.data.setdefault(key, headers[j].tobytes() + self.rows[int(rows[j])].tobytes())
+        return [OK] * len(keys)
+
+    def get_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64) -> list[ChunkStatus]:
+        self._hold()
+        out = []
+        for j, key in enumerate(keys):
+            value = self.data.get(key)
+            if value is None:
+                out.append(ChunkStatus(RemoteErrorKind.NOT_FOUND, "absent"))
+                continue
+            data = np.frombuffer(value, dtype=np.uint8)
+            headers[j] = data[:PAGE_BYTES]
+            self.rows[int(rows[j])] = data[PAGE_BYTES:]
+            out.append(OK)
+        return out
+
+    def exists_chunk(self, keys: Sequence[bytes]) -> list[ChunkStatus]:
+        self._hold()
+        return [ChunkStatus(present=k in self.data) for k in keys]
+
+    def remove_chunk(self, keys: Sequence[bytes]) -> list[ChunkStatus]:
+        self._hold()
+        for k in keys:
+            self.data.pop(k, None)
+        return [OK] * len(keys)
+
+    def failure(self, exc: Exception) -> ChunkStatus:
+        return ChunkStatus(RemoteErrorKind.UNAVAILABLE, str(exc))
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def make_store(n: int = 16, batch: int = 4) -> tuple[RemoteStoreBase, ScriptedClient, U8]:
+    rows = np.random.default_rng(0).integers(0, 256, size=(n, RECORD), dtype=np.uint8)
+    client = ScriptedClient(rows)
+    store = RemoteStoreBase(
+        client=client, host_rows=rows, headers=np.zeros((HEADER_SLOTS * batch, PAGE_BYTES), np.uint8),
+        fingerprint=b"fp", batch_records=batch, checksum_threads=2, lane=_Lane("kvoffload-test-lane"),
+    )
+    return store, client, rows
+
+
+def test_a_round_trip_over_many_chunks_is_bit_exact() -> None:
+    store, _, rows = make_store(n=32, batch=3)
+    keys = [b"k%d" % i for i in range(16)]
+    assert store.put(keys, range(16), timeout=10).ok
+    got = store.get(keys, range(16, 32), timeout=10)
+    assert got.ok and np.array_equal(rows[16:], rows[:16])
+    store.close()
+
+
+def test_close_leaves_a_stuck_client_open_and_says_so() -> None:
+    store, client, rows = make_store()
+    assert store.put([b"a"], [0], timeout=10).ok
+    client.gate = threading.Event()
+    rows[1] = 0xEE
+    result = store.get([b"a"], [1], timeout=0.2)
+    assert not result.settled and isinstance(result.error, RemoteTimeoutError)
+    assert not result.error.settled
+    assert store.stats().busy == 1 and store.stats().abandoned == 1
+    with pytest.raises(RemoteShutdownError) as info:
+        store.close(timeout=0.2)
+    assert info.value.client_left_open and client.closed == 0
+    client.gate.set()
+    assert store.wait_idle(10)
+    assert not rows[1].any(), "the rows of an abandoned get are zero-filled once it returns"
+    deadline = time.monotonic() + 10
+    while client.closed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.closed == 1, "the lane releases the client when the stuck call returns"
+    store.close()  # idempotent: the second close does nothing
+
+
+def test_close_fails_the_calls_still_queued_and_zero_fills_their_rows() -> None:
+    store, client, rows = make_store()
+    assert store.put([b"a", b"b"], [0, 1], timeout=10).ok
+    client.gate = threading.Event()
+    client.entered.clear()
+    results: dict[str, Any] = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", store.get([b"a"], [2], timeout=30)))
+    first.start()
+    assert client.entered.wait(10)
+    second = threading.Thread(target=lambda: results.setdefault("second", store.get([b"b"], [3], timeout=30)))
+    second.start()
+
+    def close() -> None:
+        try:
+            store.close(timeout=1.0)
+        except RemoteShutdownError as exc:
+            results["close"] = exc
+
+    closer = threading.Thread(target=close)
+    rows[3] = 0xEE
+    closer.start()
+    second.join(10)
+    assert isinstance(results["second"].error, RemoteUnavailableError)
+    assert results["second"].error.kind == "closed" and not rows[3].any()
+    closer.join(10)
+    assert results["close"].client_left_open  # the first call was still inside the client
+    client.gate.set()
+    first.join(10)
+    assert results["first"].ok
+    assert store.wait_idle(10)
+
+
+def test_a_deadline_that_passes_before_the_call_starts_leaves_the_client_untouched() -> None:
+    store, client, rows = make_store()
+    client.gate = threading.Event()
+    client.entered.clear()
+    blocker = threading.Thread(target=lambda: store.exists([b"x"], timeout=10))
+    blocker.start()
+    assert client.entered.wait(10)
+    rows[5] = 0xEE
+    result = store.get([b"x"], [5], timeout=0.05)
+    assert result.settled and isinstance(result.error, RemoteTimeoutError) and result.error.settled
+    assert not rows[5].any()
+    client.gate.set()
+    blocker.join(10)
+    assert store.wait_idle(10)
+    assert store.stats().failures["timeout"] == 1
+    store.close()
+
+
+def test_host_rows_may_be_a_cpu_torch_tensor_and_bad_rows_are_refused() -> None:
+    import torch
+
+    from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
+    from kvoffload.remote._base import as_host_rows
+
+    tensor = torch.zeros((4, PAGE_BYTES), dtype=torch.uint8)
+    view = as_host_rows(tensor)
+    view[1, 7] = 9
+    assert int(tensor[1, 7]) == 9, "the rows are borrowed, not copied"
+    with pytest.raises(ArgumentTypeError):
+        as_host_rows(torch.zeros((4, PAGE_BYTES), dtype=torch.float32))
+    with pytest.raises(InvalidArgumentError):
+        as_host_rows(np.zeros((4, 1000), dtype=np.uint8))
+    with pytest.raises(InvalidArgumentError):
+        as_host_rows(np.zeros((4, 2 * PAGE_BYTES), dtype=np.uint8)[:, ::2])
+    with pytest.raises(ArgumentTypeError):
+        as_host_rows([[0] * PAGE_BYTES])
