@@ -82,10 +82,12 @@ LAYERS: dict[str, int] = {
     # engine adapters, optional extras on the public surface
     "integrations.__init__": 10,
     "integrations.vllm_support": 10,
-    "integrations.vllm": 11,
+    "integrations._vllm_worker": 11,
+    "integrations.vllm": 12,
     "integrations._transformers_surface": 10,
-    "integrations.transformers": 11,
-    "integrations.transformers_demo": 12,
+    "integrations._transformers_session": 11,
+    "integrations.transformers": 12,
+    "integrations.transformers_demo": 13,
 }
 CUDA_PACKAGES = ("bindings.",)
 #: Modules that must not import torch at run time (the scheduler side and what it stands on).

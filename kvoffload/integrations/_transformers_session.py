@@ -1,0 +1,454 @@
+"""The transformers integration's session: one engine cache's stores and loads through a kvoffload
+Worker and Manager (see :mod:`kvoffload.integrations.transformers` for what happens when), and the
+records and protocols it shares with the public module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+
+import kvoffload
+from kvoffload.integrations import _transformers_surface as surface
+
+__all__ = [
+    "OffloadStats",
+    "UnsupportedEngineError",
+    "WorkerFactory",
+    "WorkerLike",
+]
+
+_log = logging.getLogger("kvoffload.integrations.transformers")
+
+_KEY_BYTES: Final = 8  # the engine's block hashes are 64-bit
+
+
+class UnsupportedEngineError(kvoffload.KVOffloadError, RuntimeError):
+    """Raised when transformers is missing, outside :data:`SUPPORTED_TRANSFORMERS`, when the private
+    names the integration relies on moved, or when the model is of a kind the integration does not
+    support (sliding-window layers, tensor parallelism, a device other than the CPU or CUDA). The
+    message names what was found and what is supported."""
+
+
+class WorkerLike(Protocol):
+    """The part of :class:`kvoffload.Worker` the integration uses (a test may wrap a real worker)."""
+
+    def store(self, job_id: int, device_blocks: Sequence[int], host_blocks: Sequence[int], *,
+              stream: object = None) -> None: ...
+
+    def load(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
+             stream: object = None) -> None: ...
+
+    def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
+                       stream: object = None) -> None: ...
+
+    def demote(self, job_id: int, host_blocks: Sequence[int], disk_blocks: Sequence[int]) -> None: ...
+
+    def poll(self) -> list[kvoffload.TransferResult]: ...
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[kvoffload.TransferResult]: ...
+
+    def shutdown(self, timeout: float = ...) -> None: ...
+
+
+WorkerFactory = Callable[["kvoffload.DeviceLayout", int, "kvoffload.DiskConfig | None"], WorkerLike]
+"""Builds the worker of a session from the engine cache's layout, the host pool size and the disk
+tier (the default is ``Worker.create(layout, num_host_blocks, disk=disk)``)."""
+
+
+@attrs.frozen
+class OffloadStats:
+    """What the integration did, over every session of one ``offloading`` context (blocks are engine
+    blocks of ``tokens_per_block`` tokens).
+
+    Attributes:
+        sessions: engine sessions that ran with kvoffload (each with its own host pool).
+        sessions_without_prefix_sharing: sessions left alone because the engine did not share prefixes
+            (``allow_block_sharing=False``).
+        blocks_stored: blocks whose store completed (host records that became loadable).
+        blocks_store_failed: blocks whose store job failed (never loadable).
+        blocks_not_stored: complete blocks not stored because every host record was busy.
+        blocks_loaded_host / blocks_loaded_disk: blocks loaded into the engine's cache and registered.
+        blocks_load_failed: blocks of failed or late loads (recomputed instead).
+        prompt_tokens_engine_cache: prompt tokens the engine found in its own cache.
+        prompt_tokens_host / prompt_tokens_disk: prompt tokens served by loaded blocks.
+        prompt_tokens_computed: prompt tokens that ran through the model (prefill chunks).
+        engine_blocks_evicted: cached (unreferenced) engine blocks evicted to make room for loads.
+        manager: the current (or last) session's :class:`~kvoffload.ManagerStats`, or None.
+
+    Counts are as of the engine's last scheduling step: a job that finished after it is counted at
+    the next step (an idle engine schedules no step).
+    """
+
+    sessions: int
+    sessions_without_prefix_sharing: int
+    blocks_stored: int
+    blocks_store_failed: int
+    blocks_not_stored: int
+    blocks_loaded_host: int
+    blocks_loaded_disk: int
+    blocks_load_failed: int
+    prompt_tokens_engine_cache: int
+    prompt_tokens_host: int
+    prompt_tokens_disk: int
+    prompt_tokens_computed: int
+    engine_blocks_evicted: int
+    manager: kvoffload.ManagerStats | None
+
+
+@attrs.define
+class _Counters:
+    sessions: int = 0
+    sessions_without_prefix_sharing: int = 0
+    blocks_stored: int = 0
+    blocks_store_failed: int = 0
+    blocks_not_stored: int = 0
+    blocks_loaded_host: int = 0
+    blocks_loaded_disk: int = 0
+    blocks_load_failed: int = 0
+    prompt_tokens_engine_cache: int = 0
+    prompt_tokens_host: int = 0
+    prompt_tokens_disk: int = 0
+    prompt_tokens_computed: int = 0
+    engine_blocks_evicted: int = 0
+
+
+@attrs.define
+class _Store:
+    """A store plan in flight: its device blocks (held in the engine's cache) and their hashes."""
+
+    plan: kvoffload.StorePlan
+    device_blocks: list[int]
+    hashes: list[int]
+
+
+@attrs.define
+class _Match:
+    """What :meth:`_Session.before_prefix_match` did for one prompt."""
+
+    resident_blocks: int
+    registered: list[int] = attrs.Factory(list)  # device blocks held until the match is over
+    tiers: list[kvoffload.Tier] = attrs.Factory(list)
+
+
+def _key(block_hash: int) -> bytes:
+    return block_hash.to_bytes(_KEY_BYTES, "little", signed=False)
+
+
+class _Owner(Protocol):
+    """What a session borrows from its :class:`~kvoffload.integrations.transformers.Offloader`."""
+
+    _lock: threading.RLock
+    _counts: _Counters
+    load_timeout: float
+
+    @property
+    def _compute_stream(self) -> Any: ...
+
+
+class _Session:
+    """One engine session's offload state: its cache adapter, manager and worker.
+
+    Owns the worker (shut down by :meth:`close`) and the references it holds in the engine's cache
+    for stores in flight (released in the generation thread: at the next step, or by
+    :meth:`before_schedule` once closed). Borrows the cache. Every method but :meth:`close` and
+    :meth:`manager_stats` runs in the engine's generation thread; all of them take the offloader's
+    lock.
+    """
+
+    def __init__(self, owner: _Owner, cache: surface.EngineCache, manager: kvoffload.Manager,
+                 worker: WorkerLike) -> None:
+        self._owner = owner
+        self._lock = owner._lock
+        self._counts = owner._counts
+        self._cache: surface.EngineCache | None = cache
+        self._tokens_per_block = cache.tokens_per_block
+        self._manager = manager
+        self._worker: WorkerLike | None = worker
+        self._jobs = itertools.count(1)
+        self._new: list[tuple[int, int]] = []
+        self._stores: dict[int, _Store] = {}
+        self._demotions: dict[int, _Store] = {}
+        self._late_loads: dict[int, tuple[kvoffload.LoadPlan, list[bytes], list[int]]] = {}
+        self._held: set[int] = set()  # engine blocks held until their store completed
+        self._closed = False
+
+    # ------------------------------------------------------------------ generation thread
+
+    @property
+    def active(self) -> bool:
+        """False once the session is closed: the scheduler then behaves as the engine's own."""
+        return not self._closed
+
+    def on_new_hash(self, block: int, block_hash: int) -> None:
+        """The engine registered ``block`` as complete with ``block_hash``: store it next step."""
+        if not self._closed:
+            self._new.append((block, block_hash))
+
+    def before_schedule(self) -> bool:
+        """Collect finished jobs and store the blocks completed since the last step. Returns False
+        once closed (after releasing the references stores in flight held at close)."""
+        with self._lock:
+            cache = self._cache
+            if self._closed:  # the worker is shut down: no copy touches these blocks any more
+                if cache is not None:
+                    for block in self._held:
+                        cache.release(block)
+                    for _, _, blocks in self._late_loads.values():
+                        cache.return_blocks(blocks)
+                    self._held.clear()
+                    self._late_loads.clear()
+                    self._cache = None
+                return False
+            assert self._worker is not None and cache is not None
+            self._collect(self._worker.poll())
+            self._store_new(cache, self._worker)
+            return True
+
+    def before_prefix_match(self, prompt: Sequence[int]) -> object:
+        """Load the host and disk hits that follow the prompt's resident prefix into free engine
+        blocks and register them, so that the engine's prefix match shares them."""
+        with self._lock:
+            if self._closed or self._cache is None or self._worker is None:
+                return None
+            cache, worker = self._cache, self._worker
+            hashes = cache.block_hashes(prompt)
+            resident = cache.resident_prefix(hashes)
+            match = _Match(len(resident))
+            wanted = [_key(h) for h in hashes[len(resident):]]
+            hits = self._manager.lookup(wanted) if wanted else 0
+            if hits == 0:
+                return match
+            room = self._make_room(cache, worker, hits + 1, resident)  # a block for the prompt's rest
+            count = min(hits, room - 1)
+            if count <= 0:
+                return match
+            plan = self._manager.prepare_load(wanted[:count])
+            blocks = cache.take_blocks(count)
+            ok = self._load(worker, plan, blocks)
+            if ok is None:  # late: the blocks stay out of the pool until the jobs finished
+                return match
+            good = next((i for i, fine in enumerate(ok) if not fine), count)
+            registered = cache.register_held(blocks[:good], hashes[len(resident):len(resident) + good])
+            cache.return_blocks(blocks[registered:])
+            match.registered = blocks[:registered]
+            match.tiers = list(plan.tiers[:registered])
+            failed = [k for k, fine in zip(plan.keys, ok) if not fine]
+            if failed:
+                self._manager.complete_load(plan, [k for k, fine in zip(plan.keys, ok) if fine])
+                self._manager.complete_load(plan, failed, ok=False)
+                self._counts.blocks_load_failed += len(failed)
+                _log.warning("%d of %d loaded blocks failed; their tokens are recomputed",
+                             len(failed), count)
+            else:
+                self._manager.complete_load(plan)
+            for tier in match.tiers:
+                if tier is kvoffload.Tier.HOST:
+                    self._counts.blocks_loaded_host += 1
+                else:
+                    self._counts.blocks_loaded_disk += 1
+            return match
+
+    def after_prefix_match(self, token: object, matched_tokens: int) -> None:
+        """Drop the references of :meth:`before_prefix_match` (the request now holds the blocks it
+        matched) and count where the matched tokens came from."""
+        with self._lock:
+            if not isinstance(token, _Match):
+                return
+            size = self._tokens_per_block
+            if self._cache is not None:
+                for block in token.registered:
+                    self._cache.release(block)
+            matched_blocks = matched_tokens // size
+            engine = min(matched_blocks, token.resident_blocks)
+            self._counts.prompt_tokens_engine_cache += engine * size
+            for tier in token.tiers[:max(0, matched_blocks - engine)]:
+                if tier is kvoffload.Tier.HOST:
+                    self._counts.prompt_tokens_host += size
+                else:
+                    self._counts.prompt_tokens_disk += size
+
+    def after_schedule(self, chunks: list[surface.ScheduledChunk] | None, starved: bool) -> bool:
+        """Count the prompt tokens of the step. When the cache was short (nothing fit, or active
+        requests starved) while stores hold blocks, wait for those stores so that the engine may
+        evict their blocks; after nothing fit, ask for another attempt."""
+        with self._lock:
+            if chunks is not None:
+                self._counts.prompt_tokens_computed += sum(c.tokens for c in chunks if c.prompt)
+            if not (chunks is None or starved):
+                return False
+            if self._closed or self._worker is None or not (self._stores or self._demotions):
+                return False
+            try:
+                self._drain(self._worker, self._owner.load_timeout)
+            except kvoffload.WaitTimeoutError as exc:
+                _log.warning("stores still hold engine blocks after %.1f s: %s",
+                             self._owner.load_timeout, exc)
+                return False
+            return chunks is None
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _stream(self) -> object:
+        return self._owner._compute_stream
+
+    def _store_new(self, cache: surface.EngineCache, worker: WorkerLike) -> None:
+        new, self._new = self._new, []
+        blocks: dict[bytes, tuple[int, int]] = {}
+        for block, block_hash in new:
+            if cache.hash_of(block) == block_hash:  # still the complete block it was registered as
+                blocks.setdefault(_key(block_hash), (block, block_hash))
+        if not blocks:
+            return
+        keys = list(blocks)
+        count = len(keys)
+        plan = self._manager.prepare_store(keys)
+        if plan is None:  # the step's leading blocks, as many as the pool takes now
+            count = min(count, self._manager.num_host_blocks)
+            while plan is None and count > 0:
+                plan = self._manager.prepare_store(keys[:count])
+                count = count if plan is not None else count // 2
+        self._counts.blocks_not_stored += len(keys) - count
+        if plan is None:
+            return
+        if not plan.keys:
+            return
+        store = _Store(plan, [blocks[k][0] for k in plan.keys], [blocks[k][1] for k in plan.keys])
+        for block in store.device_blocks:
+            cache.hold(block)
+        self._held.update(store.device_blocks)
+        if plan.demotions:
+            job = next(self._jobs)
+            worker.demote(job, [d.host_block for d in plan.demotions], [d.disk_block for d in plan.demotions])
+            self._demotions[job] = store
+        else:
+            self._submit_store(worker, store)
+
+    def _make_room(self, cache: surface.EngineCache, worker: WorkerLike, wanted: int,
+                   resident: list[int]) -> int:
+        """Free engine blocks for a load of ``wanted - 1`` blocks: evict cached blocks (never the
+        prompt's ``resident`` prefix), and if that is not enough, wait for the stores that hold
+        blocks and evict again. Returns the blocks available."""
+        room = cache.available_blocks()
+        for attempt in range(2):
+            if room >= wanted:
+                break
+            evicted = cache.evict_cached(wanted - room, keep=resident)
+            self._counts.engine_blocks_evicted += evicted
+            room += evicted
+            if room >= wanted or attempt or not (self._stores or self._demotions):
+                break
+            try:
+                self._drain(worker, self._owner.load_timeout)
+            except kvoffload.WaitTimeoutError as exc:
+                _log.warning("stores still hold engine blocks after %.1f s: %s", self._owner.load_timeout, exc)
+                break
+        return room
+
+    def _submit_store(self, worker: WorkerLike, store: _Store) -> None:
+        job = next(self._jobs)
+        worker.store(job, store.device_blocks, store.plan.host_blocks, stream=self._stream())
+        self._stores[job] = store
+
+    def _load(self, worker: WorkerLike, plan: kvoffload.LoadPlan, blocks: list[int]) -> list[bool] | None:
+        """Load ``plan`` into ``blocks`` and wait; per block, whether its job succeeded (None: a job
+        did not finish in time; it completes later through :meth:`_collect`)."""
+        jobs: list[tuple[int, list[int]]] = []
+        for tier in (kvoffload.Tier.HOST, kvoffload.Tier.DISK):
+            rows = [i for i, t in enumerate(plan.tiers) if t is tier]
+            if not rows:
+                continue
+            job = next(self._jobs)
+            src = [plan.blocks[i] for i in rows]
+            dst = [blocks[i] for i in rows]
+            if tier is kvoffload.Tier.HOST:
+                worker.load(job, src, dst, stream=self._stream())
+            else:
+                worker.load_from_disk(job, src, dst, stream=self._stream())
+            jobs.append((job, rows))
+        try:
+            results = worker.wait([job for job, _ in jobs], timeout=self._owner.load_timeout)
+        except kvoffload.WaitTimeoutError as exc:
+            _log.warning("loads did not finish within %.1f s; their tokens are recomputed: %s",
+                         self._owner.load_timeout, exc)
+            for job, rows in jobs:
+                self._late_loads[job] = (plan, [plan.keys[i] for i in rows], [blocks[i] for i in rows])
+            return None
+        ok = [False] * len(blocks)
+        for (_, rows), result in zip(jobs, results):
+            for i in rows:
+                ok[i] = result.ok
+        return ok
+
+    def _collect(self, results: Sequence[kvoffload.TransferResult]) -> None:
+        assert self._cache is not None and self._worker is not None
+        for result in results:
+            store = self._stores.pop(result.job_id, None)
+            if store is not None:
+                self._finish_store(store, result.ok)
+                continue
+            demoted = self._demotions.pop(result.job_id, None)
+            if demoted is not None:
+                self._manager.complete_demote(demoted.plan, result.ok)
+                self._submit_store(self._worker, demoted)
+                continue
+            late = self._late_loads.pop(result.job_id, None)
+            if late is not None:
+                plan, keys, blocks = late
+                self._manager.complete_load(plan, keys, ok=False)
+                self._counts.blocks_load_failed += len(keys)
+                self._cache.return_blocks(blocks)
+                continue
+            _log.warning("a result for job %d that this session did not submit: %s", result.job_id, result)
+
+    def _finish_store(self, store: _Store, ok: bool) -> None:
+        assert self._cache is not None
+        intact = [self._cache.hash_of(b) == h for b, h in zip(store.device_blocks, store.hashes)]
+        if ok and not all(intact):  # the engine's ledger was reset under the store: bytes unknown
+            ok = False
+        self._manager.complete_store(store.plan, ok)
+        if ok:
+            self._counts.blocks_stored += len(store.device_blocks)
+        else:
+            self._counts.blocks_store_failed += len(store.device_blocks)
+        for block, fine in zip(store.device_blocks, intact):
+            self._held.discard(block)
+            if fine:
+                self._cache.release(block)
+
+    def _drain(self, worker: WorkerLike, timeout: float) -> None:
+        """Wait for every demotion and store (and the stores that follow the demotions)."""
+        while self._demotions or self._stores:
+            jobs = list(self._demotions) + list(self._stores)
+            self._collect(worker.wait(jobs, timeout=timeout))
+
+    # ------------------------------------------------------------------ user thread
+
+    def close(self, timeout: float) -> None:
+        """Stop the hooks and shut the worker down (draining its jobs); idempotent.
+
+        The references held for stores stay until the generation thread's next step (if any)
+        releases them; the engine's cache is no longer used from here.
+
+        Raises:
+            ShutdownError: from the worker's shutdown, after everything was released.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            worker, self._worker = self._worker, None
+            cache = self._cache
+        if cache is not None:
+            cache.stop_intercepting()
+        if worker is not None:
+            worker.shutdown(timeout)
+
+    def manager_stats(self) -> kvoffload.ManagerStats:
+        """The session's manager statistics (lock held by the caller)."""
+        return self._manager.stats()
