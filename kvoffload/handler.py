@@ -41,8 +41,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload._descriptors import CopyPlan
+from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload._jobs import FailedTicket, JobBook, as_job_id, as_timeout
+from kvoffload._layer_load import LayerMarks, WholeJobMarks
 from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.errors import (
     ClosedError,
@@ -59,7 +60,7 @@ from kvoffload.records import (
     TransferResult,
 )
 
-__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "DirectionHandler", "Ticket"]
+__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "DirectionHandler", "LayeredBackend", "Ticket"]
 
 _log = logging.getLogger("kvoffload.handler")
 #: Transfers abandoned by a failed drain: their tickets keep host buffers a copy may still read, so
@@ -151,6 +152,21 @@ class Backend(Protocol):
         """Drop streams and events; called once, after the last ticket completed or was abandoned."""
 
 
+class LayeredBackend(Backend, Protocol):
+    """A backend that marks a load's layers as they land (docs/design.md §12). Optional: a handler
+    over a backend without these methods makes every layer wait for the whole job, on the host."""
+
+    def layer_marks(self, count: int) -> LayerMarks:
+        """Fresh marks for a job of ``count`` layers (caller's thread, before the issue)."""
+
+    def issue_layers(
+        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
+        marks: LayerMarks,
+    ) -> Ticket:
+        """As :meth:`Backend.issue`, one layer after the other (``plans[i]`` moves layer ``i``'s
+        pages), marking each layer in ``marks`` once its copies are enqueued; never raises."""
+
+
 @attrs.define(eq=False)
 class _Transfer:
     job_id: int
@@ -161,6 +177,8 @@ class _Transfer:
     owns_fence: bool  # the handler took the fence (and gives it back once the job was issued)
     issued: bool = False  # set under the handler's lock, with a notify of ``_issued``
     ticket: Ticket | None = None
+    layers: tuple[CopyPlan, ...] | None = None  # a layered load: one plan per layer
+    marks: LayerMarks | None = None  # owned from submit until the result is published
 
 
 class DirectionHandler:
@@ -209,6 +227,7 @@ class DirectionHandler:
         self._failed = 0
         self._bytes_done = 0
         self._busy_s = 0.0
+        self._layer_plans: tuple[tuple[PageTable, ...], tuple[CopyPlan, ...]] | None = None
 
     @classmethod
     def create(
@@ -317,6 +336,38 @@ class DirectionHandler:
             ClosedError: after shutdown.
             DeviceMismatchError: the stream is not one of the backend's device.
         """
+        self._enqueue(job_id, src, dst, stream, fence, None)
+
+    def submit_layered(
+        self, job_id: int, src: I64Array, dst: I64Array, tables: tuple[PageTable, ...], *,
+        stream: object = None,
+    ) -> LayerMarks:
+        """:meth:`submit_validated` for a job that moves layer after layer (``tables[i]``: layer
+        ``i``'s pages) and marks each as it lands; returns the marks (the handler owns them and
+        releases them once the result was published). docs/design.md §12.
+
+        The job is issued on the caller's thread whenever no other job is queued for issue, so that
+        its layers can be waited for at once.
+
+        Raises:
+            ClosedError: after shutdown.
+            DeviceMismatchError: the stream is not one of the backend's device.
+        """
+        self._check_open()
+        backend = self._backend
+        assert backend is not None
+        cached = self._layer_plans
+        if cached is None or cached[0] is not tables:
+            cached = self._layer_plans = (tables, tuple(self._plan.for_pages(t) for t in tables))
+        make = getattr(backend, "layer_marks", None)
+        marks: LayerMarks = make(len(tables)) if make is not None else WholeJobMarks(len(tables))
+        self._enqueue(job_id, src, dst, stream, None, (cached[1], marks))
+        return marks
+
+    def _enqueue(
+        self, job_id: int, src: I64Array, dst: I64Array, stream: object, fence: object,
+        layered: tuple[tuple[CopyPlan, ...], LayerMarks] | None,
+    ) -> None:
         self._check_open()
         backend = self._backend
         assert backend is not None
@@ -328,15 +379,19 @@ class DirectionHandler:
         except DeviceMismatchError:
             raise
         except Exception as exc:  # a device fault: the job is reported failed, never dropped
-            self._record(self._result(job_id, False, nbytes, 0.0, self._path, exc))
+            self._record(self._result(job_id, False, nbytes, 0.0, self._path, exc), layered)
             return
         if src.shape[0] == 0:
             if owns_fence:
                 backend.release_fence(fence)
-            self._record(self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None))
+            self._record(self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None), layered)
             return
         transfer = _Transfer(job_id, src, dst, nbytes, fence, owns_fence)
-        cost = backend.issue_cost(self._plan, int(src.shape[0]))
+        if layered is not None:
+            transfer.layers, transfer.marks = layered
+            cost = 0  # issued here whenever it may be: its layers are waited for right away
+        else:
+            cost = backend.issue_cost(self._plan, int(src.shape[0]))
         with self._lock:
             self._advance()
             idle = not self._fifo  # no job in flight: nothing for this one to overlap with
@@ -366,9 +421,14 @@ class DirectionHandler:
                 TransferError("the handler shut down before the job was issued"))
         else:
             try:
-                transfer.ticket = backend.issue(self._plan, transfer.src, transfer.dst, transfer.fence)
+                transfer.ticket = self._issue_with(backend, transfer)
             except Exception as exc:  # reported as the job's failure
                 transfer.ticket = FailedTicket(exc)
+        marks = transfer.marks
+        if isinstance(marks, WholeJobMarks):
+            marks.attach(transfer.ticket)
+        elif marks is not None:
+            marks.settle()  # layers the issue could not mark wait no more
         fence, transfer.fence = transfer.fence, None
         if transfer.owns_fence:
             backend.release_fence(fence)  # no other job waits for it: the wait was enqueued
@@ -377,6 +437,11 @@ class DirectionHandler:
             transfer.issued = True
             if self._issue_waiters:
                 self._issued.notify_all()
+
+    def _issue_with(self, backend: Backend, t: _Transfer) -> Ticket:
+        if t.layers is None or t.marks is None or isinstance(t.marks, WholeJobMarks):
+            return backend.issue(self._plan, t.src, t.dst, t.fence)
+        return backend.issue_layers(t.layers, t.src, t.dst, t.fence, t.marks)  # type: ignore[attr-defined, no-any-return]
 
     def _issuer_loop(self) -> None:
         backend = self._backend
@@ -474,6 +539,8 @@ class DirectionHandler:
                     return
             except Exception as exc:  # completion failed: the job fails, the queue moves on
                 self._fifo.popleft()
+                if head.marks is not None:
+                    head.marks.release()
                 self._record_locked(self._result(head.job_id, False, head.nbytes, 0.0, self._path, exc))
                 continue
             self._fifo.popleft()
@@ -488,6 +555,8 @@ class DirectionHandler:
             _log.debug("could not read job %d's copy time: %s", transfer.job_id, exc)
             seconds = 0.0
         ticket.release()
+        if transfer.marks is not None:
+            transfer.marks.release()
         path = ticket.path or self._path
         return self._result(transfer.job_id, error is None, transfer.nbytes, seconds, path, error)
 
@@ -499,8 +568,13 @@ class DirectionHandler:
             path=path, error=error,
         )
 
-    def _record(self, result: TransferResult) -> None:
-        """Record the result of a job that finished at submit (empty, or failed to fence)."""
+    def _record(
+        self, result: TransferResult, layered: tuple[tuple[CopyPlan, ...], LayerMarks] | None = None,
+    ) -> None:
+        """Record the result of a job that finished at submit (empty, or failed to fence); its
+        layers, if any, have nothing to wait for."""
+        if layered is not None:
+            layered[1].release()
         with self._lock:
             self._submitted += 1
             self._record_locked(result)
