@@ -113,6 +113,21 @@ class CopyPlan:
         first = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~continues) + 1))
         return starts[first], np.add.reduceat(sizes, first)
 
+    @functools.cached_property
+    def compact(self) -> CopyPlan:
+        """This plan over rows that hold only the span of the record its pages fill: page offsets
+        shifted down by the span's start, rows of the span's size rounded up to 16 bytes (the
+        staged path's slot rows for one layer). A plan of whole records is its own."""
+        starts, sizes = self.record_runs
+        lo = int(starts[0]) if starts.shape[0] else 0
+        span = -(-(int(starts[-1] + sizes[-1]) - lo) // 16) * 16 if starts.shape[0] else 16
+        if lo == 0 and span >= self.pages.record_bytes:
+            return self
+        p = self.pages
+        pages = PageTable(dev_base=p.dev_base, dev_stride=p.dev_stride, nbytes=p.nbytes,
+                          host_offset=p.host_offset - lo, segment=p.segment, record_bytes=span)
+        return attrs.evolve(self, pages=pages)
+
     def build(self, src_blocks: I64Array, dst_blocks: I64Array) -> Descriptors:
         """Descriptors for the pairs ``(src_blocks[i], dst_blocks[i])``.
 
@@ -323,19 +338,25 @@ def plan_staged_part(
     src_blocks: I64Array,
     dst_blocks: I64Array,
     slot_bases: tuple[int, ...],
-    rows_per_slot: int,
+    slot_bytes: int,
     first_slot: int = 0,
 ) -> list[StagedChunk]:
     """:func:`plan_staged` for a plan whose pages fill only part of each record (one layer's): the
-    DMA moves only those byte ranges (:attr:`CopyPlan.record_runs`) of each record, to and from the
-    same offsets of its slot row. A plan that fills whole records is :func:`plan_staged`'s.
+    DMA moves only those byte ranges (:attr:`CopyPlan.record_runs`) of each record, into slot rows
+    laid out as :attr:`CopyPlan.compact` (the ranges' span: as many rows per slot as it allows).
+    The copy kernel then moves row ``r`` of a chunk with the compact plan. A plan of whole records
+    is :func:`plan_staged`'s, with rows of a record.
     """
-    offsets, sizes = plan.record_runs
-    record = plan.pages.record_bytes
-    if offsets.shape[0] == 1 and int(offsets[0]) == 0 and int(sizes[0]) == record:
+    compact = plan.compact
+    pitch = compact.pages.record_bytes
+    rows_per_slot = slot_bytes // pitch
+    if compact is plan:
         return plan_staged(plan, src_blocks, dst_blocks, slot_bases, rows_per_slot, first_slot)
     if rows_per_slot <= 0 or not slot_bases:
-        raise ValueError("a staged plan needs at least one slot of at least one record")
+        raise ValueError("a staged plan needs at least one slot of at least one row")
+    offsets, sizes = plan.record_runs
+    in_row = offsets - int(offsets[0])
+    record = plan.pages.record_bytes
     store = plan.direction is Direction.STORE
     device_blocks, host_blocks = (src_blocks, dst_blocks) if store else (dst_blocks, src_blocks)
     count = int(device_blocks.shape[0])
@@ -346,7 +367,7 @@ def plan_staged_part(
         stop = min(count, start + rows_per_slot)
         slot = (first_slot + index) % len(slot_bases)
         rows = np.arange(stop - start, dtype=np.int64)
-        slot_addr = (slot_bases[slot] + rows[:, None] * record + offsets[None, :]).ravel()
+        slot_addr = (slot_bases[slot] + rows[:, None] * pitch + in_row[None, :]).ravel()
         host_addr = (plan.host_base + host_blocks[start:stop, None] * record + offsets[None, :]).ravel()
         srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
         run_sizes = np.broadcast_to(sizes, (stop - start, sizes.shape[0])).ravel()

@@ -56,10 +56,11 @@ __all__ = [
 I64Array = npt.NDArray[np.int64]
 #: What a transfer path's issue returns.
 PathTicket = Union["CudaTicket", FailedTicket]
-#: Waiting first polls without sleeping for this long (small jobs finish in tens of microseconds and
-#: a sleep would add its own granularity to their latency), then sleeps with a doubling backoff
-#: capped so that a long wait costs little CPU.
-WAIT_SPIN_S: Final = 100e-6
+#: Waiting first polls without sleeping (yielding the GIL) for this long, then sleeps with a doubling
+#: backoff capped so that a long wait costs little CPU. A sleep overshoots by the timer slack (tens of
+#: microseconds or more), which a job that ends within the spin never pays (up to ~250 MiB); a
+#: longer one pays it once on milliseconds. Only a thread that waits spins, and it yields the GIL.
+WAIT_SPIN_S: Final = 5e-3
 WAIT_POLL_MIN_S: Final = 50e-6
 WAIT_POLL_MAX_S: Final = 100e-6
 #: Where a path's jobs run.
@@ -167,15 +168,16 @@ class CudaTicket:
 
 
 def finish_layers(
-    start: driver.Event, end: driver.Event, stream: int, marks: CudaLayerMarks,
+    start: driver.Event, end: driver.Event, stream: int, marks: CudaLayerMarks, upto: int,
     error: BaseException | None, path: str,
 ) -> PathTicket:
-    """Record the end of a layered job on ``stream`` (the stream it ends on, after everything it
-    enqueued) and the marks of layers a failure left unmarked after it."""
+    """Record the end of a layered job (or part, whose layers end before ``upto``) on ``stream``
+    (the stream it ends on, after everything it enqueued), and after it the marks of its layers a
+    failure left unmarked."""
     try:
         end.record(stream)
         if error is not None:
-            marks.record_rest(stream)
+            marks.record_rest(stream, upto)
     except Exception as exc:
         return FailedTicket(exc if error is None else error)
     return CudaTicket(start, end, error, path)
@@ -224,9 +226,10 @@ class CudaLayerMarks:
             self._marked = layer + 1
             self._cond.notify_all()
 
-    def record_rest(self, stream: int) -> None:
-        """Mark the layers a failed issue left unmarked after what it enqueued on ``stream``."""
-        for layer in range(self._marked, self._count):
+    def record_rest(self, stream: int, upto: int) -> None:
+        """Mark the layers before ``upto`` a failed issue left unmarked, after what it enqueued on
+        ``stream``."""
+        for layer in range(self._marked, upto):
             self.record(layer, stream)
 
     def settle(self) -> None:
@@ -358,9 +361,10 @@ class TransferPath(Protocol):
 
     def issue_layers(
         self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
-        fence: driver.Event, marks: CudaLayerMarks,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
     ) -> PathTicket:
-        """:meth:`issue`, layer after layer, recording each layer's mark after its last copy."""
+        """:meth:`issue`, layer after layer (``plans[i]`` is layer ``first + i``), recording each
+        layer's mark after its last copy."""
 
     def end_stream(self, streams: CudaStreams) -> int:
         """The stream a job of this path ends on (for a path on one stream: that stream)."""
@@ -414,7 +418,7 @@ class DmaPath:
 
     def issue_layers(
         self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
-        fence: driver.Event, marks: CudaLayerMarks,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
     ) -> PathTicket:
         """Wait for the fence, then per layer: its copies, its mark; then the end event."""
         stream = streams.copy
@@ -431,13 +435,13 @@ class DmaPath:
             return FailedTicket(exc)
         error: BaseException | None = None
         try:
-            for layer, plan in enumerate(plans):
+            for layer, plan in enumerate(plans, first):
                 d = plan.build(src, dst)
                 self.copier.copy(d.dsts, d.srcs, d.sizes, self.order, stream)
                 marks.record(layer, stream)
         except Exception as exc:  # part of the job may be enqueued: the end follows it
             error = exc
-        return finish_layers(start, end, stream, marks, error, self.name)
+        return finish_layers(start, end, stream, marks, first + len(plans), error, self.name)
 
     def end_stream(self, streams: CudaStreams) -> int:
         """The copy stream."""
@@ -580,15 +584,16 @@ class CudaBackend:
 
     def issue_layers(
         self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
-        marks: LayerMarks,
+        marks: LayerMarks, first: int = 0,
     ) -> PathTicket:
-        """Issue a layered job on the path chosen for its size (as :meth:`issue`)."""
+        """Issue layers ``first``.. of a layered job on the path chosen for its size (as
+        :meth:`issue`)."""
         assert isinstance(marks, CudaLayerMarks)
-        return self.issue(plans[0], src, dst, fence, (plans, marks))
+        return self.issue(plans[0], src, dst, fence, (plans, marks, first))
 
     def issue(
         self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object,
-        layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks] | None = None,
+        layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks, int] | None = None,
     ) -> PathTicket:
         """Issue the job on the path chosen for its size, ordered after the previous job (layer
         after layer when ``layered`` gives the layers' plans and marks)."""
@@ -612,7 +617,7 @@ class CudaBackend:
 
     def _issue_on(
         self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event,
-        layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks] | None,
+        layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks, int] | None,
     ) -> PathTicket:
         path = self.paths[self._choose(int(src.shape[0]))]
         streams = self.streams
@@ -620,7 +625,7 @@ class CudaBackend:
         def run() -> PathTicket:
             if layered is None:
                 return path.issue(streams, plan, src, dst, fence)
-            return path.issue_layers(streams, layered[0], src, dst, fence, layered[1])
+            return path.issue_layers(streams, layered[0], src, dst, fence, layered[1], layered[2])
 
         if path.stream == BOTH:
             ticket = run()

@@ -104,13 +104,14 @@ class HostBackend:
 
     def issue_layers(
         self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
-        marks: LayerMarks,
+        marks: LayerMarks, first: int = 0,
     ) -> HostTicket:
-        """Copy layer after layer now, marking each once copied; the ticket is complete when
-        returned (a failure leaves the later layers unmarked: the handler settles them)."""
+        """Copy layers ``first``.. now (``plans[i]`` is layer ``first + i``), marking each once
+        copied; the ticket is complete when returned (a failure leaves the later layers unmarked:
+        the handler settles them)."""
         start = time.perf_counter()
         try:
-            for layer, plan in enumerate(plans):
+            for layer, plan in enumerate(plans, first):
                 self._copy(plan, src, dst)
                 assert isinstance(marks, HostLayerMarks)
                 marks.mark(layer)

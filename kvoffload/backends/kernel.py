@@ -144,7 +144,7 @@ class SmPath:
 
     def issue_layers(
         self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
-        fence: driver.Event, marks: CudaLayerMarks,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
     ) -> PathTicket:
         """Wait for the fence on the kernel stream, then one launch and one mark per layer."""
         store = self.direction is Direction.STORE
@@ -160,13 +160,13 @@ class SmPath:
             tables = [self.tables.get(plan) for plan in plans]
             fence.wait_on(kstream)  # rule 2, for every layer: they all follow the fence
             start.record(kstream)
-            for layer, (plan, (segments, count)) in enumerate(zip(plans, tables)):
+            for layer, (plan, (segments, count)) in enumerate(zip(plans, tables), first):
                 self.launcher.launch(segments, count, device_blocks, host_blocks, plan.host_base,
                                      plan.pages.record_bytes, store, self.ctas, kstream)
                 marks.record(layer, kstream)
         except Exception as exc:
             error = exc
-        return finish_layers(start, end, kstream, marks, error, self.name)
+        return finish_layers(start, end, kstream, marks, first + len(plans), error, self.name)
 
     def end_stream(self, streams: CudaStreams) -> int:
         """The kernel stream."""
@@ -265,18 +265,14 @@ class StagedPath:
 
     def issue_layers(
         self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
-        fence: driver.Event, marks: CudaLayerMarks,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
     ) -> PathTicket:
-        """A load, layer after layer: each layer's byte ranges of the records DMA'd into slots and
-        scattered from there (chunks rotating over the ring as for whole records), its mark
-        recorded on the kernel stream after its last scatter."""
-        record = plans[0].pages.record_bytes
-        rows = self.slot_bytes // record
-        if rows == 0 or self.direction is not Direction.LOAD:
-            return FailedTicket(TransferError(
-                f"a layered staged job needs a load whose record ({record} bytes) fits a staging "
-                f"slot ({self.slot_bytes} bytes)"
-            ))
+        """A load, layer after layer: each layer's byte ranges of the records DMA'd into slot rows
+        that hold only them (:attr:`~kvoffload._descriptors.CopyPlan.compact`: many more blocks per
+        chunk than whole records) and scattered from there, chunks rotating over the ring as for
+        whole records; its mark recorded on the kernel stream after its last scatter."""
+        if self.direction is not Direction.LOAD:
+            return FailedTicket(TransferError("a layered staged job is a load"))
         try:
             start = driver.Event(streams.timing_events)
             end = driver.Event(streams.timing_events)
@@ -287,12 +283,14 @@ class StagedPath:
         try:
             start.record(stream)
             fence.wait_on(kstream)  # rule 2, for every layer: the scatters follow the fence
-            for layer, plan in enumerate(plans):
-                chunks = plan_staged_part(plan, src, dst, self.slot_bases, rows, self._next_slot)
+            for layer, plan in enumerate(plans, first):
+                chunks = plan_staged_part(plan, src, dst, self.slot_bases, self.slot_bytes,
+                                          self._next_slot)
                 self._next_slot = (self._next_slot + len(chunks)) % self.slots
-                segments = self.tables.get(plan)
+                compact = plan.compact
+                segments = self.tables.get(compact)
                 for chunk in chunks:
-                    self._load_chunk(streams, chunk, plan, segments)
+                    self._load_chunk(streams, chunk, compact, segments)
                 marks.record(layer, kstream)
         except Exception as exc:  # part of the job may be enqueued: the end event still follows it
             error = exc
@@ -300,7 +298,7 @@ class StagedPath:
             streams.wait(kstream, stream)  # no DMA of a failed chunk after the end
         except Exception as exc:
             error = error or exc
-        return finish_layers(start, end, kstream, marks, error, self.name)
+        return finish_layers(start, end, kstream, marks, first + len(plans), error, self.name)
 
     def end_stream(self, streams: CudaStreams) -> int:
         """A store ends on the copy stream (its last DMA), a load on the kernel stream (its last

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
@@ -30,11 +31,13 @@ from kvoffload import (
     Worker,
 )
 from kvoffload._descriptors import CopyPlan, PageTable, plan_staged, plan_staged_part
-from kvoffload.backends.host import HostBackend
+from kvoffload._layer_load import LayerMarks
+from kvoffload.backends.host import HostBackend, HostTicket
 from kvoffload.cli.demo import LAYOUTS, build_cache
 from kvoffload.records import Direction
 from kvoffload.testing import FakeBackend
 
+I64Array = npt.NDArray[np.int64]
 TIMEOUT_S = 60.0
 NUM_BLOCKS = 32
 HOST_BLOCKS = 24
@@ -193,33 +196,47 @@ def test_aliased_tensors_must_be_in_one_layer() -> None:
 # --------------------------------------------------------------------------- staged layer plans
 
 
-def test_a_layers_staged_plan_moves_exactly_its_ranges_of_each_record() -> None:
+def test_a_layers_staged_plan_moves_exactly_its_ranges_into_compact_rows() -> None:
     layout = cache("kv-separate")
-    host_base, slots, rows = 1 << 40, (1 << 41, 1 << 42), 5
+    host_base, slots = 1 << 40, (1 << 41, 1 << 42)
     src = np.array([7, 3, 9, 1, 4, 8, 2], dtype=np.int64)  # host blocks of a load
     dst = np.arange(7, dtype=np.int64) + 10
     record = layout.record_bytes
     for table in layout.layer_tables:
         plan = CopyPlan(table, host_base, 1 << 20, Direction.LOAD)
-        chunks = plan_staged_part(plan, src, dst, slots, rows, first_slot=1)
+        compact = plan.compact
+        offsets, sizes = plan.record_runs
+        pitch = compact.pages.record_bytes
+        assert pitch % 16 == 0 and pitch >= int(offsets[-1] + sizes[-1] - offsets[0])
+        assert np.array_equal(compact.pages.host_offset, table.host_offset - offsets[0])
+        rows = 5
+        chunks = plan_staged_part(plan, src, dst, slots, rows * pitch + pitch - 1, first_slot=1)
         assert [c.slot for c in chunks] == [1, 0]
         order = np.argsort(src, kind="stable")
         want = set()
         for j, pair in enumerate(order):
-            base = slots[(1 + j // rows) % 2] + (j % rows) * record
-            for off, n in zip(*plan.record_runs):
-                want.add((int(base + off), int(host_base + src[pair] * record + off), int(n)))
+            base = slots[(1 + j // rows) % 2] + (j % rows) * pitch
+            for off, n in zip(offsets, sizes):
+                want.add((int(base + off - offsets[0]), int(host_base + src[pair] * record + off), int(n)))
         got = {(int(d), int(s), int(n)) for c in chunks
                for d, s, n in zip(c.dma.dsts, c.dma.srcs, c.dma.sizes)}
         assert got == want
         assert np.array_equal(np.concatenate([c.device_blocks for c in chunks]), dst[order])
 
 
+def test_a_compact_row_holds_many_more_blocks_than_a_record() -> None:
+    layout = cache("per-layer")
+    plan = CopyPlan(layout.layer_tables[1], 1 << 40, 1 << 20, Direction.LOAD)
+    assert plan.compact.pages.record_bytes * LAYERS <= layout.record_bytes
+    assert plan.compact.compact is plan.compact or plan.compact.pages.host_offset[0] == 0
+
+
 def test_a_plan_of_whole_records_stages_as_before() -> None:
     layout = DeviceLayout.from_tensors({"kv": torch.zeros(8, 4096, dtype=torch.uint8)}, 0)
     plan = CopyPlan(layout.layer_tables[0], 1 << 40, 1 << 20, Direction.LOAD)
+    assert plan.compact is plan
     src, dst = np.array([1, 2, 3], dtype=np.int64), np.array([4, 5, 6], dtype=np.int64)
-    a = plan_staged_part(plan, src, dst, (1 << 41,), 8)
+    a = plan_staged_part(plan, src, dst, (1 << 41,), 8 * 4096)
     b = plan_staged(plan, src, dst, (1 << 41,), 8)
     assert [c.dma.count for c in a] == [c.dma.count for c in b] == [1]  # consecutive: one copy
 
@@ -400,3 +417,44 @@ def test_waits_racing_the_jobs_completion_all_return() -> None:
             for t in threads:
                 t.join(TIMEOUT_S)
             assert not errors and not any(t.is_alive() for t in threads)
+
+
+class IssuedHere(HostBackend):
+    """A host backend whose jobs may be issued on the caller's thread; records each layered issue
+    as (thread, first layer, layers)."""
+
+    def __init__(self, direction: Direction) -> None:
+        super().__init__(direction)
+        self.calls: list[tuple[int, int, int]] = []
+
+    def can_issue_here(self) -> bool:
+        return True
+
+    def issue_layers(self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+                     fence: object, marks: LayerMarks, first: int = 0) -> HostTicket:
+        self.calls.append((threading.get_ident(), first, len(plans)))
+        return super().issue_layers(plans, src, dst, fence, marks, first)
+
+
+def test_layer_0_is_issued_on_the_callers_thread_and_the_rest_on_the_issuer() -> None:
+    backends: list[IssuedHere] = []
+
+    def make(direction: Direction) -> IssuedHere:
+        backends.append(IssuedHere(direction))
+        return backends[-1]
+
+    layout = cache("per-layer", seed=9)
+    with Worker.create(layout, HOST_BLOCKS, backend_factory=make) as w:
+        w.store(1, [1, 2], [3, 4])
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+        load = w.load_by_layer(2, [3, 4], [10, 11])
+        load.wait_layer(0, timeout=0.0)  # copied before the call returned: no wait at all
+        for layer in range(1, LAYERS):
+            load.wait_layer(layer)
+        (result,) = w.wait([2], TIMEOUT_S)
+        assert result.ok and result.nbytes == 2 * layout.block_bytes
+        assert w.poll() == []  # one result for the job, never one per part
+        (head, rest) = backends[1].calls
+        assert head == (threading.get_ident(), 0, 1)
+        assert rest[0] != threading.get_ident() and rest[1:] == (1, LAYERS - 1)
+    assert torch.equal(layout.gather_records([10, 11]), layout.gather_records([1, 2]))
