@@ -33,6 +33,7 @@ from kvoffload.errors import (
     KeyStateError,
     KeyTypeError,
     KVOffloadError,
+    LayerError,
     LayoutError,
     MissingDependencyError,
     PolicyError,
@@ -51,6 +52,7 @@ from kvoffload.errors import (
     UnknownPolicyError,
     WaitTimeoutError,
 )
+from kvoffload._layer_load import LayerLoad
 from kvoffload.disk.config import (
     DiskCapabilities,
     DiskConfig,
@@ -154,6 +156,8 @@ __all__ = [
     "KeyStateError",
     "KeyTypeError",
     "LRUPolicy",
+    "LayerError",
+    "LayerLoad",
     "LayoutError",
     "LoadPlan",
     "Manager",

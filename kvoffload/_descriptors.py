@@ -23,7 +23,8 @@ import numpy.typing as npt
 from kvoffload.records import Direction
 
 __all__ = [
-    "UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk", "kernel_segments", "plan_staged",
+    "UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk", "kernel_segments",
+    "plan_staged", "plan_staged_part",
 ]
 
 I64Array = npt.NDArray[np.int64]
@@ -95,6 +96,37 @@ class CopyPlan:
     chunk_records: int
     direction: Direction = attrs.field(validator=attrs.validators.in_((Direction.STORE, Direction.LOAD)))
     merge: bool = True
+
+    def for_pages(self, pages: PageTable) -> CopyPlan:
+        """The same plan over other pages of the same records (one layer's, docs/design.md §12)."""
+        return attrs.evolve(self, pages=pages)
+
+    @functools.cached_property
+    def record_runs(self) -> tuple[I64Array, I64Array]:
+        """(offsets, sizes) of the byte ranges of a host record this plan's pages fill, merged
+        where they follow each other, in record order."""
+        order = np.argsort(self.pages.host_offset, kind="stable")
+        starts, sizes = self.pages.host_offset[order], self.pages.nbytes[order]
+        if starts.shape[0] == 0:
+            return starts, sizes
+        continues = starts[1:] == starts[:-1] + sizes[:-1]
+        first = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~continues) + 1))
+        return starts[first], np.add.reduceat(sizes, first)
+
+    @functools.cached_property
+    def compact(self) -> CopyPlan:
+        """This plan over rows that hold only the span of the record its pages fill: page offsets
+        shifted down by the span's start, rows of the span's size rounded up to 16 bytes (the
+        staged path's slot rows for one layer). A plan of whole records is its own."""
+        starts, sizes = self.record_runs
+        lo = int(starts[0]) if starts.shape[0] else 0
+        span = -(-(int(starts[-1] + sizes[-1]) - lo) // 16) * 16 if starts.shape[0] else 16
+        if lo == 0 and span >= self.pages.record_bytes:
+            return self
+        p = self.pages
+        pages = PageTable(dev_base=p.dev_base, dev_stride=p.dev_stride, nbytes=p.nbytes,
+                          host_offset=p.host_offset - lo, segment=p.segment, record_bytes=span)
+        return attrs.evolve(self, pages=pages)
 
     def build(self, src_blocks: I64Array, dst_blocks: I64Array) -> Descriptors:
         """Descriptors for the pairs ``(src_blocks[i], dst_blocks[i])``.
@@ -298,6 +330,49 @@ def plan_staged(
             (first_slot + index_) % len(slot_bases), slice(start, stop), device_blocks[start:stop],
             Descriptors(copy_dsts[lo:hi], copy_srcs[lo:hi], copy_sizes[lo:hi]),
         ))
+    return chunks
+
+
+def plan_staged_part(
+    plan: CopyPlan,
+    src_blocks: I64Array,
+    dst_blocks: I64Array,
+    slot_bases: tuple[int, ...],
+    slot_bytes: int,
+    first_slot: int = 0,
+) -> list[StagedChunk]:
+    """:func:`plan_staged` for a plan whose pages fill only part of each record (one layer's): the
+    DMA moves only those byte ranges (:attr:`CopyPlan.record_runs`) of each record, into slot rows
+    laid out as :attr:`CopyPlan.compact` (the ranges' span: as many rows per slot as it allows).
+    The copy kernel then moves row ``r`` of a chunk with the compact plan. A plan of whole records
+    is :func:`plan_staged`'s, with rows of a record.
+    """
+    compact = plan.compact
+    pitch = compact.pages.record_bytes
+    rows_per_slot = slot_bytes // pitch
+    if compact is plan:
+        return plan_staged(plan, src_blocks, dst_blocks, slot_bases, rows_per_slot, first_slot)
+    if rows_per_slot <= 0 or not slot_bases:
+        raise ValueError("a staged plan needs at least one slot of at least one row")
+    offsets, sizes = plan.record_runs
+    in_row = offsets - int(offsets[0])
+    record = plan.pages.record_bytes
+    store = plan.direction is Direction.STORE
+    device_blocks, host_blocks = (src_blocks, dst_blocks) if store else (dst_blocks, src_blocks)
+    count = int(device_blocks.shape[0])
+    order = np.argsort(host_blocks, kind="stable")
+    device_blocks, host_blocks = device_blocks[order], host_blocks[order]
+    chunks: list[StagedChunk] = []
+    for index, start in enumerate(range(0, count, rows_per_slot)):
+        stop = min(count, start + rows_per_slot)
+        slot = (first_slot + index) % len(slot_bases)
+        rows = np.arange(stop - start, dtype=np.int64)
+        slot_addr = (slot_bases[slot] + rows[:, None] * pitch + in_row[None, :]).ravel()
+        host_addr = (plan.host_base + host_blocks[start:stop, None] * record + offsets[None, :]).ravel()
+        srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
+        run_sizes = np.broadcast_to(sizes, (stop - start, sizes.shape[0])).ravel()
+        chunks.append(StagedChunk(slot, slice(start, stop), device_blocks[start:stop],
+                                  Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(run_sizes))))
     return chunks
 
 

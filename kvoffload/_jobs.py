@@ -1,7 +1,8 @@
 """JobBook: jobs from submit to returned result, for every component that completes jobs.
 
-Also here: :class:`FailedTicket`, the handle of a job that failed before anything was enqueued
-(every backend and the handler make them).
+Also here: :class:`Ticket`, the handle of one issued job (the backend seam's, see
+:mod:`kvoffload.handler`), and :class:`FailedTicket`, the handle of a job that failed before anything
+was enqueued (every backend and the handler make them).
 
 Owns: the ids of the jobs in flight (submitted, result not yet returned) with the source that will
 complete each, and the finished results not yet returned, in completion order. Borrows: its
@@ -40,7 +41,7 @@ from kvoffload.errors import (
 )
 from kvoffload.records import TransferResult
 
-__all__ = ["FailedTicket", "JobBook", "JobSource", "as_job_id", "as_job_ids", "as_timeout"]
+__all__ = ["FailedTicket", "JobBook", "JobSource", "Ticket", "as_job_id", "as_job_ids", "as_timeout"]
 
 
 def as_job_id(job_id: object) -> int:
@@ -236,6 +237,31 @@ class JobBook:
             self._done.clear()
             if self._waiters:
                 self._finished.notify_all()
+
+
+class Ticket(Protocol):
+    """The handle of one issued job.
+
+    ``error`` is set when issuing failed part-way: the ticket still completes once whatever was
+    enqueued has finished, and the job is then reported failed with that error. ``path`` names the
+    path that moved the job (None: the backend's own).
+    """
+
+    error: BaseException | None
+    path: str | None
+
+    def done(self) -> bool:
+        """Whether the job's copies finished; never blocks. Raises if completion failed."""
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for completion; True when done. Raises if completion failed."""
+
+    def seconds(self) -> float:
+        """How long the copies ran (valid once done)."""
+
+    def release(self) -> None:
+        """Give back what the ticket holds (its events); called once, after it completed and its
+        result was read."""
 
 
 class FailedTicket:

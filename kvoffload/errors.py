@@ -31,6 +31,7 @@ __all__ = [
     "KVOffloadError",
     "KeyStateError",
     "KeyTypeError",
+    "LayerError",
     "LayoutError",
     "MissingDependencyError",
     "PolicyError",
@@ -93,6 +94,15 @@ class LayoutError(KVOffloadError, ValueError):
     The message names the tensor and the rule it breaks (mixed devices, different block counts, a page
     that is not contiguous, a misaligned page, zero blocks, a block dim out of range, overlapping
     tensors).
+    """
+
+
+class LayerError(LayoutError):
+    """Raised when the layout's layers cannot be described (``DeviceLayout.from_tensors(...,
+    layers=..., layer_dim=...)``): a tensor, or an index of a tensor's layer dim, in two layers or in
+    none, an empty layer, an unknown name or index, aliased bytes in two layers, a layer's slice of a
+    page that is not 16-byte aligned; and by ``Worker.load_by_layer`` when the layout has no layers
+    because the tensor names do not say them (the message says why and what to pass).
     """
 
 

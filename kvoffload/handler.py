@@ -8,12 +8,12 @@ publishes results.
 
 ``submit`` validates everything before touching the device, captures the compute-stream fence in the
 caller's thread (so the job waits for the work queued before the call), appends the transfer to the
-FIFO and hands it to the issuer thread, which builds the descriptors and enqueues the copies. The
-caller therefore pays only for validation and one event record, however many pages the job has
-(the driver's per-page cost is paid on the issuer thread, which releases the GIL while in the
-driver) — except for jobs that are cheap to issue (few descriptors; more when none is in flight),
-which are issued on the caller's thread when nothing else is queued (see
-:data:`INLINE_ISSUE_MAX_DESCRIPTORS`).
+FIFO and hands it to the issuer thread, which builds the descriptors and enqueues the copies (the
+driver's per-page cost is paid there, with the GIL released in the driver). A job cheap to issue
+(:data:`INLINE_ISSUE_MAX_DESCRIPTORS`) is issued on the caller's thread when nothing else is queued;
+a costlier one with nothing in flight, and a layered load's layer 0, are issued there as a *head*
+and the rest on the issuer thread: the link starts at once, the caller pays for one chunk or layer,
+and the head's result rides with the rest's (the job still completes as a whole).
 
 Jobs of one direction run in submission order, so they finish in it: completion pops finished
 transfers from the head only. A job that fails to issue or to complete comes back as a result with
@@ -41,8 +41,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload._descriptors import CopyPlan
-from kvoffload._jobs import FailedTicket, JobBook, as_job_id, as_timeout
+from kvoffload._descriptors import CopyPlan, PageTable
+from kvoffload._jobs import FailedTicket, JobBook, Ticket, as_job_id, as_timeout
+from kvoffload._layer_load import LayerMarks, WholeJobMarks
 from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.errors import (
     ClosedError,
@@ -59,7 +60,7 @@ from kvoffload.records import (
     TransferResult,
 )
 
-__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "DirectionHandler", "Ticket"]
+__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "DirectionHandler", "LayeredBackend", "Ticket"]
 
 _log = logging.getLogger("kvoffload.handler")
 #: Transfers abandoned by a failed drain: their tickets keep host buffers a copy may still read, so
@@ -70,15 +71,12 @@ I64Array = npt.NDArray[np.int64]
 
 #: A job whose issue builds at most this many descriptors (``Backend.issue_cost``: a page each for
 #: batched DMA, a block and a share of each chunk for the kernel paths) is issued on the caller's
-#: thread when no other job is queued or being issued: it saves the thread handoff (tens of
-#: microseconds) while the issue stays short.
+#: thread when no other job is queued or being issued: it saves the thread handoff.
 INLINE_ISSUE_MAX_DESCRIPTORS: Final = 256
-#: The same limit when no job is in flight at all (the first of a burst): the issuer thread would
-#: first have to win the GIL from a caller that keeps submitting (up to the interpreter's switch
-#: interval, 5 ms) while the copy engines idle. Later jobs of the burst go to the issuer thread,
-#: which issues them while the first one moves. Batched DMA of many pages stays off the caller's
-#: thread (the driver's per-page cost: milliseconds for 16k pages).
-INLINE_ISSUE_IDLE_MAX_DESCRIPTORS: Final = 4096
+#: A costlier job with no job in flight is split: its first pairs, of at most this cost (halving the
+#: count until it fits; one pair at least), are issued on the caller's thread, so the link starts
+#: without waiting for the issuer thread to win the GIL from a caller that keeps submitting.
+INLINE_HEAD_MAX_DESCRIPTORS: Final = 128
 #: The issuer thread is joined for at least this long even when the deadline has passed: an idle
 #: thread stops within microseconds, and only a thread stuck in a copy should count as running.
 ISSUER_JOIN_MIN_S: Final = 0.05
@@ -86,31 +84,6 @@ _EMPTY_PATH: Final = "none"
 
 
 # ------------------------------------------------------------------------------- the seam
-
-
-class Ticket(Protocol):
-    """The handle of one issued job.
-
-    ``error`` is set when issuing failed part-way: the ticket still completes once whatever was
-    enqueued has finished, and the job is then reported failed with that error. ``path`` names the
-    path that moved the job (None: the backend's own).
-    """
-
-    error: BaseException | None
-    path: str | None
-
-    def done(self) -> bool:
-        """Whether the job's copies finished; never blocks. Raises if completion failed."""
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for completion; True when done. Raises if completion failed."""
-
-    def seconds(self) -> float:
-        """How long the copies ran (valid once done)."""
-
-    def release(self) -> None:
-        """Give back what the ticket holds (its events); called once, after it completed and its
-        result was read."""
 
 
 class Backend(Protocol):
@@ -140,8 +113,8 @@ class Backend(Protocol):
         """Whether :meth:`issue` may run on the calling thread (a submitter's) as it is."""
 
     def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
-        """Host work of issuing a job of ``pairs`` blocks, in descriptors (copies or kernel rows)
-        built and handed to the driver: what the handler weighs to issue it on the caller's thread."""
+        """Host work of issuing ``pairs`` blocks, in descriptors built and handed to the driver (what
+        the handler weighs to issue a job, or its head, on the caller's thread)."""
 
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Enqueue the copies of the pairs ``(src[i], dst[i])`` behind ``fence`` (issuer thread);
@@ -149,6 +122,21 @@ class Backend(Protocol):
 
     def release(self) -> None:
         """Drop streams and events; called once, after the last ticket completed or was abandoned."""
+
+
+class LayeredBackend(Backend, Protocol):
+    """A backend that marks a load's layers as they land (docs/design.md §12). Optional: a handler
+    over a backend without these methods makes every layer wait for the whole job, on the host."""
+
+    def layer_marks(self, count: int) -> LayerMarks:
+        """Fresh marks for a job of ``count`` layers (caller's thread, before the issue)."""
+
+    def issue_layers(
+        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
+        marks: LayerMarks, first: int = 0,
+    ) -> Ticket:
+        """As :meth:`Backend.issue`, layer after layer (``plans[i]`` moves layer ``first + i``),
+        marking each in ``marks`` once its copies are enqueued; never raises."""
 
 
 @attrs.define(eq=False)
@@ -161,6 +149,11 @@ class _Transfer:
     owns_fence: bool  # the handler took the fence (and gives it back once the job was issued)
     issued: bool = False  # set under the handler's lock, with a notify of ``_issued``
     ticket: Ticket | None = None
+    layers: tuple[CopyPlan, ...] | None = None  # a layered load: one plan per layer
+    marks: LayerMarks | None = None  # owned from submit until the result is published
+    head: bool = False  # the first part of a split job: its outcome rides with the next transfer
+    carried: TransferResult | None = None  # the outcome of this job's head part
+    first_layer: int = 0  # the layer ``layers[0]`` moves
 
 
 class DirectionHandler:
@@ -209,6 +202,7 @@ class DirectionHandler:
         self._failed = 0
         self._bytes_done = 0
         self._busy_s = 0.0
+        self._layer_plans: tuple[tuple[PageTable, ...], tuple[CopyPlan, ...]] | None = None
 
     @classmethod
     def create(
@@ -317,6 +311,31 @@ class DirectionHandler:
             ClosedError: after shutdown.
             DeviceMismatchError: the stream is not one of the backend's device.
         """
+        self._enqueue(job_id, src, dst, stream, fence, None)
+
+    def submit_layered(
+        self, job_id: int, src: I64Array, dst: I64Array, tables: tuple[PageTable, ...], *,
+        stream: object = None,
+    ) -> LayerMarks:
+        """:meth:`submit_validated` for a job that lands layer after layer (``tables[i]``: layer
+        ``i``'s pages), issued here unless a job is queued for issue; returns the marks, which the
+        handler owns until the result is published (docs/design.md §12). Raises as
+        :meth:`submit_validated`."""
+        self._check_open()
+        backend = self._backend
+        assert backend is not None
+        cached = self._layer_plans
+        if cached is None or cached[0] is not tables:
+            cached = self._layer_plans = (tables, tuple(self._plan.for_pages(t) for t in tables))
+        make = getattr(backend, "layer_marks", None)
+        marks: LayerMarks = make(len(tables)) if make is not None else WholeJobMarks(len(tables))
+        self._enqueue(job_id, src, dst, stream, None, (cached[1], marks))
+        return marks
+
+    def _enqueue(
+        self, job_id: int, src: I64Array, dst: I64Array, stream: object, fence: object,
+        layered: tuple[tuple[CopyPlan, ...], LayerMarks] | None,
+    ) -> None:
         self._check_open()
         backend = self._backend
         assert backend is not None
@@ -328,34 +347,58 @@ class DirectionHandler:
         except DeviceMismatchError:
             raise
         except Exception as exc:  # a device fault: the job is reported failed, never dropped
-            self._record(self._result(job_id, False, nbytes, 0.0, self._path, exc))
+            self._record(self._result(job_id, False, nbytes, 0.0, self._path, exc), layered)
             return
         if src.shape[0] == 0:
             if owns_fence:
                 backend.release_fence(fence)
-            self._record(self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None))
+            self._record(self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None), layered)
             return
         transfer = _Transfer(job_id, src, dst, nbytes, fence, owns_fence)
-        cost = backend.issue_cost(self._plan, int(src.shape[0]))
+        pairs = int(src.shape[0])
+        if layered is not None:
+            transfer.layers, transfer.marks = layered
+            cost = 0  # issued here whenever it may be: its layers are waited for right away
+        else:
+            cost = backend.issue_cost(self._plan, pairs)
         with self._lock:
             self._advance()
             idle = not self._fifo  # no job in flight: nothing for this one to overlap with
+            here = self._pending == 0 and backend.can_issue_here()
+            head = None
+            if here and layered is not None and len(layered[0]) > 1 and hasattr(backend, "issue_layers"):
+                head = _Transfer(job_id, src, dst, 0, fence, False, head=True, layers=layered[0][:1],
+                                 marks=layered[1])  # layer 0 here, the others on the thread
+                transfer.layers, transfer.first_layer = layered[0][1:], 1
+                self._fifo.append(head)
+            elif here and cost > INLINE_ISSUE_MAX_DESCRIPTORS and idle and pairs > 1:
+                head = self._split(backend, transfer, pairs)  # see INLINE_HEAD_MAX_DESCRIPTORS
+                self._fifo.append(head)
             self._fifo.append(transfer)
             self._submitted += 1
-            # Nothing queued or being issued: a cheap job is issued here, without a thread handoff;
-            # so is a costlier one when no job is in flight (see INLINE_ISSUE_MAX_DESCRIPTORS).
-            limit = INLINE_ISSUE_MAX_DESCRIPTORS if not idle else INLINE_ISSUE_IDLE_MAX_DESCRIPTORS
-            inline = cost <= limit and self._pending == 0 and backend.can_issue_here()
-            self._pending += 1
+            inline = here and (head is not None or cost <= INLINE_ISSUE_MAX_DESCRIPTORS)
+            self._pending += 1 if head is None else 2
             if inline:
                 self._issue_lock.acquire()  # taken under _lock: no queued job can overtake this one
+            if head is not None:
+                self._queue.put(transfer)  # queued now: it is issued right after the head
         if inline:
             try:
-                self._issue(backend, transfer, None)
+                self._issue(backend, head if head is not None else transfer, None)
             finally:
                 self._issue_lock.release()
-        else:
+        elif head is None:
             self._queue.put(transfer)
+
+    def _split(self, backend: Backend, transfer: _Transfer, pairs: int) -> _Transfer:
+        """Cut the head off a costly job; ``transfer`` keeps the rest, the fence, the byte count."""
+        count = pairs // 2
+        while count > 1 and backend.issue_cost(self._plan, count) > INLINE_HEAD_MAX_DESCRIPTORS:
+            count //= 2
+        head = _Transfer(transfer.job_id, transfer.src[:count], transfer.dst[:count],
+                         count * self._page_bytes, transfer.fence, False, head=True)
+        transfer.src, transfer.dst = transfer.src[count:], transfer.dst[count:]
+        return head
 
     def _issue(self, backend: Backend, transfer: _Transfer, init_error: BaseException | None) -> None:
         """Issue one transfer (the caller holds ``_issue_lock``) and publish its ticket."""
@@ -365,10 +408,21 @@ class DirectionHandler:
             transfer.ticket = FailedTicket(
                 TransferError("the handler shut down before the job was issued"))
         else:
+            t = transfer
             try:
-                transfer.ticket = backend.issue(self._plan, transfer.src, transfer.dst, transfer.fence)
+                if t.layers is None or t.marks is None or isinstance(t.marks, WholeJobMarks):
+                    t.ticket = backend.issue(self._plan, t.src, t.dst, t.fence)
+                else:
+                    t.ticket = backend.issue_layers(t.layers, t.src, t.dst, t.fence, t.marks,  # type: ignore[attr-defined]
+                                                    t.first_layer)
             except Exception as exc:  # reported as the job's failure
                 transfer.ticket = FailedTicket(exc)
+        marks = transfer.marks
+        if isinstance(marks, WholeJobMarks):
+            assert transfer.ticket is not None
+            marks.attach(transfer.ticket)
+        elif marks is not None and not transfer.head:
+            marks.settle()  # layers the issue could not mark wait no more
         fence, transfer.fence = transfer.fence, None
         if transfer.owns_fence:
             backend.release_fence(fence)  # no other job waits for it: the wait was enqueued
@@ -474,10 +528,26 @@ class DirectionHandler:
                     return
             except Exception as exc:  # completion failed: the job fails, the queue moves on
                 self._fifo.popleft()
-                self._record_locked(self._result(head.job_id, False, head.nbytes, 0.0, self._path, exc))
+                if head.marks is not None and not head.head:
+                    head.marks.release()
+                self._complete(head, self._result(head.job_id, False, head.nbytes, 0.0, self._path, exc))
                 continue
             self._fifo.popleft()
-            self._record_locked(self._finished(head, ticket))
+            self._complete(head, self._finished(head, ticket))
+
+    def _complete(self, transfer: _Transfer, result: TransferResult) -> None:
+        """Publish a popped transfer's result (caller holds the lock) — or, for the head part of a
+        split job, hand it to the rest, next in the FIFO, whose result then covers both."""
+        if transfer.head:
+            self._fifo[0].carried = result
+            return
+        first = transfer.carried
+        if first is not None:
+            result = attrs.evolve(
+                result, ok=result.ok and first.ok, seconds=result.seconds + first.seconds,
+                error=first.error if first.error is not None else result.error,
+            )
+        self._record_locked(result)
 
     def _finished(self, transfer: _Transfer, ticket: Ticket) -> TransferResult:
         """The result of a completed transfer; its ticket's events go back to their pool."""
@@ -488,6 +558,8 @@ class DirectionHandler:
             _log.debug("could not read job %d's copy time: %s", transfer.job_id, exc)
             seconds = 0.0
         ticket.release()
+        if transfer.marks is not None and not transfer.head:
+            transfer.marks.release()
         path = ticket.path or self._path
         return self._result(transfer.job_id, error is None, transfer.nbytes, seconds, path, error)
 
@@ -499,8 +571,13 @@ class DirectionHandler:
             path=path, error=error,
         )
 
-    def _record(self, result: TransferResult) -> None:
-        """Record the result of a job that finished at submit (empty, or failed to fence)."""
+    def _record(
+        self, result: TransferResult, layered: tuple[tuple[CopyPlan, ...], LayerMarks] | None = None,
+    ) -> None:
+        """Record the result of a job that finished at submit (empty, or failed to fence); its
+        layers, if any, have nothing to wait for."""
+        if layered is not None:
+            layered[1].release()
         with self._lock:
             self._submitted += 1
             self._record_locked(result)
@@ -522,7 +599,7 @@ class DirectionHandler:
                 submitted=self._submitted,
                 completed=self._completed,
                 failed=self._failed,
-                in_flight=len(self._fifo),
+                in_flight=sum(not t.head for t in self._fifo),
                 bytes_done=self._bytes_done,
                 busy_seconds=self._busy_s,
             )
@@ -587,7 +664,7 @@ class DirectionHandler:
             with self._lock:
                 if self._fifo and self._fifo[0] is head:  # a concurrent advance may have popped it
                     self._fifo.popleft()
-                    self._record_locked(self._finished(head, ticket))
+                    self._complete(head, self._finished(head, ticket))
 
     def _release(self, deadline: float) -> list[BaseException]:
         """Stop the issuer thread and release the backend; never raises, returns the failures."""

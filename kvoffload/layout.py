@@ -11,6 +11,10 @@ block's pages from every tensor, in tensor order then outer C-order, laid back t
 aligned to 16 bytes) form its *host record*, whose size is padded to a multiple of 4096 bytes.
 Pages that are the same device bytes (a tensor given twice, or two views of one memory) are stored
 once; pages that partly overlap are refused.
+
+The layout also says which bytes make each model *layer* (docs/design.md §12): one page table per
+layer, for loads whose layers land one after the other. Layers group bytes, never move them: the
+host record and the fingerprint are the same with any grouping.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import numpy.typing as npt
 import torch
 
 from kvoffload._descriptors import PageTable
-from kvoffload.errors import ArgumentTypeError, LayoutError
+from kvoffload._layer_map import LayerGroups, LayerPart, TensorPieces, group_layers
+from kvoffload.errors import ArgumentTypeError, LayerError, LayoutError
 
 __all__ = ["PAGE_ALIGN_BYTES", "RECORD_ALIGN_BYTES", "DeviceLayout", "TensorGeometry"]
 
@@ -100,6 +105,9 @@ class DeviceLayout:
     page_table: PageTable
     fingerprint: str
     model_id: str = ""
+    layers: tuple[tuple[LayerPart, ...], ...] | None = None
+    layer_tables: tuple[PageTable, ...] = ()
+    layers_missing: str = ""
 
     def __repr__(self) -> str:
         """One line: tensors, device, blocks, pages and record size, fingerprint prefix."""
@@ -118,6 +126,8 @@ class DeviceLayout:
         *,
         num_blocks: int | None = None,
         model_id: str = "",
+        layers: Sequence[Sequence[LayerPart]] | None = None,
+        layer_dim: int | Mapping[str, int] | None = None,
     ) -> DeviceLayout:
         """Describe the engine's tensors, each with an explicit block dim.
 
@@ -131,6 +141,18 @@ class DeviceLayout:
             model_id: the caller's name for the model whose KV these tensors hold (for example its
                 name and revision). It is part of :attr:`fingerprint`, so records written for one
                 model are never read for another of the same shapes.
+            layers: which tensors make each model layer, layer 0 first (for
+                ``Worker.load_by_layer``): each layer a sequence of tensor names, or of
+                ``(name, index)`` pairs naming one index of a tensor's layer dim. Every tensor (every
+                index) must be in exactly one layer. Default (None): one layer per index when every
+                tensor has a ``layer_dim``; one layer for a single tensor; otherwise the tensors
+                grouped by the one number in each name (``layer3``; ``k3`` with ``v3``), which must
+                run 0..L-1 — when the names do not say it the layout has no layers
+                (``layers_missing`` says why) and ``load_by_layer`` refuses it.
+            layer_dim: the dim that indexes layers in a tensor holding several (a cross-layer
+                cache ``[N, L, ...]`` has ``layer_dim=1``): an int for every tensor, or a mapping
+                by name. After the block dim it selects a slice of every page, which must start at a
+                multiple of 16 bytes.
 
         Raises:
             LayoutError: naming the tensor and the rule: no tensors, not a tensor, mixed devices,
@@ -138,6 +160,9 @@ class DeviceLayout:
                 count other than ``num_blocks``, a page that is not contiguous, a page or block
                 stride not 16-byte aligned, pages that overlap (within a tensor or across tensors)
                 without being the same bytes.
+            LayerError: ``layers`` or ``layer_dim`` malformed or breaking a rule: a tensor (or an
+                index) in two layers or in none, an empty layer, an unknown name or index, aliased
+                tensors in two layers, a slice that is not 16-byte aligned (a :class:`LayoutError`).
             ArgumentTypeError: ``num_blocks`` not an int or ``model_id`` not a str.
         """
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)):
@@ -156,7 +181,7 @@ class DeviceLayout:
             for name, t in named.items()
         ]
         _check_no_partial_overlap(pages, num_blocks)
-        return cls._assemble(named, pages, device, num_blocks, model_id)
+        return cls._assemble(named, pages, device, num_blocks, model_id, layers, layer_dim)
 
     @classmethod
     def _assemble(
@@ -166,8 +191,11 @@ class DeviceLayout:
         device: torch.device,
         num_blocks: int,
         model_id: str,
+        layers: object = None,
+        layer_dim: object = None,
     ) -> DeviceLayout:
-        seen: dict[tuple[int, int, int], int] = {}
+        seen: dict[tuple[int, int, int], tuple[int, int]] = {}  # page -> (record offset, row)
+        rows_of: list[TensorPieces] = []
         dev_base: list[int] = []
         dev_stride: list[int] = []
         nbytes: list[int] = []
@@ -177,14 +205,17 @@ class DeviceLayout:
         cursor = 0
         for tp in pages:
             offsets: list[int] = []
+            rows: list[int] = []
             for addr in tp.addr0.tolist():
                 key = (addr, tp.stride, tp.page_bytes)
                 if key in seen:
-                    offsets.append(seen[key])
+                    offsets.append(seen[key][0])
+                    rows.append(seen[key][1])
                     continue
                 cursor = _align_up(cursor, PAGE_ALIGN_BYTES)
-                seen[key] = cursor
+                seen[key] = (cursor, len(nbytes))
                 offsets.append(cursor)
+                rows.append(len(nbytes))
                 dev_base.append(addr)
                 dev_stride.append(tp.stride)
                 nbytes.append(tp.page_bytes)
@@ -192,6 +223,11 @@ class DeviceLayout:
                 segment.append(tp.segment)
                 cursor += tp.page_bytes
             t = tp.tensor
+            rows_of.append(TensorPieces(
+                name=tp.name, shape=tuple(int(x) for x in t.shape),
+                strides=tuple(int(x) for x in t.stride()), item=t.element_size(),
+                block_dim=tp.block_dim, rows=np.asarray(rows, dtype=np.int64),
+            ))
             geometries.append(
                 TensorGeometry(
                     name=tp.name,
@@ -213,6 +249,7 @@ class DeviceLayout:
             segment=np.asarray(segment, dtype=np.int64),
             record_bytes=record_bytes,
         )
+        groups = group_layers(rows_of, table.host_offset, layers, layer_dim)
         return cls(
             tensors=dict(named),
             geometries=tuple(geometries),
@@ -222,7 +259,25 @@ class DeviceLayout:
             page_table=table,
             fingerprint=_fingerprint(geometries, record_bytes, model_id),
             model_id=model_id,
+            layers=None if isinstance(groups, str) else groups.parts,
+            layer_tables=() if isinstance(groups, str) else _layer_tables(table, groups),
+            layers_missing=groups if isinstance(groups, str) else "",
         )
+
+    @property
+    def num_layers(self) -> int | None:
+        """Layers of the layout (None when the tensor names do not say them; see ``layers``)."""
+        return len(self.layer_tables) if self.layers is not None else None
+
+    def require_layers(self) -> tuple[PageTable, ...]:
+        """The per-layer page tables (``layer_tables``).
+
+        Raises:
+            LayerError: the layout has no layers (the message says why and what to pass).
+        """
+        if self.layers is None:
+            raise LayerError(f"the layout has no layers: {self.layers_missing}")
+        return self.layer_tables
 
     @property
     def pages_per_block(self) -> int:
@@ -271,6 +326,21 @@ class DeviceLayout:
             rows = picked.view(torch.uint8).reshape(index.shape[0], geom.outer_count, geom.page_bytes)
             result.append((geom, rows))
         return result
+
+
+def _layer_tables(table: PageTable, groups: LayerGroups) -> tuple[PageTable, ...]:
+    """One page table per layer: its pieces of the layout's pages, with the same record size."""
+    result = []
+    for rows, offsets, sizes in zip(groups.rows, groups.offsets, groups.sizes):
+        result.append(PageTable(
+            dev_base=table.dev_base[rows] + offsets,
+            dev_stride=table.dev_stride[rows],
+            nbytes=sizes,
+            host_offset=table.host_offset[rows] + offsets,
+            segment=table.segment[rows],
+            record_bytes=table.record_bytes,
+        ))
+    return tuple(result)
 
 
 def _named_tensors(

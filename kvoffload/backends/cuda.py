@@ -14,6 +14,10 @@ path, the calibrated one for ``auto``. Jobs of one direction finish in submissio
 path moved them: a path runs on the copy stream, on the kernel stream, or on both (``staged``, which
 ends after everything queued on either before it); a job on one stream first waits for the other
 when the previous job ended there.
+
+A layered load (docs/design.md §12) runs its layers one after the other on the same path and
+records one pooled event per layer as that layer's last copy is enqueued (:class:`CudaLayerMarks`);
+``wait_layer`` then makes the caller's stream wait for that event on the device.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ import torch
 
 from kvoffload._descriptors import CopyPlan
 from kvoffload._jobs import FailedTicket
+from kvoffload._layer_load import LayerMarks
 from kvoffload.bindings import driver
 from kvoffload.bindings.copier import Copier
-from kvoffload.errors import DeviceMismatchError, TransferError
+from kvoffload.errors import DeviceMismatchError, TransferError, WaitTimeoutError
 from kvoffload.records import Direction
 
 __all__ = [
     "CudaBackend",
+    "CudaLayerMarks",
     "CudaStreams",
     "CudaTicket",
     "DmaPath",
@@ -50,10 +56,11 @@ __all__ = [
 I64Array = npt.NDArray[np.int64]
 #: What a transfer path's issue returns.
 PathTicket = Union["CudaTicket", FailedTicket]
-#: Waiting first polls without sleeping for this long (small jobs finish in tens of microseconds and
-#: a sleep would add its own granularity to their latency), then sleeps with a doubling backoff
-#: capped so that a long wait costs little CPU.
-WAIT_SPIN_S: Final = 100e-6
+#: Waiting first polls without sleeping (yielding the GIL) for this long, then sleeps with a doubling
+#: backoff capped so that a long wait costs little CPU. A sleep overshoots by the timer slack (tens of
+#: microseconds or more), which a job that ends within the spin never pays (up to ~250 MiB); a
+#: longer one pays it once on milliseconds. Only a thread that waits spins, and it yields the GIL.
+WAIT_SPIN_S: Final = 5e-3
 WAIT_POLL_MIN_S: Final = 50e-6
 WAIT_POLL_MAX_S: Final = 100e-6
 #: Where a path's jobs run.
@@ -160,6 +167,113 @@ class CudaTicket:
             self.end.release()
 
 
+def finish_layers(
+    start: driver.Event, end: driver.Event, stream: int, marks: CudaLayerMarks, upto: int,
+    error: BaseException | None, path: str,
+) -> PathTicket:
+    """Record the end of a layered job (or part, whose layers end before ``upto``) on ``stream``
+    (the stream it ends on, after everything it enqueued), and after it the marks of its layers a
+    failure left unmarked."""
+    try:
+        end.record(stream)
+        if error is not None:
+            marks.record_rest(stream, upto)
+    except Exception as exc:
+        return FailedTicket(exc if error is None else error)
+    return CudaTicket(start, end, error, path)
+
+
+class CudaLayerMarks:
+    """The layers of one layered job on CUDA: one pooled event per layer, recorded on the stream
+    where that layer's last copy was enqueued (docs/design.md §12).
+
+    Owns each layer's event from its record until :meth:`release` (the handler's, once the job's
+    result was published); borrows the backend's stream resolution. A wait enqueues
+    ``cuStreamWaitEvent`` on the caller's stream under the marks' lock, so that the event cannot go
+    back to its pool (and be recorded by another job) between the check and the wait.
+    """
+
+    def __init__(self, count: int, pool: driver.EventPool, index: int,
+                 stream_handle: Callable[[object | None], int]) -> None:
+        self._count = count
+        self._pool = pool
+        self._index = index
+        self._stream_handle = stream_handle
+        self._events: list[driver.Event | None] = [None] * count
+        self._marked = 0  # layers whose event is recorded, or that will get none
+        self._released = False
+        self._cond = threading.Condition()
+
+    @property
+    def count(self) -> int:
+        """Layers of the job."""
+        return self._count
+
+    def record(self, layer: int, stream: int) -> None:
+        """Layer ``layer``'s copies are enqueued on ``stream`` (and earlier layers' before them).
+
+        Raises:
+            CudaError: the event could not be taken or recorded (the layer stays unmarked).
+        """
+        event = driver.Event(self._pool)
+        try:
+            event.record(stream)
+        except BaseException:
+            event.release()
+            raise
+        with self._cond:
+            self._events[layer] = event
+            self._marked = layer + 1
+            self._cond.notify_all()
+
+    def record_rest(self, stream: int, upto: int) -> None:
+        """Mark the layers before ``upto`` a failed issue left unmarked, after what it enqueued on
+        ``stream``."""
+        for layer in range(self._marked, upto):
+            self.record(layer, stream)
+
+    def settle(self) -> None:
+        """The issue returned: layers still unmarked get no event (their waits return at once)."""
+        with self._cond:
+            self._marked = self._count
+            self._cond.notify_all()
+
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+        """Enqueue on ``stream`` (default: the device's current stream) a wait for layer
+        ``layer``'s event; waits on the host only until the event is recorded.
+
+        Raises:
+            DeviceMismatchError: a stream of another device, or not a stream.
+            WaitTimeoutError: the layer was not issued within ``timeout_s``.
+            CudaError: the driver refused the stream wait.
+        """
+        handle = self._stream_handle(stream)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._marked > layer or self._released, timeout_s):
+                raise WaitTimeoutError(
+                    f"layer {layer} was not handed to the device within {timeout_s} s (earlier jobs "
+                    "were still being issued)"
+                )
+            event = None if self._released else self._events[layer]
+            if event is None:  # finished (released), or never recorded: nothing to wait for
+                return
+            if current_device_index() == self._index:
+                event.wait_on(handle)
+            else:
+                with torch.cuda.device(self._index):
+                    event.wait_on(handle)
+
+    def release(self) -> None:
+        """Give every event back (the job finished: nothing will wait on them). Idempotent."""
+        with self._cond:
+            self._released = True
+            events, self._events = self._events, [None] * self._count
+            self._cond.notify_all()
+        for event in events:
+            if event is not None:
+                event.release()
+
+
 class CudaStreams:
     """The streams of one direction's backend, and the event pools its jobs draw from.
 
@@ -245,6 +359,13 @@ class TransferPath(Protocol):
     ) -> PathTicket:
         """Enqueue the job behind ``fence``; never raises (a failure is the ticket's ``error``)."""
 
+    def issue_layers(
+        self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
+    ) -> PathTicket:
+        """:meth:`issue`, layer after layer (``plans[i]`` is layer ``first + i``), recording each
+        layer's mark after its last copy."""
+
     def end_stream(self, streams: CudaStreams) -> int:
         """The stream a job of this path ends on (for a path on one stream: that stream)."""
 
@@ -294,6 +415,33 @@ class DmaPath:
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
         return CudaTicket(start, end, error, self.name)
+
+    def issue_layers(
+        self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
+    ) -> PathTicket:
+        """Wait for the fence, then per layer: its copies, its mark; then the end event."""
+        stream = streams.copy
+        try:
+            start = driver.Event(streams.timing_events)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            return FailedTicket(exc)
+        try:
+            end = driver.Event(streams.timing_events)
+            fence.wait_on(stream)  # rule 2, for every layer: they all follow the fence
+            start.record(stream)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            start.release()
+            return FailedTicket(exc)
+        error: BaseException | None = None
+        try:
+            for layer, plan in enumerate(plans, first):
+                d = plan.build(src, dst)
+                self.copier.copy(d.dsts, d.srcs, d.sizes, self.order, stream)
+                marks.record(layer, stream)
+        except Exception as exc:  # part of the job may be enqueued: the end follows it
+            error = exc
+        return finish_layers(start, end, stream, marks, first + len(plans), error, self.name)
 
     def end_stream(self, streams: CudaStreams) -> int:
         """The copy stream."""
@@ -379,22 +527,27 @@ class CudaBackend:
         another one gets it switched for the call and restored): the handle of a legacy default
         stream (0) names the stream of the current device.
         """
-        if stream is None:
-            handle = current_stream_handle(self._index)
-        elif isinstance(stream, torch.cuda.Stream):
-            if stream.device != self.device:
-                raise DeviceMismatchError(
-                    f"stream is on {stream.device} but the layout's tensors are on {self.device}"
-                )
-            handle = stream.cuda_stream
-        else:
-            raise DeviceMismatchError(
-                f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
-            )
+        handle = self.stream_handle(stream)
         if current_device_index() == self._index:
             return self._record_fence(handle)
         with torch.cuda.device(self._index):
             return self._record_fence(handle)
+
+    def stream_handle(self, stream: object | None) -> int:
+        """The handle of ``stream``, a stream of this backend's device (None: its current stream).
+
+        Raises:
+            DeviceMismatchError: a stream of another device, or not a ``torch.cuda.Stream``.
+        """
+        if stream is None:
+            return current_stream_handle(self._index)
+        if isinstance(stream, torch.cuda.Stream):
+            if stream.device != self.device:
+                raise DeviceMismatchError(
+                    f"stream is on {stream.device} but the layout's tensors are on {self.device}"
+                )
+            return int(stream.cuda_stream)
+        raise DeviceMismatchError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
 
     def _record_fence(self, stream: int) -> driver.Event:
         event = driver.Event(self.streams.events)
@@ -425,8 +578,25 @@ class CudaBackend:
         """The cost of the path chosen for ``pairs`` blocks."""
         return self.paths[self._choose(pairs)].issue_cost(plan, pairs)
 
-    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> PathTicket:
-        """Issue the job on the path chosen for its size, ordered after the previous job."""
+    def layer_marks(self, count: int) -> CudaLayerMarks:
+        """Marks for a layered job of ``count`` layers (events come from the non-timing pool)."""
+        return CudaLayerMarks(count, self.streams.events, self._index, self.stream_handle)
+
+    def issue_layers(
+        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
+        marks: LayerMarks, first: int = 0,
+    ) -> PathTicket:
+        """Issue layers ``first``.. of a layered job on the path chosen for its size (as
+        :meth:`issue`)."""
+        assert isinstance(marks, CudaLayerMarks)
+        return self.issue(plans[0], src, dst, fence, (plans, marks, first))
+
+    def issue(
+        self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object,
+        layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks, int] | None = None,
+    ) -> PathTicket:
+        """Issue the job on the path chosen for its size, ordered after the previous job (layer
+        after layer when ``layered`` gives the layers' plans and marks)."""
         with self._state:
             if self._released:
                 return FailedTicket(TransferError("the backend was released before the job was issued"))
@@ -437,7 +607,7 @@ class CudaBackend:
             except Exception as exc:  # nothing was enqueued: the job fails at once
                 return FailedTicket(exc)
             assert isinstance(fence, driver.Event)
-            return self._issue_on(plan, src, dst, fence)
+            return self._issue_on(plan, src, dst, fence, layered)
         finally:
             with self._state:
                 self._issuing = False
@@ -445,11 +615,20 @@ class CudaBackend:
             if destroy:
                 self._destroy()
 
-    def _issue_on(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event) -> PathTicket:
+    def _issue_on(
+        self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event,
+        layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks, int] | None,
+    ) -> PathTicket:
         path = self.paths[self._choose(int(src.shape[0]))]
         streams = self.streams
+
+        def run() -> PathTicket:
+            if layered is None:
+                return path.issue(streams, plan, src, dst, fence)
+            return path.issue_layers(streams, layered[0], src, dst, fence, layered[1], layered[2])
+
         if path.stream == BOTH:
-            ticket = path.issue(streams, plan, src, dst, fence)
+            ticket = run()
             if isinstance(ticket, CudaTicket):  # something was enqueued: it ends on that stream
                 self._last_end = path.end_stream(streams)
             return ticket
@@ -462,7 +641,7 @@ class CudaBackend:
             except Exception as exc:  # nothing was enqueued: the job fails at once
                 return FailedTicket(exc)
         self._last_end = own
-        return path.issue(streams, plan, src, dst, fence)
+        return run()
 
     def release(self) -> None:
         """Stop issuing, drop the paths' buffers and destroy the streams (now, or when the issue in

@@ -4,8 +4,9 @@ thread.
 It is a real implementation, not a mock: the same descriptors, ordering and shutdown contract as the
 CUDA backend, so the CPU suite runs the whole worker end to end through it, and the demo uses it on
 a machine without a GPU (saying so). Owns nothing; its fence is empty, because on the CPU the
-caller's program order is the compute order. Fault injection in tests subclasses it and overrides
-:meth:`HostBackend.copy_one` (raise, or block).
+caller's program order is the compute order. A layered load (docs/design.md §12) copies layer
+after layer and marks each (:class:`~kvoffload._layer_load.HostLayerMarks`) as soon as it is copied.
+Fault injection in tests subclasses it and overrides :meth:`HostBackend.copy_one` (raise, or block).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload._descriptors import CopyPlan
+from kvoffload._layer_load import HostLayerMarks, LayerMarks
 from kvoffload.errors import DeviceMismatchError, TransferError
 from kvoffload.records import Direction
 
@@ -91,16 +93,40 @@ class HostBackend:
         """Copy every page now; the ticket is complete when returned."""
         start = time.perf_counter()
         try:
-            descriptors = plan.build(src, dst)
-            for to, frm, size in zip(
-                descriptors.dsts.tolist(), descriptors.srcs.tolist(), descriptors.sizes.tolist()
-            ):
-                if self._released.is_set():
-                    raise TransferError("the backend was released while the job was copying")
-                self.copy_one(to, frm, size)
+            self._copy(plan, src, dst)
         except Exception as exc:
             return HostTicket(time.perf_counter() - start, exc)
         return HostTicket(time.perf_counter() - start, None)
+
+    def layer_marks(self, count: int) -> HostLayerMarks:
+        """Marks a waiting caller blocks on until its layer was copied."""
+        return HostLayerMarks(count)
+
+    def issue_layers(
+        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
+        marks: LayerMarks, first: int = 0,
+    ) -> HostTicket:
+        """Copy layers ``first``.. now (``plans[i]`` is layer ``first + i``), marking each once
+        copied; the ticket is complete when returned (a failure leaves the later layers unmarked:
+        the handler settles them)."""
+        start = time.perf_counter()
+        try:
+            for layer, plan in enumerate(plans, first):
+                self._copy(plan, src, dst)
+                assert isinstance(marks, HostLayerMarks)
+                marks.mark(layer)
+        except Exception as exc:
+            return HostTicket(time.perf_counter() - start, exc)
+        return HostTicket(time.perf_counter() - start, None)
+
+    def _copy(self, plan: CopyPlan, src: I64Array, dst: I64Array) -> None:
+        descriptors = plan.build(src, dst)
+        for to, frm, size in zip(
+            descriptors.dsts.tolist(), descriptors.srcs.tolist(), descriptors.sizes.tolist()
+        ):
+            if self._released.is_set():
+                raise TransferError("the backend was released while the job was copying")
+            self.copy_one(to, frm, size)
 
     def copy_one(self, dst: int, src: int, size: int) -> None:
         """Copy ``size`` bytes from address ``src`` to address ``dst``."""

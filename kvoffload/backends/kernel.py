@@ -5,7 +5,8 @@ whole records).
 Both are :class:`~kvoffload.backends.cuda.TransferPath` objects a
 :class:`~kvoffload.backends.cuda.CudaBackend` composes (``auto`` holds both beside batched DMA).
 They share one :class:`SegmentTables` per backend: the per-layout segment table the kernel reads,
-uploaded once to device memory on the kernel stream.
+uploaded once to device memory on the kernel stream (one per layer for layered loads, each moved by
+a launch of its own: docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -16,9 +17,24 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvoffload._descriptors import CopyPlan, StagedChunk, kernel_segments, plan_staged
+from kvoffload._descriptors import (
+    CopyPlan,
+    StagedChunk,
+    kernel_segments,
+    plan_staged,
+    plan_staged_part,
+)
 from kvoffload._jobs import FailedTicket
-from kvoffload.backends.cuda import BOTH, KERNEL, CudaStreams, CudaTicket, PathTicket, StreamName
+from kvoffload.backends.cuda import (
+    BOTH,
+    KERNEL,
+    CudaLayerMarks,
+    CudaStreams,
+    CudaTicket,
+    PathTicket,
+    StreamName,
+    finish_layers,
+)
 from kvoffload.bindings import driver
 from kvoffload.bindings.copier import Copier
 from kvoffload.bindings.kernel import KERNEL_ROWS, CopyKernel, KernelLauncher
@@ -126,6 +142,32 @@ class SmPath:
             return FailedTicket(exc if error is None else error)
         return CudaTicket(start, end, error, self.name)
 
+    def issue_layers(
+        self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
+    ) -> PathTicket:
+        """Wait for the fence on the kernel stream, then one launch and one mark per layer."""
+        store = self.direction is Direction.STORE
+        device_blocks, host_blocks = (src, dst) if store else (dst, src)
+        kstream = streams.kernel
+        try:
+            start = driver.Event(streams.timing_events)
+            end = driver.Event(streams.timing_events)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            return FailedTicket(exc)
+        error: BaseException | None = None
+        try:
+            tables = [self.tables.get(plan) for plan in plans]
+            fence.wait_on(kstream)  # rule 2, for every layer: they all follow the fence
+            start.record(kstream)
+            for layer, (plan, (segments, count)) in enumerate(zip(plans, tables), first):
+                self.launcher.launch(segments, count, device_blocks, host_blocks, plan.host_base,
+                                     plan.pages.record_bytes, store, self.ctas, kstream)
+                marks.record(layer, kstream)
+        except Exception as exc:
+            error = exc
+        return finish_layers(start, end, kstream, marks, first + len(plans), error, self.name)
+
     def end_stream(self, streams: CudaStreams) -> int:
         """The kernel stream."""
         return streams.kernel
@@ -220,6 +262,43 @@ class StagedPath:
         except Exception as exc:
             return FailedTicket(exc if error is None else error)
         return CudaTicket(start, end, error, self.name)
+
+    def issue_layers(
+        self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+        fence: driver.Event, marks: CudaLayerMarks, first: int,
+    ) -> PathTicket:
+        """A load, layer after layer: each layer's byte ranges of the records DMA'd into slot rows
+        that hold only them (:attr:`~kvoffload._descriptors.CopyPlan.compact`: many more blocks per
+        chunk than whole records) and scattered from there, chunks rotating over the ring as for
+        whole records; its mark recorded on the kernel stream after its last scatter."""
+        if self.direction is not Direction.LOAD:
+            return FailedTicket(TransferError("a layered staged job is a load"))
+        try:
+            start = driver.Event(streams.timing_events)
+            end = driver.Event(streams.timing_events)
+        except Exception as exc:  # nothing was enqueued: the job fails at once
+            return FailedTicket(exc)
+        stream, kstream = streams.copy, streams.kernel
+        error: BaseException | None = None
+        try:
+            start.record(stream)
+            fence.wait_on(kstream)  # rule 2, for every layer: the scatters follow the fence
+            for layer, plan in enumerate(plans, first):
+                chunks = plan_staged_part(plan, src, dst, self.slot_bases, self.slot_bytes,
+                                          self._next_slot)
+                self._next_slot = (self._next_slot + len(chunks)) % self.slots
+                compact = plan.compact
+                segments = self.tables.get(compact)
+                for chunk in chunks:
+                    self._load_chunk(streams, chunk, compact, segments)
+                marks.record(layer, kstream)
+        except Exception as exc:  # part of the job may be enqueued: the end event still follows it
+            error = exc
+        try:
+            streams.wait(kstream, stream)  # no DMA of a failed chunk after the end
+        except Exception as exc:
+            error = error or exc
+        return finish_layers(start, end, kstream, marks, first + len(plans), error, self.name)
 
     def end_stream(self, streams: CudaStreams) -> int:
         """A store ends on the copy stream (its last DMA), a load on the kernel stream (its last

@@ -91,11 +91,14 @@ NAME(const KvoSegment* __restrict__ segments, unsigned long long num_segments,  
 
 KVO_ENTRY(kvo_copy_blocks, 1024)
 KVO_ENTRY(kvo_copy_blocks_small, 32)
+KVO_ENTRY(kvo_copy_blocks_mid, 128)
 """
 #: The kernel's entry points and the records each moves per launch (the size of its by-value id
-#: arrays): the large one carries 16 KiB of parameters, the small one 512 bytes, which the driver
-#: copies at every launch (a few microseconds less for a job of a few blocks).
-COPY_KERNEL_ENTRIES: Final = ((b"kvo_copy_blocks_small", 32), (b"kvo_copy_blocks", 1024))
+#: arrays): the large one carries 16 KiB of parameters, the mid one 2 KiB, the small one 512 bytes,
+#: which the driver copies at every launch; a launch uses the smallest that holds its records.
+COPY_KERNEL_ENTRIES: Final = (
+    (b"kvo_copy_blocks_small", 32), (b"kvo_copy_blocks_mid", 128), (b"kvo_copy_blocks", 1024),
+)
 #: Records one launch of the copy kernel moves at most.
 KERNEL_ROWS: Final = COPY_KERNEL_ENTRIES[-1][1]
 #: Threads per CTA of the copy kernel.
@@ -225,7 +228,8 @@ class KernelLauncher:
         threads. ``segments_ptr`` is the device address of the layout's ``kernel_segments`` table
         (``num_segments`` rows); ``host_base`` is a device address or registered host memory.
         Launches once per :data:`KERNEL_ROWS` records (the ids travel in the launch parameters; a
-        launch of at most 32 records uses the entry point with 512 bytes of them).
+        launch uses the smallest entry point that holds its records: 512 bytes of ids up to 32, 2 KiB up
+        to 128).
 
         Raises:
             InvalidArgumentError: the legacy default stream, a non-positive CTA count, or id arrays
@@ -242,10 +246,9 @@ class KernelLauncher:
                 "1-d arrays of one length"
             )
         total = int(device_blocks.shape[0]) if num_segments else 0
-        small = self._params[0]
         for start in range(0, total, KERNEL_ROWS):
             count = min(KERNEL_ROWS, total - start)
-            params = small if count <= small.rows else self._params[-1]
+            params = next(p for p in self._params if p.rows >= count)  # the smallest that fits
             scalars = params.scalars
             scalars[0] = segments_ptr
             scalars[1] = num_segments

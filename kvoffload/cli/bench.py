@@ -5,7 +5,8 @@ both at once), a per-page ``cuMemcpyAsync`` loop (what engines did before batchi
 worker's ``dma``, ``staged``, ``sm`` and ``auto`` paths, over page sizes from 4 KiB to 2 MiB, for
 store, load and both directions at once; optionally beside a bf16 GEMM stream, reporting the GEMM's
 slowdown per path. Every transferred byte is checked. Figures are printed as GB/s and as a ratio to
-the link limit measured in the same run; ``--json`` writes them all.
+the link limit measured in the same run; ``--json`` writes them all. ``--latency`` and
+``--layerwise`` measure what one job costs instead (:mod:`kvoffload.cli.latency_bench`).
 """
 
 from __future__ import annotations
@@ -328,6 +329,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--disk", default=None, metavar="DIR",
                         help="instead: the disk tier against raw O_DIRECT on DIR, and disk -> GPU")
+    parser.add_argument("--latency", action="store_true",
+                        help="instead: a job alone (call -> result) per page and job size, 1-block jobs, "
+                             "the caller's time per call, each next to one pinned copy")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="instead: a synthetic L-layer prefill, load then compute vs load_by_layer")
+    parser.add_argument("--layers", type=int, default=0, help="layers of the --layerwise prefill (16)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,6 +359,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     progress = sys.stderr
+    if args.latency or args.layerwise:
+        from kvoffload.cli import latency_bench
+
+        chosen = tuple(p for p in args.paths.split(",") if p and p != "loop") if args.paths != ",".join(PATHS) \
+            else ("auto", "staged", "dma", "sm")
+        status = 0
+        if args.latency:
+            wanted = tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages else None
+            status |= latency_bench.latency_main(device, chosen, wanted, args.quick, progress)
+        if args.layerwise:
+            status |= latency_bench.layerwise_main(device, chosen, args.layers, progress)
+        return status
     pages = (tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages
              else QUICK_PAGE_SIZES if args.quick else PAGE_SIZES)
     paths = tuple(p for p in args.paths.split(",") if p)

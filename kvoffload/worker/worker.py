@@ -42,6 +42,7 @@ import numpy.typing as npt
 import torch
 
 from kvoffload._jobs import JobSource, as_job_id, as_timeout
+from kvoffload._layer_load import LayerLoad, LayerMarks
 from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner
 from kvoffload.disk.config import DiskCapabilities, DiskConfig, DiskRecordInfo, DiskStats
@@ -285,6 +286,34 @@ class Worker:
         self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
                      "host_blocks", "device_blocks")
 
+    def load_by_layer(
+        self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+    ) -> LayerLoad:
+        """:meth:`load`, landing layer after layer (docs/design.md §12): returns a
+        :class:`LayerLoad` whose ``wait_layer(i, stream)`` orders a stream after layer ``i``'s pages
+        of this job, so that compute on layer ``i`` starts while later layers are still moving.
+
+        The layers are the layout's (``layout.layers``, 0 first). Like :meth:`load`, every layer's
+        copies wait for the work queued on ``stream`` before this call (rule 2 holds per layer) and
+        the job's result comes through :meth:`poll`/:meth:`wait` as a whole; until then the device
+        blocks of a layer not yet waited for hold undefined bytes. The job is issued on the
+        caller's thread when no other load is queued for issue.
+
+        Raises (before anything is submitted; the worker is unchanged): as :meth:`load`, and
+            LayerError: the layout has no layers (its tensor names do not say them: pass
+                ``layers=`` to ``DeviceLayout.from_tensors``).
+        """
+        tables = self.layout.require_layers()
+        handler = self._load
+        made: list[LayerMarks] = []
+
+        def submit(j: int, s: I64Array, d: I64Array, on: object, _f: object) -> None:
+            made.append(handler.submit_layered(j, s, d, tables, stream=on))
+
+        job = self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
+                           "host_blocks", "device_blocks", submit)
+        return LayerLoad(job, made[0], self._check_open)
+
     def demote(self, job_id: int, host_blocks: BlockIds, disk_blocks: BlockIds) -> None:
         """Write host records ``host_blocks[i]`` to disk records ``disk_blocks[i]`` (checksummed).
 
@@ -338,8 +367,10 @@ class Worker:
 
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
-        stream: object, src_name: str, dst_name: str,
-    ) -> None:
+        stream: object, src_name: str, dst_name: str, submit_as: _Submit | None = None,
+    ) -> int:
+        """Validate, book, reserve and hand over one job (``submit_as`` in place of the route's
+        submit call); returns the job id."""
         self._check_open()
         route = self._routes.get(direction)
         if route is None:
@@ -347,6 +378,8 @@ class Worker:
                 f"{direction.value} needs a disk tier: create the worker with disk=DiskConfig(...)"
             )
         source, submit = route
+        if submit_as is not None:
+            submit = submit_as
         job = as_job_id(job_id)
         from_memory, to_memory = SIDES[direction]
         src = as_block_ids(src_name, src_blocks, self._sizes[from_memory])
@@ -371,6 +404,7 @@ class Worker:
                 self._book.remove(job)
                 self._jobs.forget(job)
             raise
+        return job
 
     def poll(self) -> list[TransferResult]:
         """Every job finished since the last call, oldest completion first; never blocks.

@@ -13,6 +13,7 @@ import torch
 
 from kvoffload import DeviceLayout, Worker
 from kvoffload import PathName
+from kvoffload.handler import INLINE_ISSUE_MAX_DESCRIPTORS
 from tests.gpu._helpers import TIMEOUT_S, cache, no_fence, stall
 from tests.gpu.conftest import Figures
 
@@ -43,10 +44,11 @@ def mismatched_pages(layout: DeviceLayout, records: torch.Tensor, value: int) ->
     return bad
 
 
-def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> int:
+def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
+               blocks: list[int] = BLOCKS, host: list[int] = HOST) -> int:
     """Stale pages over ``trials`` stores issued while the compute stream still writes the blocks."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
-    index = torch.tensor(BLOCKS, device=layout.device)
+    index = torch.tensor(blocks, device=layout.device)
     stale = 0
     for trial in range(trials):
         old, new = (2 * trial) % 251, (2 * trial + 1) % 251
@@ -56,17 +58,18 @@ def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> 
         with torch.cuda.stream(compute):
             stall()
             fill_blocks(layout, index, new)  # the writes the store must see
-        w.store(first_job + trial, BLOCKS, HOST, stream=compute)
+        w.store(first_job + trial, blocks, host, stream=compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
-        stale += mismatched_pages(layout, w.host_records()[HOST], new)
+        stale += mismatched_pages(layout, w.host_records()[host], new)
     return stale
 
 
-def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> tuple[int, int]:
+def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
+              blocks: list[int] = BLOCKS, host: list[int] = HOST) -> tuple[int, int]:
     """(pages where the compute-stream reader saw loaded bytes, pages the load failed to write)."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
-    index = torch.tensor(BLOCKS, device=layout.device)
+    index = torch.tensor(blocks, device=layout.device)
     seen_new = 0
     not_loaded = 0
     for trial in range(trials):
@@ -74,11 +77,11 @@ def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> t
         with torch.cuda.stream(compute):
             fill_blocks(layout, index, old)
         torch.cuda.synchronize(layout.device)
-        w.host_records()[HOST] = new
+        w.host_records()[host] = new
         with torch.cuda.stream(compute):
             stall()
             snapshot = layout.gather_records(index)  # queued compute still reading the blocks
-        w.load(first_job + trial, HOST, BLOCKS, stream=compute)
+        w.load(first_job + trial, host, blocks, stream=compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)
@@ -90,6 +93,37 @@ def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> t
 @pytest.fixture
 def layout(device: torch.device) -> DeviceLayout:
     return cache("per-layer", device, num_blocks=128, layers=8)
+
+
+#: A job this large is split when nothing is in flight (its issue costs more than
+#: INLINE_ISSUE_MAX_DESCRIPTORS on every path): the head on the caller's thread, the rest on the
+#: issuer thread, both behind the one fence.
+SPLIT_BLOCKS = list(range(0, 600, 2))
+SPLIT_HOST = list(range(300))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_split_job_waits_for_compute_in_both_parts(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures, path: PathName
+) -> None:
+    layout = cache("per-layer", device, num_blocks=600, layers=8)
+    with monkeypatch.context() as patch:
+        no_fence(patch)
+        with Worker.create(layout, 300, path=path) as control:
+            stale = store_race(control, layout, 3, 0, SPLIT_BLOCKS, SPLIT_HOST)
+            seen, _ = load_race(control, layout, 3, 100, SPLIT_BLOCKS, SPLIT_HOST)
+    figures.add(f"split job race [{path}], control without the compute wait: stale / seen pages",
+                f"{stale} / {seen}")
+    assert stale > 0 and seen > 0, "the control did not race: the test cannot prove the rule"
+    with Worker.create(layout, 300, path=path) as w:
+        handler = w._store  # the job splits: its issue is over the caller's-thread limit
+        assert handler._backend is not None
+        assert handler._backend.issue_cost(handler._plan, len(SPLIT_BLOCKS)) > INLINE_ISSUE_MAX_DESCRIPTORS
+        stale = store_race(w, layout, TRIALS // 10, 0, SPLIT_BLOCKS, SPLIT_HOST)
+        seen, not_loaded = load_race(w, layout, TRIALS // 10, 100, SPLIT_BLOCKS, SPLIT_HOST)
+    figures.add(f"split job race [{path}], worker over {TRIALS // 10} trials: stale / seen / not loaded",
+                f"{stale} / {seen} / {not_loaded}")
+    assert stale == 0 and seen == 0 and not_loaded == 0
 
 
 @pytest.mark.parametrize("path", PATHS)

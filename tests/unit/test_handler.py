@@ -23,7 +23,7 @@ from kvoffload import (
 )
 from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload.handler import (
-    INLINE_ISSUE_IDLE_MAX_DESCRIPTORS,
+    INLINE_HEAD_MAX_DESCRIPTORS,
     INLINE_ISSUE_MAX_DESCRIPTORS,
     DirectionHandler,
 )
@@ -316,7 +316,15 @@ def issuing_threads(backend: FakeBackend) -> list[int]:
     return threads
 
 
-def test_a_costly_job_is_issued_here_only_when_no_job_is_in_flight() -> None:
+def issued_sources(backend: FakeBackend) -> list[list[int]]:
+    """The source blocks of every issue, in order (from the fake's descriptors: 4096-byte pages,
+    consecutive blocks merged into one copy)."""
+    base = 0x10000 if backend.direction is Direction.STORE else 0x900000
+    return [[(int(a) - base) // 4096 + k for a, n in zip(d.srcs, d.sizes) for k in range(int(n) // 4096)]
+            for d in backend.issued]
+
+
+def test_a_costly_job_with_nothing_in_flight_has_its_head_issued_here_and_the_rest_on_the_thread() -> None:
     backend = FakeBackend(auto_finish=False)
     backend.inline = True
     backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS  # two blocks: over the plain limit
@@ -324,22 +332,68 @@ def test_a_costly_job_is_issued_here_only_when_no_job_is_in_flight() -> None:
     handler = make_handler(backend)
     here = threading.get_ident()
     try:
-        handler.submit(1, [0, 1], [0, 1])  # nothing in flight: issued right here
-        assert threads == [here]
-        handler.submit(2, [2, 3], [2, 3])  # job 1 still in flight: the issuer thread takes it
+        handler.submit(1, [0, 1, 2, 3], [0, 1, 2, 3])  # nothing in flight: split
         wait_until_issued(backend, 2)
-        assert threads[1] != here
-        for ticket in backend.tickets:
-            ticket.finish()
-        handler.wait([1, 2], timeout=HANG_GUARD_S)
-        backend.cost_per_block = INLINE_ISSUE_IDLE_MAX_DESCRIPTORS  # over even the idle limit
-        handler.submit(3, [4, 5], [4, 5])
+        assert threads[0] == here and threads[1] != here
+        assert issued_sources(backend) == [[0], [1, 2, 3]]  # the head fits the head budget
+        handler.submit(2, [4, 5], [4, 5])  # job 1 still in flight: the issuer thread takes it all
         wait_until_issued(backend, 3)
-        assert threads[2] != here
+        assert threads[2] != here and issued_sources(backend)[2] == [4, 5]
+        backend.tickets[0].finish()  # the head alone finished: the job has not
+        assert handler.poll() == []
+        backend.tickets[1].finish()
+        (result,) = handler.wait([1], timeout=HANG_GUARD_S)
+        assert result.ok and result.nbytes == 4 * 4096 and result.seconds > 0
         backend.tickets[2].finish()
-        handler.wait([3], timeout=HANG_GUARD_S)
+        assert [r.job_id for r in handler.wait([2], timeout=HANG_GUARD_S)] == [2]
+        assert handler.stats().submitted == 2 and handler.stats().completed == 2
     finally:
         handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_a_split_job_is_halved_until_its_head_fits_the_head_budget() -> None:
+    backend = FakeBackend()
+    backend.inline = True
+    backend.cost_per_block = INLINE_HEAD_MAX_DESCRIPTORS // 4 + 1  # 3 blocks fit, 4 do not
+    handler = make_handler(backend)
+    try:
+        handler.submit(1, list(range(16)), list(range(16)))
+        handler.wait([1], timeout=HANG_GUARD_S)
+        assert [len(s) for s in issued_sources(backend)] == [2, 14]  # 8 -> 4 -> 2 pairs
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+@pytest.mark.parametrize("failing", ["head", "rest"])
+def test_a_split_job_fails_as_a_whole_when_either_part_fails(failing: str) -> None:
+    backend = FakeBackend(auto_finish=False)
+    backend.inline = True
+    backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS
+    handler = make_handler(backend)
+    try:
+        handler.submit(1, [0, 1, 2, 3], [0, 1, 2, 3])
+        wait_until_issued(backend, 2)
+        head, rest = backend.tickets
+        (head if failing == "head" else rest).error = CudaError("cuLaunchKernel", 1, "ERR", failing)
+        head.finish()
+        rest.finish()
+        (result,) = handler.wait([1], timeout=HANG_GUARD_S)
+        assert not result.ok and str(result.error).endswith(failing)
+        assert handler.poll() == []  # one result for the job, never one per part
+        assert [t.released for t in backend.tickets] == [1, 1]
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_shutdown_drains_a_split_job_and_reports_it_once() -> None:
+    backend = FakeBackend()
+    backend.inline = True
+    backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS
+    handler = make_handler(backend)
+    handler.submit(1, [0, 1, 2, 3], [0, 1, 2, 3])
+    handler.shutdown(timeout=HANG_GUARD_S)
+    assert handler.stats().completed == 1 and handler.stats().in_flight == 0
+    assert backend.fences_taken == backend.fences_released == 1
 
 
 def test_a_job_never_overtakes_one_queued_before_it() -> None:

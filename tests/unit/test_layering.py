@@ -23,6 +23,8 @@ LAYERS: dict[str, int] = {
     # pure helpers, the bindings, the scheduler side's own layers, the disk tier's configuration
     "_validate": 1,
     "_descriptors": 1,
+    "_layer_map": 1,
+    "_layer_load": 1,
     "bindings.__init__": 1,
     "bindings.driver": 1,
     "bindings.pinning": 1,
@@ -66,6 +68,7 @@ LAYERS: dict[str, int] = {
     "cli.demo": 11,
     "cli.manager_bench": 11,
     "cli.disk_bench": 11,
+    "cli.latency_bench": 11,
     "cli.bench": 12,
     "cli.replay": 13,
     "cli.__init__": 14,
@@ -92,7 +95,7 @@ LAYERS: dict[str, int] = {
 CUDA_PACKAGES = ("bindings.",)
 #: Modules that must not import torch at run time (the scheduler side and what it stands on).
 TORCH_FREE = {
-    "errors", "records", "_validate", "_jobs", "bindings.driver", "bindings.pinning",
+    "errors", "records", "_validate", "_jobs", "_layer_map", "_layer_load", "bindings.driver", "bindings.pinning",
     "bindings.copier", "bindings.kernel", "disk.config", "manager.policies", "manager.records",
     "manager.state", "manager.manager", "worker.booking",
 }

@@ -1,0 +1,212 @@
+"""Layer-by-layer loads: the caller's handle (:class:`LayerLoad`) and where a job's layers stand.
+
+A layered load issues its layers in order, 0 first, and *marks* each layer once its copies are
+enqueued (docs/design.md §12). :class:`LayerMarks` is the seam: a backend's marks make a stream wait
+for a marked layer on the device (the CUDA backend: one pooled event per layer), or block the caller
+until the layer was copied (the host backend, whose copies run on its issuer thread: on the CPU the
+caller's program order is the compute order). A backend that cannot mark layers gets
+:class:`WholeJobMarks`: every layer waits for the whole job, on the host.
+
+Owns nothing itself: a :class:`LayerLoad` borrows its job's marks, which the handler owns and
+releases once the job's result was published (a wait on released marks returns at once: the job,
+every layer included, has finished). Marks only order; whether the job succeeded comes with its
+result through ``poll``/``wait``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Final, Protocol
+
+from kvoffload.errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    InvalidArgumentError,
+    WaitTimeoutError,
+)
+
+__all__ = [
+    "LAYER_WAIT_TIMEOUT_S",
+    "HostLayerMarks",
+    "LayerLoad",
+    "LayerMarks",
+    "WholeJobMarks",
+]
+
+#: How long ``wait_layer`` waits by default for a layer to be handed to the device (CUDA: at once
+#: unless earlier jobs were still being issued) or copied (host backend).
+LAYER_WAIT_TIMEOUT_S: Final = 60.0
+
+
+class LayerMarks(Protocol):
+    """Where a layered job's layers stand (see the module docstring)."""
+
+    @property
+    def count(self) -> int:
+        """Layers of the job."""
+
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+        """Order ``stream`` after layer ``layer`` of the job (on the device where the backend has
+        one; on the host otherwise), waiting at most ``timeout_s`` on the host for the layer to be
+        marked.
+
+        Raises:
+            DeviceMismatchError: a stream the backend does not take.
+            WaitTimeoutError: the layer was not marked within ``timeout_s``.
+        """
+
+    def settle(self) -> None:
+        """No more layers will be marked (the issue returned): waits for unmarked layers return."""
+
+    def release(self) -> None:
+        """Give back what the marks hold; waits return at once afterwards. Idempotent."""
+
+
+class _Waitable(Protocol):
+    def wait(self, timeout_s: float) -> bool: ...
+
+
+class HostLayerMarks:
+    """Marks of a job copied on the host: layer ``i`` has landed once :meth:`mark` said so."""
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._landed = 0
+        self._cond = threading.Condition()
+
+    @property
+    def count(self) -> int:
+        """Layers of the job."""
+        return self._count
+
+    def mark(self, layer: int) -> None:
+        """Layers up to ``layer`` were copied."""
+        with self._cond:
+            self._landed = max(self._landed, layer + 1)
+            self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Nothing more will be copied: every wait returns."""
+        self.mark(self._count - 1)
+
+    def release(self) -> None:
+        """As :meth:`settle`."""
+        self.settle()
+
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+        """Block until layer ``layer`` was copied (``stream`` must be None: the host has no
+        streams)."""
+        if stream is not None:
+            raise DeviceMismatchError(
+                f"the host backend takes no stream (got {type(stream).__name__}): CPU tensors have "
+                "no compute stream to order"
+            )
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._landed > layer, timeout_s):
+                raise WaitTimeoutError(f"layer {layer} did not land within {timeout_s} s")
+
+
+class WholeJobMarks:
+    """Marks of a backend that cannot mark layers: every layer waits, on the host, for the whole
+    job's ticket. Borrows the ticket (the handler owns it)."""
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._ticket: _Waitable | None = None
+        self._released = False
+        self._cond = threading.Condition()
+
+    @property
+    def count(self) -> int:
+        """Layers of the job."""
+        return self._count
+
+    def attach(self, ticket: _Waitable) -> None:
+        """The job was issued: waits go to its ticket."""
+        with self._cond:
+            self._ticket = ticket
+            self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Nothing to do: :meth:`attach` comes with the ticket."""
+
+    def release(self) -> None:
+        """The job's result was published: waits return at once."""
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+        """Block until the whole job finished (any stream is then ordered after it)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ticket is not None or self._released, timeout_s):
+                raise WaitTimeoutError(f"layer {layer}: the job was not issued within {timeout_s} s")
+            ticket, released = self._ticket, self._released
+        if released or ticket is None:
+            return
+        try:
+            finished = ticket.wait(max(0.0, deadline - time.monotonic()))
+        except Exception:  # the job failed: its result says so, and nothing more will land
+            return
+        if not finished:
+            raise WaitTimeoutError(f"layer {layer}: the job did not finish within {timeout_s} s")
+
+
+class LayerLoad:
+    """The handle of one layer-by-layer load (``Worker.load_by_layer``).
+
+    ``wait_layer(i)`` orders a stream after layer ``i``'s pages of this job have landed; the job's
+    result still comes through ``poll``/``wait`` as a whole. Borrows the job's marks (the worker
+    owns them until the job's result was published; waits afterwards return at once). Thread-safe.
+    """
+
+    def __init__(self, job_id: int, marks: LayerMarks, check_open: Callable[[], None]) -> None:
+        self.job_id = job_id
+        self._marks = marks
+        self._check_open = check_open
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the load (the layout's ``num_layers``)."""
+        return self._marks.count
+
+    def wait_layer(self, layer: int, stream: object = None, *, timeout: float = LAYER_WAIT_TIMEOUT_S) -> None:
+        """Make ``stream`` (default: the device's current stream) wait until layer ``layer``'s pages
+        of this job have landed.
+
+        On the CUDA backend the wait is enqueued on the stream and the call returns at once: the
+        host never waits for the copies (it waits, up to ``timeout``, only if the job was still
+        queued behind earlier jobs for issue). On the host backend (no streams: ``stream`` must be
+        None) the call returns once the layer was copied. Layers may be waited for in any order,
+        and again. After the job's result was returned the call does nothing (everything landed).
+        A failed job's layers hold undefined bytes: its result says so.
+
+        Raises (before anything is enqueued):
+            ClosedError: the worker was shut down.
+            ArgumentTypeError: ``layer`` not an int, or ``timeout`` not a number.
+            InvalidArgumentError: ``layer`` out of range, or ``timeout`` negative or not finite.
+            DeviceMismatchError: a stream of another device (any stream on the host backend).
+            WaitTimeoutError: the layer was not handed to the device (CUDA) or copied (host) within
+                ``timeout``.
+        """
+        self._check_open()
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ArgumentTypeError(f"layer = {layer!r} must be an int, not a {type(layer).__name__}")
+        count = self._marks.count
+        if not 0 <= layer < count:
+            raise InvalidArgumentError(
+                f"layer = {layer} is out of range: job {self.job_id} loads {count} layers (0..{count - 1})"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ArgumentTypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not math.isfinite(timeout) or timeout < 0:
+            raise InvalidArgumentError(f"timeout = {timeout!r} must be finite and >= 0 seconds")
+        self._marks.wait(layer, stream, float(timeout))
+
+    def __repr__(self) -> str:
+        """The job and its layer count."""
+        return f"LayerLoad(job {self.job_id}, {self.num_layers} layers)"

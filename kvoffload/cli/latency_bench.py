@@ -1,0 +1,387 @@
+"""``python -m kvoffload bench --latency`` and ``--layerwise``: what one job costs an engine, next to
+what the link alone costs, measured side by side in one run.
+
+``--latency``:
+
+- *a job alone, call -> result*: one job with nothing else in flight, from the ``store``/``load``
+  call to its result from ``wait``, per page size and job size, next to one pinned copy of the same
+  bytes timed the same way (call -> stream synchronized) in the same run; the job's device time
+  (``TransferResult.seconds``) and the caller's time in the call are shown beside it;
+- *1-block jobs* (64 pages of 32 KiB), call -> result, next to one 2 MiB pinned copy;
+- *the caller's time per call*: bursts of jobs of 256 blocks x 64 pages submitted back to back, the
+  time each ``store``/``load`` call takes — the first of each burst (nothing in flight) apart from
+  the later ones — median, p90, p99 and max over every call.
+
+``--layerwise``: a synthetic L-layer prefill whose layer ``i`` reads layer ``i``'s loaded blocks, its
+compute per layer about the load's per layer: *load then compute* (``load``, wait for the result,
+then every layer's compute) against ``load_by_layer`` (layer ``i``'s compute after
+``wait_layer(i)``), with the ideal ``max(load, compute) + one layer's load``, and when layer 0 was
+ready against ``1/L`` of the whole load.
+
+Every figure is printed as measured and as a ratio to its reference; nothing is asserted. Every
+loaded byte is checked. Public API only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Final, TextIO
+
+import numpy as np
+import torch
+
+from kvoffload import DeviceLayout, LayerLoad, TransferResult, Worker
+from kvoffload.cli._torch import new_event, new_stream
+
+__all__ = ["latency_main", "layerwise_main"]
+
+KIB: Final = 1 << 10
+MIB: Final = 1 << 20
+LATENCY_PAGES: Final = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 2 * MIB)
+QUICK_LATENCY_PAGES: Final = (4 * KIB, 64 * KIB, 2 * MIB)
+JOB_SIZES: Final = (2 * MIB, 16 * MIB, 64 * MIB)
+QUICK_JOB_SIZES: Final = (64 * MIB,)
+#: Layers of the per-layer layout of the isolated-job figures (2 pages, K and V, per layer).
+LATENCY_LAYERS: Final = 8
+REPEATS: Final = 15
+QUICK_REPEATS: Final = 7
+#: The caller's-time figure: bursts of BURST jobs of BURST_BLOCKS blocks of 64 pages of 32 KiB.
+BURST: Final = 4
+BURSTS: Final = 12
+BURST_BLOCKS: Final = 256
+BURST_LAYERS: Final = 32
+#: The layer-wise prefill: layers, blocks per load, page size of each of K and V.
+PREFILL_LAYERS: Final = 16
+PREFILL_BLOCKS: Final = 256
+PREFILL_PAGE: Final = 32 * KIB
+PREFILL_ROUNDS: Final = 7
+TIMEOUT_S: Final = 120.0
+
+
+def _log(out: TextIO, message: str) -> None:
+    print(message, file=out, flush=True)
+
+
+def _per_layer(device: torch.device, layers: int, page: int, blocks: int) -> tuple[DeviceLayout, dict[str, torch.Tensor]]:
+    tensors = {f"layer{i}": torch.randint(0, 256, (2, blocks, page), dtype=torch.uint8, device=device)
+               for i in range(layers)}
+    return DeviceLayout.from_tensors(tensors, block_dim=1, num_blocks=blocks), tensors
+
+
+class PinnedCopy:
+    """One pinned copy of ``nbytes`` each way on a stream of its own, timed call -> synchronized.
+    Owns its buffers and stream."""
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.stream = new_stream(device)
+
+    def seconds(self, store: bool) -> float:
+        """Wall seconds of one copy (d2h when ``store``), from the call to the stream's sync."""
+        dst, src = (self.host, self.dev) if store else (self.dev, self.host)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        self.stream.synchronize()
+        return time.perf_counter() - t0
+
+
+def _job(w: Worker, store: bool, job: int, device_blocks: np.ndarray, host_blocks: np.ndarray) -> tuple[float, float, TransferResult]:
+    """(call -> result seconds, seconds in the call, result) of one job with nothing in flight."""
+    t0 = time.perf_counter()
+    if store:
+        w.store(job, device_blocks, host_blocks)
+    else:
+        w.load(job, host_blocks, device_blocks)
+    t1 = time.perf_counter()
+    (result,) = w.wait([job], TIMEOUT_S)
+    t2 = time.perf_counter()
+    if not result.ok:
+        raise RuntimeError(f"job {job} failed: {result.error}")
+    return t2 - t0, t1 - t0, result
+
+
+def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, repeats: int,
+                  out: TextIO) -> list[str]:
+    """Rows of the isolated-job table for one page size and job size (store and load)."""
+    block = 2 * LATENCY_LAYERS * page
+    blocks = max(1, job_bytes // block)
+    layout, tensors = _per_layer(device, LATENCY_LAYERS, page, 2 * blocks)
+    copy = PinnedCopy(device, blocks * block)
+    rows = []
+    dev_a = np.arange(blocks, dtype=np.int64)
+    dev_b = dev_a + blocks
+    host = np.arange(blocks, dtype=np.int64)
+    with Worker.create(layout, blocks, path=path) as w:  # type: ignore[arg-type]
+        job = 0
+        for store in (True, False):
+            samples: list[tuple[float, float, float]] = []
+            copies: list[float] = []
+            for i in range(repeats + 2):  # two warm-ups
+                torch.cuda.synchronize(device)
+                total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
+                job += 1
+                torch.cuda.synchronize(device)
+                c = copy.seconds(store)
+                if i >= 2:
+                    samples.append((total, call, result.seconds))
+                    copies.append(c)
+            bad = 0 if store else _mismatched(layout, dev_a, dev_b)
+            t = statistics.median(s[0] for s in samples)
+            c = statistics.median(copies)
+            rows.append(
+                f"{_size(page):>8} {_size(blocks * block):>8} {'store' if store else 'load':<6} {path:<7}"
+                f" {t * 1e6:9.1f} {c * 1e6:9.1f}   {c / t:5.2f}x"
+                f" {statistics.median(s[1] for s in samples) * 1e6:9.1f}"
+                f" {statistics.median(s[2] for s in samples) * 1e6:9.1f}   {bad}"
+            )
+            _log(out, "  " + rows[-1])
+    del tensors
+    return rows
+
+
+def _mismatched(layout: DeviceLayout, a: np.ndarray, b: np.ndarray) -> int:
+    bad = 0
+    for i in range(0, a.shape[0], 64):
+        bad += int((layout.gather_records(a[i : i + 64]) != layout.gather_records(b[i : i + 64]))
+                   .any(dim=1).sum())
+    return bad
+
+
+def one_block_jobs(device: torch.device, path: str, repeats: int) -> str:
+    """A row: 1-block jobs (64 x 32 KiB) store and load, call -> result, against one 2 MiB pinned
+    copy."""
+    layout, _ = _per_layer(device, 32, 32 * KIB, 64)
+    copy = PinnedCopy(device, 2 * MIB)
+    parts = []
+    with Worker.create(layout, 8, path=path) as w:  # type: ignore[arg-type]
+        job = 0
+        for store in (True, False):
+            jobs, copies = [], []
+            for i in range(3 * repeats + 2):
+                torch.cuda.synchronize(device)
+                blocks = np.array([i % 32 + (0 if store else 32)], dtype=np.int64)
+                total, _, _ = _job(w, store, job, blocks, np.array([i % 8], dtype=np.int64))
+                job += 1
+                torch.cuda.synchronize(device)
+                c = copy.seconds(store)
+                if i >= 2:
+                    jobs.append(total)
+                    copies.append(c)
+            t, c = statistics.median(jobs), statistics.median(copies)
+            parts.append(f"{'store' if store else 'load'} {t * 1e6:7.1f} us = {t / c:4.2f}x "
+                         f"({c * 1e6:5.1f} us copy)")
+    return f"1-block job (64 x 32 KiB) [{path:<6}] " + ";  ".join(parts)
+
+
+def caller_time(device: torch.device, path: str, bursts: int) -> list[str]:
+    """Rows: the caller's time per ``store``/``load`` of 256 blocks x 64 pages of 32 KiB, in
+    bursts of BURST jobs back to back."""
+    blocks = BURST * BURST_BLOCKS
+    layout, _ = _per_layer(device, BURST_LAYERS, 32 * KIB, blocks)
+    rows = []
+    with Worker.create(layout, blocks, path=path) as w:  # type: ignore[arg-type]
+        job = 0
+        for store in (True, False):
+            first: list[float] = []
+            later: list[float] = []
+            for burst in range(bursts + 1):
+                torch.cuda.synchronize(device)
+                ids = []
+                for k in range(BURST):
+                    dev = np.arange(k * BURST_BLOCKS, (k + 1) * BURST_BLOCKS, dtype=np.int64)
+                    t0 = time.perf_counter()
+                    if store:
+                        w.store(job, dev, dev)
+                    else:
+                        w.load(job, dev, dev)
+                    dt = time.perf_counter() - t0
+                    ids.append(job)
+                    job += 1
+                    if burst:  # the first burst warms up
+                        (first if k == 0 else later).append(dt)
+                if not all(r.ok for r in w.wait(ids, TIMEOUT_S)):
+                    raise RuntimeError("a job of the burst failed")
+            every = sorted(first + later)
+            rows.append(
+                f"caller's time per {'store' if store else 'load '} [{path:<6}] first of burst "
+                f"{statistics.median(first) * 1e6:7.1f} us, jobs 2-{BURST} {statistics.median(later) * 1e6:7.1f}"
+                f" us (medians); all calls p90 {_pct(every, 90) * 1e6:7.1f} p99 {_pct(every, 99) * 1e6:7.1f}"
+                f" max {every[-1] * 1e6:7.1f} us"
+            )
+    return rows
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int] | None, quick: bool,
+                 out: TextIO) -> int:
+    """``bench --latency``: print every figure (see the module docstring); returns the exit status
+    (1 when a loaded byte differed)."""
+    pages = pages or (QUICK_LATENCY_PAGES if quick else LATENCY_PAGES)
+    sizes = QUICK_JOB_SIZES if quick else JOB_SIZES
+    repeats = QUICK_REPEATS if quick else REPEATS
+    _log(out, "isolated jobs (one at a time, nothing else in flight)")
+    rows = []
+    for page in pages:
+        for size in sizes:
+            for path in paths:
+                rows += isolated_jobs(device, page, size, path, repeats, out)
+    _log(out, "1-block jobs, caller's time per call")
+    small = [one_block_jobs(device, path, repeats) for path in paths]
+    callers = [row for path in paths for row in caller_time(device, path, BURSTS // 2 if quick else BURSTS)]
+    print(f"kvoffload bench --latency on {torch.cuda.get_device_name(device)}; per-layer layouts of "
+          f"{LATENCY_LAYERS} layers (K and V pages)")
+    print(f"{'page':>8} {'job':>8} {'dir':<6} {'path':<7} {'job us':>9} {'copy us':>9}   {'ratio':>6}"
+          f" {'call us':>9} {'device us':>9}   bad")
+    print("  (a job alone, call -> result, vs one pinned copy of the same bytes timed the same way; "
+          "ratio = copy / job; call = caller's time in store/load; device = TransferResult.seconds)")
+    for row in rows:
+        print(row)
+    for row in small + callers:
+        print(row)
+    bad = sum(int(r.rsplit(maxsplit=1)[-1]) for r in rows)
+    print(f"mismatched blocks: {bad}")
+    return 0 if bad == 0 else 1
+
+
+# ----------------------------------------------------------------------------- the layer-wise prefill
+
+
+class Prefill:
+    """A synthetic prefill: layer ``i`` reads its K and V pages of the loaded blocks (a gather and a
+    reduction into an accumulator) and then runs ``gemms`` products, on the compute stream. Owns its
+    operands."""
+
+    def __init__(self, device: torch.device, tensors: dict[str, torch.Tensor], blocks: torch.Tensor,
+                 stream: torch.cuda.Stream) -> None:
+        self.tensors = [tensors[f"layer{i}"] for i in range(len(tensors))]
+        self.blocks = blocks
+        self.stream = stream
+        n = 2048
+        with torch.cuda.stream(stream):
+            self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+            self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+            self.acc = torch.zeros((), dtype=torch.int64, device=device)
+        self.gemms = 1
+
+    def layer(self, i: int) -> None:
+        """Queue layer ``i``'s compute on the stream."""
+        with torch.cuda.stream(self.stream):
+            kv = self.tensors[i].index_select(1, self.blocks)
+            self.acc += kv.view(torch.int64).sum()
+            for _ in range(self.gemms):
+                torch.mm(self.a, self.b)
+
+    def seconds(self) -> float:
+        """Device seconds of every layer's compute, nothing else running (median of 5)."""
+        times = []
+        for _ in range(5):
+            begin, end = new_event(timing=True), new_event(timing=True)
+            begin.record(self.stream)
+            for i in range(len(self.tensors)):
+                self.layer(i)
+            end.record(self.stream)
+            end.synchronize()
+            times.append(float(begin.elapsed_time(end)) / 1e3)
+        return statistics.median(times)
+
+
+def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out: TextIO) -> int:
+    """``bench --layerwise``: print the figures (see the module docstring); returns the exit status
+    (1 when a loaded byte differed)."""
+    layers = layers or PREFILL_LAYERS
+    blocks = PREFILL_BLOCKS
+    layout, tensors = _per_layer(device, layers, PREFILL_PAGE, 2 * blocks)
+    src = np.arange(blocks, dtype=np.int64)
+    dst = src + blocks
+    host = np.arange(blocks, dtype=np.int64)
+    compute = new_stream(device)
+    prefill = Prefill(device, tensors, torch.as_tensor(dst, device=device), compute)
+    lines = []
+    bad = 0
+    for path in paths:
+        with Worker.create(layout, blocks, path=path) as w:  # type: ignore[arg-type]
+            w.store(0, src, host)
+            if not all(r.ok for r in w.wait([0], TIMEOUT_S)):
+                raise RuntimeError("the store failed")
+            job = 1
+            loads = []
+            for _ in range(PREFILL_ROUNDS):
+                torch.cuda.synchronize(device)
+                total, _, result = _job(w, False, job, dst, host)
+                job += 1
+                loads.append(total)
+            load_s = statistics.median(loads)
+            # Calibrate the compute: about one layer's load per layer.
+            prefill.gemms = 1
+            per_gemm = max(1e-6, prefill.seconds() / layers)
+            prefill.gemms = max(1, round(load_s / layers / per_gemm))
+            compute_s = prefill.seconds()
+            serial, overlapped, first, full = [], [], [], []
+            for _ in range(PREFILL_ROUNDS):
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                w.load(job, host, dst, stream=compute)
+                if not all(r.ok for r in w.wait([job], TIMEOUT_S)):
+                    raise RuntimeError("a load failed")
+                for i in range(layers):
+                    prefill.layer(i)
+                compute.synchronize()
+                serial.append(time.perf_counter() - t0)
+                job += 1
+                torch.cuda.synchronize(device)
+                begin, ready0, ready_all = (new_event(timing=True) for _ in range(3))
+                t0 = time.perf_counter()
+                begin.record(compute)
+                load: LayerLoad = w.load_by_layer(job, host, dst, stream=compute)
+                for i in range(layers):
+                    load.wait_layer(i, compute)
+                    if i == 0:
+                        ready0.record(compute)
+                    prefill.layer(i)
+                compute.synchronize()
+                overlapped.append(time.perf_counter() - t0)
+                if not all(r.ok for r in w.wait([job], TIMEOUT_S)):
+                    raise RuntimeError("a layered load failed")
+                job += 1
+                first.append(float(begin.elapsed_time(ready0)) / 1e3)
+                # when the whole load landed, as the device saw it (a wait for the last layer)
+                begin2, done = new_event(timing=True), new_event(timing=True)
+                torch.cuda.synchronize(device)
+                begin2.record(compute)
+                load = w.load_by_layer(job, host, dst, stream=compute)
+                load.wait_layer(layers - 1, compute)
+                done.record(compute)
+                if not all(r.ok for r in w.wait([job], TIMEOUT_S)):
+                    raise RuntimeError("a layered load failed")
+                job += 1
+                done.synchronize()
+                full.append(float(begin2.elapsed_time(done)) / 1e3)
+            bad += _mismatched(layout, src, dst)
+        s, o = statistics.median(serial), statistics.median(overlapped)
+        ideal = max(load_s, compute_s) + load_s / layers
+        f0, fl = statistics.median(first), statistics.median(full)
+        lines.append(
+            f"[{path:<6}] load {load_s * 1e3:6.2f} ms, compute {compute_s * 1e3:6.2f} ms; load then "
+            f"compute {s * 1e3:6.2f} ms; load_by_layer {o * 1e3:6.2f} ms ({s / o:4.2f}x faster); ideal "
+            f"max(load, compute) + one layer {ideal * 1e3:6.2f} ms (load_by_layer = ideal + "
+            f"{(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} us, all after "
+            f"{fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us)"
+        )
+        _log(out, "  " + lines[-1])
+    print(f"kvoffload bench --layerwise on {torch.cuda.get_device_name(device)}: {layers} layers, "
+          f"{blocks} blocks of {layers} x 2 pages of {PREFILL_PAGE // KIB} KiB per load")
+    for line in lines:
+        print(line)
+    print(f"mismatched blocks: {bad}")
+    return 0 if bad == 0 else 1
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"

@@ -1,0 +1,236 @@
+"""Where a job's time goes on the host: ``python -m tests.gpu.profile_submit`` (needs a GPU).
+
+Not a test (nothing is asserted; pytest does not collect it): a measurement for the fast-submit
+work. It wraps the phases of a submit and of a wait with timers (each wrapper costs a fraction of a
+microsecond) and prints, per path and job size, the median microseconds of each phase on the
+caller's thread and on the issuer thread; then the split of an isolated 64 MiB job (caller's time,
+device time, call -> result) with the library as it is and with candidate settings (a longer spin
+before the completion poll sleeps; smaller staged chunks), each next to a pinned copy of the same
+bytes measured in the same run.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvoffload.backends.cuda as cuda_backend
+import kvoffload.worker.worker as worker_module
+from kvoffload import DeviceLayout, Worker
+from kvoffload._jobs import JobBook
+from kvoffload.backends.cuda import CudaBackend, CudaTicket
+from kvoffload.handler import DirectionHandler
+from kvoffload.worker.booking import Bookkeeping
+
+KIB, MIB = 1 << 10, 1 << 20
+DEFAULT_SPIN_S = cuda_backend.WAIT_SPIN_S
+TIMES: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            where = "caller" if threading.current_thread() is threading.main_thread() else "issuer"
+            TIMES[(name, where)].append(time.perf_counter() - t0)
+    return wrapper
+
+
+@contextmanager
+def instrumented() -> Iterator[None]:
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+        patches.append((owner, attr, original))
+        setattr(owner, attr, timed(name, original))
+
+    patch(Worker, "store", "0 Worker.store (total)")
+    patch(Worker, "load", "0 Worker.load (total)")
+    patch(worker_module, "as_block_ids", "1 validate: as_block_ids")
+    patch(worker_module, "check_pairs", "1 validate: check_pairs")
+    patch(Bookkeeping, "check", "2 book: conflicts check")
+    patch(Bookkeeping, "add", "2 book: add")
+    patch(JobBook, "reserve", "2 book: reserve id")
+    patch(DirectionHandler, "submit_validated", "3 handler submit (fence+issue)")
+    patch(CudaBackend, "fence", "4 fence (event record)")
+    patch(CudaBackend, "issue", "5 issue (whole)")
+    patch(JobBook, "wait", "7 wait (total)")
+    patch(DirectionHandler, "wait_progress", "7 wait: wait_progress")
+    patch(DirectionHandler, "advance", "7 wait: advance")
+    patch(CudaTicket, "seconds", "8 result: event elapsed")
+    for path_cls in _path_classes():
+        patch(path_cls, "issue", f"6 {path_cls.__name__}.issue")
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(patches):
+            setattr(owner, attr, original)
+
+
+def _path_classes() -> list[type]:
+    from kvoffload.backends.cuda import DmaPath
+    from kvoffload.backends.kernel import SmPath, StagedPath
+    return [DmaPath, SmPath, StagedPath]
+
+
+def per_layer(device: torch.device, layers: int, page: int, blocks: int) -> DeviceLayout:
+    tensors = {f"layer{i}": torch.zeros(2, blocks, page, dtype=torch.uint8, device=device) for i in range(layers)}
+    return DeviceLayout.from_tensors(tensors, 1)
+
+
+def report(title: str) -> None:
+    print(f"\n== {title}: median us (count) per phase")
+    for (name, where), values in sorted(TIMES.items()):
+        print(f"  {name:<40} {where:<6} {statistics.median(values) * 1e6:9.1f}  p90 "
+              f"{np.percentile(values, 90) * 1e6:9.1f}  ({len(values)})")
+    TIMES.clear()
+
+
+def phases(device: torch.device) -> None:
+    for path in ("staged", "dma", "sm", "auto"):
+        for label, layers, page, blocks, burst in (("1 block x 64 x 32 KiB", 32, 32 * KIB, 1, 1),
+                                                    ("256 blocks x 64 x 32 KiB", 32, 32 * KIB, 256, 4)):
+            layout = per_layer(device, layers, page, 4 * blocks)
+            with Worker.create(layout, 4 * blocks, path=path) as w:
+                job = 0
+                for _ in range(3):  # warm-up
+                    w.store(job, [0], [0])
+                    w.wait([job], 60)
+                    job += 1
+                with instrumented():
+                    for _ in range(20 if blocks > 1 else 60):
+                        torch.cuda.synchronize(device)
+                        ids = []
+                        for k in range(burst):
+                            ids.append(job)
+                            dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                            t0 = time.perf_counter()
+                            w.store(job, dev, dev)
+                            TIMES[("0 store call, first of burst" if k == 0 else "0 store call, jobs 2-4", "caller")].append(time.perf_counter() - t0)
+                            job += 1
+                        t0 = time.perf_counter()
+                        w.wait(ids, 60)
+                        TIMES[("9 store burst: last call -> results", "caller")].append(time.perf_counter() - t0)
+                report(f"{path}: store, {label}, bursts of {burst}")
+
+
+def isolated(device: torch.device) -> None:
+    page, layers = 64 * KIB, 8
+    block = 2 * layers * page
+    blocks = 64 * MIB // block
+    layout = per_layer(device, layers, page, 2 * blocks)
+    host = torch.empty(64 * MIB, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(64 * MIB, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    variants: list[tuple[str, dict[str, Any], float]] = [
+        ("spin 0.1 ms (as before)", {}, 100e-6),
+        (f"as is (spin {cuda_backend.WAIT_SPIN_S * 1e3:g} ms)", {}, cuda_backend.WAIT_SPIN_S),
+        ("staged 8 slots (16 MiB chunks)", {"staging_slots": 8}, cuda_backend.WAIT_SPIN_S),
+    ]
+    ids = np.arange(blocks, dtype=np.int64)
+    print(f"\n== isolated 64 MiB job ({blocks} blocks, per-layer {layers} layers, 64 KiB pages): "
+          "median us; ratio = pinned copy / job")
+    for path in ("staged", "dma", "auto"):
+        for name, options, spin in variants:
+            if path != "staged" and "slots" in name:
+                continue
+            setattr(cuda_backend, 'WAIT_SPIN_S', spin)
+            try:
+                with Worker.create(layout, blocks, path=path, **options) as w:
+                    for store in (True, False):
+                        rows = []
+                        for i in range(12):
+                            torch.cuda.synchronize(device)
+                            t0 = time.perf_counter()
+                            (w.store if store else w.load)(i + (0 if store else 100), ids, ids)
+                            t1 = time.perf_counter()
+                            (r,) = w.wait([i + (0 if store else 100)], 60)
+                            t2 = time.perf_counter()
+                            torch.cuda.synchronize(device)
+                            t3 = time.perf_counter()
+                            with torch.cuda.stream(stream):
+                                (host.copy_(buf, non_blocking=True) if store else buf.copy_(host, non_blocking=True))
+                            stream.synchronize()
+                            t4 = time.perf_counter()
+                            if i >= 2:
+                                rows.append((t2 - t0, t1 - t0, r.seconds, t4 - t3))
+                        med = [statistics.median(x[k] for x in rows) for k in range(4)]
+                        print(f"  [{path:<6}] {name:<38} {'store' if store else 'load ':<5} call->result "
+                              f"{med[0] * 1e6:7.1f} (call {med[1] * 1e6:6.1f}, device {med[2] * 1e6:7.1f}) "
+                              f"copy {med[3] * 1e6:7.1f}  ratio {med[3] / med[0]:4.2f}x")
+            except Exception as exc:  # a variant that cannot be built is reported, not fatal
+                print(f"  [{path}] {name}: {type(exc).__name__}: {exc}")
+            finally:
+                setattr(cuda_backend, 'WAIT_SPIN_S', DEFAULT_SPIN_S)
+
+
+def small(device: torch.device) -> None:
+    layout = per_layer(device, 32, 32 * KIB, 64)
+    host = torch.empty(2 * MIB, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(2 * MIB, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    print("\n== 1-block job (64 x 32 KiB), call -> result vs one 2 MiB pinned copy: median us")
+    for path in ("sm", "staged", "dma", "auto"):
+        for spin in (100e-6, DEFAULT_SPIN_S):
+            setattr(cuda_backend, 'WAIT_SPIN_S', spin)
+            try:
+                with Worker.create(layout, 8, path=path) as w:
+                    for store in (True, False):
+                        rows = []
+                        for i in range(40):
+                            torch.cuda.synchronize(device)
+                            t0 = time.perf_counter()
+                            if store:
+                                w.store(i, [i % 32], [i % 8])
+                            else:
+                                w.load(i, [i % 8], [32 + i % 32])
+                            t1 = time.perf_counter()
+                            (r,) = w.wait([i], 60)
+                            t2 = time.perf_counter()
+                            torch.cuda.synchronize(device)
+                            t3 = time.perf_counter()
+                            with torch.cuda.stream(stream):
+                                (host.copy_(buf, non_blocking=True) if store else buf.copy_(host, non_blocking=True))
+                            stream.synchronize()
+                            t4 = time.perf_counter()
+                            if i >= 4:
+                                rows.append((t2 - t0, t1 - t0, r.seconds, t4 - t3))
+                        med = [statistics.median(x[k] for x in rows) for k in range(4)]
+                        print(f"  [{path:<6}] spin {spin * 1e3:5.1f} ms {'store' if store else 'load ':<5} "
+                              f"call->result {med[0] * 1e6:6.1f} (call {med[1] * 1e6:5.1f}, device "
+                              f"{med[2] * 1e6:6.1f}) copy {med[3] * 1e6:5.1f} ratio {med[0] / med[3]:4.2f}x job/copy")
+            finally:
+                setattr(cuda_backend, 'WAIT_SPIN_S', DEFAULT_SPIN_S)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("profile_submit: no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    for section in (small, isolated, phases):
+        t0 = time.perf_counter()
+        try:
+            section(device)
+        except Exception as exc:  # one section failing must not hide the others
+            print(f"section {section.__name__} failed: {type(exc).__name__}: {exc}")
+        print(f"  ({section.__name__}: {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Layer-by-layer loads on CUDA (docs/design.md §12), on every path.
+
+- Every layout bit-exact through ``load_by_layer``, each layer read on the compute stream right
+  after its ``wait_layer``.
+- ``wait_layer`` ordering, proven with controls on a layout whose last layer is large (its copy is
+  still in flight long after layer 0 landed) and whose load waits for a stalled side stream: a
+  compute stream that waits for nothing reads layer 0 stale; one that waits for the whole job reads
+  layer 0 only after the last layer landed; the real one reads layer 0 correct while the last layer
+  is still being copied.
+- Rule 2 per layer: a control whose fence ignores the compute stream lets a reader queued before the
+  call see loaded bytes; the real worker never does.
+- Rule 5 for the staged path's layered chunks: a control that skips the slot wait corrupts
+  back-to-back layered loads through a small ring; the real path never does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import DeviceLayout, LayerLoad, PathName, Worker
+from kvoffload.backends.kernel import StagedPath
+from kvoffload.cli._caches import LAYOUTS, build_cache
+from tests.gpu._helpers import TIMEOUT_S, no_fence, stall
+from tests.gpu.conftest import Figures
+from tests.gpu.test_races import BLOCKS, HOST, fill_blocks
+from tests.gpu.test_staging import load_chunk_without_slot_wait
+
+PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
+LAYERS = 4
+CONTROL_TRIALS = 5
+TRIALS = 30
+ORDER_TRIALS = 12
+
+
+def layered_cache(kind: str, device: torch.device, *, num_blocks: int = 96, seed: int = 0) -> DeviceLayout:
+    tensors, block_dim = build_cache(kind, num_blocks=num_blocks, layers=LAYERS, kv_heads=8,
+                                     head_dim=128, block_size=16, dtype=torch.bfloat16,
+                                     device=device, seed=seed)
+    return DeviceLayout.from_tensors(tensors, block_dim=block_dim,
+                                     layer_dim=1 if kind == "cross-layer" else None)
+
+
+def layer_ranges(layout: DeviceLayout, layer: int) -> list[tuple[int, int]]:
+    table = layout.layer_tables[layer]
+    return list(zip(table.host_offset.tolist(), table.nbytes.tolist()))
+
+
+def bad_layer_pages(layout: DeviceLayout, layer: int, got: torch.Tensor, want: torch.Tensor) -> int:
+    """Pieces of layer ``layer`` whose bytes differ between two record tensors."""
+    return sum(int((got[:, o : o + n] != want[:, o : o + n]).any(dim=1).sum())
+               for o, n in layer_ranges(layout, layer))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_load_by_layer_is_bit_exact_layer_by_layer(kind: str, path: PathName, device: torch.device) -> None:
+    layout = layered_cache(kind, device, seed=len(kind))
+    assert layout.num_layers == LAYERS
+    rng = np.random.default_rng(11)
+    src = rng.choice(48, 40, replace=False)
+    dst = 48 + rng.choice(48, 40, replace=False)
+    host = rng.choice(64, 40, replace=False)
+    want = layout.gather_records(src)
+    compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    index = torch.as_tensor(dst, device=device)
+    with Worker.create(layout, 64, path=path) as w:
+        w.store(1, src, host)
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+        for job in range(2, 6):  # several jobs: marks are released and their events reused
+            layout.scatter_records(dst, torch.zeros_like(want))
+            torch.cuda.synchronize(device)
+            load = w.load_by_layer(job, host, dst, stream=compute)
+            snaps = []
+            with torch.cuda.stream(compute):
+                for layer in range(LAYERS):
+                    load.wait_layer(layer, compute)
+                    snaps.append(layout.gather_records(index))  # read right after its wait
+            (result,) = w.wait([job], TIMEOUT_S)
+            assert result.ok, result.error
+            torch.cuda.synchronize(device)
+            for layer, snap in enumerate(snaps):
+                assert bad_layer_pages(layout, layer, snap, want) == 0, f"layer {layer} read stale"
+            assert torch.equal(layout.gather_records(dst), want)
+            load.wait_layer(0, compute)  # after the result: nothing to wait for
+
+
+def big_last_layer(device: torch.device) -> DeviceLayout:
+    """Three small layers (2 x 32 KiB pages) and a last one of 2 x 4 MiB pages per block."""
+    n = 64
+    tensors = {f"layer{i}": torch.zeros(2, n, 16, 8, 128, dtype=torch.bfloat16, device=device)
+               for i in range(LAYERS - 1)}
+    tensors[f"layer{LAYERS - 1}"] = torch.zeros(2, n, 4 << 20, dtype=torch.uint8, device=device)
+    return DeviceLayout.from_tensors(tensors, block_dim=1)
+
+
+def ordering_trials(w: Worker, layout: DeviceLayout, how: str, trials: int, first: int) -> tuple[int, int, float]:
+    """(layer-0 pieces read stale, trials whose last layer was read complete, ms from layer 0 ready
+    to the last layer ready, median) with the compute stream waiting as ``how`` says: ``nothing``,
+    ``whole`` (for the last layer, which ends the job) or ``layer`` (for layer 0)."""
+    device = layout.device
+    dst = list(range(8, 56))
+    host = list(range(48))
+    index = torch.as_tensor(dst, device=device)
+    compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stale0 = complete_last = 0
+    gaps = []
+    last = LAYERS - 1
+    for trial in range(trials):
+        old, new = (2 * trial) % 251, (2 * trial + 1) % 251
+        fill_blocks(layout, index, old)
+        w.host_records()[host] = new
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(side):
+            stall()  # the load starts only after this: a reader that does not wait runs first
+        load: LayerLoad = w.load_by_layer(first + trial, host, dst, stream=side)
+        ready0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        ready_last = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(compute):
+            if how == "layer":
+                load.wait_layer(0, compute)
+            elif how == "whole":
+                load.wait_layer(last, compute)
+            ready0.record(compute)
+            snap = layout.gather_records(index)
+            load.wait_layer(last, compute)
+            ready_last.record(compute)
+        (result,) = w.wait([first + trial], TIMEOUT_S)
+        assert result.ok, result.error
+        torch.cuda.synchronize(device)
+        full = torch.full_like(snap, new)
+        stale0 += bad_layer_pages(layout, 0, snap, full)
+        complete_last += int(bad_layer_pages(layout, last, snap, full) == 0)
+        gaps.append(float(ready0.elapsed_time(ready_last)))
+    return stale0, complete_last, float(np.median(gaps))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_wait_layer_orders_the_stream_after_that_layer_only(
+    path: PathName, device: torch.device, figures: Figures
+) -> None:
+    layout = big_last_layer(device)
+    pieces0 = 48 * len(layer_ranges(layout, 0))
+    with Worker.create(layout, 48, path=path) as w:
+        w.load_by_layer(10**6, [0], [0])  # warm-up: segment tables, events
+        assert all(r.ok for r in w.wait([10**6], TIMEOUT_S))
+        stale, _, _ = ordering_trials(w, layout, "nothing", CONTROL_TRIALS, 0)
+        figures.add(f"wait_layer [{path}], control waiting for nothing: layer-0 pieces stale",
+                    f"{stale} of {CONTROL_TRIALS * pieces0}")
+        assert stale > 0, "the control did not race: the test cannot prove the rule"
+        stale, complete, _ = ordering_trials(w, layout, "whole", CONTROL_TRIALS, 100)
+        figures.add(f"wait_layer [{path}], control waiting for the whole job: last layer read complete",
+                    f"{complete} of {CONTROL_TRIALS} trials")
+        assert stale == 0 and complete == CONTROL_TRIALS, "waiting for the whole job reads every layer late"
+        stale, complete, gap = ordering_trials(w, layout, "layer", ORDER_TRIALS, 200)
+        figures.add(f"wait_layer [{path}], layer 0: stale pieces / trials whose last layer was done",
+                    f"{stale} / {complete} of {ORDER_TRIALS}; layer 0 ready {gap:.2f} ms before the last")
+    assert stale == 0, "a stream that waited for layer 0 read it stale"
+    assert complete < ORDER_TRIALS, "layer 0 was never read while the last layer was still in flight"
+
+
+def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> tuple[int, int]:
+    """As the load race of test_races, through ``load_by_layer`` (waiting for every layer on the
+    compute stream after its read)."""
+    compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+    index = torch.tensor(BLOCKS, device=layout.device)
+    seen_new = not_loaded = 0
+    for trial in range(trials):
+        old, new = (2 * trial) % 251, (2 * trial + 1) % 251
+        with torch.cuda.stream(compute):
+            fill_blocks(layout, index, old)
+        torch.cuda.synchronize(layout.device)
+        w.host_records()[HOST] = new
+        with torch.cuda.stream(compute):
+            stall()
+            snapshot = layout.gather_records(index)  # queued compute still reading the blocks
+        load = w.load_by_layer(first_job + trial, HOST, BLOCKS, stream=compute)
+        for layer in range(load.num_layers):
+            load.wait_layer(layer, compute)
+        (result,) = w.wait([first_job + trial], TIMEOUT_S)
+        assert result.ok, result.error
+        torch.cuda.synchronize(layout.device)
+        full_old = torch.full_like(snapshot, old)
+        seen_new += sum(bad_layer_pages(layout, i, snapshot, full_old) for i in range(LAYERS))
+        after = layout.gather_records(index)
+        not_loaded += sum(bad_layer_pages(layout, i, after, torch.full_like(after, new))
+                          for i in range(LAYERS))
+    return seen_new, not_loaded
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_layer_waits_for_compute_reads(
+    path: PathName, device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures
+) -> None:
+    layout = layered_cache("per-layer", device, num_blocks=128)
+    with monkeypatch.context() as patch:
+        no_fence(patch)
+        with Worker.create(layout, 64, path=path) as control:
+            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0)
+    figures.add(f"layered load race [{path}], control without the compute wait: reader saw new",
+                f"{control_seen} pieces")
+    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+    with Worker.create(layout, 64, path=path) as w:
+        seen, not_loaded = layered_load_race(w, layout, TRIALS, 0)
+    figures.add(f"layered load race [{path}], worker over {TRIALS} trials: reader saw new", f"{seen}")
+    assert seen == 0 and not_loaded == 0
+
+
+JOBS = 8
+PER_JOB = 16
+
+
+def back_to_back_layered_loads(layout: DeviceLayout) -> int:
+    """Bad pieces after JOBS layered staged loads back to back through a ring of 2 x 2 records,
+    behind a stalled compute stream."""
+    rng = np.random.default_rng(4)
+    device = layout.device
+    compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    n = JOBS * PER_JOB
+    dst = rng.permutation(layout.num_blocks)[:n].reshape(JOBS, PER_JOB)
+    host = rng.permutation(n).reshape(JOBS, PER_JOB)
+    records = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8)
+    with Worker.create(layout, n, path="staged", staging_bytes=8 * layout.record_bytes) as w:
+        w.host_records().copy_(records)
+        w.load_by_layer(10**6, [0], [0])
+        assert all(r.ok for r in w.wait([10**6], TIMEOUT_S))
+        with torch.cuda.stream(compute):
+            stall()
+        for job in range(JOBS):
+            w.load_by_layer(job, host[job], dst[job], stream=compute)
+        assert all(r.ok for r in w.wait(list(range(JOBS)), TIMEOUT_S))
+    bad = 0
+    for job in range(JOBS):
+        got = layout.gather_records(dst[job]).cpu()
+        want = records[host[job]]
+        bad += sum(bad_layer_pages(layout, i, got, want) for i in range(LAYERS))
+    return bad
+
+
+def test_layered_staged_loads_reuse_a_slot_only_after_its_kernel_finished(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures
+) -> None:
+    layout = layered_cache("per-layer", device, num_blocks=JOBS * PER_JOB + 8)
+    with monkeypatch.context() as patch:
+        patch.setattr(StagedPath, "_load_chunk", load_chunk_without_slot_wait)
+        control = back_to_back_layered_loads(layout)
+    figures.add("layered staged ring reuse, control without the slot wait: bad pieces", f"{control}")
+    assert control > 0, "the control did not race: the test cannot prove the rule"
+    real = back_to_back_layered_loads(layout)
+    figures.add("layered staged ring reuse, worker: bad pieces", f"{real}")
+    assert real == 0
