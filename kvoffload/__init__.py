@@ -80,10 +80,10 @@ from kvoffload.manager.records import (
     TierStats,
     namespaced_key,
 )
+from kvoffload.bindings.types import Capabilities, CopyMethod, SrcAccessOrder
 from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult, WorkerStats
 
 if TYPE_CHECKING:
-    from kvoffload.bindings.driver import Capabilities, CopyMethod, SrcAccessOrder
     from kvoffload.layout import DeviceLayout, TensorGeometry
     from kvoffload.region import host_memory_available
     from kvoffload.worker.assembly import BackendName, PathName
@@ -93,9 +93,6 @@ __version__ = "0.1.0.dev0"
 
 #: Public names importable lazily, by the module that defines them.
 _LAZY: dict[str, str] = {
-    "Capabilities": "kvoffload.bindings.driver",
-    "CopyMethod": "kvoffload.bindings.driver",
-    "SrcAccessOrder": "kvoffload.bindings.driver",
     "DeviceLayout": "kvoffload.layout",
     "TensorGeometry": "kvoffload.layout",
     "host_memory_available": "kvoffload.region",

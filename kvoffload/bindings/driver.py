@@ -14,16 +14,15 @@ and work on it would serialise with every other stream.
 from __future__ import annotations
 
 import ctypes
-import enum
 import functools
 import threading
 from collections.abc import Callable
 from typing import Any, Final
 
-import attrs
 from cuda.bindings import driver as _drv
 from typing_extensions import TypeVarTuple, Unpack
 
+from kvoffload.bindings.types import Capabilities, CopyMethod, SrcAccessOrder
 from kvoffload.errors import CudaError, InvalidArgumentError
 
 __all__ = [
@@ -63,28 +62,6 @@ BATCH_ABI_CUDA_13_0: Final = 13000
 #: The legacy default stream's handle: never used for copies or launches.
 LEGACY_DEFAULT_STREAM: Final = 0
 _DEVICE_NAME_BYTES: Final = 256
-
-
-class SrcAccessOrder(enum.IntEnum):
-    """``CUmemcpySrcAccessOrder``: when the driver may read a copy's source.
-
-    ``STREAM`` reads in stream order, after every earlier wait on the stream: mandatory for stores,
-    whose source is device memory that compute may still be writing. ``ANY`` lets the driver read the
-    source at any time after the call; it is allowed for loads only because their source is pinned
-    host memory that no stream writes while the load is in flight (docs/design.md §5 rule 3).
-    """
-
-    STREAM = 1
-    DURING_API_CALL = 2
-    ANY = 3
-
-
-class CopyMethod(enum.Enum):
-    """How a set of copy descriptors is handed to the driver (see the module docstring)."""
-
-    BATCH_CTYPES = "batch-ctypes"
-    BATCH_BINDINGS = "batch-bindings"
-    PER_COPY = "per-copy"
 
 
 def _error_text(code: _drv.CUresult) -> tuple[str, str]:
@@ -144,29 +121,6 @@ def call_driver(
 
 # ---------------------------------------------------------------------------------------------
 # Capabilities
-
-
-@attrs.frozen
-class Capabilities:
-    """What this process can do on one device, detected once at start.
-
-    Attributes:
-        device_index: CUDA ordinal.
-        device_name: the driver's name for it.
-        driver_version: ``cuDriverGetVersion`` (1000 * major + 10 * minor).
-        batch_memcpy: ``cuMemcpyBatchAsync`` is usable (driver >= 12.8 and the symbol resolves).
-        batch_abi_version: the ABI version the ctypes path resolved the symbol with, or None.
-        copy_method: the method a worker uses by default.
-        notes: human-readable reasons for any fallback.
-    """
-
-    device_index: int
-    device_name: str
-    driver_version: int
-    batch_memcpy: bool
-    batch_abi_version: int | None
-    copy_method: CopyMethod
-    notes: tuple[str, ...] = ()
 
 
 _init_lock = threading.Lock()

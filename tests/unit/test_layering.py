@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "_descriptors": 1,
     "_layer_map": 1,
     "_layer_load": 1,
+    "bindings.types": 0,
     "bindings.__init__": 1,
     "bindings.driver": 1,
     "bindings.pinning": 1,
@@ -95,7 +96,7 @@ LAYERS: dict[str, int] = {
 CUDA_PACKAGES = ("bindings.",)
 #: Modules that must not import torch at run time (the scheduler side and what it stands on).
 TORCH_FREE = {
-    "errors", "records", "_validate", "_jobs", "_layer_map", "_layer_load", "bindings.driver", "bindings.pinning",
+    "errors", "records", "_validate", "_jobs", "_layer_map", "_layer_load", "bindings.types", "bindings.driver", "bindings.pinning",
     "bindings.copier", "bindings.kernel", "disk.config", "manager.policies", "manager.records",
     "manager.state", "manager.manager", "worker.booking",
 }

@@ -9,6 +9,7 @@ so a missing transformers fails there instead of skipping.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import threading
@@ -176,6 +177,17 @@ def test_disk_tier_serves_blocks_demoted_from_a_small_host_pool(
     assert run.prompt_tokens("C") == SUFFIX_TOKENS_C
 
 
+def _shared_memory_held() -> set[str]:
+    """The ``/dev/shm`` files this process maps or holds open (other processes' files are theirs)."""
+    maps = pathlib.Path("/proc/self/maps").read_text().split()
+    fds = pathlib.Path("/proc/self/fd")
+    opened = set()
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            opened.add(os.readlink(fd))
+    return {name for name in set(maps) | opened if name.startswith("/dev/shm/")}
+
+
 def test_exit_leaves_nothing_behind(model: Any) -> None:
     made: list[kvoffload.Worker] = []
 
@@ -184,15 +196,17 @@ def test_exit_leaves_nothing_behind(model: Any) -> None:
         return made[-1]
 
     threads = set(threading.enumerate())
-    shm = set(os.listdir("/dev/shm"))
+    shm = _shared_memory_held()
     with offloading(model, 64, make_worker=keep) as off:
         assert not surface.mapping_is_original()
         run_phases(model, SMALL_CACHE_BLOCKS, off)
     assert surface.mapping_is_original()
     assert len(made) == 1 and made[0].closed
     assert not model._forward_pre_hooks
-    assert set(threading.enumerate()) <= threads
-    assert set(os.listdir("/dev/shm")) <= shm
+    left_threads = [t.name for t in set(threading.enumerate()) - threads]
+    assert not left_threads, f"threads left running: {left_threads}"
+    left_files = sorted(_shared_memory_held() - shm)
+    assert not left_files, f"/dev/shm files still mapped or open: {left_files}"
     with pytest.raises(kvoffload.ClosedError):
         made[0].poll()
 
