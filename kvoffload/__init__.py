@@ -36,6 +36,10 @@ from kvoffload.errors import (
     LayoutError,
     MissingDependencyError,
     PolicyError,
+    PoolCollisionError,
+    PoolMismatchError,
+    PoolRankFailedError,
+    PoolTimeoutError,
     RegionError,
     RemoteError,
     RemoteIntegrityError,
@@ -44,6 +48,7 @@ from kvoffload.errors import (
     RemoteStoreError,
     RemoteTimeoutError,
     RemoteUnavailableError,
+    SharedPoolError,
     ShutdownError,
     TransferError,
     UnknownJobError,
@@ -83,6 +88,7 @@ from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult,
 if TYPE_CHECKING:
     from kvoffload.bindings.driver import Capabilities, CopyMethod, SrcAccessOrder
     from kvoffload.layout import DeviceLayout, TensorGeometry
+    from kvoffload.pool import PoolRank, PoolRankInfo, PoolView, SharedPool, SharedPoolInfo
     from kvoffload.region import host_memory_available
     from kvoffload.worker.assembly import BackendName, PathName
     from kvoffload.worker.worker import Worker
@@ -97,6 +103,11 @@ _LAZY: dict[str, str] = {
     "DeviceLayout": "kvoffload.layout",
     "TensorGeometry": "kvoffload.layout",
     "host_memory_available": "kvoffload.region",
+    "PoolRank": "kvoffload.pool",
+    "PoolRankInfo": "kvoffload.pool",
+    "PoolView": "kvoffload.pool",
+    "SharedPool": "kvoffload.pool",
+    "SharedPoolInfo": "kvoffload.pool",
     "BackendName": "kvoffload.worker.assembly",
     "PathName": "kvoffload.worker.assembly",
     "Worker": "kvoffload.worker.worker",
@@ -164,6 +175,13 @@ __all__ = [
     "PathName",
     "PolicyError",
     "PolicyFactory",
+    "PoolCollisionError",
+    "PoolMismatchError",
+    "PoolRank",
+    "PoolRankFailedError",
+    "PoolRankInfo",
+    "PoolTimeoutError",
+    "PoolView",
     "RegionError",
     "RemoteError",
     "RemoteIntegrityError",
@@ -172,6 +190,9 @@ __all__ = [
     "RemoteStoreError",
     "RemoteTimeoutError",
     "RemoteUnavailableError",
+    "SharedPool",
+    "SharedPoolError",
+    "SharedPoolInfo",
     "ShutdownError",
     "SrcAccessOrder",
     "StorePlan",
