@@ -157,7 +157,7 @@ class PoolSession:
         except BaseException:
             os.close(fd)
             raise
-        return cls(spec, fd, path, header)
+        return cls(spec, _named(fd, path), path, header)
 
     @classmethod
     def _join_existing(cls, spec: PoolRank, path: str, me: Slot) -> PoolSession | None:
@@ -171,50 +171,57 @@ class PoolSession:
             raise RegionError(f"cannot open shared pool {path!r}: {exc.strerror}") from exc
         try:
             with locked(fd):
-                if os.fstat(fd).st_nlink == 0:  # unlinked since we opened it: look again
-                    os.close(fd)
-                    return None
-                header = read_header(fd)
-                if header is None:
-                    raise PoolCollisionError(
-                        f"{path!r} exists and is not a kvoffload shared pool; it is left alone "
-                        f"(remove it, or choose another name)", pool=spec.name,
-                    )
-                stale = header.state is State.FAILED or header.dead_ranks() or not header.live_ranks()
-                if stale:
-                    _log.warning("shared pool %r: replacing a stale file (%s)", spec.name,
-                                 _stale_reason(header))
-                    if header.state is not State.FAILED:
-                        write_header(fd, header.replace(state=State.FAILED, failure=Failure.RANK_LOST,
-                                                        failed=_mask(header.dead_ranks())))
-                    _unlink_if_same(path, fd)
-                    os.close(fd)
-                    return None
-                if (header.generation, header.world_size) != (spec.pool.generation, spec.world_size):
-                    live = header.live_ranks()
-                    raise PoolCollisionError(
-                        f"shared pool {spec.name!r} is held by another live pool (generation "
-                        f"{header.generation}, world_size {header.world_size}; ranks "
-                        f"{_names(live)} held by pids {_names(header.slots[r].pid for r in live)}), "
-                        f"not generation {spec.pool.generation}, world_size {spec.world_size}; "
-                        "choose another name", pool=spec.name, ranks=live,
-                        pids=[header.slots[r].pid for r in live],
-                    )
-                taken = header.slots[spec.rank]
-                if taken.taken:
-                    raise PoolCollisionError(
-                        f"rank {spec.rank} of shared pool {spec.name!r} is already held by live "
-                        f"pid {taken.pid} (two engines using one name and generation, or rank "
-                        f"{spec.rank} started twice)", pool=spec.name, ranks=(spec.rank,),
-                        pids=(taken.pid,),
-                    )
-                header = _settle(header.with_slot(spec.rank, me), fd, spec)
-                write_header(fd, header)
+                header = cls._register(spec, path, me, fd)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            os.close(fd)
             raise
+        if header is None:
+            os.close(fd)
+            return None
         return cls(spec, fd, path, header)
+
+    @staticmethod
+    def _register(spec: PoolRank, path: str, me: Slot, fd: int) -> Header | None:
+        """Under the lock: this rank registered in the file ``fd`` (the new header), or None when
+        the file is gone or stale (then it is marked failed and unlinked).
+
+        Raises:
+            PoolCollisionError: the file is not a pool, another live pool, or this rank is taken.
+        """
+        if os.fstat(fd).st_nlink == 0:  # unlinked since we opened it: look again
+            return None
+        header = read_header(fd)
+        if header is None:
+            raise PoolCollisionError(
+                f"{path!r} exists and is not a kvoffload shared pool; it is left alone (remove it, "
+                "or choose another name)", pool=spec.name,
+            )
+        if header.state is State.FAILED or header.dead_ranks() or not header.live_ranks():
+            _log.warning("shared pool %r: replacing a stale file (%s)", spec.name, _stale_reason(header))
+            if header.state is not State.FAILED:
+                write_header(fd, header.replace(state=State.FAILED, failure=Failure.RANK_LOST,
+                                                failed=_mask(header.dead_ranks())))
+            _unlink_if_same(path, fd)
+            return None
+        if (header.generation, header.world_size) != (spec.pool.generation, spec.world_size):
+            live = header.live_ranks()
+            pids = [header.slots[r].pid for r in live]
+            raise PoolCollisionError(
+                f"shared pool {spec.name!r} is held by another live pool (generation "
+                f"{header.generation}, world_size {header.world_size}; rank(s) {_names(live)} held "
+                f"by pid(s) {_names(pids)}), not generation {spec.pool.generation}, world_size "
+                f"{spec.world_size}; choose another name", pool=spec.name, ranks=live, pids=pids,
+            )
+        taken = header.slots[spec.rank]
+        if taken.taken:
+            raise PoolCollisionError(
+                f"rank {spec.rank} of shared pool {spec.name!r} is already held by live pid "
+                f"{taken.pid} (two engines using one name and generation, or rank {spec.rank} "
+                "started twice)", pool=spec.name, ranks=(spec.rank,), pids=(taken.pid,),
+            )
+        header = _settle(header.with_slot(spec.rank, me), fd, spec)
+        write_header(fd, header)
+        return header
 
     # ---------------------------------------------------------------------------------- barriers
 
@@ -433,6 +440,22 @@ def _done(header: Header, flag: Flag) -> bool:
     if header.state is not State.READY:
         return False
     return flag is Flag.ARRIVED or not header.ranks_without(flag)
+
+
+def _named(fd: int, path: str) -> int:
+    """A descriptor of the file ``fd`` opened by its name ``path`` (``fd`` closed), so that
+    ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` show the pool's name (an ``O_TMPFILE``'s descriptor
+    keeps its anonymous name after the link); ``fd`` itself when the name is no longer this file."""
+    try:
+        named = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return fd
+    here, there = os.fstat(fd), os.fstat(named)
+    if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+        os.close(named)
+        return fd
+    os.close(fd)
+    return named
 
 
 def _link(fd: int, path: str) -> None:
