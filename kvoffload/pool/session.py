@@ -79,7 +79,7 @@ MAX_POLL_S: Final = 0.02
 LIVENESS_EVERY_S: Final = 0.05
 #: ``madvise`` advice that faults pages in writable (Linux 5.14); older kernels refuse it.
 _MADV_POPULATE_WRITE: Final = int(getattr(mmap, "MADV_POPULATE_WRITE", 23))
-_STEP_NAMES: Final = {Flag.ARRIVED: "arrive", Flag.POPULATED: "populate its share of",
+_STEP_NAMES: Final = {Flag.ARRIVED: "arrive at", Flag.POPULATED: "populate their share of",
                       Flag.MAPPED: "map"}
 
 

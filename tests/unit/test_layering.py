@@ -71,6 +71,7 @@ LAYERS: dict[str, int] = {
     "cli.demo": 11,
     "cli.manager_bench": 11,
     "cli.disk_bench": 11,
+    "cli.ranks_bench": 11,
     "cli.bench": 12,
     "cli.replay": 13,
     "cli.__init__": 14,
