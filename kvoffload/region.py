@@ -43,7 +43,7 @@ import torch
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
 from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError, warn_on_del
 from kvoffload.pool.header import HEADER_BYTES, Flag, mark_left
-from kvoffload.pool.session import SHM_DIR, PoolSession, populate
+from kvoffload.pool.session import SHM_DIR, PoolSession
 from kvoffload.pool.spec import PoolRank
 
 __all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "check_shm_room", "host_memory_available"]
@@ -167,8 +167,9 @@ class RegionOwner:
 
         The pool holds ``num_records`` blocks of ``world_size`` slices of ``record_bytes`` (every
         rank must ask for the same). This rank populates its share of the pages, maps the whole
-        pool, pins it in whole-block chunks, and sees its own slices as its records (a strided view:
-        ``record_stride`` bytes from one record to the next). The steps and their barriers are
+        pool, pins it in whole-block chunks (the registration maps the pages the other ranks
+        populated; without a device the first copies do), and sees its own slices as its records
+        (a strided view: ``record_stride`` bytes from one record to the next). The steps and their barriers are
         :class:`~kvoffload.pool.session.PoolSession`'s, bounded by ``rank.pool.attach_timeout_s``.
 
         With ``check_memory`` the whole pool is first checked against the memory available and the
@@ -201,7 +202,6 @@ class RegionOwner:
             session.populate_share(mapping)
             session.arrive(Flag.POPULATED)
             session.wait_all(Flag.POPULATED, deadline)
-            populate(mapping, SHARED_HEADER_BYTES, pool_bytes)  # this mapping's page tables
             address = _mapping_address(mapping)
             block = record_bytes * world
             chunk = _record_aligned_chunk(chunk_bytes, block)

@@ -77,7 +77,8 @@ _FILE_MODE: Final = 0o600
 POLL_S: Final = 0.002
 MAX_POLL_S: Final = 0.02
 LIVENESS_EVERY_S: Final = 0.05
-#: ``madvise`` advice that faults pages in writable (Linux 5.14); older kernels refuse it.
+#: ``madvise`` advice that faults pages in, readable / writable (Linux 5.14); older kernels refuse it.
+_MADV_POPULATE_READ: Final = int(getattr(mmap, "MADV_POPULATE_READ", 22))
 _MADV_POPULATE_WRITE: Final = int(getattr(mmap, "MADV_POPULATE_WRITE", 23))
 _STEP_NAMES: Final = {Flag.ARRIVED: "arrive at", Flag.POPULATED: "populate their share of",
                       Flag.MAPPED: "map"}
@@ -390,17 +391,21 @@ def failure_error(name: str, header: Header, timeout_s: float) -> SharedPoolErro
     )
 
 
-def populate(mapping: mmap.mmap, offset: int, nbytes: int, *, fd: int | None = None) -> None:
-    """Fault in ``nbytes`` of a shared mapping from ``offset`` (page-aligned), writable.
+def populate(
+    mapping: mmap.mmap, offset: int, nbytes: int, *, fd: int | None = None, allocate: bool = True
+) -> None:
+    """Fault in ``nbytes`` of a shared mapping from ``offset`` (page-aligned).
 
-    ``madvise(MADV_POPULATE_WRITE)``; on a kernel without it (before 5.14), a temporary populated
-    mapping of the file ``fd`` over the same range (skipped without ``fd``).
+    With ``allocate``, ``madvise(MADV_POPULATE_WRITE)`` (the pages are allocated and zeroed);
+    without, ``MADV_POPULATE_READ``, which only maps pages that another rank allocated (several
+    times cheaper). On a kernel without them (before 5.14), a temporary populated mapping of the
+    file ``fd`` over the same range (skipped without ``fd``).
 
     Raises:
         RegionError: the kernel could not give the pages.
     """
     try:
-        mapping.madvise(_MADV_POPULATE_WRITE, offset, nbytes)
+        mapping.madvise(_MADV_POPULATE_WRITE if allocate else _MADV_POPULATE_READ, offset, nbytes)
         return
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):

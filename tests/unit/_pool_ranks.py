@@ -69,11 +69,14 @@ def _write(state: _State, name: str, host_blocks: list[int]) -> None:
     """Store this rank's bytes for ``host_blocks`` (through its device cache) into those blocks."""
     worker, rank = state.workers[name]
     layout = worker.layout
-    device = list(range(len(host_blocks)))
-    layout.scatter_records(device, records_of(rank, host_blocks, layout.record_bytes))
-    worker.store(1, device, host_blocks)
-    (result,) = worker.wait([1], WAIT_S)
-    assert result.ok, result
+    step = NUM_BLOCKS // 2
+    for start in range(0, len(host_blocks), step):
+        part = host_blocks[start : start + step]
+        device = list(range(len(part)))
+        layout.scatter_records(device, records_of(rank, part, layout.record_bytes))
+        worker.store(1, device, part)
+        (result,) = worker.wait([1], WAIT_S)
+        assert result.ok, result
 
 
 def _read(state: _State, name: str, host_blocks: list[int]) -> bool:
