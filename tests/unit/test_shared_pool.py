@@ -47,6 +47,7 @@ from kvoffload.handler import Backend
 from kvoffload.pool import header as pool_header
 from kvoffload.records import Direction
 from kvoffload.region import SHM_DIR
+from kvoffload.testing import check_worker_contract
 from tests.unit.test_region import RecordingPinner
 from tests.unit.test_staged_plan import SLOT_BASES, byte_map, plan_for
 
@@ -389,6 +390,19 @@ def test_the_disk_tier_of_each_rank_moves_only_its_own_slices(name: str, tmp_pat
 
 
 # ------------------------------------------------------------------------- rule 4: ownership
+
+
+def test_a_rank_keeps_the_worker_contract_after_the_other_rank_left() -> None:
+    def make() -> Worker:
+        """Rank 0 of a fresh 2-rank pool whose rank 1 attaches and shuts down at once."""
+        pool = SharedPool(f"kvoffload-test-{uuid.uuid4().hex}", 2, attach_timeout_s=TIMEOUT_S)
+        made = attach_all(pool, [0, 1], lambda r: Worker.create(cache(r), HOST_BLOCKS, shared=pool.rank(r)))
+        other, worker = made[1], made[0]
+        assert isinstance(other, Worker) and isinstance(worker, Worker), made
+        other.shutdown()
+        return worker
+
+    check_worker_contract(make)
 
 
 def test_one_ranks_shutdown_leaves_the_others_mapping_registration_and_data_alone(name: str) -> None:
