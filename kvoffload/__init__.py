@@ -37,6 +37,10 @@ from kvoffload.errors import (
     LayoutError,
     MissingDependencyError,
     PolicyError,
+    PoolCollisionError,
+    PoolMismatchError,
+    PoolRankFailedError,
+    PoolTimeoutError,
     RegionError,
     RemoteError,
     RemoteIntegrityError,
@@ -45,6 +49,7 @@ from kvoffload.errors import (
     RemoteStoreError,
     RemoteTimeoutError,
     RemoteUnavailableError,
+    SharedPoolError,
     ShutdownError,
     TransferError,
     UnknownJobError,
@@ -85,6 +90,7 @@ from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult,
 
 if TYPE_CHECKING:
     from kvoffload.layout import DeviceLayout, TensorGeometry
+    from kvoffload.pool import PoolRank, PoolRankInfo, PoolView, SharedPool, SharedPoolInfo
     from kvoffload.region import host_memory_available
     from kvoffload.worker.assembly import BackendName, PathName
     from kvoffload.worker.worker import Worker
@@ -96,6 +102,11 @@ _LAZY: dict[str, str] = {
     "DeviceLayout": "kvoffload.layout",
     "TensorGeometry": "kvoffload.layout",
     "host_memory_available": "kvoffload.region",
+    "PoolRank": "kvoffload.pool",
+    "PoolRankInfo": "kvoffload.pool",
+    "PoolView": "kvoffload.pool",
+    "SharedPool": "kvoffload.pool",
+    "SharedPoolInfo": "kvoffload.pool",
     "BackendName": "kvoffload.worker.assembly",
     "PathName": "kvoffload.worker.assembly",
     "Worker": "kvoffload.worker.worker",
@@ -165,6 +176,13 @@ __all__ = [
     "PathName",
     "PolicyError",
     "PolicyFactory",
+    "PoolCollisionError",
+    "PoolMismatchError",
+    "PoolRank",
+    "PoolRankFailedError",
+    "PoolRankInfo",
+    "PoolTimeoutError",
+    "PoolView",
     "RegionError",
     "RemoteError",
     "RemoteIntegrityError",
@@ -173,6 +191,9 @@ __all__ = [
     "RemoteStoreError",
     "RemoteTimeoutError",
     "RemoteUnavailableError",
+    "SharedPool",
+    "SharedPoolError",
+    "SharedPoolInfo",
     "ShutdownError",
     "SrcAccessOrder",
     "StorePlan",

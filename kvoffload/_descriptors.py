@@ -88,7 +88,10 @@ class CopyPlan:
 
     ``host_base`` is the address of host record 0; ``chunk_records`` is how many records one pin
     chunk holds (runs are not merged across a chunk boundary). ``direction`` says which side is the
-    source: STORE copies device pages to host records, LOAD the reverse.
+    source: STORE copies device pages to host records, LOAD the reverse. ``host_stride`` is the bytes
+    from one host record to the next: ``record_bytes`` by default, a shared pool's whole block
+    (every rank's slice) for one rank's plan, whose records are then this rank's slices only
+    (docs/design.md §13).
     """
 
     pages: PageTable
@@ -96,6 +99,16 @@ class CopyPlan:
     chunk_records: int
     direction: Direction = attrs.field(validator=attrs.validators.in_((Direction.STORE, Direction.LOAD)))
     merge: bool = True
+    host_stride: int = attrs.field(
+        default=attrs.Factory(lambda plan: plan.pages.record_bytes, takes_self=True), kw_only=True
+    )
+
+    @host_stride.validator
+    def _check_stride(self, _attribute: object, value: int) -> None:
+        if value < self.pages.record_bytes:
+            raise ValueError(
+                f"host_stride = {value} is less than a record ({self.pages.record_bytes} bytes)"
+            )
 
     def for_pages(self, pages: PageTable) -> CopyPlan:
         """The same plan over other pages of the same records (one layer's, docs/design.md §12)."""
@@ -135,21 +148,26 @@ class CopyPlan:
         reverse. The ids must already be validated (same length, in range).
         """
         if self.direction is Direction.STORE:
-            return self.build_device_host(src_blocks, self.host_base, dst_blocks, self.chunk_records)
-        return self.build_device_host(dst_blocks, self.host_base, src_blocks, self.chunk_records)
+            return self.build_device_host(src_blocks, self.host_base, dst_blocks, self.chunk_records,
+                                          self.host_stride)
+        return self.build_device_host(dst_blocks, self.host_base, src_blocks, self.chunk_records,
+                                      self.host_stride)
 
     def build_device_host(
-        self, device_blocks: I64Array, host_base: int, host_rows: I64Array, chunk_records: int
+        self, device_blocks: I64Array, host_base: int, host_rows: I64Array, chunk_records: int,
+        host_stride: int | None = None,
     ) -> Descriptors:
         """Descriptors between ``device_blocks[i]`` and row ``host_rows[i]`` of a record array at
-        ``host_base`` (the host pool, or a staging slot laid out like it), in this plan's direction.
+        ``host_base`` whose rows are ``host_stride`` bytes apart (default: back to back, like a
+        staging slot), in this plan's direction.
         """
         if device_blocks.shape[0] == 0:
             return Descriptors(_EMPTY_U64, _EMPTY_U64, _EMPTY_U64)
         pages = self.pages
+        stride = pages.record_bytes if host_stride is None else host_stride
         dev = (pages.dev_base[None, :] + device_blocks[:, None] * pages.dev_stride[None, :]).ravel()
         host = (
-            host_base + host_rows[:, None] * pages.record_bytes + pages.host_offset[None, :]
+            host_base + host_rows[:, None] * stride + pages.host_offset[None, :]
         ).ravel()
         sizes = np.broadcast_to(pages.nbytes, (host_rows.shape[0], pages.num_pages)).ravel()
         if self.direction is Direction.STORE:
@@ -189,7 +207,8 @@ class CopyPlan:
                 return True
         last_end = int(p.host_offset[-1] + p.nbytes[-1])
         same_allocation = int(p.segment[-1]) == int(p.segment[0])
-        return same_allocation and int(p.host_offset[0]) == 0 and last_end == p.record_bytes
+        return (same_allocation and int(p.host_offset[0]) == 0 and last_end == p.record_bytes
+                and self.host_stride == p.record_bytes)
 
 
 def _as_u64(values: I64Array) -> U64Array:
@@ -290,8 +309,8 @@ def plan_staged(
     record = plan.pages.record_bytes
     if count <= 1:  # one record (or none): no order to choose and no run to merge
         slot = first_slot % len(slot_bases)
-        records = _single_record_copy(slot_bases[slot], plan.host_base, record, host_blocks,
-                                      to_host=store)
+        records = _single_record_copy(slot_bases[slot], plan.host_base, record, plan.host_stride,
+                                      host_blocks, to_host=store)
         return [StagedChunk(slot, slice(0, count), device_blocks, records)]
     # In host order, consecutive host records become one DMA; the pairing is unchanged.
     order = np.argsort(host_blocks, kind="stable")
@@ -307,7 +326,7 @@ def plan_staged(
         chunk_of = index // rows_per_slot
         bases = np.asarray(slot_bases, dtype=np.int64)
         slot_addr = bases[(first_slot + chunk_of) % len(slot_bases)] + (index % rows_per_slot) * record
-    host_addr = plan.host_base + host_blocks * record
+    host_addr = plan.host_base + host_blocks * plan.host_stride
     srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
     area = host_blocks // plan.chunk_records
     if not one_chunk:
@@ -377,12 +396,13 @@ def plan_staged_part(
 
 
 def _single_record_copy(
-    slot_base: int, host_base: int, record: int, host_blocks: I64Array, *, to_host: bool
+    slot_base: int, host_base: int, record: int, host_stride: int, host_blocks: I64Array, *,
+    to_host: bool,
 ) -> Descriptors:
     """The record copy of a job of at most one record (none for an empty job), in row 0 of its slot."""
     if host_blocks.shape[0] == 0:
         return Descriptors(_EMPTY_U64, _EMPTY_U64, _EMPTY_U64)
-    host_one = host_base + int(host_blocks[0]) * record
+    host_one = host_base + int(host_blocks[0]) * host_stride
     src_one, dst_one = (slot_base, host_one) if to_host else (host_one, slot_base)
     return Descriptors(np.array([dst_one], dtype=np.uint64), np.array([src_one], dtype=np.uint64),
                        np.array([record], dtype=np.uint64))

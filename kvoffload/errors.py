@@ -35,6 +35,10 @@ __all__ = [
     "LayoutError",
     "MissingDependencyError",
     "PolicyError",
+    "PoolCollisionError",
+    "PoolMismatchError",
+    "PoolRankFailedError",
+    "PoolTimeoutError",
     "RegionError",
     "RemoteError",
     "RemoteIntegrityError",
@@ -43,6 +47,7 @@ __all__ = [
     "RemoteStoreError",
     "RemoteTimeoutError",
     "RemoteUnavailableError",
+    "SharedPoolError",
     "ShutdownError",
     "TransferError",
     "UnknownJobError",
@@ -116,6 +121,50 @@ class RegionError(KVOffloadError):
 
     Everything acquired before the failure has been released when it is raised.
     """
+
+
+class SharedPoolError(RegionError):
+    """Base of the errors of attaching a shared host pool (``kvoffload.SharedPool``, one mapping that
+    every tensor-parallel rank maps): ``pool`` is the pool's name, ``ranks`` the ranks the error is
+    about. Raised by ``Worker.create(..., shared=...)`` on every rank that takes part, with the same
+    ranks named on each; nothing of the attach is left mapped, pinned or in ``/dev/shm``.
+    """
+
+    def __init__(self, message: str, *, pool: str, ranks: Sequence[int] = ()) -> None:
+        self.pool = pool
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        super().__init__(message)
+
+
+class PoolTimeoutError(SharedPoolError, TimeoutError):
+    """Raised when a shared pool's attach deadline (``SharedPool.attach_timeout_s``) passed before every
+    rank arrived (or had mapped the pool): ``ranks`` are the ranks that did not."""
+
+
+class PoolMismatchError(SharedPoolError):
+    """Raised when the ranks of one shared pool disagree on its geometry: every rank's host record
+    size (``DeviceLayout.record_bytes``) and record count (``num_host_blocks`` plus the disk tier's
+    bounce slots) must be equal. ``ranks`` are the ranks that differ from rank 0; the message gives
+    every rank's values."""
+
+
+class PoolCollisionError(SharedPoolError):
+    """Raised when a shared pool's name is held by a live pool that is not this one: another engine
+    (another ``generation`` or ``world_size``) is attaching under the same name, or this rank was
+    already taken by a live process. ``ranks`` are the ranks held by live processes; ``pids`` their
+    process ids. Nothing of the other pool is touched."""
+
+    def __init__(
+        self, message: str, *, pool: str, ranks: Sequence[int] = (), pids: Sequence[int] = ()
+    ) -> None:
+        self.pids: tuple[int, ...] = tuple(pids)
+        super().__init__(message, pool=pool, ranks=ranks)
+
+
+class PoolRankFailedError(SharedPoolError):
+    """Raised when a rank of a shared pool died (its process is gone) or gave up (an error of its
+    own, such as a failed registration) while the pool was being attached: ``ranks`` are those
+    ranks. The attach cannot complete, so every other rank fails too."""
 
 
 class ShutdownError(KVOffloadError):

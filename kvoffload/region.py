@@ -1,7 +1,7 @@
 """RegionOwner: the host pool's memory, from mapping to unmapping.
 
-Owns: one memory mapping (anonymous, or of a shared file under ``/dev/shm``), its file descriptor
-and file name (until unlinked), and the host registrations (pinning) of the record area.
+Owns: one memory mapping (anonymous, or of a shared pool's file), the file's descriptor, and the
+host registrations (pinning) of the record area.
 Borrows: the :class:`~kvoffload.bindings.pinning.HostPinner` that registers memory with the device.
 
 ``create`` maps, populates (``MAP_POPULATE``: registration of pre-faulted memory is ~7x faster; an
@@ -11,28 +11,30 @@ and makes the record view. Each step registers its undo; on any failure the undo
 leaks.
 
 ``cleanup`` runs exactly once, in this order: unpin every chunk, drop the views it made, unmap,
-close the file, unlink the file (if still linked). It marks itself released before the first
+close the file. It marks itself released before the first
 release call, so a failing release is never retried. It never unmaps memory that may still be
 registered: when an unpin fails the mapping is left in place (and reported). A view still referenced
 by the caller at cleanup never becomes a tensor over unmapped memory: the unmap is then deferred to
 the moment the last view is dropped (CPython refuses to unmap a buffer that is still exported), and
 a ``ResourceWarning`` says so.
 
-A shared region is unlinked as soon as every participant has mapped it, so a killed process leaves no
-file behind. The file starts with one header page (magic, sizes, participant count, mapped count);
-attaching participants update the mapped count under ``flock``.
+A shared region (:meth:`RegionOwner.attach_shared`) is one rank's mapping of a pool every rank of
+an engine maps (docs/design.md §13): the attach itself (join, agree, populate, unlink once all
+mapped) is :class:`~kvoffload.pool.session.PoolSession`'s; the region owns this rank's mapping of
+the whole pool, its pinning and the file descriptor, and sees its own slices as its records (one
+record every ``record_stride`` bytes). Its cleanup is the same as above and touches nothing of the
+other ranks: they keep their own mappings and registrations, and the kernel frees the memory when
+the last mapping goes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import mmap
 import os
-import re
-import struct
+import time
 import warnings
 from typing import Final
 
@@ -40,20 +42,16 @@ import torch
 
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
 from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError, warn_on_del
+from kvoffload.pool.header import HEADER_BYTES, Flag, mark_left
+from kvoffload.pool.session import SHM_DIR, PoolSession
+from kvoffload.pool.spec import PoolRank
 
-__all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "host_memory_available"]
+__all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "check_shm_room", "host_memory_available"]
 
 _log = logging.getLogger("kvoffload.region")
 
-#: Where shared regions live (a tmpfs on Linux).
-SHM_DIR: Final = "/dev/shm"
-#: Bytes before the record area of a shared file: one OS page holding the header.
-SHARED_HEADER_BYTES: Final = 4096
-_SHARED_MAGIC: Final = b"KVOFFREG"
-_SHARED_VERSION: Final = 1
-_HEADER_FORMAT: Final = "<8sIIQQII"  # magic, version, pad, num_records, record_bytes, participants, mapped
-_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-_FILE_MODE: Final = 0o600
+#: Bytes before the block area of a shared pool's file: one OS page holding the header.
+SHARED_HEADER_BYTES: Final = HEADER_BYTES
 #: ``madvise`` advice that gives a forked child zero pages in a range instead of the parent's
 #: (Linux 4.14; the kernel's value where ``mmap`` does not name it).
 _MADV_WIPEONFORK: Final = int(getattr(mmap, "MADV_WIPEONFORK", 18))
@@ -73,10 +71,13 @@ class RegionOwner:
     """The host pool's mapping and pinning (see the module docstring for the full contract).
 
     Attributes:
-        num_records: host records in the pool.
+        num_records: host records in the pool (blocks of a shared pool).
         record_bytes: bytes per record (a multiple of 4096).
-        base_ptr: address of record 0.
-        shared_path: the shared file's path, or None for an anonymous region.
+        record_stride: bytes from one record to the next: ``record_bytes``, or a shared pool's block
+            (every rank's slice).
+        base_ptr: address of record 0 (this rank's slice of block 0 of a shared pool).
+        pool: the shared pool and rank this region maps, or None for an anonymous region.
+        shared_path: the shared pool's file name (unlinked once every rank mapped it), or None.
     """
 
     def __init__(
@@ -89,19 +90,21 @@ class RegionOwner:
         pinner: HostPinner,
         chunks: list[tuple[int, int]],
         fd: int | None,
-        shared_path: str | None,
-        linked: bool,
         records: torch.Tensor,
+        record_stride: int | None = None,
+        pool: PoolRank | None = None,
+        shared_path: str | None = None,
     ) -> None:
         self.num_records = num_records
         self.record_bytes = record_bytes
+        self.record_stride = record_bytes if record_stride is None else record_stride
         self.base_ptr = base_ptr
+        self.pool = pool
         self.shared_path = shared_path
         self._mapping: mmap.mmap | None = mapping
         self._pinner = pinner
         self._chunks = chunks
         self._fd = fd
-        self._linked = linked
         self._records: torch.Tensor | None = records
         self._released = False
 
@@ -114,16 +117,10 @@ class RegionOwner:
         num_records: int,
         record_bytes: int,
         pinner: HostPinner,
-        shared_name: str | None = None,
-        participants: int = 1,
         chunk_bytes: int = PIN_CHUNK_BYTES,
         check_memory: bool = True,
     ) -> RegionOwner:
-        """Map, populate and pin a pool of ``num_records`` records of ``record_bytes`` bytes.
-
-        With ``shared_name`` the pool is a file ``/dev/shm/<shared_name>`` (created exclusively) that
-        ``participants`` processes map; the creator counts as the first. The file is unlinked as soon
-        as all of them mapped it (at once when ``participants`` is 1).
+        """Map, populate and pin an anonymous pool of ``num_records`` records of ``record_bytes``.
 
         With ``check_memory`` (the default) the pool's size is first checked against the memory the
         machine can give (:func:`host_memory_available`): a pool that cannot fit is refused before
@@ -131,112 +128,94 @@ class RegionOwner:
         only where the kernel under-reports what it can give (a VM whose memory grows on use).
 
         Raises:
-            InvalidArgumentError: non-positive sizes, a record size that is not a multiple of 4096,
-                a malformed shared name, or ``participants < 1``.
+            InvalidArgumentError: non-positive sizes, or a record size that is not a multiple of 4096.
             RegionError: the pool does not fit the memory available (the message gives both
-                numbers), the file exists or mapping failed; nothing is left behind.
+                numbers) or mapping failed; nothing is left behind.
             KVOffloadError: pinning failed (e.g. :class:`~kvoffload.errors.CudaError`); nothing is
-                left pinned, mapped or linked.
+                left pinned or mapped.
         """
         _check_sizes(num_records, record_bytes, chunk_bytes)
-        if shared_name is not None:
-            _check_shared_name(shared_name)
-        if isinstance(participants, bool) or not isinstance(participants, int) or participants < 1:
-            raise InvalidArgumentError(f"participants = {participants!r} must be an int >= 1")
         pool_bytes = num_records * record_bytes
         if check_memory:
             check_host_memory(pool_bytes, f"a host pool of {num_records} records of {record_bytes} bytes")
         with contextlib.ExitStack() as undo:
-            fd: int | None = None
-            path: str | None = None
-            header = 0
-            if shared_name is not None:
-                path = os.path.join(SHM_DIR, shared_name)
-                header = SHARED_HEADER_BYTES
-                fd = _create_file(path, header + pool_bytes)
-                undo.callback(os.close, fd)
-                undo.callback(_unlink_quietly, path)
-            mapping = _map(fd, header + pool_bytes)
+            mapping = _map(pool_bytes)
             undo.callback(mapping.close)
             address = _mapping_address(mapping)
-            linked = path is not None
-            if path is not None:
-                struct.pack_into(
-                    _HEADER_FORMAT, mapping, 0, _SHARED_MAGIC, _SHARED_VERSION, 0,
-                    num_records, record_bytes, participants, 1,
-                )
-                if participants == 1:
-                    _unlink_quietly(path)
-                    linked = False
             chunk = _record_aligned_chunk(chunk_bytes, record_bytes)
-            chunks = pin_chunks(pinner, address + header, pool_bytes, chunk)
+            chunks = pin_chunks(pinner, address, pool_bytes, chunk)
             undo.callback(unpin_chunks, pinner, chunks)
-            records = _records_view(mapping, header, num_records, record_bytes)
+            records = _records_view(mapping, 0, num_records, record_bytes, record_bytes)
             undo.pop_all()
         return cls(
-            mapping=mapping, base_ptr=address + header, num_records=num_records,
-            record_bytes=record_bytes, pinner=pinner, chunks=chunks, fd=fd, shared_path=path,
-            linked=linked, records=records,
+            mapping=mapping, base_ptr=address, num_records=num_records, record_bytes=record_bytes,
+            pinner=pinner, chunks=chunks, fd=None, records=records,
         )
 
     @classmethod
-    def attach(
-        cls, shared_name: str, *, pinner: HostPinner, chunk_bytes: int = PIN_CHUNK_BYTES
+    def attach_shared(
+        cls,
+        rank: PoolRank,
+        *,
+        num_records: int,
+        record_bytes: int,
+        pinner: HostPinner,
+        chunk_bytes: int = PIN_CHUNK_BYTES,
+        check_memory: bool = True,
     ) -> RegionOwner:
-        """Map and pin a shared region another process created, as one more participant.
+        """Attach this process as ``rank`` of a shared pool; returns once every rank mapped it.
 
-        The participant that completes the count unlinks the file.
+        The pool holds ``num_records`` blocks of ``world_size`` slices of ``record_bytes`` (every
+        rank must ask for the same). This rank populates its share of the pages, maps the whole
+        pool, pins it in whole-block chunks (the registration maps the pages the other ranks
+        populated; without a device the first copies do), and sees its own slices as its records
+        (a strided view: ``record_stride`` bytes from one record to the next). The steps and their barriers are
+        :class:`~kvoffload.pool.session.PoolSession`'s, bounded by ``rank.pool.attach_timeout_s``.
 
-        Raises:
-            InvalidArgumentError: a malformed name.
-            RegionError: no such region, a foreign file, or every participant already attached.
-            KVOffloadError: pinning failed; nothing is left pinned or mapped.
+        With ``check_memory`` the whole pool is first checked against the memory available and the
+        room left in ``/dev/shm`` (populating past it would kill the process with ``SIGBUS``).
+
+        Raises (nothing of this rank is left mapped, pinned or linked; a failure of this rank after
+        it joined fails every rank):
+            InvalidArgumentError: bad sizes.
+            RegionError: the pool does not fit, or mapping failed; its subclasses
+                (:class:`~kvoffload.errors.SharedPoolError`) for the attach itself: a deadline
+                passed, a rank died or failed, the ranks disagree, or the name is another live
+                pool's.
+            KVOffloadError: pinning failed.
         """
-        _check_shared_name(shared_name)
-        path = os.path.join(SHM_DIR, shared_name)
+        _check_sizes(num_records, record_bytes, chunk_bytes)
+        world = rank.world_size
+        pool_bytes = num_records * record_bytes * world
+        what = (f"shared pool {rank.name!r} ({num_records} blocks of {world} x {record_bytes} "
+                "bytes)")
+        if check_memory:
+            check_host_memory(pool_bytes, what)
+            check_shm_room(pool_bytes, what)
+        deadline = time.monotonic() + rank.pool.attach_timeout_s
+        session = PoolSession.join(rank, num_records=num_records, record_bytes=record_bytes,
+                                   deadline=deadline)
         with contextlib.ExitStack() as undo:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            except OSError as exc:
-                raise RegionError(f"cannot open shared region {path!r}: {exc.strerror}") from exc
-            undo.callback(os.close, fd)
-            size = os.fstat(fd).st_size
-            if size < SHARED_HEADER_BYTES:
-                raise RegionError(f"{path!r} is not a kvoffload region ({size} bytes)")
-            mapping = _map(fd, size)
+            undo.callback(session.fail)
+            mapping = _map_shared(session, SHARED_HEADER_BYTES + pool_bytes)
             undo.callback(mapping.close)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                magic, version, _pad, num_records, record_bytes, participants, mapped = (
-                    struct.unpack_from(_HEADER_FORMAT, mapping, 0)
-                )
-                if magic != _SHARED_MAGIC or version != _SHARED_VERSION:
-                    raise RegionError(f"{path!r} is not a kvoffload region of version {_SHARED_VERSION}")
-                if SHARED_HEADER_BYTES + num_records * record_bytes != size:
-                    raise RegionError(f"{path!r} has {size} bytes, its header says otherwise")
-                if mapped >= participants:
-                    raise RegionError(
-                        f"{path!r}: all {participants} participants already attached"
-                    )
-                mapped += 1
-                struct.pack_into("<I", mapping, struct.calcsize(_HEADER_FORMAT) - 4, mapped)
-                linked = True
-                if mapped == participants:
-                    _unlink_quietly(path)
-                    linked = False
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            session.populate_share(mapping)
+            session.arrive(Flag.POPULATED)
+            session.wait_all(Flag.POPULATED, deadline)
             address = _mapping_address(mapping)
-            chunk = _record_aligned_chunk(chunk_bytes, record_bytes)
-            pool_bytes = num_records * record_bytes
+            block = record_bytes * world
+            chunk = _record_aligned_chunk(chunk_bytes, block)
             chunks = pin_chunks(pinner, address + SHARED_HEADER_BYTES, pool_bytes, chunk)
             undo.callback(unpin_chunks, pinner, chunks)
-            records = _records_view(mapping, SHARED_HEADER_BYTES, num_records, record_bytes)
+            session.arrive(Flag.MAPPED)
+            session.wait_all(Flag.MAPPED, deadline)
+            offset = SHARED_HEADER_BYTES + rank.rank * record_bytes
+            records = _records_view(mapping, offset, num_records, record_bytes, block)
             undo.pop_all()
         return cls(
-            mapping=mapping, base_ptr=address + SHARED_HEADER_BYTES, num_records=num_records,
-            record_bytes=record_bytes, pinner=pinner, chunks=chunks, fd=fd, shared_path=path,
-            linked=linked, records=records,
+            mapping=mapping, base_ptr=address + offset, num_records=num_records,
+            record_bytes=record_bytes, pinner=pinner, chunks=chunks, fd=session.take_fd(),
+            records=records, record_stride=block, pool=rank, shared_path=session.path,
         )
 
     # ------------------------------------------------------------------------------------ access
@@ -254,10 +233,11 @@ class RegionOwner:
     @property
     def chunk_records(self) -> int:
         """Records per pin chunk (a copy never crosses a chunk boundary)."""
-        return self._chunks[0][1] // self.record_bytes if self._chunks else self.num_records
+        return self._chunks[0][1] // self.record_stride if self._chunks else self.num_records
 
     def records(self) -> torch.Tensor:
-        """The pool as ``uint8 [num_records, record_bytes]``, sharing the mapping's memory.
+        """The pool as ``uint8 [num_records, record_bytes]``, sharing the mapping's memory (this
+        rank's slices of a shared pool: rows ``record_stride`` bytes apart).
 
         Raises:
             ClosedError: after cleanup.
@@ -300,8 +280,8 @@ class RegionOwner:
 
     def abandon(self) -> None:
         """Give up the region without touching its memory: it stays pinned and mapped for the rest of
-        the process (used when the device could not be proven idle). The file name is still unlinked,
-        so nothing outlives the process. Runs once, like :meth:`cleanup`; never raises.
+        the process (used when the device could not be proven idle). A shared pool's name is already
+        unlinked, so nothing outlives the process. Runs once, like :meth:`cleanup`; never raises.
         """
         if self._released:
             return
@@ -331,16 +311,14 @@ class RegionOwner:
     def _close_file(self, failures: list[BaseException], keep_fd: bool = False) -> None:
         if self._fd is not None and not keep_fd:
             fd, self._fd = self._fd, None
+            if self.pool is not None:
+                try:
+                    mark_left(fd, self.pool.rank)
+                except OSError as exc:  # the header is for inspection only: worth a log line
+                    _log.warning("shared pool %r: could not mark rank %d as left: %s",
+                                 self.pool.name, self.pool.rank, exc)
             try:
                 os.close(fd)
-            except OSError as exc:
-                failures.append(exc)
-        if self._linked and self.shared_path is not None:
-            self._linked = False
-            try:
-                os.unlink(self.shared_path)
-            except FileNotFoundError:
-                pass
             except OSError as exc:
                 failures.append(exc)
 
@@ -418,36 +396,12 @@ def _check_sizes(num_records: int, record_bytes: int, chunk_bytes: int) -> None:
         )
 
 
-def _check_shared_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME_PATTERN.fullmatch(name):
-        raise InvalidArgumentError(
-            f"shared_name = {name!r} must be 1-200 characters of letters, digits, '.', '_' or '-', "
-            "not starting with '.', '_' or '-'"
-        )
-
-
 def _record_aligned_chunk(chunk_bytes: int, record_bytes: int) -> int:
     return max(1, chunk_bytes // record_bytes) * record_bytes
 
 
-def _create_file(path: str, nbytes: int) -> int:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
-    except FileExistsError as exc:
-        raise RegionError(f"shared region {path!r} already exists") from exc
-    except OSError as exc:
-        raise RegionError(f"cannot create shared region {path!r}: {exc.strerror}") from exc
-    try:
-        os.ftruncate(fd, nbytes)
-    except OSError as exc:
-        os.close(fd)
-        _unlink_quietly(path)
-        raise RegionError(f"cannot size shared region {path!r} to {nbytes} bytes: {exc.strerror}") from exc
-    return fd
-
-
-def _map(fd: int | None, nbytes: int) -> mmap.mmap:
-    """Map and populate ``nbytes``: of the file ``fd`` (shared), or anonymous memory.
+def _map(nbytes: int) -> mmap.mmap:
+    """Map and populate ``nbytes`` of anonymous private memory.
 
     An anonymous pool is private memory (populated several times faster than shared anonymous
     memory, which the kernel backs with shmem pages, and eligible for transparent huge pages),
@@ -456,28 +410,52 @@ def _map(fd: int | None, nbytes: int) -> mmap.mmap:
     writes away from the pages the device reads). The child keeps a mapping of its own at that
     address, so its unmap there (a copied object being freed) touches nothing else.
     """
-    shared = fd is not None
-    flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
     try:
-        mapping = mmap.mmap(-1 if fd is None else fd, nbytes, flags=flags,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(-1, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError) as exc:
         raise RegionError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
-    if not shared:
-        try:
-            mapping.madvise(_MADV_WIPEONFORK)
-        except OSError as exc:
-            mapping.close()
-            raise RegionError(f"cannot keep the host pool out of child processes: {exc}") from exc
+    try:
+        mapping.madvise(_MADV_WIPEONFORK)
+    except OSError as exc:
+        mapping.close()
+        raise RegionError(f"cannot keep the host pool out of child processes: {exc}") from exc
     return mapping
 
 
-def _records_view(mapping: mmap.mmap, offset: int, num_records: int, record_bytes: int) -> torch.Tensor:
+def _map_shared(session: PoolSession, nbytes: int) -> mmap.mmap:
+    """Map ``nbytes`` of the pool's file, shared, without populating it (the ranks populate their
+    shares first, see :meth:`PoolSession.populate_share`)."""
+    try:
+        return mmap.mmap(session.fileno(), nbytes, flags=mmap.MAP_SHARED,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError) as exc:
+        raise RegionError(f"cannot map {nbytes} bytes of shared pool {session.path!r}: {exc}") from exc
+
+
+def _records_view(
+    mapping: mmap.mmap, offset: int, num_records: int, record_bytes: int, stride: int
+) -> torch.Tensor:
+    """``uint8 [num_records, record_bytes]`` at ``offset``, one row every ``stride`` bytes."""
     # The view keeps a memoryview of the mapping alive; CPython then refuses to unmap it early.
     flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
-    return flat[offset : offset + num_records * record_bytes].view(num_records, record_bytes)
+    return flat.as_strided((num_records, record_bytes), (stride, 1), offset)
 
 
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def check_shm_room(nbytes: int, what: str, directory: str = SHM_DIR) -> None:
+    """Refuse ``nbytes`` of new shared memory when ``directory`` (a tmpfs) has less room left:
+    touching a page past a tmpfs's size kills the process with ``SIGBUS``.
+
+    Raises:
+        RegionError: naming ``what``, its size and the room left.
+    """
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    room = st.f_bavail * st.f_frsize
+    if nbytes > room:
+        raise RegionError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB, but {directory} has {room / 2**30:.2f} GiB "
+            "left; ask for fewer host blocks, or grow the tmpfs (mount -o remount,size=...)"
+        )

@@ -133,7 +133,7 @@ class SmPath:
             fence.wait_on(kstream)  # rules 1 and 2: after the compute queued before the submit
             start.record(kstream)
             self.launcher.launch(segments, count, device_blocks, host_blocks, plan.host_base,
-                                 plan.pages.record_bytes, store, self.ctas, kstream)
+                                 plan.host_stride, store, self.ctas, kstream)
         except Exception as exc:
             error = exc
         try:

@@ -226,7 +226,9 @@ class KernelLauncher:
         """Copy the pages of ``device_blocks[i]`` to or from row ``host_rows[i]`` of the record
         array at ``host_base`` on ``stream``, with ``ctas`` CTAs of :data:`COPY_KERNEL_THREADS`
         threads. ``segments_ptr`` is the device address of the layout's ``kernel_segments`` table
-        (``num_segments`` rows); ``host_base`` is a device address or registered host memory.
+        (``num_segments`` rows); ``host_base`` is a device address or registered host memory, and
+        ``record_bytes`` the bytes from one of its rows to the next (a record, or a shared pool's
+        block).
         Launches once per :data:`KERNEL_ROWS` records (the ids travel in the launch parameters; a
         launch uses the smallest entry point that holds its records: 512 bytes of ids up to 32, 2 KiB up
         to 128).

@@ -4,7 +4,8 @@ Commands:
   demo           store and reload a synthetic KV cache through a Worker, verify every byte, report
                  GB/s next to the link limit (host backend, and says so, when there is no GPU)
   bench          every transfer path side by side with the link limit (needs a GPU); ``--disk DIR``:
-                 the disk tier against raw O_DIRECT
+                 the disk tier against raw O_DIRECT; ``--ranks N``: a host pool shared by N rank
+                 processes (attach time, throughput of ranks at once)
   replay         an engine-shaped workload through Manager + Worker; every loaded byte verified
   manager-bench  per-block cost of the scheduler-side manager at 10k and 1M blocks
   engine-demo    transformers' continuous batching with and without kvoffload: time to first token,

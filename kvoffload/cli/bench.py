@@ -335,13 +335,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layerwise", action="store_true",
                         help="instead: a synthetic L-layer prefill, load then compute vs load_by_layer")
     parser.add_argument("--layers", type=int, default=0, help="layers of the --layerwise prefill (16)")
+    parser.add_argument("--ranks", type=int, default=None, metavar="N",
+                        help="instead: a host pool shared by N rank processes (attach time, and "
+                             "throughput of ranks at once); --ranks N --help lists its options")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m kvoffload bench``; returns the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--ranks" or a.startswith("--ranks=") for a in arguments):
+        from kvoffload.cli import ranks_bench
+
+        return ranks_bench.main(arguments)
     parser = argparse.ArgumentParser(prog="python -m kvoffload bench", description=__doc__)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     if args.disk is not None:
         from kvoffload.cli import disk_bench
 

@@ -198,7 +198,7 @@ class DiskTier:
             record_bytes: bytes per host record (a multiple of 4096; ``DeviceLayout.record_bytes``).
             records: the host rows the tier reads and writes: a CPU ``uint8`` tensor
                 ``[n, record_bytes]`` with contiguous, 4096-aligned rows (the region's records view,
-                bounce slots included). Borrowed: it must stay alive and mapped until ``shutdown``
+                bounce slots included; one rank's slices of a shared pool are rows a block apart). Borrowed: it must stay alive and mapped until ``shutdown``
                 returned (and longer if the tier reports ``fd_left_open``).
             book: where job results are published (the Worker shares one between its components);
                 None gives the tier a book of its own, released with it.
@@ -660,9 +660,11 @@ def _host_view(records: object, record_bytes: int) -> U8Array:
         raise InvalidArgumentError(
             f"records has shape {tuple(records.shape)}; expected [n >= 1, {record_bytes}]"
         )
-    if records.stride() != (record_bytes, 1):
+    row_stride, byte_stride = records.stride()
+    if byte_stride != 1 or row_stride < record_bytes or row_stride % PAGE_BYTES:
         raise InvalidArgumentError(
-            f"records rows must be contiguous (strides ({record_bytes}, 1)), got {records.stride()}"
+            f"records rows must be contiguous and {PAGE_BYTES}-aligned (strides (n * {PAGE_BYTES} >= "
+            f"{record_bytes}, 1)), got {records.stride()}"
         )
     if records.data_ptr() % PAGE_BYTES:
         raise InvalidArgumentError(

@@ -41,6 +41,8 @@ from kvoffload.errors import (
 )
 from kvoffload.handler import Backend, DirectionHandler
 from kvoffload.layout import RECORD_ALIGN_BYTES, DeviceLayout
+from kvoffload.pool import PoolRank, SharedPool
+from kvoffload.pool.spec import check_pool_name
 from kvoffload.records import Direction
 from kvoffload.region import RegionOwner
 
@@ -84,6 +86,7 @@ class WorkerOptions:
 
     device: torch.device | str | None = None
     backend: str = "auto"
+    shared: PoolRank | None = None
     shared_name: str | None = None
     copy_method: object = None
     pin_chunk_bytes: int = PIN_CHUNK_BYTES
@@ -144,13 +147,20 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
         raise ArgumentTypeError(f"check_memory = {o.check_memory!r} must be a bool")
     if o.backend_factory is not None and not callable(o.backend_factory):
         raise ArgumentTypeError(f"backend_factory = {o.backend_factory!r} must be callable or None")
+    shared = _shared_rank(o.shared, o.shared_name)
     cuda = _cuda_parts(layout, o.copy_method) if chosen == "cuda" else None
     with contextlib.ExitStack() as undo:
         pinner = o.pinner if o.pinner is not None else (cuda.pinner if cuda else NoPinner())
-        region = RegionOwner.create(
-            num_records=num_host_blocks + slots, record_bytes=layout.record_bytes, pinner=pinner,
-            shared_name=o.shared_name, chunk_bytes=o.pin_chunk_bytes, check_memory=o.check_memory,
-        )
+        if shared is None:
+            region = RegionOwner.create(
+                num_records=num_host_blocks + slots, record_bytes=layout.record_bytes, pinner=pinner,
+                chunk_bytes=o.pin_chunk_bytes, check_memory=o.check_memory,
+            )
+        else:
+            region = RegionOwner.attach_shared(
+                shared, num_records=num_host_blocks + slots, record_bytes=layout.record_bytes,
+                pinner=pinner, chunk_bytes=o.pin_chunk_bytes, check_memory=o.check_memory,
+            )
         undo.callback(region.cleanup)
         book = JobBook()
         handlers = []
@@ -158,7 +168,8 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             (Direction.STORE, layout.num_blocks, num_host_blocks),
             (Direction.LOAD, num_host_blocks, layout.num_blocks),
         ):
-            plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
+            plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction,
+                            host_stride=region.record_stride)
             if o.backend_factory is not None:
                 backend = o.backend_factory(direction)
             elif cuda is not None:
@@ -246,6 +257,19 @@ def _check_path(
             raise ArgumentTypeError(f"kernel_ctas = {kernel_ctas!r} must be an int or None")
         if kernel_ctas <= 0:
             raise InvalidArgumentError(f"kernel_ctas = {kernel_ctas} must be positive")
+
+
+def _shared_rank(shared: object, shared_name: str | None) -> PoolRank | None:
+    """The pool rank to attach: ``shared``, or ``shared_name`` as the only rank of a pool."""
+    if shared is not None and not isinstance(shared, PoolRank):
+        raise ArgumentTypeError(
+            f"shared must be a PoolRank (SharedPool(...).rank(r)) or None, got {type(shared).__name__}"
+        )
+    if shared_name is None:
+        return shared
+    if shared is not None:
+        raise InvalidArgumentError("pass shared or shared_name, not both (shared_name is a one-rank pool)")
+    return SharedPool(check_pool_name(shared_name, "shared_name"), 1).rank(0)
 
 
 def _bounce_slots(bounce_slots: int | None, record_bytes: int) -> int:
@@ -430,7 +454,8 @@ def _bounce_handlers(
         (Direction.STORE, layout.num_blocks, region.num_records),
         (Direction.LOAD, region.num_records, layout.num_blocks),
     ):
-        plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction)
+        plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction,
+                        host_stride=region.record_stride)
         backend: Backend
         if backend_factory is not None:
             backend = backend_factory(direction)

@@ -2,7 +2,8 @@
 optional disk tier.
 
 Owns: the host region (alone: it is the only object that knows both directions share that memory,
-so it is the only one that may release it), the store and load handlers, the disk tier, its
+so it is the only one that may release it; of a shared pool, this rank's mapping and registration,
+never another rank's: docs/design.md §13), the store and load handlers, the disk tier, its
 pipeline and bounce handlers, the job book they share, and the in-flight block bookkeeping that
 spans directions. Borrows: the layout (and through it the engine's tensors, which must outlive the
 worker).
@@ -56,6 +57,7 @@ from kvoffload.errors import (
 )
 from kvoffload.handler import Backend
 from kvoffload.layout import DeviceLayout
+from kvoffload.pool import PoolRank
 from kvoffload.records import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     BlockIds,
@@ -102,6 +104,7 @@ class Worker:
 
     Build it with ``Worker.create(layout, num_host_blocks, ...)`` (``Worker(parts)`` takes what
     ``create`` assembled). Usable as a context manager (leaving the block calls :meth:`shutdown`).
+    ``shared`` is the shared pool's rank this worker maps (None for a pool of its own).
     """
 
     def __init__(self, parts: WorkerParts) -> None:
@@ -119,6 +122,7 @@ class Worker:
         self.backend = parts.backend_name
         self.capabilities = parts.capabilities
         self.num_host_blocks = parts.num_host_blocks
+        self.shared: PoolRank | None = parts.region.pool
         self._region = parts.region
         self._store = parts.store_handler
         self._load = parts.load_handler
@@ -173,6 +177,7 @@ class Worker:
         *,
         device: torch.device | str | None = None,
         backend: BackendName = "auto",
+        shared: PoolRank | None = None,
         shared_name: str | None = None,
         copy_method: CopyMethod | str | None = None,
         pin_chunk_bytes: int = PIN_CHUNK_BYTES,
@@ -196,8 +201,14 @@ class Worker:
             backend: ``"cuda"`` (CUDA tensors, copies by DMA), ``"host"`` (CPU tensors, copies on a
                 thread), or ``"auto"``: cuda when the layout's tensors are on a CUDA device, host when
                 they are CPU tensors.
-            shared_name: None for an anonymous pool, else the pool is ``/dev/shm/<shared_name>``
-                (unlinked as soon as it is mapped).
+            shared: this process's rank of a pool every tensor-parallel rank maps
+                (``SharedPool(name=..., world_size=N).rank(r)``, docs/design.md §13); None for a
+                pool of this worker's own. ``create`` then returns once every rank mapped the pool
+                (or raises on every rank: see Raises). Each rank copies into and out of its own
+                slice of each host block; ``num_host_blocks`` (and the bounce slots) and the layout's
+                record size must be the same on every rank.
+            shared_name: the same as ``shared=SharedPool(shared_name, world_size=1).rank(0)``: a
+                one-rank pool under ``/dev/shm/<shared_name>``, unlinked once mapped.
             copy_method: cuda backend only: ``"batch-ctypes"`` (default where the driver has batch
                 memcpy), ``"batch-bindings"`` or ``"per-copy"``.
             pin_chunk_bytes: largest single host registration (rounded down to whole records).
@@ -228,17 +239,25 @@ class Worker:
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
-            InvalidArgumentError: a bad size, backend name, copy method or shared name.
+            InvalidArgumentError: a bad size, backend name, copy method or shared name, or both
+                ``shared`` and ``shared_name``.
             DeviceMismatchError: ``device`` is not the layout's device, or the backend does not fit
                 the layout's device.
             RegionError: the pool does not fit the memory available (the message gives the numbers),
                 or could not be mapped (nothing is left behind).
+            SharedPoolError: (a ``RegionError``) attaching the shared pool failed, on every rank
+                alike: :class:`~kvoffload.errors.PoolTimeoutError` (ranks that did not arrive or map
+                it within ``attach_timeout_s``), :class:`~kvoffload.errors.PoolRankFailedError` (a
+                rank died or failed meanwhile), :class:`~kvoffload.errors.PoolMismatchError` (the
+                ranks' record sizes or counts differ), :class:`~kvoffload.errors.PoolCollisionError`
+                (the name is another live pool's). Nothing is left mapped, pinned or in /dev/shm.
             CudaError: the pool could not be pinned (nothing is left behind).
             DiskError: the disk tier could not be opened (a file that is not a tier, another
                 fingerprint, a path that cannot be used; nothing is left behind).
         """
         options = WorkerOptions(
-            device=device, backend=backend, shared_name=shared_name, copy_method=copy_method,
+            device=device, backend=backend, shared=shared, shared_name=shared_name,
+            copy_method=copy_method,
             pin_chunk_bytes=pin_chunk_bytes, path=path, staging_bytes=staging_bytes,
             staging_slots=staging_slots, kernel_ctas=kernel_ctas, calibration_path=calibration_path,
             disk=disk, bounce_slots=bounce_slots, check_memory=check_memory,
@@ -469,8 +488,9 @@ class Worker:
     def host_records(self) -> torch.Tensor:
         """The host pool as ``uint8 [num_host_blocks, record_bytes]`` (a view: for inspection and
         tests; exactly the records ``host_blocks`` ids address, never the disk tier's bounce slots).
-        Do not keep it past :meth:`shutdown`: a view still referenced then defers the unmap and
-        triggers a ``ResourceWarning``.
+        Of a shared pool, this rank's slices only (rows a block apart; ``SharedPool.inspect`` shows
+        every rank's). Do not keep it past :meth:`shutdown`: a view still referenced then defers the
+        unmap and triggers a ``ResourceWarning``.
 
         Raises:
             ClosedError: after shutdown.

@@ -250,7 +250,9 @@ def test_records_that_do_not_fit_o_direct_are_refused(tmp_path: Any) -> None:
     cases: list[tuple[object, str]] = [
         (flat[16 : 16 + 2 * RECORD].view(2, RECORD), "multiple of 4096"),
         (flat[: 2 * RECORD].view(4, RECORD // 2), "shape"),
-        (flat[: 4 * RECORD].view(2, 2 * RECORD)[:, :RECORD], "contiguous"),
+        (flat.as_strided((2, RECORD), (RECORD + 16, 1)), "contiguous and 4096-aligned"),
+        (flat.as_strided((2, RECORD), (RECORD // 2, 1)), "contiguous and 4096-aligned"),
+        (flat[: 2 * RECORD].view(2, RECORD).t(), "shape"),
         (flat[: 2 * RECORD].view(torch.int16).view(2, RECORD // 2), "uint8"),
         (flat[: 2 * RECORD].view(2, RECORD).tolist(), "torch.Tensor"),
     ]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvoffload import InvalidArgumentError, RegionError, ShutdownError
+from kvoffload import InvalidArgumentError, SharedPool, ShutdownError
 from kvoffload.bindings.pinning import pin_chunks
 from kvoffload.errors import ClosedError, KVOffloadError
 from kvoffload.region import SHM_DIR, RegionOwner
@@ -159,82 +159,37 @@ def test_a_forked_child_sees_zero_pages_where_the_anonymous_pool_is() -> None:
         region.cleanup()
 
 
-def test_shared_region_is_unlinked_once_mapped_by_its_only_participant(shm_name: str) -> None:
-    region = RegionOwner.create(num_records=3, record_bytes=RECORD, pinner=RecordingPinner(),
-                                shared_name=shm_name)
+def test_one_rank_shared_region_is_unlinked_once_mapped(shm_name: str) -> None:
+    pinner = RecordingPinner()
+    region = RegionOwner.attach_shared(SharedPool(shm_name, 1).rank(0), num_records=3,
+                                       record_bytes=RECORD, pinner=pinner)
     assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
+    assert (region.record_stride, region.shared_path) == (RECORD, os.path.join(SHM_DIR, shm_name))
+    (ptr, nbytes), = region.chunks
+    assert ptr == region.base_ptr and nbytes == 3 * RECORD  # the block area, not the header page
     region.records()[2].fill_(4)
     region.cleanup()
+    assert pinner.registered == {}
 
 
-def test_shared_region_is_unlinked_when_the_last_participant_attaches(shm_name: str) -> None:
-    creator = RegionOwner.create(num_records=3, record_bytes=RECORD, pinner=RecordingPinner(),
-                                 shared_name=shm_name, participants=2)
-    path = os.path.join(SHM_DIR, shm_name)
-    assert os.path.exists(path)
-    other = RegionOwner.attach(shm_name, pinner=RecordingPinner())
-    assert not os.path.exists(path)
-    assert (other.num_records, other.record_bytes) == (3, RECORD)
-    creator.records()[1].fill_(0x77)
-    assert int(other.records()[1, 5]) == 0x77  # one memory, two mappings
-    other.cleanup()
-    creator.cleanup()
-
-
-def test_attach_refuses_a_region_whose_participants_all_attached(shm_name: str) -> None:
-    creator = RegionOwner.create(num_records=1, record_bytes=RECORD, pinner=RecordingPinner(),
-                                 shared_name=shm_name, participants=2)
-    with open(os.path.join(SHM_DIR, shm_name), "r+b"):
-        pass
-    second = RegionOwner.attach(shm_name, pinner=RecordingPinner())
-    with pytest.raises(RegionError, match="cannot open"):
-        RegionOwner.attach(shm_name, pinner=RecordingPinner())  # unlinked: nobody else can map it
-    second.cleanup()
-    creator.cleanup()
-
-
-def test_existing_shared_name_is_refused_and_left_alone(shm_name: str) -> None:
-    path = os.path.join(SHM_DIR, shm_name)
-    with open(path, "wb") as f:
-        f.write(b"someone else's")
-    try:
-        with pytest.raises(RegionError, match="already exists"):
-            RegionOwner.create(num_records=1, record_bytes=RECORD, pinner=RecordingPinner(),
-                               shared_name=shm_name)
-        with open(path, "rb") as f:
-            assert f.read() == b"someone else's"
-    finally:
-        os.unlink(path)
-
-
-def test_attach_refuses_a_foreign_file(shm_name: str) -> None:
-    path = os.path.join(SHM_DIR, shm_name)
-    with open(path, "wb") as f:
-        f.write(b"\0" * 8192)
-    try:
-        with pytest.raises(RegionError, match="not a kvoffload region"):
-            RegionOwner.attach(shm_name, pinner=RecordingPinner())
-    finally:
-        os.unlink(path)
-
-
-def test_failed_shared_create_leaves_no_file(shm_name: str) -> None:
+def test_failed_shared_attach_leaves_no_file(shm_name: str) -> None:
     with pytest.raises(KVOffloadError, match="injected"):
-        RegionOwner.create(num_records=2, record_bytes=RECORD, shared_name=shm_name,
-                           participants=2, pinner=RecordingPinner(fail_register_at=0))
+        RegionOwner.attach_shared(SharedPool(shm_name, 1).rank(0), num_records=2,
+                                  record_bytes=RECORD, pinner=RecordingPinner(fail_register_at=0))
     assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
 
 
 def test_killed_process_leaves_no_shared_file(shm_name: str) -> None:
     code = (
         "import os, signal\n"
+        "from kvoffload import SharedPool\n"
         "from kvoffload.region import RegionOwner\n"
         "from kvoffload.bindings.pinning import NoPinner\n"
-        f"RegionOwner.create(num_records=2, record_bytes={RECORD}, pinner=NoPinner(), "
-        f"shared_name={shm_name!r})\n"
+        f"RegionOwner.attach_shared(SharedPool({shm_name!r}, 1).rank(0), num_records=2, "
+        f"record_bytes={RECORD}, pinner=NoPinner())\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, timeout=120)
     assert proc.returncode == -9, proc.stderr.decode()
     assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
 
@@ -247,10 +202,6 @@ def test_killed_process_leaves_no_shared_file(shm_name: str) -> None:
         ({"record_bytes": 4000}, "multiple of the OS page size"),
         ({"record_bytes": -4096}, "record_bytes"),
         ({"chunk_bytes": 0}, "chunk_bytes"),
-        ({"shared_name": "../etc"}, "shared_name"),
-        ({"shared_name": "a/b"}, "shared_name"),
-        ({"shared_name": ""}, "shared_name"),
-        ({"shared_name": "ok", "participants": 0}, "participants"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_mapped(kwargs: dict[str, object], match: str) -> None:

@@ -1,0 +1,246 @@
+"""The shared pool's file header and the liveness of the processes it names (docs/design.md §13).
+
+A shared pool is one file under ``/dev/shm``: a header page, then ``num_records`` blocks of
+``world_size`` rank slices of ``record_bytes`` each (rank ``r``'s slice of block ``b`` at
+``HEADER_BYTES + b * world_size * record_bytes + r * record_bytes``). The header says who takes part
+(one slot per rank: process id and start time, a nonce of the attach, the geometry it asked for,
+how far it got) and how the attach stands (joining, ready, failed and why). Every change to it is
+made under ``flock`` of the file, by ``pwrite`` of the whole page; readers take the lock shared.
+
+Pure data and ``/proc`` reads: no torch, no mapping.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Final
+
+import attrs
+
+__all__ = [
+    "HEADER_BYTES",
+    "PROC_DIR",
+    "MAX_WORLD_SIZE",
+    "Failure",
+    "Flag",
+    "Header",
+    "Slot",
+    "State",
+    "locked",
+    "mark_left",
+    "new_header",
+    "process_start",
+    "read_header",
+    "write_header",
+]
+
+#: Bytes before the first block: one OS page holding the header.
+HEADER_BYTES: Final = 4096
+MAGIC: Final = b"KVOFPOOL"
+VERSION: Final = 1
+#: Most ranks one pool can have (one 64-bit mask names any set of them).
+MAX_WORLD_SIZE: Final = 64
+# magic, version, world_size, generation, state, failure, failed-ranks mask, phase, num_records,
+# record_bytes, created (ns since the epoch)
+_HEAD: Final = struct.Struct("<8sIIQIIQIIQQQ")
+# pid, flags, start time (clock ticks since boot), nonce, record_bytes, num_records
+_SLOT: Final = struct.Struct("<IIQQQQ")
+_SLOTS_AT: Final = 128
+assert _HEAD.size <= _SLOTS_AT and _SLOTS_AT + MAX_WORLD_SIZE * _SLOT.size <= HEADER_BYTES
+
+
+class State(enum.IntEnum):
+    """Where the attach stands."""
+
+    JOINING = 1  #: ranks are registering
+    READY = 2  #: every rank registered and they agree on the geometry: the file has its full size
+    FAILED = 3  #: the attach failed (``Header.failure`` says why); nobody joins it any more
+
+
+class Failure(enum.IntEnum):
+    """Why an attach failed (``Header.failed`` names the ranks, ``Header.phase`` the step)."""
+
+    NONE = 0
+    TIMEOUT = 1  #: the deadline passed; the ranks named had not reached ``phase``
+    MISMATCH = 2  #: the ranks disagree on record size or record count
+    RANK_LOST = 3  #: the ranks named died during the attach
+    RANK_FAILED = 4  #: the ranks named gave up (an error of their own)
+
+
+class Flag(enum.IntFlag):
+    """How far one rank got; each step is taken after the previous one."""
+
+    NONE = 0
+    ARRIVED = 1  #: registered its geometry
+    POPULATED = 2  #: populated its share of the pool's pages
+    MAPPED = 4  #: mapped and registered (pinned) the whole pool
+    LEFT = 8  #: released its mapping (its worker shut down)
+
+
+@attrs.frozen
+class Slot:
+    """One rank's entry: ``pid == 0`` means the rank has not arrived."""
+
+    pid: int = 0
+    flags: Flag = Flag.NONE
+    start: int = 0
+    nonce: int = 0
+    record_bytes: int = 0
+    num_records: int = 0
+
+    @property
+    def taken(self) -> bool:
+        """Whether a process registered as this rank."""
+        return self.pid != 0
+
+    def alive(self) -> bool:
+        """Whether the process that registered is still running (same pid and start time; a zombie
+        counts as dead)."""
+        return self.taken and process_start(self.pid) == self.start
+
+
+@attrs.frozen
+class Header:
+    """The decoded header page."""
+
+    world_size: int
+    generation: int
+    state: State
+    failure: Failure
+    failed: int  # mask of ranks
+    phase: Flag
+    num_records: int
+    record_bytes: int
+    created_ns: int
+    slots: tuple[Slot, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: every rank's slice."""
+        return self.world_size * self.record_bytes
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the block area (0 until the geometry is agreed)."""
+        return self.num_records * self.block_bytes
+
+    def ranks_without(self, flag: Flag) -> tuple[int, ...]:
+        """The ranks whose slot lacks ``flag`` (for ``ARRIVED``: the ranks that did not arrive)."""
+        return tuple(r for r, s in enumerate(self.slots) if not s.flags & flag)
+
+    def failed_ranks(self) -> tuple[int, ...]:
+        """The ranks ``failed`` names."""
+        return tuple(r for r in range(self.world_size) if self.failed >> r & 1)
+
+    def dead_ranks(self) -> tuple[int, ...]:
+        """Registered ranks whose process is gone."""
+        return tuple(r for r, s in enumerate(self.slots) if s.taken and not s.alive())
+
+    def live_ranks(self) -> tuple[int, ...]:
+        """Registered ranks whose process still runs."""
+        return tuple(r for r, s in enumerate(self.slots) if s.alive())
+
+    def replace(self, **changes: object) -> Header:
+        """A copy with ``changes``."""
+        return attrs.evolve(self, **changes)  # type: ignore[arg-type]
+
+    def with_slot(self, rank: int, slot: Slot) -> Header:
+        """A copy with rank ``rank``'s slot replaced."""
+        slots = list(self.slots)
+        slots[rank] = slot
+        return attrs.evolve(self, slots=tuple(slots))
+
+    def encode(self) -> bytes:
+        """The header page (``HEADER_BYTES`` bytes)."""
+        page = bytearray(HEADER_BYTES)
+        _HEAD.pack_into(page, 0, MAGIC, VERSION, self.world_size, self.generation, self.state,
+                        self.failure, self.failed, self.phase, 0, self.num_records,
+                        self.record_bytes, self.created_ns)
+        for rank, s in enumerate(self.slots):
+            _SLOT.pack_into(page, _SLOTS_AT + rank * _SLOT.size, s.pid, s.flags, s.start, s.nonce,
+                            s.record_bytes, s.num_records)
+        return bytes(page)
+
+
+def decode(page: bytes) -> Header | None:
+    """The header in ``page``, or None when it is not a kvoffload pool header of this version."""
+    if len(page) < HEADER_BYTES:
+        return None
+    (magic, version, world, generation, state, failure, failed, phase, _pad, num_records,
+     record_bytes, created) = _HEAD.unpack_from(page, 0)
+    if magic != MAGIC or version != VERSION or not 1 <= world <= MAX_WORLD_SIZE:
+        return None
+    try:
+        state_, failure_ = State(state), Failure(failure)
+    except ValueError:
+        return None
+    slots = tuple(
+        Slot(pid, Flag(flags), start, nonce, rbytes, nrec)
+        for pid, flags, start, nonce, rbytes, nrec in (
+            _SLOT.unpack_from(page, _SLOTS_AT + r * _SLOT.size) for r in range(world)
+        )
+    )
+    return Header(world, generation, state_, failure_, failed, Flag(phase), num_records,
+                  record_bytes, created, slots)
+
+
+def new_header(world_size: int, generation: int, created_ns: int) -> Header:
+    """The header of a pool no rank joined yet."""
+    return Header(world_size, generation, State.JOINING, Failure.NONE, 0, Flag.NONE, 0, 0,
+                  created_ns, tuple(Slot() for _ in range(world_size)))
+
+
+def read_header(fd: int) -> Header | None:
+    """The header of the open file ``fd`` (None: not a pool header, or a file shorter than it)."""
+    return decode(os.pread(fd, HEADER_BYTES, 0))
+
+
+def write_header(fd: int, header: Header) -> None:
+    """Write the whole header page (the caller holds the lock)."""
+    page = header.encode()
+    if os.pwrite(fd, page, 0) != len(page):
+        raise OSError("short write of the shared pool header")
+
+
+def mark_left(fd: int, rank: int) -> None:
+    """Record in the header that ``rank`` released its mapping (for inspection only)."""
+    with locked(fd):
+        header = read_header(fd)
+        if header is None or not 0 <= rank < header.world_size:
+            return
+        slot = header.slots[rank]
+        write_header(fd, header.with_slot(rank, attrs.evolve(slot, flags=slot.flags | Flag.LEFT)))
+
+
+@contextmanager
+def locked(fd: int, *, shared: bool = False) -> Iterator[None]:
+    """Hold ``flock`` on ``fd`` (exclusive unless ``shared``) for the block."""
+    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+#: Where the kernel describes processes.
+PROC_DIR: Final = "/proc"
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), or None when it does not run (no
+    such process, or a zombie: killed and not yet reaped). The pair (pid, start) names one process
+    even after its pid is reused."""
+    try:
+        with open(f"{PROC_DIR}/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])

@@ -1,0 +1,145 @@
+"""``SharedPool`` and ``PoolRank``: what every rank of one engine names to share one host pool
+(docs/design.md §13).
+
+Plain validated values (no resource): a ``SharedPool`` is built with the same arguments on every
+rank (or built once and sent to the ranks); ``pool.rank(r)`` is what rank ``r`` hands to
+``Worker.create(..., shared=...)``. ``SharedPool.inspect`` maps a pool for tests and operators.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+
+from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
+from kvoffload.pool.header import MAX_WORLD_SIZE
+
+if TYPE_CHECKING:
+    from kvoffload.pool.view import PoolView
+
+__all__ = ["DEFAULT_ATTACH_TIMEOUT_S", "PoolRank", "SharedPool", "check_pool_name"]
+
+#: How long a rank waits for the others to arrive and map the pool, by default. Engines start their
+#: ranks within seconds of each other; mapping and pinning a pool of hundreds of GiB takes tens.
+DEFAULT_ATTACH_TIMEOUT_S: Final = 300.0
+_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_MAX_GENERATION: Final = (1 << 64) - 1
+
+
+def check_pool_name(name: object, argument: str = "name") -> str:
+    """``name`` if it can name a file under ``/dev/shm``, else :class:`InvalidArgumentError`
+    naming ``argument``."""
+    if not isinstance(name, str) or not _NAME_PATTERN.fullmatch(name):
+        raise InvalidArgumentError(
+            f"{argument} = {name!r} must be 1-200 characters of letters, digits, '.', '_' or '-', "
+            "not starting with '.', '_' or '-'"
+        )
+    return name
+
+
+def _check_name(_instance: object, _attribute: object, value: Any) -> None:
+    check_pool_name(value)
+
+
+def _check_int(name: str, value: object, least: int, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{name} = {value!r} must be an int, not a {type(value).__name__}")
+    if not least <= value <= most:
+        raise InvalidArgumentError(f"{name} = {value} must be between {least} and {most}")
+
+
+def _check_world(_instance: object, _attribute: object, value: Any) -> None:
+    _check_int("world_size", value, 1, MAX_WORLD_SIZE)
+
+
+def _check_generation(_instance: object, _attribute: object, value: Any) -> None:
+    _check_int("generation", value, 0, _MAX_GENERATION)
+
+
+def _check_timeout(_instance: object, _attribute: object, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"attach_timeout_s = {value!r} must be a number of seconds")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"attach_timeout_s = {value!r} must be a finite number > 0")
+
+
+@attrs.frozen
+class SharedPool:
+    """One host pool that the ``world_size`` tensor-parallel ranks of one engine map together
+    (docs/design.md §13).
+
+    Every rank builds it with the same values and passes ``pool.rank(r)`` to ``Worker.create(...,
+    shared=...)``, which returns once every rank mapped the pool. Block ``b`` of the pool holds every
+    rank's slice of that block, side by side (one contiguous byte range); a rank's copies touch
+    only its own slices, and ``Worker.host_records()`` shows them.
+
+    Attributes:
+        name: the file ``/dev/shm/<name>`` while the ranks attach (unlinked once all mapped it).
+        world_size: the number of ranks (1 to 64).
+        generation: an int the ranks of one engine launch agree on (e.g. a launch counter): a file
+            of another generation is never joined (replaced when its processes are gone, a
+            :class:`~kvoffload.errors.PoolCollisionError` while they live).
+        attach_timeout_s: how long each rank waits for the others to arrive and map the pool; then
+            every rank that arrived fails with :class:`~kvoffload.errors.PoolTimeoutError` naming
+            the ranks that did not.
+
+    Raises (at construction):
+        ArgumentTypeError, InvalidArgumentError: a malformed name, world size, generation or timeout.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    world_size: int = attrs.field(validator=_check_world)
+    generation: int = attrs.field(default=0, kw_only=True, validator=_check_generation)
+    attach_timeout_s: float = attrs.field(
+        default=DEFAULT_ATTACH_TIMEOUT_S, kw_only=True, validator=_check_timeout
+    )
+
+    def rank(self, rank: int) -> PoolRank:
+        """What rank ``rank`` passes to ``Worker.create(..., shared=...)``.
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: ``rank`` not an int in ``[0, world_size)``.
+        """
+        _check_int("rank", rank, 0, self.world_size - 1)
+        return PoolRank(self, rank)
+
+    @staticmethod
+    def inspect(name: str, *, pid: int | None = None, writable: bool = False) -> PoolView:
+        """Map the whole pool called ``name`` (every rank's slices) for a test or an operator.
+
+        While the ranks attach (or when a stale file is left) the pool is the file under
+        ``/dev/shm``; once they all mapped it the name is gone, and the pool is found through a
+        process that holds it (``pid``, else every process of this user, this one first). The
+        returned :class:`~kvoffload.pool.view.PoolView` owns its mapping: ``close()`` it. With
+        ``writable`` its arrays are writable (tests fill other ranks' slices with a pattern).
+
+        Raises:
+            InvalidArgumentError: a malformed name.
+            RegionError: no such pool (no file, no process holding one), or a file that is not a
+                kvoffload pool.
+        """
+        from kvoffload.pool.view import PoolView
+
+        return PoolView.open(check_pool_name(name), pid=pid, writable=writable)
+
+
+@attrs.frozen
+class PoolRank:
+    """One rank of a :class:`SharedPool` (from ``pool.rank(r)``): what ``Worker.create(...,
+    shared=...)`` takes."""
+
+    pool: SharedPool
+    rank: int
+
+    @property
+    def name(self) -> str:
+        """The pool's name."""
+        return self.pool.name
+
+    @property
+    def world_size(self) -> int:
+        """The pool's number of ranks."""
+        return self.pool.world_size

@@ -1,0 +1,119 @@
+"""The rank processes of the GPU shared pool tests (``test_shared_pool.py``): each is a spawned
+process with its own KV tensors on the one GPU and its own Worker over one shared pool.
+
+``run_rank(scenario, name, rank, barrier, results, **kwargs)`` is the process's target: it runs the
+scenario and puts ``(rank, "ok", value)`` or ``(rank, "error", text)`` on ``results``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.queues
+import multiprocessing.synchronize
+import traceback
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import PathName, SharedPool, Worker
+from tests.gpu._helpers import TIMEOUT_S, cache, no_fence
+from tests.gpu.test_races import CONTROL_TRIALS, load_race, store_race
+
+WORLD: Final = 2
+HOST_BLOCKS: Final = 128
+PATHS: Final[tuple[PathName, ...]] = ("dma", "staged", "sm")
+
+
+def _pool(name: str, rank: int) -> Any:
+    return SharedPool(name, WORLD, attach_timeout_s=TIMEOUT_S).rank(rank)
+
+
+def _traffic(w: Worker, rounds: int, seed: int, barrier: multiprocessing.synchronize.Barrier | None,
+             started: Callable[[], None] | None = None) -> int:
+    """Rounds of random store + load through the shared host blocks, every byte checked."""
+    layout = w.layout
+    rng = np.random.default_rng(seed)
+    half = layout.num_blocks // 2
+    if barrier is not None:
+        barrier.wait(TIMEOUT_S)
+    moved = 0
+    for i in range(rounds):
+        n = int(rng.integers(1, 33))
+        src = torch.as_tensor(rng.choice(half, n, replace=False), device=layout.device)
+        dst = torch.as_tensor(half + rng.choice(half, n, replace=False), device=layout.device)
+        host = rng.choice(HOST_BLOCKS, n, replace=False)
+        layout.scatter_records(src, torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8,
+                                                  device=layout.device))
+        expected = layout.gather_records(src)
+        torch.cuda.synchronize(layout.device)
+        w.store(2 * i, src.cpu(), host)
+        assert w.wait([2 * i], TIMEOUT_S)[0].ok
+        assert torch.equal(w.host_records()[torch.as_tensor(host)], expected.cpu()), f"round {i}: host"
+        w.load(2 * i + 1, host, dst.cpu())
+        assert w.wait([2 * i + 1], TIMEOUT_S)[0].ok
+        assert torch.equal(layout.gather_records(dst), expected), f"round {i}: device"
+        moved += 2 * n
+        if i == 0 and started is not None:
+            started()
+    return moved
+
+
+def both_at_once(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
+                 results: multiprocessing.queues.Queue[Any], rounds: int) -> dict[str, int]:
+    """Every path: attach, then store and load at the same time as the other rank, bit-exact."""
+    device = torch.device("cuda", 0)
+    moved: dict[str, int] = {}
+    for path in PATHS:
+        layout = cache("per-layer", device, num_blocks=128, layers=4, seed=10 * rank + 1)
+        with Worker.create(layout, HOST_BLOCKS, shared=_pool(f"{name}-{path}", rank), path=path) as w:
+            moved[path] = _traffic(w, rounds, seed=rank, barrier=barrier)
+    return moved
+
+
+def races(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
+          results: multiprocessing.queues.Queue[Any], trials: int) -> dict[str, int]:
+    """The store and load race tests of ``test_races`` on this rank, over a shared pool, while the
+    other rank runs them too: the controls (no compute wait) must race, the workers must not."""
+    device = torch.device("cuda", 0)
+    layout = cache("per-layer", device, num_blocks=128, layers=8, seed=rank)
+    found: dict[str, int] = {}
+    for path in PATHS:
+        with pytest.MonkeyPatch.context() as patch:
+            no_fence(patch)
+            with Worker.create(layout, 64, shared=_pool(f"{name}-{path}-control", rank), path=path) as control:
+                barrier.wait(TIMEOUT_S)
+                found[f"{path} control stale"] = store_race(control, layout, CONTROL_TRIALS, 0)
+                found[f"{path} control seen"] = load_race(control, layout, CONTROL_TRIALS, 1000)[0]
+        with Worker.create(layout, 64, shared=_pool(f"{name}-{path}", rank), path=path) as w:
+            barrier.wait(TIMEOUT_S)
+            found[f"{path} stale"] = store_race(w, layout, trials, 0)
+            seen, not_loaded = load_race(w, layout, trials, 1000)
+            found[f"{path} seen"], found[f"{path} not loaded"] = seen, not_loaded
+    return found
+
+
+def survivor(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
+             results: multiprocessing.queues.Queue[Any], rounds: int) -> int:
+    """Rank 0 moves data (its jobs in flight) while rank 1, doing the same, is killed by the test."""
+    layout = cache("per-layer", torch.device("cuda", 0), num_blocks=128, layers=4, seed=rank + 7)
+    with Worker.create(layout, HOST_BLOCKS, shared=_pool(name, rank), path="auto") as w:
+        return _traffic(w, rounds if rank == 0 else 10**9, seed=rank, barrier=barrier,
+                        started=lambda: results.put((rank, "started", None)))
+
+
+SCENARIOS: Final[dict[str, Callable[..., Any]]] = {
+    "both_at_once": both_at_once, "races": races, "survivor": survivor,
+}
+
+
+def run_rank(scenario: str, name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
+             results: multiprocessing.queues.Queue[Any], **kwargs: Any) -> None:
+    """A rank process: run ``scenario`` and report."""
+    try:
+        torch.cuda.set_device(0)
+        value = SCENARIOS[scenario](name, rank, barrier, results, **kwargs)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))

@@ -1,0 +1,102 @@
+"""One host pool shared by two rank processes on the one GPU (docs/design.md §13): each process has
+its own KV tensors and its own Worker over the shared pool. Both store and load at once on every
+path, bit-exact; the store and load race tests of ``test_races`` pass on each rank while the other
+runs them too (their controls still race); a rank killed while the other's jobs are in flight leaves
+the other unaffected. Nothing is left in /dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvoffload.region import SHM_DIR
+from tests.gpu._helpers import TIMEOUT_S
+from tests.gpu._shared_ranks import PATHS, WORLD, run_rank
+from tests.gpu.conftest import Figures
+
+#: Bounds the whole of one scenario (spawning, CUDA start-up, attaching, the work).
+SCENARIO_S = 600.0
+TRIALS = 100
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    prefix = f"kvoffload-gpu-shared-{uuid.uuid4().hex}"
+    yield prefix
+    left = [f for f in os.listdir(SHM_DIR) if f.startswith(prefix)]
+    for f in left:
+        os.unlink(os.path.join(SHM_DIR, f))
+    assert not left, f"left in {SHM_DIR}: {left}"
+
+
+def start(scenario: str, name: str, **kwargs: Any) -> tuple[list[Any], Any]:
+    """Both rank processes of ``scenario``; returns them and the results queue."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(WORLD)
+    results = context.Queue()
+    procs = [context.Process(target=run_rank, args=(scenario, name, r, barrier, results), kwargs=kwargs,
+                             daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def collect(procs: list[Any], results: Any, ranks: list[int]) -> dict[int, Any]:
+    """The values the given ranks returned (a rank's error fails the test); then reap everyone."""
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < len(ranks):
+            rank, status, value = results.get(timeout=SCENARIO_S)
+            if status == "started":
+                continue
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(TIMEOUT_S)
+    return out
+
+
+def test_two_ranks_store_and_load_at_once_bit_exact_on_every_path(name: str, figures: Figures) -> None:
+    procs, results = start("both_at_once", name, rounds=200)
+    moved = collect(procs, results, [0, 1])
+    for rank in range(WORLD):
+        for path in PATHS:
+            assert moved[rank][path] > 0
+    figures.add("shared pool, 2 ranks at once: blocks moved per rank and path", f"{moved}")
+
+
+def test_race_tests_pass_per_rank_over_a_shared_pool(name: str, figures: Figures) -> None:
+    procs, results = start("races", name, trials=TRIALS)
+    found = collect(procs, results, [0, 1])
+    for rank in range(WORLD):
+        figures.add(f"shared pool races, rank {rank}", f"{found[rank]}")
+        for path in PATHS:
+            counts = found[rank]
+            assert counts[f"{path} control stale"] > 0 and counts[f"{path} control seen"] > 0, (
+                "a control did not race: the test cannot prove the rules")
+            assert counts[f"{path} stale"] == counts[f"{path} seen"] == counts[f"{path} not loaded"] == 0
+
+
+def test_a_killed_rank_leaves_the_other_ranks_jobs_unaffected(name: str) -> None:
+    procs, results = start("survivor", name, rounds=300)
+    started: set[int] = set()
+    while started != {0, 1}:
+        rank, status, value = results.get(timeout=SCENARIO_S)
+        assert status == "started", f"rank {rank}: {status}\n{value}"
+        started.add(rank)
+    victim = procs[1]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)  # in the middle of its traffic, rank 0's jobs in flight
+    victim.join(TIMEOUT_S)
+    moved = collect(procs, results, [0])
+    assert moved[0] > 0
