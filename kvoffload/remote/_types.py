@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -175,7 +175,7 @@ class RemoteStore(Protocol):
     and calls after ``close`` (:class:`~kvoffload.errors.ClosedError`) raise. Calls may come from
     any thread; the caller must not let two calls in flight write one host row (or one read a row
     that another writes), and must leave the rows of an unsettled result alone until
-    ``wait_idle`` returned True.
+    ``wait_idle`` returned True or the call's ``on_settled`` was called.
     """
 
     @property
@@ -194,9 +194,15 @@ class RemoteStore(Protocol):
         ...
 
     def put(
-        self, keys: Sequence[bytes], rows: Sequence[int] | npt.NDArray[np.int64], *, timeout: float
+        self,
+        keys: Sequence[bytes],
+        rows: Sequence[int] | npt.NDArray[np.int64],
+        *,
+        timeout: float,
+        on_settled: Callable[[], None] | None = None,
     ) -> RemoteResult:
-        """Store host rows ``rows[i]`` under ``keys[i]`` (a key that holds a record keeps it)."""
+        """Store host rows ``rows[i]`` under ``keys[i]`` (a key that holds a record keeps it).
+        ``on_settled`` is called once the client returned a call whose result was unsettled."""
         ...
 
     def get(
@@ -206,9 +212,10 @@ class RemoteStore(Protocol):
         *,
         timeout: float,
         generations: Sequence[int | None] | None = None,
+        on_settled: Callable[[], None] | None = None,
     ) -> RemoteResult:
         """Read and verify the records under ``keys[i]`` into rows ``rows[i]``; a failed key's row
-        is zero-filled."""
+        is zero-filled (for an unsettled result: before ``on_settled`` is called)."""
         ...
 
     def exists(self, keys: Sequence[bytes], *, timeout: float) -> RemoteResult:

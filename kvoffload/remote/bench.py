@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from kvoffload.errors import KVOffloadError
 from kvoffload.remote._base import RemoteStoreBase
-from kvoffload.remote._record import PAGE_BYTES
+from kvoffload._record import PAGE_BYTES
 from kvoffload.remote.mooncake import MooncakeConfig, MooncakeStore
 from kvoffload.remote.redis_cluster import RedisClusterConfig, RedisClusterStore
 from kvoffload.remote.services import (
@@ -60,12 +60,12 @@ class _RawMooncake:
     """The plain Mooncake client moving the same rows with the same batched two-buffer calls."""
 
     def __init__(self, master: str, rows: U8Array, out: U8Array, batch: int) -> None:
-        from kvoffload.remote._base import _Lane  # noqa: PLC0415 - set-up helper only
+        from kvoffload.remote._lane import Lane  # noqa: PLC0415 - set-up helper only
 
         import importlib  # noqa: PLC0415
 
         module: Any = importlib.import_module("mooncake.store")
-        self._store: Any = _Lane("bench-raw").call(lambda: self._setup(module, master), 60.0)
+        self._store: Any = Lane("bench-raw").call(lambda: self._setup(module, master), 60.0)
         self._rows, self._out, self._batch = rows, out, batch
         self._headers = np.zeros((rows.shape[0], PAGE_BYTES), dtype=np.uint8)
         for array in (rows, out, self._headers):

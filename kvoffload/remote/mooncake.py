@@ -28,20 +28,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError, RemoteUnavailableError
-from kvoffload.remote._base import (
+from kvoffload._record import PAGE_BYTES
+from kvoffload.remote._args import (
     DEFAULT_BATCH_RECORDS,
     DEFAULT_CHECKSUM_THREADS,
-    HEADER_SLOTS,
-    OK,
-    ChunkStatus,
-    RemoteStoreBase,
-    _Lane,
     as_host_rows,
     as_timeout,
     check_common,
     check_fingerprint,
 )
-from kvoffload.remote._record import PAGE_BYTES
+from kvoffload.remote._base import HEADER_SLOTS, OK, ChunkStatus, RemoteStoreBase
+from kvoffload.remote._lane import Lane
 from kvoffload.remote._types import RemoteErrorKind
 
 __all__ = ["MooncakeConfig", "MooncakeStore"]
@@ -254,7 +251,7 @@ class MooncakeStore(RemoteStoreBase):
                 f"{exc}", kind=RemoteErrorKind.UNAVAILABLE.value,
             ) from exc
         headers = _aligned(HEADER_SLOTS * config.batch_records * PAGE_BYTES).reshape(-1, PAGE_BYTES)
-        lane = _Lane("kvoffload-remote-mooncake")
+        lane = Lane("kvoffload-remote-mooncake")
 
         def setup() -> Any:
             store = module.MooncakeDistributedStore()

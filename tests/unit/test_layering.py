@@ -71,8 +71,10 @@ LAYERS: dict[str, int] = {
     "cli.__init__": 14,
     "__main__": 15,
     # the remote tier (an optional extra)
+    "_record": 1,
     "remote._types": 1,
-    "remote._record": 2,
+    "remote._args": 2,
+    "remote._lane": 2,
     "remote._base": 3,
     "remote.mooncake": 4,
     "remote.redis_cluster": 4,
