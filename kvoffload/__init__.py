@@ -3,9 +3,9 @@
 The public surface is exactly ``__all__``; integrators import from here (and from
 ``kvoffload.testing`` in their tests). See README.md for a quick start.
 
-Names that need torch or CUDA (the worker, the layout, the driver bindings) are imported on first
-use, so a scheduler process that uses only the :class:`Manager` never imports torch, and one without
-a GPU never imports cuda-python.
+Names that need torch, numpy or CUDA (the worker, the layout, the driver bindings, the remote tier)
+are imported on first use, so a scheduler process that uses only the :class:`Manager` never imports
+torch, and one without a GPU never imports cuda-python.
 """
 
 from __future__ import annotations
@@ -84,6 +84,18 @@ if TYPE_CHECKING:
     from kvoffload.bindings.driver import Capabilities, CopyMethod, SrcAccessOrder
     from kvoffload.layout import DeviceLayout, TensorGeometry
     from kvoffload.region import host_memory_available
+    from kvoffload.remote import (
+        MooncakeConfig,
+        MooncakeStore,
+        RedisClusterConfig,
+        RedisClusterStore,
+        RemoteConfig,
+        RemoteErrorKind,
+        RemoteResult,
+        RemoteStats,
+        RemoteStore,
+        RemoteTierStats,
+    )
     from kvoffload.worker.assembly import BackendName, PathName
     from kvoffload.worker.worker import Worker
 
@@ -100,6 +112,16 @@ _LAZY: dict[str, str] = {
     "BackendName": "kvoffload.worker.assembly",
     "PathName": "kvoffload.worker.assembly",
     "Worker": "kvoffload.worker.worker",
+    "MooncakeConfig": "kvoffload.remote",
+    "MooncakeStore": "kvoffload.remote",
+    "RedisClusterConfig": "kvoffload.remote",
+    "RedisClusterStore": "kvoffload.remote",
+    "RemoteConfig": "kvoffload.remote",
+    "RemoteErrorKind": "kvoffload.remote",
+    "RemoteResult": "kvoffload.remote",
+    "RemoteStats": "kvoffload.remote",
+    "RemoteStore": "kvoffload.remote",
+    "RemoteTierStats": "kvoffload.remote",
 }
 
 
@@ -158,18 +180,28 @@ __all__ = [
     "LoadPlan",
     "Manager",
     "MissingDependencyError",
+    "MooncakeConfig",
+    "MooncakeStore",
     "NAMESPACE_PREFIX_BYTES",
     "ManagerStats",
     "POLICY_NAMES",
     "PathName",
     "PolicyError",
     "PolicyFactory",
+    "RedisClusterConfig",
+    "RedisClusterStore",
     "RegionError",
+    "RemoteConfig",
     "RemoteError",
+    "RemoteErrorKind",
     "RemoteIntegrityError",
     "RemoteMissError",
+    "RemoteResult",
     "RemoteShutdownError",
+    "RemoteStats",
+    "RemoteStore",
     "RemoteStoreError",
+    "RemoteTierStats",
     "RemoteTimeoutError",
     "RemoteUnavailableError",
     "ShutdownError",

@@ -5,7 +5,9 @@ both at once), a per-page ``cuMemcpyAsync`` loop (what engines did before batchi
 worker's ``dma``, ``staged``, ``sm`` and ``auto`` paths, over page sizes from 4 KiB to 2 MiB, for
 store, load and both directions at once; optionally beside a bf16 GEMM stream, reporting the GEMM's
 slowdown per path. Every transferred byte is checked. Figures are printed as GB/s and as a ratio to
-the link limit measured in the same run; ``--json`` writes them all.
+the link limit measured in the same run; ``--json`` writes them all. ``--disk DIR``: the disk tier
+against raw O_DIRECT instead; ``--remote mooncake|redis``: the remote tier against the store's own
+client instead (:mod:`kvoffload.cli.remote_bench`).
 """
 
 from __future__ import annotations
@@ -328,13 +330,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--disk", default=None, metavar="DIR",
                         help="instead: the disk tier against raw O_DIRECT on DIR, and disk -> GPU")
+    parser.add_argument("--remote", choices=("mooncake", "redis"), default=None,
+                        help="instead: the remote tier's put/get against the store's own client "
+                             "(python -m kvoffload bench --remote X --help for its options)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m kvoffload bench``; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--remote" or a.startswith("--remote=") for a in args_list):
+        from kvoffload.cli import remote_bench  # its own options; starts the store's services
+
+        return remote_bench.main(args_list)
     parser = argparse.ArgumentParser(prog="python -m kvoffload bench", description=__doc__)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     if args.disk is not None:
         from kvoffload.cli import disk_bench
 

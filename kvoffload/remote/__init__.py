@@ -17,7 +17,9 @@ from kvoffload.remote._types import (
     RemoteResult,
     RemoteStats,
     RemoteStore,
+    RemoteTierStats,
 )
+from kvoffload.remote.config import RemoteConfig, StoreFactory
 from kvoffload.remote.mooncake import MooncakeConfig, MooncakeStore
 from kvoffload.remote.redis_cluster import RedisClusterConfig, RedisClusterStore
 
@@ -26,10 +28,13 @@ __all__ = [
     "MooncakeStore",
     "RedisClusterConfig",
     "RedisClusterStore",
+    "RemoteConfig",
     "RemoteErrorKind",
     "RemoteOp",
     "RemoteResult",
     "RemoteStats",
     "RemoteStore",
     "RemoteStoreBase",
+    "RemoteTierStats",
+    "StoreFactory",
 ]

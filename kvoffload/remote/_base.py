@@ -23,7 +23,8 @@ not yet started at its deadline is dropped from the queue (settled).
 
 Close contract: mark closed (later calls raise :class:`~kvoffload.errors.ClosedError`); calls already
 queued run (each bounded by its own deadline) unless the close deadline passes first, when the calls
-not started are failed (``closed``). The lane is joined with the deadline; only when it stopped are
+not started are failed (``closed``) and the caller of a call still inside the client stops waiting
+(its result is unsettled, as at its own deadline). The lane is joined with the deadline; only when it stopped are
 the client's registrations released and the client closed, exactly once. A lane still inside the
 client keeps the client open for the rest of the process (closing it under a running call could let
 the call touch freed memory): the lane releases it when that call returns, and the
@@ -392,11 +393,12 @@ class RemoteStoreBase:
 
     def _fail_all(self, op: Op, *, settled: bool) -> None:
         where = "before the store client started it" if settled else "while the store client was running it"
+        what = "the store's close deadline" if time.monotonic() < op.deadline else f"the {op.kind.value} deadline"
         for i, key in enumerate(op.keys):
             op.succeeded[i] = False
             op.generations[i] = 0
             op.errors[i] = RemoteTimeoutError(
-                f"key {key!r}: the {op.kind.value} deadline passed {where}", keys=(key,), settled=settled
+                f"key {key!r}: {what} passed {where}", keys=(key,), settled=settled
             )
         op.nbytes = 0
         op.settled = settled

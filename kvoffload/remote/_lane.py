@@ -188,12 +188,15 @@ class Lane:
 
     def stop(self, deadline: float, cancelled: Callable[[Op], None]) -> bool:
         """Let the queued ops run until ``deadline``, then fail the rest (``closed``, each handed to
-        ``cancelled`` before its caller wakes); join the thread; True if it stopped."""
+        ``cancelled`` before its caller wakes) and wake the caller of an op still running (it finds
+        it abandoned); join the thread; True if it stopped."""
         with self.cond:
             self._stopping = True
             self.cond.notify_all()
             while (self.queue or self.running is not None) and time.monotonic() < deadline:
                 self.cond.wait(max(0.0, deadline - time.monotonic()))
+            if self.running is not None:
+                self.running.done.set()  # its caller stops waiting: the call is abandoned
             for op in self.queue:
                 op.state = OpState.CANCELLED
                 for i in range(len(op.keys)):

@@ -21,7 +21,15 @@ from kvoffload.errors import (
     RemoteUnavailableError,
 )
 
-__all__ = ["RemoteErrorKind", "RemoteOp", "RemoteResult", "RemoteStats", "RemoteStore", "remote_error"]
+__all__ = [
+    "RemoteErrorKind",
+    "RemoteOp",
+    "RemoteResult",
+    "RemoteStats",
+    "RemoteStore",
+    "RemoteTierStats",
+    "remote_error",
+]
 
 
 class RemoteErrorKind(str, enum.Enum):
@@ -156,6 +164,32 @@ class RemoteStats:
     abandoned: int
     busy: int
     closed: bool
+
+
+@attrs.frozen
+class RemoteTierStats:
+    """Counters of a Worker's remote tier (its ``put_remote``/``get_remote`` jobs) since creation.
+
+    ``*_jobs`` count jobs submitted and ``failed_*_jobs`` those returned ``ok=False``;
+    ``records_*``/``bytes_*`` the records (and their payload bytes) of keys that succeeded;
+    ``failures`` counts failed keys per :class:`RemoteErrorKind` value (every kind is present), the
+    tier's own deadline misses included. ``held_jobs`` counts returned jobs whose store call was
+    abandoned at its deadline and has not returned yet: their host blocks stay booked (no job may
+    write them, nor read what a get still writes). ``store`` is the store's own snapshot.
+    """
+
+    put_jobs: int
+    get_jobs: int
+    failed_put_jobs: int
+    failed_get_jobs: int
+    records_put: int
+    records_got: int
+    bytes_put: int
+    bytes_got: int
+    failures: Mapping[str, int]
+    held_jobs: int
+    queued_jobs: int
+    store: RemoteStats
 
 
 def frozen_counts(counts: Mapping[str, int]) -> Mapping[str, int]:

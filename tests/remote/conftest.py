@@ -18,12 +18,7 @@ import numpy as np
 import pytest
 
 from kvoffload.remote import MooncakeStore, RedisClusterStore, RemoteStoreBase
-from kvoffload.remote.services import (
-    MooncakeServices,
-    RedisClusterServices,
-    ServiceError,
-    enter_loopback_namespace,
-)
+from kvoffload.testing import MooncakeServices, RedisClusterServices, ServiceError, enter_loopback_namespace
 
 REQUIRE = os.environ.get("KVOFFLOAD_REQUIRE_REMOTE") == "1"
 NAMESPACE_REFUSED: str | None = None

@@ -134,6 +134,9 @@ def test_close_fails_the_calls_still_queued_and_zero_fills_their_rows() -> None:
     assert client.entered.wait(10)
     second = threading.Thread(target=lambda: results.setdefault("second", store.get([b"b"], [3], timeout=30)))
     second.start()
+    deadline = time.monotonic() + 10
+    while not store._lane.queue and time.monotonic() < deadline:  # the second call is queued
+        time.sleep(0.001)
 
     def close() -> None:
         try:
@@ -149,10 +152,13 @@ def test_close_fails_the_calls_still_queued_and_zero_fills_their_rows() -> None:
     assert results["second"].error.kind == "closed" and not rows[3].any()
     closer.join(10)
     assert results["close"].client_left_open  # the first call was still inside the client
-    client.gate.set()
     first.join(10)
-    assert results["first"].ok
+    assert not first.is_alive(), "the close deadline released the caller of the call inside the client"
+    error = results["first"].error
+    assert isinstance(error, RemoteTimeoutError) and not error.settled and "close deadline" in str(error)
+    client.gate.set()
     assert store.wait_idle(10)
+    assert not rows[2].any(), "the abandoned get's row is zero-filled once it returned"
 
 
 def test_a_deadline_that_passes_before_the_call_starts_leaves_the_client_untouched() -> None:
