@@ -59,6 +59,7 @@ from kvoffload.disk.config import (
     DiskStats,
 )
 from kvoffload.manager.manager import Manager
+from kvoffload.manager.remote import RemoteIndex
 from kvoffload.manager.policies import (
     POLICY_NAMES,
     ARCPolicy,
@@ -73,6 +74,7 @@ from kvoffload.manager.records import (
     EventKind,
     LoadPlan,
     ManagerStats,
+    RemotePutPlan,
     StorePlan,
     Tier,
     TierStats,
@@ -95,6 +97,7 @@ if TYPE_CHECKING:
         RemoteStats,
         RemoteStore,
         RemoteTierStats,
+        open_remote_index,
     )
     from kvoffload.worker.assembly import BackendName, PathName
     from kvoffload.worker.worker import Worker
@@ -122,6 +125,7 @@ _LAZY: dict[str, str] = {
     "RemoteStats": "kvoffload.remote",
     "RemoteStore": "kvoffload.remote",
     "RemoteTierStats": "kvoffload.remote",
+    "open_remote_index": "kvoffload.remote",
 }
 
 
@@ -195,7 +199,9 @@ __all__ = [
     "RemoteError",
     "RemoteErrorKind",
     "RemoteIntegrityError",
+    "RemoteIndex",
     "RemoteMissError",
+    "RemotePutPlan",
     "RemoteResult",
     "RemoteShutdownError",
     "RemoteStats",
@@ -221,4 +227,5 @@ __all__ = [
     "__version__",
     "host_memory_available",
     "namespaced_key",
+    "open_remote_index",
 ]

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from kvoffload._record import payload_crc
 from kvoffload.disk.config import PAGE_BYTES, DiskErrorKind
-from kvoffload.disk.format import RecordCodec, aligned, buf, os_kind, span
+from kvoffload.disk.format import RecordCodec, aligned, os_kind, span
 from kvoffload.disk.index import DiskIndex
 from kvoffload.disk.requests import Outcome, Piece
 from kvoffload.errors import DiskIOError, TransferError

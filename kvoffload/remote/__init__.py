@@ -19,7 +19,7 @@ from kvoffload.remote._types import (
     RemoteStore,
     RemoteTierStats,
 )
-from kvoffload.remote.config import RemoteConfig, StoreFactory
+from kvoffload.remote.config import RemoteConfig, StoreFactory, open_remote_index
 from kvoffload.remote.mooncake import MooncakeConfig, MooncakeStore
 from kvoffload.remote.redis_cluster import RedisClusterConfig, RedisClusterStore
 
@@ -37,4 +37,5 @@ __all__ = [
     "RemoteStoreBase",
     "RemoteTierStats",
     "StoreFactory",
+    "open_remote_index",
 ]

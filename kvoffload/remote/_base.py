@@ -54,7 +54,6 @@ from kvoffload.remote._types import (
     RemoteResult,
     RemoteStats,
     frozen_counts,
-    remote_error,
 )
 
 __all__ = [

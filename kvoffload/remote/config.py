@@ -1,4 +1,4 @@
-"""RemoteConfig: which remote store a Worker (or a Manager's remote index) uses, and its deadlines.
+"""RemoteConfig: which remote store a Worker (or a Manager's remote index) uses, and its deadline.
 
 A plain value, validated at construction (typed errors naming the field). The store is named by its
 own config (:class:`~kvoffload.remote.MooncakeConfig` or :class:`~kvoffload.remote.RedisClusterConfig`),
@@ -12,15 +12,17 @@ from collections.abc import Callable
 from typing import Final, Union
 
 import attrs
+import numpy as np
 from typing_extensions import TypeAlias
 
+from kvoffload._record import PAGE_BYTES
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
 from kvoffload.remote._args import as_timeout
 from kvoffload.remote._types import RemoteStore
 from kvoffload.remote.mooncake import MooncakeConfig, MooncakeStore
 from kvoffload.remote.redis_cluster import RedisClusterConfig, RedisClusterStore
 
-__all__ = ["DEFAULT_JOB_TIMEOUT_S", "DEFAULT_LOOKUP_TIMEOUT_S", "RemoteConfig", "StoreFactory", "open_store"]
+__all__ = ["DEFAULT_JOB_TIMEOUT_S", "RemoteConfig", "StoreFactory", "open_remote_index", "open_store"]
 
 #: ``(host_rows, fingerprint) -> store``: builds a store over borrowed host rows (injection seam).
 StoreFactory: TypeAlias = Callable[[object, str], RemoteStore]
@@ -28,8 +30,6 @@ StoreChoice: TypeAlias = Union[MooncakeConfig, RedisClusterConfig, StoreFactory]
 
 #: Deadline of one put_remote/get_remote job, from its submission, unless configured.
 DEFAULT_JOB_TIMEOUT_S: Final = 30.0
-#: Deadline of one batched existence check of a Manager's remote lookup, unless configured.
-DEFAULT_LOOKUP_TIMEOUT_S: Final = 0.5
 
 
 def _check_store(_: RemoteConfig, __: attrs.Attribute[StoreChoice], store: StoreChoice) -> None:
@@ -56,13 +56,10 @@ class RemoteConfig:
         job_timeout_s: deadline of each ``put_remote``/``get_remote`` job, counted from its
             submission (queueing included): a job not finished by then is ``ok=False`` with a
             :class:`~kvoffload.errors.RemoteTimeoutError`.
-        lookup_timeout_s: deadline of a Manager's batched existence check (a remote index); a check
-            that fails or passes it counts every key as a miss.
     """
 
     store: StoreChoice = attrs.field(validator=_check_store)
     job_timeout_s: float = attrs.field(default=DEFAULT_JOB_TIMEOUT_S, validator=_check_seconds)
-    lookup_timeout_s: float = attrs.field(default=DEFAULT_LOOKUP_TIMEOUT_S, validator=_check_seconds)
 
 
 def open_store(config: RemoteConfig, *, host_rows: object, fingerprint: str) -> RemoteStore:
@@ -80,3 +77,13 @@ def open_store(config: RemoteConfig, *, host_rows: object, fingerprint: str) -> 
     if isinstance(store, RedisClusterConfig):
         return RedisClusterStore.create(store, host_rows=host_rows, fingerprint=fingerprint)
     return store(host_rows, fingerprint)
+
+
+def open_remote_index(config: RemoteConfig, *, fingerprint: str) -> RemoteStore:
+    """A store for a scheduler's :class:`~kvoffload.Manager` (``Manager.create(..., remote=...)``),
+    which only asks which keys exist: it is built over one scratch host row of its own. The caller
+    owns it and closes it (``close``) after the manager's last lookup.
+
+    Raises: as :func:`open_store`.
+    """
+    return open_store(config, host_rows=np.zeros((1, PAGE_BYTES), dtype=np.uint8), fingerprint=fingerprint)

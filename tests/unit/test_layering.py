@@ -35,11 +35,13 @@ LAYERS: dict[str, int] = {
     "bindings.copier": 2,
     "bindings.kernel": 2,
     "manager.state": 2,
+    "manager.remote": 3,
+    "manager.base": 4,
     "disk.format": 2,
     "layout": 3,
     "region": 3,
     "calibration": 3,
-    "manager.manager": 3,
+    "manager.manager": 5,
     "disk.index": 3,
     "disk.requests": 3,
     "backends.__init__": 3,
@@ -96,7 +98,7 @@ CUDA_PACKAGES = ("bindings.",)
 TORCH_FREE = {
     "errors", "records", "_validate", "_jobs", "bindings.driver", "bindings.pinning",
     "bindings.copier", "bindings.kernel", "disk.config", "manager.policies", "manager.records",
-    "manager.state", "manager.manager", "worker.booking",
+    "manager.state", "manager.remote", "manager.base", "manager.manager", "worker.booking",
 }
 
 
