@@ -66,6 +66,7 @@ LAYERS: dict[str, int] = {
     "cli._torch": 10,
     "cli._replay_model": 11,
     "cli._replay_engine": 12,
+    "cli._replay_remote": 12,
     "cli.demo": 11,
     "cli.manager_bench": 11,
     "cli.disk_bench": 11,
