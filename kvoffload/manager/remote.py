@@ -3,7 +3,7 @@
 Python state only (no torch, no numpy): the remote index the manager asks (any object with a
 batched ``exists(keys, *, timeout)``, such as a remote store), its deadline, and the helpers the
 :class:`~kvoffload.manager.Manager` runs on its own state for the three remote steps
-(docs/design.md §11):
+(docs/design.md §11 and §12):
 
 * **lookup** past the local tiers: the keys after the locally ready prefix that the manager does not
   hold at all are checked in one batched, deadline-bounded existence call under their namespaced

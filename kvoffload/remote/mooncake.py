@@ -198,16 +198,21 @@ class _MooncakeClient:
         return ChunkStatus(RemoteErrorKind.REJECTED, f"the Mooncake client raised {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
+        """Unregister the rows and header pages, close the client, drop the borrowed rows."""
         codes = [
             self._store.unregister_buffer(self._rows_base),
             self._store.unregister_buffer(self._headers_base),
             self._store.close(),
         ]
+        self._rows = self._headers = _NO_ROWS  # the host pool may be unmapped now
         if any(codes):
             raise RemoteUnavailableError(
                 f"releasing the Mooncake client returned {codes} (unregister rows, headers, close)",
                 kind=RemoteErrorKind.REJECTED.value,
             )
+
+
+_NO_ROWS: Final[U8Array] = np.zeros((0, PAGE_BYTES), dtype=np.uint8)
 
 
 def _aligned(nbytes: int) -> U8Array:

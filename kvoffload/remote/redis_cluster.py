@@ -173,6 +173,8 @@ class _RedisClient:
         return ChunkStatus(RemoteErrorKind.REJECTED, message)
 
     def close(self) -> None:
+        """Close the cluster client and drop the borrowed rows."""
+        self._rows = np.zeros((0, self._record_bytes), dtype=np.uint8)  # the host pool may be unmapped now
         self._cluster.close()
 
 

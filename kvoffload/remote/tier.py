@@ -1,4 +1,5 @@
-"""RemoteTier: a Worker's remote tier — ``put_remote``/``get_remote`` jobs on the tier's own thread.
+"""RemoteTier: a Worker's remote tier — ``put_remote``/``get_remote`` jobs on the tier's own thread
+(docs/design.md §12).
 
 Owns: the remote store (built from a :class:`~kvoffload.remote.config.RemoteConfig` over the host
 rows, closed at shutdown), the job thread and its FIFO queue, and the holds of store calls abandoned

@@ -61,6 +61,7 @@ LAYERS: dict[str, int] = {
     "__init__": 9,
     "testing.fake": 2,
     "testing.services": 5,
+    "testing.memory_store": 4,
     "testing.__init__": 9,
     "cli._caches": 10,
     "cli._torch": 10,

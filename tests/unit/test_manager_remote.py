@@ -22,7 +22,7 @@ from kvoffload import (
     namespaced_key,
 )
 from kvoffload.errors import ArgumentTypeError, RemoteUnavailableError
-from tests.unit._remote_fakes import Cluster
+from kvoffload.testing import MemoryCluster as Cluster
 
 FP = b"layout-fp"
 

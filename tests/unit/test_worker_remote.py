@@ -38,7 +38,7 @@ from kvoffload import (
 from kvoffload._record import PAGE_BYTES
 from kvoffload.cli._caches import build_cache
 from kvoffload.remote.tier import RemoteTier
-from tests.unit._remote_fakes import Cluster
+from kvoffload.testing import MemoryCluster as Cluster
 
 TIMEOUT_S = 60.0
 NUM_BLOCKS = 32
@@ -83,7 +83,7 @@ def test_put_then_get_then_load_is_bit_exact(worker: Worker) -> None:
     assert one(worker, 1).ok
     worker.put_remote(2, [0, 1, 2, 3], keys(4))
     put = one(worker, 2)
-    assert put.ok and put.direction is Direction.PUT_REMOTE and put.path == "scripted"
+    assert put.ok and put.direction is Direction.PUT_REMOTE and put.path == "memory"
     assert put.nbytes == 4 * worker.layout.record_bytes
     records = worker.host_records()
     records[8:12] = 0x5A
@@ -349,3 +349,18 @@ def test_a_hold_of_one_job_does_not_outlive_a_reuse_of_its_id(cluster: Cluster) 
         w.store(2, [0], [0])
         assert one(w, 2).ok
         assert np.all(w.host_records()[1].numpy() == 0)
+
+
+def test_shutdown_drops_every_view_of_the_host_pool_so_the_region_is_unmapped(cluster: Cluster) -> None:
+    import warnings
+
+    w = make_worker(cluster)
+    w.store(1, [0], [0])
+    one(w, 1)
+    w.put_remote(2, [0], [b"k"])
+    w.get_remote(3, [b"k"], [1])
+    w.wait([2, 3], TIMEOUT_S)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # a view still referenced would warn
+        w.shutdown(TIMEOUT_S)
+    assert w._region.released
