@@ -16,6 +16,7 @@ from kvoffload import (
     EventKind,
     LoadPlan,
     Manager,
+    RemoteError,
     RemotePutPlan,
     StorePlan,
     Tier,
@@ -139,6 +140,7 @@ class _Replay:
         self.put_jobs = 0
         self.put_blocks = 0
         self.put_failed_blocks = 0
+        self.put_refused_blocks = 0
         self.failed_puts = 0
         self.load_submitted = 0
         self.verified = 0
@@ -357,11 +359,14 @@ class _Replay:
 
     def _put_done(self, job: _PutJob, result: TransferResult) -> None:
         self.manager.complete_remote_put(job.plan, result.ok)  # ok: never put again by this manager
-        if result.ok:
-            self.put_blocks += len(job.plan.keys)
-        else:
+        error = result.error
+        failed = 0 if result.ok else len(error.keys) if isinstance(error, RemoteError) else len(job.plan.keys)
+        self.put_blocks += len(job.plan.keys) - failed
+        if isinstance(error, RemoteError) and set(error.kinds) == {"store_full"}:
+            self.put_refused_blocks += failed  # the store's policy: those blocks are not shared
+        elif failed:
             self.failed_puts += 1
-            self.put_failed_blocks += len(job.plan.keys)
+            self.put_failed_blocks += failed
 
     def _store_done(self, job: _StoreJob, result: TransferResult) -> None:
         self.manager.complete_store(job.plan, result.ok)

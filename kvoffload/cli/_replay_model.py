@@ -381,7 +381,8 @@ class ReplayReport:
 
     Remote fields (zero or empty without a remote tier): ``remote`` names the store; the
     ``"remote"`` tier of the ``*_by_tier`` maps counts the hits read from it (read into a host block,
-    then loaded, then verified); ``remote_put_*`` count the write-through puts (blocks put, failed);
+    then loaded, then verified); ``remote_put_*`` count the write-through puts (blocks put; refused
+    because the store was full, which is not a failure: those blocks are just not shared; failed);
     ``remote_lookup_errors`` the existence checks that failed or passed their deadline (misses);
     ``remote_failures`` the remote tier's failed keys by kind.
     """
@@ -456,6 +457,7 @@ class ReplayReport:
     remote_put_blocks: int
     remote_put_failed_blocks: int
     failed_remote_put_jobs: int
+    remote_put_refused_blocks: int
     remote_lookup_errors: int
     remote_failures: dict[str, int]
     events: dict[str, int]

@@ -8,8 +8,8 @@ store into B's host pool, loaded into B's device cache and verified byte for byt
 hit. The store's services are started here (Mooncake inside a loopback-only network namespace that
 this process enters: root or CAP_SYS_ADMIN; a 3-node Redis Cluster on 127.0.0.1) unless
 ``--remote-address`` names running ones, and stopped by their process ids at the end. The exit
-status is 0 only when both instances are ok (no corrupted, unverified or failed block) and B found
-hits in the store.
+status is 0 only when both instances are ok (no corrupted, unverified or failed block; a put the
+full store refused is not a failure: that block is just not shared) and B found hits in the store.
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ from kvoffload.testing import MooncakeServices, RedisClusterServices, enter_loop
 
 __all__ = ["two_instances"]
 
-#: Memory the store's services get: enough for every block a default-sized run stores.
-SERVICE_BYTES: Final = 1 << 30
 #: Instance B's deadline: at least this, or a few times instance A's run.
 PEER_TIMEOUT_MIN_S: Final = 600.0
 
 
-def _start(remote: str) -> tuple[MooncakeServices | RedisClusterServices, str]:
-    """Start the store's services on this machine; returns them and their address."""
+def _start(remote: str, nbytes: int) -> tuple[MooncakeServices | RedisClusterServices, str]:
+    """Start the store's services on this machine, lending ``nbytes`` to the store (each Redis node
+    gets a third: the cluster holds about ``nbytes``); returns them and their address. A full store
+    evicts: Mooncake what was not accessed for a second, Redis by approximate LRU."""
     if remote == "mooncake":
         enter_loopback_namespace()
-        mooncake = MooncakeServices.start(segment_bytes=SERVICE_BYTES, lease_ttl_ms=10_000)
+        mooncake = MooncakeServices.start(segment_bytes=nbytes)
         return mooncake, mooncake.master_address
-    redis = RedisClusterServices.start(maxmemory_bytes=SERVICE_BYTES)
+    redis = RedisClusterServices.start(maxmemory_bytes=nbytes // 3, policy="allkeys-lru")
     return redis, ",".join(f"{host}:{port}" for host, port in redis.nodes)
 
 
@@ -63,7 +63,7 @@ def two_instances(
     try:
         address = config.remote_address
         if not address:
-            services, address = _start(str(config.remote))
+            services, address = _start(str(config.remote), args.remote_mib << 20)
         config = attrs.evolve(config, remote_address=address)
         config.check()
         print(f"instance A (this process, pid {os.getpid()}): stores, writes through to {config.remote} "

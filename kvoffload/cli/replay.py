@@ -275,6 +275,7 @@ def _report(
         if disk is not None else {},
         remote=config.remote or "", remote_put_jobs=r.put_jobs, remote_put_blocks=r.put_blocks,
         remote_put_failed_blocks=r.put_failed_blocks, failed_remote_put_jobs=r.failed_puts,
+        remote_put_refused_blocks=r.put_refused_blocks,
         remote_lookup_errors=stats.remote_lookup_errors,
         remote_failures={k: n for k, n in remote.failures.items() if n} if remote is not None else {},
         events=dict(r.events), target_blocks=config.blocks_to_load,
@@ -354,6 +355,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     remote.add_argument("--remote-address", default="", metavar="ADDRESS",
                         help="use this running store (mooncake: master HOST:PORT; redis: HOST:PORT,...) "
                              "instead of starting one on this machine")
+    remote.add_argument("--remote-mib", type=int, default=2048,
+                        help="memory the store started here holds, MiB (a full store evicts; default 2048)")
     remote.add_argument("--instance-only", action="store_true",
                         help="run one instance against --remote-address (what the second instance runs)")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -408,9 +411,9 @@ def print_report(report: ReplayReport, out: TextIO | None = None) -> None:
             ", ".join(f"{name} {n}" for name, n in disk_failed.items()) or "none")
     if report.remote:
         row("remote puts", f"{report.remote_put_blocks} blocks",
-            f"{report.remote_put_jobs} jobs written through to {report.remote}; failed "
-            f"{report.failed_remote_put_jobs} jobs, {report.remote_put_failed_blocks} blocks; "
-            f"{report.remote_lookup_errors} lookups failed (misses)")
+            f"{report.remote_put_jobs} jobs written through to {report.remote}; refused (store full) "
+            f"{report.remote_put_refused_blocks} blocks; failed {report.failed_remote_put_jobs} jobs, "
+            f"{report.remote_put_failed_blocks} blocks; {report.remote_lookup_errors} lookups failed (misses)")
         row("remote failures", f"{sum(report.remote_failures.values())}",
             ", ".join(f"{name} {n}" for name, n in report.remote_failures.items()) or "none")
     row("bytes moved", f"{(report.bytes_loaded + report.bytes_stored) / _GB:.3f} GB",
@@ -461,6 +464,8 @@ def main(
         print("kvoffload replay: no CUDA device in use - running the host backend (CPU tensors, copies "
               "by memmove on worker threads, compute in program order); figures are host memory speeds",
               flush=True)
+    if args.remote_mib < 1:
+        parser.error(f"--remote-mib {args.remote_mib} must be >= 1")
     if two:
         return two_instances(args, args_list, config, lambda c, progress: run_replay(
             c, progress, backend_factory=backend_factory), print_report)

@@ -12,7 +12,7 @@ job thread makes one store call per job with the time left of the job's deadline
 submission, ``RemoteConfig.job_timeout_s``) and publishes a :class:`~kvoffload.records.TransferResult`
 in the book (a pushing source). A job completes as a whole: ``ok`` only when every key succeeded;
 otherwise ``error`` is one typed :class:`~kvoffload.errors.RemoteError` of the first failed key's
-class, naming the job, how many keys failed of each kind, and (``keys``) every failed key. The host
+class, naming the job, every failed key (``keys``) and how many failed of each kind (``kinds``). The host
 rows of a failed get hold zeros for each key that failed and the verified record for each that
 succeeded; never a partial or unverified record.
 
@@ -365,8 +365,8 @@ def _job_error(job: _Job, outcome: RemoteResult, kinds: collections.Counter[str]
                f"({summary}); first: {first}")
     keys = tuple(job.keys[i] for i in failed)
     if isinstance(first, RemoteTimeoutError):
-        return RemoteTimeoutError(message, keys=keys, settled=outcome.settled, code=first.code)
-    return type(first)(message, kind=first.kind, keys=keys, code=first.code)
+        return RemoteTimeoutError(message, keys=keys, settled=outcome.settled, code=first.code, kinds=kinds)
+    return type(first)(message, kind=first.kind, keys=keys, code=first.code, kinds=kinds)
 
 
 def check_keys(keys: object, count: int) -> list[bytes]:

@@ -113,7 +113,7 @@ def test_a_miss_fails_the_job_with_every_failed_key_and_zero_fills_its_rows(work
     assert not result.ok
     assert isinstance(result.error, RemoteMissError) and result.error.kind == "not_found"
     assert result.error.keys == (b"gone", b"never")
-    assert "2 of 3 keys failed (not_found 2)" in str(result.error)
+    assert "2 of 3 keys failed (not_found 2)" in str(result.error) and result.error.kinds == {"not_found": 2}
     assert not records[5].any() and not records[7].any(), "a failed key's row is zero-filled"
     assert torch.equal(records[6], records[0]), "a key that succeeded holds its verified record"
     stats = worker.remote_stats()
@@ -135,6 +135,7 @@ def test_a_flipped_byte_or_another_key_is_never_served(worker: Worker, cluster: 
     result = one(worker, 3)
     assert isinstance(result.error, RemoteIntegrityError)
     assert result.error.kind == "checksum_mismatch" and result.error.keys == (b"a", b"c")
+    assert result.error.kinds == {"checksum_mismatch": 1, "key_mismatch": 1}
     assert not records[4:6].any()
     stats = worker.remote_stats()
     assert stats is not None
