@@ -85,7 +85,9 @@ def two_instances(
     print(f"two instances: B read {remote_hits} of its {looked} looked-up blocks from the store that A "
           f"filled ({100 * remote_hits / looked:.1f} %), every one verified; corrupted blocks: A "
           f"{first.corrupted_blocks}, B {peer.get('corrupted_blocks')}; result "
-          f"{'OK' if ok else 'FAILED'}", flush=True)
+          f"{'OK' if ok else 'FAILED'}"
+          + ("" if remote_hits else " (B found nothing in the store: evicted? a larger --remote-mib keeps more)"),
+          flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": attrs.asdict(config), "report": first.to_json(), "instance_b": peer}, f,
