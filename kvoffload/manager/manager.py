@@ -4,14 +4,18 @@ which move.
 The :class:`Manager` decides *which* blocks move; a Worker moves the bytes. It owns only Python
 memory (the key → block map of each tier, free lists, eviction policies, the copies each outstanding
 plan still waits for, counters and undrained events), holds no OS or GPU resource and so has no
-close method, and imports neither torch nor CUDA. Not thread-safe: call it from the scheduler thread.
+close method (a remote index it is given is borrowed: its creator closes it), and imports neither
+torch, numpy nor CUDA. Not thread-safe: call it from the scheduler thread.
 
 A key's copy in a tier is *pending* (a copy into it is in flight: not loadable, not evictable),
 *ready* (loadable, evictable) or *loading* (ready, with loads holding it: not evictable). The engine's
 protocol — ``lookup`` / ``prepare_load`` / ``complete_load``, ``prepare_store`` (with write-back
 demotions to disk) / ``complete_demote`` / ``complete_store``, ``events`` — and the fencing of plans
-across :meth:`Manager.reset` are described in docs/design.md §11. Every method either does all it
-says or raises before changing anything.
+across :meth:`Manager.reset` are described in docs/design.md §11; with a remote index, lookups and
+loads reach the remote store and ``prepare_remote_put`` / ``complete_remote_put`` write stores
+through to it (§12). The manager's state and the moves several operations share are in
+:mod:`kvoffload.manager.base`. Every method either does all it says or raises before changing
+anything.
 """
 
 from __future__ import annotations
