@@ -3,9 +3,9 @@
 The public surface is exactly ``__all__``; integrators import from here (and from
 ``kvoffload.testing`` in their tests). See README.md for a quick start.
 
-Names that need torch or CUDA (the worker, the layout, the driver bindings) are imported on first
-use, so a scheduler process that uses only the :class:`Manager` never imports torch, and one without
-a GPU never imports cuda-python.
+Names that need torch, numpy or CUDA (the worker, the layout, the driver bindings, the remote tier)
+are imported on first use, so a scheduler process that uses only the :class:`Manager` never imports
+torch, and one without a GPU never imports cuda-python.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from kvoffload.disk.config import (
     DiskStats,
 )
 from kvoffload.manager.manager import Manager
+from kvoffload.manager.remote import RemoteIndex
 from kvoffload.manager.policies import (
     POLICY_NAMES,
     ARCPolicy,
@@ -80,6 +81,7 @@ from kvoffload.manager.records import (
     EventKind,
     LoadPlan,
     ManagerStats,
+    RemotePutPlan,
     StorePlan,
     Tier,
     TierStats,
@@ -92,6 +94,19 @@ if TYPE_CHECKING:
     from kvoffload.layout import DeviceLayout, TensorGeometry
     from kvoffload.pool import PoolRank, PoolRankInfo, PoolView, SharedPool, SharedPoolInfo
     from kvoffload.region import host_memory_available
+    from kvoffload.remote import (
+        MooncakeConfig,
+        MooncakeStore,
+        RedisClusterConfig,
+        RedisClusterStore,
+        RemoteConfig,
+        RemoteErrorKind,
+        RemoteResult,
+        RemoteStats,
+        RemoteStore,
+        RemoteTierStats,
+        open_remote_index,
+    )
     from kvoffload.worker.assembly import BackendName, PathName
     from kvoffload.worker.worker import Worker
 
@@ -110,6 +125,17 @@ _LAZY: dict[str, str] = {
     "BackendName": "kvoffload.worker.assembly",
     "PathName": "kvoffload.worker.assembly",
     "Worker": "kvoffload.worker.worker",
+    "MooncakeConfig": "kvoffload.remote",
+    "MooncakeStore": "kvoffload.remote",
+    "RedisClusterConfig": "kvoffload.remote",
+    "RedisClusterStore": "kvoffload.remote",
+    "RemoteConfig": "kvoffload.remote",
+    "RemoteErrorKind": "kvoffload.remote",
+    "RemoteResult": "kvoffload.remote",
+    "RemoteStats": "kvoffload.remote",
+    "RemoteStore": "kvoffload.remote",
+    "RemoteTierStats": "kvoffload.remote",
+    "open_remote_index": "kvoffload.remote",
 }
 
 
@@ -170,6 +196,8 @@ __all__ = [
     "LoadPlan",
     "Manager",
     "MissingDependencyError",
+    "MooncakeConfig",
+    "MooncakeStore",
     "NAMESPACE_PREFIX_BYTES",
     "ManagerStats",
     "POLICY_NAMES",
@@ -183,12 +211,22 @@ __all__ = [
     "PoolRankInfo",
     "PoolTimeoutError",
     "PoolView",
+    "RedisClusterConfig",
+    "RedisClusterStore",
     "RegionError",
+    "RemoteConfig",
     "RemoteError",
+    "RemoteErrorKind",
     "RemoteIntegrityError",
+    "RemoteIndex",
     "RemoteMissError",
+    "RemotePutPlan",
+    "RemoteResult",
     "RemoteShutdownError",
+    "RemoteStats",
+    "RemoteStore",
     "RemoteStoreError",
+    "RemoteTierStats",
     "RemoteTimeoutError",
     "RemoteUnavailableError",
     "SharedPool",
@@ -211,4 +249,5 @@ __all__ = [
     "__version__",
     "host_memory_available",
     "namespaced_key",
+    "open_remote_index",
 ]

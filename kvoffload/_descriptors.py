@@ -375,7 +375,6 @@ def plan_staged_part(
         raise ValueError("a staged plan needs at least one slot of at least one row")
     offsets, sizes = plan.record_runs
     in_row = offsets - int(offsets[0])
-    record = plan.pages.record_bytes
     store = plan.direction is Direction.STORE
     device_blocks, host_blocks = (src_blocks, dst_blocks) if store else (dst_blocks, src_blocks)
     count = int(device_blocks.shape[0])
@@ -387,7 +386,8 @@ def plan_staged_part(
         slot = (first_slot + index) % len(slot_bases)
         rows = np.arange(stop - start, dtype=np.int64)
         slot_addr = (slot_bases[slot] + rows[:, None] * pitch + in_row[None, :]).ravel()
-        host_addr = (plan.host_base + host_blocks[start:stop, None] * record + offsets[None, :]).ravel()
+        host_addr = (plan.host_base + host_blocks[start:stop, None] * plan.host_stride
+                     + offsets[None, :]).ravel()
         srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
         run_sizes = np.broadcast_to(sizes, (stop - start, sizes.shape[0])).ravel()
         chunks.append(StagedChunk(slot, slice(start, stop), device_blocks[start:stop],

@@ -9,7 +9,7 @@ Every error the library raises on purpose derives from :class:`KVOffloadError`. 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 __all__ = [
     "ArgumentTypeError",
@@ -368,15 +368,24 @@ class RemoteError(KVOffloadError):
     ``kind`` names the failure in one word (the values of ``kvoffload.remote.RemoteErrorKind``, e.g.
     ``"not_found"``, ``"checksum_mismatch"``, ``"timeout"``), ``keys`` are the block keys concerned
     and ``code`` is the store client's own status code when it gave one. The subclasses say when
-    each kind is used; a remote call carries them in its result, one per failed key.
+    each kind is used; a remote call carries them in its result, one per failed key. The error of a
+    Worker's remote job names every failed key; its class and ``kind`` are the first failed key's,
+    and ``kinds`` counts the failed keys of each kind (``{kind: len(keys)}`` for one kind).
     """
 
     def __init__(
-        self, message: str, *, kind: str, keys: Sequence[bytes] = (), code: int | None = None
+        self,
+        message: str,
+        *,
+        kind: str,
+        keys: Sequence[bytes] = (),
+        code: int | None = None,
+        kinds: Mapping[str, int] | None = None,
     ) -> None:
         self.kind = kind
         self.keys: tuple[bytes, ...] = tuple(keys)
         self.code = code
+        self.kinds: Mapping[str, int] = dict(kinds) if kinds is not None else {kind: max(1, len(self.keys))}
         super().__init__(message)
 
 
@@ -414,9 +423,10 @@ class RemoteTimeoutError(RemoteError, TransferError):
         keys: Sequence[bytes] = (),
         settled: bool = True,
         code: int | None = None,
+        kinds: Mapping[str, int] | None = None,
     ) -> None:
         self.settled = settled
-        super().__init__(message, kind="timeout", keys=keys, code=code)
+        super().__init__(message, kind="timeout", keys=keys, code=code, kinds=kinds)
 
 
 class RemoteUnavailableError(RemoteError, TransferError):

@@ -43,7 +43,9 @@ class Direction(enum.Enum):
     ``STORE`` reads device blocks and writes host records; ``LOAD`` reads host records and writes
     device blocks. With a disk tier: ``DEMOTE`` writes host records to disk records, ``PROMOTE``
     reads disk records into host records, ``STORE_TO_DISK`` and ``LOAD_FROM_DISK`` move device blocks
-    to and from disk records through pinned bounce slots.
+    to and from disk records through pinned bounce slots. With a remote tier: ``PUT_REMOTE`` stores
+    host records in the remote store under keys, ``GET_REMOTE`` reads records by key into host
+    records, verifying each.
     """
 
     STORE = "store"
@@ -52,6 +54,8 @@ class Direction(enum.Enum):
     PROMOTE = "promote"
     STORE_TO_DISK = "store_to_disk"
     LOAD_FROM_DISK = "load_from_disk"
+    PUT_REMOTE = "put_remote"
+    GET_REMOTE = "get_remote"
 
     # Members are singletons compared by identity: hash them by identity too (enum's own hash runs
     # Python code, and the submit path looks directions up several times per job).
@@ -70,7 +74,8 @@ class TransferResult:
         nbytes: the bytes the job copies (0 for an empty job).
         seconds: time the copy ran on its stream (device time for the ``cuda`` backend, thread time
             for the ``host`` backend); 0.0 for empty jobs and jobs that failed before they ran.
-        path: the transfer path that moved it (``"dma"``, ``"dma-loop"``, ``"host"``, ``"none"``).
+        path: the transfer path that moved it (``"dma"``, ``"dma-loop"``, ``"host"``, ``"none"``; a
+            remote job names its store, e.g. ``"mooncake"``).
         error: the exception that failed the job, or None.
     """
 

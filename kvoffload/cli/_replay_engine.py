@@ -16,6 +16,8 @@ from kvoffload import (
     EventKind,
     LoadPlan,
     Manager,
+    RemoteError,
+    RemotePutPlan,
     StorePlan,
     Tier,
     TransferResult,
@@ -32,6 +34,10 @@ from kvoffload.cli._replay_model import (
     _MAX_EXAMPLES,
 )
 
+
+
+#: What a load job's result may be: a load from host or disk, or the read of remote hits (a failed one).
+_LOAD_DIRECTIONS = (Direction.LOAD, Direction.LOAD_FROM_DISK, Direction.GET_REMOTE)
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -61,9 +67,25 @@ class _LoadJob:
 
 
 @attrs.define(eq=False)
+class _FetchJob:
+    """The remote read of a request's ``Tier.REMOTE`` hits into their host blocks; a load from those
+    host blocks follows once it succeeded."""
+
+    request: _Request
+    positions: list[int]
+
+
+@attrs.define(eq=False)
 class _StoreJob:
     plan: StorePlan
     device_blocks: list[int]
+
+
+@attrs.define(eq=False)
+class _PutJob:
+    """The write-through of a completed store's host copies to the remote store."""
+
+    plan: RemotePutPlan
 
 
 @attrs.define(eq=False)
@@ -76,7 +98,8 @@ class _DemoteJob:
 @attrs.define(eq=False)
 class _TierLoads:
     """Load counters of one tier; ``busy_s`` is summed copy time (host), or the wall time with a load
-    in flight (disk: its jobs queue behind each other, so their own times would overlap)."""
+    in flight (disk and remote: their jobs queue behind each other, so their own times would
+    overlap; a remote hit is in flight from its read to the end of its load)."""
 
     jobs: int = 0
     hits: int = 0
@@ -104,7 +127,7 @@ class _Replay:
         self.patterns = PatternGenerator(layout)
         self.workload = Workload(config)
         self.free: list[int] = list(range(layout.num_blocks - 1, -1, -1))
-        self.jobs: dict[int, _LoadJob | _StoreJob | _DemoteJob] = {}
+        self.jobs: dict[int, _LoadJob | _FetchJob | _StoreJob | _DemoteJob | _PutJob] = {}
         self.ready: list[_Request] = []
         self.next_job = 0
         self.next_request: tuple[bytes, ...] | None = None
@@ -112,7 +135,13 @@ class _Replay:
         self.requests = 0
         self.lookup_blocks = 0
         tiers = [Tier.HOST] + ([Tier.DISK] if manager.num_disk_blocks else [])
-        self.tiers = {tier: _TierLoads() for tier in tiers}
+        self.remote = config.remote is not None
+        self.tiers = {tier: _TierLoads() for tier in tiers + ([Tier.REMOTE] if self.remote else [])}
+        self.put_jobs = 0
+        self.put_blocks = 0
+        self.put_failed_blocks = 0
+        self.put_refused_blocks = 0
+        self.failed_puts = 0
         self.load_submitted = 0
         self.verified = 0
         self.corrupted = 0
@@ -180,6 +209,9 @@ class _Replay:
         disk = self.tiers.get(Tier.DISK)
         from_disk = (f" ({100 * disk.hits / looked:.1f} % from disk), {self.demoted_blocks} demoted"
                      if disk is not None else "")
+        remote = self.tiers.get(Tier.REMOTE)
+        if remote is not None:
+            from_disk += f", {100 * remote.hits / looked:.1f} % from the remote store, {self.put_blocks} put"
         print(f"replay: {self.requests} requests, {self.load_submitted} block loads "
               f"(target {self.c.blocks_to_load}), hit rate {100 * self.verified / looked:.1f} %{from_disk}, "
               f"{self.blocks_stored} stored, corrupted {self.corrupted}",
@@ -240,9 +272,13 @@ class _Replay:
                 target = [request.device_blocks[i] for i in positions]
                 if tier is Tier.HOST:
                     self.worker.load(job, source, target, stream=self.compute)
-                else:
+                elif tier is Tier.DISK:
                     self.worker.load_from_disk(job, source, target, stream=self.compute)
-                self.jobs[job] = _LoadJob(request, tier, positions)
+                else:  # read into host blocks first; the load follows in _fetch_done
+                    names = [self.manager.namespaced(request.keys[i]) for i in positions]
+                    self.worker.get_remote(job, names, source)
+                self.jobs[job] = (_FetchJob(request, positions) if tier is Tier.REMOTE
+                                  else _LoadJob(request, tier, positions))
                 request.loads_pending += 1
                 loads = self.tiers[tier]
                 loads.jobs += 1
@@ -267,8 +303,15 @@ class _Replay:
             if isinstance(job, _DemoteJob):
                 self._demote_done(job, result)
                 continue
+            if isinstance(job, _PutJob):
+                self._put_done(job, result)
+                continue
+            if isinstance(job, _FetchJob):
+                if self._fetch_done(job, result):
+                    continue
+                job = _LoadJob(job.request, Tier.REMOTE, job.positions)  # failed: as a failed load
             request, plan = job.request, job.request.load_plan
-            assert plan is not None and result.direction in (Direction.LOAD, Direction.LOAD_FROM_DISK)
+            assert plan is not None and result.direction in _LOAD_DIRECTIONS
             keys = [request.keys[i] for i in job.positions]
             # A failed disk load drops that disk copy in the manager (the tier dropped the record).
             self.manager.complete_load(plan, keys, ok=result.ok)
@@ -276,7 +319,7 @@ class _Replay:
             tier.in_flight -= 1
             if job.tier is Tier.HOST:
                 tier.busy_s += result.seconds
-            elif tier.in_flight == 0:
+            elif tier.in_flight == 0:  # disk, remote
                 tier.busy_s += time.perf_counter() - tier.busy_since
             if result.ok:
                 self.blocks_loaded += len(keys)
@@ -301,8 +344,39 @@ class _Replay:
             self.verified += len(verify_blocks)
         return bool(results)
 
+    def _fetch_done(self, job: _FetchJob, result: TransferResult) -> bool:
+        """A remote read finished: on success load its host blocks to the request's device blocks
+        (True); a failed read is handled as a failed load of that tier (False)."""
+        if not result.ok:
+            return False
+        plan = job.request.load_plan
+        assert plan is not None
+        load = self._job_id()
+        self.worker.load(load, [plan.blocks[i] for i in job.positions],
+                         [job.request.device_blocks[i] for i in job.positions], stream=self.compute)
+        self.jobs[load] = _LoadJob(job.request, Tier.REMOTE, job.positions)
+        return True
+
+    def _put_done(self, job: _PutJob, result: TransferResult) -> None:
+        self.manager.complete_remote_put(job.plan, result.ok)  # ok: never put again by this manager
+        error = result.error
+        failed = 0 if result.ok else len(error.keys) if isinstance(error, RemoteError) else len(job.plan.keys)
+        self.put_blocks += len(job.plan.keys) - failed
+        if isinstance(error, RemoteError) and set(error.kinds) == {"store_full"}:
+            self.put_refused_blocks += failed  # the store's policy: those blocks are not shared
+        elif failed:
+            self.failed_puts += 1
+            self.put_failed_blocks += failed
+
     def _store_done(self, job: _StoreJob, result: TransferResult) -> None:
         self.manager.complete_store(job.plan, result.ok)
+        if self.remote and result.ok:  # write-through: the store's host copies to the remote store
+            put = self.manager.prepare_remote_put(job.plan.keys)
+            if put.keys:
+                jid = self._job_id()
+                self.worker.put_remote(jid, put.host_blocks, put.remote_keys)
+                self.jobs[jid] = _PutJob(put)
+                self.put_jobs += 1
         self.store_busy_s += result.seconds
         if result.ok:
             self.blocks_stored += len(job.plan.keys)

@@ -29,6 +29,7 @@ __all__ = [
     "DISK_FAILURE_COUNTERS",
     "EXIT_FAILED",
     "EXIT_OK",
+    "REMOTES",
     "PatternGenerator",
     "ReplayConfig",
     "ReplayReport",
@@ -45,6 +46,8 @@ DISK_FAILURE_COUNTERS: Final = (
     "short_reads", "short_writes", "eio", "enospc", "os_errors", "checksum_mismatches", "header_invalid",
     "block_mismatches", "generation_mismatches", "not_valid", "fingerprint_mismatches",
 )
+#: The remote stores the replay can use.
+REMOTES: Final = ("mooncake", "redis")
 #: Key length in bytes (a blake2b digest).
 KEY_BYTES: Final = 16
 #: Written into every load destination first, so that a load that copies nothing is caught.
@@ -88,7 +91,10 @@ class ReplayConfig:
     (its directory must exist) with ``disk_blocks`` records, opened with ``DISK_DIRECT[disk_direct]``.
     ``settle``: one request at a time, its loads, compute, stores and demotions all finished before
     the next is admitted — the manager then sees the same sequence on every run, so hit rates are
-    reproducible (throughput is not representative).
+    reproducible (throughput is not representative). ``remote`` (``"mooncake"`` or ``"redis"``): a
+    remote tier on the store at ``remote_address`` (a Mooncake master ``host:port``, or Redis
+    Cluster nodes ``host:port,...``): every completed store is written through to it, and lookups
+    past the local tiers load from it.
     """
 
     backend: BackendName = "auto"
@@ -123,6 +129,8 @@ class ReplayConfig:
     disk_path: str | None = None
     disk_blocks: int = 0
     disk_direct: str = "auto"
+    remote: str | None = None
+    remote_address: str = ""
 
     def check(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad field."""
@@ -168,6 +176,13 @@ class ReplayConfig:
         if self.policy not in POLICY_NAMES:
             raise InvalidArgumentError(f"policy = {self.policy!r} must be one of {sorted(POLICY_NAMES)}")
         self._check_disk()
+        if self.remote is not None:
+            if self.remote not in REMOTES:
+                raise InvalidArgumentError(f"remote = {self.remote!r} must be one of {', '.join(REMOTES)}")
+            if not self.remote_address:
+                raise InvalidArgumentError(f"remote = {self.remote!r} needs remote_address (the store's)")
+        elif self.remote_address:
+            raise InvalidArgumentError("remote_address needs remote (mooncake or redis)")
 
     def _check_disk(self) -> None:
         if self.disk_direct not in DISK_DIRECT:
@@ -363,6 +378,13 @@ class ReplayReport:
     loadable from disk); ``disk_bytes_written`` / ``disk_bytes_read``, ``disk_write_gbps`` /
     ``disk_read_gbps`` (over the tier's summed request times) and ``disk_failures`` (by
     :data:`DISK_FAILURE_COUNTERS` name) are the disk tier's own counters.
+
+    Remote fields (zero or empty without a remote tier): ``remote`` names the store; the
+    ``"remote"`` tier of the ``*_by_tier`` maps counts the hits read from it (read into a host block,
+    then loaded, then verified); ``remote_put_*`` count the write-through puts (blocks put; refused
+    because the store was full, which is not a failure: those blocks are just not shared; failed);
+    ``remote_lookup_errors`` the existence checks that failed or passed their deadline (misses);
+    ``remote_failures`` the remote tier's failed keys by kind.
     """
 
     backend: str
@@ -430,6 +452,14 @@ class ReplayReport:
     disk_write_gbps: float
     disk_read_gbps: float
     disk_failures: dict[str, int]
+    remote: str
+    remote_put_jobs: int
+    remote_put_blocks: int
+    remote_put_failed_blocks: int
+    failed_remote_put_jobs: int
+    remote_put_refused_blocks: int
+    remote_lookup_errors: int
+    remote_failures: dict[str, int]
     events: dict[str, int]
     target_blocks: int
     target_reached: bool
@@ -440,7 +470,8 @@ class ReplayReport:
     def ok(self) -> bool:
         """No corrupted or unverified block, no failed job, no error."""
         return (self.corrupted_blocks == 0 and self.unverified_blocks == 0 and self.failed_load_jobs == 0
-                and self.failed_store_jobs == 0 and self.failed_demote_jobs == 0 and not self.errors)
+                and self.failed_store_jobs == 0 and self.failed_demote_jobs == 0
+                and self.failed_remote_put_jobs == 0 and not self.errors)
 
     def failures(self) -> list[str]:
         """Why the run is not ok (empty when it is)."""
@@ -449,9 +480,11 @@ class ReplayReport:
             out.append(f"{self.corrupted_blocks} corrupted blocks")
         if self.unverified_blocks:
             out.append(f"{self.unverified_blocks} loaded blocks not verified")
-        if self.failed_load_jobs or self.failed_store_jobs or self.failed_demote_jobs:
+        failed = (self.failed_load_jobs, self.failed_store_jobs, self.failed_demote_jobs,
+                  self.failed_remote_put_jobs)
+        if any(failed):
             out.append(f"failed jobs: {self.failed_load_jobs} load, {self.failed_store_jobs} store, "
-                       f"{self.failed_demote_jobs} demote")
+                       f"{self.failed_demote_jobs} demote, {self.failed_remote_put_jobs} remote put")
         out.extend(self.errors)
         return out
 

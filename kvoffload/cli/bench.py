@@ -5,8 +5,11 @@ both at once), a per-page ``cuMemcpyAsync`` loop (what engines did before batchi
 worker's ``dma``, ``staged``, ``sm`` and ``auto`` paths, over page sizes from 4 KiB to 2 MiB, for
 store, load and both directions at once; optionally beside a bf16 GEMM stream, reporting the GEMM's
 slowdown per path. Every transferred byte is checked. Figures are printed as GB/s and as a ratio to
-the link limit measured in the same run; ``--json`` writes them all. ``--latency`` and
-``--layerwise`` measure what one job costs instead (:mod:`kvoffload.cli.latency_bench`).
+the link limit measured in the same run; ``--json`` writes them all. Instead of that:
+``--latency`` and ``--layerwise`` measure what one job costs (:mod:`kvoffload.cli.latency_bench`),
+``--disk DIR`` the disk tier against raw O_DIRECT, ``--ranks N`` a host pool shared by N rank
+processes (:mod:`kvoffload.cli.ranks_bench`), ``--remote mooncake|redis`` the remote tier against the
+store's own client (:mod:`kvoffload.cli.remote_bench`).
 """
 
 from __future__ import annotations
@@ -338,6 +341,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=None, metavar="N",
                         help="instead: a host pool shared by N rank processes (attach time, and "
                              "throughput of ranks at once); --ranks N --help lists its options")
+    parser.add_argument("--remote", choices=("mooncake", "redis"), default=None,
+                        help="instead: the remote tier's put/get against the store's own client "
+                             "(python -m kvoffload bench --remote X --help for its options)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -347,6 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvoffload.cli import ranks_bench
 
         return ranks_bench.main(arguments)
+    if any(a == "--remote" or a.startswith("--remote=") for a in arguments):
+        from kvoffload.cli import remote_bench  # its own options; starts the store's services
+
+        return remote_bench.main(arguments)
     parser = argparse.ArgumentParser(prog="python -m kvoffload bench", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(arguments)

@@ -57,6 +57,14 @@ write into blocks poisoned first, so a load that copies nothing is caught as wel
 0 only with no corrupted block, no unverified block, no failed job (load from either tier, store or
 demotion: each was handled safely, but none should fail on healthy hardware) and a clean shutdown.
 
+Remote tier (``--remote mooncake|redis``): two engine instances share hits through the store
+(:mod:`kvoffload.cli._replay_remote`). Each completed store is written through
+(``Manager.prepare_remote_put``, ``Worker.put_remote``); a lookup past the local tiers asks the store,
+and its hits (``LoadPlan.tiers`` ``REMOTE``) are read into host blocks (``Worker.get_remote``), then
+loaded and verified like every hit; a failed read is a miss, recomputed. Instance A (this process)
+runs the workload; instance B (another process, the same workload, an empty host pool) then finds
+A's blocks in the store.
+
 Prefill model (an estimate, stated): a verified hit saves recomputing its tokens. With ``T`` hit
 tokens (verified hit blocks x block size), a prefill rate ``R`` (``--prefill-tokens-per-s``, tokens per
 second of the model whose KV geometry is simulated) and ``L`` the load time (the summed copy time of
@@ -89,7 +97,12 @@ from kvoffload import (
     InvalidArgumentError,
     KVOffloadError,
     Manager,
+    MooncakeConfig,
+    RedisClusterConfig,
+    RemoteConfig,
+    RemoteTierStats,
     Worker,
+    open_remote_index,
 )
 from kvoffload import DeviceLayout
 from kvoffload.cli._caches import LAYOUTS, build_cache
@@ -100,12 +113,14 @@ from kvoffload.cli._replay_model import (
     DTYPES,
     EXIT_FAILED,
     EXIT_OK,
+    REMOTES,
     ReplayConfig,
     ReplayReport,
     _GB,
 )
 
 from kvoffload.cli._replay_engine import _Replay, _unverified
+from kvoffload.cli._replay_remote import two_instances
 
 __all__ = [
     "EXIT_FAILED",
@@ -149,8 +164,10 @@ def run_replay(
     layout = DeviceLayout.from_tensors(tensors, block_dim=block_dim)
     disk = (None if config.disk_path is None else
             DiskConfig(config.disk_path, config.disk_blocks, direct=DISK_DIRECT[config.disk_direct]))
+    remote = remote_config(config)
+    index = open_remote_index(remote, fingerprint=layout.fingerprint) if remote is not None else None
     manager = Manager.create(config.host_blocks, fingerprint=layout.fingerprint, policy=config.policy,
-                             num_disk_blocks=config.disk_blocks if disk is not None else 0)
+                             num_disk_blocks=config.disk_blocks if disk is not None else 0, remote=index)
     if progress is not None:
         disk_pool = (f", disk pool {config.disk_blocks} blocks "
                      f"({config.disk_blocks * layout.record_bytes / _GB:.2f} GB) in {config.disk_path}"
@@ -161,9 +178,14 @@ def run_replay(
               f"policy {config.policy}", file=progress, flush=True)
     compute = new_stream(device) if use_cuda else None
     wall = 0.0
-    worker = Worker.create(layout, config.host_blocks, backend="cuda" if use_cuda else "host",
-                           path=config.path, disk=disk, backend_factory=backend_factory)
     shutdown_errors: list[str] = []
+    try:
+        worker = Worker.create(layout, config.host_blocks, backend="cuda" if use_cuda else "host",
+                               path=config.path, disk=disk, remote=remote, backend_factory=backend_factory)
+    except BaseException:
+        if index is not None:
+            index.close()
+        raise
     try:
         replay = _Replay(config, layout, manager, worker, compute, progress)
         path = worker.stats().path
@@ -181,15 +203,30 @@ def run_replay(
             worker.shutdown()
         except KVOffloadError as exc:
             shutdown_errors.append(f"shutdown: {type(exc).__name__}: {exc}")
+        if index is not None:
+            try:
+                index.close()
+            except KVOffloadError as exc:
+                shutdown_errors.append(f"remote index: {type(exc).__name__}: {exc}")
     replay.errors.extend(shutdown_errors)
     if use_cuda:
         torch.cuda.synchronize(device)
-    return _report(config, replay, layout, device, path, wall, worker.disk_stats())
+    return _report(config, replay, layout, device, path, wall, worker.disk_stats(), worker.remote_stats())
+
+
+def remote_config(config: ReplayConfig) -> RemoteConfig | None:
+    """The remote tier of ``config`` (None without one): its store at ``config.remote_address``."""
+    if config.remote is None:
+        return None
+    if config.remote == "mooncake":
+        return RemoteConfig(store=MooncakeConfig(master_address=config.remote_address))
+    nodes = tuple((host, int(port)) for host, port in (n.rsplit(":", 1) for n in config.remote_address.split(",")))
+    return RemoteConfig(store=RedisClusterConfig(nodes=nodes))
 
 
 def _report(
     config: ReplayConfig, r: _Replay, layout: DeviceLayout, device: torch.device, path: str, wall: float,
-    disk: DiskStats | None,
+    disk: DiskStats | None, remote: RemoteTierStats | None = None,
 ) -> ReplayReport:
     stats = r.manager.stats()
     hit_tokens = r.verified * config.block_size
@@ -236,6 +273,11 @@ def _report(
         disk_read_gbps=disk.read_gbps if disk is not None else 0.0,
         disk_failures={name: int(getattr(disk, name)) for name in DISK_FAILURE_COUNTERS}
         if disk is not None else {},
+        remote=config.remote or "", remote_put_jobs=r.put_jobs, remote_put_blocks=r.put_blocks,
+        remote_put_failed_blocks=r.put_failed_blocks, failed_remote_put_jobs=r.failed_puts,
+        remote_put_refused_blocks=r.put_refused_blocks,
+        remote_lookup_errors=stats.remote_lookup_errors,
+        remote_failures={k: n for k, n in remote.failures.items() if n} if remote is not None else {},
         events=dict(r.events), target_blocks=config.blocks_to_load,
         target_reached=r.load_submitted >= config.blocks_to_load,
         corrupted_examples=tuple(r.examples), errors=tuple(r.errors),
@@ -306,6 +348,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="records in the disk pool (required with --disk-path)")
     tier.add_argument("--disk-direct", choices=tuple(DISK_DIRECT), default=d.disk_direct,
                       help="O_DIRECT: on (or fail), off (buffered), auto (where the file system takes it)")
+    remote = parser.add_argument_group("remote tier: two engine instances sharing hits (none without --remote)")
+    remote.add_argument("--remote", choices=REMOTES, default=None,
+                        help="write every store through to this store; then run a second instance (another "
+                             "process, same workload, empty host pool) that loads from it")
+    remote.add_argument("--remote-address", default="", metavar="ADDRESS",
+                        help="use this running store (mooncake: master HOST:PORT; redis: HOST:PORT,...) "
+                             "instead of starting one on this machine")
+    remote.add_argument("--remote-mib", type=int, default=2048,
+                        help="memory the store started here holds, MiB (a full store evicts; default 2048)")
+    remote.add_argument("--instance-only", action="store_true",
+                        help="run one instance against --remote-address (what the second instance runs)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -356,6 +409,13 @@ def print_report(report: ReplayReport, out: TextIO | None = None) -> None:
             f"{report.disk_bytes_read / _GB:.3f} at {report.disk_read_gbps:.2f} GB/s (the tier's counters)")
         row("disk failures", f"{sum(disk_failed.values())}",
             ", ".join(f"{name} {n}" for name, n in disk_failed.items()) or "none")
+    if report.remote:
+        row("remote puts", f"{report.remote_put_blocks} blocks",
+            f"{report.remote_put_jobs} jobs written through to {report.remote}; refused (store full) "
+            f"{report.remote_put_refused_blocks} blocks; failed {report.failed_remote_put_jobs} jobs, "
+            f"{report.remote_put_failed_blocks} blocks; {report.remote_lookup_errors} lookups failed (misses)")
+        row("remote failures", f"{sum(report.remote_failures.values())}",
+            ", ".join(f"{name} {n}" for name, n in report.remote_failures.items()) or "none")
     row("bytes moved", f"{(report.bytes_loaded + report.bytes_stored) / _GB:.3f} GB",
         f"loaded {report.bytes_loaded / _GB:.3f}, stored {report.bytes_stored / _GB:.3f}")
     row("load", f"{report.load_gbps:7.2f} GB/s", f"copy time; {report.load_wall_gbps:.2f} GB/s over the run")
@@ -367,9 +427,11 @@ def print_report(report: ReplayReport, out: TextIO | None = None) -> None:
     row("wall", f"{report.wall_s:.2f} s")
     row("verified", f"{report.verified_blocks} blocks", "every loaded byte against its key's pattern")
     row("corrupted", f"{report.corrupted_blocks} blocks", f"unverified: {report.unverified_blocks}")
-    row("failed jobs", f"{report.failed_load_jobs + report.failed_store_jobs + report.failed_demote_jobs}",
+    failed = report.failed_load_jobs + report.failed_store_jobs + report.failed_demote_jobs
+    row("failed jobs", f"{failed + report.failed_remote_put_jobs}",
         f"{report.failed_load_jobs} load, {report.failed_store_jobs} store"
-        + (f", {report.failed_demote_jobs} demote" if report.disk_blocks else ""))
+        + (f", {report.failed_demote_jobs} demote" if report.disk_blocks else "")
+        + (f", {report.failed_remote_put_jobs} remote put" if report.remote else ""))
     for example in report.corrupted_examples:
         row("  corrupted", example)
     if report.target_blocks and not report.target_reached:
@@ -388,16 +450,25 @@ def main(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(args_list)
     config = config_from_args(args)
-    try:
-        config.check()
+    two = config.remote is not None and not args.instance_only
+    try:  # the address of a store started below is not known yet
+        (attrs.evolve(config, remote_address=config.remote_address or "-") if two else config).check()
     except InvalidArgumentError as exc:
         parser.error(str(exc))
+    if args.instance_only and config.remote is None:
+        parser.error("--instance-only needs --remote and --remote-address")
     if not (args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())):
         print("kvoffload replay: no CUDA device in use - running the host backend (CPU tensors, copies "
               "by memmove on worker threads, compute in program order); figures are host memory speeds",
               flush=True)
+    if args.remote_mib < 1:
+        parser.error(f"--remote-mib {args.remote_mib} must be >= 1")
+    if two:
+        return two_instances(args, args_list, config, lambda c, progress: run_replay(
+            c, progress, backend_factory=backend_factory), print_report)
     try:
         report = run_replay(config, progress=None if args.quiet else sys.stderr,
                             backend_factory=backend_factory)

@@ -6,21 +6,19 @@ Version 1; little-endian; every offset and size a multiple of 4096 (docs/design.
                          num_blocks, slot_bytes, data_offset, file_id (random, new at every
                          creation), the layout fingerprint (UTF-8), and at byte 4092 the CRC32 of
                          the page's first 4092 bytes
-    4096 + b * slot      the slot of disk block b, slot = 4096 + record_bytes bytes:
-                           record header page (4096 B): magic "KVOFREC1", version, flags (VALID,
-                           CHECKSUM), file_id, disk block id b, generation, payload bytes, CRC32 of
-                           the payload, the record's key (<= MAX_KEY_BYTES), and at byte 4092 the
-                           CRC32 of the page's first 4092 bytes
-                           payload (record_bytes B): the host record, byte for byte
+    4096 + b * slot      the slot of disk block b, slot = 4096 + record_bytes bytes: one record
+                         in the format of :mod:`kvoffload._record` (header page with flags VALID
+                         and CHECKSUM, the file id, disk block b, generation, payload CRC32 and key;
+                         then the host record, byte for byte)
 
 Opening (:func:`prepare_file`): a missing or zero-length file is created — header first, then
 sized, so a crash leaves an empty file or a valid tier; a file with a tier header is reused or
 recreated as the config says; **any other file is refused, never overwritten**.
 
-A record is checked (:meth:`RecordCodec.verify`) against the index on every read: the header's CRC,
-magic, version, file id and VALID flag, the block id, the generation the index expects, then the
-payload's CRC32 when the record was written with one. The record format is one format for every
-tier that stores records (a record is its header page and its payload).
+A record is checked (:meth:`RecordCodec.verify`) against the index on every read, by the one
+verification every tier uses (:func:`kvoffload._record.verify_record`): the header's magic, CRC,
+version and VALID flag, the file id, payload size, the block id, the generation the index expects,
+then the payload's CRC32 when the record was written with one.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Buffer
 
+from kvoffload import _record as record
 from kvoffload.disk.config import PAGE_BYTES, DiskConfig, DiskErrorKind
 from kvoffload.errors import (
     ArgumentTypeError,
@@ -81,20 +80,15 @@ U8Array = npt.NDArray[np.uint8]
 FORMAT_VERSION: Final = 1
 #: Linux moves at most this many bytes per read/write system call.
 MAX_SYSCALL_BYTES: Final = 0x7FFFF000
-#: Longest key a record header stores.
-MAX_KEY_BYTES: Final = 1024
-MAX_FINGERPRINT_BYTES: Final = 2048
+#: Longest key a record header stores; longest layout fingerprint a file header stores.
+MAX_KEY_BYTES: Final = record.MAX_KEY_BYTES
+MAX_FINGERPRINT_BYTES: Final = record.MAX_FINGERPRINT_BYTES
 FILE_MODE: Final = 0o600
 _CRC_OFFSET: Final = PAGE_BYTES - 4
 _FILE_MAGIC: Final = b"KVOFDISK"
-_RECORD_MAGIC: Final = b"KVOFREC1"
 # magic, version, reserved, record_bytes, num_blocks, slot_bytes, data_offset, file_id, fingerprint len
 _FILE_HEADER: Final = struct.Struct("<8sIIQQQQQH")
-# magic, version, flags, file_id, block, generation, payload bytes, payload crc, key length
-_RECORD_HEADER: Final = struct.Struct("<8sIIQQQQIH")
 _CRC: Final = struct.Struct("<I")
-_FLAG_VALID: Final = 1
-_FLAG_CHECKSUM: Final = 2
 
 
 @attrs.frozen
@@ -111,7 +105,9 @@ class FileState:
 
 @attrs.frozen
 class RecordCodec:
-    """Packs, parses and verifies the record headers of one tier file (its file id and record size).
+    """Packs, parses and verifies the records of one tier file (its file id and record size), in the
+    one record format of :mod:`kvoffload._record` (a disk record carries its file id and disk block;
+    the layout fingerprint is in the file header, not in the record).
 
     Owns nothing; every method works on buffers it is given.
     """
@@ -127,82 +123,63 @@ class RecordCodec:
     def pack(self, page: U8Array, block: int, generation: int, crc: int, key: bytes,
              checksum: bool) -> None:
         """Write the header of one record into ``page`` (4096 zeroed-then-filled bytes)."""
-        flags = _FLAG_VALID | (_FLAG_CHECKSUM if checksum else 0)
-        page.fill(0)
-        _RECORD_HEADER.pack_into(
-            buf(page), 0, _RECORD_MAGIC, FORMAT_VERSION, flags, self.file_id, block, generation,
-            self.record_bytes, crc, len(key),
-        )
-        page[_RECORD_HEADER.size : _RECORD_HEADER.size + len(key)] = np.frombuffer(key, dtype=np.uint8)
-        _CRC.pack_into(buf(page), _CRC_OFFSET, zlib.crc32(buf(page[:_CRC_OFFSET])))
+        record.pack_header(page, file_id=self.file_id, block=block, generation=generation, crc=crc,
+                           payload_bytes=self.record_bytes, key=key, checksum=checksum)
 
     def parse(self, headers: U8Array, offset: int) -> tuple[int, int, int, int, bytes] | str:
-        """``(flags, block, generation, payload crc, key)`` of a record header, or why it is invalid."""
-        page = headers[offset : offset + PAGE_BYTES]
-        magic, version, flags, file_id, block, generation, nbytes, crc, key_len = (
-            _RECORD_HEADER.unpack_from(buf(page), 0)
-        )
-        if magic != _RECORD_MAGIC:
-            return "no record header (never written, or the header was lost)"
-        (stored,) = _CRC.unpack_from(buf(page), _CRC_OFFSET)
-        if zlib.crc32(buf(page[:_CRC_OFFSET])) != stored:
-            return "the record header's CRC32 does not match (torn or damaged header)"
-        if version != FORMAT_VERSION:
-            return f"record format version {version}, expected {FORMAT_VERSION}"
-        if file_id != self.file_id:
+        """``(flags, block, generation, payload crc, key)`` of a record header of this file, or why it
+        is not one."""
+        header = record.parse_header(headers[offset : offset + PAGE_BYTES])
+        if isinstance(header, str):
+            return header
+        if header.file_id != self.file_id or header.fingerprint is not None:
             return "the record belongs to another tier file (file id differs)"
-        if nbytes != self.record_bytes or key_len > MAX_KEY_BYTES:
-            return f"the record header says {nbytes} payload bytes, the tier has {self.record_bytes}"
-        start = _RECORD_HEADER.size
-        return flags, block, generation, crc, page[start : start + key_len].tobytes()
+        if header.payload_bytes != self.record_bytes:
+            return (f"the record header says {header.payload_bytes} payload bytes, the tier has "
+                    f"{self.record_bytes}")
+        return header.flags, header.block, header.generation, header.crc, header.key
 
     def header_is_valid(self, flags: int) -> bool:
         """Whether parsed header flags mark the record valid."""
-        return bool(flags & _FLAG_VALID)
+        return bool(flags & record.FLAG_VALID)
 
     def has_magic(self, page: U8Array) -> bool:
         """Whether ``page`` starts like a record header (a damaged one counts as rejected)."""
-        return page[: len(_RECORD_MAGIC)].tobytes() == _RECORD_MAGIC
+        return record.has_magic(page)
 
     def verify(
         self, headers: U8Array, i: int, payload: U8Array, block: int, valid: bool, expected: int,
         check_payload: bool,
     ) -> DiskIntegrityError | None:
-        """Check record ``i`` of a read against the index (the module docstring: the order of
-        checks); None when it verified."""
+        """Check record ``i`` of a read against the index (:func:`kvoffload._record.verify_record`,
+        after the index's own VALID bit); None when it verified."""
         where = f"disk block {block} of {self.path!r}"
         if not valid:
             return self._integrity(
                 DiskErrorKind.NOT_VALID, block,
                 f"{where} holds no valid record (never written, or its last write failed)",
             )
-        header = self.parse(headers, i * PAGE_BYTES)
-        if isinstance(header, str):
-            return self._integrity(DiskErrorKind.HEADER_INVALID, block, f"{where}: {header}")
-        flags, hdr_block, generation, crc, _key = header
-        if not flags & _FLAG_VALID:
-            return self._integrity(DiskErrorKind.HEADER_INVALID, block, f"{where}: not marked valid")
-        if hdr_block != block:
-            return self._integrity(
-                DiskErrorKind.BLOCK_MISMATCH, block,
-                f"{where}: the record header names disk block {hdr_block} (another block's data)",
-            )
-        if generation != expected:
-            return self._integrity(
-                DiskErrorKind.GENERATION_MISMATCH, block,
-                f"{where}: the record is generation {generation}, the index expects {expected}",
-            )
-        if check_payload and flags & _FLAG_CHECKSUM:
-            actual = zlib.crc32(buf(payload))
-            if actual != crc:
-                return self._integrity(
-                    DiskErrorKind.CHECKSUM_MISMATCH, block,
-                    f"{where}: payload CRC32 {actual:#010x} does not match the header's {crc:#010x}",
-                )
-        return None
+        verdict = record.verify_record(
+            headers[i * PAGE_BYTES : (i + 1) * PAGE_BYTES], payload,
+            record.Expected(payload_bytes=self.record_bytes, file_id=self.file_id, block=block,
+                            generation=expected, check_payload=check_payload),
+        )
+        if verdict.fault is None:
+            return None
+        kind = _DISK_KINDS.get(verdict.fault, DiskErrorKind.HEADER_INVALID)
+        return self._integrity(kind, block, f"{where}: {verdict.message}")
 
     def _integrity(self, kind: DiskErrorKind, block: int, message: str) -> DiskIntegrityError:
         return DiskIntegrityError(message, kind=kind, path=self.path, blocks=(block,))
+
+
+#: The disk kind of each record fault (a size, key or fingerprint fault is a header the file does
+#: not expect).
+_DISK_KINDS: Final = {
+    record.RecordFault.BLOCK_MISMATCH: DiskErrorKind.BLOCK_MISMATCH,
+    record.RecordFault.GENERATION_MISMATCH: DiskErrorKind.GENERATION_MISMATCH,
+    record.RecordFault.CHECKSUM_MISMATCH: DiskErrorKind.CHECKSUM_MISMATCH,
+}
 
 
 def aligned(nbytes: int) -> U8Array:

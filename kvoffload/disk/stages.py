@@ -4,8 +4,9 @@ Owns: its threads and the two queues between them. Borrows from its tier: the fi
 host rows, the record codec, the index, the tier's ``pread``/``pwrite`` (so that fault injection
 reaches every system call) and the callback that completes a piece.
 
-``zlib.crc32`` releases the GIL, as ``os.preadv``/``os.pwritev`` do. CRCs run on checksum threads
-*beside* the I/O threads: a write's CRCs and headers are made before its system call is queued, a
+The payload CRC32 (:func:`kvoffload._record.payload_crc`: ISA-L's where installed, else zlib's)
+releases the GIL, as ``os.preadv``/``os.pwritev`` do. CRCs run on checksum threads *beside* the I/O
+threads: a write's CRCs and headers are made before its system call is queued, a
 read's records are verified after its system call; so the disk always has ``io_threads`` requests
 in flight and never waits for a CRC (computing CRCs on the I/O threads themselves cost 13-25% of the
 throughput on a 2-core machine). A piece that fails in any way fails every record it carries; a
@@ -18,15 +19,15 @@ import collections
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload._record import payload_crc
 from kvoffload.disk.config import PAGE_BYTES, DiskErrorKind
-from kvoffload.disk.format import RecordCodec, aligned, buf, os_kind, span
+from kvoffload.disk.format import RecordCodec, aligned, os_kind, span
 from kvoffload.disk.index import DiskIndex
 from kvoffload.disk.requests import Outcome, Piece
 from kvoffload.errors import DiskIOError, TransferError
@@ -222,7 +223,7 @@ class DiskStages:
         piece.generation = self._index.begin_write(first, n)
         headers = aligned(n * PAGE_BYTES)
         for i in range(n):
-            crc = zlib.crc32(buf(host[int(piece.rows[i])])) if self.checksum else 0
+            crc = payload_crc(host[int(piece.rows[i])]) if self.checksum else 0
             key = piece.keys[i] if piece.keys is not None else b""
             self._codec.pack(headers[i * PAGE_BYTES : (i + 1) * PAGE_BYTES], first + i,
                              piece.generation + i, crc, key, self.checksum)

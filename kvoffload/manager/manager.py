@@ -4,43 +4,55 @@ which move.
 The :class:`Manager` decides *which* blocks move; a Worker moves the bytes. It owns only Python
 memory (the key → block map of each tier, free lists, eviction policies, the copies each outstanding
 plan still waits for, counters and undrained events), holds no OS or GPU resource and so has no
-close method, and imports neither torch nor CUDA. Not thread-safe: call it from the scheduler thread.
+close method (a remote index it is given is borrowed: its creator closes it), and imports neither
+torch, numpy nor CUDA. Not thread-safe: call it from the scheduler thread.
 
 A key's copy in a tier is *pending* (a copy into it is in flight: not loadable, not evictable),
 *ready* (loadable, evictable) or *loading* (ready, with loads holding it: not evictable). The engine's
 protocol — ``lookup`` / ``prepare_load`` / ``complete_load``, ``prepare_store`` (with write-back
 demotions to disk) / ``complete_demote`` / ``complete_store``, ``events`` — and the fencing of plans
-across :meth:`Manager.reset` are described in docs/design.md §11. Every method either does all it
-says or raises before changing anything.
+across :meth:`Manager.reset` are described in docs/design.md §11; with a remote index, lookups and
+loads reach the remote store and ``prepare_remote_put`` / ``complete_remote_put`` write stores
+through to it (§14). The manager's state and the moves several operations share are in
+:mod:`kvoffload.manager.base`. Every method either does all it says or raises before changing
+anything.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from typing import Final, NamedTuple
+from typing import Final
 
 from kvoffload.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     KeyStateError,
-    KeyTypeError,
     UnknownKeyError,
-    UnknownPolicyError,
 )
-from kvoffload.manager.policies import POLICY_NAMES, EvictionPolicy, PolicyFactory
+from kvoffload.manager.base import ManagerBase, ManagerParts
+from kvoffload.manager.policies import PolicyFactory, resolve_policy
 from kvoffload.manager.records import (
     BlockEvent,
     Demotion,
     LoadPlan,
     ManagerStats,
+    RemotePutPlan,
     StorePlan,
     Tier,
     TierStats,
     events_of,
     fingerprint_bytes,
     namespace_prefix,
+)
+from kvoffload.manager.remote import (
+    DEFAULT_REMOTE_TIMEOUT_S,
+    RemoteIndex,
+    RemoteLink,
+    eligible_for_put,
+    hold_for_put,
+    release_put,
 )
 from kvoffload.manager.state import (
     DISK,
@@ -49,39 +61,26 @@ from kvoffload.manager.state import (
     NO_KEYS,
     PENDING,
     READY,
-    REMOVED,
+    REMOTE,
     STORE_FAILED,
     STORED,
-    Counts,
     Entry,
-    FenceKey,
     FenceKind,
     PlanCopies,
     Pool,
     check_keys,
     check_plan_keys,
     check_unique_keys,
-    evict_entries,
     pending_entries,
-    release_fenced,
     victim_entries,
 )
 
 __all__ = ["Manager"]
 
 _PLAN_IDS: Final = itertools.count(1)  # process-wide, so a plan never matches another plan's copy
-_MANAGER_IDS: Final = itertools.count(1)
 
 
-class _ManagerParts(NamedTuple):
-    fingerprint: bytes
-    host: Pool
-    disk: Pool | None
-    policy_name: str
-    record_events: bool
-
-
-class Manager:
+class Manager(ManagerBase):
     """The host (and optional disk) block pool of one model/layout fingerprint.
 
     Build it with ``Manager.create(num_host_blocks, fingerprint=..., ...)``.
@@ -90,35 +89,6 @@ class Manager:
     it says or raises before changing anything (state, policy order, counters, events). Not
     thread-safe.
     """
-
-    def __init__(self, parts: _ManagerParts) -> None:
-        """Take the pools :meth:`create` built (use :meth:`create`).
-
-        Raises:
-            ArgumentTypeError: ``parts`` is not what :meth:`create` builds.
-        """
-        if not isinstance(parts, _ManagerParts):
-            raise ArgumentTypeError(
-                "a Manager is built with Manager.create(num_host_blocks, fingerprint=..., ...), not "
-                f"Manager({type(parts).__name__})"
-            )
-        fingerprint, host, disk = parts.fingerprint, parts.host, parts.disk
-        policy_name, record_events = parts.policy_name, parts.record_events
-        self._fingerprint = fingerprint
-        self._namespace = namespace_prefix(fingerprint)
-        self._owner = next(_MANAGER_IDS)
-        self._host = host
-        self._disk = disk
-        self._policy_name = policy_name
-        self._record_events = record_events
-        self._epoch = 0
-        self._entries: dict[bytes, Entry] = {}
-        self._ready: set[bytes] = set()  # keys loadable from some tier
-        self._stores: dict[int, PlanCopies] = {}  # outstanding store plan -> its pending copies
-        self._loads: dict[int, dict[bytes, Tier]] = {}  # outstanding load plan -> key -> tier
-        self._fences: dict[FenceKey, list[tuple[Pool, int]]] = {}
-        self._events: list[BlockEvent] = []
-        self._n = Counts()
 
     @classmethod
     def create(
@@ -129,6 +99,8 @@ class Manager:
         num_disk_blocks: int = 0,
         policy: str | PolicyFactory = "lru",
         record_events: bool = True,
+        remote: RemoteIndex | None = None,
+        remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
     ) -> Manager:
         """Build a manager with every block free.
 
@@ -140,10 +112,16 @@ class Manager:
                 tier).
             record_events: keep events for :meth:`events`; with False nothing is recorded (an engine
                 that never drains them should pass False, the list is unbounded).
+            remote: a remote store shared by engine instances (anything with a batched
+                ``exists(keys, *, timeout)``, e.g. ``kvoffload.open_remote_index(...)``): lookups
+                extend past the local tiers into it, and keys not held locally load from it.
+            remote_timeout_s: deadline of the remote existence check of one :meth:`lookup`.
 
         Raises:
-            ArgumentTypeError: a size is not an int, ``record_events`` not a bool, or a bad fingerprint.
-            InvalidArgumentError: ``num_host_blocks < 1``, ``num_disk_blocks < 0``, empty fingerprint.
+            ArgumentTypeError: a size is not an int, ``record_events`` not a bool, a bad fingerprint,
+                or a ``remote`` without ``exists``.
+            InvalidArgumentError: ``num_host_blocks < 1``, ``num_disk_blocks < 0``, empty fingerprint,
+                ``remote_timeout_s`` not > 0.
             UnknownPolicyError: ``policy`` is a name not in :data:`POLICY_NAMES`.
         """
         fp = fingerprint_bytes(fingerprint)
@@ -157,64 +135,21 @@ class Manager:
                 raise InvalidArgumentError(f"{name} = {value} must be >= {low}")
         if not isinstance(record_events, bool):
             raise ArgumentTypeError(f"record_events = {record_events!r} must be a bool")
-        if isinstance(policy, str):
-            factory = POLICY_NAMES.get(policy)
-            if factory is None:
-                raise UnknownPolicyError(f"policy = {policy!r} is not one of {sorted(POLICY_NAMES)}")
-            policy_name = policy
-        elif callable(policy):
-            factory = policy
-            policy_name = getattr(policy, "__name__", type(policy).__name__)
-        else:
-            raise ArgumentTypeError(f"policy = {policy!r} must be a policy name or a factory")
+        factory, policy_name = resolve_policy(policy)
+        link = None if remote is None else RemoteLink.create(remote, remote_timeout_s, namespace_prefix(fp))
         host = Pool(Tier.HOST, num_host_blocks, factory(num_host_blocks))
         disk = Pool(Tier.DISK, num_disk_blocks, factory(num_disk_blocks)) if num_disk_blocks else None
-        return cls(_ManagerParts(fp, host, disk, policy_name, record_events))
+        return cls(ManagerParts(fp, host, disk, policy_name, record_events, link))
 
-    # ----------------------------------------------------------------- read-only views
-
-    @property
-    def fingerprint(self) -> bytes:
-        """The model/layout fingerprint this manager is bound to (see :meth:`namespaced`)."""
-        return self._fingerprint
-
-    @property
-    def epoch(self) -> int:
-        """Incremented by every :meth:`reset`; plans from an earlier epoch are fenced."""
-        return self._epoch
-
-    @property
-    def num_host_blocks(self) -> int:
-        """Host pool size, in blocks."""
-        return self._host.capacity
-
-    @property
-    def num_disk_blocks(self) -> int:
-        """Disk pool size, in blocks (0: no disk tier)."""
-        return self._disk.capacity if self._disk is not None else 0
-
-    @property
-    def host_policy(self) -> EvictionPolicy:
-        """The host tier's policy, for inspection: call only ``victims`` (it changes nothing)."""
-        return self._host.policy
-
-    @property
-    def disk_policy(self) -> EvictionPolicy | None:
-        """The disk tier's policy (for inspection, as :attr:`host_policy`), or None without a disk tier."""
-        return self._disk.policy if self._disk is not None else None
-
-    def namespaced(self, key: bytes) -> bytes:
-        """``namespaced_key(self.fingerprint, key)``: the name a persistent tier should store under."""
-        if not isinstance(key, bytes):
-            raise KeyTypeError(f"key = {key!r} is a {type(key).__name__}; keys must be bytes")
-        return self._namespace + key
 
     # ----------------------------------------------------------------- queries
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Return how many leading ``keys`` are ready (loadable) in some tier.
 
-        Pending stores and pending demotions do not count; loading keys do (loads may overlap). Does
+        Pending stores and pending demotions do not count; loading keys do (loads may overlap). With
+        a remote index, the keys after the local prefix that no local tier holds are checked in the
+        remote store (one batched call, at most ``remote_timeout_s``; any failure is a miss). Does
         not count as a use for the policy (see :meth:`touch`). Duplicates are allowed.
 
         Raises:
@@ -227,6 +162,8 @@ class Manager:
             hits = len(keys)
         else:  # the ready prefix, counted in C too
             hits = len(list(itertools.takewhile(ready.__contains__, keys)))
+            if self._remote is not None:  # then the keys held nowhere here that the store holds
+                hits += self._remote.extend(keys, hits, self._entries, self._n)
         self._n.lookups += 1
         self._n.lookup_keys += len(keys)
         self._n.lookup_hits += hits
@@ -461,30 +398,45 @@ class Manager:
         """Reference the ready copies of ``keys`` for loading; they stay unevictable until completed.
 
         Each key is loaded from the host when its host copy is ready, else from disk. Its reference
-        count in that tier grows by one, and the load counts as a use for the policy.
+        count in that tier grows by one, and the load counts as a use for the policy. With a remote
+        index, a key held in no local tier comes from the remote store (``Tier.REMOTE``): it gets a
+        host block (free, or evicted by the host policy, never one of ``keys``) as a pending host
+        copy, which the engine reads the record into and loads from; when no more host blocks can
+        be had, the plan stops before that key (``plan.keys`` is then a prefix of ``keys``).
 
         Raises:
             KeyTypeError / DuplicateKeyError: bad ``keys`` (one key twice would be ambiguous to
                 complete).
-            UnknownKeyError: a key is not held in any tier.
+            UnknownKeyError: a key is not held in any tier (and there is no remote index).
             KeyStateError: a key is held but not ready (its store or demotion is pending).
         """
         check_unique_keys("keys", keys)
         entries = self._entries
         ready = self._ready
-        found: list[Entry] = []
+        found: list[Entry | None] = []
         for i, key in enumerate(keys):
             entry = entries.get(key)
-            if entry is None:
+            if entry is None and self._remote is None:
                 raise UnknownKeyError(f"keys[{i}] = {key!r} is not held in any tier")
-            if key not in ready:
+            if entry is not None and key not in ready:
                 raise KeyStateError(f"keys[{i}] = {key!r} is not ready (its store or demotion is pending)")
             found.append(entry)
+        plan_id = next(_PLAN_IDS)
+        fetched = self._remote_blocks(keys, found) if None in found else []
         host, disk = self._host, self._disk
         tiers: list[Tier] = []
         blocks: list[int] = []
         outstanding: dict[bytes, Tier] = {}
         for key, entry in zip(keys, found):
+            if entry is None:  # from the remote store, into a pending host copy
+                if not fetched:
+                    break
+                entry = entries[key] = Entry(fetched.pop(), plan_id)
+                host.pending += 1
+                tiers.append(REMOTE)
+                blocks.append(entry.host)
+                outstanding[key] = REMOTE
+                continue
             if entry.host_state is READY:
                 tier, pool, block = HOST, host, entry.host
                 entry.host_refs += 1
@@ -501,11 +453,27 @@ class Manager:
             tiers.append(tier)
             blocks.append(block)
             outstanding[key] = tier
-        plan_id = next(_PLAN_IDS)
         if outstanding:
             self._loads[plan_id] = outstanding
-        self._n.loads_planned += len(keys)
-        return LoadPlan(self._owner, plan_id, self._epoch, tuple(keys), tuple(tiers), tuple(blocks))
+        self._n.loads_planned += len(tiers)
+        self._n.remote_loads_planned += tiers.count(REMOTE)
+        return LoadPlan(self._owner, plan_id, self._epoch, tuple(keys[: len(tiers)]), tuple(tiers), tuple(blocks))
+
+    def _remote_blocks(self, keys: Sequence[bytes], found: list[Entry | None]) -> list[int]:
+        """Host blocks for the remote keys of a load (``found`` None), evicting ready host copies the
+        load does not reference; fewer when the host cannot give them. Popped from the end."""
+        host = self._host
+        need = found.count(None) - len(host.free)
+        if need > 0:
+            protected = {key for key, entry in zip(keys, found) if entry is not None}
+            victims = host.policy.victims(need, protected)
+            victim_found = victim_entries(self._entries, host, victims, need, protected)
+            self._evict(host, victims, victim_found)
+            self._forget(victims, victim_found)
+            self._n.host_evictions += len(victims)
+        blocks = host.take(min(found.count(None), len(host.free)))
+        blocks.reverse()
+        return blocks
 
     def complete_load(
         self, plan: LoadPlan, keys: Sequence[bytes] | None = None, *, ok: bool = True
@@ -516,6 +484,9 @@ class Manager:
         failed copy), but its disk copy is dropped: the disk tier drops a record that fails its
         check, so offering it again would fail every later load. It stops being offered at once
         and its disk block is freed when the last load holding it completed (event ``REMOVED``).
+        A key of ``Tier.REMOTE`` (read into its host block, then loaded) becomes a ready host copy
+        with ``ok`` (event ``STORED``); without, its host block is freed, the key forgotten, and
+        not offered from the remote store again.
         A plan from before the last :meth:`reset` is a no-op (it only unfences its blocks).
 
         Raises:
@@ -547,6 +518,9 @@ class Manager:
         for key in keys:
             tier = outstanding.pop(key)
             entry = entries[key]
+            if tier is REMOTE:
+                self._finish_remote_load(key, entry, ok)
+                continue
             if tier is HOST:
                 pool = self._host
                 entry.host_refs -= 1
@@ -571,116 +545,80 @@ class Manager:
         if not ok:
             self._n.loads_failed += len(keys)
 
-    # ----------------------------------------------------------------- reset
+    def _finish_remote_load(self, key: bytes, entry: Entry, ok: bool) -> None:
+        """A remote key's read and load finished: its pending host copy becomes ready, or goes."""
+        host = self._host
+        host.pending -= 1
+        if ok:
+            entry.host_state = READY
+            entry.remote = True
+            host.policy.admit(key)
+            self._ready.add(key)
+            if self._record_events:
+                self._events.append(BlockEvent(STORED, key, HOST))
+            self._n.remote_loads_completed += 1
+        else:
+            host.free.append(entry.host)
+            del self._entries[key]
+            self._require_remote().forget_key(key)
+            self._n.remote_loads_failed += 1
 
-    def reset(self, *, in_flight_done: bool = False) -> None:
-        """Forget every key and start a new epoch; plans prepared before are fenced.
+    # ----------------------------------------------------------------- remote puts
 
-        Emits ``REMOVED`` for every loadable copy. Completions of earlier plans become no-ops. By
-        default, blocks that earlier plans copy into or out of (pending stores and demotions, loads
-        not completed) stay *fenced* (not free) until their stale completion arrives, so no new plan
-        gets a block an old DMA may still touch; the engine must keep calling ``complete_*`` for those
-        plans. Pass ``in_flight_done=True`` when no copy of an earlier plan can still run (e.g. the
-        worker was shut down): every block is free at once. Counters survive the reset.
+    def prepare_remote_put(self, keys: Sequence[bytes]) -> RemotePutPlan:
+        """Pick the ``keys`` whose host copies to write to the remote store (write-through).
+
+        A key qualifies when its host copy is ready, the store is not known to hold it (this manager
+        neither put it nor read it from there) and no put of it is outstanding; others are skipped.
+        Each qualifying host copy is held (not evictable, as in a load) until
+        :meth:`complete_remote_put`. Call it after :meth:`complete_store`, then run
+        ``Worker.put_remote(job, plan.host_blocks, plan.remote_keys)``.
 
         Raises:
-            ArgumentTypeError: ``in_flight_done`` is not a bool.
+            InvalidArgumentError: the manager has no remote index.
+            KeyTypeError / DuplicateKeyError: bad ``keys``.
         """
-        if not isinstance(in_flight_done, bool):
-            raise ArgumentTypeError(f"in_flight_done = {in_flight_done!r} must be a bool")
-        entries = self._entries
-        if self._record_events:
-            events = self._events
-            for key in self._ready:
-                entry = entries[key]
-                if entry.host_state is READY:
-                    events.append(BlockEvent(REMOVED, key, HOST))
-                if entry.disk_state is READY:
-                    events.append(BlockEvent(REMOVED, key, DISK))
-        host, disk = self._host, self._disk
-        if in_flight_done:
-            self._fences.clear()
+        check_unique_keys("keys", keys)
+        remote = self._require_remote()
+        picked = [(key, e) for key in keys if eligible_for_put(e := self._entries.get(key)) and e is not None]
+        for key, entry in picked:
+            hold_for_put(self._host, key, entry)
+        plan_id = next(_PLAN_IDS)
+        if picked:
+            remote.puts[plan_id] = [key for key, _ in picked]
+        self._n.remote_puts_planned += len(picked)
+        return RemotePutPlan(
+            self._owner, plan_id, self._epoch, tuple(k for k, _ in picked),
+            tuple(remote.namespace + k for k, _ in picked), tuple(e.host for _, e in picked),
+        )
+
+    def complete_remote_put(self, plan: RemotePutPlan, ok: bool) -> None:
+        """Release the host copies ``plan`` held; with ``ok`` the store holds its keys (this manager
+        never puts them again). A plan from before the last :meth:`reset` only unfences its blocks.
+
+        Raises:
+            ArgumentTypeError: ``plan`` is not a RemotePutPlan or ``ok`` not a bool.
+            InvalidArgumentError: ``plan`` was prepared by another manager, or no remote index.
+            KeyStateError: the plan was already completed.
+        """
+        self._check_plan(plan, RemotePutPlan, ok)
+        remote = self._require_remote()
+        if plan.epoch != self._epoch:
+            self._complete_stale(plan.plan_id, FenceKind.PUT, plan.keys)
+            return
+        keys = remote.puts.pop(plan.plan_id, None)
+        if keys is None:
+            if plan.keys:
+                raise KeyStateError(f"remote put plan {plan.plan_id} was already completed")
+            return
+        for key in keys:
+            release_put(self._host, key, self._entries[key], ok)
+        if ok:
+            self._n.remote_puts_completed += len(keys)
         else:
-            for plan_id, copies in self._stores.items():  # every pending copy is in its plan's record
-                for key, entry in zip(copies.keys, copies.host):
-                    if entry.host_state is PENDING and entry.host_plan == plan_id:
-                        self._fence((plan_id, FenceKind.STORE, key), [(host, entry.host)])
-                for demotion, entry in zip(copies.demotions, copies.disk):
-                    if entry.disk_state is PENDING and entry.disk_plan == plan_id:
-                        assert disk is not None  # a pending demotion exists only with a disk tier
-                        holds = [(disk, entry.disk), (host, entry.demote_src)]
-                        self._fence((plan_id, FenceKind.DEMOTE, demotion.key), holds)
-            for plan_id, outstanding in self._loads.items():
-                for key, tier in outstanding.items():
-                    entry = entries[key]
-                    pool, block = (host, entry.host) if tier is HOST else (disk, entry.disk)
-                    assert pool is not None  # a disk load exists only with a disk tier
-                    self._fence((plan_id, FenceKind.LOAD, key), [(pool, block)])
-        fenced: dict[Pool, dict[int, int]] = {host: {}}
-        if disk is not None:
-            fenced[disk] = {}
-        for holds in self._fences.values():
-            for pool, block in holds:
-                fenced[pool][block] = fenced[pool].get(block, 0) + 1
-        host.reset(fenced[host])
-        if disk is not None:
-            disk.reset(fenced[disk])
-        entries.clear()
-        self._ready.clear()
-        self._stores.clear()
-        self._loads.clear()
-        self._epoch += 1
-        self._n.resets += 1
+            self._n.remote_puts_failed += len(keys)
 
-    # ----------------------------------------------------------------- helpers
-
-    def _check_plan(self, plan: object, kind: type[StorePlan] | type[LoadPlan], ok: object) -> None:
-        """Validate a completion's plan and ``ok`` (before its keys)."""
-        if not isinstance(plan, kind):
-            raise ArgumentTypeError(
-                f"plan = {plan!r:.80} is a {type(plan).__name__}; expected a {kind.__name__}"
-            )
-        if plan.owner != self._owner:
-            raise InvalidArgumentError(f"plan {plan.plan_id} was prepared by another Manager")
-        if not isinstance(ok, bool):
-            raise ArgumentTypeError(f"ok = {ok!r} is a {type(ok).__name__}; it must be a bool")
-
-    def _evict(self, pool: Pool, victims: list[bytes], found: list[Entry]) -> None:
-        """Evict ``victims`` (checked, with their entries ``found``) from ``pool``: ``REMOVED`` events.
-        See :meth:`_forget` for the rest."""
-        evict_entries(pool, victims, found)
-        if self._record_events:
-            self._events += events_of(REMOVED, victims, pool.tier)
-
-    def _forget(self, keys: Sequence[bytes], found: list[Entry]) -> None:
-        """Drop the entries (``found``) of ``keys`` left with no copy; keep ``_ready`` exact for them."""
-        entries = self._entries
-        still_ready: list[bytes] = []
-        for key, entry in zip(keys, found):
-            if entry.host_state is None and entry.disk_state is None:
-                del entries[key]
-            elif entry.host_state is READY or entry.disk_state is READY:
-                still_ready.append(key)
-        self._ready.difference_update(keys)
-        if still_ready:
-            self._ready.update(still_ready)
-
-    def _drop_failed_disk_copy(self, key: bytes, entry: Entry) -> None:
-        """Free the disk block of a copy a load found damaged, once no load holds it."""
-        disk = self._disk
-        assert disk is not None
-        disk.policy.evict(key)
-        disk.free.append(entry.disk)
-        entry.disk_state = None
-        self._n.disk_copies_dropped += 1
-        if self._record_events:
-            self._events.append(BlockEvent(REMOVED, key, DISK))
-        self._forget([key], [entry])
-
-    def _fence(self, key: FenceKey, holds: list[tuple[Pool, int]]) -> None:
-        self._fences.setdefault(key, []).extend(holds)
-
-    def _complete_stale(self, plan_id: int, what: FenceKind, keys: Iterable[bytes]) -> None:
-        """A completion from an earlier epoch: release the blocks it fenced, change nothing else."""
-        release_fenced(self._fences, plan_id, what, keys)
-        self._n.stale_completions += 1
+    def _require_remote(self) -> RemoteLink:
+        if self._remote is None:
+            raise InvalidArgumentError("the manager has no remote index: Manager.create(..., remote=...)")
+        return self._remote

@@ -11,9 +11,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 from typing import Final, Protocol
 
-from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
+from kvoffload.errors import ArgumentTypeError, InvalidArgumentError, UnknownPolicyError
 
-__all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "PolicyFactory"]
+__all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "PolicyFactory", "resolve_policy"]
 
 
 class EvictionPolicy(Protocol):
@@ -260,3 +260,21 @@ class ARCPolicy:
 
 
 POLICY_NAMES: Final[dict[str, PolicyFactory]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def resolve_policy(policy: object) -> tuple[PolicyFactory, str]:
+    """The factory and name of a Manager's ``policy`` argument: a name in :data:`POLICY_NAMES` or a
+    factory ``capacity -> EvictionPolicy``.
+
+    Raises:
+        UnknownPolicyError: a name that is not in :data:`POLICY_NAMES`.
+        ArgumentTypeError: neither a name nor a callable.
+    """
+    if isinstance(policy, str):
+        factory = POLICY_NAMES.get(policy)
+        if factory is None:
+            raise UnknownPolicyError(f"policy = {policy!r} is not one of {sorted(POLICY_NAMES)}")
+        return factory, policy
+    if callable(policy):
+        return policy, getattr(policy, "__name__", type(policy).__name__)
+    raise ArgumentTypeError(f"policy = {policy!r} must be a policy name or a factory")

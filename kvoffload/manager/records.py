@@ -23,6 +23,7 @@ __all__ = [
     "EventKind",
     "LoadPlan",
     "ManagerStats",
+    "RemotePutPlan",
     "StorePlan",
     "Tier",
     "TierStats",
@@ -69,10 +70,12 @@ def namespace_prefix(fingerprint: bytes) -> bytes:
 
 
 class Tier(enum.Enum):
-    """Where a copy of a block lives."""
+    """Where a copy of a block lives. ``REMOTE``: the remote store shared by engine instances (a
+    :class:`LoadPlan` entry of this tier is read into a host block first)."""
 
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 class EventKind(enum.Enum):
@@ -147,7 +150,9 @@ class StorePlan:
 class LoadPlan:
     """What one ``prepare_load`` decided: ``keys``, ``tiers`` and ``blocks`` are co-indexed.
 
-    ``blocks[i]`` is a host block when ``tiers[i]`` is ``Tier.HOST`` and a disk block otherwise.
+    ``blocks[i]`` is a host block when ``tiers[i]`` is ``Tier.HOST``, a disk block when it is
+    ``Tier.DISK``; for ``Tier.REMOTE`` it is the host block the record is read into
+    (``Worker.get_remote`` of ``Manager.namespaced(keys[i])``) before it is loaded from there.
     """
 
     owner: int
@@ -156,6 +161,22 @@ class LoadPlan:
     keys: tuple[bytes, ...]
     tiers: tuple[Tier, ...]
     blocks: tuple[int, ...]
+
+
+@attrs.frozen
+class RemotePutPlan:
+    """What one ``prepare_remote_put`` decided: write the host blocks of ``keys`` to the remote store.
+
+    ``remote_keys[i]`` is the name to store ``keys[i]`` under (``Manager.namespaced``), and
+    ``host_blocks[i]`` its host block, held (not evictable) until ``complete_remote_put``.
+    """
+
+    owner: int
+    plan_id: int
+    epoch: int
+    keys: tuple[bytes, ...]
+    remote_keys: tuple[bytes, ...]
+    host_blocks: tuple[int, ...]
 
 
 @attrs.frozen
@@ -180,7 +201,9 @@ class ManagerStats:
     """A snapshot of a manager. Counters (all but ``host``/``disk``/``epoch``) survive ``reset``.
 
     ``lookup_keys`` counts keys passed to ``lookup``; ``lookup_hits`` the keys of the returned
-    prefixes. Store, load, eviction and demotion counters count keys (blocks), not calls.
+    prefixes (``remote_lookup_hits`` of them found in the remote store; ``remote_lookup_errors``
+    counts existence checks that failed or passed their deadline, whose keys counted as misses).
+    Store, load, eviction, demotion and remote counters count keys (blocks), not calls.
     """
 
     policy: str
@@ -204,6 +227,15 @@ class ManagerStats:
     demotions_failed: int
     stale_completions: int
     resets: int
+    remote_lookup_keys: int = 0
+    remote_lookup_hits: int = 0
+    remote_lookup_errors: int = 0
+    remote_loads_planned: int = 0
+    remote_loads_completed: int = 0
+    remote_loads_failed: int = 0
+    remote_puts_planned: int = 0
+    remote_puts_completed: int = 0
+    remote_puts_failed: int = 0
 
     @property
     def hit_rate(self) -> float:

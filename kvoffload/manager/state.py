@@ -56,13 +56,17 @@ REMOVED: Final = EventKind.REMOVED
 STORE_FAILED: Final = EventKind.STORE_FAILED
 HOST: Final = Tier.HOST
 DISK: Final = Tier.DISK
+REMOTE: Final = Tier.REMOTE
 NO_KEYS: Final[frozenset[bytes]] = frozenset()
 
 
 class Entry:
-    """Per-key state in both tiers; ``None`` state means no copy in that tier.
+    """Per-key state in the local tiers; ``None`` state means no copy in that tier. ``remote``: the
+    remote store holds the key (this manager put it, or read it from there); ``putting``: a remote
+    put of its host copy is outstanding.
 
-    ``prepare_store`` creates one for a new key, with its host copy pending for that plan.
+    ``prepare_store`` creates one for a new key, with its host copy pending for that plan;
+    ``prepare_load`` for a key read from the remote store, likewise.
     """
 
     __slots__ = (
@@ -75,6 +79,8 @@ class Entry:
         "host_plan",
         "host_refs",
         "host_state",
+        "putting",
+        "remote",
     )
 
     def __init__(self, host: int, plan_id: int) -> None:
@@ -87,6 +93,8 @@ class Entry:
         self.disk_plan = 0
         self.disk_refs = 0
         self.demote_src = -1  # host block a pending demotion reads; fenced at reset
+        self.remote = False  # the remote store holds the key (put by this manager, or read from it)
+        self.putting = False  # a remote put of the host copy is outstanding
 
 
 class PlanCopies:
@@ -159,6 +167,7 @@ class FenceKind(enum.Enum):
     STORE = "store"
     DEMOTE = "demote"
     LOAD = "load"
+    PUT = "put"
 
 
 FenceKey = tuple[int, FenceKind, bytes]  # (plan_id, what the plan does, key)
@@ -328,6 +337,15 @@ class Counts:
     demotions_failed: int = 0
     stale_completions: int = 0
     resets: int = 0
+    remote_lookup_keys: int = 0
+    remote_lookup_hits: int = 0
+    remote_lookup_errors: int = 0
+    remote_loads_planned: int = 0
+    remote_loads_completed: int = 0
+    remote_loads_failed: int = 0
+    remote_puts_planned: int = 0
+    remote_puts_completed: int = 0
+    remote_puts_failed: int = 0
 
     def snapshot(self, policy: str, epoch: int, host: TierStats, disk: TierStats) -> ManagerStats:
         """The counters with the tiers' states, as the manager's statistics."""

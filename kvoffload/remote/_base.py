@@ -1,6 +1,6 @@
-"""The machinery every remote store shares: validation, the lane, checksums, verification, close.
+"""The machinery every remote store shares: the calls, checksums, verification, deadlines, close.
 
-A store owns one *lane* thread that makes every call into the store client, one after the other,
+A store owns one *lane* thread (:mod:`kvoffload.remote._lane`) that makes every call into the store client, one after the other,
 and a small pool of checksum threads; it borrows the host rows (``uint8[n, record_bytes]``) from its
 creator. Callers submit a call from any thread and wait for it until the call's deadline:
 
@@ -9,20 +9,22 @@ creator. Callers submit a call from any thread and wait for it until the call's 
   of the lane, in two slots, so the client sends chunk k while chunk k+1 is prepared; the lane
   hands each chunk to the client;
 * get: the lane fetches chunk k into the header pages and the host rows while the checksum threads
-  verify chunk k-1 (:func:`~kvoffload.remote._record.check_record`); a key that failed anywhere has
-  its host row zero-filled before the call returns;
+  verify chunk k-1 (:func:`kvoffload._record.verify_record`, the check every tier's records get);
+  a key that failed anywhere has its host row zero-filled before the call returns;
 * exists and remove: chunks of keys, no checksums.
 
 Deadlines: the lane checks the deadline before each chunk and fails the keys of the chunks not yet
 started (``timeout``, settled: the client never saw them). A caller whose deadline passes while the
 lane is still inside the client gets every key failed with ``timeout`` and ``settled=False``: the
 client may still read (put) or write (get) the call's rows until :meth:`RemoteStoreBase.wait_idle`
-says the store is idle; when such a get returns, the lane zero-fills all its rows. A call not yet
-started at its deadline is dropped from the queue (settled).
+says the store is idle, or until the call's ``on_settled`` was called (on the lane, once the client
+returned it); when such a get returns, the lane zero-fills all its rows before ``on_settled``. A call
+not yet started at its deadline is dropped from the queue (settled).
 
 Close contract: mark closed (later calls raise :class:`~kvoffload.errors.ClosedError`); calls already
 queued run (each bounded by its own deadline) unless the close deadline passes first, when the calls
-not started are failed (``closed``). The lane is joined with the deadline; only when it stopped are
+not started are failed (``closed``) and the caller of a call still inside the client stops waiting
+(its result is unsettled, as at its own deadline). The lane is joined with the deadline; only when it stopped are
 the client's registrations released and the client closed, exactly once. A lane still inside the
 client keeps the client open for the rest of the process (closing it under a running call could let
 the call touch freed memory): the lane releases it when that call returns, and the
@@ -32,67 +34,40 @@ idempotent; no cleanup in ``__del__``.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import enum
-import math
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.errors import (
-    ArgumentTypeError,
-    ClosedError,
-    DuplicateKeyError,
-    InvalidArgumentError,
-    InvalidBlockIdError,
-    BlockIdTypeError,
-    KeyTypeError,
-    RemoteError,
-    RemoteShutdownError,
-    RemoteTimeoutError,
-)
-from kvoffload.remote._record import (
-    MAX_FINGERPRINT_BYTES,
-    MAX_KEY_BYTES,
-    PAGE_BYTES,
-    check_record,
-    pack_header,
-    payload_crc,
-)
+from kvoffload import _record as record
+from kvoffload.errors import ArgumentTypeError, ClosedError, RemoteShutdownError, RemoteTimeoutError
+from kvoffload.remote._args import as_generations, as_keys, as_rows, as_timeout
+from kvoffload.remote._lane import Lane, Op, OpState
 from kvoffload.remote._types import (
     RemoteErrorKind,
     RemoteOp,
     RemoteResult,
     RemoteStats,
     frozen_counts,
-    remote_error,
 )
 
 __all__ = [
-    "DEFAULT_BATCH_RECORDS",
     "DEFAULT_CLOSE_TIMEOUT_S",
+    "HEADER_SLOTS",
+    "OK",
     "ChunkStatus",
     "RemoteStoreBase",
     "StoreClient",
-    "as_host_rows",
-    "as_timeout",
 ]
 
 U8Array = npt.NDArray[np.uint8]
 I64Array = npt.NDArray[np.int64]
 
-#: Records per client call unless configured.
-DEFAULT_BATCH_RECORDS: Final = 32
-MAX_BATCH_RECORDS: Final = 4096
-DEFAULT_CHECKSUM_THREADS: Final = 2
-MAX_CHECKSUM_THREADS: Final = 64
 DEFAULT_CLOSE_TIMEOUT_S: Final = 10.0
 #: Chunks of header pages: the client moves one while the checksum threads prepare the next.
 HEADER_SLOTS: Final = 2
@@ -144,186 +119,6 @@ class StoreClient(Protocol):
         ...
 
 
-# ---------------------------------------------------------------------------------- validation
-
-
-def as_timeout(value: object, name: str = "timeout") -> float:
-    """A finite, non-negative number of seconds (every wait has a deadline).
-
-    Raises:
-        ArgumentTypeError: not a number; InvalidArgumentError: negative, NaN or infinite.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{name} must be a number of seconds, got {value!r}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidArgumentError(f"{name} = {value!r} must be finite and >= 0 seconds")
-    return seconds
-
-
-def as_host_rows(rows: object) -> U8Array:
-    """The host rows as a ``uint8[n, record_bytes]`` numpy view (no copy).
-
-    Accepts a numpy array or a CPU torch tensor (pinned or not) of that shape and dtype, C-contiguous,
-    with ``record_bytes`` a positive multiple of 4096.
-
-    Raises:
-        ArgumentTypeError: another type or dtype; InvalidArgumentError: another shape, not
-        contiguous, or a record size that is not a positive multiple of 4096.
-    """
-    array: Any = rows
-    if type(rows).__module__.startswith("torch"):
-        if getattr(rows, "device", None) is None or str(getattr(rows, "device")) != "cpu":
-            raise ArgumentTypeError(f"host_rows must be a CPU tensor, got one on {getattr(rows, 'device', '?')}")
-        array = rows.numpy()  # type: ignore[attr-defined]
-    if not isinstance(array, np.ndarray):
-        raise ArgumentTypeError(
-            f"host_rows must be a numpy array or a CPU torch tensor, got {type(rows).__name__}"
-        )
-    if array.dtype != np.uint8:
-        raise ArgumentTypeError(f"host_rows must have dtype uint8, got {array.dtype}")
-    if array.ndim != 2 or array.shape[0] < 1:
-        raise InvalidArgumentError(f"host_rows must be 2-D [num_rows >= 1, record_bytes], got shape {array.shape}")
-    if not array.flags.c_contiguous:
-        raise InvalidArgumentError("host_rows must be C-contiguous (one record per row, back to back)")
-    record_bytes = int(array.shape[1])
-    if record_bytes % PAGE_BYTES:
-        raise InvalidArgumentError(
-            f"host_rows has {record_bytes} bytes per row; a host record is a multiple of {PAGE_BYTES}"
-        )
-    return array
-
-
-def _as_int(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
-    if not low <= int(value) <= high:
-        raise InvalidArgumentError(f"{name} = {value} must be in [{low}, {high}]")
-    return int(value)
-
-
-def check_common(batch_records: object, checksum_threads: object) -> tuple[int, int]:
-    """Check the options every store shares; returns them as ints."""
-    return (
-        _as_int("batch_records", batch_records, 1, MAX_BATCH_RECORDS),
-        _as_int("checksum_threads", checksum_threads, 1, MAX_CHECKSUM_THREADS),
-    )
-
-
-def _as_keys(keys: object, *, unique: bool) -> list[bytes]:
-    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
-        raise KeyTypeError(f"keys must be a sequence of bytes (one per record), got {type(keys).__name__}")
-    out: list[bytes] = []
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes):
-            raise KeyTypeError(f"keys[{i}] = {key!r} is a {type(key).__name__}, not bytes")
-        if not 1 <= len(key) <= MAX_KEY_BYTES:
-            raise InvalidArgumentError(f"keys[{i}] has {len(key)} bytes; a key has 1..{MAX_KEY_BYTES}")
-        out.append(key)
-    if unique and len(set(out)) != len(out):
-        seen: set[bytes] = set()
-        for i, key in enumerate(out):
-            if key in seen:
-                raise DuplicateKeyError(f"keys[{i}] = {key!r} appears twice in one call")
-            seen.add(key)
-    return out
-
-
-def _as_rows(rows: object, count: int, limit: int, *, unique: bool) -> I64Array:
-    if isinstance(rows, (bytes, bytearray, str)):
-        raise BlockIdTypeError(f"rows must be a sequence of ints, got {type(rows).__name__}")
-    if isinstance(rows, np.ndarray):
-        if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
-            raise BlockIdTypeError(f"rows must be a 1-D integer array, got {rows.dtype} of shape {rows.shape}")
-        out = rows.astype(np.int64, copy=True)
-    elif isinstance(rows, Sequence):
-        for i, row in enumerate(rows):
-            if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-                raise BlockIdTypeError(f"rows[{i}] = {row!r} is not an int")
-        out = np.array([int(r) for r in rows], dtype=np.int64)
-    else:
-        raise BlockIdTypeError(f"rows must be a sequence of ints, got {type(rows).__name__}")
-    if out.shape[0] != count:
-        raise InvalidBlockIdError(f"rows has {out.shape[0]} entries but keys has {count}")
-    bad = np.flatnonzero((out < 0) | (out >= limit))
-    if bad.size:
-        i = int(bad[0])
-        raise InvalidBlockIdError(f"rows[{i}] = {int(out[i])} is out of range (the host rows are {limit})")
-    if unique and np.unique(out).shape[0] != count:
-        _, first = np.unique(out, return_index=True)
-        i = int(np.setdiff1d(np.arange(count), first)[0])
-        raise InvalidBlockIdError(f"rows[{i}] = {int(out[i])} appears twice (one get writes a row once)")
-    return out
-
-
-def _as_generations(generations: object, count: int) -> list[int | None]:
-    if generations is None:
-        return [None] * count
-    if isinstance(generations, (bytes, str)) or not isinstance(generations, Sequence):
-        raise ArgumentTypeError(f"generations must be None or a sequence of int | None, got {type(generations).__name__}")
-    if len(generations) != count:
-        raise InvalidArgumentError(f"generations has {len(generations)} entries but keys has {count}")
-    out: list[int | None] = []
-    for i, g in enumerate(generations):
-        if g is None:
-            out.append(None)
-            continue
-        out.append(_as_int(f"generations[{i}]", g, 1, 2**64 - 1))
-    return out
-
-
-def check_fingerprint(fingerprint: object) -> bytes:
-    """The layout fingerprint as UTF-8 bytes (1..MAX_FINGERPRINT_BYTES)."""
-    if not isinstance(fingerprint, str):
-        raise ArgumentTypeError(f"fingerprint must be a str (DeviceLayout.fingerprint), got {type(fingerprint).__name__}")
-    encoded = fingerprint.encode()
-    if not 1 <= len(encoded) <= MAX_FINGERPRINT_BYTES:
-        raise InvalidArgumentError(f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes of UTF-8, got {len(encoded)}")
-    return encoded
-
-
-# ---------------------------------------------------------------------------------------- ops
-
-
-class _State(enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-    CANCELLED = "cancelled"
-    ABANDONED = "abandoned"
-
-
-class _Op:
-    """One call: its inputs, its per-key outcome and its state (guarded by the store's lock)."""
-
-    def __init__(
-        self,
-        kind: RemoteOp,
-        keys: list[bytes],
-        rows: I64Array | None,
-        deadline: float,
-        generations: list[int | None] | None = None,
-    ) -> None:
-        n = len(keys)
-        self.kind = kind
-        self.keys = keys
-        self.rows = rows
-        self.deadline = deadline
-        self.expected = generations
-        self.state = _State.PENDING
-        self.done = threading.Event()
-        self.succeeded = [False] * n
-        self.errors: list[RemoteError | None] = [None] * n
-        self.generations = [0] * n
-        self.nbytes = 0
-        self.put_generations: list[int] = []
-        self.settled = True
-
-    def fail(self, i: int, kind: RemoteErrorKind, message: str, code: int | None = None) -> None:
-        self.succeeded[i] = False
-        self.errors[i] = remote_error(kind, f"key {self.keys[i]!r}: {message}", (self.keys[i],), code=code)
-
-
 class RemoteStoreBase:
     """The shared part of a remote store (see the module docstring for the threads and contracts).
 
@@ -341,7 +136,7 @@ class RemoteStoreBase:
         fingerprint: bytes,
         batch_records: int,
         checksum_threads: int,
-        lane: _Lane,
+        lane: Lane,
     ) -> None:
         self._client = client
         self._rows: U8Array | None = host_rows
@@ -372,7 +167,7 @@ class RemoteStoreBase:
 
     @property
     def record_bytes(self) -> int:
-        """Bytes of one host record (a stored record is ``PAGE_BYTES`` more)."""
+        """Bytes of one host record (a stored record is ``record.PAGE_BYTES`` more)."""
         return self._record_bytes
 
     @property
@@ -385,22 +180,31 @@ class RemoteStoreBase:
         """The layout fingerprint written into, and required from, every record."""
         return self._fingerprint.decode()
 
-    def put(self, keys: Sequence[bytes], rows: Sequence[int] | I64Array, *, timeout: float) -> RemoteResult:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        rows: Sequence[int] | I64Array,
+        *,
+        timeout: float,
+        on_settled: Callable[[], None] | None = None,
+    ) -> RemoteResult:
         """Store the host rows ``rows[i]`` as records under ``keys[i]``, within ``timeout`` seconds.
 
         Each record gets a new generation (increasing in this process, from the wall clock). A key
         that already holds a record keeps it (the first writer wins; the key still counts as
         succeeded). The rows are only read; they must not change until the call returns (and, for
-        an unsettled result, until ``wait_idle``). Store failures are in the result, never raised.
+        an unsettled result, until ``wait_idle`` or ``on_settled``). ``on_settled`` is called only
+        for an unsettled result, on the lane thread, once the client returned the call (it must not
+        block). Store failures are in the result, never raised.
 
         Raises:
             KeyTypeError, DuplicateKeyError, InvalidArgumentError, InvalidBlockIdError,
             BlockIdTypeError, ArgumentTypeError: bad arguments (nothing was submitted).
             ClosedError: after ``close``.
         """
-        key_list = _as_keys(keys, unique=True)
-        row_ids = _as_rows(rows, len(key_list), self._num_rows, unique=False)
-        op = self._make_op(RemoteOp.PUT, key_list, row_ids, timeout, None)
+        key_list = as_keys(keys, unique=True)
+        row_ids = as_rows(rows, len(key_list), self._num_rows, unique=False)
+        op = self._make_op(RemoteOp.PUT, key_list, row_ids, timeout, None, on_settled)
         op.put_generations = self._new_generations(len(key_list))
         return self._submit(op)
 
@@ -411,23 +215,26 @@ class RemoteStoreBase:
         *,
         timeout: float,
         generations: Sequence[int | None] | None = None,
+        on_settled: Callable[[], None] | None = None,
     ) -> RemoteResult:
         """Read the records under ``keys[i]`` into host rows ``rows[i]`` and verify every one.
 
         ``generations[i]`` (optional) is the generation the caller expects for key i (None: any).
         A key that succeeded has its row holding the verified host record; the row of every key
         that failed (missing, not verified, not read in time, store error) is zero-filled, never
-        left with a partial or foreign record. Store failures are in the result, never raised.
+        left with a partial or foreign record: at the return, or, for an unsettled result, once the
+        client returned the call, before ``on_settled`` is called (as for :meth:`put`). Store
+        failures are in the result, never raised.
 
         Raises:
             KeyTypeError, DuplicateKeyError, InvalidArgumentError, InvalidBlockIdError (a row named
             twice, out of range), BlockIdTypeError, ArgumentTypeError: bad arguments (nothing was
             submitted). ClosedError: after ``close``.
         """
-        key_list = _as_keys(keys, unique=True)
-        row_ids = _as_rows(rows, len(key_list), self._num_rows, unique=True)
-        expected = _as_generations(generations, len(key_list))
-        return self._submit(self._make_op(RemoteOp.GET, key_list, row_ids, timeout, expected))
+        key_list = as_keys(keys, unique=True)
+        row_ids = as_rows(rows, len(key_list), self._num_rows, unique=True)
+        expected = as_generations(generations, len(key_list))
+        return self._submit(self._make_op(RemoteOp.GET, key_list, row_ids, timeout, expected, on_settled))
 
     def exists(self, keys: Sequence[bytes], *, timeout: float) -> RemoteResult:
         """Which keys the store holds a record under (``succeeded[i]``), without reading them.
@@ -437,7 +244,7 @@ class RemoteStoreBase:
         Raises:
             KeyTypeError, InvalidArgumentError, ArgumentTypeError: bad arguments. ClosedError.
         """
-        key_list = _as_keys(keys, unique=False)
+        key_list = as_keys(keys, unique=False)
         return self._submit(self._make_op(RemoteOp.EXISTS, key_list, None, timeout, None))
 
     def remove(self, keys: Sequence[bytes], *, timeout: float) -> RemoteResult:
@@ -446,7 +253,7 @@ class RemoteStoreBase:
         Raises:
             KeyTypeError, InvalidArgumentError, ArgumentTypeError: bad arguments. ClosedError.
         """
-        key_list = _as_keys(keys, unique=False)
+        key_list = as_keys(keys, unique=False)
         return self._submit(self._make_op(RemoteOp.REMOVE, key_list, None, timeout, None))
 
     def wait_idle(self, timeout: float) -> bool:
@@ -471,7 +278,7 @@ class RemoteStoreBase:
                 records_put=self._records_put, records_got=self._records_got,
                 bytes_put=self._bytes_put, bytes_got=self._bytes_got,
                 failures=frozen_counts(self._failures), abandoned=self._abandoned,
-                busy=int(self._lane.running is not None and self._lane.running.state is _State.ABANDONED),
+                busy=int(self._lane.running is not None and self._lane.running.state is OpState.ABANDONED),
                 closed=self._closed,
             )
 
@@ -542,11 +349,14 @@ class RemoteStoreBase:
         rows: I64Array | None,
         timeout: float,
         expected: list[int | None] | None,
-    ) -> _Op:
+        on_settled: Callable[[], None] | None = None,
+    ) -> Op:
         seconds = as_timeout(timeout)
+        if on_settled is not None and not callable(on_settled):
+            raise ArgumentTypeError(f"on_settled = {on_settled!r} must be callable or None")
         if self._closed:
             raise ClosedError(f"the {self.backend} store is closed")
-        return _Op(kind, keys, rows, time.monotonic() + seconds, expected)
+        return Op(kind, keys, rows, time.monotonic() + seconds, expected, on_settled)
 
     def _new_generations(self, count: int) -> list[int]:
         with self._lock:
@@ -554,7 +364,7 @@ class RemoteStoreBase:
             self._last_generation = first + count - 1
         return list(range(first, first + count))
 
-    def _submit(self, op: _Op) -> RemoteResult:
+    def _submit(self, op: Op) -> RemoteResult:
         start = time.monotonic()
         if not op.keys:
             return self._result(op, start)
@@ -562,15 +372,15 @@ class RemoteStoreBase:
         op.done.wait(max(0.0, op.deadline - time.monotonic()))
         with self._lock:
             self._calls += 1
-            if op.state is _State.DONE:
+            if op.state is OpState.DONE:
                 pass
-            elif op.state is _State.PENDING:
-                op.state = _State.CANCELLED
+            elif op.state is OpState.PENDING:
+                op.state = OpState.CANCELLED
                 self._lane.drop(op)
                 self._fail_all(op, settled=True)
                 self._zero_failed(op)  # never started: nothing else touches its rows
-            elif op.state is _State.RUNNING:
-                op.state = _State.ABANDONED
+            elif op.state is OpState.RUNNING:
+                op.state = OpState.ABANDONED
                 self._abandoned += 1
                 self._fail_all(op, settled=False)
             self._count(op)
@@ -580,18 +390,19 @@ class RemoteStoreBase:
         if self._closed:
             raise ClosedError(f"the {self.backend} store is closed")
 
-    def _fail_all(self, op: _Op, *, settled: bool) -> None:
+    def _fail_all(self, op: Op, *, settled: bool) -> None:
         where = "before the store client started it" if settled else "while the store client was running it"
+        what = "the store's close deadline" if time.monotonic() < op.deadline else f"the {op.kind.value} deadline"
         for i, key in enumerate(op.keys):
             op.succeeded[i] = False
             op.generations[i] = 0
             op.errors[i] = RemoteTimeoutError(
-                f"key {key!r}: the {op.kind.value} deadline passed {where}", keys=(key,), settled=settled
+                f"key {key!r}: {what} passed {where}", keys=(key,), settled=settled
             )
         op.nbytes = 0
         op.settled = settled
 
-    def _count(self, op: _Op) -> None:
+    def _count(self, op: Op) -> None:
         ok = sum(op.succeeded) if op.kind in (RemoteOp.PUT, RemoteOp.GET) else 0
         if op.kind is RemoteOp.PUT:
             self._records_put += ok
@@ -603,7 +414,7 @@ class RemoteStoreBase:
             if error is not None:
                 self._failures[error.kind] = self._failures.get(error.kind, 0) + 1
 
-    def _result(self, op: _Op, start: float) -> RemoteResult:
+    def _result(self, op: Op, start: float) -> RemoteResult:
         return RemoteResult(
             op=op.kind, succeeded=tuple(op.succeeded), errors=tuple(op.errors),
             generations=tuple(op.generations), nbytes=op.nbytes,
@@ -612,7 +423,7 @@ class RemoteStoreBase:
 
     # --------------------------------------------------------------------------- lane side
 
-    def _run(self, op: _Op) -> None:
+    def _run(self, op: Op) -> None:
         """Run one op on the lane (the state is RUNNING); never raises."""
         try:
             if op.kind is RemoteOp.PUT:
@@ -627,12 +438,12 @@ class RemoteStoreBase:
                     op.fail(i, RemoteErrorKind.REJECTED, f"internal error: {type(exc).__name__}: {exc}")
         if op.kind is RemoteOp.GET:
             self._zero_failed(op)
-        op.nbytes = sum(op.succeeded) * (PAGE_BYTES + self._record_bytes) if op.kind in (RemoteOp.PUT, RemoteOp.GET) else 0
+        op.nbytes = sum(op.succeeded) * (record.PAGE_BYTES + self._record_bytes) if op.kind in (RemoteOp.PUT, RemoteOp.GET) else 0
 
     def _chunks(self, n: int) -> list[range]:
         return [range(i, min(i + self._batch, n)) for i in range(0, n, self._batch)]
 
-    def _late(self, op: _Op, chunks: list[range], first: int) -> bool:
+    def _late(self, op: Op, chunks: list[range], first: int) -> bool:
         """Fail the keys of chunks ``first..`` when the deadline passed (they never started)."""
         if time.monotonic() < op.deadline:
             return False
@@ -641,7 +452,7 @@ class RemoteStoreBase:
                 op.fail(i, RemoteErrorKind.TIMEOUT, f"the {op.kind.value} deadline passed before it started")
         return True
 
-    def _call(self, op: _Op, chunk: range, fn: Callable[[], list[ChunkStatus]]) -> list[ChunkStatus]:
+    def _call(self, op: Op, chunk: range, fn: Callable[[], list[ChunkStatus]]) -> list[ChunkStatus]:
         try:
             statuses = fn()
         except Exception as exc:  # noqa: BLE001 - the client's own errors, mapped per store
@@ -654,20 +465,21 @@ class RemoteStoreBase:
         start = (k % HEADER_SLOTS) * self._batch
         return self._headers[start : start + size]
 
-    def _prepare(self, op: _Op, chunk: range, k: int) -> None:
+    def _prepare(self, op: Op, chunk: range, k: int) -> None:
         """Checksum thread: payload CRCs and header pages of put chunk ``k``, then the client's staging."""
         rows = self._rows
         assert rows is not None and op.rows is not None
         pages = self._page_slot(k, len(chunk))
         for j, i in enumerate(chunk):
             row = rows[int(op.rows[i])]
-            pack_header(
-                pages[j], key=op.keys[i], generation=op.put_generations[i], crc=payload_crc(row),
-                payload_bytes=self._record_bytes, fingerprint=self._fingerprint,
+            record.pack_header(
+                pages[j], file_id=0, block=0, generation=op.put_generations[i],
+                crc=record.payload_crc(row), payload_bytes=self._record_bytes, key=op.keys[i],
+                fingerprint=self._fingerprint,
             )
         self._client.prepare_put(k % HEADER_SLOTS, pages, op.rows[chunk.start : chunk.stop])
 
-    def _run_put(self, op: _Op) -> None:
+    def _run_put(self, op: Op) -> None:
         assert op.rows is not None
         chunks = self._chunks(len(op.keys))
         ready: dict[int, concurrent.futures.Future[None]] = {}
@@ -696,24 +508,25 @@ class RemoteStoreBase:
             for future in ready.values():  # never leave a checksum thread on the header pages
                 future.result()
 
-    def _verify(self, op: _Op, chunk: range, pages: U8Array) -> None:
+    def _verify(self, op: Op, chunk: range, pages: U8Array) -> None:
         """Checksum thread: verify the records of one get chunk that the client read."""
         rows = self._rows
         assert rows is not None and op.rows is not None and op.expected is not None
         for j, i in enumerate(chunk):
             if op.errors[i] is not None:
                 continue
-            check = check_record(
-                pages[j], rows[int(op.rows[i])], key=op.keys[i], fingerprint=self._fingerprint,
-                expected_generation=op.expected[i],
+            verdict = record.verify_record(
+                pages[j], rows[int(op.rows[i])],
+                record.Expected(payload_bytes=self._record_bytes, fingerprint=self._fingerprint,
+                                key=op.keys[i], generation=op.expected[i], require_checksum=True),
             )
-            if check.kind is None:
+            if verdict.fault is None:
                 op.succeeded[i] = True
-                op.generations[i] = check.generation
+                op.generations[i] = verdict.generation
             else:
-                op.fail(i, check.kind, check.message)
+                op.fail(i, _REMOTE_KINDS.get(verdict.fault, RemoteErrorKind.HEADER_INVALID), verdict.message)
 
-    def _run_get(self, op: _Op) -> None:
+    def _run_get(self, op: Op) -> None:
         assert op.rows is not None
         chunks = self._chunks(len(op.keys))
         checks: dict[int, concurrent.futures.Future[None]] = {}
@@ -734,7 +547,7 @@ class RemoteStoreBase:
             for future in checks.values():
                 future.result()
 
-    def _run_keys(self, op: _Op) -> None:
+    def _run_keys(self, op: Op) -> None:
         chunks = self._chunks(len(op.keys))
         for k, chunk in enumerate(chunks):
             if self._late(op, chunks, k):
@@ -747,7 +560,7 @@ class RemoteStoreBase:
                 else:
                     op.fail(i, status.kind, status.message, status.code)
 
-    def _zero_failed(self, op: _Op) -> None:
+    def _zero_failed(self, op: Op) -> None:
         rows = self._rows
         if rows is None or op.rows is None:
             return
@@ -755,134 +568,18 @@ class RemoteStoreBase:
             if not ok:
                 rows[int(op.rows[i])].fill(0)
 
-    def _finish(self, op: _Op) -> None:
+    def _finish(self, op: Op) -> None:
         """Lane, under the lock: the op returned from the client."""
-        if op.state is _State.ABANDONED and op.kind is RemoteOp.GET and self._rows is not None and op.rows is not None:
+        if op.state is OpState.ABANDONED and op.kind is RemoteOp.GET and self._rows is not None and op.rows is not None:
             for row in op.rows:  # the caller was told every key failed
                 self._rows[int(row)].fill(0)
 
 
-class _Lane:
-    """The thread that runs every client call of one store, in FIFO order, and its queue.
-
-    ``lock`` guards the queue, the running op and every op's state; ``cond`` (on the same lock)
-    wakes the lane and ``wait_idle``.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
-        self.queue: collections.deque[_Op] = collections.deque()
-        self.running: _Op | None = None
-        self._stopping = False
-        self._name = name
-        self._thread: threading.Thread | None = None
-        self._run: Callable[[_Op], None] | None = None
-        self._finish: Callable[[_Op], None] | None = None
-        self._on_exit: Callable[[], None] | None = None
-        self._exited = False
-
-    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run ``fn`` on a fresh thread before the lane starts (client set-up), with a deadline.
-
-        Returns its result, re-raises its exception, or raises ``TimeoutError`` (the thread is left
-        running as a daemon; what it creates is then never released).
-        """
-        box: list[Any] = []
-        errors: list[BaseException] = []
-
-        def target() -> None:
-            try:
-                box.append(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                errors.append(exc)
-
-        thread = threading.Thread(target=target, name=f"{self._name}-setup", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if thread.is_alive():
-            raise TimeoutError(f"{self._name}: set-up did not finish within {timeout:g} s")
-        if errors:
-            raise errors[0]
-        return box[0]
-
-    def start(self, run: Callable[[_Op], None]) -> None:
-        self._run = run
-        self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-        self._thread.start()
-
-    def bind_finish(self, finish: Callable[[_Op], None]) -> None:
-        self._finish = finish
-
-    def push(self, op: _Op, check: Callable[[], None]) -> None:
-        with self.cond:
-            check()
-            self.queue.append(op)
-            self.cond.notify_all()
-
-    def drop(self, op: _Op) -> None:
-        """Under the lock: remove a cancelled op from the queue."""
-        try:
-            self.queue.remove(op)
-        except ValueError:
-            pass
-        self.cond.notify_all()
-
-    def release_when_stopped(self, release: Callable[[], None]) -> bool:
-        """Have the lane call ``release`` as it exits; False, and nothing registered, if it exited."""
-        with self.cond:
-            if self._exited:
-                return True
-            self._on_exit = release
-            return False
-
-    def _loop(self) -> None:
-        assert self._run is not None
-        while True:
-            with self.cond:
-                while not self.queue and not self._stopping:
-                    self.cond.wait()
-                if not self.queue:
-                    self._exited = True
-                    on_exit, self._on_exit = self._on_exit, None
-                    self.cond.notify_all()
-                    break
-                op = self.queue.popleft()
-                if op.state is not _State.PENDING:
-                    self.cond.notify_all()
-                    continue
-                op.state = _State.RUNNING
-                self.running = op
-            self._run(op)
-            with self.cond:
-                if self._finish is not None:
-                    self._finish(op)
-                if op.state is _State.RUNNING:
-                    op.state = _State.DONE
-                self.running = None
-                op.done.set()
-                self.cond.notify_all()
-        if on_exit is not None:
-            on_exit()
-
-    def stop(self, deadline: float, cancelled: Callable[[_Op], None]) -> bool:
-        """Let the queued ops run until ``deadline``, then fail the rest (``closed``, each handed to
-        ``cancelled`` before its caller wakes); join the thread; True if it stopped."""
-        with self.cond:
-            self._stopping = True
-            self.cond.notify_all()
-            while (self.queue or self.running is not None) and time.monotonic() < deadline:
-                self.cond.wait(max(0.0, deadline - time.monotonic()))
-            for op in self.queue:
-                op.state = _State.CANCELLED
-                for i in range(len(op.keys)):
-                    op.fail(i, RemoteErrorKind.CLOSED, "the store was closed before the call started")
-                cancelled(op)
-                op.done.set()
-            self.queue.clear()
-            self.cond.notify_all()
-        thread = self._thread
-        if thread is None:
-            return True
-        thread.join(max(0.0, deadline - time.monotonic()))
-        return not thread.is_alive()
+#: The remote kind of each record fault (a record naming a disk block is not a remote record).
+_REMOTE_KINDS: Final = {
+    record.RecordFault.SIZE_MISMATCH: RemoteErrorKind.SIZE_MISMATCH,
+    record.RecordFault.FINGERPRINT_MISMATCH: RemoteErrorKind.FINGERPRINT_MISMATCH,
+    record.RecordFault.KEY_MISMATCH: RemoteErrorKind.KEY_MISMATCH,
+    record.RecordFault.GENERATION_MISMATCH: RemoteErrorKind.GENERATION_MISMATCH,
+    record.RecordFault.CHECKSUM_MISMATCH: RemoteErrorKind.CHECKSUM_MISMATCH,
+}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -21,7 +21,15 @@ from kvoffload.errors import (
     RemoteUnavailableError,
 )
 
-__all__ = ["RemoteErrorKind", "RemoteOp", "RemoteResult", "RemoteStats", "RemoteStore", "remote_error"]
+__all__ = [
+    "RemoteErrorKind",
+    "RemoteOp",
+    "RemoteResult",
+    "RemoteStats",
+    "RemoteStore",
+    "RemoteTierStats",
+    "remote_error",
+]
 
 
 class RemoteErrorKind(str, enum.Enum):
@@ -158,6 +166,32 @@ class RemoteStats:
     closed: bool
 
 
+@attrs.frozen
+class RemoteTierStats:
+    """Counters of a Worker's remote tier (its ``put_remote``/``get_remote`` jobs) since creation.
+
+    ``*_jobs`` count jobs submitted and ``failed_*_jobs`` those returned ``ok=False``;
+    ``records_*``/``bytes_*`` the records (and their payload bytes) of keys that succeeded;
+    ``failures`` counts failed keys per :class:`RemoteErrorKind` value (every kind is present), the
+    tier's own deadline misses included. ``held_jobs`` counts returned jobs whose store call was
+    abandoned at its deadline and has not returned yet: their host blocks stay booked (no job may
+    write them, nor read what a get still writes). ``store`` is the store's own snapshot.
+    """
+
+    put_jobs: int
+    get_jobs: int
+    failed_put_jobs: int
+    failed_get_jobs: int
+    records_put: int
+    records_got: int
+    bytes_put: int
+    bytes_got: int
+    failures: Mapping[str, int]
+    held_jobs: int
+    queued_jobs: int
+    store: RemoteStats
+
+
 def frozen_counts(counts: Mapping[str, int]) -> Mapping[str, int]:
     """A read-only copy of a counter dict."""
     return types.MappingProxyType(dict(counts))
@@ -175,7 +209,7 @@ class RemoteStore(Protocol):
     and calls after ``close`` (:class:`~kvoffload.errors.ClosedError`) raise. Calls may come from
     any thread; the caller must not let two calls in flight write one host row (or one read a row
     that another writes), and must leave the rows of an unsettled result alone until
-    ``wait_idle`` returned True.
+    ``wait_idle`` returned True or the call's ``on_settled`` was called.
     """
 
     @property
@@ -194,9 +228,15 @@ class RemoteStore(Protocol):
         ...
 
     def put(
-        self, keys: Sequence[bytes], rows: Sequence[int] | npt.NDArray[np.int64], *, timeout: float
+        self,
+        keys: Sequence[bytes],
+        rows: Sequence[int] | npt.NDArray[np.int64],
+        *,
+        timeout: float,
+        on_settled: Callable[[], None] | None = None,
     ) -> RemoteResult:
-        """Store host rows ``rows[i]`` under ``keys[i]`` (a key that holds a record keeps it)."""
+        """Store host rows ``rows[i]`` under ``keys[i]`` (a key that holds a record keeps it).
+        ``on_settled`` is called once the client returned a call whose result was unsettled."""
         ...
 
     def get(
@@ -206,9 +246,10 @@ class RemoteStore(Protocol):
         *,
         timeout: float,
         generations: Sequence[int | None] | None = None,
+        on_settled: Callable[[], None] | None = None,
     ) -> RemoteResult:
         """Read and verify the records under ``keys[i]`` into rows ``rows[i]``; a failed key's row
-        is zero-filled."""
+        is zero-filled (for an unsettled result: before ``on_settled`` is called)."""
         ...
 
     def exists(self, keys: Sequence[bytes], *, timeout: float) -> RemoteResult:

@@ -28,20 +28,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError, RemoteUnavailableError
-from kvoffload.remote._base import (
+from kvoffload._record import PAGE_BYTES
+from kvoffload.remote._args import (
     DEFAULT_BATCH_RECORDS,
     DEFAULT_CHECKSUM_THREADS,
-    HEADER_SLOTS,
-    OK,
-    ChunkStatus,
-    RemoteStoreBase,
-    _Lane,
     as_host_rows,
     as_timeout,
     check_common,
     check_fingerprint,
 )
-from kvoffload.remote._record import PAGE_BYTES
+from kvoffload.remote._base import HEADER_SLOTS, OK, ChunkStatus, RemoteStoreBase
+from kvoffload.remote._lane import Lane
 from kvoffload.remote._types import RemoteErrorKind
 
 __all__ = ["MooncakeConfig", "MooncakeStore"]
@@ -201,16 +198,21 @@ class _MooncakeClient:
         return ChunkStatus(RemoteErrorKind.REJECTED, f"the Mooncake client raised {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
+        """Unregister the rows and header pages, close the client, drop the borrowed rows."""
         codes = [
             self._store.unregister_buffer(self._rows_base),
             self._store.unregister_buffer(self._headers_base),
             self._store.close(),
         ]
+        self._rows = self._headers = _NO_ROWS  # the host pool may be unmapped now
         if any(codes):
             raise RemoteUnavailableError(
                 f"releasing the Mooncake client returned {codes} (unregister rows, headers, close)",
                 kind=RemoteErrorKind.REJECTED.value,
             )
+
+
+_NO_ROWS: Final[U8Array] = np.zeros((0, PAGE_BYTES), dtype=np.uint8)
 
 
 def _aligned(nbytes: int) -> U8Array:
@@ -254,7 +256,7 @@ class MooncakeStore(RemoteStoreBase):
                 f"{exc}", kind=RemoteErrorKind.UNAVAILABLE.value,
             ) from exc
         headers = _aligned(HEADER_SLOTS * config.batch_records * PAGE_BYTES).reshape(-1, PAGE_BYTES)
-        lane = _Lane("kvoffload-remote-mooncake")
+        lane = Lane("kvoffload-remote-mooncake")
 
         def setup() -> Any:
             store = module.MooncakeDistributedStore()

@@ -25,20 +25,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError, RemoteUnavailableError
-from kvoffload.remote._base import (
+from kvoffload._record import PAGE_BYTES
+from kvoffload.remote._args import (
     DEFAULT_BATCH_RECORDS,
     DEFAULT_CHECKSUM_THREADS,
-    HEADER_SLOTS,
-    OK,
-    ChunkStatus,
-    RemoteStoreBase,
-    _Lane,
     as_host_rows,
     as_timeout,
     check_common,
     check_fingerprint,
 )
-from kvoffload.remote._record import PAGE_BYTES
+from kvoffload.remote._base import HEADER_SLOTS, OK, ChunkStatus, RemoteStoreBase
+from kvoffload.remote._lane import Lane
 from kvoffload.remote._types import RemoteErrorKind
 
 __all__ = ["RedisClusterConfig", "RedisClusterStore"]
@@ -176,6 +173,8 @@ class _RedisClient:
         return ChunkStatus(RemoteErrorKind.REJECTED, message)
 
     def close(self) -> None:
+        """Close the cluster client and drop the borrowed rows."""
+        self._rows = np.zeros((0, self._record_bytes), dtype=np.uint8)  # the host pool may be unmapped now
         self._cluster.close()
 
 
@@ -209,7 +208,7 @@ class RedisClusterStore(RemoteStoreBase):
                 kind=RemoteErrorKind.UNAVAILABLE.value,
             ) from exc
         headers = np.zeros((HEADER_SLOTS * config.batch_records, PAGE_BYTES), dtype=np.uint8)
-        lane = _Lane("kvoffload-remote-redis")
+        lane = Lane("kvoffload-remote-redis")
 
         def connect() -> Any:
             cluster = cluster_mod.RedisCluster(

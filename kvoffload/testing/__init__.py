@@ -3,7 +3,11 @@
 ``check_worker_contract(make_worker)`` runs the behaviour every :class:`~kvoffload.Worker` promises;
 :class:`FakeBackend` (jobs that complete when told to, failures on demand) and :class:`HostBackend`
 (real ``memmove`` copies, to subclass for fault injection) plug into
-``Worker.create(..., backend_factory=...)``.
+``Worker.create(..., backend_factory=...)``. :class:`MemoryCluster` is a remote
+store in this process (the real store machinery over a dict, faults on demand) for ``Worker.create(...,
+remote=RemoteConfig(store=cluster.factory))`` and ``Manager.create(..., remote=cluster.index())``;
+:class:`MooncakeServices` and :class:`RedisClusterServices` start real store services on this machine
+for the remote tier's tests and benches (:mod:`kvoffload.testing.services`).
 
 The contract suite:
 
@@ -26,19 +30,21 @@ from typing import Final
 import numpy as np
 import torch
 
-from kvoffload import (
-    BlockConflictError,
-    ClosedError,
-    DeviceLayout,
-    Direction,
-    InvalidBlockIdError,
-    JobIdError,
-    UnknownJobError,
-    Worker,
-)
 from kvoffload.backends.host import HostBackend
+from kvoffload.errors import BlockConflictError, ClosedError, InvalidBlockIdError, JobIdError, UnknownJobError
 from kvoffload.handler import Backend, Ticket
+from kvoffload.layout import DeviceLayout
+from kvoffload.records import Direction
 from kvoffload.testing.fake import FakeBackend, FakeTicket
+from kvoffload.testing.memory_store import MemoryClient, MemoryCluster
+from kvoffload.testing.services import (
+    MooncakeServices,
+    RedisClusterServices,
+    ServiceError,
+    enter_loopback_namespace,
+    loopback_only,
+)
+from kvoffload.worker.worker import Worker
 
 __all__ = [
     "CLAUSES",
@@ -46,8 +52,15 @@ __all__ = [
     "FakeBackend",
     "FakeTicket",
     "HostBackend",
+    "MemoryClient",
+    "MemoryCluster",
+    "MooncakeServices",
+    "RedisClusterServices",
+    "ServiceError",
     "Ticket",
     "check_worker_contract",
+    "enter_loopback_namespace",
+    "loopback_only",
 ]
 
 WAIT_S: Final = 60.0

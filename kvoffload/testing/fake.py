@@ -14,7 +14,8 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload import DeviceMismatchError, Direction
+from kvoffload.errors import DeviceMismatchError
+from kvoffload.records import Direction
 from kvoffload._descriptors import CopyPlan, Descriptors
 
 __all__ = ["FakeBackend", "FakeTicket"]

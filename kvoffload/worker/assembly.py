@@ -5,7 +5,7 @@ worker that owns it from then on; on any failure the parts built so far are rele
 order (an undo list) and nothing is left mapped, pinned, running or open. It is the one place that
 knows how the layers fit together: the region, one handler per direction (each over a backend of
 the chosen kind, composed of its transfer paths), the calibration of ``auto`` (fed with the same
-components), and the disk tier with its pipeline and bounce handlers.
+components), the disk tier with its pipeline and bounce handlers, and the remote tier.
 
 The lowest layer is injected: ``backend_factory`` replaces the host or CUDA backend of every
 handler (both directions, and the disk pipeline's bounce handlers), ``pinner`` the host registration (tests use them; so can an integrator who brings its
@@ -45,6 +45,8 @@ from kvoffload.pool import PoolRank, SharedPool
 from kvoffload.pool.spec import check_pool_name
 from kvoffload.records import Direction
 from kvoffload.region import RegionOwner
+from kvoffload.remote.config import RemoteConfig
+from kvoffload.remote.tier import RemoteTier
 
 if TYPE_CHECKING:
     from kvoffload.backends.cuda import CudaBackend, CudaStreams, TransferPath
@@ -97,6 +99,7 @@ class WorkerOptions:
     calibration_path: str | None = None
     disk: DiskConfig | None = None
     bounce_slots: int | None = None
+    remote: RemoteConfig | None = None
     check_memory: bool = True
     backend_factory: BackendFactory | None = None
     pinner: HostPinner | None = None
@@ -118,6 +121,7 @@ class WorkerParts:
     tier: DiskTier | None = None
     bounce: tuple[DirectionHandler, DirectionHandler] | None = None
     pipeline: DiskPipeline | None = None
+    remote: RemoteTier | None = None
 
 
 def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions) -> WorkerParts:
@@ -143,11 +147,19 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
     if o.disk is not None and not isinstance(o.disk, DiskConfig):
         raise ArgumentTypeError(f"disk must be a DiskConfig or None, got {type(o.disk).__name__}")
     slots = _bounce_slots(o.bounce_slots, layout.record_bytes) if o.disk is not None else 0
+    if o.remote is not None and not isinstance(o.remote, RemoteConfig):
+        raise ArgumentTypeError(f"remote must be a RemoteConfig or None, got {type(o.remote).__name__}")
     if not isinstance(o.check_memory, bool):
         raise ArgumentTypeError(f"check_memory = {o.check_memory!r} must be a bool")
     if o.backend_factory is not None and not callable(o.backend_factory):
         raise ArgumentTypeError(f"backend_factory = {o.backend_factory!r} must be callable or None")
     shared = _shared_rank(o.shared, o.shared_name)
+    if o.remote is not None and shared is not None and shared.world_size > 1:
+        raise InvalidArgumentError(
+            f"a remote tier over a pool shared by {shared.world_size} ranks is not supported: each "
+            "rank's host records are slices of the pool's blocks, and the remote tier stores whole "
+            "records of one process; give the remote tier to workers with a pool of their own"
+        )
     cuda = _cuda_parts(layout, o.copy_method) if chosen == "cuda" else None
     with contextlib.ExitStack() as undo:
         pinner = o.pinner if o.pinner is not None else (cuda.pinner if cuda else NoPinner())
@@ -195,12 +207,17 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
                 block_bytes=layout.block_bytes, book=book,
             )
             undo.callback(pipeline.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
+        remote: RemoteTier | None = None
+        if o.remote is not None:
+            remote = RemoteTier.create(o.remote, host_rows=region.records()[:num_host_blocks],
+                                       fingerprint=layout.fingerprint, book=book)
+            undo.callback(remote.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
         parts = WorkerParts(
             layout=layout, region=region, store_handler=handlers[0], load_handler=handlers[1],
             book=book, backend_name=chosen, num_host_blocks=num_host_blocks,
             device_sync=cuda.device_sync if cuda is not None else _host_sync,
             capabilities=cuda.capabilities if cuda is not None else None,
-            tier=tier, bounce=bounce, pipeline=pipeline,
+            tier=tier, bounce=bounce, pipeline=pipeline, remote=remote,
         )
         undo.pop_all()
     return parts

@@ -3,12 +3,15 @@
 Owns the per-block reader and writer counts of the device cache, the host pool and the disk tier, and
 each in-flight job's blocks. It enforces the rules that span directions (docs/design.md §4): a job
 may not read a block an in-flight job writes, nor write a block an in-flight job reads or writes.
-Not thread-safe: the worker holds its lock around every call.
+A returned job whose copies may still run (a remote call abandoned at its deadline) keeps its blocks
+as a *hold* until the worker learns that they stopped. Not thread-safe: the worker holds its lock
+around every call.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from typing import Final
 
 import attrs
@@ -25,11 +28,14 @@ I32Array = npt.NDArray[np.int32]
 
 
 class Memory(enum.Enum):
-    """Where a block id points: the device cache, the host pool, or the disk tier."""
+    """Where a block id points: the device cache, the host pool, or the disk tier. ``REMOTE`` has no
+    block ids (a remote job names keys): it is never booked, so jobs conflict only on their host
+    blocks."""
 
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"
 
     __hash__ = object.__hash__  # identity, as Direction's
 
@@ -42,6 +48,8 @@ SIDES: Final = {
     Direction.PROMOTE: (Memory.DISK, Memory.HOST),
     Direction.STORE_TO_DISK: (Memory.DEVICE, Memory.DISK),
     Direction.LOAD_FROM_DISK: (Memory.DISK, Memory.DEVICE),
+    Direction.PUT_REMOTE: (Memory.HOST, Memory.REMOTE),
+    Direction.GET_REMOTE: (Memory.REMOTE, Memory.HOST),
 }
 
 
@@ -64,6 +72,8 @@ class Bookkeeping:
         self.reads = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
         self.writes = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
         self.jobs: dict[int, _Job] = {}
+        self.held: dict[int, tuple[int, _Job]] = {}  # hold token -> (job id, its blocks)
+        self._tokens = itertools.count(1)
 
     def check(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
               read_name: str, write_name: str) -> None:
@@ -86,12 +96,15 @@ class Bookkeeping:
 
     def _holder(self, block: int, memory: Memory, *, writers_only: bool) -> str:
         """Name an in-flight job touching ``block`` of ``memory`` (the error path only)."""
-        for job_id, job in self.jobs.items():
+        jobs = [(f"{job_id}", job) for job_id, job in self.jobs.items()]
+        jobs += [(f"{job_id}, returned, whose abandoned store call has not returned", job)
+                 for job_id, job in self.held.values()]
+        for name, job in jobs:
             source, target = SIDES[job.direction]
             candidates = [(job.writes, target)] + ([] if writers_only else [(job.reads, source)])
             for blocks, side in candidates:
                 if side is memory and bool(np.any(blocks == block)):
-                    return f"{job_id} ({job.direction.value})"
+                    return f"{name} ({job.direction.value})"
         return "(unknown)"
 
     def add(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> None:
@@ -101,9 +114,25 @@ class Bookkeeping:
         self.jobs[job_id] = _Job(direction, reads, writes)
 
     def remove(self, job_id: int) -> None:
+        """A returned job's blocks are free."""
         job = self.jobs.pop(job_id, None)
-        if job is None:
-            return
+        if job is not None:
+            self._uncount(job)
+
+    def hold(self, job_id: int) -> int:
+        """A returned job keeps its blocks until :meth:`release` of the token returned."""
+        job = self.jobs.pop(job_id)
+        token = next(self._tokens)
+        self.held[token] = (job_id, job)
+        return token
+
+    def release(self, token: int) -> None:
+        """The held job's copies stopped: its blocks are free."""
+        held = self.held.pop(token, None)
+        if held is not None:
+            self._uncount(held[1])
+
+    def _uncount(self, job: _Job) -> None:
         source, target = SIDES[job.direction]
         _count(self.reads[source], job.reads, -1)
         _count(self.writes[target], job.writes, -1)

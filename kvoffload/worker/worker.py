@@ -1,12 +1,12 @@
-"""Worker: one GPU's offload engine, composed of a host region, two direction handlers and an
-optional disk tier.
+"""Worker: one GPU's offload engine, composed of a host region, two direction handlers, an optional
+disk tier and an optional remote tier.
 
 Owns: the host region (alone: it is the only object that knows both directions share that memory,
 so it is the only one that may release it; of a shared pool, this rank's mapping and registration,
 never another rank's: docs/design.md §13), the store and load handlers, the disk tier, its
-pipeline and bounce handlers, the job book they share, and the in-flight block bookkeeping that
-spans directions. Borrows: the layout (and through it the engine's tensors, which must outlive the
-worker).
+pipeline and bounce handlers, the remote tier, the job book they share, and the in-flight block
+bookkeeping that spans directions. Borrows: the layout (and through it the engine's tensors,
+which must outlive the worker).
 
 Every job method validates its arguments, books the job's blocks, reserves its id in the book and
 hands it to the component its direction routes to (a table, built once). Rules it enforces before
@@ -21,7 +21,8 @@ anything is submitted (typed errors; the worker is unchanged afterwards; docs/de
 A job stays "in flight" until its result has been returned to the caller.
 
 Shutdown contract (docs/design.md §6): shut down the pipeline, the store handler, the load handler,
-the bounce handlers and the disk tier, each in its own try/except, collecting failures. If any
+the bounce handlers, the disk tier and the remote tier, each in its own try/except, collecting
+failures. If any
 failed (or a thread of theirs still runs), fall back to a device-wide synchronize bounded by the
 remaining time. Clean the region up once, but only when the device is proven idle; otherwise abandon
 it mapped and pinned (unmapping memory a DMA engine may still write is worse than a leak) and say
@@ -33,10 +34,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -52,7 +52,6 @@ from kvoffload.errors import (
     ClosedError,
     InvalidArgumentError,
     ShutdownError,
-    WaitTimeoutError,
     warn_on_del,
 )
 from kvoffload.handler import Backend
@@ -65,6 +64,9 @@ from kvoffload.records import (
     TransferResult,
     WorkerStats,
 )
+from kvoffload.remote._types import RemoteTierStats
+from kvoffload.remote.config import RemoteConfig
+from kvoffload.remote.tier import check_keys
 from kvoffload.worker.assembly import (
     DEFAULT_STAGING_BYTES,
     DEFAULT_STAGING_SLOTS,
@@ -75,6 +77,7 @@ from kvoffload.worker.assembly import (
     assemble,
 )
 from kvoffload.worker.booking import SIDES, Bookkeeping, Memory
+from kvoffload.worker.teardown import Stoppable, Teardown
 
 if TYPE_CHECKING:
     from kvoffload.bindings.driver import CopyMethod
@@ -86,17 +89,9 @@ _log = logging.getLogger("kvoffload.worker")
 I64Array = npt.NDArray[np.int64]
 #: The directions that go through the disk pipeline (their fence is taken before booking).
 _PIPELINE_DIRECTIONS: Final = (Direction.STORE_TO_DISK, Direction.LOAD_FROM_DISK)
+_REMOTE_DIRECTIONS: Final = (Direction.PUT_REMOTE, Direction.GET_REMOTE)
 #: ``(job, src, dst, stream, fence)``: hands a validated, booked, reserved job to its component.
 _Submit = Callable[[int, I64Array, I64Array, object, object], None]
-
-
-class _Stoppable(Protocol):
-    """A part the worker shuts down before it releases the region."""
-
-    def shutdown(self, timeout: float) -> None: ...
-
-    @property
-    def thread_stopped(self) -> bool: ...
 
 
 class Worker:
@@ -126,28 +121,33 @@ class Worker:
         self._region = parts.region
         self._store = parts.store_handler
         self._load = parts.load_handler
-        self._device_sync = parts.device_sync
         self._tier = parts.tier
         self._pipeline = parts.pipeline
+        self._remote = parts.remote
         self._jobs = parts.book
         self._lock = threading.Lock()
         self._sizes = {Memory.DEVICE: parts.layout.num_blocks, Memory.HOST: parts.num_host_blocks}
         if parts.tier is not None:
             self._sizes[Memory.DISK] = parts.tier.num_blocks
+        self._sizes[Memory.REMOTE] = 0  # remote jobs name keys: only their host blocks are booked
         self._book = Bookkeeping(self._sizes)
+        self._holds: dict[int, threading.Event] = {}  # booking token -> settle event of its call
         self._routes = self._route_table()
         # What shutdown stops, in order: the pipeline (a client of the bounce handlers), the store
-        # and load handlers, the bounce handlers, the disk tier (its threads may read into host
-        # records); the region comes after all of them.
-        self._stop_order: list[tuple[str, _Stoppable]] = []
+        # and load handlers, the bounce handlers, the disk tier and the remote tier (their threads
+        # may read into host records); the region comes after all of them.
+        stop_order: list[tuple[str, Stoppable]] = []
         if parts.pipeline is not None:
-            self._stop_order.append(("disk pipeline", parts.pipeline))
-        self._stop_order += [("store handler", self._store), ("load handler", self._load)]
+            stop_order.append(("disk pipeline", parts.pipeline))
+        stop_order += [("store handler", self._store), ("load handler", self._load)]
         if parts.bounce is not None:
-            self._stop_order += [("bounce store handler", parts.bounce[0]),
+            stop_order += [("bounce store handler", parts.bounce[0]),
                                  ("bounce load handler", parts.bounce[1])]
         if parts.tier is not None:
-            self._stop_order.append(("disk tier", parts.tier))
+            stop_order.append(("disk tier", parts.tier))
+        if parts.remote is not None:
+            stop_order.append(("remote tier", parts.remote))
+        self._teardown = Teardown(stop_order, parts.region, parts.device_sync)
         self._closed = False
 
     def _route_table(self) -> dict[Direction, tuple[JobSource, _Submit]]:
@@ -165,6 +165,9 @@ class Worker:
                 pipeline, lambda j, s, d, _s, fence: pipeline.submit(j, Direction.STORE_TO_DISK, s, d, fence))
             routes[Direction.LOAD_FROM_DISK] = (
                 pipeline, lambda j, s, d, _s, fence: pipeline.submit(j, Direction.LOAD_FROM_DISK, d, s, fence))
+        if self._remote is not None:  # remote jobs are submitted by _submit_remote (they carry keys)
+            for direction in _REMOTE_DIRECTIONS:
+                routes[direction] = (self._remote, _no_submit)
         return routes
 
     # ---------------------------------------------------------------------------------- creation
@@ -188,6 +191,7 @@ class Worker:
         calibration_path: str | None = None,
         disk: DiskConfig | None = None,
         bounce_slots: int | None = None,
+        remote: RemoteConfig | None = None,
         check_memory: bool = True,
         backend_factory: Callable[[Direction], Backend] | None = None,
         pinner: HostPinner | None = None,
@@ -229,6 +233,8 @@ class Worker:
             bounce_slots: pinned records (beyond ``num_host_blocks``) that carry device <-> disk
                 jobs; at least 2 (two halves used in turn). Default: about 64 MiB of records (at
                 least 4, at most 256).
+            remote: a remote tier (:class:`~kvoffload.RemoteConfig`): a store shared with other
+                engine instances; enables :meth:`put_remote` and :meth:`get_remote`.
             check_memory: refuse a pool larger than the memory the machine can give (MemAvailable
                 and the cgroup limit) before mapping anything; pass False only where the kernel
                 under-reports it (a VM whose memory grows as it is used).
@@ -254,13 +260,15 @@ class Worker:
             CudaError: the pool could not be pinned (nothing is left behind).
             DiskError: the disk tier could not be opened (a file that is not a tier, another
                 fingerprint, a path that cannot be used; nothing is left behind).
+            RemoteUnavailableError: the remote store's package is missing or its cluster could not
+                be joined (nothing is left behind).
         """
         options = WorkerOptions(
             device=device, backend=backend, shared=shared, shared_name=shared_name,
             copy_method=copy_method,
             pin_chunk_bytes=pin_chunk_bytes, path=path, staging_bytes=staging_bytes,
             staging_slots=staging_slots, kernel_ctas=kernel_ctas, calibration_path=calibration_path,
-            disk=disk, bounce_slots=bounce_slots, check_memory=check_memory,
+            disk=disk, bounce_slots=bounce_slots, remote=remote, check_memory=check_memory,
             backend_factory=backend_factory, pinner=pinner,
         )
         return cls(assemble(layout, num_host_blocks, options))
@@ -384,6 +392,70 @@ class Worker:
         self._submit(Direction.LOAD_FROM_DISK, job_id, disk_blocks, device_blocks, stream,
                      "disk_blocks", "device_blocks")
 
+    def put_remote(self, job_id: int, host_blocks: BlockIds, keys: Sequence[bytes]) -> None:
+        """Store host records ``host_blocks[i]`` in the remote store under ``keys[i]``.
+
+        Runs on the remote tier's thread. Each record carries its CRC32, the layout fingerprint, its
+        key and a generation (docs/design.md §9.1); a key the store already holds keeps its record
+        (the first writer wins; the key counts as stored). The host records must not change until
+        the result came back (jobs that would write them are refused meanwhile). ``ok=False`` with
+        one typed :class:`~kvoffload.errors.RemoteError` naming every failed key when any key failed
+        (store unavailable or full, or the job's deadline ``RemoteConfig.job_timeout_s`` passed).
+
+        Raises (before anything is submitted; the worker is unchanged):
+            ClosedError: after shutdown.
+            InvalidArgumentError: no remote tier; ``keys`` and ``host_blocks`` of unequal lengths;
+                a key of 0 or more than 1024 bytes.
+            JobIdError, BlockIdTypeError, InvalidBlockIdError: as :meth:`store`.
+            KeyTypeError, DuplicateKeyError: a key that is not bytes, or one key twice.
+            BlockConflictError: a host record an in-flight job writes (a store, promote or get into
+                it, or a returned get whose abandoned store call has not returned).
+        """
+        self._submit_remote(Direction.PUT_REMOTE, job_id, host_blocks, keys)
+
+    def get_remote(self, job_id: int, keys: Sequence[bytes], host_blocks: BlockIds) -> None:
+        """Read the records under ``keys[i]`` into host records ``host_blocks[i]``, verifying each.
+
+        Runs on the remote tier's thread. A record is served only when its header, size, layout
+        fingerprint, key and payload CRC32 verify. On ``ok`` the host records hold the records byte
+        for byte. With ``ok=False`` (a miss, a record that failed its checks, the store unavailable,
+        the deadline) ``error.keys`` names every failed key; the host record of a failed key holds
+        zeros, that of a key that succeeded its verified record. If the deadline passed while the
+        store client still wrote into them (``RemoteTimeoutError.settled`` False), the host blocks
+        stay booked after the result was returned — no job may read or write them — until the
+        client returned the call and zero-filled them (:meth:`remote_wait_idle`).
+
+        Raises (before anything is submitted; the worker is unchanged): as :meth:`put_remote`, the
+        host blocks being destinations: one host block twice, or one an in-flight job reads or
+        writes.
+        """
+        self._submit_remote(Direction.GET_REMOTE, job_id, host_blocks, keys)
+
+    def _submit_remote(self, direction: Direction, job_id: int, host_blocks: BlockIds, keys: object) -> None:
+        self._check_open()
+        remote = self._remote
+        if remote is None:
+            raise InvalidArgumentError(
+                f"{direction.value} needs a remote tier: create the worker with remote=RemoteConfig(...)"
+            )
+        job = as_job_id(job_id)
+        rows = as_block_ids("host_blocks", host_blocks, self.num_host_blocks)
+        key_list = check_keys(keys, int(rows.shape[0]))
+        reads, writes = (rows, rows[:0]) if direction is Direction.PUT_REMOTE else (rows[:0], rows)
+        check_pairs(writes, writes, "host_blocks", "host_blocks")
+        with self._lock:
+            self._drop_settled()
+            self._book.check(job, direction, reads, writes, "host_blocks", "host_blocks")
+            self._jobs.reserve(job, remote)
+            self._book.add(job, direction, reads, writes)
+        try:
+            remote.submit(job, direction, key_list, rows)
+        except BaseException:
+            with self._lock:
+                self._book.remove(job)
+                self._jobs.forget(job)
+            raise
+
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
         stream: object, src_name: str, dst_name: str, submit_as: _Submit | None = None,
@@ -409,6 +481,7 @@ class Worker:
             fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError
         try:
             with self._lock:
+                self._drop_settled()
                 self._book.check(job, direction, src, dst, src_name, dst_name)
                 self._jobs.reserve(job, source)
                 self._book.add(job, direction, src, dst)
@@ -456,11 +529,24 @@ class Worker:
         return results
 
     def _release(self, results: list[TransferResult]) -> None:
-        """The returned jobs leave the bookkeeping: their blocks are free for later jobs."""
+        """The returned jobs leave the bookkeeping: their blocks are free for later jobs, except
+        those of a remote job whose abandoned store call may still use them (held until it returns)."""
         if results:
             with self._lock:
                 for result in results:
-                    self._book.remove(result.job_id)
+                    settle = None
+                    if self._remote is not None and result.direction in _REMOTE_DIRECTIONS:
+                        settle = self._remote.take_unsettled(result.job_id)
+                    if settle is None:
+                        self._book.remove(result.job_id)
+                    else:
+                        self._holds[self._book.hold(result.job_id)] = settle
+
+    def _drop_settled(self) -> None:
+        """Under the lock: free the blocks of held jobs whose store calls returned."""
+        for token in [t for t, event in self._holds.items() if event.is_set()]:
+            self._book.release(token)
+            del self._holds[token]
 
     # --------------------------------------------------------------------------------- inspection
 
@@ -484,6 +570,26 @@ class Worker:
         """How the disk tier was opened (direct or buffered I/O and why, geometry, warm restart),
         or None without a tier."""
         return self._tier.capabilities() if self._tier is not None else None
+
+    def remote_stats(self) -> RemoteTierStats | None:
+        """The remote tier's counters (jobs, records, failed keys by kind, held jobs, the store's
+        own), or None without a remote tier."""
+        return self._remote.stats() if self._remote is not None else None
+
+    def remote_wait_idle(self, timeout: float) -> bool:
+        """Wait until no remote job is queued or running and every abandoned store call returned
+        (their host blocks are then free); True if so within ``timeout`` seconds.
+
+        Raises:
+            ClosedError: after shutdown. InvalidArgumentError: no remote tier, or a bad timeout.
+        """
+        self._check_open()
+        if self._remote is None:
+            raise InvalidArgumentError("the worker has no remote tier")
+        idle = self._remote.wait_idle(timeout)
+        with self._lock:
+            self._drop_settled()
+        return idle
 
     def host_records(self) -> torch.Tensor:
         """The host pool as ``uint8 [num_host_blocks, record_bytes]`` (a view: for inspection and
@@ -529,51 +635,13 @@ class Worker:
         if self._closed:
             return
         self._closed = True
-        deadline = time.monotonic() + seconds
-        failures: list[BaseException] = []
-        failed = False
-        for name, part in self._stop_order:
-            try:
-                part.shutdown(max(0.0, deadline - time.monotonic()))
-            except Exception as exc:
-                _log.error("%s shutdown failed: %s", name, exc)
-                failures.append(exc)
-                failed = True
-        idle = True
-        if failed or not self._threads_stopped():
-            idle = self._fallback_sync(deadline, failures) and self._threads_stopped()
-        left_mapped = False
-        if idle:
-            try:
-                self._region.cleanup()
-            except ShutdownError as exc:
-                failures.extend(exc.failures)
-                left_mapped = exc.region_left_mapped
-            except Exception as exc:
-                failures.append(exc)
-        else:
-            self._region.abandon()
-            left_mapped = True
-        self._jobs.clear()
-        with self._lock:
-            self._book = Bookkeeping({})
-        if failures or left_mapped:
-            raise ShutdownError("worker shutdown failed", failures, region_left_mapped=left_mapped)
-
-    def _threads_stopped(self) -> bool:
-        return all(part.thread_stopped for _, part in self._stop_order)
-
-    def _fallback_sync(self, deadline: float, failures: list[BaseException]) -> bool:
-        """Device-wide synchronize bounded by the deadline; True only if the device proved idle."""
         try:
-            synced = self._device_sync(max(0.0, deadline - time.monotonic()))
-        except Exception as exc:
-            _log.error("fallback device synchronize failed: %s", exc)
-            failures.append(exc)
-            return False
-        if not synced:
-            failures.append(WaitTimeoutError("the fallback device synchronize did not finish in time"))
-        return synced
+            self._teardown.run(seconds)
+        finally:
+            self._jobs.clear()
+            with self._lock:
+                self._book = Bookkeeping({})
+                self._holds = {}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -600,5 +668,10 @@ class Worker:
         "_closed",
         "Worker was never shut down; call shutdown() or use it as a context manager"
     )
+
+
+def _no_submit(job: int, src: I64Array, dst: I64Array, stream: object, fence: object) -> None:
+    """The route of a direction submitted by its own method (remote jobs carry keys, not ids)."""
+    raise AssertionError("remote jobs are submitted by Worker._submit_remote")
 
 

@@ -46,7 +46,7 @@ def corrupted_after_back_to_back_loads(
         row[:] = rng.choice(SOURCES, PER_CALL, replace=False)
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     with Worker.create(layout, 8, disk=DiskConfig(path, SOURCES), bounce_slots=8) as w:
-        bounce_load = dict(w._stop_order)["bounce load handler"]
+        bounce_load = dict(w._teardown.parts)["bounce load handler"]
         assert isinstance(bounce_load, DirectionHandler)
         backend = bounce_load._backend
         assert isinstance(backend, CudaBackend)

@@ -17,13 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.remote import MooncakeStore, RedisClusterStore, RemoteStoreBase
-from kvoffload.remote.services import (
-    MooncakeServices,
-    RedisClusterServices,
-    ServiceError,
-    enter_loopback_namespace,
+from kvoffload.remote import (
+    MooncakeConfig,
+    MooncakeStore,
+    RedisClusterConfig,
+    RedisClusterStore,
+    RemoteConfig,
+    RemoteStoreBase,
 )
+from kvoffload.testing import MooncakeServices, RedisClusterServices, ServiceError, enter_loopback_namespace
 
 REQUIRE = os.environ.get("KVOFFLOAD_REQUIRE_REMOTE") == "1"
 NAMESPACE_REFUSED: str | None = None
@@ -88,6 +90,23 @@ class Cluster:
             assert self.raw().upsert(prefix + key.hex(), value) == 0
         else:
             assert self.raw().set(prefix.encode() + key, value)
+
+    def remote_config(self, prefix: str, **config: Any) -> RemoteConfig:
+        """A RemoteConfig for a Worker on this cluster under ``prefix`` (store fields by keyword,
+        ``job_timeout_s`` too)."""
+        timeout = config.pop("job_timeout_s", 30.0)
+        if isinstance(self.services, MooncakeServices):
+            store: MooncakeConfig | RedisClusterConfig = self.services.config(key_prefix=prefix, **config)
+        else:
+            store = self.services.config(key_prefix=prefix.encode(), **config)
+        return RemoteConfig(store=store, job_timeout_s=timeout)
+
+    @property
+    def address(self) -> str:
+        """The replay's ``--remote-address`` of this cluster."""
+        if isinstance(self.services, MooncakeServices):
+            return self.services.master_address
+        return ",".join(f"{h}:{p}" for h, p in self.services.nodes)
 
     def close(self) -> None:
         for store in self._stores:

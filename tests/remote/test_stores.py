@@ -24,7 +24,7 @@ from kvoffload.errors import (
     RemoteTimeoutError,
 )
 from kvoffload.remote import RemoteOp, RemoteResult
-from kvoffload.remote._record import PAGE_BYTES
+from kvoffload._record import PAGE_BYTES
 from tests.remote.conftest import BACKENDS, Cluster, random_rows
 
 RECORD = 64 << 10

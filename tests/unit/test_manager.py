@@ -130,7 +130,8 @@ def test_manager_module_imports_neither_torch_nor_cuda() -> None:
                 imported.add(node.module)
     assert not {name for name in imported if name.split(".")[0] in {"torch", "cuda", "numpy"}}
     ours = {name for name in imported if name.startswith("kvoffload")}
-    assert ours - {"kvoffload.errors"} <= {f"kvoffload.manager.{m}" for m in ("policies", "records", "state")}
+    modules = ("base", "policies", "records", "remote", "state")
+    assert ours - {"kvoffload.errors"} <= {f"kvoffload.manager.{m}" for m in modules}
 
 
 # ---------------------------------------------------------------------------- namespacing

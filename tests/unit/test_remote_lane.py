@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from kvoffload.errors import RemoteShutdownError, RemoteTimeoutError, RemoteUnavailableError
-from kvoffload.remote._base import HEADER_SLOTS, OK, ChunkStatus, RemoteStoreBase, _Lane
-from kvoffload.remote._record import PAGE_BYTES
+from kvoffload.remote._base import HEADER_SLOTS, OK, ChunkStatus, RemoteStoreBase
+from kvoffload.remote._lane import Lane
+from kvoffload._record import PAGE_BYTES
 from kvoffload.remote._types import RemoteErrorKind
 
 RECORD = PAGE_BYTES
@@ -86,7 +87,7 @@ def make_store(n: int = 16, batch: int = 4) -> tuple[RemoteStoreBase, ScriptedCl
     client = ScriptedClient(rows)
     store = RemoteStoreBase(
         client=client, host_rows=rows, headers=np.zeros((HEADER_SLOTS * batch, PAGE_BYTES), np.uint8),
-        fingerprint=b"fp", batch_records=batch, checksum_threads=2, lane=_Lane("kvoffload-test-lane"),
+        fingerprint=b"fp", batch_records=batch, checksum_threads=2, lane=Lane("kvoffload-test-lane"),
     )
     return store, client, rows
 
@@ -133,6 +134,9 @@ def test_close_fails_the_calls_still_queued_and_zero_fills_their_rows() -> None:
     assert client.entered.wait(10)
     second = threading.Thread(target=lambda: results.setdefault("second", store.get([b"b"], [3], timeout=30)))
     second.start()
+    deadline = time.monotonic() + 10
+    while not store._lane.queue and time.monotonic() < deadline:  # the second call is queued
+        time.sleep(0.001)
 
     def close() -> None:
         try:
@@ -148,10 +152,13 @@ def test_close_fails_the_calls_still_queued_and_zero_fills_their_rows() -> None:
     assert results["second"].error.kind == "closed" and not rows[3].any()
     closer.join(10)
     assert results["close"].client_left_open  # the first call was still inside the client
-    client.gate.set()
     first.join(10)
-    assert results["first"].ok
+    assert not first.is_alive(), "the close deadline released the caller of the call inside the client"
+    error = results["first"].error
+    assert isinstance(error, RemoteTimeoutError) and not error.settled and "close deadline" in str(error)
+    client.gate.set()
     assert store.wait_idle(10)
+    assert not rows[2].any(), "the abandoned get's row is zero-filled once it returned"
 
 
 def test_a_deadline_that_passes_before_the_call_starts_leaves_the_client_untouched() -> None:
@@ -176,7 +183,7 @@ def test_host_rows_may_be_a_cpu_torch_tensor_and_bad_rows_are_refused() -> None:
     import torch
 
     from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
-    from kvoffload.remote._base import as_host_rows
+    from kvoffload.remote._args import as_host_rows
 
     tensor = torch.zeros((4, PAGE_BYTES), dtype=torch.uint8)
     view = as_host_rows(tensor)
@@ -190,3 +197,41 @@ def test_host_rows_may_be_a_cpu_torch_tensor_and_bad_rows_are_refused() -> None:
         as_host_rows(np.zeros((4, 2 * PAGE_BYTES), dtype=np.uint8)[:, ::2])
     with pytest.raises(ArgumentTypeError):
         as_host_rows([[0] * PAGE_BYTES])
+
+
+def test_on_settled_runs_once_the_client_returned_an_abandoned_call_after_its_rows_were_zeroed() -> None:
+    store, client, rows = make_store()
+    assert store.put([b"a"], [0], timeout=10).ok
+    seen: list[bool] = []
+    settled = threading.Event()
+
+    def on_settled() -> None:
+        seen.append(bool(rows[1].any()))
+        settled.set()
+
+    assert store.get([b"a"], [2], timeout=10, on_settled=on_settled).ok  # settled: never called
+    client.gate = threading.Event()
+    rows[1] = 0xEE
+    result = store.get([b"a"], [1], timeout=0.2, on_settled=on_settled)
+    assert not result.settled
+    assert not settled.wait(0.2), "called while the client still had the call"
+    client.gate.set()
+    assert settled.wait(10)
+    assert seen == [False], "called once, after the abandoned get's rows were zero-filled"
+    store.close()
+
+
+def test_a_raising_on_settled_does_not_stop_the_lane() -> None:
+    store, client, rows = make_store()
+    assert store.put([b"a"], [0], timeout=10).ok
+    client.gate = threading.Event()
+
+    def boom() -> None:
+        raise RuntimeError("callback failed")
+
+    assert not store.get([b"a"], [1], timeout=0.1, on_settled=boom).settled
+    client.gate.set()
+    assert store.wait_idle(10)
+    client.gate = None
+    assert store.get([b"a"], [1], timeout=10).ok
+    store.close()

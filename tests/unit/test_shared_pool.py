@@ -36,10 +36,11 @@ from kvoffload import (
     PoolRankFailedError,
     PoolTimeoutError,
     RegionError,
+    RemoteConfig,
     SharedPool,
     Worker,
 )
-from kvoffload._descriptors import CopyPlan, kernel_segments, plan_staged
+from kvoffload._descriptors import CopyPlan, PageTable, kernel_segments, plan_staged, plan_staged_part
 from kvoffload.backends.host import HostBackend
 from kvoffload.cli.demo import build_cache
 from kvoffload.errors import ClosedError
@@ -47,7 +48,7 @@ from kvoffload.handler import Backend
 from kvoffload.pool import header as pool_header
 from kvoffload.records import Direction
 from kvoffload.region import SHM_DIR
-from kvoffload.testing import check_worker_contract
+from kvoffload.testing import MemoryCluster, check_worker_contract
 from tests.unit.test_region import RecordingPinner
 from tests.unit.test_staged_plan import SLOT_BASES, byte_map, plan_for
 
@@ -218,6 +219,25 @@ def test_every_path_addresses_only_this_ranks_slices(
     # staged: record copies between a slot and the pool stay in this rank's slices
     for chunk in plan_staged(plan, src, dst, SLOT_BASES, data.draw(st.integers(1, 6))):
         assert_inside_own_slices(plan, host_side(plan, chunk.dma.dsts, chunk.dma.srcs), chunk.dma.sizes)
+    # staged, one layer's pages (a layered load): the DMA moves only those ranges of this rank's
+    # slices, exactly the reference's host bytes of those pages
+    keep = np.array(sorted(data.draw(st.lists(st.integers(0, plan.pages.num_pages - 1), min_size=1,
+                                               unique=True))), dtype=np.int64)
+    pages_all = plan.pages
+    layer = plan.for_pages(PageTable(dev_base=pages_all.dev_base[keep], dev_stride=pages_all.dev_stride[keep],
+                                     nbytes=pages_all.nbytes[keep], host_offset=pages_all.host_offset[keep],
+                                     segment=pages_all.segment[keep], record_bytes=pages_all.record_bytes))
+    expected_host = {
+        plan.host_base + h * plan.host_stride + int(pages_all.host_offset[k]) + b
+        for h in host.tolist() for k in keep.tolist() for b in range(0, int(pages_all.nbytes[k]), 4)
+    }
+    moved_host: set[int] = set()
+    for chunk in plan_staged_part(layer, src, dst, SLOT_BASES, 6 * pages_all.record_bytes):
+        starts = host_side(layer, chunk.dma.dsts, chunk.dma.srcs)
+        assert_inside_own_slices(layer, starts, chunk.dma.sizes)
+        for start, size in zip(starts.tolist(), chunk.dma.sizes.tolist()):
+            moved_host.update(range(int(start), int(start) + int(size), 4))
+    assert moved_host == expected_host
     # sm: the kernel's table, expanded with the plan's stride (as SmPath launches it)
     table = kernel_segments(plan.pages)
     kernel: dict[int, int] = {}
@@ -278,6 +298,11 @@ def test_worker_refuses_a_bad_shared_argument_before_mapping_anything(name: str)
         Worker.create(layout, 4, shared=name)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="shared or shared_name, not both"):
         Worker.create(layout, 4, shared=SharedPool(name, 1).rank(0), shared_name=name)
+    cluster = MemoryCluster()  # a remote tier needs a pool of the worker's own
+    with pytest.raises(InvalidArgumentError, match="remote tier over a pool shared by 2 ranks"):
+        Worker.create(layout, 4, shared=SharedPool(name, 2).rank(0),
+                      remote=RemoteConfig(store=cluster.factory))
+    assert not os.path.exists(f"/dev/shm/{name}")
 
 
 # ------------------------------------------------------------------ rule 5: ranks never collide

@@ -194,7 +194,7 @@ def test_a_bounce_slot_is_refilled_only_after_its_last_copy_finished(
 def test_shutdown_stops_pipeline_handlers_bounce_handlers_tier_then_region(disk_path: str) -> None:
     calls: list[str] = []
     w = Worker.create(make_layout(), HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS))
-    parts = dict(w._stop_order)
+    parts = dict(w._teardown.parts)
     for name, part in parts.items():
         original = part.shutdown
 

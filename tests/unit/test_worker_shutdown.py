@@ -17,6 +17,7 @@ from kvoffload import ClosedError, CudaError, InvalidArgumentError, ShutdownErro
 from kvoffload.records import Direction
 from kvoffload._jobs import JobBook
 from kvoffload.worker.booking import Bookkeeping, Memory
+from kvoffload.worker.teardown import Teardown
 
 
 class FakeHandler:
@@ -69,9 +70,11 @@ def make_worker(
     store = FakeHandler("store", calls, store_error)
     load = FakeHandler("load", calls, load_error)
     worker = Worker.__new__(Worker)  # only what the shutdown contract is about
-    worker._stop_order = [("store handler", store), ("load handler", load)]
-    worker._region = FakeRegion(calls, region_error)  # type: ignore[assignment]
-    worker._device_sync = sync if sync is not None else default_sync
+    worker._teardown = Teardown(
+        [("store handler", store), ("load handler", load)],
+        FakeRegion(calls, region_error),  # type: ignore[arg-type]
+        sync if sync is not None else default_sync,
+    )
     worker._lock = threading.Lock()
     worker._book = Bookkeeping({Memory.DEVICE: 4, Memory.HOST: 8})
     worker._jobs = JobBook()

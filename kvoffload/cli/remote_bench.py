@@ -1,45 +1,51 @@
-"""Remote bench: put and get GB/s through kvoffload vs the store's own client, in the same run.
+"""``python -m kvoffload bench --remote mooncake|redis``: the remote tier against the store's own client.
 
-``main(["--remote", "mooncake"])`` (or ``"redis"``) starts the store's services on this machine
-(Mooncake inside a loopback-only network namespace, which this process enters: root or
-CAP_SYS_ADMIN), or uses running ones (``--master HOST:PORT`` / ``--nodes HOST:PORT,...``). Each round
-moves the same records both ways through a kvoffload store (CRC32s, header pages, verification) and
-through the store's plain client (Mooncake: the same zero-copy two-buffer batch calls on registered
-memory; Redis: pipelined ``SET`` of ready-made values and ``GET`` copied into the host rows), the two
-in alternating order, and removes the keys before the next round. Every record kvoffload reads back is
-compared byte for byte with its source; a difference fails the run (exit status 1).
+It starts the store's services on this machine (Mooncake inside a loopback-only network namespace,
+which this process enters: root or CAP_SYS_ADMIN; a 3-node Redis Cluster on 127.0.0.1), or uses
+running ones (``--master HOST:PORT`` / ``--nodes HOST:PORT,...``). A host Worker with a remote tier
+holds the records in its host pool; each round moves the same records both ways through kvoffload
+(``Worker.put_remote``/``get_remote``: CRC32s, header pages, every record verified; timed from the
+call to the result) and through the store's plain client (Mooncake: the same zero-copy two-buffer
+batch calls on the same registered memory; Redis: pipelined ``SET`` of ready-made values and ``GET``
+copied into host rows), the two in alternating order, and removes the keys before the next round
+(through the store's own client, by the names the store documents).
+Every record kvoffload reads back is compared byte for byte with its source; a difference fails the
+run (exit status 1). Figures are medians over the rounds, as GB/s of record bytes (header page +
+host record) and the ratio kvoffload / own client.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
-from kvoffload.errors import KVOffloadError
-from kvoffload.remote._base import RemoteStoreBase
-from kvoffload.remote._record import PAGE_BYTES
-from kvoffload.remote.mooncake import MooncakeConfig, MooncakeStore
-from kvoffload.remote.redis_cluster import RedisClusterConfig, RedisClusterStore
-from kvoffload.remote.services import (
-    MooncakeServices,
-    RedisClusterServices,
-    enter_loopback_namespace,
-    loopback_only,
+from kvoffload import (
+    DeviceLayout,
+    KVOffloadError,
+    MooncakeConfig,
+    RedisClusterConfig,
+    RemoteConfig,
+    Worker,
 )
+from kvoffload.testing import MooncakeServices, RedisClusterServices, enter_loopback_namespace
 
 __all__ = ["main"]
 
 U8Array = npt.NDArray[np.uint8]
+HEADER_BYTES: Final = 4096
 CALL_TIMEOUT_S: Final = 300.0
-FINGERPRINT: Final = "kvoffload-remote-bench"
+SETUP_TIMEOUT_S: Final = 60.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,26 +58,46 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checksum-threads", type=int, default=2)
     p.add_argument("--master", help="use this running Mooncake master (HOST:PORT) instead of starting one")
     p.add_argument("--nodes", help="use this running Redis cluster (HOST:PORT,...) instead of starting one")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     return p
+
+
+def _in_thread(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``fn()`` on a helper thread with a deadline (a client's set-up may hang on a dead master)."""
+    box: list[Any] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="kvoffload-bench-setup", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise KVOffloadError(f"{what} did not finish within {timeout:g} s")
+    if errors:
+        raise errors[0]
+    return box[0]
 
 
 class _RawMooncake:
     """The plain Mooncake client moving the same rows with the same batched two-buffer calls."""
 
     def __init__(self, master: str, rows: U8Array, out: U8Array, batch: int) -> None:
-        from kvoffload.remote._base import _Lane  # noqa: PLC0415 - set-up helper only
-
-        import importlib  # noqa: PLC0415
-
         module: Any = importlib.import_module("mooncake.store")
-        self._store: Any = _Lane("bench-raw").call(lambda: self._setup(module, master), 60.0)
+        self._store: Any = _in_thread(lambda: self._setup(module, master), SETUP_TIMEOUT_S, "joining Mooncake")
         self._rows, self._out, self._batch = rows, out, batch
-        self._headers = np.zeros((rows.shape[0], PAGE_BYTES), dtype=np.uint8)
+        self._headers = np.zeros((rows.shape[0], HEADER_BYTES), dtype=np.uint8)
+        self._registered: list[int] = []
         for array in (rows, out, self._headers):
             if self._store.register_buffer(int(array.ctypes.data), array.nbytes) != 0:
+                self.close()
                 raise KVOffloadError("the raw Mooncake client could not register the rows")
-        self._sizes = [PAGE_BYTES, int(rows.shape[1])]
+            self._registered.append(int(array.ctypes.data))
+        self._sizes = [HEADER_BYTES, int(rows.shape[1])]
 
     @staticmethod
     def _setup(module: Any, master: str) -> Any:
@@ -83,19 +109,21 @@ class _RawMooncake:
     def _ptrs(self, rows: U8Array, start: int, stop: int) -> list[list[int]]:
         r, h = int(rows.ctypes.data), int(self._headers.ctypes.data)
         size = int(rows.shape[1])
-        return [[h + i * PAGE_BYTES, r + i * size] for i in range(start, stop)]
+        return [[h + i * HEADER_BYTES, r + i * size] for i in range(start, stop)]
 
     def put(self, names: list[str]) -> None:
         for s in range(0, len(names), self._batch):
             e = min(s + self._batch, len(names))
-            codes = self._store.batch_put_from_multi_buffers(names[s:e], self._ptrs(self._rows, s, e), [self._sizes] * (e - s))
+            codes = self._store.batch_put_from_multi_buffers(names[s:e], self._ptrs(self._rows, s, e),
+                                                              [self._sizes] * (e - s))
             if any(c != 0 for c in codes):
                 raise KVOffloadError(f"raw Mooncake put failed: {set(codes)}")
 
     def get(self, names: list[str]) -> None:
         for s in range(0, len(names), self._batch):
             e = min(s + self._batch, len(names))
-            codes = self._store.batch_get_into_multi_buffers(names[s:e], self._ptrs(self._out, s, e), [self._sizes] * (e - s))
+            codes = self._store.batch_get_into_multi_buffers(names[s:e], self._ptrs(self._out, s, e),
+                                                              [self._sizes] * (e - s))
             if any(c < 0 for c in codes):
                 raise KVOffloadError(f"raw Mooncake get failed: {set(codes)}")
 
@@ -103,8 +131,8 @@ class _RawMooncake:
         self._store.batch_remove(names, force=True)
 
     def close(self) -> None:
-        for array in (self._rows, self._out, self._headers):
-            self._store.unregister_buffer(int(array.ctypes.data))
+        for base in self._registered:
+            self._store.unregister_buffer(base)
         self._store.close()
 
 
@@ -112,15 +140,13 @@ class _RawRedis:
     """The plain Redis Cluster client: pipelined SET of ready values, GET copied into the rows."""
 
     def __init__(self, nodes: Sequence[tuple[str, int]], rows: U8Array, out: U8Array, batch: int) -> None:
-        import importlib  # noqa: PLC0415
-
         module: Any = importlib.import_module("redis.cluster")
         self._cluster: Any = module.RedisCluster(
             startup_nodes=[module.ClusterNode(h, p) for h, p in nodes], socket_timeout=60
         )
         self._out, self._batch = out, batch
-        values = np.zeros((rows.shape[0], PAGE_BYTES + rows.shape[1]), dtype=np.uint8)
-        values[:, PAGE_BYTES:] = rows
+        values = np.zeros((rows.shape[0], HEADER_BYTES + rows.shape[1]), dtype=np.uint8)
+        values[:, HEADER_BYTES:] = rows
         self._values = values
 
     def put(self, names: list[bytes]) -> None:
@@ -137,7 +163,7 @@ class _RawRedis:
             for i in range(s, stop):
                 pipe.get(names[i])
             for i, value in zip(range(s, stop), pipe.execute()):
-                self._out[i] = np.frombuffer(value, dtype=np.uint8)[PAGE_BYTES:]
+                self._out[i] = np.frombuffer(value, dtype=np.uint8)[HEADER_BYTES:]
 
     def remove(self, names: list[bytes]) -> None:
         for s in range(0, len(names), self._batch):
@@ -157,20 +183,20 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the remote bench; returns 0, 1 when a record read back differs, 2 on a usage error."""
+    """Run the remote bench; returns 0, 1 when a record read back differs, 2 on a usage or set-up error."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    record_bytes = int(args.record_mib * (1 << 20)) // PAGE_BYTES * PAGE_BYTES
+    record_bytes = int(args.record_mib * (1 << 20)) // HEADER_BYTES * HEADER_BYTES
     n, batch = args.records, args.batch
     if record_bytes <= 0 or n <= 0 or batch <= 0 or args.rounds <= 0:
         print("records, record size, batch and rounds must be positive", file=sys.stderr)
         return 2
-    record_total = (PAGE_BYTES + record_bytes) * n
-    rows = np.random.default_rng(0).integers(0, 256, size=(2 * n, record_bytes), dtype=np.uint8)
-    raw_out = np.zeros((n, record_bytes), dtype=np.uint8)
     services: MooncakeServices | RedisClusterServices | None = None
-    store: RemoteStoreBase | None = None
+    worker: Worker | None = None
     raw: _RawMooncake | _RawRedis | None = None
-    where = "given services"
+    record_total = (HEADER_BYTES + record_bytes) * n
+    # the engine's cache is one CPU tensor whose blocks are records of exactly record_bytes
+    layout = DeviceLayout.from_tensors({"kv": torch.zeros((2, record_bytes), dtype=torch.uint8)}, 0,
+                                       model_id="kvoffload-remote-bench")
     try:
         if args.remote == "mooncake":
             master = args.master
@@ -179,13 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 services = MooncakeServices.start(segment_bytes=3 * record_total, lease_ttl_ms=10_000)
                 master = services.master_address
                 where = "a master and one lender on 127.0.0.1, in a loopback-only network namespace"
-            elif not loopback_only():
+            else:
                 where = f"master {master}"
-            store = MooncakeStore.create(
-                MooncakeConfig(master_address=master, batch_records=batch, checksum_threads=args.checksum_threads),
-                host_rows=rows, fingerprint=FINGERPRINT,
-            )
-            raw = _RawMooncake(master, rows[:n], raw_out, batch)
+            store: MooncakeConfig | RedisClusterConfig = MooncakeConfig(
+                master_address=master, batch_records=batch, checksum_threads=args.checksum_threads)
         else:
             if args.nodes is None:
                 services = RedisClusterServices.start(maxmemory_bytes=2 * record_total, policy="noeviction")
@@ -194,27 +217,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 nodes = tuple((h, int(p)) for h, p in (x.rsplit(":", 1) for x in args.nodes.split(",")))
                 where = f"cluster {args.nodes}"
-            store = RedisClusterStore.create(
-                RedisClusterConfig(nodes=nodes, batch_records=batch, checksum_threads=args.checksum_threads),
-                host_rows=rows, fingerprint=FINGERPRINT,
-            )
-            raw = _RawRedis(nodes, rows[:n], raw_out, batch)
-        return _run(args, store, raw, rows, raw_out, record_bytes, record_total, where)
+            store = RedisClusterConfig(nodes=nodes, batch_records=batch, checksum_threads=args.checksum_threads)
+        worker = Worker.create(layout, 2 * n, backend="host",
+                               remote=RemoteConfig(store=store, job_timeout_s=CALL_TIMEOUT_S))
+        rows: U8Array = worker.host_records().numpy()
+        rows[:n] = np.random.default_rng(0).integers(0, 256, size=(n, record_bytes), dtype=np.uint8)
+        raw_out = np.zeros((n, record_bytes), dtype=np.uint8)
+        if isinstance(store, MooncakeConfig):
+            raw = _RawMooncake(store.master_address, rows[:n], raw_out, batch)
+        else:
+            raw = _RawRedis(store.nodes, rows[:n], raw_out, batch)
+        return _run(args, store, worker, raw, rows, raw_out, record_bytes, record_total, where)
     except KVOffloadError as exc:
         print(f"remote bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     finally:
         if raw is not None:
             raw.close()
-        if store is not None:
-            store.close()
+        if worker is not None:
+            worker.shutdown()
         if services is not None:
             services.stop()
 
 
 def _run(
     args: argparse.Namespace,
-    store: RemoteStoreBase,
+    store: MooncakeConfig | RedisClusterConfig,
+    worker: Worker,
     raw: _RawMooncake | _RawRedis,
     rows: U8Array,
     raw_out: U8Array,
@@ -225,20 +254,26 @@ def _run(
     n = args.records
     times: dict[str, list[float]] = {"kvo_put": [], "raw_put": [], "kvo_get": [], "raw_get": []}
     verified = 0
+    job = 0
+
+    def through_worker(submit: Callable[[int], None]) -> None:
+        nonlocal job
+        job += 1
+        submit(job)
+        (result,) = worker.wait([job], CALL_TIMEOUT_S)
+        if not result.ok:
+            raise KVOffloadError(f"kvoffload {result.direction.value} failed: {result.error}")
+
     for r in range(args.rounds):
-        keys = [f"r{r}/{i}".encode() for i in range(n)]
+        keys = [f"bench/r{r}/{i}".encode() for i in range(n)]
         names: list[Any] = [f"raw/r{r}/{i}" for i in range(n)] if args.remote == "mooncake" else [b"raw/" + k for k in keys]
         rows[n:] = 0
 
         def kvo_put() -> None:
-            result = store.put(keys, range(n), timeout=CALL_TIMEOUT_S)
-            if not result.ok:
-                raise KVOffloadError(f"kvoffload put failed: {result.error}")
+            through_worker(lambda j: worker.put_remote(j, list(range(n)), keys))
 
         def kvo_get() -> None:
-            result = store.get(keys, range(n, 2 * n), timeout=CALL_TIMEOUT_S)
-            if not result.ok:
-                raise KVOffloadError(f"kvoffload get failed: {result.error}")
+            through_worker(lambda j: worker.get_remote(j, keys, list(range(n, 2 * n))))
 
         order = [("kvo", kvo_put, kvo_get), ("raw", lambda: raw.put(names), lambda: raw.get(names))]
         if r % 2:
@@ -250,32 +285,38 @@ def _run(
         verified += int(sum(np.array_equal(rows[n + i], rows[i]) for i in range(n)))
         if not np.array_equal(raw_out, rows[:n]):
             raise KVOffloadError("the raw client's get returned other bytes than were put")
-        store.remove(keys, timeout=CALL_TIMEOUT_S)
         raw.remove(names)
+        raw.remove(stored_names(store, keys))
     gbps = {k: record_total / statistics.median(v) / 1e9 for k, v in times.items()}
+    stats = worker.remote_stats()
     report = {
         "remote": args.remote, "where": where, "records": n, "record_bytes": record_bytes,
-        "header_bytes": PAGE_BYTES, "batch": args.batch, "rounds": args.rounds,
+        "header_bytes": HEADER_BYTES, "batch": args.batch, "rounds": args.rounds,
         "checksum_threads": args.checksum_threads,
         "put_gbps": {"kvoffload": gbps["kvo_put"], "own_client": gbps["raw_put"],
                      "ratio": gbps["kvo_put"] / gbps["raw_put"]},
         "get_gbps": {"kvoffload": gbps["kvo_get"], "own_client": gbps["raw_get"],
                      "ratio": gbps["kvo_get"] / gbps["raw_get"]},
         "records_verified": verified, "records_read": n * args.rounds,
+        "failed_keys": sum(stats.failures.values()) if stats is not None else 0,
     }
+    print(f"remote bench: {args.remote}, {n} records of {record_bytes / (1 << 20):g} MiB (+4 KiB header), "
+          f"batch {args.batch}, {args.rounds} rounds (medians), {where}")
+    print(f"{'':8}{'kvoffload GB/s':>16}{'own client GB/s':>18}{'ratio':>9}")
+    for op in ("put", "get"):
+        g = report[f"{op}_gbps"]
+        assert isinstance(g, dict)
+        print(f"{op:8}{g['kvoffload']:>16.2f}{g['own_client']:>18.2f}{g['ratio']:>8.2f}x")
+    print(f"records read back through kvoffload: {verified}/{n * args.rounds} bit-exact (CRC-verified)")
     if args.json:
-        print(json.dumps(report))
-    else:
-        print(f"remote bench: {args.remote}, {n} records of {record_bytes / (1 << 20):g} MiB (+4 KiB header), "
-              f"batch {args.batch}, {args.rounds} rounds (medians), {where}")
-        print(f"{'':8}{'kvoffload GB/s':>16}{'own client GB/s':>18}{'ratio':>9}")
-        for op in ("put", "get"):
-            g = report[f"{op}_gbps"]
-            assert isinstance(g, dict)
-            print(f"{op:8}{g['kvoffload']:>16.2f}{g['own_client']:>18.2f}{g['ratio']:>8.2f}x")
-        print(f"records read back through kvoffload: {verified}/{n * args.rounds} bit-exact (CRC-verified)")
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
     return 0 if verified == n * args.rounds else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def stored_names(store: MooncakeConfig | RedisClusterConfig, keys: list[bytes]) -> list[Any]:
+    """The names the store holds kvoffload's keys under (each store's documented naming), so that
+    the store's own client removes a round's records."""
+    if isinstance(store, MooncakeConfig):
+        return [store.key_prefix + key.hex() for key in keys]
+    return [store.key_prefix + key for key in keys]
