@@ -7,6 +7,7 @@ scenario and puts ``(rank, "ok", value)`` or ``(rank, "error", text)`` on ``resu
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing.queues
 import multiprocessing.synchronize
 import traceback
@@ -22,6 +23,8 @@ from tests.gpu._helpers import TIMEOUT_S, cache, no_fence
 from tests.gpu.test_races import CONTROL_TRIALS, load_race, store_race
 
 WORLD: Final = 2
+#: Bounds one scenario in the test; a rank still running shortly before it dumps its stacks and exits.
+SCENARIO_BOUND_S: Final = 150.0
 HOST_BLOCKS: Final = 128
 PATHS: Final[tuple[PathName, ...]] = ("dma", "staged", "sm")
 
@@ -111,9 +114,13 @@ SCENARIOS: Final[dict[str, Callable[..., Any]]] = {
 def run_rank(scenario: str, name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
              results: multiprocessing.queues.Queue[Any], **kwargs: Any) -> None:
     """A rank process: run ``scenario`` and report."""
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(SCENARIO_BOUND_S - 15, exit=True)
     try:
         torch.cuda.set_device(0)
         value = SCENARIOS[scenario](name, rank, barrier, results, **kwargs)
         results.put((rank, "ok", value))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()

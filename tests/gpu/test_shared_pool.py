@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -17,11 +19,12 @@ import pytest
 
 from kvoffload.region import SHM_DIR
 from tests.gpu._helpers import TIMEOUT_S
-from tests.gpu._shared_ranks import PATHS, WORLD, run_rank
+from tests.gpu._shared_ranks import PATHS, SCENARIO_BOUND_S, WORLD, run_rank
 from tests.gpu.conftest import Figures
 
-#: Bounds the whole of one scenario (spawning, CUDA start-up, attaching, the work).
-SCENARIO_S = 600.0
+#: Bounds the whole of one scenario (spawning, CUDA start-up, attaching, the work); a rank process
+#: dumps its threads' stacks and exits a little before it (see ``run_rank``).
+SCENARIO_S = SCENARIO_BOUND_S
 TRIALS = 100
 
 
@@ -35,8 +38,10 @@ def name() -> Iterator[str]:
     assert not left, f"left in {SHM_DIR}: {left}"
 
 
-def start(scenario: str, name: str, **kwargs: Any) -> tuple[list[Any], Any]:
-    """Both rank processes of ``scenario``; returns them and the results queue."""
+def start(scenario: str, name: str, **kwargs: Any) -> tuple[list[Any], Any, Any]:
+    """Both rank processes of ``scenario``; returns them, the results queue and the barrier (the
+    caller keeps it alive: ``Process.start`` drops its arguments, and a barrier collected in this
+    process unlinks its semaphore before a slow-starting rank has opened it)."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(WORLD)
     results = context.Queue()
@@ -44,15 +49,28 @@ def start(scenario: str, name: str, **kwargs: Any) -> tuple[list[Any], Any]:
                              daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
-    return procs, results
+    return procs, results, barrier
 
 
 def collect(procs: list[Any], results: Any, ranks: list[int]) -> dict[int, Any]:
-    """The values the given ranks returned (a rank's error fails the test); then reap everyone."""
+    """The values the given ranks returned (a rank's error, a rank that exits without a result and a
+    scenario past its bound fail the test at once); then reap everyone."""
     out: dict[int, Any] = {}
+    deadline = time.monotonic() + SCENARIO_S
     try:
         while len(out) < len(ranks):
-            rank, status, value = results.get(timeout=SCENARIO_S)
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                gone = {r: procs[r].exitcode for r in ranks if r not in out and procs[r].exitcode is not None}
+                if gone:  # a result put just before the exit may still be in the pipe
+                    try:
+                        rank, status, value = results.get(timeout=5.0)
+                    except queue.Empty:
+                        raise AssertionError(f"rank(s) exited without a result (exit codes {gone})") from None
+                else:
+                    assert time.monotonic() < deadline, f"the scenario did not finish within {SCENARIO_S} s"
+                    continue
             if status == "started":
                 continue
             assert status == "ok", f"rank {rank} failed:\n{value}"
@@ -67,7 +85,7 @@ def collect(procs: list[Any], results: Any, ranks: list[int]) -> dict[int, Any]:
 
 
 def test_two_ranks_store_and_load_at_once_bit_exact_on_every_path(name: str, figures: Figures) -> None:
-    procs, results = start("both_at_once", name, rounds=200)
+    procs, results, _barrier = start("both_at_once", name, rounds=200)
     moved = collect(procs, results, [0, 1])
     for rank in range(WORLD):
         for path in PATHS:
@@ -76,7 +94,7 @@ def test_two_ranks_store_and_load_at_once_bit_exact_on_every_path(name: str, fig
 
 
 def test_race_tests_pass_per_rank_over_a_shared_pool(name: str, figures: Figures) -> None:
-    procs, results = start("races", name, trials=TRIALS)
+    procs, results, _barrier = start("races", name, trials=TRIALS)
     found = collect(procs, results, [0, 1])
     for rank in range(WORLD):
         figures.add(f"shared pool races, rank {rank}", f"{found[rank]}")
@@ -88,7 +106,7 @@ def test_race_tests_pass_per_rank_over_a_shared_pool(name: str, figures: Figures
 
 
 def test_a_killed_rank_leaves_the_other_ranks_jobs_unaffected(name: str) -> None:
-    procs, results = start("survivor", name, rounds=300)
+    procs, results, _barrier = start("survivor", name, rounds=300)
     started: set[int] = set()
     while started != {0, 1}:
         rank, status, value = results.get(timeout=SCENARIO_S)
