@@ -162,7 +162,7 @@ class SmPath:
             start.record(kstream)
             for layer, (plan, (segments, count)) in enumerate(zip(plans, tables), first):
                 self.launcher.launch(segments, count, device_blocks, host_blocks, plan.host_base,
-                                     plan.pages.record_bytes, store, self.ctas, kstream)
+                                     plan.host_stride, store, self.ctas, kstream)
                 marks.record(layer, kstream)
         except Exception as exc:
             error = exc

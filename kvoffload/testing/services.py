@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any, Final
 
+from typing_extensions import Self
+
 from kvoffload.errors import KVOffloadError
 from kvoffload.remote.mooncake import MooncakeConfig
 from kvoffload.remote.redis_cluster import RedisClusterConfig
@@ -199,7 +201,38 @@ def _mooncake_program(name: str) -> str:
     return str(path)
 
 
-class MooncakeServices:
+class _ServiceGroup:
+    """What every group of service processes started here can do, by their own pids: kill, pause,
+    resume and stop (stop also removes the group's temporary directory; idempotent)."""
+
+    _procs: _Processes
+
+    def kill(self) -> None:
+        """SIGKILL every process of the group (files stay until ``stop``)."""
+        self._procs.signal_all(signal.SIGKILL)
+        for proc in self._procs.procs:
+            proc.wait(_STOP_GRACE_S)
+
+    def pause(self) -> None:
+        """SIGSTOP every process (connections stay open, nothing answers)."""
+        self._procs.signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT every process."""
+        self._procs.signal_all(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Stop every process by its pid and remove the temporary directory (idempotent)."""
+        self._procs.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class MooncakeServices(_ServiceGroup):
     """A Mooncake master and one process lending ``segment_bytes`` of memory, on 127.0.0.1.
 
     Owns both processes and the temporary directory with their logs. Create with :meth:`start`;
@@ -272,32 +305,8 @@ class MooncakeServices:
             raise ServiceError(f"a raw Mooncake client could not join {self.master_address} ({rc})")
         return store
 
-    def kill(self) -> None:
-        """SIGKILL the master and the lender (the cluster is gone; files stay until ``stop``)."""
-        self._procs.signal_all(signal.SIGKILL)
-        for proc in self._procs.procs:
-            proc.wait(_STOP_GRACE_S)
 
-    def pause(self) -> None:
-        """SIGSTOP both processes (they hold their connections and answer nothing)."""
-        self._procs.signal_all(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONT both processes."""
-        self._procs.signal_all(signal.SIGCONT)
-
-    def stop(self) -> None:
-        """Stop both processes by their pids and remove the temporary directory (idempotent)."""
-        self._procs.stop()
-
-    def __enter__(self) -> MooncakeServices:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class RedisClusterServices:
+class RedisClusterServices(_ServiceGroup):
     """``nodes`` Redis servers in cluster mode on 127.0.0.1, all slots covered, no replicas.
 
     Owns the servers and the temporary directory (their cluster configs and logs). Create with
@@ -394,26 +403,3 @@ class RedisClusterServices:
             startup_nodes=[module.ClusterNode(h, p) for h, p in self.nodes], socket_timeout=10
         )
 
-    def kill(self) -> None:
-        """SIGKILL every server (files stay until ``stop``)."""
-        self._procs.signal_all(signal.SIGKILL)
-        for proc in self._procs.procs:
-            proc.wait(_STOP_GRACE_S)
-
-    def pause(self) -> None:
-        """SIGSTOP every server (connections stay open, nothing answers)."""
-        self._procs.signal_all(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONT every server."""
-        self._procs.signal_all(signal.SIGCONT)
-
-    def stop(self) -> None:
-        """Stop every server by its pid and remove the temporary directory (idempotent)."""
-        self._procs.stop()
-
-    def __enter__(self) -> RedisClusterServices:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
