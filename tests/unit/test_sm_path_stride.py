@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("cuda.bindings", reason="the SM path needs the 'cuda' extra (cuda-bindings)")
 
 from kvoffload.backends import kernel as kernel_path  # noqa: E402
+from kvoffload.bindings import driver  # noqa: E402
 from kvoffload.records import Direction  # noqa: E402
 from tests.unit.test_shared_pool import strided_plan  # noqa: E402
 
@@ -63,12 +64,14 @@ class _Anything:
 def test_the_sm_path_launches_with_the_pools_stride_whole_and_by_layer(
     direction: Direction, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kernel_path.driver, "Event", _Event)
+    monkeypatch.setattr(driver, "Event", _Event)
     plan = strided_plan(direction, [512, 1024], 3, 1)  # rank 1 of 3: blocks 3 records apart
     assert plan.host_stride == 3 * plan.pages.record_bytes
     path = kernel_path.SmPath.__new__(kernel_path.SmPath)
     launcher = _Launcher()
-    path.direction, path.launcher, path.tables, path.ctas = direction, launcher, _Anything(), 8
+    path.direction, path.ctas = direction, 8
+    path.launcher = launcher  # type: ignore[assignment]
+    path.tables = _Anything()  # type: ignore[assignment]
     ids = np.arange(4, dtype=np.int64)
     anything: Any = _Anything()
     ticket = path.issue(anything, plan, ids, ids, anything)
