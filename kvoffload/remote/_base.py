@@ -145,6 +145,7 @@ class RemoteStoreBase:
         self._batch = batch_records
         self._record_bytes = int(host_rows.shape[1])
         self._num_rows = int(host_rows.shape[0])
+        self._checksum_threads = checksum_threads
         self._pool = concurrent.futures.ThreadPoolExecutor(checksum_threads, "kvoffload-remote-crc")
         self._lane = lane
         self._lock = lane.lock
@@ -508,11 +509,13 @@ class RemoteStoreBase:
             for future in ready.values():  # never leave a checksum thread on the header pages
                 future.result()
 
-    def _verify(self, op: Op, chunk: range, pages: U8Array) -> None:
-        """Checksum thread: verify the records of one get chunk that the client read."""
+    def _verify(self, op: Op, chunk: range, pages: U8Array, part: range) -> None:
+        """Checksum thread: verify the records ``part`` (positions in ``chunk``) of one get chunk that
+        the client read."""
         rows = self._rows
         assert rows is not None and op.rows is not None and op.expected is not None
-        for j, i in enumerate(chunk):
+        for j in part:
+            i = chunk[j]
             if op.errors[i] is not None:
                 continue
             verdict = record.verify_record(
@@ -529,11 +532,13 @@ class RemoteStoreBase:
     def _run_get(self, op: Op) -> None:
         assert op.rows is not None
         chunks = self._chunks(len(op.keys))
-        checks: dict[int, concurrent.futures.Future[None]] = {}
+        # a chunk's records are verified in up to checksum_threads parts at once, so that the last
+        # chunk's check (the only one not hidden behind a transfer) takes 1/threads of its time
+        checks: dict[int, list[concurrent.futures.Future[None]]] = {}
         try:
             for k, chunk in enumerate(chunks):
-                if k - HEADER_SLOTS in checks:
-                    checks.pop(k - HEADER_SLOTS).result()
+                for future in checks.pop(k - HEADER_SLOTS, ()):
+                    future.result()
                 if self._late(op, chunks, k):
                     break
                 pages = self._page_slot(k, len(chunk))
@@ -542,10 +547,12 @@ class RemoteStoreBase:
                 for i, status in zip(chunk, self._call(op, chunk, lambda: self._client.get_chunk(keys, pages, rows))):
                     if status.kind is not None:
                         op.fail(i, status.kind, status.message, status.code)
-                checks[k] = self._pool.submit(self._verify, op, chunk, pages)
+                checks[k] = [self._pool.submit(self._verify, op, chunk, pages, part)
+                             for part in _parts(len(chunk), self._checksum_threads)]
         finally:
-            for future in checks.values():
-                future.result()
+            for futures in checks.values():
+                for future in futures:
+                    future.result()
 
     def _run_keys(self, op: Op) -> None:
         chunks = self._chunks(len(op.keys))
@@ -573,6 +580,13 @@ class RemoteStoreBase:
         if op.state is OpState.ABANDONED and op.kind is RemoteOp.GET and self._rows is not None and op.rows is not None:
             for row in op.rows:  # the caller was told every key failed
                 self._rows[int(row)].fill(0)
+
+
+def _parts(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into at most ``parts`` consecutive, non-empty ranges of near-equal length."""
+    parts = max(1, min(parts, n))
+    bounds = [n * p // parts for p in range(parts + 1)]
+    return [range(bounds[p], bounds[p + 1]) for p in range(parts)]
 
 
 #: The remote kind of each record fault (a record naming a disk block is not a remote record).
