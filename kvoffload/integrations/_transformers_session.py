@@ -17,6 +17,7 @@ import kvoffload
 from kvoffload.integrations import _transformers_surface as surface
 
 __all__ = [
+    "LayerWaiter",
     "OffloadStats",
     "UnsupportedEngineError",
     "WorkerFactory",
@@ -35,6 +36,12 @@ class UnsupportedEngineError(kvoffload.KVOffloadError, RuntimeError):
     message names what was found and what is supported."""
 
 
+class LayerWaiter(Protocol):
+    """The part of :class:`kvoffload.LayerLoad` the integration uses."""
+
+    def wait_layer(self, layer: int, stream: object = None) -> None: ...
+
+
 class WorkerLike(Protocol):
     """The part of :class:`kvoffload.Worker` the integration uses (a test may wrap a real worker)."""
 
@@ -43,6 +50,9 @@ class WorkerLike(Protocol):
 
     def load(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
              stream: object = None) -> None: ...
+
+    def load_by_layer(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
+                      stream: object = None) -> LayerWaiter: ...
 
     def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
                        stream: object = None) -> None: ...
@@ -74,7 +84,8 @@ class OffloadStats:
         blocks_store_failed: blocks whose store job failed (never loadable).
         blocks_not_stored: complete blocks not stored because every host record was busy.
         blocks_loaded_host / blocks_loaded_disk: blocks loaded into the engine's cache and registered.
-        blocks_load_failed: blocks of failed or late loads (recomputed instead).
+        blocks_load_failed: blocks of failed or late loads (recomputed instead; a layer-by-layer load
+            that fails after the engine read its blocks fails the engine's step instead).
         prompt_tokens_engine_cache: prompt tokens the engine found in its own cache.
         prompt_tokens_host / prompt_tokens_disk: prompt tokens served by loaded blocks.
         prompt_tokens_computed: prompt tokens that ran through the model (prefill chunks).
@@ -136,6 +147,22 @@ class _Match:
     tiers: list[kvoffload.Tier] = attrs.Factory(list)
 
 
+@attrs.define
+class _Layered:
+    """A layer-by-layer host load whose blocks the engine may already read (every attention layer
+    waits for its layer on the device). Until its result was collected, the session holds a
+    reference to each of its ``registered`` blocks and keeps its ``unregistered`` ones out of the
+    engine's pool, so that no block it writes is evicted and rewritten meanwhile."""
+
+    load: LayerWaiter | None  # None until submitted (see _Session.flush_loads)
+    plan: kvoffload.LoadPlan
+    keys: list[bytes]
+    host_blocks: list[int]
+    device_blocks: list[int]
+    registered: list[int] = attrs.Factory(list)
+    unregistered: list[int] = attrs.Factory(list)
+
+
 def _key(block_hash: int) -> bytes:
     return block_hash.to_bytes(_KEY_BYTES, "little", signed=False)
 
@@ -162,7 +189,7 @@ class _Session:
     """
 
     def __init__(self, owner: _Owner, cache: surface.EngineCache, manager: kvoffload.Manager,
-                 worker: WorkerLike) -> None:
+                 worker: WorkerLike, layer_of: dict[int, int] | None, defer_loads: bool = False) -> None:
         self._owner = owner
         self._lock = owner._lock
         self._counts = owner._counts
@@ -176,6 +203,10 @@ class _Session:
         self._demotions: dict[int, _Store] = {}
         self._late_loads: dict[int, tuple[kvoffload.LoadPlan, list[bytes], list[int]]] = {}
         self._held: set[int] = set()  # engine blocks held until their store completed
+        self._layer_of = layer_of  # model layer -> the layout's layer; None: loads are waited for
+        self._layered: dict[int, _Layered] = {}
+        self._defer_loads = defer_loads  # submit layered loads when the next forward starts
+        self._landed: set[int] = set()  # layered loads found landed by close
         self._closed = False
 
     # ------------------------------------------------------------------ generation thread
@@ -201,8 +232,15 @@ class _Session:
                         cache.release(block)
                     for _, _, blocks in self._late_loads.values():
                         cache.return_blocks(blocks)
+                    for job, layered in self._layered.items():  # the shut-down worker copies no more
+                        for block in layered.registered:
+                            if job not in self._landed:  # its bytes are not known to be the record's
+                                cache.forget(block)
+                            cache.release(block)
+                        cache.return_blocks(layered.unregistered)
                     self._held.clear()
                     self._late_loads.clear()
+                    self._layered.clear()
                     self._cache = None
                 return False
             assert self._worker is not None and cache is not None
@@ -230,23 +268,40 @@ class _Session:
                 return match
             plan = self._manager.prepare_load(wanted[:count])
             blocks = cache.take_blocks(count)
-            ok = self._load(worker, plan, blocks)
+            layered_job, layered_load, layered_rows = self._load_layered(worker, plan, blocks)
+            ok = self._load(worker, plan, blocks, skip=set(layered_rows))
             if ok is None:  # late: the blocks stay out of the pool until the jobs finished
+                if layered_job is not None:
+                    self._late_loads[layered_job] = (plan, [plan.keys[i] for i in layered_rows],
+                                                     [blocks[i] for i in layered_rows])
                 return match
+            for i in layered_rows:
+                ok[i] = layered_job is not None  # in flight, or refused at submit (recomputed)
             good = next((i for i, fine in enumerate(ok) if not fine), count)
             registered = cache.register_held(blocks[:good], hashes[len(resident):len(resident) + good])
-            cache.return_blocks(blocks[registered:])
-            match.registered = blocks[:registered]
+            in_flight = set(layered_rows) if layered_job is not None else set()
+            cache.return_blocks([b for i, b in enumerate(blocks[registered:], registered) if i not in in_flight])
+            match.registered = [b for i, b in enumerate(blocks[:registered]) if i not in in_flight]
             match.tiers = list(plan.tiers[:registered])
-            failed = [k for k, fine in zip(plan.keys, ok) if not fine]
+            if layered_job is not None:
+                self._layered[layered_job] = _Layered(
+                    layered_load, plan, [plan.keys[i] for i in layered_rows],
+                    [plan.blocks[i] for i in layered_rows], [blocks[i] for i in layered_rows],
+                    registered=[blocks[i] for i in layered_rows if i < registered],
+                    unregistered=[blocks[i] for i in layered_rows if i >= registered],
+                )
+            waited = [i for i in range(count) if i not in in_flight]
+            failed = [plan.keys[i] for i in waited if not ok[i]]
             if failed:
-                self._manager.complete_load(plan, [k for k, fine in zip(plan.keys, ok) if fine])
+                self._manager.complete_load(plan, [plan.keys[i] for i in waited if ok[i]])
                 self._manager.complete_load(plan, failed, ok=False)
                 self._counts.blocks_load_failed += len(failed)
                 _log.warning("%d of %d loaded blocks failed; their tokens are recomputed",
                              len(failed), count)
-            else:
+            elif not in_flight:
                 self._manager.complete_load(plan)
+            elif waited:
+                self._manager.complete_load(plan, [plan.keys[i] for i in waited])
             for tier in match.tiers:
                 if tier is kvoffload.Tier.HOST:
                     self._counts.blocks_loaded_host += 1
@@ -273,6 +328,71 @@ class _Session:
                 else:
                     self._counts.prompt_tokens_disk += size
 
+    def before_layer(self, layer: int, stream: object) -> None:
+        """Model layer ``layer``'s attention is about to run (in the forward, generation thread):
+        order ``stream`` (None on the CPU) after that layer's pages of every layer-by-layer load in
+        flight. On CUDA nothing waits on the host.
+
+        Raises:
+            KVOffloadError: from ``LayerLoad.wait_layer`` (the layer could not be ordered; the
+                forward must not read it).
+        """
+        with self._lock:
+            if self._closed or not self._layered or self._layer_of is None:
+                return  # closed: the worker's shutdown drained every load
+            index = self._layer_of.get(layer)
+            if index is None:
+                return
+            for layered in self._layered.values():
+                if layered.load is not None:  # a deferred one is submitted when the forward starts
+                    layered.load.wait_layer(index, stream)
+
+    def flush_loads(self, stream: object) -> None:
+        """A forward is about to start (generation thread): submit the deferred layer-by-layer loads,
+        ordered after ``stream``. Deferring them to here keeps their copies out of the way of the
+        engine's own input copies of the step (a copy engine works in order; measured on an H200,
+        a 512 MiB load submitted at the prefix match delayed the step's input copies by its whole
+        length), and the copies then run under the forward's kernel launches.
+
+        Raises:
+            TransferError: a deferred load was refused; its blocks, registered already, are dropped
+                from the engine's cache and the forward must not run.
+        """
+        with self._lock:
+            if self._closed or self._worker is None:
+                return
+            self._flush(self._worker, stream)
+
+    def _flush(self, worker: WorkerLike, stream: object) -> None:
+        refused: list[tuple[int, BaseException]] = []
+        for job, layered in list(self._layered.items()):
+            if layered.load is not None:
+                continue
+            try:
+                layered.load = worker.load_by_layer(job, layered.host_blocks, layered.device_blocks,
+                                                    stream=stream)
+            except kvoffload.KVOffloadError as exc:
+                refused.append((job, exc))
+                del self._layered[job]
+                self._drop_layered(layered)
+        if refused:
+            raise kvoffload.TransferError(
+                f"{len(refused)} deferred layer-by-layer load(s) were refused after their blocks were "
+                f"registered (first: job {refused[0][0]}: {refused[0][1]}); the blocks are dropped and "
+                "the step fails instead of reading them"
+            )
+
+    def _drop_layered(self, layered: _Layered) -> None:
+        """A layered load that will not land (or did not): its blocks are never shared again."""
+        assert self._cache is not None
+        self._manager.complete_load(layered.plan, layered.keys, ok=False)
+        self._counts.blocks_load_failed += len(layered.keys)
+        self._counts.blocks_loaded_host -= len(layered.registered)
+        for block in layered.registered:
+            self._cache.forget(block)
+            self._cache.release(block)
+        self._cache.return_blocks(layered.unregistered)
+
     def after_schedule(self, chunks: list[surface.ScheduledChunk] | None, starved: bool) -> bool:
         """Count the prompt tokens of the step. When the cache was short (nothing fit, or active
         requests starved) while stores hold blocks, wait for those stores so that the engine may
@@ -282,7 +402,7 @@ class _Session:
                 self._counts.prompt_tokens_computed += sum(c.tokens for c in chunks if c.prompt)
             if not (chunks is None or starved):
                 return False
-            if self._closed or self._worker is None or not (self._stores or self._demotions):
+            if self._closed or self._worker is None or not (self._stores or self._demotions or self._layered):
                 return False
             try:
                 self._drain(self._worker, self._owner.load_timeout)
@@ -341,7 +461,7 @@ class _Session:
             evicted = cache.evict_cached(wanted - room, keep=resident)
             self._counts.engine_blocks_evicted += evicted
             room += evicted
-            if room >= wanted or attempt or not (self._stores or self._demotions):
+            if room >= wanted or attempt or not (self._stores or self._demotions or self._layered):
                 break
             try:
                 self._drain(worker, self._owner.load_timeout)
@@ -355,12 +475,38 @@ class _Session:
         worker.store(job, store.device_blocks, store.plan.host_blocks, stream=self._stream())
         self._stores[job] = store
 
-    def _load(self, worker: WorkerLike, plan: kvoffload.LoadPlan, blocks: list[int]) -> list[bool] | None:
-        """Load ``plan`` into ``blocks`` and wait; per block, whether its job succeeded (None: a job
-        did not finish in time; it completes later through :meth:`_collect`)."""
+    def _load_layered(self, worker: WorkerLike, plan: kvoffload.LoadPlan, blocks: list[int]
+                      ) -> tuple[int | None, LayerWaiter | None, list[int]]:
+        """Submit the plan's host rows as one layer-by-layer load (not waited for: every attention
+        layer waits for its layer on the device, see :meth:`before_layer`), or, when loads are
+        deferred, only number it. Returns the job and its handle (None while deferred; both None
+        when the worker refused it: those blocks are recomputed) and the rows; no rows when loads
+        are waited for whole."""
+        if self._layer_of is None:
+            return None, None, []
+        rows = [i for i, t in enumerate(plan.tiers) if t is kvoffload.Tier.HOST]
+        if not rows:
+            return None, None, []
+        job = next(self._jobs)
+        if self._defer_loads:  # submitted by flush_loads, when the forward that reads them starts
+            return job, None, rows
+        try:
+            load = worker.load_by_layer(job, [plan.blocks[i] for i in rows], [blocks[i] for i in rows],
+                                        stream=self._stream())
+        except kvoffload.KVOffloadError as exc:
+            _log.warning("a layer-by-layer load of %d blocks was refused; their tokens are recomputed: %s",
+                         len(rows), exc)
+            return None, None, rows
+        return job, load, rows
+
+    def _load(self, worker: WorkerLike, plan: kvoffload.LoadPlan, blocks: list[int],
+              skip: set[int]) -> list[bool] | None:
+        """Load ``plan`` into ``blocks`` (but the rows in ``skip``) and wait; per block, whether its
+        job succeeded (None: a job did not finish in time; it completes later through
+        :meth:`_collect`)."""
         jobs: list[tuple[int, list[int]]] = []
         for tier in (kvoffload.Tier.HOST, kvoffload.Tier.DISK):
-            rows = [i for i, t in enumerate(plan.tiers) if t is tier]
+            rows = [i for i, t in enumerate(plan.tiers) if t is tier and i not in skip]
             if not rows:
                 continue
             job = next(self._jobs)
@@ -371,6 +517,8 @@ class _Session:
             else:
                 worker.load_from_disk(job, src, dst, stream=self._stream())
             jobs.append((job, rows))
+        if not jobs:
+            return [False] * len(blocks)
         try:
             results = worker.wait([job for job, _ in jobs], timeout=self._owner.load_timeout)
         except kvoffload.WaitTimeoutError as exc:
@@ -386,8 +534,16 @@ class _Session:
         return ok
 
     def _collect(self, results: Sequence[kvoffload.TransferResult]) -> None:
+        """Complete the jobs of ``results``. Raises TransferError (after completing all of them)
+        when a layer-by-layer load failed: the engine's step that read its blocks read undefined
+        bytes, so the step must fail rather than emit tokens."""
         assert self._cache is not None and self._worker is not None
+        failed_layered: list[kvoffload.TransferResult] = []
         for result in results:
+            layered = self._layered.pop(result.job_id, None)
+            if layered is not None:
+                self._finish_layered(layered, result, failed_layered)
+                continue
             store = self._stores.pop(result.job_id, None)
             if store is not None:
                 self._finish_store(store, result.ok)
@@ -405,6 +561,26 @@ class _Session:
                 self._cache.return_blocks(blocks)
                 continue
             _log.warning("a result for job %d that this session did not submit: %s", result.job_id, result)
+        if failed_layered:
+            raise kvoffload.TransferError(
+                f"{len(failed_layered)} layer-by-layer load job(s) failed after the engine's step read "
+                f"their blocks (first: job {failed_layered[0].job_id}: {failed_layered[0].error}); the "
+                "blocks are dropped and the step fails instead of emitting tokens from them"
+            )
+
+    def _finish_layered(self, layered: _Layered, result: kvoffload.TransferResult,
+                        failed: list[kvoffload.TransferResult]) -> None:
+        assert self._cache is not None
+        if not result.ok:  # its blocks' bytes are undefined: never shared again
+            failed.append(result)
+            _log.error("a layer-by-layer load of %d blocks failed after they were registered: %s",
+                       len(layered.keys), result.error)
+            self._drop_layered(layered)
+            return
+        self._manager.complete_load(layered.plan, layered.keys)
+        for block in layered.registered:
+            self._cache.release(block)
+        self._cache.return_blocks(layered.unregistered)
 
     def _finish_store(self, store: _Store, ok: bool) -> None:
         assert self._cache is not None
@@ -422,9 +598,11 @@ class _Session:
                 self._cache.release(block)
 
     def _drain(self, worker: WorkerLike, timeout: float) -> None:
-        """Wait for every demotion and store (and the stores that follow the demotions)."""
-        while self._demotions or self._stores:
-            jobs = list(self._demotions) + list(self._stores)
+        """Wait for every demotion, store (and the stores that follow the demotions) and
+        layer-by-layer load: each holds engine blocks."""
+        self._flush(worker, self._stream())
+        while self._demotions or self._stores or self._layered:
+            jobs = list(self._demotions) + list(self._stores) + list(self._layered)
             self._collect(worker.wait(jobs, timeout=timeout))
 
     # ------------------------------------------------------------------ user thread
@@ -438,9 +616,11 @@ class _Session:
         Raises:
             ShutdownError: from the worker's shutdown, after everything was released.
         """
-        with self._lock:
+        with self._lock:  # a forward's layer hooks wait here: they find every load landed after
             if self._closed:
                 return
+            if self._worker is not None and self._layered:
+                self._land_layered(self._worker, timeout)
             self._closed = True
             worker, self._worker = self._worker, None
             cache = self._cache
@@ -448,6 +628,22 @@ class _Session:
             cache.stop_intercepting()
         if worker is not None:
             worker.shutdown(timeout)
+
+    def _land_layered(self, worker: WorkerLike, timeout: float) -> None:
+        """At close (user thread, lock held): submit the deferred loads and wait for every layered
+        load, so that a forward still running after the hooks are gone reads landed blocks. The
+        blocks stay with the session until the generation thread's next step releases them (those
+        whose load did not land are dropped from the engine's cache then)."""
+        try:
+            for job, layered in self._layered.items():
+                if layered.load is None:
+                    layered.load = worker.load_by_layer(job, layered.host_blocks, layered.device_blocks,
+                                                        stream=self._stream())
+            for result in worker.wait(list(self._layered), timeout=timeout):
+                if result.ok:
+                    self._landed.add(result.job_id)
+        except kvoffload.KVOffloadError as exc:
+            _log.error("layer-by-layer loads did not land before close; their blocks are dropped: %s", exc)
 
     def manager_stats(self) -> kvoffload.ManagerStats:
         """The session's manager statistics (lock held by the caller)."""

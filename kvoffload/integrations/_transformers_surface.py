@@ -43,6 +43,11 @@ What is used, and what the integration relies on (transformers 5.24):
 * ``RequestState``: ``request_id``, ``status``, ``is_cpu_offloaded``, ``remaining_prefill_tokens``,
   ``initial_tokens``, ``position_offset``; ``RequestStatus.PENDING``.
 * ``cache.group_layers_by_attn_type(config)``: the attention groups of a model.
+* The allocator's ``layer_indices``: the model layers of the group, in the order their K and V lie
+  in a block (``[K, V of layer_indices[0] | K, V of layer_indices[1] | ...]``, equal halves).
+* The model's attention modules: submodules named ``*.self_attn`` with an int ``layer_idx``; the
+  paged attention writes and reads layer ``layer_idx``'s cache inside that module's forward, on the
+  compute stream.
 * Behaviour: the forward runs as ``model(**batch)`` inside the compute stream's context (a forward
   pre-hook sees that stream as current); with synchronous batching the compute stream has finished
   before the step's outputs are applied.
@@ -67,6 +72,7 @@ __all__ = [
     "SchedulerHooks",
     "SurfaceError",
     "attention_groups",
+    "attention_layers",
     "check_surface",
     "installed_version",
     "register_model",
@@ -267,6 +273,24 @@ class EngineCache:
         assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8 and tensor.dim() == 1
         return tensor.view(-1, self.bytes_per_block)
 
+    @property
+    def layer_order(self) -> tuple[int, ...]:
+        """The model layers whose K and V a block holds, in the order they lie in the block: block
+        ``b`` is ``[K, V of layer_order[0] | K, V of layer_order[1] | ...]``, each pair
+        ``bytes_per_block // len(layer_order)`` bytes (the allocator's ``layer_indices``)."""
+        order = tuple(int(i) for i in self._allocator.layer_indices)
+        if not order or self.bytes_per_block % len(order):
+            raise SurfaceError(
+                f"layer_indices = {list(order)} does not divide a block of {self.bytes_per_block} bytes"
+            )
+        return order
+
+    def layer_block_view(self) -> torch.Tensor:
+        """:meth:`block_view` as ``uint8 [num_blocks, layers, bytes_per_layer]``: ``[b, i]`` is the K
+        and V of model layer ``layer_order[i]`` in block ``b`` (a cross-layer tensor, layer dim 1)."""
+        layers = len(self.layer_order)
+        return self.block_view().view(-1, layers, self.bytes_per_block // layers)
+
     def block_hashes(self, prompt: Sequence[int]) -> list[int]:
         """The chained hashes of the prompt's blocks the engine may match (all complete blocks but
         the one holding the last token), first block first."""
@@ -350,6 +374,13 @@ class EngineCache:
         block becomes an evictable cached block."""
         if self._ledger.release(block):
             self._pool.free_blocks(self._index, [block])
+
+    def forget(self, block: int) -> None:
+        """Drop ``block``'s hash from the ledger (its bytes are not what the hash says): no prefix
+        match shares it again. Its references stay; released by the last, it returns to the pool."""
+        block_hash = self._ledger.block_to_hash.pop(block, None)
+        if block_hash is not None and self._ledger.hash_to_block.get(block_hash) == block:
+            del self._ledger.hash_to_block[block_hash]
 
     def intercept_new_hashes(self, callback: Callable[[int, int], None]) -> None:
         """Call ``callback(block, hash)`` after the engine registers a block as complete (and not as a
@@ -480,6 +511,25 @@ class _HookedScheduler:
             return infer(state, request_ids_to_remove_from_waiting)
         finally:
             hooks.after_prefix_match(token, int(state.position_offset) - before)
+
+
+def attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The model's attention modules by layer index: every submodule named ``*.self_attn`` with an
+    int ``layer_idx`` (transformers' decoder attention; the engine's paged attention writes and reads
+    layer ``layer_idx``'s cache inside that module's forward).
+
+    Raises:
+        SurfaceError: two modules claim one layer.
+    """
+    found: dict[int, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        index = getattr(module, "layer_idx", None)
+        if not name.endswith("self_attn") or isinstance(index, bool) or not isinstance(index, int):
+            continue
+        if index in found:
+            raise SurfaceError(f"two attention modules claim layer {index} (the second is {name!r})")
+        found[index] = module
+    return found
 
 
 def _matches_prefix(scheduler: Any, state: Any) -> bool:

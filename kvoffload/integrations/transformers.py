@@ -22,11 +22,21 @@ What happens in a session (all of it in the engine's generation thread):
   a disk tier, which are demoted to disk (a demotion is written before the store that reuses its
   host record).
 * **Loads** — just before the engine matches a pending request's prompt against its cache, the
-  blocks after the resident prefix are looked up; the leading hits are loaded (host records, or disk
-  records through pinned bounce buffers) into free engine blocks, ordered after the compute stream,
-  and waited for; then they are registered in the engine's cache, so its prefix match shares them
-  and prefill runs only on the rest. A load that fails (or does not finish within
+  blocks after the resident prefix are looked up; the leading hits are loaded into free engine
+  blocks, ordered after the compute stream, and registered in the engine's cache, so its prefix
+  match shares them and prefill runs only on the rest. Host hits are loaded layer by layer
+  (``Worker.load_by_layer``) and not waited for: a forward pre-hook on every attention module makes
+  the compute stream wait, on the device, until that layer's pages of every load in flight have
+  landed. On CUDA a host hit's load is submitted when the next forward starts (after the engine's
+  own input copies of the step, which would otherwise queue behind it on the copy engine), so the
+  copies run under the forward's kernel launches. Disk hits (records
+  through pinned bounce buffers, checked as they are read) are waited for before they are
+  registered. A load that is refused or fails before registration (or does not finish within
   ``load_timeout``) registers nothing from the first failed block on: those tokens are recomputed.
+  A layer-by-layer load fails after registration only when the device does (a copy's error) or when
+  a deferred submit is refused: its blocks are then dropped from the engine's cache and the step
+  raises ``TransferError`` (the engine fails its requests) rather than emitting tokens from them. ``overlap_loads=False`` waits
+  for host hits too, before registering them.
 * Room for a load is made by evicting cached engine blocks (every complete block is stored, so the
   host pool normally holds them), never the prompt's resident prefix. When the engine's cache is
   short while stores still hold blocks (a step in which nothing fit or active requests starved, or a
@@ -53,7 +63,7 @@ import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import attrs
@@ -63,6 +73,7 @@ import kvoffload
 from kvoffload import DiskConfig
 from kvoffload.integrations import _transformers_surface as surface
 from kvoffload.integrations._transformers_session import (
+    LayerWaiter,
     OffloadStats,
     UnsupportedEngineError,
     WorkerFactory,
@@ -73,6 +84,7 @@ from kvoffload.integrations._transformers_session import (
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
+    "LayerWaiter",
     "OffloadStats",
     "Offloader",
     "UnsupportedEngineError",
@@ -99,7 +111,8 @@ class Offloader:
     """
 
     def __init__(self, model: Any, num_host_blocks: int, disk: DiskConfig | None, policy: str,
-                 make_worker: WorkerFactory, load_timeout: float, identity: str) -> None:
+                 make_worker: WorkerFactory, load_timeout: float, identity: str, overlap_loads: bool,
+                 defer_loads: bool) -> None:
         self.model = model
         self.num_host_blocks = num_host_blocks
         self.disk = disk
@@ -107,6 +120,8 @@ class Offloader:
         self.load_timeout = load_timeout
         self._make_worker = make_worker
         self._identity = identity
+        self._overlap_loads = overlap_loads
+        self._defer_loads = defer_loads
         self._lock = threading.RLock()
         self._counts = _Counters()
         self._session: _Session | None = None
@@ -134,7 +149,11 @@ class Offloader:
             with self._lock:
                 self._counts.sessions_without_prefix_sharing += 1
             return None
-        layout = kvoffload.DeviceLayout.from_tensors({"kv_cache": cache.block_view()}, block_dim=0)
+        # one cross-layer tensor: [block, layer (in the block's order), K and V of that layer]
+        order = cache.layer_order
+        layout = kvoffload.DeviceLayout.from_tensors({"kv_cache": cache.layer_block_view()}, block_dim=0,
+                                                     layer_dim=1)
+        layer_of = {layer: i for i, layer in enumerate(order)} if self._overlap_loads else None
         manager = kvoffload.Manager.create(
             self.num_host_blocks,
             fingerprint=f"{self._identity}|tokens_per_block={cache.tokens_per_block}|{layout.fingerprint}",
@@ -142,12 +161,26 @@ class Offloader:
             policy=self.policy,
         )
         worker = self._make_worker(layout, self.num_host_blocks, self.disk)
-        session = _Session(self, cache, manager, worker)
+        session = _Session(self, cache, manager, worker, layer_of, defer_loads=self._defer_loads)
         cache.intercept_new_hashes(session.on_new_hash)
         with self._lock:
             self._session = session
             self._counts.sessions += 1
         return session
+
+    def _before_forward(self, stream: object) -> None:
+        """The model's forward pre-hook on CUDA (generation thread): submit the deferred loads."""
+        with self._lock:
+            session = self._session
+        if session is not None:
+            session.flush_loads(stream)
+
+    def _before_layer(self, layer: int, stream: object) -> None:
+        """The attention pre-hook of model layer ``layer`` (generation thread, in the forward)."""
+        with self._lock:
+            session = self._session
+        if session is not None:
+            session.before_layer(layer, stream)
 
     def _retire(self, session: _Session) -> None:
         with self._lock:
@@ -250,6 +283,8 @@ def offloading(
     make_worker: WorkerFactory | None = None,
     load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    overlap_loads: bool = True,
+    defer_loads: bool | None = None,
 ) -> Iterator[Offloader]:
     """Offload the KV cache of ``model``'s continuous batching sessions through kvoffload while the
     context is open (see the module docstring for what happens in a session).
@@ -266,6 +301,12 @@ def offloading(
         load_timeout: seconds a scheduling step waits for a load (or, when the cache is full, for the
             stores in flight) before giving up on it: its tokens are then recomputed.
         shutdown_timeout: seconds the exit gives each worker's shutdown.
+        overlap_loads: load host hits layer by layer without waiting (each attention layer waits
+            on the device for its pages); False waits for every load before registering it.
+        defer_loads: with ``overlap_loads``, submit a host hit's load when the next forward starts
+            rather than at the prefix match (None: on CUDA, where the engine's input copies would
+            otherwise queue behind it). A deferred load that the worker refuses fails the step
+            (its blocks are registered already); one submitted at once is recomputed instead.
 
     Yields the :class:`Offloader` (``stats()``). On exit the model's sessions are built with the
     engine's own scheduler again, the hook on the model is removed and every worker is shut down.
@@ -281,27 +322,53 @@ def offloading(
     _check_engine()
     text_config = _check_model(model)
     _check_args(num_host_blocks, disk, load_timeout, shutdown_timeout, make_worker)
+    if not isinstance(overlap_loads, bool):
+        raise kvoffload.ArgumentTypeError(f"overlap_loads = {overlap_loads!r} must be a bool")
+    if defer_loads is not None and not isinstance(defer_loads, bool):
+        raise kvoffload.ArgumentTypeError(f"defer_loads = {defer_loads!r} must be a bool or None")
+    layers = surface.attention_layers(model) if overlap_loads else {}
+    if overlap_loads and sorted(layers) != list(range(text_config.num_hidden_layers)):
+        raise UnsupportedEngineError(
+            f"the model's attention modules cover layers {sorted(layers)}, not 0..{text_config.num_hidden_layers - 1}: "
+            "layer-by-layer loads cannot be ordered (pass overlap_loads=False)"
+        )
     if policy not in _POLICIES:
         raise kvoffload.UnknownPolicyError(f"policy = {policy!r} is not one of {list(_POLICIES)}")
+    device = torch.device(model.device)
     offloader = Offloader(model, num_host_blocks, disk, policy, make_worker or _default_worker,
-                          float(load_timeout), _identity(model))
+                          float(load_timeout), _identity(model), overlap_loads,
+                          overlap_loads and (defer_loads if defer_loads is not None else device.type == "cuda"))
     try:
         surface.register_model(text_config, offloader._bind)
     except surface.SurfaceError as exc:
         raise kvoffload.InvalidArgumentError(
             f"model = {type(model).__name__} is inside another offloading() context already"
         ) from exc
-    handle = None
-    device = torch.device(model.device)
-    if device.type == "cuda":
-        def record_compute_stream(module: torch.nn.Module, args: Any) -> None:
-            offloader._compute_stream = torch.cuda.current_stream(device)
+    handles = []
 
-        handle = model.register_forward_pre_hook(record_compute_stream)
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        offloader._compute_stream = stream
+        offloader._before_forward(stream)
+
+    handles.append(model.register_forward_pre_hook(before_forward))
+    for layer, module in layers.items():
+        handles.append(module.register_forward_pre_hook(_layer_hook(offloader, layer, device)))
     try:
         yield offloader
     finally:
         surface.unregister_model(text_config)
-        if handle is not None:
-            handle.remove()
-        offloader._close(float(shutdown_timeout))
+        try:
+            offloader._close(float(shutdown_timeout))  # lands every load first: the hooks may go then
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _layer_hook(offloader: Offloader, layer: int, device: torch.device) -> Callable[[torch.nn.Module, Any], None]:
+    """The forward pre-hook of model layer ``layer``'s attention: the current stream (the engine's
+    compute stream; None on the CPU) waits for that layer of the loads in flight."""
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        offloader._before_layer(layer, torch.cuda.current_stream(device) if device.type == "cuda" else None)
+
+    return hook

@@ -26,6 +26,7 @@ from tests.unit._cb_workload import (  # noqa: E402
     PREFIX_BLOCKS,
     SMALL_CACHE_BLOCKS,
     SUFFIX_TOKENS_C,
+    DelayedLayers,
     FailingLoads,
     PhaseRun,
     cb_configs,
@@ -60,16 +61,20 @@ def _bits(values: list[float]) -> list[int]:
     return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
 
 
+@pytest.mark.parametrize(("overlap_loads", "defer_loads"), [(True, None), (True, False), (False, None)],
+                         ids=["layer-by-layer", "submitted-at-the-match", "waited"])
 def test_gpu_offload_tokens_and_logprobs_equal_the_big_cache_run(
-    model: Any, big_cache_run: PhaseRun, figures: Figures
+    model: Any, big_cache_run: PhaseRun, figures: Figures, overlap_loads: bool, defer_loads: bool | None
 ) -> None:
-    run, stats = _offloaded(model)
+    run, stats = _offloaded(model, overlap_loads=overlap_loads, defer_loads=defer_loads)
     for name, (tokens, logprobs) in run.outputs.items():
         assert tokens == big_cache_run.outputs[name][0], name
         assert _bits(logprobs) == _bits(big_cache_run.outputs[name][1]), name
     assert stats.blocks_loaded_host == PREFIX_BLOCKS and stats.blocks_load_failed == 0
     assert run.prompt_tokens("C") == SUFFIX_TOKENS_C
-    figures.add("transformers CB, phase C prompt tokens computed (offload / plain small cache)",
+    mode = "waited" if not overlap_loads else "layer-by-layer" + (", at the match" if defer_loads is False else "")
+    figures.add(f"transformers CB ({mode} loads), phase C prompt "
+                "tokens computed (offload / plain small cache)",
                 f"{run.prompt_tokens('C')} / {run_phases(model, SMALL_CACHE_BLOCKS).prompt_tokens('C')}")
 
 
@@ -77,9 +82,29 @@ def test_gpu_failed_load_is_recomputed_with_identical_tokens(model: Any, big_cac
     def failing(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
         return FailingLoads(kvoffload.Worker.create(layout, blocks, disk=disk))
 
-    run, stats = _offloaded(model, make_worker=failing)
+    run, stats = _offloaded(model, make_worker=failing, overlap_loads=False)
     assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
     assert [o[0] for o in run.outputs.values()] == [o[0] for o in big_cache_run.outputs.values()]
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["real", "control"])
+def test_gpu_attention_layers_wait_on_the_device_for_a_load_in_flight(
+    model: Any, big_cache_run: PhaseRun, ordered: bool, figures: Figures
+) -> None:
+    made: list[DelayedLayers] = []
+
+    def delayed(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(DelayedLayers(kvoffload.Worker.create(layout, blocks, disk=disk), ordered=ordered))
+        return made[-1]
+
+    run, _ = _offloaded(model, make_worker=delayed)  # each load starts 0.5 s after its step was scheduled
+    assert made[0].handles, "no layer-by-layer load ran"
+    if ordered:
+        assert run.outputs == big_cache_run.outputs
+    else:
+        figures.add("transformers CB, control: a forward that does not wait for the load in flight",
+                    f"C0 tokens equal the big cache's: {run.outputs['C0'] == big_cache_run.outputs['C0']}")
+        assert run.outputs["C0"] != big_cache_run.outputs["C0"], "the control cannot fail"
 
 
 def test_gpu_copies_are_ordered_on_the_engines_compute_stream(model: Any) -> None:

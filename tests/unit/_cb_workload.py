@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import kvoffload
-from kvoffload.integrations.transformers import Offloader
+from kvoffload.integrations.transformers import LayerWaiter, Offloader
 
 REQUIRE_ENV: Final = "KVOFFLOAD_REQUIRE_TRANSFORMERS"
 RESULT_TIMEOUT_S: Final = 120.0
@@ -177,6 +178,10 @@ class FailingLoads:
             self.remaining -= 1
             self.broken[job_id] = list(device_blocks)
 
+    def load_by_layer(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
+                      stream: object = None) -> LayerWaiter:
+        return self.worker.load_by_layer(job_id, host_blocks, device_blocks, stream=stream)
+
     def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
                        stream: object = None) -> None:
         self.worker.load_from_disk(job_id, disk_blocks, device_blocks, stream=stream)
@@ -258,3 +263,107 @@ class LateLoads(FailingLoads):
         results = self.worker.poll()
         self.late_results += [r for r in results if r.job_id == self.late]
         return results
+
+
+class RefusedLayered(FailingLoads):
+    """A worker that refuses its first layer-by-layer load at submit (a typed error, nothing copied)."""
+
+    def __init__(self, worker: kvoffload.Worker) -> None:
+        super().__init__(worker, count=0)
+        self.refused = 0
+
+    def load_by_layer(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
+                      stream: object = None) -> LayerWaiter:
+        if self.refused == 0:
+            self.refused += 1
+            raise kvoffload.BlockConflictError(f"load job {job_id}: refused (injected)")
+        return self.worker.load_by_layer(job_id, host_blocks, device_blocks, stream=stream)
+
+
+class FailedLayered(FailingLoads):
+    """A worker whose first layer-by-layer load copies as usual but reports ``ok=False`` (as if a
+    copy had failed on the device after the engine's step read the blocks)."""
+
+    def __init__(self, worker: kvoffload.Worker) -> None:
+        super().__init__(worker, count=0)
+        self.failed: int | None = None
+
+    def load_by_layer(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
+                      stream: object = None) -> LayerWaiter:
+        if self.failed is None:
+            self.failed = job_id
+        return self.worker.load_by_layer(job_id, host_blocks, device_blocks, stream=stream)
+
+    def _fail(self, results: list[kvoffload.TransferResult]) -> list[kvoffload.TransferResult]:
+        return [attrs.evolve(r, ok=False, error=kvoffload.TransferError("injected")) if r.job_id == self.failed
+                else r for r in results]
+
+    def poll(self) -> list[kvoffload.TransferResult]:
+        return self._fail(self.worker.poll())
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[kvoffload.TransferResult]:
+        return self._fail(self.worker.wait(job_ids, timeout))
+
+
+class _LateHandle:
+    """The handle of a :class:`DelayedLayers` load: waits for the real handle, then for the layer
+    (or, as the control, for nothing)."""
+
+    def __init__(self, ordered: bool) -> None:
+        self.ordered = ordered
+        self.submitted = threading.Event()
+        self.real: LayerWaiter | None = None
+        self.waits: list[int] = []
+
+    def wait_layer(self, layer: int, stream: object = None) -> None:
+        self.waits.append(layer)
+        if not self.ordered:
+            return
+        if not self.submitted.wait(RESULT_TIMEOUT_S):
+            raise kvoffload.WaitTimeoutError("the delayed load was never submitted")
+        assert self.real is not None
+        self.real.wait_layer(layer, stream)
+
+
+class DelayedLayers(FailingLoads):
+    """A worker whose layer-by-layer loads start ``delay`` seconds late (on a thread of their own),
+    so that a forward that does not wait for them reads blocks the copy has not written yet. With
+    ``ordered=False`` (the control) ``wait_layer`` returns at once."""
+
+    def __init__(self, worker: kvoffload.Worker, delay: float = 0.5, ordered: bool = True) -> None:
+        super().__init__(worker, count=0)
+        self.delay = delay
+        self.ordered = ordered
+        self.handles: dict[int, _LateHandle] = {}
+        self.threads: list[threading.Thread] = []
+
+    def load_by_layer(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
+                      stream: object = None) -> LayerWaiter:
+        handle = _LateHandle(self.ordered)
+        src, dst = list(host_blocks), list(device_blocks)
+
+        def submit() -> None:
+            time.sleep(self.delay)
+            handle.real = self.worker.load_by_layer(job_id, src, dst, stream=stream)
+            handle.submitted.set()
+
+        self.handles[job_id] = handle
+        thread = threading.Thread(target=submit, name=f"delayed-load-{job_id}")
+        self.threads.append(thread)
+        thread.start()
+        return handle
+
+    def _submitted(self, job_ids: Sequence[int]) -> None:
+        for j in job_ids:
+            handle = self.handles.get(j)
+            if handle is not None and not handle.submitted.wait(RESULT_TIMEOUT_S):
+                raise kvoffload.WaitTimeoutError(f"the delayed load {j} was never submitted", pending=[j])
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[kvoffload.TransferResult]:
+        self._submitted(job_ids)
+        return self.worker.wait(job_ids, timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        for thread in self.threads:
+            thread.join(RESULT_TIMEOUT_S)
+        self.worker.shutdown(timeout)

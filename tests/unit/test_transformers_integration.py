@@ -13,8 +13,8 @@ import contextlib
 import os
 import pathlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -35,6 +35,9 @@ from kvoffload.integrations.transformers import (  # noqa: E402
 )
 from tests.unit._cb_workload import (  # noqa: E402
     BIG_CACHE_BLOCKS,
+    DelayedLayers,
+    FailedLayered,
+    RefusedLayered,
     PHASES,
     PREFIX_BLOCKS,
     SMALL_CACHE_BLOCKS,
@@ -76,8 +79,12 @@ def _bits(values: list[float]) -> list[int]:
     return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
 
 
-def test_offload_tokens_and_logprobs_equal_the_big_cache_and_generate(model: Any, big_cache_run: PhaseRun) -> None:
-    run, stats = _offloaded(model)
+@pytest.mark.parametrize(("overlap_loads", "defer_loads"), [(True, False), (True, True), (False, None)],
+                         ids=["layer-by-layer", "deferred-to-the-forward", "waited"])
+def test_offload_tokens_and_logprobs_equal_the_big_cache_and_generate(
+    model: Any, big_cache_run: PhaseRun, overlap_loads: bool, defer_loads: bool | None
+) -> None:
+    run, stats = _offloaded(model, overlap_loads=overlap_loads, defer_loads=defer_loads)
     assert stats.blocks_loaded_host == PREFIX_BLOCKS  # P came back from the host pool
     for name, (tokens, logprobs) in run.outputs.items():
         big_tokens, big_logprobs = big_cache_run.outputs[name]
@@ -114,7 +121,7 @@ def test_a_failed_load_is_recomputed_with_identical_tokens(model: Any, big_cache
     def failing(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
         return FailingLoads(kvoffload.Worker.create(layout, blocks, disk=disk))
 
-    run, stats = _offloaded(model, make_worker=failing)
+    run, stats = _offloaded(model, make_worker=failing, overlap_loads=False)
     assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
     assert run.prompt_tokens("C") == len(PHASES["C"][0]) + (len(PHASES["C"][1]) - 16 * PREFIX_BLOCKS)
     assert run.outputs == big_cache_run.outputs
@@ -128,7 +135,7 @@ def test_a_late_load_is_recomputed_and_completed_when_it_finishes(model: Any, bi
         made.append(LateLoads(kvoffload.Worker.create(layout, blocks, disk=disk)))
         return made[-1]
 
-    run, stats = _offloaded(model, make_worker=late)
+    run, stats = _offloaded(model, make_worker=late, overlap_loads=False)
     assert run.outputs == big_cache_run.outputs
     assert stats.blocks_load_failed == PREFIX_BLOCKS  # the late job; a later attempt may load P again
     assert [r.ok for r in made[0].late_results] == [True]  # collected by a later step
@@ -141,10 +148,96 @@ def test_control_the_injected_bytes_change_the_tokens_when_the_failure_is_hidden
     def lying(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
         return FailingLoads(kvoffload.Worker.create(layout, blocks, disk=disk), report_failure=False)
 
-    run, stats = _offloaded(model, make_worker=lying)
+    run, stats = _offloaded(model, make_worker=lying, overlap_loads=False)
     assert stats.blocks_loaded_host == PREFIX_BLOCKS
     changed = [n for n in ("C0", "C1") if run.outputs[n] != big_cache_run.outputs[n]]
     assert changed, "random bytes in the loaded blocks left every output unchanged: the test cannot fail"
+
+
+def _delayed(model: Any, ordered: bool, defer_loads: bool = False) -> tuple[PhaseRun, list[DelayedLayers]]:
+    made: list[DelayedLayers] = []
+
+    def delayed(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(DelayedLayers(kvoffload.Worker.create(layout, blocks, disk=disk), ordered=ordered))
+        return made[-1]
+
+    run, _ = _offloaded(model, make_worker=delayed, defer_loads=defer_loads)
+    return run, made
+
+
+@pytest.mark.parametrize("defer_loads", [False, True], ids=["submitted-at-the-match", "deferred-to-the-forward"])
+def test_every_attention_layer_waits_for_its_layer_of_a_load_in_flight(
+    model: Any, big_cache_run: PhaseRun, defer_loads: bool
+) -> None:
+    run, made = _delayed(model, ordered=True, defer_loads=defer_loads)  # each load starts 0.5 s late
+    assert run.outputs == big_cache_run.outputs
+    assert run.prompt_tokens("C") == SUFFIX_TOKENS_C
+    (handle,) = made[0].handles.values()  # P's blocks, loaded once in phase C
+    assert sorted(set(handle.waits)) == [0, 1]  # both layers of the tiny model waited for
+
+
+def test_control_a_forward_that_does_not_wait_reads_blocks_the_load_has_not_written(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    run, made = _delayed(model, ordered=False)
+    assert made[0].handles, "no layer-by-layer load ran: the control cannot fail"
+    assert run.outputs["C0"] != big_cache_run.outputs["C0"], (
+        "a forward that ignored the load in flight still produced the right tokens: the test cannot fail"
+    )
+
+
+def test_a_refused_layer_by_layer_load_is_recomputed_with_identical_tokens(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    run, stats = _offloaded(model, make_worker=lambda layout, blocks, disk: RefusedLayered(
+        kvoffload.Worker.create(layout, blocks, disk=disk)))
+    assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
+    assert run.outputs == big_cache_run.outputs
+    assert run.prompt_tokens("C") == len(PHASES["C"][0]) + (len(PHASES["C"][1]) - 16 * PREFIX_BLOCKS)
+
+
+W = TypeVar("W", bound=FailingLoads)
+
+
+def _until_a_step_fails(model: Any, wrap: Callable[[kvoffload.Worker], W], **kwargs: Any
+                        ) -> tuple[Any, OffloadStats, Any, list[W]]:
+    """Serve A and B, then C0 (and C1 when C0 finished well: a failure collected at the next step
+    fails that one) through workers wrapped by ``wrap``. Returns the last result, the stats, the
+    engine's cache and the wrapped workers."""
+    made: list[W] = []
+
+    def make(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(wrap(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    with offloading(model, 64, make_worker=make, **kwargs) as off:
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       warmup=False) as manager:
+            for prompt in PHASES["A"] + PHASES["B"]:
+                assert serve(manager, prompt).error is None
+            result = serve(manager, PHASES["C"][0])  # its step reads P's blocks
+            if result.error is None:
+                result = serve(manager, PHASES["C"][1])
+            cache = manager.batch_processor.cache
+    return result, off.stats(), cache, made
+
+
+def test_a_refused_deferred_load_fails_the_step_and_its_blocks_are_never_shared(model: Any) -> None:
+    result, stats, cache, made = _until_a_step_fails(model, RefusedLayered, defer_loads=True)
+    assert made[0].refused == 1  # when C0's forward started
+    assert result.error is not None and "deferred layer-by-layer load" in str(result.error), result.error
+    assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
+    ledger = next(iter(cache.cache_allocators.values())).ledger
+    hashes = surface.EngineCache(cache).block_hashes(PHASES["C"][0])
+    assert not any(h in ledger.hash_to_block for h in hashes[:PREFIX_BLOCKS])  # never matched again
+
+
+def test_a_layer_by_layer_load_failing_after_registration_fails_the_step_never_silently(model: Any) -> None:
+    result, stats, _, made = _until_a_step_fails(model, FailedLayered)
+    assert made[0].failed is not None
+    assert result.error is not None and "layer-by-layer load" in str(result.error), result.error
+    assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
 
 
 def test_blocks_held_by_stores_are_released_when_the_cache_is_short(

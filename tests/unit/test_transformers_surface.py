@@ -158,6 +158,49 @@ def test_a_block_holds_every_layers_keys_and_values_of_its_tokens(served: surfac
         assert inside.count(True) == 1, f"layer {layer} values are not one run of the block's row"
 
 
+def test_layer_i_of_the_layer_view_is_the_keys_then_values_of_layer_order_i(served: surface.EngineCache) -> None:
+    allocator = next(iter(served.engine_cache.cache_allocators.values()))  # type: ignore[attr-defined]
+    assert served.layer_order == tuple(range(LAYERS))
+    view = served.layer_block_view()
+    assert view.shape == (served.block_view().shape[0], LAYERS, served.bytes_per_block // LAYERS)
+    block = served.resident_prefix(served.block_hashes(PREFIX + [200, 201]))[0]
+    for i, layer in enumerate(served.layer_order):
+        k_view, v_view = allocator._kv_token_views[layer]  # the engine's own per-layer views
+        start = block * allocator.block_physical_stride
+        keys = k_view[start:start + PAGE].reshape(-1)
+        values = v_view[start:start + PAGE].reshape(-1)
+        pair = view[block, i].view(torch.float32)
+        assert torch.count_nonzero(keys) > 0
+        assert torch.equal(pair[:keys.numel()], keys) and torch.equal(pair[keys.numel():], values), layer
+
+
+def test_attention_layers_are_the_modules_that_read_and_write_each_layers_cache(model: Any) -> None:
+    layers = surface.attention_layers(model)
+    assert sorted(layers) == list(range(LAYERS))
+    seen: list[int] = []
+    handles = [m.register_forward_pre_hook(lambda m, a, i=i: seen.append(i)) for i, m in layers.items()]
+    try:
+        gen, cb = cb_configs(16)
+        model.generate_batch([PREFIX + [200, 201]], generation_config=gen, continuous_batching_config=cb)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen[:LAYERS] == list(range(LAYERS))  # every forward runs them in layer order
+
+
+def test_a_forgotten_block_is_never_matched_and_returns_to_the_pool_when_released(
+    served: surface.EngineCache,
+) -> None:
+    hashes = served.block_hashes(PREFIX + [200, 201])
+    blocks = served.resident_prefix(hashes)
+    free = served.available_blocks()
+    served.hold(blocks[0])
+    served.forget(blocks[0])
+    assert served.hash_of(blocks[0]) is None and served.resident_prefix(hashes) == []
+    served.release(blocks[0])
+    assert served.available_blocks() == free + 1  # was cached (not free); now back in the pool
+
+
 def test_a_held_block_survives_the_engines_eviction_and_is_evictable_after_release(
     served: surface.EngineCache,
 ) -> None:
