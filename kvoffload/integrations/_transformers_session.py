@@ -173,6 +173,7 @@ class _Owner(Protocol):
     _lock: threading.RLock
     _counts: _Counters
     load_timeout: float
+    _graphs_seen: bool  # the engine captured a CUDA graph of the model: its replays run no hooks
 
     @property
     def _compute_stream(self) -> Any: ...
@@ -482,7 +483,7 @@ class _Session:
         deferred, only number it. Returns the job and its handle (None while deferred; both None
         when the worker refused it: those blocks are recomputed) and the rows; no rows when loads
         are waited for whole."""
-        if self._layer_of is None:
+        if self._layer_of is None or self._owner._graphs_seen:  # a replayed forward would not wait
             return None, None, []
         rows = [i for i, t in enumerate(plan.tiers) if t is kvoffload.Tier.HOST]
         if not rows:

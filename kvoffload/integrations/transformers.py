@@ -36,7 +36,8 @@ What happens in a session (all of it in the engine's generation thread):
   A layer-by-layer load fails after registration only when the device does (a copy's error) or when
   a deferred submit is refused: its blocks are then dropped from the engine's cache and the step
   raises ``TransferError`` (the engine fails its requests) rather than emitting tokens from them. ``overlap_loads=False`` waits
-  for host hits too, before registering them.
+  for host hits too, before registering them. Once the engine captures a CUDA graph of the model
+  (``use_cuda_graph``; its replays run no hooks), host hits are waited for too.
 * Room for a load is made by evicting cached engine blocks (every complete block is stored, so the
   host pool normally holds them), never the prompt's resident prefix. When the engine's cache is
   short while stores still hold blocks (a step in which nothing fit or active requests starved, or a
@@ -122,6 +123,7 @@ class Offloader:
         self._identity = identity
         self._overlap_loads = overlap_loads
         self._defer_loads = defer_loads
+        self._graphs_seen = False
         self._lock = threading.RLock()
         self._counts = _Counters()
         self._session: _Session | None = None
@@ -169,14 +171,26 @@ class Offloader:
         return session
 
     def _before_forward(self, stream: object) -> None:
-        """The model's forward pre-hook on CUDA (generation thread): submit the deferred loads."""
+        """The model's forward pre-hook (generation thread): submit the deferred loads. A forward
+        being captured into a CUDA graph submits nothing and waits for nothing: the engine ran the
+        same forward eagerly just before (its capture's warm-up: hooks ran there), and its replays
+        run no hooks, so from now on this model's loads are waited for before registration."""
+        if _capturing(stream):
+            with self._lock:
+                if not self._graphs_seen:
+                    _log.info("the engine captures CUDA graphs of the model: host hits are waited for from now on")
+                self._graphs_seen = True
+            return
         with self._lock:
             session = self._session
         if session is not None:
             session.flush_loads(stream)
 
     def _before_layer(self, layer: int, stream: object) -> None:
-        """The attention pre-hook of model layer ``layer`` (generation thread, in the forward)."""
+        """The attention pre-hook of model layer ``layer`` (generation thread, in the forward); does
+        nothing in a forward being captured (see :meth:`_before_forward`)."""
+        if _capturing(stream):
+            return
         with self._lock:
             session = self._session
         if session is not None:
@@ -363,6 +377,11 @@ def offloading(
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def _capturing(stream: object) -> bool:
+    """Whether CUDA work on ``stream`` is being captured into a graph (False on the CPU)."""
+    return stream is not None and torch.cuda.is_current_stream_capturing()
 
 
 def _layer_hook(offloader: Offloader, layer: int, device: torch.device) -> Callable[[torch.nn.Module, Any], None]:

@@ -186,6 +186,26 @@ def test_control_a_forward_that_does_not_wait_reads_blocks_the_load_has_not_writ
     )
 
 
+def test_once_the_engine_captures_a_cuda_graph_host_hits_are_waited_for(
+    model: Any, big_cache_run: PhaseRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CPU has no graphs: every forward is made to look like one being captured (its replays
+    # would run no hooks, so nothing may rely on them from then on).
+    monkeypatch.setattr(kvoffload.integrations.transformers, "_capturing", lambda stream: True)
+    made: list[DelayedLayers] = []
+
+    def delayed(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(DelayedLayers(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    with offloading(model, 64, make_worker=delayed, defer_loads=True) as off:
+        run = run_phases(model, SMALL_CACHE_BLOCKS, off)
+        assert off._graphs_seen
+    assert not run.errors and run.outputs == big_cache_run.outputs
+    assert made[0].handles == {}  # no layer-by-layer load: P was loaded and waited for
+    assert off.stats().blocks_loaded_host == PREFIX_BLOCKS and run.prompt_tokens("C") == SUFFIX_TOKENS_C
+
+
 def test_a_refused_layer_by_layer_load_is_recomputed_with_identical_tokens(
     model: Any, big_cache_run: PhaseRun
 ) -> None:
