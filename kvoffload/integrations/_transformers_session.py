@@ -272,9 +272,14 @@ class _Session:
             layered_job, layered_load, layered_rows = self._load_layered(worker, plan, blocks)
             ok = self._load(worker, plan, blocks, skip=set(layered_rows))
             if ok is None:  # late: the blocks stay out of the pool until the jobs finished
-                if layered_job is not None:
-                    self._late_loads[layered_job] = (plan, [plan.keys[i] for i in layered_rows],
-                                                     [blocks[i] for i in layered_rows])
+                rows_keys = [plan.keys[i] for i in layered_rows]
+                rows_blocks = [blocks[i] for i in layered_rows]
+                if layered_job is not None and layered_load is not None:  # completes in _collect
+                    self._late_loads[layered_job] = (plan, rows_keys, rows_blocks)
+                elif layered_rows:  # refused, or deferred and now never submitted: nothing copies
+                    self._manager.complete_load(plan, rows_keys, ok=False)
+                    self._counts.blocks_load_failed += len(rows_keys)
+                    cache.return_blocks(rows_blocks)
                 return match
             for i in layered_rows:
                 ok[i] = layered_job is not None  # in flight, or refused at submit (recomputed)
