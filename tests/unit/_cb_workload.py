@@ -240,18 +240,26 @@ class UnpolledStores(FailingLoads):
 
 
 class LateLoads(FailingLoads):
-    """A worker whose first load is reported late: ``wait`` for it raises ``WaitTimeoutError`` (the
-    copy itself completes, and its result comes from a later ``poll``)."""
+    """A worker whose first (host, or with ``from_disk`` disk) load is reported late: ``wait`` for
+    it raises ``WaitTimeoutError`` (the copy itself completes, and its result comes from a later
+    ``poll``)."""
 
-    def __init__(self, worker: kvoffload.Worker) -> None:
+    def __init__(self, worker: kvoffload.Worker, from_disk: bool = False) -> None:
         super().__init__(worker, count=0)
+        self.from_disk = from_disk
         self.late: int | None = None
         self.late_results: list[kvoffload.TransferResult] = []
 
     def load(self, job_id: int, host_blocks: Sequence[int], device_blocks: Sequence[int], *,
              stream: object = None) -> None:
         self.worker.load(job_id, host_blocks, device_blocks, stream=stream)
-        if self.late is None:
+        if self.late is None and not self.from_disk:
+            self.late = job_id
+
+    def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
+                       stream: object = None) -> None:
+        self.worker.load_from_disk(job_id, disk_blocks, device_blocks, stream=stream)
+        if self.late is None and self.from_disk:
             self.late = job_id
 
     def wait(self, job_ids: Sequence[int], timeout: float) -> list[kvoffload.TransferResult]:
@@ -368,23 +376,3 @@ class DelayedLayers(FailingLoads):
             thread.join(RESULT_TIMEOUT_S)
         self.worker.shutdown(timeout)
 
-
-class LateDiskLoads(FailingLoads):
-    """A worker whose first disk load is reported late: ``wait`` for it raises ``WaitTimeoutError``
-    (the copy itself completes, and its result comes from a later ``poll``)."""
-
-    def __init__(self, worker: kvoffload.Worker) -> None:
-        super().__init__(worker, count=0)
-        self.late: int | None = None
-
-    def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
-                       stream: object = None) -> None:
-        self.worker.load_from_disk(job_id, disk_blocks, device_blocks, stream=stream)
-        if self.late is None:
-            self.late = job_id
-
-    def wait(self, job_ids: Sequence[int], timeout: float) -> list[kvoffload.TransferResult]:
-        if self.late is not None and self.late in job_ids:
-            late, self.late = self.late, -1
-            raise kvoffload.WaitTimeoutError(f"job(s) [{late}] did not finish (injected)", pending=[late])
-        return self.worker.wait(job_ids, timeout)

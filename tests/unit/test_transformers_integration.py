@@ -43,7 +43,6 @@ from tests.unit._cb_workload import (  # noqa: E402
     SMALL_CACHE_BLOCKS,
     SUFFIX_TOKENS_C,
     FailingLoads,
-    LateDiskLoads,
     LateLoads,
     PhaseRun,
     UnpolledStores,
@@ -295,17 +294,18 @@ def test_disk_tier_serves_blocks_demoted_from_a_small_host_pool(
 def test_a_late_disk_load_beside_a_layer_by_layer_host_load_leaves_nothing_loading(
     model: Any, big_cache_run: PhaseRun, tmp_path: pathlib.Path, defer_loads: bool
 ) -> None:
-    made: list[LateDiskLoads] = []
+    made: list[LateLoads] = []
 
     def late(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
-        made.append(LateDiskLoads(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        made.append(LateLoads(kvoffload.Worker.create(layout, blocks, disk=disk), from_disk=True))
         return made[-1]
 
     disk = DiskConfig(str(tmp_path / "tier"), num_blocks=64, preallocate=False)
     with offloading(model, 16, disk, make_worker=late, defer_loads=defer_loads) as off:  # P: 2 disk + 4 host
         run = run_phases(model, SMALL_CACHE_BLOCKS, off)
     stats = off.stats()
-    assert made[0].late == -1, "no disk load was late: the test cannot fail"
+    assert made[0].late is not None, "no disk load was late: the test cannot fail"
+    assert [r.ok for r in made[0].late_results] == [True]  # collected by a later step
     assert not run.errors and run.outputs == big_cache_run.outputs
     assert stats.manager is not None and stats.manager.host.loading == 0 and stats.manager.disk.loading == 0
     assert stats.blocks_load_failed > 0  # the late load's blocks (and the host rows beside it) recomputed
