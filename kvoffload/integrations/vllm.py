@@ -40,16 +40,22 @@ stops with a message naming the job, the blocks and kvoffload's error, instead o
 in vLLM. A failed store is never reported as done, so its keys never become loadable; a failed load
 never lets its request run on undefined KV. ``wait`` gets a deadline (``wait_timeout_s``).
 
-Not supported yet (refused with :class:`UnsupportedVLLMFeatureError`): more than one worker per
-engine (tensor/pipeline parallelism) and the canonical or replicated host layouts, which need
-kvoffload's shared pool for tensor-parallel ranks; KV cache groups that cover only some of the KV
-tensors; the disk tier; vLLM's CPU-spec options (``cpu_bytes_to_use``, ``store_threshold``,
-``cache_policy_module_path``). The spec builds its pool through :meth:`KVOffloadSpec.create_engine`,
-the one place a shared pool will plug in.
+Tensor parallelism: the worker of each rank maps one kvoffload :class:`~kvoffload.SharedPool`
+named after the engine (``engine_id``), every host chunk holding each rank's slice of its blocks
+side by side in rank order (vLLM's direct layout: the ranks' bytes of a block concatenated), so the
+scheduler's one chunk id serves every rank. ``host_bytes`` is the whole pool's budget (all ranks);
+the ranks attach within ``attach_timeout_s`` of each other (default 300 s) or every one of them
+fails with a kvoffload ``PoolTimeoutError`` naming the missing ranks.
+
+Not supported yet (refused with :class:`UnsupportedVLLMFeatureError`): pipeline and context
+parallelism, the canonical and replicated host layouts; KV cache groups that cover only some of the
+KV tensors; the disk tier; vLLM's CPU-spec options (``cpu_bytes_to_use``, ``store_threshold``,
+``cache_policy_module_path``). The spec builds its pool through :meth:`KVOffloadSpec.create_engine`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections import deque
@@ -68,6 +74,7 @@ from kvoffload import (
     LoadPlan,
     Manager,
     ManagerStats,
+    SharedPool,
     StorePlan,
     UnknownKeyError,
     Worker,
@@ -407,12 +414,16 @@ class KVOffloadSpec(OffloadingSpec):
         self.options = AdapterOptions.from_extra_config(self.extra_config)
         parallel = config.parallel
         check_parallel_layout(
-            world_size=int(parallel.world_size), replicated_layout=bool(config.replicated_layout)
+            world_size=int(parallel.world_size), tp_size=int(parallel.tp_size), pp_size=int(parallel.pp_size),
+            pcp_size=int(parallel.pcp_size), dcp_size=int(parallel.dcp_size),
+            replicated_layout=bool(config.replicated_layout),
         )
+        self.rank = int(parallel.rank)
+        self.world_size = int(parallel.world_size)
         self.blocks_per_chunk: int = int(self.blocks_per_chunk)
         self.kv_bytes_per_block = int(config.worker_kv_bytes_per_block)
-        self.num_chunks = num_host_chunks(
-            self.options.host_bytes, self.kv_bytes_per_block, self.blocks_per_chunk
+        self.num_chunks = num_host_chunks(  # host_bytes holds every rank's slices
+            self.options.host_bytes // self.world_size, self.kv_bytes_per_block, self.blocks_per_chunk
         )
         self._manager: KVOffloadManager | None = None
         self._worker: KVOffloadWorker | None = None
@@ -494,9 +505,21 @@ class KVOffloadSpec(OffloadingSpec):
         }
         return DeviceLayout.from_tensors(views, block_dim=0)
 
+    @property
+    def shared_pool(self) -> SharedPool | None:
+        """The host pool the tensor-parallel ranks of this engine share (None for one worker): named
+        after ``engine_id``, which vLLM keeps distinct per engine (and per data-parallel rank)."""
+        if self.world_size == 1:
+            return None
+        digest = hashlib.blake2b(str(self.config.engine_id).encode(), digest_size=12).hexdigest()
+        return SharedPool(f"kvoffload-vllm-{digest}", self.world_size,
+                          attach_timeout_s=self.options.attach_timeout_s)
+
     def create_engine(self, layout: DeviceLayout, num_host_records: int) -> TransferEngine:
-        """Build the engine that moves the bytes: a :class:`kvoffload.Worker` with a private pool of
-        ``num_host_records`` records (the backend follows the layout's device). Override to wrap it
-        (tests inject faults here)."""
-        return Worker.create(layout, num_host_records)
+        """Build the engine that moves the bytes: a :class:`kvoffload.Worker` with a pool of
+        ``num_host_records`` records (the backend follows the layout's device); with tensor
+        parallelism, this rank's slices of :attr:`shared_pool` (returns once every rank mapped it).
+        Override to wrap it (tests inject faults here)."""
+        pool = self.shared_pool
+        return Worker.create(layout, num_host_records, shared=pool.rank(self.rank) if pool is not None else None)
 

@@ -25,6 +25,7 @@ import numpy.typing as npt
 from kvoffload import InvalidArgumentError, KVOffloadError, TransferError
 
 __all__ = [
+    "DEFAULT_ATTACH_TIMEOUT_S",
     "DEFAULT_TRANSFER_RETRIES",
     "DEFAULT_WAIT_TIMEOUT_S",
     "RECORD_ALIGN_BYTES",
@@ -50,12 +51,15 @@ SUPPORTED_VLLM_VERSIONS: Final = ("0.33.0",)
 DEFAULT_TRANSFER_RETRIES: Final = 1
 #: vLLM's ``wait(job_ids)`` has no deadline; the adapter gives it this one (seconds).
 DEFAULT_WAIT_TIMEOUT_S: Final = 300.0
+#: How long a tensor-parallel rank's worker waits for the others to map the shared pool, by default
+#: (the ``SharedPool`` default: ranks start within seconds, pinning a large pool takes tens).
+DEFAULT_ATTACH_TIMEOUT_S: Final = 300.0
 #: The host record of one GPU block is padded to a multiple of this (as kvoffload pads every record).
 RECORD_ALIGN_BYTES: Final = 4096
 
 _POLICIES: Final = ("lru", "arc")
 #: extra_config keys this adapter reads.
-_KNOWN_KEYS: Final = ("host_bytes", "eviction_policy", "transfer_retries", "wait_timeout_s")
+_KNOWN_KEYS: Final = ("host_bytes", "eviction_policy", "transfer_retries", "wait_timeout_s", "attach_timeout_s")
 #: extra_config keys of vLLM's own CPU spec, or kvoffload features, that this adapter does not
 #: support yet, with the reason given to the user.
 _REFUSED_KEYS: Final = {
@@ -89,10 +93,9 @@ class VLLMConfigError(VLLMIntegrationError, InvalidArgumentError):
 
 class UnsupportedVLLMFeatureError(VLLMIntegrationError, InvalidArgumentError):
     """Raised when vLLM asks for something this adapter does not support yet, named in the message:
-    the canonical host layout (``canonical_layout``), more than one worker process per engine
-    (tensor or pipeline parallelism: these need the shared host pool for tensor-parallel ranks), a
-    KV cache group that covers only some of the KV tensors, the disk tier, or an option of vLLM's
-    own CPU spec. Raised when the spec, manager or worker is built, before anything is allocated."""
+    the canonical or replicated host layouts, pipeline or context parallelism (tensor parallelism
+    alone is supported), a KV cache group that covers only some of the KV tensors, the disk tier,
+    or an option of vLLM's own CPU spec. Raised when the spec, manager or worker is built, before anything is allocated."""
 
 
 class VLLMTransferError(VLLMIntegrationError, TransferError):
@@ -126,18 +129,22 @@ class AdapterOptions:
     """The adapter's options, read from vLLM's ``kv_connector_extra_config``.
 
     Attributes:
-        host_bytes: the host pool's budget in bytes (``host_bytes``, required): the pool holds
-            ``host_bytes // (blocks_per_chunk * record bytes)`` chunks.
+        host_bytes: the host pool's budget in bytes (``host_bytes``, required), every rank's slices
+            together: the pool holds ``host_bytes // (world_size * blocks_per_chunk * record
+            bytes)`` chunks.
         eviction_policy: ``"lru"`` (default) or ``"arc"``.
         transfer_retries: how many times a failed store or load is resubmitted before the engine is
             stopped with :class:`VLLMTransferError` (default 1).
         wait_timeout_s: the deadline the adapter gives vLLM's ``wait`` (default 300 s).
+        attach_timeout_s: with tensor parallelism, how long a rank's worker waits for the other
+            ranks to map the shared pool (default 300 s).
     """
 
     host_bytes: int
     eviction_policy: str = "lru"
     transfer_retries: int = DEFAULT_TRANSFER_RETRIES
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
+    attach_timeout_s: float = DEFAULT_ATTACH_TIMEOUT_S
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, object]) -> AdapterOptions:
@@ -145,7 +152,8 @@ class AdapterOptions:
 
         Raises:
             VLLMConfigError: ``host_bytes`` missing or not a positive int; an unknown policy; a
-                negative or non-int ``transfer_retries``; a non-positive ``wait_timeout_s``.
+                negative or non-int ``transfer_retries``; a non-positive ``wait_timeout_s`` or
+                ``attach_timeout_s``.
             UnsupportedVLLMFeatureError: a key this adapter refuses (``canonical_layout`` true,
                 ``cpu_bytes_to_use``, ``store_threshold`` >= 2, ``cache_policy_module_path``,
                 ``disk_path``, ``disk_bytes``), naming the key and why.
@@ -165,8 +173,8 @@ class AdapterOptions:
         if extra_config.get("canonical_layout"):
             raise UnsupportedVLLMFeatureError(
                 "kv_connector_extra_config['canonical_layout'] = "
-                f"{extra_config['canonical_layout']!r} is not supported by KVOffloadSpec yet: the "
-                "canonical host layout needs kvoffload's shared pool for tensor-parallel ranks"
+                f"{extra_config['canonical_layout']!r} is not supported by KVOffloadSpec: it stores "
+                "each rank's slices in vLLM's direct layout, not the canonical one"
             )
         if "host_bytes" not in extra_config:
             raise VLLMConfigError(
@@ -190,23 +198,24 @@ class AdapterOptions:
             raise VLLMConfigError(
                 f"kv_connector_extra_config['transfer_retries'] = {retries!r} must be an int >= 0"
             )
-        timeout = extra_config.get("wait_timeout_s", DEFAULT_WAIT_TIMEOUT_S)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise VLLMConfigError(
-                f"kv_connector_extra_config['wait_timeout_s'] = {timeout!r} must be a finite "
-                "number of seconds > 0"
-            )
         return cls(
             host_bytes=host_bytes,
             eviction_policy=str(policy),
             transfer_retries=retries,
-            wait_timeout_s=float(timeout),
+            wait_timeout_s=_seconds(extra_config, "wait_timeout_s", DEFAULT_WAIT_TIMEOUT_S),
+            attach_timeout_s=_seconds(extra_config, "attach_timeout_s", DEFAULT_ATTACH_TIMEOUT_S),
         )
+
+
+def _seconds(extra_config: Mapping[str, object], key: str, default: float) -> float:
+    """``extra_config[key]`` (else ``default``) as a finite number of seconds > 0, or
+    :class:`VLLMConfigError` naming the key."""
+    value = extra_config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise VLLMConfigError(
+            f"kv_connector_extra_config[{key!r}] = {value!r} must be a finite number of seconds > 0"
+        )
+    return float(value)
 
 
 def _below_two(value: object) -> bool:
@@ -244,21 +253,24 @@ def num_host_chunks(host_bytes: int, kv_bytes_per_block: int, blocks_per_chunk: 
     return chunks
 
 
-def check_parallel_layout(*, world_size: int, replicated_layout: bool) -> None:
-    """Refuse engines with more than one worker process (tensor, pipeline or context
-    parallelism) and the replicated (single-copy MLA) layout: each needs kvoffload's shared host
-    pool for tensor-parallel ranks, which this adapter does not use yet. Raises
+def check_parallel_layout(*, world_size: int, tp_size: int, pp_size: int, pcp_size: int, dcp_size: int,
+                          replicated_layout: bool) -> None:
+    """Accept one worker per engine, or tensor parallelism alone (``world_size == tp_size``: the
+    ranks share one kvoffload host pool, each rank's slice of a block beside the others', in rank
+    order). Refuse pipeline and context parallelism (the ranks' records would differ in size or
+    meaning) and the replicated (single-copy MLA) layout. Raises
     :class:`UnsupportedVLLMFeatureError` naming what was asked."""
-    if world_size != 1:
+    if (pp_size, pcp_size, dcp_size) != (1, 1, 1) or world_size != tp_size:
         raise UnsupportedVLLMFeatureError(
-            f"vLLM runs {world_size} worker processes for this engine (tensor/pipeline/context "
-            "parallelism); KVOffloadSpec supports one worker per engine until it uses kvoffload's "
-            "shared host pool for tensor-parallel ranks"
+            f"vLLM runs {world_size} worker processes for this engine with tensor parallel size "
+            f"{tp_size}, pipeline {pp_size}, prefill context {pcp_size}, decode context {dcp_size}; "
+            "KVOffloadSpec supports tensor parallelism alone (world_size == tp_size, the others 1): "
+            "one shared host pool whose blocks hold every rank's slice"
         )
     if replicated_layout:
         raise UnsupportedVLLMFeatureError(
-            "vLLM asks for the replicated (single-copy MLA) host layout; KVOffloadSpec does not "
-            "support it until it uses kvoffload's shared host pool for tensor-parallel ranks"
+            "vLLM asks for the replicated (single-copy MLA) host layout; KVOffloadSpec stores every "
+            "rank's own slice (the direct layout) and does not support it"
         )
 
 

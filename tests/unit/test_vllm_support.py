@@ -62,7 +62,8 @@ def test_options_defaults_and_values() -> None:
         ({"host_bytes": 1, "eviction_policy": "mru"}, VLLMConfigError, r"'mru' is not one of"),
         ({"host_bytes": 1, "transfer_retries": -1}, VLLMConfigError, "must be an int >= 0"),
         ({"host_bytes": 1, "wait_timeout_s": float("inf")}, VLLMConfigError, "finite"),
-        ({"host_bytes": 1, "canonical_layout": True}, UnsupportedVLLMFeatureError, "shared pool"),
+        ({"host_bytes": 1, "attach_timeout_s": 0}, VLLMConfigError, r"\['attach_timeout_s'\] = 0 must be"),
+        ({"host_bytes": 1, "canonical_layout": True}, UnsupportedVLLMFeatureError, "direct layout"),
         ({"host_bytes": 1, "disk_path": "/x"}, UnsupportedVLLMFeatureError, "disk tier"),
         ({"cpu_bytes_to_use": 1}, UnsupportedVLLMFeatureError, "CPUOffloadingSpec"),
         ({"host_bytes": 1, "store_threshold": 3}, UnsupportedVLLMFeatureError, "store_threshold"),
@@ -90,12 +91,16 @@ def test_chunk_count_uses_padded_records_of_every_block_of_a_chunk() -> None:
         num_host_chunks(1 << 20, 0, 1)
 
 
-def test_more_than_one_worker_or_a_replicated_layout_is_refused() -> None:
-    check_parallel_layout(world_size=1, replicated_layout=False)
-    with pytest.raises(UnsupportedVLLMFeatureError, match="4 worker processes"):
-        check_parallel_layout(world_size=4, replicated_layout=False)
+def test_tensor_parallelism_alone_is_accepted_and_other_parallel_layouts_are_refused() -> None:
+    one = {"world_size": 1, "tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1}
+    check_parallel_layout(**one, replicated_layout=False)
+    check_parallel_layout(**{**one, "world_size": 4, "tp_size": 4}, replicated_layout=False)  # one shared pool
+    for sizes in ({"world_size": 4, "tp_size": 2, "pp_size": 2}, {"world_size": 2, "tp_size": 2, "dcp_size": 2},
+                  {"world_size": 2, "tp_size": 1, "pcp_size": 2}):
+        with pytest.raises(UnsupportedVLLMFeatureError, match="tensor parallelism alone"):
+            check_parallel_layout(**{**one, **sizes}, replicated_layout=False)
     with pytest.raises(UnsupportedVLLMFeatureError, match="replicated"):
-        check_parallel_layout(world_size=1, replicated_layout=True)
+        check_parallel_layout(**one, replicated_layout=True)
 
 
 def test_aligned_chunks_map_to_consecutive_records() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -63,20 +65,25 @@ def offloading_config(
     blocks_per_chunk: int = 1,
     kv_bytes_per_block: int = 2 * PAGE,
     world_size: int = 1,
+    tp_size: int | None = None,
+    pp_size: int = 1,
+    rank: int = 0,
+    engine_id: str = "engine-0",
     events: bool = True,
     **extra: Any,
 ) -> OffloadingConfig:
-    extra_config = {"host_bytes": host_chunks * blocks_per_chunk * RECORD, **extra}
+    extra_config = {"host_bytes": host_chunks * blocks_per_chunk * RECORD * world_size, **extra}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=kv_bytes_per_block,
         enable_kv_cache_events=events,
         extra_config=extra_config,
-        engine_id="engine-0",
+        engine_id=engine_id,
         model=OffloadingModelConfig(name="tiny", dtype="float16", max_model_len=2048),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
-            rank=0, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+            rank=rank, world_size=world_size, tp_size=world_size if tp_size is None else tp_size,
+            pp_size=pp_size, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
             is_parallelism_agnostic=True,
         ),
@@ -362,14 +369,70 @@ def test_a_group_covering_only_some_tensors_is_refused() -> None:
         spec.get_worker(caches(groups=[[0, 1], [1]]))
 
 
+# ----------------------------------------------------------------------- tensor parallelism
+
+
+def test_tensor_parallel_ranks_share_one_pool_each_rank_its_own_slice_of_every_chunk() -> None:
+    engine_id = f"engine-tp-{uuid.uuid4().hex[:8]}"
+    specs = [KVOffloadSpec(offloading_config(host_chunks=4, blocks_per_chunk=2, world_size=2, rank=r,
+                                             engine_id=engine_id)) for r in range(2)]
+    assert [s.num_chunks for s in specs] == [4, 4]  # host_bytes holds both ranks' slices
+    pool = specs[0].shared_pool
+    assert pool is not None and pool == specs[1].shared_pool and pool.world_size == 2
+    kvs = [caches(), caches()]
+    workers: dict[int, KVOffloadWorker] = {}
+    errors: list[BaseException] = []
+
+    def attach(r: int) -> None:  # one process per rank in vLLM; threads stand in here
+        try:
+            workers[r] = specs[r].get_worker(kvs[r])  # returns once both ranks mapped the pool
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=attach, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and sorted(workers) == [0, 1], errors
+    try:
+        originals = []
+        for r in range(2):
+            fill(kvs[r], [3, 4, 5, 6], seed=10 + r)  # other bytes on each rank (its own heads)
+            originals.append([t.tensor[[3, 4, 5, 6]].clone() for t in kvs[r].tensors])
+            gpu = GPULoadStoreSpec([3, 4, 5, 6], group_sizes=[4], block_indices=[0])
+            assert workers[r].submit_store(7, gpu, HostChunkSpec([2, 0]))  # the same chunks on both
+            assert finished(workers[r], 7).success
+        with kvoffload.SharedPool.inspect(pool.name) as view:
+            blocks = view.blocks()  # uint8 [records, ranks, record_bytes]
+            for r in range(2):
+                # chunk 2 is records 4 and 5, chunk 0 records 0 and 1; a record holds both tensors
+                for record, block in zip([4, 5, 0, 1], range(4)):
+                    expected = torch.cat([o[block].view(torch.uint8) for o in originals[r]])
+                    assert torch.equal(torch.from_numpy(blocks[record, r, :2 * PAGE].copy()), expected), (r, record)
+            del blocks
+        for r in range(2):
+            for t in kvs[r].tensors:
+                t.tensor.zero_()
+            target = GPULoadStoreSpec([9, 10, 11, 12], group_sizes=[4], block_indices=[0])
+            assert workers[r].submit_load(8, HostChunkSpec([2, 0]), target, expedited=True)
+            assert finished(workers[r], 8).success
+            for t, before in zip(kvs[r].tensors, originals[r]):
+                assert torch.equal(t.tensor[[9, 10, 11, 12]], before), f"rank {r} reloaded other bytes"
+    finally:
+        for w in workers.values():
+            w.shutdown()
+
+
 # ------------------------------------------------------------------------------ refusals
 
 
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [
-        ({"world_size": 2}, UnsupportedVLLMFeatureError, "2 worker processes"),
+        ({"world_size": 2, "tp_size": 1, "pp_size": 2}, UnsupportedVLLMFeatureError, "tensor parallelism alone"),
         ({"canonical_layout": True}, UnsupportedVLLMFeatureError, "canonical_layout"),
+        ({"attach_timeout_s": -1}, VLLMConfigError, "attach_timeout_s"),
         ({"cpu_bytes_to_use": 1 << 30}, UnsupportedVLLMFeatureError, "give the host pool size"),
         ({"disk_path": "/tmp/x"}, UnsupportedVLLMFeatureError, "disk tier"),
         ({"store_threshold": 2}, UnsupportedVLLMFeatureError, "store_threshold"),
