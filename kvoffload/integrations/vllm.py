@@ -45,11 +45,13 @@ named after the engine (``engine_id``), every host chunk holding each rank's sli
 side by side in rank order (vLLM's direct layout: the ranks' bytes of a block concatenated), so the
 scheduler's one chunk id serves every rank. ``host_bytes`` is the whole pool's budget (all ranks);
 the ranks attach within ``attach_timeout_s`` of each other (default 300 s) or every one of them
-fails with a kvoffload ``PoolTimeoutError`` naming the missing ranks.
+fails with a kvoffload ``PoolTimeoutError`` naming the missing ranks. When vLLM offers the
+single-copy layout (an MLA model whose KV every rank holds identically), the spec declines it
+(``replicated_layout`` stays False), so every rank stores and loads its own copy: correct, at
+``world_size`` times the host memory of a single copy.
 
 Not supported yet (refused with :class:`UnsupportedVLLMFeatureError`): pipeline and context
-parallelism, the canonical and replicated host layouts; KV cache groups that cover only some of the
-KV tensors; the disk tier; vLLM's CPU-spec options (``cpu_bytes_to_use``, ``store_threshold``,
+parallelism, the canonical host layout; KV cache groups that cover only some of the KV tensors; the disk tier; vLLM's CPU-spec options (``cpu_bytes_to_use``, ``store_threshold``,
 ``cache_policy_module_path``). The spec builds its pool through :meth:`KVOffloadSpec.create_engine`.
 """
 
@@ -416,8 +418,10 @@ class KVOffloadSpec(OffloadingSpec):
         check_parallel_layout(
             world_size=int(parallel.world_size), tp_size=int(parallel.tp_size), pp_size=int(parallel.pp_size),
             pcp_size=int(parallel.pcp_size), dcp_size=int(parallel.dcp_size),
-            replicated_layout=bool(config.replicated_layout),
         )
+        if config.replicated_layout:  # self.replicated_layout stays False: every rank writes its copy
+            _log.info("kvoffload: vLLM offers the single-copy host layout (KV replicated across the "
+                      "tensor-parallel ranks); KVOffloadSpec keeps the direct layout, a copy per rank")
         self.rank = int(parallel.rank)
         self.world_size = int(parallel.world_size)
         self.blocks_per_chunk: int = int(self.blocks_per_chunk)

@@ -93,8 +93,8 @@ class VLLMConfigError(VLLMIntegrationError, InvalidArgumentError):
 
 class UnsupportedVLLMFeatureError(VLLMIntegrationError, InvalidArgumentError):
     """Raised when vLLM asks for something this adapter does not support yet, named in the message:
-    the canonical or replicated host layouts, pipeline or context parallelism (tensor parallelism
-    alone is supported), a KV cache group that covers only some of the KV tensors, the disk tier,
+    the canonical host layout, pipeline or context parallelism (tensor parallelism alone is
+    supported), a KV cache group that covers only some of the KV tensors, the disk tier,
     or an option of vLLM's own CPU spec. Raised when the spec, manager or worker is built, before anything is allocated."""
 
 
@@ -253,24 +253,17 @@ def num_host_chunks(host_bytes: int, kv_bytes_per_block: int, blocks_per_chunk: 
     return chunks
 
 
-def check_parallel_layout(*, world_size: int, tp_size: int, pp_size: int, pcp_size: int, dcp_size: int,
-                          replicated_layout: bool) -> None:
+def check_parallel_layout(*, world_size: int, tp_size: int, pp_size: int, pcp_size: int, dcp_size: int) -> None:
     """Accept one worker per engine, or tensor parallelism alone (``world_size == tp_size``: the
     ranks share one kvoffload host pool, each rank's slice of a block beside the others', in rank
     order). Refuse pipeline and context parallelism (the ranks' records would differ in size or
-    meaning) and the replicated (single-copy MLA) layout. Raises
-    :class:`UnsupportedVLLMFeatureError` naming what was asked."""
+    meaning). Raises :class:`UnsupportedVLLMFeatureError` naming what was asked."""
     if (pp_size, pcp_size, dcp_size) != (1, 1, 1) or world_size != tp_size:
         raise UnsupportedVLLMFeatureError(
             f"vLLM runs {world_size} worker processes for this engine with tensor parallel size "
             f"{tp_size}, pipeline {pp_size}, prefill context {pcp_size}, decode context {dcp_size}; "
             "KVOffloadSpec supports tensor parallelism alone (world_size == tp_size, the others 1): "
             "one shared host pool whose blocks hold every rank's slice"
-        )
-    if replicated_layout:
-        raise UnsupportedVLLMFeatureError(
-            "vLLM asks for the replicated (single-copy MLA) host layout; KVOffloadSpec stores every "
-            "rank's own slice (the direct layout) and does not support it"
         )
 
 

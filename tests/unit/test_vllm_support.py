@@ -93,14 +93,12 @@ def test_chunk_count_uses_padded_records_of_every_block_of_a_chunk() -> None:
 
 def test_tensor_parallelism_alone_is_accepted_and_other_parallel_layouts_are_refused() -> None:
     one = {"world_size": 1, "tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1}
-    check_parallel_layout(**one, replicated_layout=False)
-    check_parallel_layout(**{**one, "world_size": 4, "tp_size": 4}, replicated_layout=False)  # one shared pool
+    check_parallel_layout(**one)
+    check_parallel_layout(**{**one, "world_size": 4, "tp_size": 4})  # one shared pool
     for sizes in ({"world_size": 4, "tp_size": 2, "pp_size": 2}, {"world_size": 2, "tp_size": 2, "dcp_size": 2},
                   {"world_size": 2, "tp_size": 1, "pcp_size": 2}):
         with pytest.raises(UnsupportedVLLMFeatureError, match="tensor parallelism alone"):
-            check_parallel_layout(**{**one, **sizes}, replicated_layout=False)
-    with pytest.raises(UnsupportedVLLMFeatureError, match="replicated"):
-        check_parallel_layout(**one, replicated_layout=True)
+            check_parallel_layout(**{**one, **sizes})
 
 
 def test_aligned_chunks_map_to_consecutive_records() -> None:

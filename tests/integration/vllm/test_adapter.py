@@ -448,11 +448,12 @@ def test_unsupported_configurations_are_refused_when_the_spec_is_built(
         KVOffloadSpec(offloading_config(**overrides))
 
 
-def test_a_replicated_layout_is_refused() -> None:
-    config = offloading_config()
-    object.__setattr__(config, "replicated_layout", True)
-    with pytest.raises(UnsupportedVLLMFeatureError, match="replicated"):
-        KVOffloadSpec(config)
+def test_a_replicated_layout_is_declined_every_rank_keeps_its_own_copy() -> None:
+    config = offloading_config(world_size=2, rank=1)
+    object.__setattr__(config, "replicated_layout", True)  # what vLLM offers for MLA under TP
+    spec = KVOffloadSpec(config)
+    assert spec.replicated_layout is False  # vLLM's connector then lets every rank write its copy
+    assert spec.shared_pool is not None and spec.num_chunks == 8
 
 
 def test_importing_the_adapter_with_another_vllm_version_fails_clearly() -> None:
