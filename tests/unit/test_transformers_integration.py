@@ -260,6 +260,33 @@ def test_a_layer_by_layer_load_failing_after_registration_fails_the_step_never_s
     assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
 
 
+def test_closing_in_the_middle_of_a_step_lands_the_loads_that_step_reads(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    armed = [False]
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    with offloading(model, 64, defer_loads=True) as off:
+        def close_now(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
+            if armed[0]:
+                armed[0] = False
+                off._close(30.0)  # P's load is registered and still deferred; the hooks then do nothing
+
+        handle = model.register_forward_pre_hook(close_now, prepend=True)
+        try:
+            with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                           warmup=False) as manager:
+                for prompt in PHASES["A"] + PHASES["B"]:
+                    assert serve(manager, prompt).error is None
+                armed[0] = True
+                result = serve(manager, PHASES["C"][0])
+        finally:
+            handle.remove()
+    assert not armed[0], "the close did not happen in C0's forward"
+    assert result.error is None
+    assert (list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs["C0"]
+    assert off.stats().blocks_loaded_host == PREFIX_BLOCKS
+
+
 def test_blocks_held_by_stores_are_released_when_the_cache_is_short(
     model: Any, big_cache_run: PhaseRun
 ) -> None:
