@@ -334,6 +334,12 @@ class _Session:
                 else:
                     self._counts.prompt_tokens_disk += size
 
+    @property
+    def layered_in_flight(self) -> bool:
+        """Whether a layer-by-layer load is in flight (its result not collected yet); read without
+        the lock (see ``Offloader._layered_in_flight``)."""
+        return bool(self._layered)
+
     def before_layer(self, layer: int, stream: object) -> None:
         """Model layer ``layer``'s attention is about to run (in the forward, generation thread):
         order ``stream`` (None on the CPU) after that layer's pages of every layer-by-layer load in

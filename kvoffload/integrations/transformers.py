@@ -186,6 +186,13 @@ class Offloader:
         if session is not None:
             session.flush_loads(stream)
 
+    def _layered_in_flight(self) -> bool:
+        """Whether the current session has a layer-by-layer load in flight. Read without the lock
+        by the layer hooks (generation thread, the only one that adds loads): every attention layer
+        of every step asks, and most steps have none."""
+        session = self._session
+        return session is not None and session.layered_in_flight
+
     def _before_layer(self, layer: int, stream: object) -> None:
         """The attention pre-hook of model layer ``layer`` (generation thread, in the forward); does
         nothing in a forward being captured (see :meth:`_before_forward`)."""
@@ -388,6 +395,7 @@ def _layer_hook(offloader: Offloader, layer: int, device: torch.device) -> Calla
     """The forward pre-hook of model layer ``layer``'s attention: the current stream (the engine's
     compute stream; None on the CPU) waits for that layer of the loads in flight."""
     def hook(module: torch.nn.Module, args: Any) -> None:
-        offloader._before_layer(layer, torch.cuda.current_stream(device) if device.type == "cuda" else None)
+        if offloader._layered_in_flight():
+            offloader._before_layer(layer, torch.cuda.current_stream(device) if device.type == "cuda" else None)
 
     return hook
