@@ -51,7 +51,8 @@ single-copy layout (an MLA model whose KV every rank holds identically), the spe
 ``world_size`` times the host memory of a single copy.
 
 Not supported yet (refused with :class:`UnsupportedVLLMFeatureError`): pipeline and context
-parallelism, the canonical host layout; KV cache groups that cover only some of the KV tensors; the disk tier; vLLM's CPU-spec options (``cpu_bytes_to_use``, ``store_threshold``,
+parallelism; the canonical host layout; KV cache groups that cover only some of the KV tensors; the
+disk tier; vLLM's CPU-spec options (``cpu_bytes_to_use``, ``store_threshold``,
 ``cache_policy_module_path``). The spec builds its pool through :meth:`KVOffloadSpec.create_engine`.
 """
 
@@ -525,5 +526,6 @@ class KVOffloadSpec(OffloadingSpec):
         parallelism, this rank's slices of :attr:`shared_pool` (returns once every rank mapped it).
         Override to wrap it (tests inject faults here)."""
         pool = self.shared_pool
-        return Worker.create(layout, num_host_records, shared=pool.rank(self.rank) if pool is not None else None)
+        shared = pool.rank(self.rank) if pool is not None else None
+        return Worker.create(layout, num_host_records, shared=shared)
 
