@@ -1,4 +1,5 @@
-"""The shared machinery of the remote stores (lane, deadlines, close) with a scripted store client.
+"""The shared machinery of the remote stores (lane, deadlines, close) over kvoffload.testing's
+in-memory client, whose gate holds a call until the test opens it.
 
 The stores themselves run against real services in tests/remote; these cases need a client that
 hangs or answers on command, which a real service cannot do deterministically.
@@ -8,83 +9,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvoffload.errors import RemoteShutdownError, RemoteTimeoutError, RemoteUnavailableError
-from kvoffload.remote._base import HEADER_SLOTS, OK, ChunkStatus, RemoteStoreBase
+from kvoffload.remote._base import HEADER_SLOTS, RemoteStoreBase
 from kvoffload.remote._lane import Lane
 from kvoffload._record import PAGE_BYTES
-from kvoffload.remote._types import RemoteErrorKind
+from kvoffload.testing.memory_store import MemoryClient
 
 RECORD = PAGE_BYTES
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
-I64 = np.ndarray[Any, np.dtype[np.int64]]
 
 
-class ScriptedClient:
-    """Keeps records in a dict; ``gate`` (when set) holds every call until it is opened."""
-
-    backend = "scripted"
-
-    def __init__(self, rows: U8) -> None:
-        self.rows = rows
-        self.data: dict[bytes, bytes] = {}
-        self.gate: threading.Event | None = None
-        self.entered = threading.Event()
-        self.closed = 0
-
-    def _hold(self) -> None:
-        self.entered.set()
-        if self.gate is not None:
-            assert self.gate.wait(30)
-
-    def prepare_put(self, slot: int, headers: U8, rows: I64) -> None:
-        pass
-
-    def put_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64, slot: int) -> list[ChunkStatus]:
-        self._hold()
-        for j, key in enumerate(keys):
-            self.data.setdefault(key, headers[j].tobytes() + self.rows[int(rows[j])].tobytes())
-        return [OK] * len(keys)
-
-    def get_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64) -> list[ChunkStatus]:
-        self._hold()
-        out = []
-        for j, key in enumerate(keys):
-            value = self.data.get(key)
-            if value is None:
-                out.append(ChunkStatus(RemoteErrorKind.NOT_FOUND, "absent"))
-                continue
-            data = np.frombuffer(value, dtype=np.uint8)
-            headers[j] = data[:PAGE_BYTES]
-            self.rows[int(rows[j])] = data[PAGE_BYTES:]
-            out.append(OK)
-        return out
-
-    def exists_chunk(self, keys: Sequence[bytes]) -> list[ChunkStatus]:
-        self._hold()
-        return [ChunkStatus(present=k in self.data) for k in keys]
-
-    def remove_chunk(self, keys: Sequence[bytes]) -> list[ChunkStatus]:
-        self._hold()
-        for k in keys:
-            self.data.pop(k, None)
-        return [OK] * len(keys)
-
-    def failure(self, exc: Exception) -> ChunkStatus:
-        return ChunkStatus(RemoteErrorKind.UNAVAILABLE, str(exc))
-
-    def close(self) -> None:
-        self.closed += 1
-
-
-def make_store(n: int = 16, batch: int = 4) -> tuple[RemoteStoreBase, ScriptedClient, U8]:
+def make_store(n: int = 16, batch: int = 4) -> tuple[RemoteStoreBase, MemoryClient, U8]:
     rows = np.random.default_rng(0).integers(0, 256, size=(n, RECORD), dtype=np.uint8)
-    client = ScriptedClient(rows)
+    client = MemoryClient(rows)
     store = RemoteStoreBase(
         client=client, host_rows=rows, headers=np.zeros((HEADER_SLOTS * batch, PAGE_BYTES), np.uint8),
         fingerprint=b"fp", batch_records=batch, checksum_threads=2, lane=Lane("kvoffload-test-lane"),
