@@ -426,6 +426,8 @@ def test_each_session_gets_its_own_pool_and_the_previous_one_is_released(model: 
         ({"num_host_blocks": 8, "policy": "mru"}, kvoffload.UnknownPolicyError, "policy = 'mru'"),
         ({"num_host_blocks": 8, "load_timeout": 0}, kvoffload.InvalidArgumentError, "load_timeout = 0"),
         ({"num_host_blocks": 8, "make_worker": 3}, kvoffload.ArgumentTypeError, "make_worker = 3"),
+        ({"num_host_blocks": 8, "overlap_loads": "yes"}, kvoffload.ArgumentTypeError, "overlap_loads = 'yes'"),
+        ({"num_host_blocks": 8, "defer_loads": 1}, kvoffload.ArgumentTypeError, "defer_loads = 1"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_hooked(
