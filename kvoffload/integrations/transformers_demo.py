@@ -10,7 +10,9 @@ workload whose requests share long prefixes, three times, each in a fresh engine
 The workload, in phases: ``prefill`` (each prefix with a suffix, one request at a time), ``decode``
 (a batch of unrelated prompts decoding together), ``filler`` (a prompt that needs the whole small
 cache, so the prefixes leave it), ``return`` (each prefix with a new suffix, one request at a time:
-recomputed, loaded from the host pool, or found in the engine's cache). It prints the time to first
+recomputed, loaded from the host pool, or found in the engine's cache); ``filler`` and ``return``
+again, ``return_rounds`` times in all (another filler, the same returning prompts), so that the time
+to first token is a median over many requests rather than over a few. It prints the time to first
 token of the ``return`` requests in each run, the prompt tokens that ran through the model, the
 decode tokens per second with and without offload (stores of the decode prompts' blocks run beside
 it) and whether the generated tokens are identical across the runs. Exit status 1 when a request
@@ -67,6 +69,8 @@ class DemoConfig:
     decode_tokens: int
     max_batch_tokens: int
     seed: int = 0
+    #: Rounds of (filler, return): every round's returning requests are timed.
+    return_rounds: int = 1
 
     @property
     def prefix_blocks(self) -> int:
@@ -83,8 +87,9 @@ class DemoConfig:
 
     @property
     def big_cache_blocks(self) -> int:
-        """An engine cache that keeps every prefix through the other phases."""
-        return self.prefixes * (self.prefix_blocks + 2) + 3 * self.small_cache_blocks
+        """An engine cache that keeps every prefix through the other phases (every round's filler
+        included)."""
+        return self.prefixes * (self.prefix_blocks + 2) + (2 + self.return_rounds) * self.small_cache_blocks
 
     @property
     def host_blocks(self) -> int:
@@ -100,7 +105,7 @@ PRESETS: Final = {
     "1b": DemoConfig(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
                      vocab=32000, dtype="bfloat16", page_size=256, prefix_tokens=16384, prefixes=4,
                      suffix_tokens=64, new_tokens=32, decode_requests=8, decode_prompt_tokens=2048,
-                     decode_tokens=256, max_batch_tokens=8192),
+                     decode_tokens=256, max_batch_tokens=8192, return_rounds=4),
 }
 _DTYPES: Final = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,6 +118,8 @@ class Workload:
     decode: list[list[int]]
     filler: list[int]
     returning: list[list[int]]
+    #: The filler of each later return round (round 2 on).
+    later_fillers: list[list[int]] = attrs.Factory(list)
 
 
 @attrs.frozen
@@ -139,12 +146,13 @@ def make_workload(cfg: DemoConfig) -> Workload:
 
     prefixes = [tokens(cfg.prefix_tokens) for _ in range(cfg.prefixes)]
     filler_tokens = (cfg.small_cache_blocks - 2) * cfg.page_size - cfg.new_tokens
-    return Workload(
-        prefill=[p + tokens(cfg.suffix_tokens) for p in prefixes],
-        decode=[tokens(cfg.decode_prompt_tokens) for _ in range(cfg.decode_requests)],
-        filler=tokens(filler_tokens),
-        returning=[p + tokens(cfg.suffix_tokens) for p in prefixes],
-    )
+    prefill = [p + tokens(cfg.suffix_tokens) for p in prefixes]
+    decode = [tokens(cfg.decode_prompt_tokens) for _ in range(cfg.decode_requests)]
+    filler = tokens(filler_tokens)
+    returning = [p + tokens(cfg.suffix_tokens) for p in prefixes]
+    # Drawn last, so that the other phases' prompts do not depend on the number of rounds.
+    later = [tokens(filler_tokens) for _ in range(max(0, cfg.return_rounds - 1))]
+    return Workload(prefill=prefill, decode=decode, filler=filler, returning=returning, later_fillers=later)
 
 
 def build_model(cfg: DemoConfig, device: torch.device) -> Any:
@@ -271,14 +279,18 @@ def run_engine(model: Any, cfg: DemoConfig, work: Workload, name: str, cache_blo
             if len(stamps) > 1:
                 rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
         print(f"  {name}: decode done ({time.perf_counter() - start:.1f} s)", file=out, flush=True)
-        keep("filler", _request(manager, work.filler, cfg.new_tokens))
-        before = computed()
-        for i, prompt in enumerate(work.returning):
-            result = _request(manager, prompt, cfg.new_tokens)
-            keep(f"return{i}", result)
-            if result.timestamps:
-                ttft.append(result.timestamps[0] - result.created_time)
-        returning = computed() - before
+        returning = 0
+        for round_, filler in enumerate([work.filler, *work.later_fillers]):
+            suffix = "" if round_ == 0 else f".{round_ + 1}"
+            keep(f"filler{suffix}", _request(manager, filler, cfg.new_tokens))
+            before = computed()
+            for i, prompt in enumerate(work.returning):
+                result = _request(manager, prompt, cfg.new_tokens)
+                keep(f"return{i}{suffix}", result)
+                if result.timestamps:
+                    ttft.append(result.timestamps[0] - result.created_time)
+            if round_ == 0:
+                returning = computed() - before
         print(f"  {name}: return done ({time.perf_counter() - start:.1f} s)", file=out, flush=True)
         total = computed()
         stats = offloader.stats() if offloader is not None else None
@@ -349,7 +361,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
     print(f"workload: {cfg.prefixes} prefixes x {cfg.prefix_tokens} tokens (+{cfg.suffix_tokens} suffix, "
           f"{cfg.new_tokens} new tokens); decode batch {cfg.decode_requests} x {cfg.decode_prompt_tokens} tokens "
           f"+ {cfg.decode_tokens} new; engine cache {cfg.small_cache_blocks} blocks (small) / "
-          f"{cfg.big_cache_blocks} (big); host pool {cfg.host_blocks} blocks", file=out, flush=True)
+          f"{cfg.big_cache_blocks} (big); host pool {cfg.host_blocks} blocks; {cfg.return_rounds} round(s) of "
+          "filler + return", file=out, flush=True)
     model = build_model(cfg, device)
     work = make_workload(cfg)
     runs = [
@@ -359,11 +372,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
         run_engine(model, cfg, work, "waited", cfg.small_cache_blocks, True, out, overlap_loads=False),
     ]
     recompute, offload, cached, waited = runs
-    print(f"\n{'run':<11}{'TTFT return (median ms)':>25}{'prompt tokens computed (return / all)':>40}"
+    samples = len(work.returning) * cfg.return_rounds
+    print(f"\n{'run':<11}{f'TTFT return (median of {samples}, ms)':>31}{'prompt tokens computed (return / all)':>40}"
           f"{'decode tok/s':>14}", file=out)
     for run in runs:
         ms = statistics.median(run.ttft_return_s) * 1e3 if run.ttft_return_s else float("nan")
-        print(f"{run.name:<11}{ms:>25.2f}{f'{run.prompt_tokens_return} / {run.prompt_tokens_total}':>40}"
+        print(f"{run.name:<11}{ms:>31.2f}{f'{run.prompt_tokens_return} / {run.prompt_tokens_total}':>40}"
               f"{run.decode_tokens_per_s:>14.1f}", file=out)
 
     def median(run: RunResult) -> float:

@@ -15,10 +15,14 @@ from kvoffload.integrations import transformers_demo  # noqa: E402
 def test_engine_demo_runs_the_three_runs_and_matches_every_token() -> None:
     out = io.StringIO()
     status = transformers_demo.main(
-        ["--device", "cpu", "--size", "tiny", "--prefixes", "2", "--decode-tokens", "16"], out=out
+        ["--device", "cpu", "--size", "tiny", "--prefixes", "2", "--decode-tokens", "16", "--return-rounds", "2"],
+        out=out,
     )
     text = out.getvalue()
     assert status == 0, text
+    # 2 prefills, 4 decodes, and per round a filler and 2 returning requests, all compared
+    assert "recompute vs offload 12/12" in text, text
+    assert "TTFT return (median of 4, ms)" in text, text
     for line in ("TTFT host hit / recompute", "TTFT host hit / GPU-cache hit",
                  "decode tok/s with offload / without", "OK: generated tokens identical"):
         assert line in text, text
