@@ -6,7 +6,8 @@ Not a test (nothing is asserted; pytest does not collect it): a measurement for 
 the Python of its scheduler and of its model's forward, so the caller keeps the GIL after handing a
 job over. It compares a Python thread blocked on a queue (what the handler's issuer thread is) with
 a native thread blocked on a condition variable and signalled through ctypes (what an issuer
-written in C would be), for a caller busy in Python for a given time after the hand-off. The C
+written in C would be), for a caller busy in Python for a given time after the hand-off, at the
+interpreter's switch interval or one given by ``--switch-interval-ms``. The C
 source is compiled into a temporary directory, removed on exit.
 """
 
@@ -122,7 +123,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.gpu.probe_issuer_wakeup", description=__doc__.split("\n")[0])
     parser.add_argument("--busy-ms", default="0.2,1,20", help="the caller's Python after each hand-off (ms, comma-separated)")
     parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="set the interpreter's switch interval first (sys.setswitchinterval)")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     with tempfile.TemporaryDirectory(prefix="kvoffload-probe-") as directory:
         lib = _load(Path(directory))
         print(f"switch interval {sys.getswitchinterval() * 1e3:g} ms; medians (max) in us over {args.rounds} hand-offs")
