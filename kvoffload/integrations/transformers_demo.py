@@ -338,7 +338,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
     """Run the three runs and print the figures; 0 when every token matched, 1 otherwise, 2 on bad
     options or a missing engine."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.return_rounds is not None and args.return_rounds < 1:
+        parser.error(f"--return-rounds {args.return_rounds}: at least one round of filler + return")
     from kvoffload.integrations.transformers import UnsupportedEngineError, _check_engine
 
     try:

@@ -37,3 +37,12 @@ def test_engine_demo_refuses_a_bad_option() -> None:
         assert exc.code == 2
     else:
         raise AssertionError("--size huge was accepted")
+
+
+def test_engine_demo_refuses_no_return_round() -> None:
+    try:
+        transformers_demo.main(["--device", "cpu", "--return-rounds", "0"], out=io.StringIO())
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--return-rounds 0 was accepted")
