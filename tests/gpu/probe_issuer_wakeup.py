@@ -24,20 +24,26 @@ import threading
 import time
 from pathlib import Path
 
-_SOURCE = r"""
+#: The C both probes start with: the headers they use, and ``now_ns`` (CLOCK_MONOTONIC, the clock of
+#: ``time.monotonic_ns``).
+C_PRELUDE = r"""
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <time.h>
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
-static int pending = 0, stop = 0, count = 0;
-static int64_t woke_ns[4096];
-static pthread_t thread;
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
+"""
+
+_SOURCE = r"""
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static int pending = 0, stop = 0, count = 0;
+static int64_t woke_ns[4096];
+static pthread_t thread;
 static void* loop(void* arg) {
     (void)arg;
     pthread_mutex_lock(&mu);
@@ -60,7 +66,7 @@ void probe_stop(void) {
 """
 
 
-def _busy(seconds: float) -> int:
+def busy(seconds: float) -> int:
     """Pure Python work for ``seconds`` (the caller's scheduler or forward)."""
     end = time.perf_counter() + seconds
     x = 0
@@ -70,11 +76,16 @@ def _busy(seconds: float) -> int:
     return x
 
 
+def compile_probe(directory: Path, name: str, source: str) -> ctypes.CDLL:
+    """Compile :data:`C_PRELUDE` + ``source`` into a shared library in ``directory`` and load it."""
+    path, library = directory / f"{name}.c", directory / f"lib{name}.so"
+    path.write_text(C_PRELUDE + source)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-pthread", "-o", str(library), str(path)], check=True)
+    return ctypes.CDLL(str(library))
+
+
 def _load(directory: Path) -> ctypes.CDLL:
-    source, library = directory / "probe.c", directory / "libprobe.so"
-    source.write_text(_SOURCE)
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source), "-lpthread"], check=True)
-    lib = ctypes.CDLL(str(library))
+    lib = compile_probe(directory, "issuer_wakeup", _SOURCE)
     lib.probe_woke.restype = ctypes.c_int64
     lib.probe_woke.argtypes = [ctypes.c_int]
     return lib
@@ -97,20 +108,20 @@ def measure(lib: ctypes.CDLL, busy_s: float, rounds: int) -> dict[str, list[floa
     out: dict[str, list[float]] = {"python": [], "native": [], "python call": [], "native call": []}
     try:
         for i in range(rounds):
-            _busy(0.002)
+            busy(0.002)
             t0 = time.monotonic_ns()
             jobs.put(i)
             out["python call"].append((time.monotonic_ns() - t0) / 1e3)
-            _busy(busy_s)
+            busy(busy_s)
             deadline = time.monotonic() + 10.0
             while len(woke) <= i and time.monotonic() < deadline:
                 time.sleep(1e-4)
             out["python"].append((woke[i] - t0) / 1e3)
-            _busy(0.002)
+            busy(0.002)
             t0 = time.monotonic_ns()
             lib.probe_notify()
             out["native call"].append((time.monotonic_ns() - t0) / 1e3)
-            _busy(busy_s)
+            busy(busy_s)
             out["native"].append((lib.probe_woke(i) - t0) / 1e3)
     finally:
         jobs.put(None)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,15 +36,11 @@ from cuda.bindings import driver as _drv
 from kvoffload.bindings import driver
 from kvoffload.cli._torch import new_stream
 from kvoffload.cli.latency_bench import PinnedCopy, one_block_jobs
+from tests.gpu.probe_issuer_wakeup import busy, compile_probe
 
 MIB = 1 << 20
 
 _SOURCE = r"""
-#include <pthread.h>
-#include <sched.h>
-#include <stdint.h>
-#include <time.h>
-
 typedef int (*memcpy_fn)(uint64_t dst, uint64_t src, size_t n, void* stream);
 typedef int (*record_fn)(void* event, void* stream);
 typedef int (*query_fn)(void* event);
@@ -63,12 +58,6 @@ static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND
 static memcpy_fn f_memcpy; static record_fn f_record; static query_fn f_query;
 static set_ctx_fn f_set_ctx; static void* context;
 static pthread_t thread;
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
 
 static void* loop(void* arg) {
     (void)arg;
@@ -174,10 +163,7 @@ def _address(name: bytes) -> int:
 
 
 def _load(directory: Path) -> ctypes.CDLL:
-    source, library = directory / "native_issue.c", directory / "libnative_issue.so"
-    source.write_text(_SOURCE)
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-pthread", "-o", str(library), str(source)], check=True)
-    lib = ctypes.CDLL(str(library))
+    lib = compile_probe(directory, "native_issue", _SOURCE)
     p, u64 = ctypes.c_void_p, ctypes.c_uint64
     lib.probe_start.argtypes = [p, p, p, p, p]
     lib.probe_submit.argtypes = [u64, u64, u64, p, p]
@@ -185,16 +171,6 @@ def _load(directory: Path) -> ctypes.CDLL:
     lib.probe_wait.argtypes = [ctypes.c_long, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
     lib.probe_times.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_int64)]
     return lib
-
-
-def _busy(seconds: float) -> int:
-    """Pure Python work for ``seconds`` (the engine's scheduler or forward)."""
-    end = time.perf_counter() + seconds
-    x = 0
-    while time.perf_counter() < end:
-        for i in range(100):
-            x += i
-    return x
 
 
 class NativeIssuer:
@@ -262,16 +238,16 @@ def native_rows(issuer: NativeIssuer, nbytes: int, repeats: int, busy_ms: tuple[
             lag.append(issued - called)
         rows.append(f"  native {'store' if store else 'load '} {nbytes // MIB:3d} MiB: call -> result {_us(total)} us "
                     f"(hand-off call {_us(call)} us, issued {_us(lag)} us after the call)")
-        for busy in busy_ms:
+        for pause_ms in busy_ms:
             lag, done = [], []
             for _ in range(max(5, repeats // 5)):
                 torch.cuda.synchronize()
                 at = issuer.submit(store, nbytes)
-                _busy(busy / 1e3)
+                busy(pause_ms / 1e3)
                 called, issued, finished = issuer.wait(at)
                 lag.append(issued - called)
                 done.append(finished - called)
-            rows.append(f"    caller busy {busy:4g} ms after the hand-off: issued {_us(lag)} us, done {_us(done)} us "
+            rows.append(f"    caller busy {pause_ms:4g} ms after the hand-off: issued {_us(lag)} us, done {_us(done)} us "
                         "after the call")
     return rows
 
