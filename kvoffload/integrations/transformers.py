@@ -29,14 +29,14 @@ What happens in a session (all of it in the engine's generation thread):
   the compute stream wait, on the device, until that layer's pages of every load in flight have
   landed. On CUDA a host hit's load is submitted when the next forward starts (after the engine's
   own input copies of the step, which would otherwise queue behind it on the copy engine), so the
-  copies run under the forward's kernel launches. Disk hits (records
-  through pinned bounce buffers, checked as they are read) are waited for before they are
-  registered. A load that is refused or fails before registration (or does not finish within
-  ``load_timeout``) registers nothing from the first failed block on: those tokens are recomputed.
-  A layer-by-layer load fails after registration only when the device does (a copy's error) or when
-  a deferred submit is refused: its blocks are then dropped from the engine's cache and the step
-  raises ``TransferError`` (the engine fails its requests) rather than emitting tokens from them. ``overlap_loads=False`` waits
-  for host hits too, before registering them. Once the engine captures a CUDA graph of the model
+  copies run under the forward's kernel launches. Disk hits (records through pinned bounce buffers,
+  checked as they are read) are waited for before they are registered. A load that is refused or
+  fails before registration (or does not finish within ``load_timeout``) registers nothing from the
+  first failed block on: those tokens are recomputed. A layer-by-layer load fails after
+  registration only when the device does (a copy's error) or when a deferred submit is refused: its
+  blocks are then dropped from the engine's cache and the step raises ``TransferError`` (the engine
+  fails its requests) rather than emitting tokens from them. ``overlap_loads=False`` waits for host
+  hits too, before registering them. Once the engine captures a CUDA graph of the model
   (``use_cuda_graph``; its replays run no hooks), host hits are waited for too.
 * Room for a load is made by evicting cached engine blocks (every complete block is stored, so the
   host pool normally holds them), never the prompt's resident prefix. When the engine's cache is

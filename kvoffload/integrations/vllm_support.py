@@ -94,8 +94,9 @@ class VLLMConfigError(VLLMIntegrationError, InvalidArgumentError):
 class UnsupportedVLLMFeatureError(VLLMIntegrationError, InvalidArgumentError):
     """Raised when vLLM asks for something this adapter does not support yet, named in the message:
     the canonical host layout, pipeline or context parallelism (tensor parallelism alone is
-    supported), a KV cache group that covers only some of the KV tensors, the disk tier,
-    or an option of vLLM's own CPU spec. Raised when the spec, manager or worker is built, before anything is allocated."""
+    supported), a KV cache group that covers only some of the KV tensors, the disk tier, or an
+    option of vLLM's own CPU spec. Raised when the spec, manager or worker is built, before anything
+    is allocated."""
 
 
 class VLLMTransferError(VLLMIntegrationError, TransferError):
