@@ -36,6 +36,7 @@ from kvoffload.errors import (
     LayerError,
     LayoutError,
     MissingDependencyError,
+    NativeBuildError,
     PolicyError,
     PoolCollisionError,
     PoolMismatchError,
@@ -107,7 +108,7 @@ if TYPE_CHECKING:
         RemoteTierStats,
         open_remote_index,
     )
-    from kvoffload.worker.assembly import BackendName, PathName
+    from kvoffload.worker.assembly import BackendName, IssuerName, PathName
     from kvoffload.worker.worker import Worker
 
 __version__ = "0.1.0.dev0"
@@ -124,6 +125,7 @@ _LAZY: dict[str, str] = {
     "SharedPoolInfo": "kvoffload.pool",
     "BackendName": "kvoffload.worker.assembly",
     "PathName": "kvoffload.worker.assembly",
+    "IssuerName": "kvoffload.worker.assembly",
     "Worker": "kvoffload.worker.worker",
     "MooncakeConfig": "kvoffload.remote",
     "MooncakeStore": "kvoffload.remote",
@@ -185,6 +187,7 @@ __all__ = [
     "HandlerStats",
     "InvalidArgumentError",
     "InvalidBlockIdError",
+    "IssuerName",
     "JobIdError",
     "KVOffloadError",
     "KeyStateError",
@@ -196,6 +199,7 @@ __all__ = [
     "LoadPlan",
     "Manager",
     "MissingDependencyError",
+    "NativeBuildError",
     "MooncakeConfig",
     "MooncakeStore",
     "NAMESPACE_PREFIX_BYTES",

@@ -34,6 +34,7 @@ __all__ = [
     "LayerError",
     "LayoutError",
     "MissingDependencyError",
+    "NativeBuildError",
     "PolicyError",
     "PoolCollisionError",
     "PoolMismatchError",
@@ -114,6 +115,12 @@ class LayerError(LayoutError):
 class MissingDependencyError(KVOffloadError, ImportError):
     """Raised when a feature needs an optional dependency that is not installed; the message names
     the extra to install (``pip install 'kvoffload[cuda]'`` for the GPU paths)."""
+
+
+class NativeBuildError(KVOffloadError):
+    """Raised when the native issuer cannot be built or loaded (no C compiler, a compile error: the
+    message carries the compiler's output). A worker created with ``issuer="auto"`` then issues from
+    Python instead; ``issuer="native"`` raises it from ``Worker.create``."""
 
 
 class RegionError(KVOffloadError):

@@ -366,7 +366,9 @@ class DirectionHandler:
             idle = not self._fifo  # no job in flight: nothing for this one to overlap with
             here = self._pending == 0 and backend.can_issue_here()
             head = None
-            if here and layered is not None and len(layered[0]) > 1 and hasattr(backend, "issue_layers"):
+            if getattr(backend, "hands_off", False):
+                pass  # the backend's issue only hands the job to a thread of its own: never split
+            elif here and layered is not None and len(layered[0]) > 1 and hasattr(backend, "issue_layers"):
                 head = _Transfer(job_id, src, dst, 0, fence, False, head=True, layers=layered[0][:1],
                                  marks=layered[1])  # layer 0 here, the others on the thread
                 transfer.layers, transfer.first_layer = layered[0][1:], 1

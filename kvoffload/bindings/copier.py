@@ -64,6 +64,7 @@ class Copier:
     ) -> None:
         self.method = method
         self.device_index = device_index
+        self.symbol = symbol  # cuMemcpyBatchAsync's address, for batch-ctypes (and the native issuer)
         self._abi_version = abi_version
         self._attrs = {order: _make_attrs(order) for order in SrcAccessOrder}
         self._attrs_ptr = {order: attrs_struct.getPtr() for order, attrs_struct in self._attrs.items()}
@@ -92,6 +93,15 @@ class Copier:
             )
         symbol = resolve_batch_symbol(caps.batch_abi_version) if caps.batch_abi_version else None
         return cls(chosen, caps.batch_abi_version, symbol, caps.device_index)
+
+    @property
+    def abi_version(self) -> int | None:
+        """The ABI version ``cuMemcpyBatchAsync`` was resolved for (None: no batch call)."""
+        return self._abi_version
+
+    def attrs_pointer(self, order: SrcAccessOrder) -> int:
+        """The address of the ``CUmemcpyAttributes`` of ``order`` (kept alive with the copier)."""
+        return int(self._attrs_ptr[order])
 
     @property
     def path(self) -> str:

@@ -41,11 +41,13 @@ __all__ = [
     "destroy_stream",
     "elapsed_seconds",
     "ensure_context_current",
+    "entry_point",
     "event_pool",
     "host_pointer_is_device_pointer",
     "make_context_current",
     "memcpy_async",
     "multiprocessor_count",
+    "primary_context",
     "resolve_driver_function",
     "synchronize_device",
 ]
@@ -145,6 +147,18 @@ def make_context_current(device_index: int) -> None:
             ctx = retained
             _primary_contexts[device_index] = ctx
     call_driver("cuCtxSetCurrent", lambda: _drv.cuCtxSetCurrent(ctx))
+
+
+def primary_context(device_index: int) -> int:
+    """The handle of the device's primary context (retained once for the process, made current in
+    the calling thread if it was not known yet).
+
+    Raises:
+        CudaError: the driver could not retain it.
+    """
+    if device_index not in _primary_contexts:
+        make_context_current(device_index)
+    return int(_primary_contexts[device_index])
 
 
 def ensure_context_current(device_index: int) -> None:
@@ -313,6 +327,16 @@ def resolve_driver_function(name: bytes, abi_version: int, *argtypes: Any) -> Ca
     Raises:
         CudaError: the driver does not provide the symbol for that version.
     """
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(entry_point(name, abi_version))
+
+
+def entry_point(name: bytes, abi_version: int) -> int:
+    """The address of a driver entry point (``cuGetProcAddress`` for ``abi_version``): what
+    :func:`resolve_driver_function` calls through, and what the native issuer is handed.
+
+    Raises:
+        CudaError: the driver does not provide the symbol for that version.
+    """
     try:
         result = _drv.cuGetProcAddress(name, abi_version, 0)
     except RuntimeError as exc:  # no driver library
@@ -320,7 +344,7 @@ def resolve_driver_function(name: bytes, abi_version: int, *argtypes: Any) -> Ca
     address = int(result[1]) if int(result[0]) == 0 and result[1] is not None else 0
     if not address:
         raise CudaError("cuGetProcAddress", int(result[0]), decode(name), "symbol not found")
-    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(address)
+    return address
 
 
 class _HotCalls:

@@ -338,6 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layerwise", action="store_true",
                         help="instead: a synthetic L-layer prefill, load then compute vs load_by_layer")
     parser.add_argument("--layers", type=int, default=0, help="layers of the --layerwise prefill (16)")
+    parser.add_argument("--issuers", default="native,python",
+                        help="--latency and --layerwise: comma-separated issuers, each path measured "
+                             "with each (native, python, auto)")
     parser.add_argument("--ranks", type=int, default=None, metavar="N",
                         help="instead: a host pool shared by N rank processes (attach time, and "
                              "throughput of ranks at once); --ranks N --help lists its options")
@@ -382,12 +385,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         chosen = tuple(p for p in args.paths.split(",") if p and p != "loop") if args.paths != ",".join(PATHS) \
             else ("auto", "staged", "dma", "sm")
+        issuers = tuple(i for i in args.issuers.split(",") if i)
+        unknown = [i for i in issuers if i not in ("auto", "native", "python")]
+        if unknown or not issuers:
+            parser.error(f"--issuers {args.issuers!r}: each must be auto, native or python")
         status = 0
         if args.latency:
             wanted = tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages else None
-            status |= latency_bench.latency_main(device, chosen, wanted, args.quick, progress)
+            status |= latency_bench.latency_main(device, chosen, wanted, args.quick, progress, issuers)
         if args.layerwise:
-            status |= latency_bench.layerwise_main(device, chosen, args.layers, progress)
+            status |= latency_bench.layerwise_main(device, chosen, args.layers, progress, issuers)
         return status
     pages = (tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages
              else QUICK_PAGE_SIZES if args.quick else PAGE_SIZES)

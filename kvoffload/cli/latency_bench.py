@@ -105,7 +105,7 @@ def _job(w: Worker, store: bool, job: int, device_blocks: np.ndarray, host_block
 
 
 def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, repeats: int,
-                  out: TextIO) -> list[str]:
+                  out: TextIO, issuer: str = "auto") -> list[str]:
     """Rows of the isolated-job table for one page size and job size (store and load)."""
     block = 2 * LATENCY_LAYERS * page
     blocks = max(1, job_bytes // block)
@@ -115,7 +115,8 @@ def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, re
     dev_a = np.arange(blocks, dtype=np.int64)
     dev_b = dev_a + blocks
     host = np.arange(blocks, dtype=np.int64)
-    with Worker.create(layout, blocks, path=path) as w:  # type: ignore[arg-type]
+    with Worker.create(layout, blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
+        label = _label(path, w)
         job = 0
         for store in (True, False):
             samples: list[tuple[float, float, float]] = []
@@ -133,7 +134,7 @@ def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, re
             t = statistics.median(s[0] for s in samples)
             c = statistics.median(copies)
             rows.append(
-                f"{_size(page):>8} {_size(blocks * block):>8} {'store' if store else 'load':<6} {path:<7}"
+                f"{_size(page):>8} {_size(blocks * block):>8} {'store' if store else 'load':<6} {label:<14}"
                 f" {t * 1e6:9.1f} {c * 1e6:9.1f}   {c / t:5.2f}x"
                 f" {statistics.median(s[1] for s in samples) * 1e6:9.1f}"
                 f" {statistics.median(s[2] for s in samples) * 1e6:9.1f}   {bad}"
@@ -151,13 +152,14 @@ def _mismatched(layout: DeviceLayout, a: np.ndarray, b: np.ndarray) -> int:
     return bad
 
 
-def one_block_jobs(device: torch.device, path: str, repeats: int) -> str:
+def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = "auto") -> str:
     """A row: 1-block jobs (64 x 32 KiB) store and load, call -> result, against one 2 MiB pinned
     copy."""
     layout, _ = _per_layer(device, 32, 32 * KIB, 64)
     copy = PinnedCopy(device, 2 * MIB)
     parts = []
-    with Worker.create(layout, 8, path=path) as w:  # type: ignore[arg-type]
+    with Worker.create(layout, 8, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
+        label = _label(path, w)
         job = 0
         for store in (True, False):
             jobs, copies = [], []
@@ -174,16 +176,17 @@ def one_block_jobs(device: torch.device, path: str, repeats: int) -> str:
             t, c = statistics.median(jobs), statistics.median(copies)
             parts.append(f"{'store' if store else 'load'} {t * 1e6:7.1f} us = {t / c:4.2f}x "
                          f"({c * 1e6:5.1f} us copy)")
-    return f"1-block job (64 x 32 KiB) [{path:<6}] " + ";  ".join(parts)
+    return f"1-block job (64 x 32 KiB) [{label:<13}] " + ";  ".join(parts)
 
 
-def caller_time(device: torch.device, path: str, bursts: int) -> list[str]:
+def caller_time(device: torch.device, path: str, bursts: int, issuer: str = "auto") -> list[str]:
     """Rows: the caller's time per ``store``/``load`` of 256 blocks x 64 pages of 32 KiB, in
     bursts of BURST jobs back to back."""
     blocks = BURST * BURST_BLOCKS
     layout, _ = _per_layer(device, BURST_LAYERS, 32 * KIB, blocks)
     rows = []
-    with Worker.create(layout, blocks, path=path) as w:  # type: ignore[arg-type]
+    with Worker.create(layout, blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
+        label = _label(path, w)
         job = 0
         for store in (True, False):
             first: list[float] = []
@@ -207,7 +210,7 @@ def caller_time(device: torch.device, path: str, bursts: int) -> list[str]:
                     raise RuntimeError("a job of the burst failed")
             every = sorted(first + later)
             rows.append(
-                f"caller's time per {'store' if store else 'load '} [{path:<6}] first of burst "
+                f"caller's time per {'store' if store else 'load '} [{label:<13}] first of burst "
                 f"{statistics.median(first) * 1e6:7.1f} us, jobs 2-{BURST} {statistics.median(later) * 1e6:7.1f}"
                 f" us (medians); all calls p90 {_pct(every, 90) * 1e6:7.1f} p99 {_pct(every, 99) * 1e6:7.1f}"
                 f" max {every[-1] * 1e6:7.1f} us"
@@ -220,7 +223,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int] | None, quick: bool,
-                 out: TextIO) -> int:
+                 out: TextIO, issuers: Sequence[str] = ("auto",)) -> int:
     """``bench --latency``: print every figure (see the module docstring); returns the exit status
     (1 when a loaded byte differed)."""
     pages = pages or (QUICK_LATENCY_PAGES if quick else LATENCY_PAGES)
@@ -230,14 +233,15 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
     rows = []
     for page in pages:
         for size in sizes:
-            for path in paths:
-                rows += isolated_jobs(device, page, size, path, repeats, out)
+            for path, issuer in _variants(paths, issuers):
+                rows += isolated_jobs(device, page, size, path, repeats, out, issuer)
     _log(out, "1-block jobs, caller's time per call")
-    small = [one_block_jobs(device, path, repeats) for path in paths]
-    callers = [row for path in paths for row in caller_time(device, path, BURSTS // 2 if quick else BURSTS)]
+    small = [one_block_jobs(device, path, repeats, issuer) for path, issuer in _variants(paths, issuers)]
+    callers = [row for path, issuer in _variants(paths, issuers)
+               for row in caller_time(device, path, BURSTS // 2 if quick else BURSTS, issuer)]
     print(f"kvoffload bench --latency on {torch.cuda.get_device_name(device)}; per-layer layouts of "
           f"{LATENCY_LAYERS} layers (K and V pages)")
-    print(f"{'page':>8} {'job':>8} {'dir':<6} {'path':<7} {'job us':>9} {'copy us':>9}   {'ratio':>6}"
+    print(f"{'page':>8} {'job':>8} {'dir':<6} {'path/issuer':<14} {'job us':>9} {'copy us':>9}   {'ratio':>6}"
           f" {'call us':>9} {'device us':>9}   bad")
     print("  (a job alone, call -> result, vs one pinned copy of the same bytes timed the same way; "
           "ratio = copy / job; call = caller's time in store/load; device = TransferResult.seconds)")
@@ -292,7 +296,8 @@ class Prefill:
         return statistics.median(times)
 
 
-def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out: TextIO) -> int:
+def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out: TextIO,
+                   issuers: Sequence[str] = ("auto",)) -> int:
     """``bench --layerwise``: print the figures (see the module docstring); returns the exit status
     (1 when a loaded byte differed)."""
     layers = layers or PREFILL_LAYERS
@@ -305,8 +310,9 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
     prefill = Prefill(device, tensors, torch.as_tensor(dst, device=device), compute)
     lines = []
     bad = 0
-    for path in paths:
-        with Worker.create(layout, blocks, path=path) as w:  # type: ignore[arg-type]
+    for path, issuer in _variants(paths, issuers):
+        with Worker.create(layout, blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
+            label = _label(path, w)
             w.store(0, src, host)
             if not all(r.ok for r in w.wait([0], TIMEOUT_S)):
                 raise RuntimeError("the store failed")
@@ -368,7 +374,7 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
         ideal = max(load_s, compute_s) + load_s / layers
         f0, fl = statistics.median(first), statistics.median(full)
         lines.append(
-            f"[{path:<6}] load {load_s * 1e3:6.2f} ms, compute {compute_s * 1e3:6.2f} ms; load then "
+            f"[{label:<13}] load {load_s * 1e3:6.2f} ms, compute {compute_s * 1e3:6.2f} ms; load then "
             f"compute {s * 1e3:6.2f} ms; load_by_layer {o * 1e3:6.2f} ms ({s / o:4.2f}x faster); ideal "
             f"max(load, compute) + one layer {ideal * 1e3:6.2f} ms (load_by_layer = ideal + "
             f"{(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} us, all after "
@@ -381,6 +387,16 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
         print(line)
     print(f"mismatched blocks: {bad}")
     return 0 if bad == 0 else 1
+
+
+def _variants(paths: Sequence[str], issuers: Sequence[str]) -> list[tuple[str, str]]:
+    """Every (path, issuer) to measure, issuer by issuer."""
+    return [(path, issuer) for issuer in issuers for path in paths]
+
+
+def _label(path: str, w: Worker) -> str:
+    """``path/issuer`` as the worker runs it."""
+    return f"{path}/{w.issuer}"
 
 
 def _size(nbytes: int) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -37,6 +38,7 @@ from kvoffload.errors import (
     ArgumentTypeError,
     DeviceMismatchError,
     InvalidArgumentError,
+    KVOffloadError,
     MissingDependencyError,
 )
 from kvoffload.handler import Backend, DirectionHandler
@@ -47,6 +49,8 @@ from kvoffload.records import Direction
 from kvoffload.region import RegionOwner
 from kvoffload.remote.config import RemoteConfig
 from kvoffload.remote.tier import RemoteTier
+
+_log = logging.getLogger("kvoffload.worker")
 
 if TYPE_CHECKING:
     from kvoffload.backends.cuda import CudaBackend, CudaStreams, TransferPath
@@ -64,6 +68,7 @@ __all__ = [
 
 BackendName = Literal["auto", "cuda", "host"]
 PathName = Literal["auto", "dma", "staged", "sm"]
+IssuerName = Literal["auto", "native", "python"]
 #: ``direction -> backend``: builds a direction's backend in place of the host or CUDA one.
 BackendFactory = Callable[[Direction], Backend]
 _BACKENDS: Final = ("auto", "cuda", "host")
@@ -103,6 +108,7 @@ class WorkerOptions:
     check_memory: bool = True
     backend_factory: BackendFactory | None = None
     pinner: HostPinner | None = None
+    issuer: str = "auto"
 
 
 @attrs.frozen(eq=False)
@@ -122,6 +128,7 @@ class WorkerParts:
     bounce: tuple[DirectionHandler, DirectionHandler] | None = None
     pipeline: DiskPipeline | None = None
     remote: RemoteTier | None = None
+    issuer: str = "python"
 
 
 def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions) -> WorkerParts:
@@ -144,6 +151,7 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
     chosen = _choose_backend(layout, o.backend, o.device)
     _check_copy_method_backend(o.copy_method, chosen)
     _check_path(o.path, chosen, o.staging_bytes, o.staging_slots, o.kernel_ctas)
+    _check_issuer(o.issuer, chosen, o.copy_method)
     if o.disk is not None and not isinstance(o.disk, DiskConfig):
         raise ArgumentTypeError(f"disk must be a DiskConfig or None, got {type(o.disk).__name__}")
     slots = _bounce_slots(o.bounce_slots, layout.record_bytes) if o.disk is not None else 0
@@ -185,10 +193,11 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             if o.backend_factory is not None:
                 backend = o.backend_factory(direction)
             elif cuda is not None:
-                backend = _cuda_backend(direction, layout, region, cuda, o)
+                backend = _issuing(_cuda_backend(direction, layout, region, cuda, o), cuda, o.issuer)
             else:
                 backend = HostBackend(direction)
             undo.callback(backend.release)
+            native_issuer = bool(getattr(backend, "hands_off", False))
             handler = DirectionHandler.create(direction=direction, plan=plan, backend=backend,
                                               num_src_blocks=num_src, num_dst_blocks=num_dst, book=book)
             undo.callback(handler.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
@@ -218,6 +227,7 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             device_sync=cuda.device_sync if cuda is not None else _host_sync,
             capabilities=cuda.capabilities if cuda is not None else None,
             tier=tier, bounce=bounce, pipeline=pipeline, remote=remote,
+            issuer="native" if native_issuer else "python",
         )
         undo.pop_all()
     return parts
@@ -255,6 +265,45 @@ def _choose_backend(
     if backend == "host" and kind != "cpu":
         raise DeviceMismatchError(f"backend 'host' needs CPU tensors; the layout is on {layout.device}")
     return "cuda" if backend == "cuda" else "host"
+
+
+#: The ``issuer`` choices of ``Worker.create``.
+_ISSUERS: Final = ("auto", "native", "python")
+
+
+def _check_issuer(issuer: object, backend: str, copy_method: object) -> None:
+    if not isinstance(issuer, str):
+        raise ArgumentTypeError(f"issuer = {issuer!r} must be a str, not a {type(issuer).__name__}")
+    if issuer not in _ISSUERS:
+        raise InvalidArgumentError(f"issuer = {issuer!r} must be one of {', '.join(_ISSUERS)}")
+    if issuer == "native" and backend != "cuda":
+        raise InvalidArgumentError(f"issuer = 'native' applies to the cuda backend only (backend is {backend!r})")
+    if issuer == "native" and str(getattr(copy_method, "value", copy_method)) == "batch-bindings":
+        raise InvalidArgumentError(
+            "issuer = 'native' calls the driver itself: copy_method 'batch-bindings' (a cross-check "
+            "of the Python call path) needs issuer = 'python'"
+        )
+
+
+def _issuing(inner: CudaBackend, cuda: _Cuda, issuer: str) -> Backend:
+    """``inner`` issued by the native thread (``issuer`` "native", or "auto" where the library
+    builds and the copy method allows it), or as it is ("python"; "auto" otherwise, with a warning
+    that says why). ``inner`` is released if "native" fails."""
+    if issuer == "python":
+        return inner
+    from kvoffload.backends.native import NativeBackend
+    from kvoffload.bindings.types import CopyMethod
+
+    if issuer == "auto" and cuda.copier.method is CopyMethod.BATCH_BINDINGS:
+        return inner
+    try:
+        return NativeBackend.over(inner, cuda.copier)
+    except KVOffloadError as exc:
+        if issuer == "native":
+            inner.release()
+            raise
+        _log.warning("the native issuer is not available (%s): jobs are issued from Python", exc)
+        return inner
 
 
 def _check_path(

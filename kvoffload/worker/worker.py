@@ -71,6 +71,7 @@ from kvoffload.worker.assembly import (
     DEFAULT_STAGING_BYTES,
     DEFAULT_STAGING_SLOTS,
     BackendName,
+    IssuerName,
     PathName,
     WorkerOptions,
     WorkerParts,
@@ -82,7 +83,7 @@ from kvoffload.worker.teardown import Stoppable, Teardown
 if TYPE_CHECKING:
     from kvoffload.bindings.driver import CopyMethod
 
-__all__ = ["BackendName", "PathName", "Worker", "WorkerParts"]
+__all__ = ["BackendName", "IssuerName", "PathName", "Worker", "WorkerParts"]
 
 _log = logging.getLogger("kvoffload.worker")
 
@@ -115,6 +116,8 @@ class Worker:
             )
         self.layout = parts.layout
         self.backend = parts.backend_name
+        #: Who issues the jobs' copies: ``"native"`` (the C issuer thread) or ``"python"``.
+        self.issuer = parts.issuer
         self.capabilities = parts.capabilities
         self.num_host_blocks = parts.num_host_blocks
         self.shared: PoolRank | None = parts.region.pool
@@ -195,6 +198,7 @@ class Worker:
         check_memory: bool = True,
         backend_factory: Callable[[Direction], Backend] | None = None,
         pinner: HostPinner | None = None,
+        issuer: IssuerName = "auto",
     ) -> Worker:
         """Build the region and both handlers; on any failure everything built so far is released.
 
@@ -242,6 +246,12 @@ class Worker:
                 the host or CUDA one (tests, and integrators bringing their own copy engine; see
                 ``kvoffload.testing.FakeBackend`` for what a backend does).
             pinner: registers the pool with the device in place of the CUDA pinner (tests).
+            issuer: cuda backend only: who plans and enqueues a job's copies. ``"native"``: a C
+                thread per direction, handed each job by one call (the caller pays a few
+                microseconds, the link starts at once whatever the engine's Python does, and
+                completion is signalled: docs/design.md §16); built with the machine's C compiler
+                on first use. ``"python"``: the handler's issuer thread (and the caller's, for
+                small jobs). ``"auto"``: native where it builds, else python with a warning.
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
@@ -269,7 +279,7 @@ class Worker:
             pin_chunk_bytes=pin_chunk_bytes, path=path, staging_bytes=staging_bytes,
             staging_slots=staging_slots, kernel_ctas=kernel_ctas, calibration_path=calibration_path,
             disk=disk, bounce_slots=bounce_slots, remote=remote, check_memory=check_memory,
-            backend_factory=backend_factory, pinner=pinner,
+            backend_factory=backend_factory, pinner=pinner, issuer=issuer,
         )
         return cls(assemble(layout, num_host_blocks, options))
 

@@ -8,7 +8,9 @@ import torch
 
 from kvoffload import DeviceLayout
 from kvoffload.backends.cuda import CudaBackend
+from kvoffload.backends.native import NativeBackend
 from kvoffload.bindings import driver
+from kvoffload.handler import DirectionHandler
 from kvoffload.cli._caches import build_cache
 from kvoffload.cli._torch import new_stream
 
@@ -41,6 +43,24 @@ def _idle_fence(self: CudaBackend, stream: object | None) -> object:
     return event
 
 
+_native_fence = NativeBackend.fence
+
+
+def _idle_native_fence(self: NativeBackend, stream: object | None) -> object:
+    """CONTROL ONLY: :func:`_idle_fence` for the native issuer (its fence, on an idle stream)."""
+    return _native_fence(self, new_stream(self.device))
+
+
 def no_fence(patch: pytest.MonkeyPatch) -> None:
-    """Make every cuda backend created under ``patch`` use :func:`_idle_fence`."""
+    """Make every cuda backend created under ``patch``, whoever issues, use an idle fence."""
     patch.setattr(CudaBackend, "fence", _idle_fence)
+    patch.setattr(NativeBackend, "fence", _idle_native_fence)
+
+
+def cuda_backend(handler: DirectionHandler) -> CudaBackend:
+    """The handler's CUDA backend (the one a native issuer took over, if any)."""
+    backend = handler._backend
+    if isinstance(backend, NativeBackend):
+        backend = backend._inner  # type: ignore[assignment]
+    assert isinstance(backend, CudaBackend)
+    return backend

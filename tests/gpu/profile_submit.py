@@ -29,6 +29,7 @@ import kvoffload.worker.worker as worker_module
 from kvoffload import DeviceLayout, Worker
 from kvoffload._jobs import JobBook
 from kvoffload.backends.cuda import CudaBackend, CudaTicket
+from kvoffload.backends.native import NativeBackend, NativeTicket
 from kvoffload.handler import DirectionHandler
 from kvoffload.worker.booking import Bookkeeping
 
@@ -68,6 +69,10 @@ def instrumented() -> Iterator[None]:
     patch(DirectionHandler, "submit_validated", "3 handler submit (fence+issue)")
     patch(CudaBackend, "fence", "4 fence (event record)")
     patch(CudaBackend, "issue", "5 issue (whole)")
+    patch(NativeBackend, "fence", "4 fence (event record)")
+    patch(NativeBackend, "issue", "5 issue (whole)")
+    patch(NativeTicket, "wait", "7 wait: ticket wait")
+    patch(DirectionHandler, "_advance", "3 handler: advance (results)")
     patch(JobBook, "wait", "7 wait (total)")
     patch(DirectionHandler, "wait_progress", "7 wait: wait_progress")
     patch(DirectionHandler, "advance", "7 wait: advance")
@@ -101,11 +106,11 @@ def report(title: str) -> None:
 
 
 def phases(device: torch.device) -> None:
-    for path in ("staged", "dma", "sm", "auto"):
+    for path, issuer in (("auto", "native"), ("auto", "python"), ("sm", "native")):
         for label, layers, page, blocks, burst in (("1 block x 64 x 32 KiB", 32, 32 * KIB, 1, 1),
                                                     ("256 blocks x 64 x 32 KiB", 32, 32 * KIB, 256, 4)):
             layout = per_layer(device, layers, page, 4 * blocks)
-            with Worker.create(layout, 4 * blocks, path=path) as w:
+            with Worker.create(layout, 4 * blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
                 job = 0
                 for _ in range(3):  # warm-up
                     w.store(job, [0], [0])
@@ -125,7 +130,47 @@ def phases(device: torch.device) -> None:
                         t0 = time.perf_counter()
                         w.wait(ids, 60)
                         TIMES[("9 store burst: last call -> results", "caller")].append(time.perf_counter() - t0)
-                report(f"{path}: store, {label}, bursts of {burst}")
+                report(f"{path}/{w.issuer}: store, {label}, bursts of {burst}")
+
+
+def timeline(device: torch.device) -> None:
+    """Where a native job's time goes: the call, the hand-off to the thread's start, the issue, the
+    device, the completion found, the wait's return (median us from the call)."""
+    layout = per_layer(device, 32, 32 * KIB, 1024)
+    tickets: list[NativeTicket] = []
+    original = NativeBackend.issue
+
+    def keeping(self: NativeBackend, *args: Any) -> Any:
+        ticket = original(self, *args)
+        if isinstance(ticket, NativeTicket):
+            tickets.append(ticket)
+        return ticket
+
+    NativeBackend.issue = keeping  # type: ignore[method-assign,assignment]
+    try:
+        for blocks, bursts in ((1, 60), (256, 20)):
+            with Worker.create(layout, 1024, path="auto", issuer="native") as w:
+                rows = []
+                for i in range(bursts + 3):
+                    torch.cuda.synchronize(device)
+                    tickets.clear()
+                    dev = np.arange(blocks, dtype=np.int64)
+                    t0 = time.monotonic()
+                    w.store(i, dev, dev)
+                    t1 = time.monotonic()
+                    ticket = tickets[-1]
+                    handed, began, issued, _ = ticket.times()  # valid fields so far
+                    (r,) = w.wait([i], 60)
+                    t2 = time.monotonic()
+                    handed, began, issued, found = ticket.times()
+                    if i >= 3:
+                        rows.append((t1 - t0, handed - t0, began - t0, issued - t0, found - t0, t2 - t0, r.seconds))
+                med = [statistics.median(x[k] for x in rows) * 1e6 for k in range(7)]
+                print(f"\n== native timeline, store of {blocks} block(s) x 64 x 32 KiB (auto), median us from the call:"
+                      f" call returned {med[0]:.1f}; handed over {med[1]:.1f}; thread began {med[2]:.1f}; issued "
+                      f"{med[3]:.1f}; found done {med[4]:.1f}; wait returned {med[5]:.1f}; device time {med[6]:.1f}")
+    finally:
+        NativeBackend.issue = original  # type: ignore[method-assign]
 
 
 def isolated(device: torch.device) -> None:
@@ -222,7 +267,9 @@ def main() -> int:
         print("profile_submit: no CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
-    for section in (small, isolated, phases):
+    wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
+    sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline}
+    for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:
             section(device)

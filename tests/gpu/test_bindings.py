@@ -14,7 +14,8 @@ from kvoffload import CudaError, Direction, InvalidArgumentError, SrcAccessOrder
 from kvoffload.backends.cuda import CudaBackend, DmaPath
 from kvoffload.bindings import driver
 from kvoffload.bindings.copier import Copier
-from tests.gpu._helpers import TIMEOUT_S, cache
+from kvoffload.backends.native import NativeBackend
+from tests.gpu._helpers import TIMEOUT_S, cache, cuda_backend
 from tests.gpu.conftest import Figures
 
 
@@ -72,7 +73,7 @@ class RecordingCopier:
 
 def test_stores_read_in_stream_order_and_loads_may_read_any_time(device: torch.device) -> None:
     layout = cache("per-layer", device, num_blocks=32, layers=2)
-    with Worker.create(layout, 8, path="dma") as w:
+    with Worker.create(layout, 8, path="dma", issuer="python") as w:
         recorders = {}
         for handler in (w._store, w._load):
             backend = handler._backend
@@ -87,6 +88,18 @@ def test_stores_read_in_stream_order_and_loads_may_read_any_time(device: torch.d
         w.wait([2], TIMEOUT_S)
     assert recorders[Direction.STORE].orders == [SrcAccessOrder.STREAM]
     assert recorders[Direction.LOAD].orders == [SrcAccessOrder.ANY]
+
+
+def test_the_native_issuer_copies_with_each_directions_access_order(device: torch.device) -> None:
+    layout = cache("per-layer", device, num_blocks=32, layers=2)
+    with Worker.create(layout, 8, path="dma", issuer="native") as w:
+        for handler, order in ((w._store, SrcAccessOrder.STREAM), (w._load, SrcAccessOrder.ANY)):
+            backend = handler._backend
+            assert isinstance(backend, NativeBackend)
+            dma = cuda_backend(handler).paths["dma"]
+            assert isinstance(dma, DmaPath)
+            config = backend._keep[0]  # type: ignore[index]
+            assert config.batch_attrs == dma.copier.attrs_pointer(order)
 
 
 def test_bounded_synchronize_reports_an_idle_device(device: torch.device) -> None:
@@ -136,12 +149,11 @@ def test_events_work_from_a_thread_with_no_current_context(device: torch.device)
 def test_each_direction_owns_a_stream_of_its_own_until_shutdown(device: torch.device) -> None:
     layout = cache("per-layer", device, num_blocks=32, layers=2)
     w = Worker.create(layout, 8)
-    backends = [h._backend for h in (w._store, w._load)]
-    assert all(isinstance(b, CudaBackend) for b in backends)
-    handles = {b.streams.copy for b in backends if isinstance(b, CudaBackend)}
+    backends = [cuda_backend(h) for h in (w._store, w._load)]
+    handles = {b.streams.copy for b in backends}
     assert len(handles) == 2 and 0 not in handles
     assert torch.cuda.current_stream(device).cuda_stream not in handles
     pool = {torch.cuda.Stream(device).cuda_stream for _ in range(40)}  # type: ignore[no-untyped-call]
     assert not handles & pool  # never one of torch's shared pool streams
     w.shutdown(timeout=TIMEOUT_S)
-    assert all(isinstance(b, CudaBackend) and b.streams.copy == 0 for b in backends)
+    assert all(b.streams.copy == 0 for b in backends)

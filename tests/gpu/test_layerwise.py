@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, LayerLoad, PathName, Worker
-from kvoffload.backends.kernel import StagedPath
+from kvoffload import DeviceLayout, IssuerName, LayerLoad, PathName, Worker
 from kvoffload.cli._caches import LAYOUTS, build_cache
 from tests.gpu._helpers import TIMEOUT_S, no_fence, stall
 from tests.gpu.conftest import Figures
 from tests.gpu.test_races import BLOCKS, HOST, fill_blocks
-from tests.gpu.test_staging import load_chunk_without_slot_wait
+from tests.gpu.test_staging import ISSUERS, no_slot_wait
 
 PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
 LAYERS = 4
@@ -137,25 +136,26 @@ def ordering_trials(w: Worker, layout: DeviceLayout, how: str, trials: int, firs
     return stale0, complete_last, float(np.median(gaps))
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("path", PATHS)
 def test_wait_layer_orders_the_stream_after_that_layer_only(
-    path: PathName, device: torch.device, figures: Figures
+    path: PathName, issuer: IssuerName, device: torch.device, figures: Figures
 ) -> None:
     layout = big_last_layer(device)
     pieces0 = 48 * len(layer_ranges(layout, 0))
-    with Worker.create(layout, 48, path=path) as w:
+    with Worker.create(layout, 48, path=path, issuer=issuer) as w:
         w.load_by_layer(10**6, [0], [0])  # warm-up: segment tables, events
         assert all(r.ok for r in w.wait([10**6], TIMEOUT_S))
         stale, _, _ = ordering_trials(w, layout, "nothing", CONTROL_TRIALS, 0)
-        figures.add(f"wait_layer [{path}], control waiting for nothing: layer-0 pieces stale",
+        figures.add(f"wait_layer [{path}/{issuer}], control waiting for nothing: layer-0 pieces stale",
                     f"{stale} of {CONTROL_TRIALS * pieces0}")
         assert stale > 0, "the control did not race: the test cannot prove the rule"
         stale, complete, _ = ordering_trials(w, layout, "whole", CONTROL_TRIALS, 100)
-        figures.add(f"wait_layer [{path}], control waiting for the whole job: last layer read complete",
+        figures.add(f"wait_layer [{path}/{issuer}], control waiting for the whole job: last layer read complete",
                     f"{complete} of {CONTROL_TRIALS} trials")
         assert stale == 0 and complete == CONTROL_TRIALS, "waiting for the whole job reads every layer late"
         stale, complete, gap = ordering_trials(w, layout, "layer", ORDER_TRIALS, 200)
-        figures.add(f"wait_layer [{path}], layer 0: stale pieces / trials whose last layer was done",
+        figures.add(f"wait_layer [{path}/{issuer}], layer 0: stale pieces / trials whose last layer was done",
                     f"{stale} / {complete} of {ORDER_TRIALS}; layer 0 ready {gap:.2f} ms before the last")
     assert stale == 0, "a stream that waited for layer 0 read it stale"
     assert complete < ORDER_TRIALS, "layer 0 was never read while the last layer was still in flight"
@@ -190,21 +190,23 @@ def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: i
     return seen_new, not_loaded
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("path", PATHS)
 def test_every_layer_waits_for_compute_reads(
-    path: PathName, device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures
+    path: PathName, issuer: IssuerName, device: torch.device, monkeypatch: pytest.MonkeyPatch,
+    figures: Figures,
 ) -> None:
     layout = layered_cache("per-layer", device, num_blocks=128)
     with monkeypatch.context() as patch:
         no_fence(patch)
-        with Worker.create(layout, 64, path=path) as control:
+        with Worker.create(layout, 64, path=path, issuer=issuer) as control:
             control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0)
-    figures.add(f"layered load race [{path}], control without the compute wait: reader saw new",
+    figures.add(f"layered load race [{path}/{issuer}], control without the compute wait: reader saw new",
                 f"{control_seen} pieces")
     assert control_seen > 0, "the control did not race: the test cannot prove the rule"
-    with Worker.create(layout, 64, path=path) as w:
+    with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0)
-    figures.add(f"layered load race [{path}], worker over {TRIALS} trials: reader saw new", f"{seen}")
+    figures.add(f"layered load race [{path}/{issuer}], worker over {TRIALS} trials: reader saw new", f"{seen}")
     assert seen == 0 and not_loaded == 0
 
 
@@ -212,7 +214,7 @@ JOBS = 8
 PER_JOB = 16
 
 
-def back_to_back_layered_loads(layout: DeviceLayout) -> int:
+def back_to_back_layered_loads(layout: DeviceLayout, issuer: IssuerName) -> int:
     """Bad pieces after JOBS layered staged loads back to back through a ring of 2 x 2 records,
     behind a stalled compute stream."""
     rng = np.random.default_rng(4)
@@ -222,7 +224,8 @@ def back_to_back_layered_loads(layout: DeviceLayout) -> int:
     dst = rng.permutation(layout.num_blocks)[:n].reshape(JOBS, PER_JOB)
     host = rng.permutation(n).reshape(JOBS, PER_JOB)
     records = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8)
-    with Worker.create(layout, n, path="staged", staging_bytes=8 * layout.record_bytes) as w:
+    with Worker.create(layout, n, path="staged", staging_bytes=8 * layout.record_bytes,
+                       issuer=issuer) as w:
         w.host_records().copy_(records)
         w.load_by_layer(10**6, [0], [0])
         assert all(r.ok for r in w.wait([10**6], TIMEOUT_S))
@@ -239,15 +242,17 @@ def back_to_back_layered_loads(layout: DeviceLayout) -> int:
     return bad
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 def test_layered_staged_loads_reuse_a_slot_only_after_its_kernel_finished(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures, issuer: IssuerName
 ) -> None:
     layout = layered_cache("per-layer", device, num_blocks=JOBS * PER_JOB + 8)
     with monkeypatch.context() as patch:
-        patch.setattr(StagedPath, "_load_chunk", load_chunk_without_slot_wait)
-        control = back_to_back_layered_loads(layout)
-    figures.add("layered staged ring reuse, control without the slot wait: bad pieces", f"{control}")
+        no_slot_wait(patch)
+        control = back_to_back_layered_loads(layout, issuer)
+    figures.add(f"layered staged ring reuse [{issuer}], control without the slot wait: bad pieces",
+                f"{control}")
     assert control > 0, "the control did not race: the test cannot prove the rule"
-    real = back_to_back_layered_loads(layout)
-    figures.add("layered staged ring reuse, worker: bad pieces", f"{real}")
+    real = back_to_back_layered_loads(layout, issuer)
+    figures.add(f"layered staged ring reuse [{issuer}], worker: bad pieces", f"{real}")
     assert real == 0

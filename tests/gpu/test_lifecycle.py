@@ -13,6 +13,7 @@ from cuda.bindings import driver as cuda_driver
 
 from kvoffload import CudaError, ShutdownError, SrcAccessOrder, Worker
 from kvoffload.backends.cuda import CudaBackend, CudaTicket, DmaPath
+from kvoffload.backends.native import NativeTicket
 from kvoffload.bindings import driver
 from tests.gpu._helpers import SLEEP_CYCLES, TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
@@ -106,10 +107,11 @@ def test_drain_whose_event_wait_raises_still_tears_everything_down(
         w.store(job, [job], [job])
     injected = CudaError("cuEventQuery", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "injected fault")
 
-    def failing_wait(self: CudaTicket, timeout_s: float) -> bool:
+    def failing_wait(self: object, timeout_s: float) -> bool:
         raise injected
 
     monkeypatch.setattr(CudaTicket, "wait", failing_wait)
+    monkeypatch.setattr(NativeTicket, "wait", failing_wait)
     t0 = time.perf_counter()
     error = run_with_guard(lambda: w.shutdown(timeout=5.0))
     elapsed = time.perf_counter() - t0
@@ -123,7 +125,7 @@ def test_drain_whose_event_wait_raises_still_tears_everything_down(
 
 def test_driver_fault_fails_that_job_and_later_jobs_still_work(device: torch.device) -> None:
     layout = cache("per-layer", device, num_blocks=64, layers=2)
-    with Worker.create(layout, 16, path="dma") as w:
+    with Worker.create(layout, 16, path="dma", issuer="python") as w:  # it corrupts the copier's attributes
         backend = w._store._backend
         assert isinstance(backend, CudaBackend)
         dma = backend.paths["dma"]

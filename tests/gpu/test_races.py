@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvoffload import DeviceLayout, Worker
-from kvoffload import PathName
+from kvoffload import IssuerName, PathName
 from kvoffload.handler import INLINE_ISSUE_MAX_DESCRIPTORS
 from tests.gpu._helpers import TIMEOUT_S, cache, no_fence, stall
 from tests.gpu.conftest import Figures
@@ -22,6 +22,8 @@ HOST = list(range(32))
 CONTROL_TRIALS = 10
 TRIALS = 200
 PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
+#: Who issues: the native thread, and the Python fallback (the same rules, the same tests).
+ISSUERS: tuple[IssuerName, ...] = ("native", "python")
 
 
 def fill_blocks(layout: DeviceLayout, blocks: torch.Tensor, value: int) -> None:
@@ -109,54 +111,56 @@ def test_a_split_job_waits_for_compute_in_both_parts(
     layout = cache("per-layer", device, num_blocks=600, layers=8)
     with monkeypatch.context() as patch:
         no_fence(patch)
-        with Worker.create(layout, 300, path=path) as control:
+        with Worker.create(layout, 300, path=path, issuer="python") as control:
             stale = store_race(control, layout, 3, 0, SPLIT_BLOCKS, SPLIT_HOST)
             seen, _ = load_race(control, layout, 3, 100, SPLIT_BLOCKS, SPLIT_HOST)
-    figures.add(f"split job race [{path}], control without the compute wait: stale / seen pages",
+    figures.add(f"split job race [{path}/python], control without the compute wait: stale / seen pages",
                 f"{stale} / {seen}")
     assert stale > 0 and seen > 0, "the control did not race: the test cannot prove the rule"
-    with Worker.create(layout, 300, path=path) as w:
+    with Worker.create(layout, 300, path=path, issuer="python") as w:
         handler = w._store  # the job splits: its issue is over the caller's-thread limit
         assert handler._backend is not None
         assert handler._backend.issue_cost(handler._plan, len(SPLIT_BLOCKS)) > INLINE_ISSUE_MAX_DESCRIPTORS
         stale = store_race(w, layout, TRIALS // 10, 0, SPLIT_BLOCKS, SPLIT_HOST)
         seen, not_loaded = load_race(w, layout, TRIALS // 10, 100, SPLIT_BLOCKS, SPLIT_HOST)
-    figures.add(f"split job race [{path}], worker over {TRIALS // 10} trials: stale / seen / not loaded",
+    figures.add(f"split job race [{path}/python], worker over {TRIALS // 10} trials: stale / seen / not loaded",
                 f"{stale} / {seen} / {not_loaded}")
     assert stale == 0 and seen == 0 and not_loaded == 0
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("path", PATHS)
-def test_store_waits_for_compute_writes(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
+def test_store_waits_for_compute_writes(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, issuer: IssuerName,
                                         figures: Figures, path: PathName) -> None:
     pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
     with monkeypatch.context() as patch:
         no_fence(patch)
-        with Worker.create(layout, 64, path=path) as control:
+        with Worker.create(layout, 64, path=path, issuer=issuer) as control:
             control_stale = store_race(control, layout, CONTROL_TRIALS, 0)
-    figures.add(f"store race [{path}], control without the compute wait: stale pages",
+    figures.add(f"store race [{path}/{issuer}], control without the compute wait: stale pages",
                 f"{control_stale} of {pages}")
     assert control_stale > 0, "the control did not race: the test cannot prove the rule"
-    with Worker.create(layout, 64, path=path) as w:
+    with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         stale = store_race(w, layout, TRIALS, 0)
-    figures.add(f"store race [{path}], worker: stale pages over {TRIALS} trials", f"{stale}")
+    figures.add(f"store race [{path}/{issuer}], worker: stale pages over {TRIALS} trials", f"{stale}")
     assert stale == 0
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("path", PATHS)
-def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
+def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, issuer: IssuerName,
                                       figures: Figures, path: PathName) -> None:
     pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
     with monkeypatch.context() as patch:
         no_fence(patch)
-        with Worker.create(layout, 64, path=path) as control:
+        with Worker.create(layout, 64, path=path, issuer=issuer) as control:
             control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0)
-    figures.add(f"load race [{path}], control without the compute wait: reader saw new pages",
+    figures.add(f"load race [{path}/{issuer}], control without the compute wait: reader saw new pages",
                 f"{control_seen} of {pages}")
     assert control_seen > 0, "the control did not race: the test cannot prove the rule"
-    with Worker.create(layout, 64, path=path) as w:
+    with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         seen, not_loaded = load_race(w, layout, TRIALS, 0)
-    figures.add(f"load race [{path}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
+    figures.add(f"load race [{path}/{issuer}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
     assert seen == 0
     assert not_loaded == 0
 
@@ -182,8 +186,9 @@ def current_stream_store_race(w: Worker, layout: DeviceLayout, trials: int, firs
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("issuer", ISSUERS)
 @pytest.mark.parametrize("path", PATHS)
-def test_a_caller_on_another_device_still_fences_the_layouts_device(path: PathName) -> None:
+def test_a_caller_on_another_device_still_fences_the_layouts_device(path: PathName, issuer: IssuerName) -> None:
     """The fence is created and recorded on the layout's device whatever device the calling thread
     has current: with ``stream=None`` it is that device's current stream (not the caller's device's
     legacy stream, which handle 0 would name), and with an explicit stream the event is one of its
@@ -191,7 +196,7 @@ def test_a_caller_on_another_device_still_fences_the_layouts_device(path: PathNa
     original = torch.cuda.current_device()
     layout = cache("per-layer", torch.device("cuda", 1), num_blocks=128, layers=8)
     try:
-        with Worker.create(layout, 64, path=path) as w:
+        with Worker.create(layout, 64, path=path, issuer=issuer) as w:
             torch.cuda.set_device(0)  # the caller's current device is another one from here on
             assert current_stream_store_race(w, layout, TRIALS // 4, 0) == 0
             assert store_race(w, layout, TRIALS // 4, 1000) == 0

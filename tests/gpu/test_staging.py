@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, SrcAccessOrder, Worker
+from kvoffload import DeviceLayout, IssuerName, SrcAccessOrder, Worker
+from kvoffload import native
 from kvoffload._descriptors import CopyPlan, StagedChunk
 from kvoffload.backends import kernel as kernel_paths
 from kvoffload.backends.cuda import CudaStreams
+from kvoffload.backends import native as native_backend
 from kvoffload.backends.kernel import StagedPath
 from tests.gpu._helpers import TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
@@ -52,6 +54,17 @@ def load_chunk_without_slot_wait(
     self._drained[chunk.slot].record(kstream)
 
 
+def no_slot_wait(patch: pytest.MonkeyPatch) -> None:
+    """CONTROL ONLY: staged chunks rewrite a slot without waiting for its last read, whoever issues
+    (the Python path's chunk methods, and the native issuer's control flag)."""
+    patch.setattr(StagedPath, "_store_chunk", store_chunk_without_slot_wait)
+    patch.setattr(StagedPath, "_load_chunk", load_chunk_without_slot_wait)
+    patch.setattr(native_backend, "CONTROLS", native.CONTROL_SKIP_SLOT_WAIT)
+
+
+ISSUERS: tuple[IssuerName, ...] = ("native", "python")
+
+
 def small_ring(layout: DeviceLayout) -> int:
     """staging_bytes for 2 slots of 2 records per direction: every job spans many chunks."""
     return 2 * 2 * 2 * layout.record_bytes
@@ -66,14 +79,14 @@ def warm_up(w: Worker) -> None:
     assert all(r.ok for r in w.wait([10**6 + 1], TIMEOUT_S))
 
 
-def back_to_back_stores(layout: DeviceLayout) -> int:
+def back_to_back_stores(layout: DeviceLayout, issuer: IssuerName) -> int:
     """Corrupted host records after JOBS stores submitted back to back behind a stalled compute."""
     rng = np.random.default_rng(3)
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     src = [rng.choice(layout.num_blocks, BLOCKS_PER_JOB, replace=False) for _ in range(JOBS)]
     host = np.arange(JOBS * BLOCKS_PER_JOB).reshape(JOBS, BLOCKS_PER_JOB)
     with Worker.create(layout, JOBS * BLOCKS_PER_JOB, path="staged",
-                       staging_bytes=small_ring(layout)) as w:
+                       staging_bytes=small_ring(layout), issuer=issuer) as w:
         warm_up(w)
         with torch.cuda.stream(compute):
             stall()
@@ -89,14 +102,14 @@ def back_to_back_stores(layout: DeviceLayout) -> int:
     return bad
 
 
-def back_to_back_loads(layout: DeviceLayout) -> int:
+def back_to_back_loads(layout: DeviceLayout, issuer: IssuerName) -> int:
     """Corrupted device blocks after JOBS loads submitted back to back behind a stalled compute."""
     rng = np.random.default_rng(4)
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     n = JOBS * BLOCKS_PER_JOB
     dst = rng.permutation(layout.num_blocks)[:n].reshape(JOBS, BLOCKS_PER_JOB)
     host = rng.permutation(n).reshape(JOBS, BLOCKS_PER_JOB)
-    with Worker.create(layout, n, path="staged", staging_bytes=small_ring(layout)) as w:
+    with Worker.create(layout, n, path="staged", staging_bytes=small_ring(layout), issuer=issuer) as w:
         records = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8)
         warm_up(w)
         w.host_records().copy_(records)
@@ -123,31 +136,33 @@ def layout(device: torch.device) -> DeviceLayout:
     return cache("per-layer", device, num_blocks=JOBS * BLOCKS_PER_JOB + 16, layers=8)
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 def test_store_reuses_a_slot_only_after_its_dma_finished(
-    layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
+    layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures, issuer: IssuerName
 ) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr(StagedPath, "_store_chunk", store_chunk_without_slot_wait)
-        control = back_to_back_stores(layout)
-    figures.add("staged store ring reuse, control without the slot wait: bad records",
+        no_slot_wait(patch)
+        control = back_to_back_stores(layout, issuer)
+    figures.add(f"staged store ring reuse [{issuer}], control without the slot wait: bad records",
                 f"{control} of {JOBS * BLOCKS_PER_JOB}")
     assert control > 0, "the control did not race: the test cannot prove the rule"
-    real = back_to_back_stores(layout)
-    figures.add("staged store ring reuse, worker: bad records", f"{real}")
+    real = back_to_back_stores(layout, issuer)
+    figures.add(f"staged store ring reuse [{issuer}], worker: bad records", f"{real}")
     assert real == 0
 
 
+@pytest.mark.parametrize("issuer", ISSUERS)
 def test_load_reuses_a_slot_only_after_its_kernel_finished(
-    layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures
+    layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, figures: Figures, issuer: IssuerName
 ) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr(StagedPath, "_load_chunk", load_chunk_without_slot_wait)
-        control = back_to_back_loads(layout)
-    figures.add("staged load ring reuse, control without the slot wait: bad pages",
+        no_slot_wait(patch)
+        control = back_to_back_loads(layout, issuer)
+    figures.add(f"staged load ring reuse [{issuer}], control without the slot wait: bad pages",
                 f"{control} of {JOBS * BLOCKS_PER_JOB * layout.pages_per_block}")
     assert control > 0, "the control did not race: the test cannot prove the rule"
-    real = back_to_back_loads(layout)
-    figures.add("staged load ring reuse, worker: bad pages", f"{real}")
+    real = back_to_back_loads(layout, issuer)
+    figures.add(f"staged load ring reuse [{issuer}], worker: bad pages", f"{real}")
     assert real == 0
 
 

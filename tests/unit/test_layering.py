@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "bindings.__init__": 1,
     "bindings.driver": 1,
     "bindings.pinning": 1,
+    "native.__init__": 1,
     "manager.__init__": 1,
     "manager.policies": 1,
     "manager.records": 1,
@@ -57,6 +58,7 @@ LAYERS: dict[str, int] = {
     "backends.cuda": 3,
     "handler": 4,
     "backends.kernel": 4,
+    "backends.native": 5,
     "disk.stages": 4,
     "disk.tier": 5,
     # composition: the only place that knows how the layers fit together
@@ -112,6 +114,7 @@ CUDA_PACKAGES = ("bindings.",)
 #: Modules that must not import torch at run time (the scheduler side and what it stands on).
 TORCH_FREE = {
     "errors", "records", "_validate", "_jobs", "_layer_map", "_layer_load", "bindings.types", "bindings.driver", "bindings.pinning",
+    "native.__init__",
     "bindings.copier", "bindings.kernel", "disk.config", "manager.policies", "manager.records",
     "manager.state", "manager.remote", "manager.base", "manager.manager", "worker.booking",
 }

@@ -1,0 +1,624 @@
+"""The native issuer backend: a :class:`~kvoffload.backends.cuda.CudaBackend`'s paths, planned,
+enqueued and completed by a C thread that never needs the GIL (docs/design.md §16).
+
+A job costs its caller one hand-off: the fence is recorded on the compute stream (one call into
+the library), the block ids are copied into the library and the thread is woken. The thread plans
+the job exactly as the Python paths do (the copy kernel's rows, batched-DMA descriptors merged where
+they continue, staged chunks over the staging ring), enqueues it behind the fence, polls its end
+event with short sleeps and wakes the job's waiters. The engine's Python, busy or not, never delays
+the link's start, and the caller never pays for the issue.
+
+Owns: the native issuer (its thread, events and plans; stopped and freed exactly once by
+:meth:`NativeBackend.release`) and the :class:`CudaBackend` it was built over (its streams, ring and
+kernel tables, released after the thread was joined). A :class:`NativeTicket` owns its job's
+reference, a :class:`NativeFence` its taker's, a :class:`NativeLayerMarks` its marks'.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvoffload import native
+from kvoffload._descriptors import CopyPlan
+from kvoffload._jobs import FailedTicket, Ticket
+from kvoffload._layer_load import LayerMarks
+from kvoffload.backends.cuda import CudaBackend, current_device_index
+from kvoffload.backends.kernel import SmPath, StagedPath
+from kvoffload.bindings import driver
+from kvoffload.bindings.copier import Copier
+from kvoffload.bindings.kernel import COPY_KERNEL_THREADS, LAUNCH_ABI_VERSION
+from kvoffload.bindings.types import CopyMethod
+from kvoffload.errors import CudaError, TransferError, WaitTimeoutError
+from kvoffload.records import Direction
+
+__all__ = [
+    "CONTROLS",
+    "POLL_MAX_S",
+    "POLL_MIN_S",
+    "STOP_TIMEOUT_S",
+    "WAIT_SPIN_S",
+    "NativeBackend",
+    "NativeFence",
+    "NativeLayerMarks",
+    "NativeTicket",
+    "native_error",
+]
+
+_log = logging.getLogger("kvoffload.native")
+I64Array = npt.NDArray[np.int64]
+
+#: The issuer thread polls a job's end event first after this long, then after an eighth of the
+#: time the job has been in flight, never less than this nor more than :data:`POLL_MAX_S`: a job
+#: is found done within about 12% of its time (and 20 us) at a few thousand queries per second.
+POLL_MIN_S: Final = 4e-6
+POLL_MAX_S: Final = 20e-6
+#: How long a wait for a job spins (without the GIL) before it blocks: waking a blocked thread costs
+#: tens of microseconds on some hosts, more than a short job's copy.
+WAIT_SPIN_S: Final = 2e-3
+#: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
+STOP_TIMEOUT_S: Final = 10.0
+#: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
+#: except in a test whose control proves that a rule is needed.
+CONTROLS = 0
+_PATHS: Final = {"dma": native.PATH_DMA, "dma-loop": native.PATH_DMA, "sm": native.PATH_SM,
+                 "staged": native.PATH_STAGED}
+
+
+def native_error(code: int, call: str) -> BaseException:
+    """The exception for a code the library reported for ``call`` (a ``CUresult`` or its own)."""
+    if code == native.RELEASED:
+        return TransferError("the backend was released before the job was issued")
+    if code == native.ABANDONED:
+        return TransferError("the backend was released while the job was in flight")
+    if code == native.NO_MEMORY:
+        return TransferError("the native issuer could not allocate host memory for the job")
+    if code == native.RECORD_TOO_BIG:
+        return TransferError("a host record does not fit a staging slot")
+    try:
+        driver.checked_code(call, code)
+    except CudaError as exc:
+        return exc
+    return TransferError(f"{call} failed with code {code}")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, min(int(seconds * 1e9), 1 << 62))
+
+
+class NativeTicket:
+    """One job handed to the native issuer. Owns the ticket's reference to the job until
+    :meth:`release`. ``error`` is known once the job is done (the thread issues it later)."""
+
+    __slots__ = ("_lib", "_job", "error", "path", "_done", "_seconds", "_released", "_failure", "_times")
+
+    def __init__(self, lib: ctypes.CDLL, job: int, path: str) -> None:
+        self._lib = lib
+        self._job = job
+        self.error: BaseException | None = None
+        self.path: str | None = path
+        self._done = False
+        self._seconds = 0.0
+        self._released = False
+        self._failure: BaseException | None = None
+        self._times = (0.0, 0.0, 0.0, 0.0)
+
+    def _read(self) -> None:
+        """The job is done: take its outcome (raises what completion reported)."""
+        out = (ctypes.c_int64 * 2)()
+        seconds = ctypes.c_double(0.0)
+        call = self._lib.kvo_job_result(self._job, out, ctypes.byref(seconds))
+        self._times = self._fetch_times()
+        self._done = True
+        self._seconds = seconds.value
+        code, fail = int(out[0]), int(out[1])
+        if fail == native.FAIL_NONE:
+            return
+        error = native_error(code, call.decode() if call else "native issuer")
+        if fail == native.FAIL_COMPLETION:
+            self._failure = error
+        else:
+            self.error = error
+
+    def _outcome(self) -> bool:
+        if self._failure is not None:
+            raise self._failure
+        return True
+
+    def done(self) -> bool:
+        """Whether the thread found the job complete; never blocks. Raises the completion's
+        failure (at every call, as a failed event query does)."""
+        if not self._done and not self._released:
+            if self._lib.kvo_job_state(self._job) != native.JOB_DONE:
+                return False
+            self._read()
+        return self._outcome()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block, without the GIL, until the thread found the job complete or ``timeout_s``
+        passed; True when done. Raises as :meth:`done`."""
+        if not self._done and not self._released:
+            if not self._lib.kvo_job_wait(self._job, _ns(timeout_s)):
+                return False
+            self._read()
+        return self._outcome()
+
+    def times(self) -> tuple[float, float, float, float]:
+        """When the job was handed over, its issue began, it was issued and found done
+        (``time.monotonic()`` seconds; 0.0 for what has not happened yet; kept once the job is
+        done, so also valid after :meth:`release`): where a job's time goes."""
+        if self._done or self._released:
+            return self._times
+        return self._fetch_times()
+
+    def _fetch_times(self) -> tuple[float, float, float, float]:
+        out = (ctypes.c_int64 * 4)()
+        self._lib.kvo_job_times(self._job, out)
+        return out[0] / 1e9, out[1] / 1e9, out[2] / 1e9, out[3] / 1e9
+
+    def seconds(self) -> float:
+        """Device time between the job's start and end events (0.0 for a failed job)."""
+        return self._seconds if self.error is None else 0.0
+
+    def release(self) -> None:
+        """Drop the ticket's reference (the job's events go back to the issuer's pools). Once."""
+        if not self._released:
+            self._released = True
+            self._lib.kvo_job_release(self._job)
+
+
+class NativeFence:
+    """A compute-stream position taken by the native issuer. Owns its taker's reference until
+    :meth:`NativeBackend.release_fence`; each job handed over with it holds one more until the
+    thread enqueued its stream wait, so giving it back early never lets a job wait for a later
+    record."""
+
+    __slots__ = ("pointer", "_released")
+
+    def __init__(self, pointer: int) -> None:
+        self.pointer = pointer
+        self._released = False
+
+
+class NativeLayerMarks:
+    """The layers of one layered job on the native issuer: the thread records an event per layer as
+    its last copy is enqueued; :meth:`wait` enqueues the stream wait in the library under its lock.
+
+    Owns the marks' reference to the job from :meth:`attach` until :meth:`release` (dropped once no
+    wait is inside the library: a wait returns as soon as the job is done, which the result that
+    leads to the release implies).
+    """
+
+    def __init__(self, backend: NativeBackend, count: int) -> None:
+        self._backend = backend
+        self._count = count
+        self._job: int | None = None
+        self._settled = False
+        self._released = False
+        self._waiters = 0
+        self._cond = threading.Condition()
+
+    @property
+    def count(self) -> int:
+        """Layers of the job."""
+        return self._count
+
+    def attach(self, job: int) -> None:
+        """The job was handed over: waits go to the library."""
+        with self._cond:
+            self._job = job
+            self._cond.notify_all()
+
+    def settle(self) -> None:
+        """The hand-off returned: a job never handed over has nothing to wait for."""
+        with self._cond:
+            self._settled = True
+            self._cond.notify_all()
+
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+        """Make ``stream`` (default: the device's current stream) wait on the device for layer
+        ``layer``; blocks the host only until the thread marked it.
+
+        Raises:
+            DeviceMismatchError: a stream of another device, or not a stream.
+            WaitTimeoutError: the layer was not marked within ``timeout_s``.
+            CudaError: the driver refused the stream wait.
+        """
+        backend = self._backend
+        handle = backend.stream_handle(stream)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._job is not None or self._settled or self._released,
+                                       timeout_s):
+                raise WaitTimeoutError(f"layer {layer} was not handed to the issuer within {timeout_s} s")
+            job = self._job
+            if job is None or self._released:
+                return
+            self._waiters += 1
+        try:
+            if not backend.switches_device():
+                code = backend.lib.kvo_wait_layer(job, layer, handle, _ns(timeout_s))
+            else:
+                with torch.cuda.device(backend.index):
+                    code = backend.lib.kvo_wait_layer(job, layer, handle, _ns(timeout_s))
+        finally:
+            with self._cond:
+                self._waiters -= 1
+                last = self._last_out()
+            if last:
+                backend.lib.kvo_marks_release(job)
+        if code == native.TIMEOUT:
+            raise WaitTimeoutError(
+                f"layer {layer} was not handed to the device within {timeout_s} s (earlier jobs "
+                "were still being issued)"
+            )
+        driver.checked_code("cuStreamWaitEvent", int(code))
+
+    def _last_out(self) -> bool:
+        """Whether the marks were released and no wait is inside the library any more: then the
+        job is detached here, and the caller drops the marks' reference (caller holds the lock)."""
+        if self._waiters or not self._released or self._job is None:
+            return False
+        self._job = None
+        return True
+
+    def release(self) -> None:
+        """The job's result was published: waits return at once; the marks' reference goes once no
+        wait is inside the library. Idempotent."""
+        with self._cond:
+            if self._released:
+                return
+            self._released = True
+            self._cond.notify_all()
+            job = self._job if self._waiters == 0 else None
+            if job is not None:
+                self._job = None
+        if job is not None:
+            self._backend.lib.kvo_marks_release(job)
+
+
+class Wrapped(Protocol):
+    """What a :class:`NativeBackend` takes over: a backend whose streams (and buffers) its thread
+    uses, released after the thread was joined."""
+
+    direction: Direction
+    device: torch.device
+
+    @property
+    def path(self) -> str:
+        """The path name results report."""
+
+    def stream_handle(self, stream: object | None) -> int:
+        """The handle of a stream of the device (None: its current stream)."""
+
+    def release(self) -> None:
+        """Release the streams and buffers."""
+
+
+#: ``plan -> (device address, rows)`` of the plan's copy-kernel table.
+TableSource = Callable[[CopyPlan], "tuple[int, int]"]
+
+
+class NativeBackend:
+    """One direction's copies issued by the native thread over a :class:`CudaBackend`'s streams and
+    paths (see the module docstring). Build it with :meth:`over`.
+
+    Its ``issue`` only hands the job over (``hands_off``): the handler issues every job on the
+    caller's thread, never splits one, and waits for completion through the ticket, which the
+    thread signals.
+    """
+
+    name = "cuda"
+    #: ``issue`` hands the job to a thread of the backend's own: cheap, whatever the job's size.
+    hands_off = True
+
+    def __init__(
+        self, inner: Wrapped, lib: ctypes.CDLL, issuer: int, *, index: int,
+        choose: Callable[[int], str], path_names: Mapping[str, str], tables: TableSource | None,
+        keep: object,
+    ) -> None:
+        self.direction: Direction = inner.direction
+        self.device = inner.device
+        self.index = index
+        self.lib = lib
+        self._inner = inner
+        self._issuer = issuer
+        self._keep = keep  # what the issuer's config points to
+        self._choose = choose
+        self._path_names = dict(path_names)
+        self._tables = tables
+        self._plans: dict[tuple[CopyPlan, bool], int] = {}
+        self._plan_arrays: dict[tuple[int, ...], tuple[ctypes.Array[ctypes.c_void_p], int]] = {}
+        self._single: dict[tuple[CopyPlan, bool], int] = {}
+        self._lock = threading.Lock()
+        self._released = False
+        # The hand-off's arguments, built once: ctypes converts nothing per call.
+        self._submit_packed = lib.kvo_submit_packed
+        self._fence_take = lib.kvo_fence_take
+        self._issuer_arg = ctypes.c_void_p(issuer)
+        self._error = ctypes.c_int64(0)
+        self._error_arg = ctypes.byref(self._error)
+        self._packed = np.zeros(native.PACKED_HEADER + 2 * 256, dtype=np.int64)
+        self._packed_arg = ctypes.c_void_p(int(self._packed.ctypes.data))
+
+    @classmethod
+    def start(
+        cls, inner: Wrapped, config: native.Config, *, index: int, choose: Callable[[int], str],
+        path_names: Mapping[str, str], tables: TableSource | None, keep: object = None,
+    ) -> NativeBackend:
+        """Start the library's thread with ``config`` (driver entry points, streams, paths) over
+        ``inner``; on success the new backend owns ``inner``, on failure the caller still does.
+
+        ``choose`` maps a job's block count to a path name, ``path_names`` a path name to what
+        results report, ``tables`` a plan to its copy-kernel table in device memory (None: no
+        kernel path); ``keep`` is whatever ``config`` points into.
+
+        Raises:
+            NativeBuildError: the library could not be built or loaded.
+            TransferError: the thread could not be started.
+            CudaError: the thread could not make the device's context current or create its events.
+        """
+        lib = native.library()
+        error = ctypes.c_int64(0)
+        issuer = lib.kvo_issuer_new(ctypes.byref(config), ctypes.byref(error))
+        if not issuer:
+            raise TransferError(f"the native issuer could not start (code {error.value})")
+        if error.value:
+            lib.kvo_issuer_stop(issuer, _ns(STOP_TIMEOUT_S))
+            lib.kvo_issuer_free(issuer)
+            raise native_error(int(error.value), "cuCtxSetCurrent")
+        return cls(inner, lib, int(issuer), index=index, choose=choose, path_names=path_names,
+                   tables=tables, keep=(config, keep))
+
+    @classmethod
+    def over(cls, inner: CudaBackend, copier: Copier) -> NativeBackend:
+        """:meth:`start` over a :class:`CudaBackend`'s streams and paths (``copier``: the paths'
+        DMA method), with the device's driver entry points.
+
+        Raises:
+            TransferError: the copy method is ``batch-bindings`` (a cross-check of the Python call
+                path, which the native issuer does not take); and as :meth:`start`.
+        """
+        if copier.method is CopyMethod.BATCH_BINDINGS:
+            raise TransferError("the native issuer calls the driver itself: copy method "
+                                "'batch-bindings' needs issuer='python'")
+        native.library()  # a machine that cannot build it fails before any driver work
+        index = inner.streams.index
+        hot = driver.HOT_ABI_VERSION
+        c = native.Config()
+        c.ctx_set_current = driver.entry_point(b"cuCtxSetCurrent", hot)
+        c.context = driver.primary_context(index)
+        for field, symbol in (("event_create", b"cuEventCreate"), ("event_destroy", b"cuEventDestroy"),
+                              ("event_record", b"cuEventRecord"), ("event_query", b"cuEventQuery"),
+                              ("event_elapsed", b"cuEventElapsedTime"),
+                              ("stream_wait_event", b"cuStreamWaitEvent"),
+                              ("memcpy_async", b"cuMemcpyAsync")):
+            setattr(c, field, driver.entry_point(symbol, hot))
+        if copier.method is CopyMethod.BATCH_CTYPES and copier.symbol and copier.abi_version:
+            c.memcpy_batch = copier.symbol
+            c.batch_abi = copier.abi_version
+        store = inner.direction is Direction.STORE
+        c.batch_attrs = copier.attrs_pointer(
+            driver.SrcAccessOrder.STREAM if store else driver.SrcAccessOrder.ANY)
+        c.copy_stream = inner.streams.copy
+        c.kernel_stream = inner.streams.kernel or None
+        c.store = int(store)
+        bases = (ctypes.c_uint64 * 1)(0)
+        tables: TableSource | None = None
+        for path in inner.paths.values():
+            if isinstance(path, (SmPath, StagedPath)):
+                functions = path.launcher.kernel.functions
+                c.launch = driver.entry_point(b"cuLaunchKernel", LAUNCH_ABI_VERSION)
+                for i, (function, rows) in enumerate(functions):
+                    c.functions[i] = function
+                    c.function_rows[i] = rows
+                c.nfunctions = len(functions)
+                c.threads = COPY_KERNEL_THREADS
+                tables = path.tables.get
+            if isinstance(path, SmPath):
+                c.sm_ctas = path.ctas
+            if isinstance(path, StagedPath):
+                c.staged_ctas = path.ctas
+                c.slots = path.slots
+                c.slot_bytes = path.slot_bytes
+                bases = (ctypes.c_uint64 * path.slots)(*path.slot_bases)
+        c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
+        c.poll_min_ns = _ns(POLL_MIN_S)
+        c.poll_max_ns = _ns(POLL_MAX_S)
+        c.controls = CONTROLS
+        c.wait_spin_ns = _ns(WAIT_SPIN_S)
+        return cls.start(
+            inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over
+            path_names={name: path.name for name, path in inner.paths.items()}, tables=tables,
+            keep=bases,
+        )
+
+    # --------------------------------------------------------------------------- the Backend seam
+
+    @property
+    def path(self) -> str:
+        """The path name results report (``"auto"`` for a calibrated choice)."""
+        return self._inner.path
+
+    def stream_handle(self, stream: object | None) -> int:
+        """The handle of ``stream`` (see :meth:`CudaBackend.stream_handle`)."""
+        return self._inner.stream_handle(stream)
+
+    def switches_device(self) -> bool:
+        """Whether a call that records or waits on a stream must make this backend's device current
+        first (the caller's current CUDA device is another one)."""
+        return self.device.type == "cuda" and current_device_index() != self.index
+
+    def fence(self, stream: object | None) -> object:
+        """Record a fence on the compute stream (default: the device's current stream) in the
+        library, with this backend's device current for the call.
+
+        Raises:
+            DeviceMismatchError: a stream of another device, or not a stream.
+            CudaError: the driver refused the record.
+        """
+        handle = self.stream_handle(stream)
+        error = ctypes.c_int64(0)
+        if not self.switches_device():
+            pointer = self._fence_take(self._issuer_arg, handle, ctypes.byref(error))
+        else:
+            with torch.cuda.device(self.index):
+                pointer = self._fence_take(self._issuer_arg, handle, ctypes.byref(error))
+        if not pointer:
+            raise native_error(int(error.value), "cuEventRecord")
+        return NativeFence(int(pointer))
+
+    def release_fence(self, fence: object) -> None:
+        """Drop the taker's reference to a fence of :meth:`fence` (once)."""
+        if isinstance(fence, NativeFence) and not fence._released:  # noqa: SLF001 - its owner
+            fence._released = True  # noqa: SLF001
+            self.lib.kvo_fence_release(self._issuer, fence.pointer)
+
+    def start_thread(self) -> None:
+        """Nothing: the handler's own thread only hands jobs over, which needs no context."""
+
+    def can_issue_here(self) -> bool:
+        """Always: a hand-off works from any thread."""
+        return True
+
+    def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
+        """None on the caller's thread: the native thread plans and issues."""
+        return 0
+
+    def layer_marks(self, count: int) -> LayerMarks:
+        """Marks for a layered job of ``count`` layers, attached at the hand-off."""
+        return NativeLayerMarks(self, count)
+
+    def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
+        """Hand the job to the native thread on the path chosen for its size; never raises."""
+        return self._submit((plan,), src, dst, fence, None, 0)
+
+    def issue_layers(
+        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
+        marks: LayerMarks, first: int = 0,
+    ) -> Ticket:
+        """Hand a layered job over: the thread marks each layer once its copies are enqueued."""
+        assert isinstance(marks, NativeLayerMarks)
+        return self._submit(plans, src, dst, fence, marks, first)
+
+    def _submit(
+        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
+        marks: NativeLayerMarks | None, first: int,
+    ) -> Ticket:
+        assert isinstance(fence, NativeFence)
+        n = int(src.shape[0])
+        name = self._choose(n)
+        device, host = (src, dst) if self.direction is Direction.STORE else (dst, src)
+        with self._lock:
+            if self._released:
+                return FailedTicket(TransferError("the backend was released before the job was issued"))
+            try:
+                plans_address = self._plan_array(plans, whole=marks is None)
+            except Exception as exc:  # nothing was handed over: the job fails at once
+                return FailedTicket(exc)
+            packed = self._packed
+            if packed.shape[0] < native.PACKED_HEADER + 2 * n:
+                packed = self._grow_packed(n)
+            packed[: native.PACKED_HEADER] = (_PATHS[name], n, len(plans), first, int(marks is not None),
+                                              fence.pointer, plans_address)
+            packed[native.PACKED_HEADER : native.PACKED_HEADER + n] = device
+            packed[native.PACKED_HEADER + n : native.PACKED_HEADER + 2 * n] = host
+            job = self._submit_packed(self._issuer_arg, self._packed_arg, self._error_arg)
+            code = self._error.value
+        if not job:
+            return FailedTicket(native_error(int(code), "native hand-off"))
+        if marks is not None:
+            marks.attach(int(job))
+        return NativeTicket(self.lib, int(job), self._path_names[name])
+
+    def _grow_packed(self, pairs: int) -> I64Array:
+        """A hand-off array for ``pairs`` pairs (caller holds the lock)."""
+        self._packed = np.zeros(native.PACKED_HEADER + 2 * max(pairs, 2 * self._packed.shape[0]),
+                                dtype=np.int64)
+        self._packed_arg = ctypes.c_void_p(int(self._packed.ctypes.data))
+        return self._packed
+
+    def _plan_array(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> int:
+        """The address of a C array of the library's plans for ``plans`` (each registered once;
+        caller holds the lock). ``whole``: staged rows are whole records (a job of whole blocks),
+        else the compact rows of a layer's part of each record."""
+        if len(plans) == 1:
+            address = self._single.get((plans[0], whole))
+            if address is not None:
+                return address
+        pointers = tuple(self._native_plan(p, whole) for p in plans)
+        cached = self._plan_arrays.get(pointers)
+        if cached is None:
+            array = (ctypes.c_void_p * len(pointers))(*pointers)
+            cached = self._plan_arrays[pointers] = (array, ctypes.addressof(array))
+        if len(plans) == 1:
+            self._single[(plans[0], whole)] = cached[1]
+        return cached[1]
+
+    def _native_plan(self, plan: CopyPlan, whole: bool) -> int:
+        pointer = self._plans.get((plan, whole))
+        if pointer is not None:
+            return pointer
+        pages = plan.pages
+        keep: list[I64Array] = []
+
+        def address(values: object) -> int:
+            array = np.ascontiguousarray(values, dtype=np.int64)
+            keep.append(array)
+            return int(array.ctypes.data)
+
+        spec = native.PlanSpec(
+            pages=pages.num_pages, dev_base=address(pages.dev_base), dev_stride=address(pages.dev_stride),
+            nbytes=address(pages.nbytes), host_offset=address(pages.host_offset),
+            segment=address(pages.segment), record_bytes=pages.record_bytes, host_base=plan.host_base,
+            host_stride=plan.host_stride, chunk_records=plan.chunk_records, merge=int(plan.merge),
+        )
+        compact = plan if whole else plan.compact
+        if self._tables is not None:
+            spec.kseg, spec.kseg_rows = self._tables(plan)
+            spec.cseg, spec.cseg_rows = self._tables(compact)
+        if compact is plan:
+            spec.pitch, spec.runs = pages.record_bytes, 1
+            spec.run_offset, spec.run_size = address([0]), address([pages.record_bytes])
+        else:
+            offsets, sizes = plan.record_runs
+            spec.pitch, spec.runs = compact.pages.record_bytes, int(offsets.shape[0])
+            spec.run_offset, spec.run_size = address(offsets), address(sizes)
+        created = self.lib.kvo_plan_new(ctypes.byref(spec))
+        if not created:
+            raise TransferError("the native issuer could not allocate a plan")
+        self._plans[(plan, whole)] = int(created)
+        return int(created)
+
+    def release(self) -> None:
+        """Stop the thread (jobs not issued yet fail), free the plans and the issuer, then release
+        the wrapped backend (its streams, ring and tables). Once; a thread still inside a driver call
+        after :data:`STOP_TIMEOUT_S` keeps everything it may use, and the call raises.
+
+        Raises:
+            TransferError: the thread did not stop in time.
+            CudaError: the driver refused to destroy a stream.
+        """
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        if self.lib.kvo_issuer_stop(self._issuer, _ns(STOP_TIMEOUT_S)):
+            _log.error("the native issuer thread did not stop within %s s", STOP_TIMEOUT_S)
+            raise TransferError(
+                f"the native issuer thread did not stop within {STOP_TIMEOUT_S} s; its streams and "
+                "buffers are left to the process"
+            )
+        plans, self._plans = self._plans, {}
+        self._plan_arrays.clear()
+        self._single.clear()
+        for pointer in plans.values():
+            self.lib.kvo_plan_free(pointer)
+        self.lib.kvo_issuer_free(self._issuer)
+        self._inner.release()

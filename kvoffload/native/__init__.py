@@ -1,0 +1,208 @@
+"""The native issuer's library: ``issuer.c`` compiled with the machine's C compiler on first use,
+cached, and loaded through ctypes (docs/design.md §16).
+
+Owns the build: the library is compiled once per source version into the cache directory
+(``KVOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoffload``, else ``~/.cache/kvoffload``) under a
+name that carries the source's hash, written to a temporary name and renamed, so that concurrent
+processes never load a half-written file. It needs a C compiler (``$CC``, else ``cc`` or ``gcc``)
+and POSIX threads, nothing of CUDA: the driver's entry points come from Python at run time. A machine
+without a compiler gets :class:`~kvoffload.errors.NativeBuildError`, and a worker with
+``issuer="auto"`` then issues from Python.
+
+Also declares the C structures Python fills (:class:`Config`, :class:`PlanSpec`) and the codes the
+library returns beside ``CUresult`` values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Final
+
+from kvoffload.errors import NativeBuildError
+
+__all__ = [
+    "ABANDONED",
+    "BUILD_TIMEOUT_S",
+    "CONTROL_SKIP_SLOT_WAIT",
+    "FAIL_COMPLETION",
+    "FAIL_NONE",
+    "FAIL_NOTHING",
+    "FAIL_PARTLY",
+    "JOB_DONE",
+    "NO_MEMORY",
+    "PACKED_HEADER",
+    "PATH_DMA",
+    "PATH_SM",
+    "PATH_STAGED",
+    "RECORD_TOO_BIG",
+    "RELEASED",
+    "SOURCE",
+    "TIMEOUT",
+    "Config",
+    "PlanSpec",
+    "cache_dir",
+    "library",
+]
+
+SOURCE: Final = Path(__file__).with_name("issuer.c")
+#: How long one compile may take before the build is given up.
+BUILD_TIMEOUT_S: Final = 120.0
+_FLAGS: Final = ("-O2", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra")
+
+# Path kinds and job states, as issuer.c numbers them.
+PATH_DMA: Final = 0
+PATH_SM: Final = 1
+PATH_STAGED: Final = 2
+JOB_DONE: Final = 2
+# Kinds of failure of a done job.
+FAIL_NONE: Final = 0
+FAIL_PARTLY: Final = 1  # part of the job was enqueued; it completed after what was
+FAIL_NOTHING: Final = 2  # nothing was enqueued
+FAIL_COMPLETION: Final = 3  # the end event reported an error, or the issuer gave the job up
+# kvoffload's own codes (negative: never a CUresult).
+NO_MEMORY: Final = -2
+RELEASED: Final = -3
+ABANDONED: Final = -4
+RECORD_TOO_BIG: Final = -5
+TIMEOUT: Final = -6
+#: Fields of kvo_submit_packed's array before the block ids.
+PACKED_HEADER: Final = 7
+#: CONTROL ONLY: a staging slot is rewritten without waiting for its last read (rule 5 broken on
+#: purpose, for the tests that prove the rule).
+CONTROL_SKIP_SLOT_WAIT: Final = 1
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+class Config(ctypes.Structure):
+    """``struct kvo_config``: the driver entry points, streams and path parameters of one issuer."""
+
+    _fields_ = [
+        ("ctx_set_current", _p), ("context", _p),
+        ("event_create", _p), ("event_destroy", _p), ("event_record", _p), ("event_query", _p),
+        ("event_elapsed", _p), ("stream_wait_event", _p), ("memcpy_async", _p), ("memcpy_batch", _p),
+        ("batch_abi", _i64), ("batch_attrs", _p), ("launch", _p),
+        ("functions", _p * 4), ("function_rows", _i64 * 4), ("nfunctions", _i64), ("threads", _i64),
+        ("copy_stream", _p), ("kernel_stream", _p),
+        ("store", _i64), ("sm_ctas", _i64), ("staged_ctas", _i64),
+        ("slots", _i64), ("slot_bytes", _i64), ("slot_bases", _p),
+        ("poll_min_ns", _i64), ("poll_max_ns", _i64), ("controls", _i64),
+        ("wait_spin_ns", _i64),
+    ]
+
+
+class PlanSpec(ctypes.Structure):
+    """``struct kvo_plan_spec``: one plan's pages, host records and kernel tables (copied by
+    ``kvo_plan_new``)."""
+
+    _fields_ = [
+        ("pages", _i64),
+        ("dev_base", _p), ("dev_stride", _p), ("nbytes", _p), ("host_offset", _p), ("segment", _p),
+        ("record_bytes", _i64), ("host_base", _i64), ("host_stride", _i64), ("chunk_records", _i64),
+        ("merge", _i64),
+        ("kseg", _i64), ("kseg_rows", _i64), ("cseg", _i64), ("cseg_rows", _i64),
+        ("pitch", _i64), ("runs", _i64), ("run_offset", _p), ("run_size", _p),
+    ]
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries are kept (see the module docstring)."""
+    configured = os.environ.get("KVOFFLOAD_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvoffload"
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise NativeBuildError("no C compiler found ($CC, cc or gcc): the native issuer cannot be built")
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile the library into ``directory`` (default: :func:`cache_dir`) unless it is there;
+    returns its path.
+
+    Raises:
+        NativeBuildError: no compiler, the directory cannot be written, the compile failed (the
+            message carries the compiler's output) or took longer than :data:`BUILD_TIMEOUT_S`.
+    """
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    target_dir = directory if directory is not None else cache_dir()
+    target = target_dir / f"kvoffload-issuer-{digest}.so"
+    if target.exists():
+        return target
+    compiler = _compiler()
+    try:
+        target_dir.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=".issuer-", suffix=".so", dir=target_dir)
+        os.close(fd)
+    except OSError as exc:
+        raise NativeBuildError(f"cannot write the native issuer into {target_dir}: {exc}") from exc
+    try:
+        done = subprocess.run(
+            [compiler, *_FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+            timeout=BUILD_TIMEOUT_S, check=False,
+        )
+        if done.returncode != 0:
+            raise NativeBuildError(
+                f"{compiler} could not build the native issuer (exit status {done.returncode}):\n"
+                f"{done.stderr.strip()}"
+            )
+        os.replace(partial, target)
+    except subprocess.TimeoutExpired as exc:
+        raise NativeBuildError(f"{compiler} did not finish within {BUILD_TIMEOUT_S} s") from exc
+    except OSError as exc:
+        raise NativeBuildError(f"cannot build the native issuer with {compiler}: {exc}") from exc
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The library, built if needed and loaded once per process, its functions typed.
+
+    Raises:
+        NativeBuildError: it could not be built or loaded.
+    """
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load the native issuer {path}: {exc}") from exc
+    p, i64, pi64 = _p, _i64, ctypes.POINTER(_i64)
+    signatures: dict[str, tuple[list[object], object]] = {
+        "kvo_issuer_new": ([ctypes.POINTER(Config), pi64], p),
+        "kvo_issuer_stop": ([p, i64], i64),
+        "kvo_issuer_free": ([p], None),
+        "kvo_plan_new": ([ctypes.POINTER(PlanSpec)], p),
+        "kvo_plan_free": ([p], None),
+        "kvo_fence_take": ([p, p, pi64], p),
+        "kvo_fence_release": ([p, p], None),
+        "kvo_submit_packed": ([p, p, p], p),
+        "kvo_job_state": ([p], i64),
+        "kvo_job_wait": ([p, i64], i64),
+        "kvo_job_result": ([p, pi64, ctypes.POINTER(ctypes.c_double)], ctypes.c_char_p),
+        "kvo_job_release": ([p], None),
+        "kvo_job_times": ([p, pi64], None),
+        "kvo_wait_layer": ([p, i64, p, i64], i64),
+        "kvo_marks_release": ([p], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = restype
+    return lib

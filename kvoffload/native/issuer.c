@@ -1,0 +1,962 @@
+/* kvoffload's native issuer: one thread per direction that plans and enqueues a job's copies and
+ * finds their completion without Python's GIL (docs/design.md §16).
+ *
+ * Python hands a job over with one call (kvo_submit: the block ids are copied here) and returns.
+ * The thread, blocked on a condition variable until then, plans the job (the copy kernel's launch
+ * parameters, batched-DMA descriptors merged where they continue each other, staged chunks rotating
+ * over the staging ring), enqueues it behind the caller's fence on the direction's streams through
+ * driver entry points Python resolved with cuGetProcAddress, records its end event, and then polls
+ * that event (cuEventQuery, short sleeps with a 1 us timer slack) until it completes; waiters on a
+ * condition variable are woken at once. No CUDA header is needed: the few types are declared here.
+ *
+ * Ownership: the issuer owns its thread, its event pools and every job from kvo_submit until the
+ * last of its references (the thread's, the ticket's, the layer marks') is dropped. A fence is owned
+ * by its references: its taker's and each job's until that job's stream wait was enqueued. The
+ * issuer's memory goes when its owner (Python) and every job have let go (kvo_issuer_free after
+ * kvo_issuer_stop). The streams, the staging ring and the kernel tables are Python's, kept alive
+ * until the thread was joined.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define cpu_relax() __asm__ __volatile__("" ::: "memory")
+#endif
+
+typedef int CUresult;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef uint64_t CUdeviceptr;
+
+enum {
+    KVO_NOT_READY = 600,
+    KVO_INVALID_CONTEXT = 201,
+    /* kvoffload's own codes (negative: not CUresults) */
+    KVO_NO_MEMORY = -2,      /* host allocation failed */
+    KVO_RELEASED = -3,       /* the issuer stopped before the job was issued */
+    KVO_ABANDONED = -4,      /* the issuer stopped while the job was in flight */
+    KVO_RECORD_TOO_BIG = -5, /* a staged row does not fit a slot */
+    KVO_TIMEOUT = -6,        /* a wait passed its deadline */
+};
+enum { PATH_DMA = 0, PATH_SM = 1, PATH_STAGED = 2 };
+/* A test's control breaks rule 5 on purpose: a slot is rewritten without waiting for its last read. */
+enum { CONTROL_SKIP_SLOT_WAIT = 1 };
+enum { JOB_QUEUED = 0, JOB_ISSUED = 1, JOB_DONE = 2 };
+/* kind of failure, as the Python ticket reports it */
+enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
+enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1 << 16, ABI_13 = 13000 };
+
+typedef CUresult (*fn_ctx_set)(void *);
+typedef CUresult (*fn_event_create)(CUevent *, unsigned);
+typedef CUresult (*fn_event_destroy)(CUevent);
+typedef CUresult (*fn_event_record)(CUevent, CUstream);
+typedef CUresult (*fn_event_query)(CUevent);
+typedef CUresult (*fn_event_elapsed)(float *, CUevent, CUevent);
+typedef CUresult (*fn_stream_wait)(CUstream, CUevent, unsigned);
+typedef CUresult (*fn_memcpy)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+typedef CUresult (*fn_batch13)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *,
+                               size_t, CUstream);
+typedef CUresult (*fn_batch12)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *,
+                               size_t, size_t *, CUstream);
+typedef CUresult (*fn_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, CUstream, void **, void **);
+
+/* What Python passes to kvo_issuer_new (ctypes Structure of the same layout: 8-byte fields). */
+struct kvo_config {
+    void *ctx_set_current, *context;
+    void *event_create, *event_destroy, *event_record, *event_query, *event_elapsed;
+    void *stream_wait_event, *memcpy_async, *memcpy_batch;
+    int64_t batch_abi;   /* 0: no batch call (one cuMemcpyAsync per copy) */
+    void *batch_attrs;   /* CUmemcpyAttributes of this direction's source access order */
+    void *launch;
+    void *functions[MAX_FUNCTIONS];
+    int64_t function_rows[MAX_FUNCTIONS]; /* ascending */
+    int64_t nfunctions, threads;
+    void *copy_stream, *kernel_stream;
+    int64_t store, sm_ctas, staged_ctas;
+    int64_t slots, slot_bytes;
+    const uint64_t *slot_bases;
+    int64_t poll_min_ns, poll_max_ns;
+    int64_t controls;    /* CONTROL ONLY (tests that prove a rule): CONTROL_SKIP_SLOT_WAIT */
+    int64_t wait_spin_ns; /* how long kvo_job_wait spins before it blocks */
+};
+
+/* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
+struct kvo_plan_spec {
+    int64_t pages;
+    const int64_t *dev_base, *dev_stride, *nbytes, *host_offset, *segment;
+    int64_t record_bytes, host_base, host_stride, chunk_records, merge;
+    int64_t kseg, kseg_rows; /* the copy kernel's table of this plan (device memory) */
+    int64_t cseg, cseg_rows; /* the table of its staged rows (pitch-wide) */
+    int64_t pitch;           /* bytes of one staged row */
+    int64_t runs;            /* byte ranges of a record a staged row holds */
+    const int64_t *run_offset, *run_size;
+};
+
+struct kvo_plan {
+    int64_t pages;
+    int64_t *dev_base, *dev_stride, *nbytes, *host_offset, *segment;
+    int64_t record_bytes, host_base, host_stride, chunk_records, merge;
+    int64_t kseg, kseg_rows, cseg, cseg_rows, pitch, runs;
+    int64_t *run_offset, *run_size;
+};
+
+struct pool { CUevent *free; int64_t count, cap; unsigned flags; };
+
+struct kvo_fence { CUevent event; int64_t refs; };
+
+struct kvo_issuer;
+
+struct kvo_job {
+    struct kvo_issuer *issuer;
+    struct kvo_job *next;
+    int64_t path, n, nplans, first, layered;
+    int64_t *dev_ids, *host_ids;
+    struct kvo_plan **plans;
+    struct kvo_fence *fence;
+    CUevent start, end;
+    CUevent *marks;        /* one per layer (first + nplans), recorded by the thread */
+    int64_t marked;        /* layers whose mark is recorded or will never be */
+    int64_t marks_released, waiters;
+    int64_t state, error, fail, refs;
+    const char *error_call;
+    double seconds;
+    int64_t polled_ns;     /* when the thread first found it in flight */
+    int64_t times[4];      /* CLOCK_MONOTONIC ns: handed over, issue began, issued, found done */
+};
+
+struct launch_params {
+    uint64_t scalars[5];
+    int32_t to_host;
+    int64_t ids[2 * MAX_ROWS];
+    void *pointers[7];
+};
+
+struct kvo_issuer {
+    struct kvo_config c;
+    uint64_t *slot_bases;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    struct kvo_job *queue_head, *queue_tail, *flight_head, *flight_tail;
+    int64_t stop, exited, started, refs, ctx_error;
+    struct pool timing, plain;
+    /* thread-only state */
+    CUstream last_end;
+    int64_t next_slot;
+    CUevent *filled, *drained;
+    struct launch_params params;
+    CUdeviceptr *d_dst, *d_src;
+    size_t *d_size, d_cap;
+    int64_t *order, order_cap;
+};
+
+/* ---------------------------------------------------------------------------------- helpers */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static void deadline_after(struct timespec *out, int64_t ns) {
+    clock_gettime(CLOCK_MONOTONIC, out);
+    out->tv_sec += ns / 1000000000LL;
+    out->tv_nsec += ns % 1000000000LL;
+    if (out->tv_nsec >= 1000000000L) { out->tv_sec += 1; out->tv_nsec -= 1000000000L; }
+}
+
+static void cond_init(pthread_cond_t *cond) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(cond, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
+static int64_t *copy_i64(const int64_t *src, int64_t n) {
+    int64_t *out = malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    if (out && n > 0) memcpy(out, src, (size_t)n * sizeof(int64_t));
+    return out;
+}
+
+/* Take an event from a pool (created when none is free). Caller holds the mutex or is the thread. */
+static CUresult pool_take(struct kvo_issuer *is, struct pool *p, CUevent *out) {
+    if (p->count > 0) { *out = p->free[--p->count]; return 0; }
+    CUresult r = ((fn_event_create)is->c.event_create)(out, p->flags);
+    if (r == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
+        r = ((fn_event_create)is->c.event_create)(out, p->flags);
+    return r;
+}
+
+/* Give an event back (its last record may still be pending: a later record replaces it). An event
+ * returned after the thread exited is left to the process: it may still be in use on the device. */
+static void pool_give(struct kvo_issuer *is, struct pool *p, CUevent ev) {
+    if (!ev || is->exited) return;
+    if (p->count == p->cap) {
+        int64_t cap = p->cap ? 2 * p->cap : 64;
+        CUevent *grown = realloc(p->free, (size_t)cap * sizeof(CUevent));
+        if (!grown) return; /* left to the process */
+        p->free = grown;
+        p->cap = cap;
+    }
+    p->free[p->count++] = ev;
+}
+
+static void pool_destroy(struct kvo_issuer *is, struct pool *p) {
+    for (int64_t i = 0; i < p->count; i++) ((fn_event_destroy)is->c.event_destroy)(p->free[i]);
+    p->count = 0;
+}
+
+static void issuer_unref(struct kvo_issuer *is); /* caller holds the mutex; it may free `is` */
+
+/* Drop one reference to a job (caller holds the mutex); the last one frees it and gives its events
+ * back. */
+static void job_unref(struct kvo_job *job) {
+    struct kvo_issuer *is = job->issuer;
+    if (--job->refs > 0) return;
+    pool_give(is, &is->timing, job->start);
+    pool_give(is, &is->timing, job->end);
+    if (job->marks && !job->marks_released)
+        for (int64_t i = 0; i < job->first + job->nplans; i++) pool_give(is, &is->plain, job->marks[i]);
+    free(job->marks);
+    free(job->dev_ids);
+    free(job->host_ids);
+    free(job->plans);
+    free(job);
+    issuer_unref(is);
+}
+
+static void fence_unref(struct kvo_issuer *is, struct kvo_fence *fence) {
+    if (--fence->refs > 0) return;
+    pool_give(is, &is->plain, fence->event);
+    free(fence);
+}
+
+/* --------------------------------------------------------------------------- the copy kernel */
+
+/* Launch the copy kernel over `count` rows (device block dev[i] <-> row host[i] of the record array
+ * at host_base, rows record_bytes apart), one launch per MAX_ROWS rows, each with the smallest entry
+ * point that holds its rows. */
+static CUresult launch_rows(struct kvo_issuer *is, int64_t table, int64_t table_rows,
+                            const int64_t *dev, const int64_t *host, int64_t host_step,
+                            int64_t count, uint64_t host_base, int64_t record_bytes, int to_host,
+                            int64_t ctas, CUstream stream, const char **call) {
+    struct launch_params *p = &is->params;
+    *call = "cuLaunchKernel";
+    if (table_rows == 0) return 0;
+    for (int64_t start = 0; start < count; start += MAX_ROWS) {
+        int64_t rows = count - start < MAX_ROWS ? count - start : MAX_ROWS;
+        int64_t f = 0;
+        while (f + 1 < is->c.nfunctions && is->c.function_rows[f] < rows) f++;
+        int64_t width = is->c.function_rows[f];
+        p->scalars[0] = (uint64_t)table;
+        p->scalars[1] = (uint64_t)table_rows;
+        p->scalars[2] = (uint64_t)rows;
+        p->scalars[3] = host_base;
+        p->scalars[4] = (uint64_t)record_bytes;
+        p->to_host = to_host;
+        for (int64_t i = 0; i < rows; i++) {
+            p->ids[i] = dev[start + i];
+            p->ids[width + i] = host ? host[start + i] : (start + i) * host_step;
+        }
+        CUresult r = ((fn_launch)is->c.launch)(is->c.functions[f], (unsigned)ctas, 1, 1,
+                                               (unsigned)is->c.threads, 1, 1, 0, stream,
+                                               p->pointers, 0);
+        if (r) return r;
+    }
+    return 0;
+}
+
+/* --------------------------------------------------------------------------------- batched DMA */
+
+static int reserve_descriptors(struct kvo_issuer *is, size_t n) {
+    if (n <= is->d_cap) return 1;
+    size_t cap = is->d_cap ? is->d_cap : 1024;
+    while (cap < n) cap *= 2;
+    CUdeviceptr *d = realloc(is->d_dst, cap * sizeof(CUdeviceptr));
+    if (!d) return 0;
+    is->d_dst = d;
+    CUdeviceptr *s = realloc(is->d_src, cap * sizeof(CUdeviceptr));
+    if (!s) return 0;
+    is->d_src = s;
+    size_t *z = realloc(is->d_size, cap * sizeof(size_t));
+    if (!z) return 0;
+    is->d_size = z;
+    is->d_cap = cap;
+    return 1;
+}
+
+/* Append one copy, merged into the previous one when both sides continue it inside one area. */
+static void append_copy(struct kvo_issuer *is, size_t *count, int64_t *last_area, uint64_t dst,
+                        uint64_t src, uint64_t size, int64_t area, int merge) {
+    size_t k = *count;
+    if (merge && k > 0 && *last_area == area && is->d_dst[k - 1] + is->d_size[k - 1] == dst &&
+        is->d_src[k - 1] + is->d_size[k - 1] == src) {
+        is->d_size[k - 1] += size;
+        return;
+    }
+    is->d_dst[k] = dst;
+    is->d_src[k] = src;
+    is->d_size[k] = size;
+    *last_area = area;
+    *count = k + 1;
+}
+
+/* Enqueue the descriptors built so far on `stream`. */
+static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream stream,
+                             const char **call) {
+    if (count == 0) return 0;
+    if (count == 1 || !is->c.memcpy_batch) {
+        *call = "cuMemcpyAsync";
+        for (size_t i = 0; i < count; i++) {
+            CUresult r = ((fn_memcpy)is->c.memcpy_async)(is->d_dst[i], is->d_src[i], is->d_size[i],
+                                                          stream);
+            if (r) return r;
+        }
+        return 0;
+    }
+    *call = "cuMemcpyBatchAsync";
+    size_t zero = 0, fail = 0;
+    for (size_t start = 0; start < count; start += BATCH_MAX) {
+        size_t n = count - start < BATCH_MAX ? count - start : BATCH_MAX;
+        CUresult r;
+        if (is->c.batch_abi >= ABI_13)
+            r = ((fn_batch13)is->c.memcpy_batch)(is->d_dst + start, is->d_src + start,
+                                                  is->d_size + start, n, is->c.batch_attrs, &zero,
+                                                  1, stream);
+        else
+            r = ((fn_batch12)is->c.memcpy_batch)(is->d_dst + start, is->d_src + start,
+                                                  is->d_size + start, n, is->c.batch_attrs, &zero,
+                                                  1, &fail, stream);
+        if (r) return r;
+    }
+    return 0;
+}
+
+/* Every page of every pair, between device block dev[i] and host record host[i]. */
+static CUresult dma_plan(struct kvo_issuer *is, const struct kvo_plan *p, const struct kvo_job *job,
+                         CUstream stream, const char **call) {
+    size_t total = (size_t)job->n * (size_t)p->pages, count = 0;
+    int64_t last_area = -1, segments = 1;
+    *call = "malloc";
+    if (!reserve_descriptors(is, total)) return KVO_NO_MEMORY;
+    for (int64_t q = 0; q < p->pages; q++) if (p->segment[q] + 1 > segments) segments = p->segment[q] + 1;
+    int store = (int)is->c.store;
+    for (int64_t i = 0; i < job->n; i++) {
+        int64_t d = job->dev_ids[i], h = job->host_ids[i];
+        uint64_t record = (uint64_t)p->host_base + (uint64_t)h * (uint64_t)p->host_stride;
+        int64_t chunk = h / p->chunk_records;
+        for (int64_t q = 0; q < p->pages; q++) {
+            uint64_t dev = (uint64_t)(p->dev_base[q] + d * p->dev_stride[q]);
+            uint64_t host = record + (uint64_t)p->host_offset[q];
+            int64_t area = chunk * segments + p->segment[q];
+            if (store) append_copy(is, &count, &last_area, host, dev, (uint64_t)p->nbytes[q], area, (int)p->merge);
+            else append_copy(is, &count, &last_area, dev, host, (uint64_t)p->nbytes[q], area, (int)p->merge);
+        }
+    }
+    return issue_copies(is, count, stream, call);
+}
+
+/* ------------------------------------------------------------------------------- staged chunks */
+
+static int by_host(const void *a, const void *b, void *keys) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    int64_t kx = ((const int64_t *)keys)[x], ky = ((const int64_t *)keys)[y];
+    if (kx != ky) return kx < ky ? -1 : 1;
+    return x < y ? -1 : (x > y);
+}
+
+/* The pairs' order for a staged job: by host record (stable), so consecutive records merge. */
+static int64_t *staged_order(struct kvo_issuer *is, const struct kvo_job *job) {
+    if (job->n > is->order_cap) {
+        int64_t *grown = realloc(is->order, (size_t)job->n * sizeof(int64_t));
+        if (!grown) return 0;
+        is->order = grown;
+        is->order_cap = job->n;
+    }
+    for (int64_t i = 0; i < job->n; i++) is->order[i] = i;
+    qsort_r(is->order, (size_t)job->n, sizeof(int64_t), by_host, job->host_ids);
+    return is->order;
+}
+
+static CUresult mark_wait(struct kvo_issuer *is, CUstream waiter, CUstream stream) {
+    CUevent ev;
+    pthread_mutex_lock(&is->mu);
+    CUresult r = pool_take(is, &is->plain, &ev);
+    pthread_mutex_unlock(&is->mu);
+    if (r) return r;
+    r = ((fn_event_record)is->c.event_record)(ev, stream);
+    if (!r) r = ((fn_stream_wait)is->c.stream_wait_event)(waiter, ev, 0);
+    pthread_mutex_lock(&is->mu);
+    pool_give(is, &is->plain, ev);
+    pthread_mutex_unlock(&is->mu);
+    return r;
+}
+
+/* One plan's pairs through the staging ring: chunks of as many rows as a slot holds, rotating over
+ * the slots. Store: gather into the slot (kernel stream), then DMA to the host records (copy
+ * stream). Load: DMA into the slot, then scatter. A slot is written only after the event recorded
+ * after its previous read (docs/design.md §5 rule 5). */
+static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
+                            const struct kvo_job *job, const int64_t *order, const char **call) {
+    CUstream copy = is->c.copy_stream, kernel = is->c.kernel_stream;
+    int store = (int)is->c.store;
+    int64_t rows_per_slot = is->c.slot_bytes / p->pitch;
+    *call = "staged";
+    if (rows_per_slot <= 0) return KVO_RECORD_TOO_BIG;
+    int64_t *dev = malloc((size_t)(rows_per_slot < job->n ? rows_per_slot : job->n) * sizeof(int64_t) + 8);
+    *call = "malloc";
+    if (!dev) return KVO_NO_MEMORY;
+    CUresult r = 0;
+    fn_event_record record = (fn_event_record)is->c.event_record;
+    fn_stream_wait wait = (fn_stream_wait)is->c.stream_wait_event;
+    for (int64_t start = 0; start < job->n && !r; start += rows_per_slot) {
+        int64_t rows = job->n - start < rows_per_slot ? job->n - start : rows_per_slot;
+        int64_t slot = is->next_slot;
+        is->next_slot = (is->next_slot + 1) % is->c.slots;
+        uint64_t base = is->slot_bases[slot];
+        size_t count = 0;
+        int64_t last_area = -1;
+        *call = "malloc";
+        if (!reserve_descriptors(is, (size_t)(rows * p->runs))) { r = KVO_NO_MEMORY; break; }
+        for (int64_t k = 0; k < rows; k++) {
+            int64_t i = order[start + k];
+            dev[k] = job->dev_ids[i];
+            int64_t h = job->host_ids[i];
+            uint64_t record = (uint64_t)p->host_base + (uint64_t)h * (uint64_t)p->host_stride;
+            uint64_t row = base + (uint64_t)(k * p->pitch);
+            int64_t area = h / p->chunk_records;
+            for (int64_t q = 0; q < p->runs; q++) {
+                uint64_t host = record + (uint64_t)p->run_offset[q];
+                uint64_t in_slot = row + (uint64_t)(p->run_offset[q] - p->run_offset[0]);
+                if (store) append_copy(is, &count, &last_area, host, in_slot, (uint64_t)p->run_size[q], area, 1);
+                else append_copy(is, &count, &last_area, in_slot, host, (uint64_t)p->run_size[q], area, 1);
+            }
+        }
+        int reuse_wait = !(is->c.controls & CONTROL_SKIP_SLOT_WAIT);
+        if (store) {
+            *call = "cuStreamWaitEvent";
+            if (reuse_wait && (r = wait(kernel, is->drained[slot], 0))) break;
+            if ((r = launch_rows(is, p->cseg, p->cseg_rows, dev, 0, 1, rows, base, p->pitch, 1,
+                                 is->c.staged_ctas, kernel, call))) break;
+            *call = "cuEventRecord";
+            if ((r = record(is->filled[slot], kernel))) break;
+            *call = "cuStreamWaitEvent";
+            if ((r = wait(copy, is->filled[slot], 0))) break;
+            if ((r = issue_copies(is, count, copy, call))) break;
+            *call = "cuEventRecord";
+            if ((r = record(is->drained[slot], copy))) break;
+        } else {
+            *call = "cuStreamWaitEvent";
+            if (reuse_wait && (r = wait(copy, is->drained[slot], 0))) break;
+            if ((r = issue_copies(is, count, copy, call))) break;
+            *call = "cuEventRecord";
+            if ((r = record(is->filled[slot], copy))) break;
+            *call = "cuStreamWaitEvent";
+            if ((r = wait(kernel, is->filled[slot], 0))) break;
+            if ((r = launch_rows(is, p->cseg, p->cseg_rows, dev, 0, 1, rows, base, p->pitch, 0,
+                                 is->c.staged_ctas, kernel, call))) break;
+            *call = "cuEventRecord";
+            if ((r = record(is->drained[slot], kernel))) break;
+        }
+    }
+    free(dev);
+    return r;
+}
+
+/* ------------------------------------------------------------------------------------- issuing */
+
+static CUstream own_stream(const struct kvo_issuer *is, int64_t path) {
+    return path == PATH_DMA ? is->c.copy_stream : is->c.kernel_stream;
+}
+
+/* The stream a job of `path` ends on. */
+static CUstream end_stream(const struct kvo_issuer *is, int64_t path) {
+    if (path == PATH_STAGED) return is->c.store ? is->c.copy_stream : is->c.kernel_stream;
+    return own_stream(is, path);
+}
+
+static CUresult record_mark(struct kvo_issuer *is, struct kvo_job *job, int64_t layer,
+                            CUstream stream) {
+    CUevent ev;
+    pthread_mutex_lock(&is->mu);
+    CUresult r = pool_take(is, &is->plain, &ev);
+    pthread_mutex_unlock(&is->mu);
+    if (r) return r;
+    r = ((fn_event_record)is->c.event_record)(ev, stream);
+    pthread_mutex_lock(&is->mu);
+    if (r) pool_give(is, &is->plain, ev);
+    else { job->marks[layer] = ev; job->marked = layer + 1; }
+    pthread_cond_broadcast(&is->done);
+    pthread_mutex_unlock(&is->mu);
+    return r;
+}
+
+/* Issue one job (the issuer thread). On return the job's `fail` says what happened: FAIL_NOTHING
+ * (nothing enqueued: it completes at once), FAIL_PARTLY (part enqueued: its end follows it), or
+ * FAIL_NONE. */
+static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
+    const char *call = "cuEventRecord";
+    CUresult r = 0;
+    int64_t path = job->path;
+    CUstream own = own_stream(is, path), other = path == PATH_DMA ? is->c.kernel_stream : is->c.copy_stream;
+    CUstream stream_end = end_stream(is, path);
+    int store = (int)is->c.store;
+    fn_event_record record = (fn_event_record)is->c.event_record;
+    if (is->ctx_error) { job->error = is->ctx_error; job->error_call = "cuCtxSetCurrent"; job->fail = FAIL_NOTHING; return; }
+    pthread_mutex_lock(&is->mu);
+    r = pool_take(is, &is->timing, &job->start);
+    if (!r) r = pool_take(is, &is->timing, &job->end);
+    pthread_mutex_unlock(&is->mu);
+    if (r) { job->error = r; job->error_call = "cuEventCreate"; job->fail = FAIL_NOTHING; return; }
+    /* Jobs of one direction finish in submission order: a job on one stream first waits for the
+     * other when the previous job ended there. */
+    if (path != PATH_STAGED && other && is->last_end == other) {
+        if ((r = mark_wait(is, own, other))) { job->error = r; job->error_call = "cuStreamWaitEvent"; job->fail = FAIL_NOTHING; return; }
+    }
+    /* The fence: rules 1 and 2 (the kernel or DMA reads/writes pages compute may still use). */
+    CUstream fenced = path == PATH_DMA ? is->c.copy_stream : is->c.kernel_stream;
+    CUstream started = (path == PATH_STAGED && !store) ? is->c.copy_stream : fenced;
+    call = "cuStreamWaitEvent";
+    r = ((fn_stream_wait)is->c.stream_wait_event)(fenced, job->fence->event, 0);
+    if (!r) { call = "cuEventRecord"; r = record(job->start, started); }
+    pthread_mutex_lock(&is->mu);
+    fence_unref(is, job->fence); /* the wait was enqueued: it captured the record */
+    job->fence = 0;
+    pthread_mutex_unlock(&is->mu);
+    if (r) { job->error = r; job->error_call = call; job->fail = FAIL_NOTHING; return; }
+    is->last_end = path == PATH_STAGED ? stream_end : own;
+    const int64_t *order = 0;
+    if (path == PATH_STAGED) {
+        order = staged_order(is, job);
+        if (!order) { r = KVO_NO_MEMORY; call = "malloc"; }
+    }
+    int64_t layer = job->first;
+    for (int64_t k = 0; k < job->nplans && !r; k++, layer++) {
+        const struct kvo_plan *p = job->plans[k];
+        if (path == PATH_DMA) r = dma_plan(is, p, job, own, &call);
+        else if (path == PATH_SM)
+            r = launch_rows(is, p->kseg, p->kseg_rows, job->dev_ids, job->host_ids, 0, job->n,
+                            (uint64_t)p->host_base, p->host_stride, store, is->c.sm_ctas, own, &call);
+        else r = staged_plan(is, p, job, order, &call);
+        if (!r && job->layered) {
+            CUstream at = path == PATH_DMA ? own : is->c.kernel_stream;
+            if ((r = record_mark(is, job, layer, at))) call = "cuEventRecord";
+        }
+    }
+    CUresult issue_error = r;
+    const char *issue_call = call;
+    /* A load of the staged path ends on the kernel stream: no DMA of a failed chunk after the end. */
+    CUresult end_error = 0;
+    if (path == PATH_STAGED && !store) end_error = mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
+    if (!end_error) end_error = record(job->end, stream_end);
+    if (end_error && !issue_error) { issue_error = end_error; issue_call = "cuEventRecord"; }
+    if (issue_error) { job->error = issue_error; job->error_call = issue_call; }
+    if (end_error) { job->fail = FAIL_NOTHING; return; } /* nothing to wait for: done at once */
+    job->fail = issue_error ? FAIL_PARTLY : FAIL_NONE;
+    if (job->layered && issue_error) /* the layers left unmarked follow what was enqueued */
+        for (int64_t l = job->marked; l < job->first + job->nplans; l++)
+            if (record_mark(is, job, l, stream_end)) break;
+}
+
+/* ----------------------------------------------------------------------------------- the thread */
+
+static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds the mutex */
+    job->times[3] = now_ns();
+    __atomic_store_n(&job->state, JOB_DONE, __ATOMIC_RELEASE); /* read without the lock by a spin */
+    if (job->layered) job->marked = job->first + job->nplans;
+    pthread_cond_broadcast(&is->done);
+    job_unref(job); /* the thread's reference */
+}
+
+static void *run(void *arg) {
+    struct kvo_issuer *is = arg;
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* short polling sleeps wake on time */
+    CUresult ctx = ((fn_ctx_set)is->c.ctx_set_current)(is->c.context);
+    pthread_mutex_lock(&is->mu);
+    is->ctx_error = ctx;
+    if (!ctx) {
+        for (int64_t s = 0; s < is->c.slots && !is->ctx_error; s++) {
+            CUresult r = pool_take(is, &is->plain, &is->filled[s]);
+            if (!r) r = pool_take(is, &is->plain, &is->drained[s]);
+            if (r) is->ctx_error = r;
+        }
+    }
+    is->started = 1;
+    pthread_cond_broadcast(&is->done);
+    int64_t sleep_ns = is->c.poll_min_ns;
+    for (;;) {
+        if (is->queue_head) {
+            struct kvo_job *job = is->queue_head;
+            is->queue_head = job->next;
+            if (!is->queue_head) is->queue_tail = 0;
+            job->next = 0;
+            if (is->stop) {
+                job->error = KVO_RELEASED; job->error_call = "release"; job->fail = FAIL_NOTHING;
+                if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
+                finish(is, job);
+                continue;
+            }
+            pthread_mutex_unlock(&is->mu);
+            job->times[1] = now_ns();
+            issue_job(is, job);
+            job->times[2] = now_ns();
+            pthread_mutex_lock(&is->mu);
+            if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
+            if (job->layered && job->marked < job->first + job->nplans && job->fail == FAIL_NOTHING)
+                job->marked = job->first + job->nplans; /* nothing to wait for */
+            if (job->fail == FAIL_NOTHING) { finish(is, job); continue; }
+            job->state = JOB_ISSUED;
+            job->polled_ns = now_ns();
+            if (is->flight_tail) is->flight_tail->next = job; else is->flight_head = job;
+            is->flight_tail = job;
+            pthread_cond_broadcast(&is->done);
+            sleep_ns = is->c.poll_min_ns;
+            continue;
+        }
+        if (is->flight_head) {
+            struct kvo_job *job = is->flight_head;
+            if (is->stop) { /* the owner gave up on it: wake its waiters */
+                is->flight_head = job->next;
+                if (!is->flight_head) is->flight_tail = 0;
+                job->error = KVO_ABANDONED; job->error_call = "release"; job->fail = FAIL_COMPLETION;
+                finish(is, job);
+                continue;
+            }
+            CUevent end = job->end;
+            pthread_mutex_unlock(&is->mu);
+            CUresult q = ((fn_event_query)is->c.event_query)(end);
+            float ms = 0.0f;
+            if (q == 0 && job->fail == FAIL_NONE && is->c.event_elapsed)
+                if (((fn_event_elapsed)is->c.event_elapsed)(&ms, job->start, end)) ms = 0.0f;
+            pthread_mutex_lock(&is->mu);
+            if (q == KVO_NOT_READY) {
+                struct timespec until;
+                deadline_after(&until, sleep_ns);
+                pthread_cond_timedwait(&is->work, &is->mu, &until);
+                /* sleep about an eighth of the time in flight so far, within the bounds */
+                int64_t age = (now_ns() - job->polled_ns) / 8;
+                sleep_ns = age < is->c.poll_min_ns ? is->c.poll_min_ns
+                         : age > is->c.poll_max_ns ? is->c.poll_max_ns : age;
+                continue;
+            }
+            is->flight_head = job->next;
+            if (!is->flight_head) is->flight_tail = 0;
+            if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
+            job->seconds = ms / 1e3;
+            finish(is, job);
+            sleep_ns = is->c.poll_min_ns;
+            continue;
+        }
+        if (is->stop) break;
+        pthread_cond_wait(&is->work, &is->mu);
+    }
+    for (int64_t s = 0; s < is->c.slots; s++) {
+        pool_give(is, &is->plain, is->filled[s]);
+        pool_give(is, &is->plain, is->drained[s]);
+    }
+    pool_destroy(is, &is->plain);
+    pool_destroy(is, &is->timing);
+    is->exited = 1;
+    pthread_cond_broadcast(&is->done);
+    pthread_mutex_unlock(&is->mu);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------------- the API */
+
+/* A new issuer with its thread started, or NULL (no memory, or no thread: *error says which). */
+struct kvo_issuer *kvo_issuer_new(const struct kvo_config *config, int64_t *error) {
+    struct kvo_issuer *is = calloc(1, sizeof(*is));
+    *error = KVO_NO_MEMORY;
+    if (!is) return 0;
+    is->c = *config;
+    if (is->c.nfunctions > MAX_FUNCTIONS) is->c.nfunctions = MAX_FUNCTIONS;
+    int64_t slots = is->c.slots > 0 ? is->c.slots : 0;
+    is->slot_bases = calloc((size_t)slots + 1, sizeof(uint64_t));
+    is->filled = calloc((size_t)slots + 1, sizeof(CUevent));
+    is->drained = calloc((size_t)slots + 1, sizeof(CUevent));
+    if (!is->slot_bases || !is->filled || !is->drained) {
+        free(is->slot_bases); free(is->filled); free(is->drained); free(is);
+        return 0;
+    }
+    for (int64_t s = 0; s < slots; s++) is->slot_bases[s] = config->slot_bases[s];
+    is->c.slot_bases = is->slot_bases;
+    is->timing.flags = 0;
+    is->plain.flags = 2; /* CU_EVENT_DISABLE_TIMING */
+    is->refs = 1;
+    struct launch_params *p = &is->params;
+    for (int i = 0; i < 5; i++) p->pointers[i] = &p->scalars[i];
+    p->pointers[5] = &p->to_host;
+    p->pointers[6] = &p->ids;
+    pthread_mutex_init(&is->mu, 0);
+    cond_init(&is->work);
+    cond_init(&is->done);
+    int rc = pthread_create(&is->thread, 0, run, is);
+    if (rc) {
+        *error = rc;
+        free(is->slot_bases); free(is->filled); free(is->drained); free(is);
+        return 0;
+    }
+    pthread_mutex_lock(&is->mu);
+    while (!is->started) pthread_cond_wait(&is->done, &is->mu);
+    *error = is->ctx_error;
+    pthread_mutex_unlock(&is->mu);
+    return is;
+}
+
+static void issuer_unref(struct kvo_issuer *is) { /* caller holds the mutex */
+    if (--is->refs > 0) return;
+    pthread_mutex_unlock(&is->mu);
+    pthread_mutex_destroy(&is->mu);
+    pthread_cond_destroy(&is->work);
+    pthread_cond_destroy(&is->done);
+    free(is->timing.free); free(is->plain.free);
+    free(is->slot_bases); free(is->filled); free(is->drained);
+    free(is->d_dst); free(is->d_src); free(is->d_size); free(is->order);
+    free(is);
+}
+
+/* Stop the thread: jobs not yet issued fail, jobs in flight are given up; join it within
+ * timeout_ns. 0: joined (the streams, ring and tables may go); 1: the thread is still in a driver
+ * call (leave them to the process). */
+int64_t kvo_issuer_stop(struct kvo_issuer *is, int64_t timeout_ns) {
+    pthread_mutex_lock(&is->mu);
+    is->stop = 1;
+    pthread_cond_broadcast(&is->work);
+    struct timespec until;
+    deadline_after(&until, timeout_ns);
+    while (!is->exited)
+        if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
+    int64_t exited = is->exited;
+    pthread_mutex_unlock(&is->mu);
+    if (!exited) return 1;
+    pthread_join(is->thread, 0); /* it has left its loop: returns at once */
+    return 0;
+}
+
+/* The owner lets go (after kvo_issuer_stop returned 0); the memory goes with the last job. */
+void kvo_issuer_free(struct kvo_issuer *is) {
+    pthread_mutex_lock(&is->mu);
+    int64_t last = is->refs == 1;
+    issuer_unref(is); /* unlocks when it frees */
+    if (!last) pthread_mutex_unlock(&is->mu);
+}
+
+struct kvo_plan *kvo_plan_new(const struct kvo_plan_spec *s) {
+    struct kvo_plan *p = calloc(1, sizeof(*p));
+    if (!p) return 0;
+    p->pages = s->pages;
+    p->dev_base = copy_i64(s->dev_base, s->pages);
+    p->dev_stride = copy_i64(s->dev_stride, s->pages);
+    p->nbytes = copy_i64(s->nbytes, s->pages);
+    p->host_offset = copy_i64(s->host_offset, s->pages);
+    p->segment = copy_i64(s->segment, s->pages);
+    p->run_offset = copy_i64(s->run_offset, s->runs);
+    p->run_size = copy_i64(s->run_size, s->runs);
+    p->record_bytes = s->record_bytes; p->host_base = s->host_base; p->host_stride = s->host_stride;
+    p->chunk_records = s->chunk_records > 0 ? s->chunk_records : 1; p->merge = s->merge;
+    p->kseg = s->kseg; p->kseg_rows = s->kseg_rows; p->cseg = s->cseg; p->cseg_rows = s->cseg_rows;
+    p->pitch = s->pitch; p->runs = s->runs;
+    if (!p->dev_base || !p->dev_stride || !p->nbytes || !p->host_offset || !p->segment ||
+        !p->run_offset || !p->run_size) {
+        free(p->dev_base); free(p->dev_stride); free(p->nbytes); free(p->host_offset);
+        free(p->segment); free(p->run_offset); free(p->run_size); free(p);
+        return 0;
+    }
+    return p;
+}
+
+/* Free a plan no job in the issuer's queue uses any more (after kvo_issuer_stop). */
+void kvo_plan_free(struct kvo_plan *p) {
+    if (!p) return;
+    free(p->dev_base); free(p->dev_stride); free(p->nbytes); free(p->host_offset);
+    free(p->segment); free(p->run_offset); free(p->run_size); free(p);
+}
+
+/* A fence: an event recorded on `stream` now (the caller's thread). NULL with *error set. */
+struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *error) {
+    struct kvo_fence *fence = calloc(1, sizeof(*fence));
+    *error = KVO_NO_MEMORY;
+    if (!fence) return 0;
+    pthread_mutex_lock(&is->mu);
+    CUresult r = is->exited ? KVO_RELEASED : pool_take(is, &is->plain, &fence->event);
+    pthread_mutex_unlock(&is->mu);
+    if (!r) {
+        r = ((fn_event_record)is->c.event_record)(fence->event, stream);
+        if (r == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
+            r = ((fn_event_record)is->c.event_record)(fence->event, stream);
+        if (r) { pthread_mutex_lock(&is->mu); pool_give(is, &is->plain, fence->event); pthread_mutex_unlock(&is->mu); }
+    }
+    *error = r;
+    if (r) { free(fence); return 0; }
+    fence->refs = 1;
+    return fence;
+}
+
+/* The taker's reference goes; the event returns once no job still has to wait for it. */
+void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
+    pthread_mutex_lock(&is->mu);
+    fence_unref(is, fence);
+    pthread_mutex_unlock(&is->mu);
+}
+
+/* Hand a job to the thread (through kvo_submit_packed). dev_ids/host_ids (n each) are copied; plans (nplans) must outlive the
+ * thread. Returns the job (two references: the thread's and the caller's, plus one for the layer
+ * marks when layered) or NULL: no memory (*error KVO_NO_MEMORY) or a stopped issuer. */
+static struct kvo_job *kvo_submit(struct kvo_issuer *is, int64_t path, int64_t n, const int64_t *dev_ids,
+                           const int64_t *host_ids, int64_t nplans, struct kvo_plan *const *plans,
+                           int64_t first, int64_t layered, struct kvo_fence *fence, int64_t *error) {
+    struct kvo_job *job = calloc(1, sizeof(*job));
+    *error = KVO_NO_MEMORY;
+    if (!job) return 0;
+    job->dev_ids = copy_i64(dev_ids, n);
+    job->host_ids = copy_i64(host_ids, n);
+    job->plans = malloc((size_t)(nplans > 0 ? nplans : 1) * sizeof(*job->plans));
+    job->marks = layered ? calloc((size_t)(first + nplans + 1), sizeof(CUevent)) : 0;
+    if (!job->dev_ids || !job->host_ids || !job->plans || (layered && !job->marks)) {
+        free(job->dev_ids); free(job->host_ids); free(job->plans); free(job->marks); free(job);
+        return 0;
+    }
+    memcpy(job->plans, plans, (size_t)nplans * sizeof(*plans));
+    job->issuer = is;
+    job->path = path; job->n = n; job->nplans = nplans; job->first = first; job->layered = layered;
+    job->marked = first; /* layers before `first` belong to another part: nothing to wait for */
+    job->fence = fence;
+    job->refs = layered ? 3 : 2;
+    job->times[0] = now_ns();
+    pthread_mutex_lock(&is->mu);
+    if (is->stop || is->exited) {
+        pthread_mutex_unlock(&is->mu);
+        *error = KVO_RELEASED;
+        free(job->dev_ids); free(job->host_ids); free(job->plans); free(job->marks); free(job);
+        return 0;
+    }
+    fence->refs++;
+    is->refs++;
+    if (is->queue_tail) is->queue_tail->next = job; else is->queue_head = job;
+    is->queue_tail = job;
+    pthread_cond_signal(&is->work);
+    pthread_mutex_unlock(&is->mu);
+    *error = 0;
+    return job;
+}
+
+/* kvo_submit with its arguments in one int64 array (what Python fills with a few numpy stores,
+ * then hands over in one call of three arguments): [path, n, nplans, first, layered, fence, plans,
+ * dev_ids[n], host_ids[n]]. */
+struct kvo_job *kvo_submit_packed(struct kvo_issuer *is, const int64_t *packed, int64_t *error) {
+    int64_t n = packed[1];
+    return kvo_submit(is, packed[0], n, packed + 7, packed + 7 + n, packed[2],
+                      (struct kvo_plan *const *)(uintptr_t)packed[6], packed[3], packed[4],
+                      (struct kvo_fence *)(uintptr_t)packed[5], error);
+}
+
+/* 0 queued, 1 issued (in flight), 2 done. */
+int64_t kvo_job_state(struct kvo_job *job) {
+    struct kvo_issuer *is = job->issuer;
+    pthread_mutex_lock(&is->mu);
+    int64_t state = job->state;
+    pthread_mutex_unlock(&is->mu);
+    return state;
+}
+
+/* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins first
+ * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
+ * blocked on a condition variable costs tens of microseconds on some hosts; then blocks. */
+int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
+    struct kvo_issuer *is = job->issuer;
+    int64_t start = now_ns(), spin = is->c.wait_spin_ns < timeout_ns ? is->c.wait_spin_ns : timeout_ns;
+    while (now_ns() - start < spin) {
+        if (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE) break;
+        for (int i = 0; i < 32; i++) cpu_relax();
+    }
+    int64_t left = timeout_ns - (now_ns() - start);
+    struct timespec until;
+    deadline_after(&until, left > 0 ? left : 0);
+    pthread_mutex_lock(&is->mu);
+    while (job->state != JOB_DONE)
+        if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
+    int64_t done = job->state == JOB_DONE;
+    pthread_mutex_unlock(&is->mu);
+    return done;
+}
+
+/* A done job's outcome: out[0] the error code (0: none), out[1] the kind of failure; *seconds the
+ * device time between its start and end events; the failed call's name is returned. */
+const char *kvo_job_result(struct kvo_job *job, int64_t *out, double *seconds) {
+    struct kvo_issuer *is = job->issuer;
+    pthread_mutex_lock(&is->mu);
+    out[0] = job->error;
+    out[1] = job->fail;
+    *seconds = job->seconds;
+    const char *call = job->error_call ? job->error_call : "";
+    pthread_mutex_unlock(&is->mu);
+    return call;
+}
+
+/* A done job's timeline (CLOCK_MONOTONIC ns): handed over, issue began, issued, found done. */
+void kvo_job_times(struct kvo_job *job, int64_t *out) {
+    struct kvo_issuer *is = job->issuer;
+    pthread_mutex_lock(&is->mu);
+    memcpy(out, job->times, sizeof(job->times));
+    pthread_mutex_unlock(&is->mu);
+}
+
+/* The ticket's reference goes (the job's result was read, or the job was abandoned). */
+void kvo_job_release(struct kvo_job *job) {
+    struct kvo_issuer *is = job->issuer;
+    pthread_mutex_lock(&is->mu);
+    int64_t last_issuer_ref = is->refs == 1 && job->refs == 1;
+    job_unref(job);
+    if (!last_issuer_ref) pthread_mutex_unlock(&is->mu);
+}
+
+/* Make `stream` wait for layer `layer`'s mark: wait (up to timeout_ns, without the GIL) until the
+ * thread recorded it, then enqueue the stream wait under the issuer's lock, so that the event cannot
+ * go back to the pool in between. 0, KVO_TIMEOUT, or the driver's code. */
+int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t timeout_ns) {
+    struct kvo_issuer *is = job->issuer;
+    struct timespec until;
+    deadline_after(&until, timeout_ns);
+    pthread_mutex_lock(&is->mu);
+    int64_t code = 0;
+    while (job->marked <= layer && !job->marks_released)
+        if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
+    if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
+    else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) {
+        code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
+        if (code == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
+            code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
+    }
+    pthread_mutex_unlock(&is->mu);
+    return code;
+}
+
+/* The layer marks' reference goes (the job's result was published: every layer landed). */
+void kvo_marks_release(struct kvo_job *job) {
+    struct kvo_issuer *is = job->issuer;
+    pthread_mutex_lock(&is->mu);
+    int64_t last_issuer_ref = is->refs == 1 && job->refs == 1;
+    if (!job->marks_released) {
+        for (int64_t i = 0; i < job->first + job->nplans; i++) {
+            pool_give(is, &is->plain, job->marks[i]);
+            job->marks[i] = 0;
+        }
+        job->marks_released = 1;
+        pthread_cond_broadcast(&is->done);
+    }
+    job_unref(job);
+    if (!last_issuer_ref) pthread_mutex_unlock(&is->mu);
+}

@@ -1,0 +1,481 @@
+"""The native issuer on CPU, built with this machine's compiler and driven through a fake driver
+(:mod:`tests.unit._native_fake`): every path moves exactly the right bytes (checked by provenance,
+through the staging ring too), DMA descriptors merge as the Python plan merges them, jobs wait for
+their fence before anything else on their streams, a fence given back early is never re-recorded
+before its wait was enqueued, a staging slot is rewritten only after the event recorded after its
+last read, layers are marked in order and waited for on the given stream, failures come back as
+failed results, and shutdown is bounded whatever the thread is doing."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvoffload import (
+    ArgumentTypeError,
+    CudaError,
+    DeviceLayout,
+    InvalidArgumentError,
+    NativeBuildError,
+    ShutdownError,
+    TransferError,
+    WaitTimeoutError,
+    Worker,
+)
+from kvoffload import native
+from kvoffload._descriptors import CopyPlan, PageTable, kernel_segments
+from kvoffload.backends import native as native_backend
+from kvoffload.backends.native import NativeBackend, NativeLayerMarks
+from kvoffload.handler import DirectionHandler
+from kvoffload.records import Direction
+from tests.unit._native_fake import COMPUTE, COPY, GRANULE, IDLE, KERNEL, FakeDriver, wait_until
+
+I64 = npt.NDArray[np.int64]
+HOST_BASE = 1 << 36
+SLOT_BASES = ((1 << 44), (1 << 44) + (1 << 30), (1 << 44) + (2 << 30))
+TIMEOUT_S = 30.0
+NUM_BLOCKS = 64
+
+
+class Inner:
+    """What the native backend takes over, on CPU: streams are plain ints."""
+
+    path = "auto"
+
+    def __init__(self, direction: Direction) -> None:
+        self.direction = direction
+        self.device = torch.device("cpu")
+        self.released = 0
+
+    def stream_handle(self, stream: object | None) -> int:
+        return COMPUTE if stream is None else int(stream)  # type: ignore[call-overload]
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def make_plan(direction: Direction, page_sizes: list[int], *, block_major: bool = False,
+              record: int | None = None, chunk_records: int = 5) -> CopyPlan:
+    """Pages in separate allocations, or one allocation with each block's pages back to back."""
+    padded = [(p + 15) // 16 * 16 for p in page_sizes]
+    offsets = np.cumsum([0] + padded[:-1]).astype(np.int64)
+    n = len(page_sizes)
+    if block_major:
+        dev_base = (1 << 40) + offsets
+        dev_stride = np.full(n, sum(padded), dtype=np.int64)
+        segment = np.zeros(n, dtype=np.int64)
+    else:
+        dev_base = np.array([(1 << 40) + i * (1 << 32) for i in range(n)], dtype=np.int64)
+        dev_stride = np.array(padded, dtype=np.int64)
+        segment = np.arange(n, dtype=np.int64)
+    pages = PageTable(dev_base=dev_base, dev_stride=dev_stride, nbytes=np.array(page_sizes, dtype=np.int64),
+                      host_offset=offsets, segment=segment, record_bytes=record or sum(padded))
+    return CopyPlan(pages, host_base=HOST_BASE, chunk_records=chunk_records, direction=direction)
+
+
+class Harness:
+    """A handler over a native backend over the fake driver."""
+
+    def __init__(self, direction: Direction, path: str, plan: CopyPlan, *, slot_bytes: int = 0,
+                 not_ready: int = 0, batch: bool = True, controls: int = 0) -> None:
+        self.fake = FakeDriver(not_ready=not_ready)
+        self.keep: list[object] = []
+        self.tables: dict[int, I64] = {}
+        slot_bytes = slot_bytes or 3 * plan.pages.record_bytes
+        config = self.fake.config(store=direction is Direction.STORE, slots=SLOT_BASES,
+                                  slot_bytes=slot_bytes, batch=batch, keep=self.keep)
+        config.controls = controls
+        self.inner = Inner(direction)
+        self.backend = NativeBackend.start(
+            self.inner, config, index=0, choose=lambda _n: path,
+            path_names={path: path}, tables=self.table, keep=self.keep,
+        )
+        self.plan = plan
+        self.handler = DirectionHandler.create(direction=direction, plan=plan, backend=self.backend,
+                                               num_src_blocks=NUM_BLOCKS, num_dst_blocks=NUM_BLOCKS)
+
+    def table(self, plan: CopyPlan) -> tuple[int, int]:
+        array = self.tables.setdefault(id(plan), kernel_segments(plan.pages))
+        self.keep.append(plan)
+        return int(array.ctypes.data), int(array.shape[0])
+
+    def run(self, job: int, src: list[int], dst: list[int], **kwargs: Any) -> Any:
+        self.handler.submit(job, src, dst, **kwargs)
+        (result,) = self.handler.wait([job], TIMEOUT_S)
+        return result
+
+    def close(self) -> None:
+        self.handler.shutdown(TIMEOUT_S)
+
+
+def expected(plan: CopyPlan, device: list[int], host: list[int]) -> dict[int, int]:
+    """Destination granule -> source address, as the job should leave them."""
+    p = plan.pages
+    out: dict[int, int] = {}
+    for d, h in zip(device, host):
+        for base, stride, nbytes, offset in zip(p.dev_base.tolist(), p.dev_stride.tolist(),
+                                                p.nbytes.tolist(), p.host_offset.tolist()):
+            dev = base + d * stride
+            rec = plan.host_base + h * plan.host_stride + offset
+            for k in range(0, nbytes, GRANULE):
+                if plan.direction is Direction.STORE:
+                    out[rec + k] = dev + k
+                else:
+                    out[dev + k] = rec + k
+    return out
+
+
+def moved(fake: FakeDriver, want: dict[int, int]) -> int:
+    """Granules whose bytes did not come from where they should."""
+    return sum(1 for dst, src in want.items() if fake.provenance.get(dst) != src)
+
+
+PATHS = ("dma", "sm", "staged")
+LAYOUTS = {
+    "per-tensor": dict(page_sizes=[512, 256, 1024, 128]),
+    "block-major": dict(page_sizes=[512, 512, 512, 512], block_major=True),
+    "odd pages": dict(page_sizes=[100, 36, 260]),
+}
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_path_moves_exactly_the_jobs_pages(direction: Direction, path: str, layout: str) -> None:
+    plan = make_plan(direction, **LAYOUTS[layout])  # type: ignore[arg-type]
+    h = Harness(direction, path, plan)
+    try:
+        rng = np.random.default_rng(1)
+        device = rng.permutation(NUM_BLOCKS)[:10].tolist()
+        host = rng.permutation(NUM_BLOCKS)[:10].tolist()
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        result = h.run(0, src, dst)
+        assert result.ok, result.error
+        assert result.path == path
+        assert moved(h.fake, expected(plan, device, host)) == 0
+    finally:
+        h.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    direction=st.sampled_from([Direction.STORE, Direction.LOAD]),
+    block_major=st.booleans(),
+    pages=st.lists(st.sampled_from([64, 128, 256, 1024]), min_size=1, max_size=4),
+    pairs=st.lists(st.tuples(st.integers(0, NUM_BLOCKS - 1), st.integers(0, NUM_BLOCKS - 1)),
+                   min_size=1, max_size=12, unique_by=lambda t: t[0]),
+    batch=st.booleans(),
+)
+def test_dma_descriptors_merge_as_the_python_plan_merges_them(
+    direction: Direction, block_major: bool, pages: list[int], pairs: list[tuple[int, int]], batch: bool,
+) -> None:
+    plan = make_plan(direction, pages, block_major=block_major)
+    device = [d for d, _ in pairs]
+    host = [h for _, h in pairs]
+    if direction is Direction.LOAD:  # destinations (device blocks) are distinct; sources may repeat
+        pass
+    else:
+        host = list(dict.fromkeys(host)) + [x for x in range(NUM_BLOCKS) if x not in host]
+        host = host[: len(device)]
+    h = Harness(direction, "dma", plan, batch=batch)
+    try:
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        assert h.run(0, src, dst).ok
+        reference = plan.build(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+        copies = sum(c[2] for c in h.fake.of("cuMemcpyBatchAsync")) + len(h.fake.of("cuMemcpyAsync"))
+        assert copies == reference.count
+        if not batch:
+            assert not h.fake.of("cuMemcpyBatchAsync")
+        assert moved(h.fake, expected(plan, device, host)) == 0
+    finally:
+        h.close()
+
+
+def _last_before(calls: list[tuple[Any, ...]], index: int,
+                 match: Callable[[tuple[Any, ...]], bool]) -> tuple[Any, ...] | None:
+    found = [call for call in calls[:index] if match(call)]
+    return found[-1] if found else None
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_job_waits_for_its_fence_before_it_touches_a_page(path: str, direction: Direction) -> None:
+    plan = make_plan(direction, [256, 256])
+    h = Harness(direction, path, plan)
+    try:
+        assert h.run(0, [1, 2, 3, 4], [5, 6, 7, 8]).ok
+        calls = h.fake.snapshot()
+        (fence,) = [c for c in calls if c[0] == "cuEventRecord" and c[2] == COMPUTE]
+        waited = [i for i, c in enumerate(calls) if c[0] == "cuStreamWaitEvent" and c[2] == fence[1]]
+        assert waited, "no stream waited for the fence"
+        # The stream that touches device pages (the DMA's for dma, the kernel's otherwise) waited
+        # for the fence before the first such copy or launch.
+        touching = KERNEL if path != "dma" else COPY
+        assert calls[waited[0]][1] == touching
+        first_touch = next(i for i, c in enumerate(calls)
+                           if c[0] in ("cuLaunchKernel", "cuMemcpyBatchAsync", "cuMemcpyAsync")
+                           and c[1] == touching)
+        assert waited[0] < first_touch
+    finally:
+        h.close()
+
+
+def test_a_fence_given_back_early_is_not_recorded_again_before_its_wait() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan)
+    backend = h.backend
+    try:
+        # Control: a fence given back with no job holding it is the next one taken (the pool is
+        # LIFO): a test that compares events can see a reuse.
+        first = backend.fence(None)
+        backend.release_fence(first)
+        again = backend.fence(None)
+        backend.release_fence(again)
+        records = [c[1] for c in h.fake.of("cuEventRecord") if c[2] == COMPUTE]
+        assert records[0] == records[1], "the control did not reuse the event: the test proves nothing"
+        # The thread is held inside its first stream wait (the job's fence wait, on the copy stream).
+        gate, entered = threading.Event(), threading.Event()
+        h.fake.gate["cuStreamWaitEvent"] = gate
+        h.fake.entered["cuStreamWaitEvent"] = entered
+        fence = backend.fence(None)
+        ticket = backend.issue(plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
+        backend.release_fence(fence)  # the handler gives it back as soon as issue returns
+        assert entered.wait(TIMEOUT_S)
+        later = backend.fence(None)
+        records = [c[1] for c in h.fake.of("cuEventRecord") if c[2] == COMPUTE]
+        assert records[-1] != records[-2], "a fence still to be waited for was recorded again"
+        del h.fake.gate["cuStreamWaitEvent"]
+        gate.set()
+        assert ticket.wait(TIMEOUT_S)
+        ticket.release()
+        backend.release_fence(later)
+    finally:
+        h.fake.gate.clear()
+        h.close()
+
+
+def unwaited_slot_writes(direction: Direction, controls: int) -> int:
+    """Writes into a staging slot not preceded by a wait for the event recorded after the slot's
+    last read, over a job of 6 chunks through 3 slots."""
+    plan = make_plan(direction, [256, 256])
+    record = plan.pages.record_bytes
+    h = Harness(direction, "staged", plan, slot_bytes=2 * record, controls=controls)  # 2 rows a slot
+    try:
+        device = list(range(0, 40, 3))[:11]  # 11 pairs: 6 chunks, every slot used twice
+        host = list(range(20, 31))
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        assert h.run(0, src, dst).ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        calls = h.fake.snapshot()
+        # Writes into a slot: the gather launch (store) or the DMA from the host (load).
+        writers, writer_stream, reader_stream = (
+            (("cuLaunchKernel",), KERNEL, COPY) if direction is Direction.STORE
+            else (("cuMemcpyBatchAsync", "cuMemcpyAsync"), COPY, KERNEL)
+        )
+        writes = [i for i, c in enumerate(calls) if c[0] in writers and c[1] == writer_stream]
+        assert len(writes) == 6
+        unwaited = 0
+        for i in writes[3:]:  # the second use of each slot
+            wait = _last_before(calls, i, lambda c: c[0] == "cuStreamWaitEvent" and c[1] == writer_stream)
+            event = wait[2] if wait is not None else None
+            record_call = _last_before(calls, i, lambda c: c[0] == "cuEventRecord" and c[1] == event)
+            unwaited += record_call is None or record_call[2] != reader_stream
+        return unwaited
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_staging_slot_is_rewritten_only_after_its_last_read(direction: Direction) -> None:
+    control = unwaited_slot_writes(direction, native.CONTROL_SKIP_SLOT_WAIT)
+    assert control > 0, "the control wrote every slot after a wait: the check proves nothing"
+    assert unwaited_slot_writes(direction, 0) == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_layers_are_marked_in_order_and_waited_for_on_the_given_stream(path: str) -> None:
+    pages = [256, 256, 512, 512, 128, 128]  # three layers of two pages
+    plan = make_plan(Direction.LOAD, pages)
+    tables = tuple(
+        PageTable(dev_base=plan.pages.dev_base[i:i + 2], dev_stride=plan.pages.dev_stride[i:i + 2],
+                  nbytes=plan.pages.nbytes[i:i + 2], host_offset=plan.pages.host_offset[i:i + 2],
+                  segment=plan.pages.segment[i:i + 2], record_bytes=plan.pages.record_bytes)
+        for i in (0, 2, 4)
+    )
+    h = Harness(Direction.LOAD, path, plan)
+    try:
+        host, device = [3, 4, 5, 6, 9], [10, 11, 12, 13, 14]
+        in_flight = threading.Event()  # the job stays in flight until the waits were enqueued
+        h.fake.gate["cuEventQuery"] = in_flight
+        h.handler._book.reserve(0, h.handler)  # what the worker does before a layered submit
+        marks = h.handler.submit_layered(0, np.array(host, dtype=np.int64), np.array(device, dtype=np.int64),
+                                         tables)
+        assert isinstance(marks, NativeLayerMarks)
+        for layer in (2, 0, 1):
+            marks.wait(layer, IDLE, TIMEOUT_S)
+        del h.fake.gate["cuEventQuery"]
+        in_flight.set()
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok, result.error
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        calls = h.fake.snapshot()
+        waits = [i for i, c in enumerate(calls) if c[0] == "cuStreamWaitEvent" and c[1] == IDLE]
+        assert len(waits) == 3
+        # The last record of each waited event before its wait (pooled events are reused).
+        marked = [max(i for i, c in enumerate(calls[:w]) if c[0] == "cuEventRecord" and c[1] == calls[w][2])
+                  for w in waits]
+        order = [marked[1], marked[2], marked[0]]  # layers 0, 1, 2
+        assert order == sorted(order), "layers were not marked in order"
+        # Each layer's mark follows its own copies and precedes the next layer's.
+        copies = [i for i, c in enumerate(calls)
+                  if c[0] in ("cuLaunchKernel", "cuMemcpyBatchAsync", "cuMemcpyAsync")]
+        for layer, at in enumerate(order):
+            assert any(i < at for i in copies), f"layer {layer} marked before any copy"
+            if layer + 1 < len(order):
+                assert any(at < i < order[layer + 1] for i in copies), f"layer {layer + 1} has no copy after mark {layer}"
+        marks.wait(1, IDLE, TIMEOUT_S)  # after the result: returns at once, enqueues nothing
+        assert len([c for c in h.fake.snapshot() if c[0] == "cuStreamWaitEvent" and c[1] == IDLE]) == 3
+    finally:
+        h.close()
+
+
+def test_completion_is_found_by_the_thread_and_signalled() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, not_ready=5)
+    try:
+        result = h.run(0, [1, 2], [3, 4])
+        assert result.ok
+        assert result.seconds == pytest.approx(0.5e-3)
+        assert len(h.fake.of("cuEventQuery")) >= 6
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize(("call", "partly"), [("cuLaunchKernel", True), ("cuStreamWaitEvent", False)])
+def test_a_failed_issue_comes_back_as_a_failed_result(call: str, partly: bool) -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        h.fake.fail[call] = 1  # CUDA_ERROR_INVALID_VALUE
+        result = h.run(0, [1], [2])
+        assert not result.ok
+        assert isinstance(result.error, CudaError)
+        assert call in str(result.error)
+        assert bool(h.fake.of("cuEventQuery")) == partly  # only a partly issued job is waited for
+        assert h.run(1, [1], [2]).ok  # the next job goes through
+    finally:
+        h.close()
+
+
+def test_a_failed_completion_comes_back_as_a_failed_result() -> None:
+    plan = make_plan(Direction.LOAD, [256])
+    h = Harness(Direction.LOAD, "dma", plan)
+    try:
+        h.fake.fail["cuEventQuery"] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+        result = h.run(0, [1], [2])
+        assert not result.ok and isinstance(result.error, CudaError)
+    finally:
+        h.close()
+
+
+def test_shutdown_gives_up_a_job_that_never_completes_within_its_deadline() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan, not_ready=10**9)
+    h.handler.submit(0, [1], [2])
+    with pytest.raises(WaitTimeoutError):
+        h.handler.shutdown(0.2)
+    assert h.inner.released == 1  # the thread stopped and the streams went
+
+
+def test_release_is_bounded_while_the_thread_is_stuck_in_a_driver_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    gate, entered = threading.Event(), threading.Event()
+    h.fake.gate["cuLaunchKernel"] = gate
+    h.fake.entered["cuLaunchKernel"] = entered
+    h.handler.submit(0, [1], [2])
+    assert entered.wait(TIMEOUT_S)
+    monkeypatch.setattr(native_backend, "STOP_TIMEOUT_S", 0.2)
+    with pytest.raises(ShutdownError) as raised:
+        h.handler.shutdown(0.2)
+    assert any(isinstance(e, TransferError) and "did not stop" in str(e)
+               for e in raised.value.failures)
+    assert h.inner.released == 0  # its streams are left to the thread
+    gate.set()  # the driver call returns: the thread leaves
+    assert h.backend.lib.kvo_issuer_stop(h.backend._issuer, 10**10) == 0
+
+
+def test_every_event_is_destroyed_once_the_issuer_stopped() -> None:
+    plan = make_plan(Direction.LOAD, [256, 512])
+    h = Harness(Direction.LOAD, "staged", plan)
+    for job in range(5):
+        assert h.run(job, [job, job + 10], [job + 20, job + 30]).ok
+    h.close()
+    assert h.fake.events_created > 0
+    assert h.fake.events_destroyed == h.fake.events_created
+    assert h.inner.released == 1
+
+
+def test_a_job_handed_over_after_release_fails_and_nothing_is_enqueued() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan)
+    fence = h.backend.fence(None)
+    h.backend.release()
+    ticket = h.backend.issue(plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
+    assert ticket.done() and isinstance(ticket.error, TransferError)
+    h.handler.shutdown(TIMEOUT_S)
+
+
+# ------------------------------------------------------------------------------- the build
+
+
+def test_the_library_builds_into_a_directory_once(tmp_path: Path) -> None:
+    first = native.build(tmp_path)
+    assert first.exists() and first.parent == tmp_path
+    stamp = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
+
+
+def test_a_failed_build_raises_with_the_compilers_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(NativeBuildError, match="could not build"):
+        native.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(NativeBuildError, match="no C compiler"):
+        native.build(tmp_path / "other")
+
+
+def test_worker_issuer_argument_is_checked_before_anything_is_built() -> None:
+    layout = DeviceLayout.from_tensors([torch.zeros(8, 16, 64, dtype=torch.uint8)], block_dim=0)
+    with pytest.raises(ArgumentTypeError, match="issuer"):
+        Worker.create(layout, 4, issuer=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="one of auto, native, python"):
+        Worker.create(layout, 4, issuer="fast")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="cuda backend only"):
+        Worker.create(layout, 4, issuer="native")
+    with Worker.create(layout, 4) as w:
+        assert w.issuer == "python"  # the host backend copies on its own thread
+
+
+def test_native_error_names_the_failure() -> None:
+    assert "released before" in str(native_backend.native_error(native.RELEASED, "x"))
+    assert "in flight" in str(native_backend.native_error(native.ABANDONED, "x"))
+    assert "staging slot" in str(native_backend.native_error(native.RECORD_TOO_BIG, "x"))
+    error = native_backend.native_error(1, "cuLaunchKernel")
+    assert isinstance(error, CudaError) and "cuLaunchKernel" in str(error)
+    assert ctypes.sizeof(native.Config) % 8 == 0
