@@ -1,4 +1,4 @@
-"""The native issuer's library: ``issuer.c`` compiled with the machine's C compiler on first use,
+"""The native library (the issuer thread and the worker's admission check): ``issuer.c`` compiled with the machine's C compiler on first use,
 cached, and loaded through ctypes (docs/design.md §16).
 
 Owns the build: the library is compiled once per source version into the cache directory
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -47,10 +48,12 @@ __all__ = [
     "TIMEOUT",
     "Config",
     "PlanSpec",
+    "available",
     "cache_dir",
     "library",
 ]
 
+_log = logging.getLogger("kvoffload.native")
 SOURCE: Final = Path(__file__).with_name("issuer.c")
 #: How long one compile may take before the build is given up.
 BUILD_TIMEOUT_S: Final = 120.0
@@ -172,6 +175,17 @@ def build(directory: Path | None = None) -> Path:
 
 
 @functools.cache
+def available() -> ctypes.CDLL | None:
+    """:func:`library`, or None where it cannot be built or loaded (asked once per process; the
+    worker's admission check then runs in Python)."""
+    try:
+        return library()
+    except NativeBuildError as exc:
+        _log.info("the native library is not available (%s): admission checks run in Python", exc)
+        return None
+
+
+@functools.cache
 def library() -> ctypes.CDLL:
     """The library, built if needed and loaded once per process, its functions typed.
 
@@ -199,6 +213,8 @@ def library() -> ctypes.CDLL:
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
         "kvo_wait_layer": ([p, i64, p, i64], i64),
+        "kvo_admit": ([p, p, i64, i64, i64, p, p, p, p, p, pi64], i64),
+        "kvo_unadmit": ([p, p, i64, p, p], None),
         "kvo_marks_release": ([p], None),
     }
     for name, (argtypes, restype) in signatures.items():

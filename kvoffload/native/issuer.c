@@ -1,5 +1,6 @@
-/* kvoffload's native issuer: one thread per direction that plans and enqueues a job's copies and
- * finds their completion without Python's GIL (docs/design.md §16).
+/* kvoffload's native library: the issuer, one thread per direction that plans and enqueues a
+ * job's copies and finds their completion without Python's GIL, and the worker's admission check of
+ * a job's block ids (docs/design.md §16).
  *
  * Python hands a job over with one call (kvo_submit: the block ids are copied here) and returns.
  * The thread, blocked on a condition variable until then, plans the job (the copy kernel's launch
@@ -959,4 +960,39 @@ void kvo_marks_release(struct kvo_job *job) {
     }
     job_unref(job);
     if (!last_issuer_ref) pthread_mutex_unlock(&is->mu);
+}
+
+/* ------------------------------------------------------------------- the worker's admission check */
+
+/* Admit one job (the worker holds its lock): every source id in [0, src_limit) and every
+ * destination id in [0, dst_limit), the destinations distinct, no source block written by a job in
+ * flight and no destination block read or written by one; then count the job's blocks in flight
+ * (each id once per occurrence, as kvo_unadmit uncounts them). Returns -1 when admitted, else the
+ * check that failed first (0 range, 1 duplicate, 2 conflict) with nothing counted: the caller names
+ * the failure with its own checks. `stamp` (dst_limit int32, zero at first) and `*token` are the
+ * duplicate check's scratch, kept by the caller for the destination memory. */
+int64_t kvo_admit(const int64_t *src, const int64_t *dst, int64_t n, int64_t src_limit,
+                  int64_t dst_limit, const int32_t *src_writes, int32_t *src_reads,
+                  const int32_t *dst_reads, int32_t *dst_writes, int32_t *stamp, int64_t *token) {
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)src[i] >= (uint64_t)src_limit || (uint64_t)dst[i] >= (uint64_t)dst_limit)
+            return 0;
+    if (*token >= INT32_MAX) { memset(stamp, 0, (size_t)dst_limit * sizeof(int32_t)); *token = 0; }
+    int32_t t = (int32_t)++*token;
+    for (int64_t i = 0; i < n; i++) {
+        if (stamp[dst[i]] == t) return 1;
+        stamp[dst[i]] = t;
+    }
+    for (int64_t i = 0; i < n; i++) if (src_writes[src[i]]) return 2;
+    for (int64_t i = 0; i < n; i++) if (dst_reads[dst[i]] || dst_writes[dst[i]]) return 2;
+    for (int64_t i = 0; i < n; i++) src_reads[src[i]]++;
+    for (int64_t i = 0; i < n; i++) dst_writes[dst[i]]++;
+    return -1;
+}
+
+/* Uncount a job kvo_admit admitted (its result was returned, or its submit failed). */
+void kvo_unadmit(const int64_t *src, const int64_t *dst, int64_t n, int32_t *src_reads,
+                 int32_t *dst_writes) {
+    for (int64_t i = 0; i < n; i++) src_reads[src[i]]--;
+    for (int64_t i = 0; i < n; i++) dst_writes[dst[i]]--;
 }

@@ -6,10 +6,16 @@ may not read a block an in-flight job writes, nor write a block an in-flight job
 A returned job whose copies may still run (a remote call abandoned at its deadline) keeps its blocks
 as a *hold* until the worker learns that they stopped. Not thread-safe: the worker holds its lock
 around every call.
+
+:meth:`Bookkeeping.admit` checks a job and counts its blocks in one call into the native library
+where it is available (docs/design.md §16: the numpy calls of the checks cost the engine's thread
+more than the copy of a small job); on any failure the Python checks run and raise the precise
+error, and a job is uncounted the way it was counted.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import itertools
 from typing import Final
@@ -18,6 +24,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload import native
+from kvoffload._validate import check_pairs
 from kvoffload.errors import BlockConflictError
 from kvoffload.records import Direction
 
@@ -58,6 +66,7 @@ class _Job:
     direction: Direction
     reads: I64Array
     writes: I64Array
+    native: bool = False  # counted by the native library (uncounted by it too)
 
 
 #: Jobs of at most this many blocks are booked with scalar indexing (a few numpy calls on tiny
@@ -68,12 +77,50 @@ SCALAR_BOOKING_MAX: Final = 16
 class Bookkeeping:
     """In-flight readers and writers per block of each memory (the caller holds the lock)."""
 
-    def __init__(self, sizes: dict[Memory, int]) -> None:
+    def __init__(self, sizes: dict[Memory, int], *, native_checks: bool = True) -> None:
         self.reads = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
         self.writes = {m: np.zeros(n, dtype=np.int32) for m, n in sizes.items()}
         self.jobs: dict[int, _Job] = {}
         self.held: dict[int, tuple[int, _Job]] = {}  # hold token -> (job id, its blocks)
         self._tokens = itertools.count(1)
+        lib = native.available() if native_checks else None
+        self._admit = lib.kvo_admit if lib is not None else None
+        self._unadmit = lib.kvo_unadmit if lib is not None else None
+        # The counts' addresses (the arrays live as long as the bookkeeping) and, per destination
+        # memory, the duplicate check's scratch.
+        self._read_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.reads.items()}
+        self._write_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.writes.items()}
+        self._stamps: dict[Memory, tuple[I32Array, ctypes.c_void_p, ctypes.c_int64]] = {}
+
+    @property
+    def checks_pairs(self) -> bool:
+        """Whether :meth:`admit` checks the pairs itself (the caller then skips ``check_pairs``)."""
+        return self._admit is not None
+
+    def admit(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
+              read_name: str, write_name: str) -> None:
+        """:func:`~kvoffload._validate.check_pairs`, :meth:`check` and :meth:`add` in one call
+        (into the native library where it is available).
+
+        Raises (nothing counted): InvalidBlockIdError, BlockConflictError, as those checks.
+        """
+        admit = self._admit
+        if admit is not None and reads.shape[0] == writes.shape[0]:
+            source, target = SIDES[direction]
+            stamp = self._stamps.get(target)
+            if stamp is None:
+                array = np.zeros(self.reads[target].shape[0], dtype=np.int32)
+                stamp = self._stamps[target] = (array, ctypes.c_void_p(int(array.ctypes.data)),
+                                                ctypes.c_int64(0))
+            code = admit(reads.ctypes.data, writes.ctypes.data, reads.shape[0], self.reads[source].shape[0],
+                         self.reads[target].shape[0], self._write_at[source], self._read_at[source],
+                         self._read_at[target], self._write_at[target], stamp[1], ctypes.byref(stamp[2]))
+            if code < 0:
+                self.jobs[job_id] = _Job(direction, reads, writes, native=True)
+                return
+        check_pairs(reads, writes, read_name, write_name)
+        self.check(job_id, direction, reads, writes, read_name, write_name)
+        self.add(job_id, direction, reads, writes)
 
     def check(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
               read_name: str, write_name: str) -> None:
@@ -134,6 +181,11 @@ class Bookkeeping:
 
     def _uncount(self, job: _Job) -> None:
         source, target = SIDES[job.direction]
+        if job.native:
+            assert self._unadmit is not None
+            self._unadmit(job.reads.ctypes.data, job.writes.ctypes.data, job.reads.shape[0],
+                          self._read_at[source], self._write_at[target])
+            return
         _count(self.reads[source], job.reads, -1)
         _count(self.writes[target], job.writes, -1)
 

@@ -485,16 +485,24 @@ class Worker:
         from_memory, to_memory = SIDES[direction]
         src = as_block_ids(src_name, src_blocks, self._sizes[from_memory])
         dst = as_block_ids(dst_name, dst_blocks, self._sizes[to_memory])
-        check_pairs(src, dst, src_name, dst_name)
+        if not self._book.checks_pairs:
+            check_pairs(src, dst, src_name, dst_name)
         fence: object = None
         if self._pipeline is not None and direction in _PIPELINE_DIRECTIONS:
             fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError
         try:
             with self._lock:
                 self._drop_settled()
-                self._book.check(job, direction, src, dst, src_name, dst_name)
-                self._jobs.reserve(job, source)
-                self._book.add(job, direction, src, dst)
+                if job in self._book.jobs:  # an id in flight: refused as ever, nothing counted
+                    check_pairs(src, dst, src_name, dst_name)
+                    self._book.check(job, direction, src, dst, src_name, dst_name)
+                    self._jobs.reserve(job, source)  # raises JobIdError
+                self._book.admit(job, direction, src, dst, src_name, dst_name)  # pairs, conflicts
+                try:
+                    self._jobs.reserve(job, source)
+                except BaseException:
+                    self._book.remove(job)
+                    raise
         except BaseException:
             if fence is not None:
                 self._pipeline.release_fence(direction, fence)  # type: ignore[union-attr]

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 from kvoffload import (
     ArgumentTypeError,
+    BlockConflictError,
+    InvalidBlockIdError,
     CudaError,
     DeviceLayout,
     InvalidArgumentError,
@@ -38,6 +40,7 @@ from kvoffload.backends import native as native_backend
 from kvoffload.backends.native import NativeBackend, NativeLayerMarks
 from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
+from kvoffload.worker.booking import Bookkeeping, Memory
 from tests.unit._native_fake import COMPUTE, COPY, GRANULE, IDLE, KERNEL, FakeDriver, wait_until
 
 I64 = npt.NDArray[np.int64]
@@ -479,3 +482,46 @@ def test_native_error_names_the_failure() -> None:
     error = native_backend.native_error(1, "cuLaunchKernel")
     assert isinstance(error, CudaError) and "cuLaunchKernel" in str(error)
     assert ctypes.sizeof(native.Config) % 8 == 0
+
+
+# --------------------------------------------------------------------- the worker's admission check
+
+
+def _admit_outcome(book: Bookkeeping, job: int, direction: Direction, reads: I64, writes: I64) -> str:
+    try:
+        book.admit(job, direction, reads, writes, "src", "dst")
+    except (InvalidBlockIdError, BlockConflictError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "admitted"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(
+    st.sampled_from([Direction.STORE, Direction.LOAD, Direction.DEMOTE]),
+    st.lists(st.integers(0, 11), min_size=0, max_size=20),
+    st.lists(st.integers(0, 11), min_size=0, max_size=20),
+    st.booleans(),
+), min_size=1, max_size=25))
+def test_native_admission_admits_refuses_and_counts_as_the_python_checks(
+    jobs: list[tuple[Direction, list[int], list[int], bool]],
+) -> None:
+    sizes = {Memory.DEVICE: 12, Memory.HOST: 12, Memory.DISK: 12}
+    fast, slow = Bookkeeping(sizes), Bookkeeping(sizes, native_checks=False)
+    assert fast.checks_pairs and not slow.checks_pairs
+    for job, (direction, src, dst, finish_one) in enumerate(jobs):
+        n = min(len(src), len(dst)) if job % 5 else len(src)  # every fifth: lengths may differ
+        reads, writes = np.array(src[:n], dtype=np.int64), np.array(dst[: n if job % 5 else len(dst)],
+                                                                        dtype=np.int64)
+        assert _admit_outcome(fast, job, direction, reads, writes) == _admit_outcome(
+            slow, job, direction, reads, writes)
+        if finish_one and fast.jobs:
+            first = next(iter(fast.jobs))
+            fast.remove(first)
+            slow.remove(first)
+        for memory in sizes:  # a block is busy in one exactly when it is in the other
+            assert np.array_equal(fast.reads[memory] > 0, slow.reads[memory] > 0)
+            assert np.array_equal(fast.writes[memory] > 0, slow.writes[memory] > 0)
+    for job in list(fast.jobs):
+        fast.remove(job)
+    for memory in sizes:  # every count returns to zero, whatever each path counted
+        assert not fast.reads[memory].any() and not fast.writes[memory].any()
