@@ -162,6 +162,13 @@ class _Layered:
     registered: list[int] = attrs.Factory(list)
     unregistered: list[int] = attrs.Factory(list)
 
+    def submit(self, worker: WorkerLike, job: int, stream: object) -> None:
+        """Submit the load (layer by layer, after the work queued on ``stream``).
+
+        Raises: as ``load_by_layer`` (nothing is submitted then).
+        """
+        self.load = worker.load_by_layer(job, self.host_blocks, self.device_blocks, stream=stream)
+
 
 def _key(block_hash: int) -> bytes:
     return block_hash.to_bytes(_KEY_BYTES, "little", signed=False)
@@ -381,8 +388,7 @@ class _Session:
             if layered.load is not None:
                 continue
             try:
-                layered.load = worker.load_by_layer(job, layered.host_blocks, layered.device_blocks,
-                                                    stream=stream)
+                layered.submit(worker, job, stream)
             except kvoffload.KVOffloadError as exc:
                 refused.append((job, exc))
                 del self._layered[job]
@@ -649,8 +655,7 @@ class _Session:
         try:
             for job, layered in self._layered.items():
                 if layered.load is None:
-                    layered.load = worker.load_by_layer(job, layered.host_blocks, layered.device_blocks,
-                                                        stream=self._stream())
+                    layered.submit(worker, job, self._stream())
             for result in worker.wait(list(self._layered), timeout=timeout):
                 if result.ok:
                     self._landed.add(result.job_id)

@@ -198,8 +198,7 @@ class Offloader:
         nothing in a forward being captured (see :meth:`_before_forward`)."""
         if _capturing(stream):
             return
-        with self._lock:
-            session = self._session
+        session = self._session  # one read; the session takes the lock itself
         if session is not None:
             session.before_layer(layer, stream)
 
@@ -368,7 +367,7 @@ def offloading(
     handles = []
 
     def before_forward(module: torch.nn.Module, args: Any) -> None:
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        stream = _current_stream(device)
         offloader._compute_stream = stream
         offloader._before_forward(stream)
 
@@ -386,6 +385,11 @@ def offloading(
                 handle.remove()
 
 
+def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The engine's compute stream: the current stream of a CUDA device (None on the CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
 def _capturing(stream: object) -> bool:
     """Whether CUDA work on ``stream`` is being captured into a graph (False on the CPU)."""
     return stream is not None and torch.cuda.is_current_stream_capturing()
@@ -396,6 +400,6 @@ def _layer_hook(offloader: Offloader, layer: int, device: torch.device) -> Calla
     compute stream; None on the CPU) waits for that layer of the loads in flight."""
     def hook(module: torch.nn.Module, args: Any) -> None:
         if offloader._layered_in_flight():
-            offloader._before_layer(layer, torch.cuda.current_stream(device) if device.type == "cuda" else None)
+            offloader._before_layer(layer, _current_stream(device))
 
     return hook
