@@ -204,6 +204,21 @@ def test_dma_descriptors_merge_as_the_python_plan_merges_them(
         h.close()
 
 
+def test_a_long_dma_job_goes_to_the_driver_in_bounded_batches() -> None:
+    """The driver holds a lock through one batch call, and the caller's fence record waits for it:
+    a job of more copies than one batch takes is cut into several calls."""
+    plan = make_plan(Direction.STORE, [64] * 20)  # 20 pages in 20 allocations: nothing merges
+    h = Harness(Direction.STORE, "dma", plan)
+    try:
+        device, host = list(range(64)), list(range(63, -1, -1))
+        assert h.run(0, device, host).ok
+        batches = [c[2] for c in h.fake.of("cuMemcpyBatchAsync")]
+        assert sum(batches) == 64 * 20 and len(batches) == 2 and max(batches) == 1024
+        assert moved(h.fake, expected(plan, device, host)) == 0
+    finally:
+        h.close()
+
+
 def _last_before(calls: list[tuple[Any, ...]], index: int,
                  match: Callable[[tuple[Any, ...]], bool]) -> tuple[Any, ...] | None:
     found = [call for call in calls[:index] if match(call)]
