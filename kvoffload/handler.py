@@ -13,7 +13,9 @@ driver's per-page cost is paid there, with the GIL released in the driver). A jo
 (:data:`INLINE_ISSUE_MAX_DESCRIPTORS`) is issued on the caller's thread when nothing else is queued;
 a costlier one with nothing in flight, and a layered load's layer 0, are issued there as a *head*
 and the rest on the issuer thread: the link starts at once, the caller pays for one chunk or layer,
-and the head's result rides with the rest's (the job still completes as a whole).
+and the head's result rides with the rest's (the job still completes as a whole). A backend whose
+``hands_off`` is true (the native issuer, docs/design.md §16) only hands a job to a thread of its
+own: every job is issued whole on the caller's thread, never split.
 
 Jobs of one direction run in submission order, so they finish in it: completion pops finished
 transfers from the head only. A job that fails to issue or to complete comes back as a result with

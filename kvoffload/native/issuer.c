@@ -394,14 +394,28 @@ static int64_t *staged_order(struct kvo_issuer *is, const struct kvo_job *job) {
     return is->order;
 }
 
-static CUresult mark_wait(struct kvo_issuer *is, CUstream waiter, CUstream stream) {
-    CUevent ev;
+/* A plain event from the pool, recorded on `stream` (given back if the record fails). */
+static CUresult take_recorded(struct kvo_issuer *is, CUstream stream, CUevent *out) {
     pthread_mutex_lock(&is->mu);
-    CUresult r = pool_take(is, &is->plain, &ev);
+    CUresult r = pool_take(is, &is->plain, out);
     pthread_mutex_unlock(&is->mu);
     if (r) return r;
-    r = ((fn_event_record)is->c.event_record)(ev, stream);
-    if (!r) r = ((fn_stream_wait)is->c.stream_wait_event)(waiter, ev, 0);
+    r = ((fn_event_record)is->c.event_record)(*out, stream);
+    if (r) {
+        pthread_mutex_lock(&is->mu);
+        pool_give(is, &is->plain, *out);
+        pthread_mutex_unlock(&is->mu);
+    }
+    return r;
+}
+
+/* Make `waiter` wait for the work queued on `stream` so far (a stream wait captures the record it
+ * was enqueued after, so the event goes back at once). */
+static CUresult mark_wait(struct kvo_issuer *is, CUstream waiter, CUstream stream) {
+    CUevent ev;
+    CUresult r = take_recorded(is, stream, &ev);
+    if (r) return r;
+    r = ((fn_stream_wait)is->c.stream_wait_event)(waiter, ev, 0);
     pthread_mutex_lock(&is->mu);
     pool_give(is, &is->plain, ev);
     pthread_mutex_unlock(&is->mu);
@@ -494,14 +508,9 @@ static CUstream end_stream(const struct kvo_issuer *is, int64_t path) {
 static CUresult record_mark(struct kvo_issuer *is, struct kvo_job *job, int64_t layer,
                             CUstream stream) {
     CUevent ev;
+    CUresult r = take_recorded(is, stream, &ev);
     pthread_mutex_lock(&is->mu);
-    CUresult r = pool_take(is, &is->plain, &ev);
-    pthread_mutex_unlock(&is->mu);
-    if (r) return r;
-    r = ((fn_event_record)is->c.event_record)(ev, stream);
-    pthread_mutex_lock(&is->mu);
-    if (r) pool_give(is, &is->plain, ev);
-    else { job->marks[layer] = ev; job->marked = layer + 1; }
+    if (!r) { job->marks[layer] = ev; job->marked = layer + 1; }
     pthread_cond_broadcast(&is->done);
     pthread_mutex_unlock(&is->mu);
     return r;

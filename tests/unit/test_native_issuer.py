@@ -41,10 +41,10 @@ from kvoffload.backends.native import NativeBackend, NativeLayerMarks
 from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
+from tests.unit.test_staged_plan import plan_for
 from tests.unit._native_fake import COMPUTE, COPY, GRANULE, IDLE, KERNEL, FakeDriver, wait_until
 
 I64 = npt.NDArray[np.int64]
-HOST_BASE = 1 << 36
 SLOT_BASES = ((1 << 44), (1 << 44) + (1 << 30), (1 << 44) + (2 << 30))
 TIMEOUT_S = 30.0
 NUM_BLOCKS = 64
@@ -67,23 +67,11 @@ class Inner:
         self.released += 1
 
 
-def make_plan(direction: Direction, page_sizes: list[int], *, block_major: bool = False,
-              record: int | None = None, chunk_records: int = 5) -> CopyPlan:
-    """Pages in separate allocations, or one allocation with each block's pages back to back."""
-    padded = [(p + 15) // 16 * 16 for p in page_sizes]
-    offsets = np.cumsum([0] + padded[:-1]).astype(np.int64)
-    n = len(page_sizes)
-    if block_major:
-        dev_base = (1 << 40) + offsets
-        dev_stride = np.full(n, sum(padded), dtype=np.int64)
-        segment = np.zeros(n, dtype=np.int64)
-    else:
-        dev_base = np.array([(1 << 40) + i * (1 << 32) for i in range(n)], dtype=np.int64)
-        dev_stride = np.array(padded, dtype=np.int64)
-        segment = np.arange(n, dtype=np.int64)
-    pages = PageTable(dev_base=dev_base, dev_stride=dev_stride, nbytes=np.array(page_sizes, dtype=np.int64),
-                      host_offset=offsets, segment=segment, record_bytes=record or sum(padded))
-    return CopyPlan(pages, host_base=HOST_BASE, chunk_records=chunk_records, direction=direction)
+def make_plan(direction: Direction, page_sizes: list[int], *, block_major: bool = False) -> CopyPlan:
+    """The staged-plan tests' plan (pages in separate allocations, or one allocation with each
+    block's pages back to back), records exactly as long as the pages."""
+    return plan_for(direction, page_sizes, block_major=block_major,
+                    record=sum((p + 15) // 16 * 16 for p in page_sizes))
 
 
 class Harness:
