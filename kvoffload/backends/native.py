@@ -95,9 +95,14 @@ def _ns(seconds: float) -> int:
 
 class NativeTicket:
     """One job handed to the native issuer. Owns the ticket's reference to the job until
-    :meth:`release`. ``error`` is known once the job is done (the thread issues it later)."""
+    :meth:`release`. ``error`` is known once the job is done (the thread issues it later).
 
-    __slots__ = ("_lib", "_job", "error", "path", "_done", "_seconds", "_released", "_failure", "_times")
+    Thread-safe: a wait may block in the library while another thread finds the job done and
+    releases the ticket; the reference is dropped only once no call is inside the library (the job
+    must not be freed under a waiter)."""
+
+    __slots__ = ("_lib", "_job", "error", "path", "_done", "_seconds", "_released", "_failure",
+                 "_times", "_guard", "_users")
 
     def __init__(self, lib: ctypes.CDLL, job: int, path: str) -> None:
         self._lib = lib
@@ -109,23 +114,37 @@ class NativeTicket:
         self._released = False
         self._failure: BaseException | None = None
         self._times = (0.0, 0.0, 0.0, 0.0)
+        self._guard = threading.Lock()
+        self._users = 0  # calls inside the library
+
+    def _enter(self) -> bool:
+        """Count a call into the library; False once released (the job may be gone)."""
+        with self._guard:
+            if self._released:
+                return False
+            self._users += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._guard:
+            self._users -= 1
+            last = self._released and self._users == 0
+        if last:
+            self._lib.kvo_job_release(self._job)
 
     def _read(self) -> None:
-        """The job is done: take its outcome (raises what completion reported)."""
+        """The job is done: keep its outcome, its device time and its timeline."""
         out = (ctypes.c_int64 * 2)()
         seconds = ctypes.c_double(0.0)
         call = self._lib.kvo_job_result(self._job, out, ctypes.byref(seconds))
         self._times = self._fetch_times()
-        self._done = True
         self._seconds = seconds.value
         code, fail = int(out[0]), int(out[1])
-        if fail == native.FAIL_NONE:
-            return
-        error = native_error(code, call.decode() if call else "native issuer")
         if fail == native.FAIL_COMPLETION:
-            self._failure = error
-        else:
-            self.error = error
+            self._failure = native_error(code, call.decode() if call else "native issuer")
+        elif fail != native.FAIL_NONE:
+            self.error = native_error(code, call.decode() if call else "native issuer")
+        self._done = True
 
     def _outcome(self) -> bool:
         if self._failure is not None:
@@ -135,28 +154,37 @@ class NativeTicket:
     def done(self) -> bool:
         """Whether the thread found the job complete; never blocks. Raises the completion's
         failure (at every call, as a failed event query does)."""
-        if not self._done and not self._released:
-            if self._lib.kvo_job_state(self._job) != native.JOB_DONE:
-                return False
-            self._read()
+        if not self._done and self._enter():
+            try:
+                if self._lib.kvo_job_state(self._job) != native.JOB_DONE:
+                    return False
+                self._read()
+            finally:
+                self._leave()
         return self._outcome()
 
     def wait(self, timeout_s: float) -> bool:
         """Block, without the GIL, until the thread found the job complete or ``timeout_s``
         passed; True when done. Raises as :meth:`done`."""
-        if not self._done and not self._released:
-            if not self._lib.kvo_job_wait(self._job, _ns(timeout_s)):
-                return False
-            self._read()
+        if not self._done and self._enter():
+            try:
+                if not self._lib.kvo_job_wait(self._job, _ns(timeout_s)):
+                    return False
+                self._read()
+            finally:
+                self._leave()
         return self._outcome()
 
     def times(self) -> tuple[float, float, float, float]:
         """When the job was handed over, its issue began, it was issued and found done
         (``time.monotonic()`` seconds; 0.0 for what has not happened yet; kept once the job is
         done, so also valid after :meth:`release`): where a job's time goes."""
-        if self._done or self._released:
+        if self._done or not self._enter():
             return self._times
-        return self._fetch_times()
+        try:
+            return self._fetch_times()
+        finally:
+            self._leave()
 
     def _fetch_times(self) -> tuple[float, float, float, float]:
         out = (ctypes.c_int64 * 4)()
@@ -168,9 +196,14 @@ class NativeTicket:
         return self._seconds if self.error is None else 0.0
 
     def release(self) -> None:
-        """Drop the ticket's reference (the job's events go back to the issuer's pools). Once."""
-        if not self._released:
+        """Drop the ticket's reference (the job's events go back to the issuer's pools) once no
+        call is inside the library. Once; later calls do nothing."""
+        with self._guard:
+            if self._released:
+                return
             self._released = True
+            last = self._users == 0
+        if last:
             self._lib.kvo_job_release(self._job)
 
 

@@ -355,6 +355,52 @@ def test_layers_are_marked_in_order_and_waited_for_on_the_given_stream(path: str
         h.close()
 
 
+class CountingLibrary:
+    """The library, with its job releases counted (what a ticket hands back, and when)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.releases = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def kvo_job_release(self, job: int) -> None:
+        self.releases += 1
+        self._lib.kvo_job_release(job)
+
+
+def test_a_ticket_released_under_a_waiter_keeps_its_job_until_the_wait_left_the_library() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan)
+    in_flight, queried = threading.Event(), threading.Event()
+    h.fake.gate["cuEventQuery"] = in_flight  # the job stays in flight: a waiter blocks in the library
+    h.fake.entered["cuEventQuery"] = queried
+    try:
+        fence = h.backend.fence(None)
+        ticket = h.backend.issue(plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
+        h.backend.release_fence(fence)
+        assert isinstance(ticket, native_backend.NativeTicket)
+        counting = CountingLibrary(ticket._lib)
+        ticket._lib = counting  # type: ignore[assignment]
+        outcome: list[bool] = []
+        waiter = threading.Thread(target=lambda: outcome.append(ticket.wait(TIMEOUT_S)))
+        waiter.start()
+        assert queried.wait(TIMEOUT_S) and wait_until(lambda: ticket._users == 1)
+        ticket.release()  # another thread is done with the job while the waiter is still inside
+        assert counting.releases == 0, "the job was released under a waiter"
+        del h.fake.gate["cuEventQuery"]
+        in_flight.set()
+        waiter.join(TIMEOUT_S)
+        assert outcome == [True] and counting.releases == 1  # the waiter, leaving, let it go
+        ticket.release()
+        assert counting.releases == 1
+    finally:
+        h.fake.gate.clear()
+        in_flight.set()
+        h.close()
+
+
 def test_completion_is_found_by_the_thread_and_signalled() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "sm", plan, not_ready=5)
