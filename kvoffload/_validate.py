@@ -16,6 +16,7 @@ from kvoffload.errors import BlockIdTypeError, InvalidBlockIdError
 __all__ = [
     "as_block_ids",
     "check_pairs",
+    "check_range",
     "find_duplicate",
 ]
 
@@ -24,12 +25,15 @@ I64Array = npt.NDArray[np.int64]
 _SHORT_IDS: Final = 16
 
 
-def as_block_ids(name: str, values: object, limit: int) -> I64Array:
+def as_block_ids(name: str, values: object, limit: int, *, ranged: bool = True) -> I64Array:
     """Convert block ids to an ``int64`` array and check every id is in ``[0, limit)``.
 
     Accepts a sequence of ints or a 1-D integer numpy array / torch tensor (anything numpy converts
     to a 1-D integer array); refuses bools, floats, strings and nested sequences. The result is
     always a new array: the caller may reuse its own buffer as soon as the call returns.
+    ``ranged=False`` skips the range check of a 1-D integer numpy array (an id past int64 reads as
+    a negative one): for a caller that checks the range itself and names a failure with
+    :func:`check_range`.
 
     Raises:
         BlockIdTypeError: not integers, or not one-dimensional.
@@ -39,7 +43,7 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
         ids = values.astype(np.int64)  # a copy, even of int64 ids
         # One reduction checks both bounds: a negative id (or a uint64 one past int64) reads as
         # a huge unsigned value. Errors are named by the general path below.
-        if ids.size == 0 or int(ids.view(np.uint64).max()) < limit:
+        if not ranged or ids.size == 0 or int(ids.view(np.uint64).max()) < limit:
             return ids
     if isinstance(values, (str, bytes)) or values is None:
         raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
@@ -84,6 +88,19 @@ def as_block_ids(name: str, values: object, limit: int) -> I64Array:
         i = int(np.flatnonzero((array < 0) | (array >= limit))[0])
         raise InvalidBlockIdError(_out_of_range(name, i, int(array[i]), limit))
     return np.array(array, dtype=np.int64)  # a copy: never a view of the caller's buffer
+
+
+def check_range(name: str, ids: I64Array, limit: int) -> None:
+    """Refuse an id of ``ids`` (an ``int64`` array of :func:`as_block_ids` with ``ranged=False``)
+    outside ``[0, limit)``.
+
+    Raises:
+        InvalidBlockIdError: naming the first such id.
+    """
+    bad = np.flatnonzero((ids < 0) | (ids >= limit))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidBlockIdError(_out_of_range(name, i, int(ids[i]), limit))
 
 
 def _out_of_range(name: str, index: int, value: int, limit: int) -> str:

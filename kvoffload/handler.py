@@ -141,6 +141,22 @@ class LayeredBackend(Backend, Protocol):
         marking each in ``marks`` once its copies are enqueued; never raises."""
 
 
+class HandsOffBackend(Backend, Protocol):
+    """A backend whose ``issue`` only hands the job to a thread of its own (docs/design.md §16):
+    cheap whatever the job's size, so the handler issues every job on the caller's thread, in
+    submit order, never splits one, and takes its own fences with :meth:`position`."""
+
+    hands_off: bool
+
+    def position(self, stream: object | None) -> object:
+        """A fence the next :meth:`~Backend.issue` on this thread records (with the hand-off), for
+        a job issued before the submit returns; given back with ``release_fence`` as any.
+
+        Raises:
+            DeviceMismatchError: ``stream`` is not a stream of the backend's device.
+        """
+
+
 @attrs.define(eq=False)
 class _Transfer:
     job_id: int
@@ -343,9 +359,10 @@ class DirectionHandler:
         assert backend is not None
         nbytes = int(src.shape[0]) * self._page_bytes
         owns_fence = fence is None
+        hands_off = getattr(backend, "hands_off", False)
         try:
-            if fence is None:
-                fence = backend.fence(stream)  # also for an empty job: it checks the stream argument
+            if fence is None:  # also for an empty job: it checks the stream argument
+                fence = backend.position(stream) if hands_off else backend.fence(stream)  # type: ignore[attr-defined]
         except DeviceMismatchError:
             raise
         except Exception as exc:  # a device fault: the job is reported failed, never dropped
@@ -357,20 +374,28 @@ class DirectionHandler:
             self._record(self._result(job_id, True, 0, 0.0, _EMPTY_PATH, None), layered)
             return
         transfer = _Transfer(job_id, src, dst, nbytes, fence, owns_fence)
-        pairs = int(src.shape[0])
         if layered is not None:
             transfer.layers, transfer.marks = layered
-            cost = 0  # issued here whenever it may be: its layers are waited for right away
-        else:
-            cost = backend.issue_cost(self._plan, pairs)
+        if hands_off:  # issued here, in submit order (docs/design.md §16): nothing to weigh
+            with self._lock:
+                self._fifo.append(transfer)
+                self._submitted += 1
+                self._pending += 1
+                self._issue_lock.acquire()  # taken under _lock: no later job can overtake this one
+            try:
+                self._issue(backend, transfer, None)
+            finally:
+                self._issue_lock.release()
+            return
+        pairs = int(src.shape[0])
+        cost = 0 if layered is not None else backend.issue_cost(self._plan, pairs)
+        # (a layered job is issued here whenever it may be: its layers are waited for right away)
         with self._lock:
             self._advance()
             idle = not self._fifo  # no job in flight: nothing for this one to overlap with
             here = self._pending == 0 and backend.can_issue_here()
             head = None
-            if getattr(backend, "hands_off", False):
-                pass  # the backend's issue only hands the job to a thread of its own: never split
-            elif here and layered is not None and len(layered[0]) > 1 and hasattr(backend, "issue_layers"):
+            if here and layered is not None and len(layered[0]) > 1 and hasattr(backend, "issue_layers"):
                 head = _Transfer(job_id, src, dst, 0, fence, False, head=True, layers=layered[0][:1],
                                  marks=layered[1])  # layer 0 here, the others on the thread
                 transfer.layers, transfer.first_layer = layered[0][1:], 1

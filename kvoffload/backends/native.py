@@ -41,6 +41,7 @@ from kvoffload.records import Direction
 
 __all__ = [
     "CONTROLS",
+    "GIVE_WAY_S",
     "POLL_MAX_S",
     "POLL_MIN_S",
     "STOP_TIMEOUT_S",
@@ -63,6 +64,10 @@ POLL_MAX_S: Final = 20e-6
 #: How long a wait for a job spins (without the GIL) before it blocks: waking a blocked thread costs
 #: tens of microseconds on some hosts, more than a short job's copy.
 WAIT_SPIN_S: Final = 2e-3
+#: The longest the issuer thread holds back its next driver call while a caller's thread is inside
+#: one of its own (the fence's record, a layer's stream wait): the driver serialises a context's
+#: calls, and a thread issuing call after call kept the engine's thread waiting behind several.
+GIVE_WAY_S: Final = 200e-6
 #: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
 STOP_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
@@ -134,10 +139,10 @@ class NativeTicket:
 
     def _read(self) -> None:
         """The job is done: keep its outcome, its device time and its timeline."""
-        out = (ctypes.c_int64 * 2)()
+        out = (ctypes.c_int64 * 6)()
         seconds = ctypes.c_double(0.0)
         call = self._lib.kvo_job_result(self._job, out, ctypes.byref(seconds))
-        self._times = self._fetch_times()
+        self._times = (out[2] / 1e9, out[3] / 1e9, out[4] / 1e9, out[5] / 1e9)
         self._seconds = seconds.value
         code, fail = int(out[0]), int(out[1])
         if fail == native.FAIL_COMPLETION:
@@ -211,12 +216,16 @@ class NativeFence:
     """A compute-stream position taken by the native issuer. Owns its taker's reference until
     :meth:`NativeBackend.release_fence`; each job handed over with it holds one more until the
     thread enqueued its stream wait, so giving it back early never lets a job wait for a later
-    record."""
+    record.
 
-    __slots__ = ("pointer", "_released")
+    A fence of :meth:`NativeBackend.position` (``pointer`` 0) is not recorded yet: the hand-off
+    records it on ``stream`` in the same call into the library, and the job is its only taker."""
 
-    def __init__(self, pointer: int) -> None:
+    __slots__ = ("pointer", "stream", "_released")
+
+    def __init__(self, pointer: int, stream: int = 0) -> None:
         self.pointer = pointer
+        self.stream = stream
         self._released = False
 
 
@@ -371,14 +380,12 @@ class NativeBackend:
         self._single: dict[tuple[CopyPlan, bool], int] = {}
         self._lock = threading.Lock()
         self._released = False
-        # The hand-off's arguments, built once: ctypes converts nothing per call.
-        self._submit_packed = lib.kvo_submit_packed
+        # The hand-off's fixed arguments, built once: ctypes converts them at no call.
+        self._hand_off = lib.kvo_hand_off
         self._fence_take = lib.kvo_fence_take
         self._issuer_arg = ctypes.c_void_p(issuer)
         self._error = ctypes.c_int64(0)
         self._error_arg = ctypes.byref(self._error)
-        self._packed = np.zeros(native.PACKED_HEADER + 2 * 256, dtype=np.int64)
-        self._packed_arg = ctypes.c_void_p(int(self._packed.ctypes.data))
 
     @classmethod
     def start(
@@ -466,6 +473,7 @@ class NativeBackend:
         c.poll_max_ns = _ns(POLL_MAX_S)
         c.controls = CONTROLS
         c.wait_spin_ns = _ns(WAIT_SPIN_S)
+        c.give_way_ns = _ns(GIVE_WAY_S)
         return cls.start(
             inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over
             path_names={name: path.name for name, path in inner.paths.items()}, tables=tables,
@@ -507,9 +515,20 @@ class NativeBackend:
             raise native_error(int(error.value), "cuEventRecord")
         return NativeFence(int(pointer))
 
+    def position(self, stream: object | None) -> NativeFence:
+        """The fence of a job handed over right away on this thread (the handler's own fence of a
+        job): the stream is checked now and the hand-off records the fence in the same call into
+        the library, one call instead of three (take, hand over, give back).
+
+        Raises:
+            DeviceMismatchError: a stream of another device, or not a stream.
+        """
+        return NativeFence(0, self.stream_handle(stream))
+
     def release_fence(self, fence: object) -> None:
-        """Drop the taker's reference to a fence of :meth:`fence` (once)."""
-        if isinstance(fence, NativeFence) and not fence._released:  # noqa: SLF001 - its owner
+        """Drop the taker's reference to a fence of :meth:`fence` (once; nothing for one of
+        :meth:`position`, which the job took)."""
+        if isinstance(fence, NativeFence) and fence.pointer and not fence._released:  # noqa: SLF001 - its owner
             fence._released = True  # noqa: SLF001
             self.lib.kvo_fence_release(self._issuer, fence.pointer)
 
@@ -555,27 +574,20 @@ class NativeBackend:
                 plans_address = self._plan_array(plans, whole=marks is None)
             except Exception as exc:  # nothing was handed over: the job fails at once
                 return FailedTicket(exc)
-            packed = self._packed
-            if packed.shape[0] < native.PACKED_HEADER + 2 * n:
-                packed = self._grow_packed(n)
-            packed[: native.PACKED_HEADER] = (_PATHS[name], n, len(plans), first, int(marks is not None),
-                                              fence.pointer, plans_address)
-            packed[native.PACKED_HEADER : native.PACKED_HEADER + n] = device
-            packed[native.PACKED_HEADER + n : native.PACKED_HEADER + 2 * n] = host
-            job = self._submit_packed(self._issuer_arg, self._packed_arg, self._error_arg)
+            args = (self._issuer_arg, fence.stream, fence.pointer, _PATHS[name], n, native.address(device),
+                    native.address(host), len(plans), plans_address, first, int(marks is not None),
+                    self._error_arg)
+            if fence.pointer or not self.switches_device():
+                job = self._hand_off(*args)
+            else:  # the fence is recorded in the call: with this backend's device current
+                with torch.cuda.device(self.index):
+                    job = self._hand_off(*args)
             code = self._error.value
         if not job:
-            return FailedTicket(native_error(int(code), "native hand-off"))
+            return FailedTicket(native_error(int(code), "cuEventRecord" if code > 0 else "native hand-off"))
         if marks is not None:
             marks.attach(int(job))
         return NativeTicket(self.lib, int(job), self._path_names[name])
-
-    def _grow_packed(self, pairs: int) -> I64Array:
-        """A hand-off array for ``pairs`` pairs (caller holds the lock)."""
-        self._packed = np.zeros(native.PACKED_HEADER + 2 * max(pairs, 2 * self._packed.shape[0]),
-                                dtype=np.int64)
-        self._packed_arg = ctypes.c_void_p(int(self._packed.ctypes.data))
-        return self._packed
 
     def _plan_array(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> int:
         """The address of a C array of the library's plans for ``plans`` (each registered once;

@@ -26,6 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
+
 from kvoffload.errors import NativeBuildError
 
 __all__ = [
@@ -38,7 +41,6 @@ __all__ = [
     "FAIL_PARTLY",
     "JOB_DONE",
     "NO_MEMORY",
-    "PACKED_HEADER",
     "PATH_DMA",
     "PATH_SM",
     "PATH_STAGED",
@@ -48,6 +50,7 @@ __all__ = [
     "TIMEOUT",
     "Config",
     "PlanSpec",
+    "address",
     "available",
     "cache_dir",
     "library",
@@ -75,8 +78,6 @@ RELEASED: Final = -3
 ABANDONED: Final = -4
 RECORD_TOO_BIG: Final = -5
 TIMEOUT: Final = -6
-#: Fields of kvo_submit_packed's array before the block ids.
-PACKED_HEADER: Final = 7
 #: CONTROL ONLY: a staging slot is rewritten without waiting for its last read (rule 5 broken on
 #: purpose, for the tests that prove the rule).
 CONTROL_SKIP_SLOT_WAIT: Final = 1
@@ -98,7 +99,7 @@ class Config(ctypes.Structure):
         ("store", _i64), ("sm_ctas", _i64), ("staged_ctas", _i64),
         ("slots", _i64), ("slot_bytes", _i64), ("slot_bases", _p),
         ("poll_min_ns", _i64), ("poll_max_ns", _i64), ("controls", _i64),
-        ("wait_spin_ns", _i64),
+        ("wait_spin_ns", _i64), ("give_way_ns", _i64),
     ]
 
 
@@ -114,6 +115,12 @@ class PlanSpec(ctypes.Structure):
         ("kseg", _i64), ("kseg_rows", _i64), ("cseg", _i64), ("cseg_rows", _i64),
         ("pitch", _i64), ("runs", _i64), ("run_offset", _p), ("run_size", _p),
     ]
+
+
+def address(ids: npt.NDArray[np.int64]) -> int:
+    """The address of a writable, contiguous, non-empty id array's first element, for a call into
+    the library: cheaper than ``ids.ctypes.data``, which builds an object per call."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(ids))  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def cache_dir() -> Path:
@@ -206,7 +213,7 @@ def library() -> ctypes.CDLL:
         "kvo_plan_free": ([p], None),
         "kvo_fence_take": ([p, p, pi64], p),
         "kvo_fence_release": ([p, p], None),
-        "kvo_submit_packed": ([p, p, p], p),
+        "kvo_hand_off": ([p, p, p, i64, i64, p, p, i64, p, i64, i64, pi64], p),
         "kvo_job_state": ([p], i64),
         "kvo_job_wait": ([p, i64], i64),
         "kvo_job_result": ([p, pi64, ctypes.POINTER(ctypes.c_double)], ctypes.c_char_p),

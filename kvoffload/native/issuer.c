@@ -2,7 +2,8 @@
  * job's copies and finds their completion without Python's GIL, and the worker's admission check of
  * a job's block ids (docs/design.md §16).
  *
- * Python hands a job over with one call (kvo_submit: the block ids are copied here) and returns.
+ * Python hands a job over with one call (kvo_hand_off: the block ids are copied here, and the
+ * caller's fence is recorded in the same call unless the caller took one) and returns.
  * The thread, blocked on a condition variable until then, plans the job (the copy kernel's launch
  * parameters, batched-DMA descriptors merged where they continue each other, staged chunks rotating
  * over the staging ring), enqueues it behind the caller's fence on the direction's streams through
@@ -10,7 +11,7 @@
  * that event (cuEventQuery, short sleeps with a 1 us timer slack) until it completes; waiters on a
  * condition variable are woken at once. No CUDA header is needed: the few types are declared here.
  *
- * Ownership: the issuer owns its thread, its event pools and every job from kvo_submit until the
+ * Ownership: the issuer owns its thread, its event pools and every job from kvo_hand_off until the
  * last of its references (the thread's, the ticket's, the layer marks') is dropped. A fence is owned
  * by its references: its taker's and each job's until that job's stream wait was enqueued. The
  * issuer's memory goes when its owner (Python) and every job have let go (kvo_issuer_free after
@@ -20,6 +21,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,6 +95,7 @@ struct kvo_config {
     int64_t poll_min_ns, poll_max_ns;
     int64_t controls;    /* CONTROL ONLY (tests that prove a rule): CONTROL_SKIP_SLOT_WAIT */
     int64_t wait_spin_ns; /* how long kvo_job_wait spins before it blocks */
+    int64_t give_way_ns;  /* the longest the thread gives way to one caller's driver call */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -154,6 +157,7 @@ struct kvo_issuer {
     pthread_cond_t work, done;
     struct kvo_job *queue_head, *queue_tail, *flight_head, *flight_tail;
     int64_t stop, exited, started, refs, ctx_error;
+    atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
     /* thread-only state */
     CUstream last_end;
@@ -186,6 +190,32 @@ static void cond_init(pthread_cond_t *cond) {
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
     pthread_cond_init(cond, &attr);
     pthread_condattr_destroy(&attr);
+}
+
+/* The thread gives way to a caller's driver call (the fence's record, a layer's stream wait) before
+ * each of its own: the driver serialises the calls of one context, and a thread that issues call
+ * after call would keep the caller's thread (the engine's) waiting behind several of them. The wait
+ * is bounded: a caller stalled inside its call delays the issue by the config's give_way_ns at most. */
+static void give_way(struct kvo_issuer *is) {
+    if (!atomic_load_explicit(&is->callers, memory_order_acquire)) return;
+    int64_t until = now_ns() + is->c.give_way_ns;
+    while (atomic_load_explicit(&is->callers, memory_order_acquire) && now_ns() < until) cpu_relax();
+}
+
+/* A caller's thread enters (1) or leaves (-1) a driver call of its own. */
+static void caller_call(struct kvo_issuer *is, int delta) {
+    atomic_fetch_add_explicit(&is->callers, delta, memory_order_acq_rel);
+}
+
+/* The thread's driver calls that enqueue work: each gives way first. */
+static CUresult record_on(struct kvo_issuer *is, CUevent ev, CUstream stream) {
+    give_way(is);
+    return ((fn_event_record)is->c.event_record)(ev, stream);
+}
+
+static CUresult wait_on(struct kvo_issuer *is, CUstream stream, CUevent ev) {
+    give_way(is);
+    return ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0);
 }
 
 static int64_t *copy_i64(const int64_t *src, int64_t n) {
@@ -274,6 +304,7 @@ static CUresult launch_rows(struct kvo_issuer *is, int64_t table, int64_t table_
             p->ids[i] = dev[start + i];
             p->ids[width + i] = host ? host[start + i] : (start + i) * host_step;
         }
+        give_way(is);
         CUresult r = ((fn_launch)is->c.launch)(is->c.functions[f], (unsigned)ctas, 1, 1,
                                                (unsigned)is->c.threads, 1, 1, 0, stream,
                                                p->pointers, 0);
@@ -324,6 +355,7 @@ static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream strea
     if (count == 1 || !is->c.memcpy_batch) {
         *call = "cuMemcpyAsync";
         for (size_t i = 0; i < count; i++) {
+            give_way(is);
             CUresult r = ((fn_memcpy)is->c.memcpy_async)(is->d_dst[i], is->d_src[i], is->d_size[i],
                                                           stream);
             if (r) return r;
@@ -335,6 +367,7 @@ static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream strea
     for (size_t start = 0; start < count; start += BATCH_MAX) {
         size_t n = count - start < BATCH_MAX ? count - start : BATCH_MAX;
         CUresult r;
+        give_way(is);
         if (is->c.batch_abi >= ABI_13)
             r = ((fn_batch13)is->c.memcpy_batch)(is->d_dst + start, is->d_src + start,
                                                   is->d_size + start, n, is->c.batch_attrs, &zero,
@@ -400,7 +433,7 @@ static CUresult take_recorded(struct kvo_issuer *is, CUstream stream, CUevent *o
     CUresult r = pool_take(is, &is->plain, out);
     pthread_mutex_unlock(&is->mu);
     if (r) return r;
-    r = ((fn_event_record)is->c.event_record)(*out, stream);
+    r = record_on(is, *out, stream);
     if (r) {
         pthread_mutex_lock(&is->mu);
         pool_give(is, &is->plain, *out);
@@ -415,7 +448,7 @@ static CUresult mark_wait(struct kvo_issuer *is, CUstream waiter, CUstream strea
     CUevent ev;
     CUresult r = take_recorded(is, stream, &ev);
     if (r) return r;
-    r = ((fn_stream_wait)is->c.stream_wait_event)(waiter, ev, 0);
+    r = wait_on(is, waiter, ev);
     pthread_mutex_lock(&is->mu);
     pool_give(is, &is->plain, ev);
     pthread_mutex_unlock(&is->mu);
@@ -437,7 +470,6 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
     *call = "malloc";
     if (!dev) return KVO_NO_MEMORY;
     CUresult r = 0;
-    fn_event_record record = (fn_event_record)is->c.event_record;
     fn_stream_wait wait = (fn_stream_wait)is->c.stream_wait_event;
     for (int64_t start = 0; start < job->n && !r; start += rows_per_slot) {
         int64_t rows = job->n - start < rows_per_slot ? job->n - start : rows_per_slot;
@@ -469,24 +501,24 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
             if ((r = launch_rows(is, p->cseg, p->cseg_rows, dev, 0, 1, rows, base, p->pitch, 1,
                                  is->c.staged_ctas, kernel, call))) break;
             *call = "cuEventRecord";
-            if ((r = record(is->filled[slot], kernel))) break;
+            if ((r = record_on(is, is->filled[slot], kernel))) break;
             *call = "cuStreamWaitEvent";
             if ((r = wait(copy, is->filled[slot], 0))) break;
             if ((r = issue_copies(is, count, copy, call))) break;
             *call = "cuEventRecord";
-            if ((r = record(is->drained[slot], copy))) break;
+            if ((r = record_on(is, is->drained[slot], copy))) break;
         } else {
             *call = "cuStreamWaitEvent";
             if (reuse_wait && (r = wait(copy, is->drained[slot], 0))) break;
             if ((r = issue_copies(is, count, copy, call))) break;
             *call = "cuEventRecord";
-            if ((r = record(is->filled[slot], copy))) break;
+            if ((r = record_on(is, is->filled[slot], copy))) break;
             *call = "cuStreamWaitEvent";
             if ((r = wait(kernel, is->filled[slot], 0))) break;
             if ((r = launch_rows(is, p->cseg, p->cseg_rows, dev, 0, 1, rows, base, p->pitch, 0,
                                  is->c.staged_ctas, kernel, call))) break;
             *call = "cuEventRecord";
-            if ((r = record(is->drained[slot], kernel))) break;
+            if ((r = record_on(is, is->drained[slot], kernel))) break;
         }
     }
     free(dev);
@@ -526,7 +558,6 @@ static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
     CUstream own = own_stream(is, path), other = path == PATH_DMA ? is->c.kernel_stream : is->c.copy_stream;
     CUstream stream_end = end_stream(is, path);
     int store = (int)is->c.store;
-    fn_event_record record = (fn_event_record)is->c.event_record;
     if (is->ctx_error) { job->error = is->ctx_error; job->error_call = "cuCtxSetCurrent"; job->fail = FAIL_NOTHING; return; }
     pthread_mutex_lock(&is->mu);
     r = pool_take(is, &is->timing, &job->start);
@@ -542,8 +573,8 @@ static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
     CUstream fenced = path == PATH_DMA ? is->c.copy_stream : is->c.kernel_stream;
     CUstream started = (path == PATH_STAGED && !store) ? is->c.copy_stream : fenced;
     call = "cuStreamWaitEvent";
-    r = ((fn_stream_wait)is->c.stream_wait_event)(fenced, job->fence->event, 0);
-    if (!r) { call = "cuEventRecord"; r = record(job->start, started); }
+    r = wait_on(is, fenced, job->fence->event);
+    if (!r) { call = "cuEventRecord"; r = record_on(is, job->start, started); }
     pthread_mutex_lock(&is->mu);
     fence_unref(is, job->fence); /* the wait was enqueued: it captured the record */
     job->fence = 0;
@@ -573,7 +604,7 @@ static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
     /* A load of the staged path ends on the kernel stream: no DMA of a failed chunk after the end. */
     CUresult end_error = 0;
     if (path == PATH_STAGED && !store) end_error = mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
-    if (!end_error) end_error = record(job->end, stream_end);
+    if (!end_error) end_error = record_on(is, job->end, stream_end);
     if (end_error && !issue_error) { issue_error = end_error; issue_call = "cuEventRecord"; }
     if (issue_error) { job->error = issue_error; job->error_call = issue_call; }
     if (end_error) { job->fail = FAIL_NOTHING; return; } /* nothing to wait for: done at once */
@@ -649,6 +680,7 @@ static void *run(void *arg) {
             }
             CUevent end = job->end;
             pthread_mutex_unlock(&is->mu);
+            give_way(is);
             CUresult q = ((fn_event_query)is->c.event_query)(end);
             float ms = 0.0f;
             if (q == 0 && job->fail == FAIL_NONE && is->c.event_elapsed)
@@ -807,9 +839,11 @@ struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *e
     CUresult r = is->exited ? KVO_RELEASED : pool_take(is, &is->plain, &fence->event);
     pthread_mutex_unlock(&is->mu);
     if (!r) {
+        caller_call(is, 1);
         r = ((fn_event_record)is->c.event_record)(fence->event, stream);
         if (r == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
             r = ((fn_event_record)is->c.event_record)(fence->event, stream);
+        caller_call(is, -1);
         if (r) { pthread_mutex_lock(&is->mu); pool_give(is, &is->plain, fence->event); pthread_mutex_unlock(&is->mu); }
     }
     *error = r;
@@ -825,12 +859,20 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
     pthread_mutex_unlock(&is->mu);
 }
 
-/* Hand a job to the thread (through kvo_submit_packed). dev_ids/host_ids (n each) are copied; plans (nplans) must outlive the
- * thread. Returns the job (two references: the thread's and the caller's, plus one for the layer
- * marks when layered) or NULL: no memory (*error KVO_NO_MEMORY) or a stopped issuer. */
-static struct kvo_job *kvo_submit(struct kvo_issuer *is, int64_t path, int64_t n, const int64_t *dev_ids,
-                           const int64_t *host_ids, int64_t nplans, struct kvo_plan *const *plans,
-                           int64_t first, int64_t layered, struct kvo_fence *fence, int64_t *error) {
+static void job_free(struct kvo_job *job) {
+    free(job->dev_ids); free(job->host_ids); free(job->plans); free(job->marks); free(job);
+}
+
+/* Hand a job to the thread, in one call from the caller's thread: behind `fence` (a fence of
+ * kvo_fence_take, which keeps its taker's reference), or, when `fence` is NULL, behind a fence
+ * recorded on `stream` here (its only taker is the job). dev_ids/host_ids (n each) are copied;
+ * plans (nplans) must outlive the thread. Returns the job (two references: the thread's and the
+ * caller's, plus one for the layer marks when layered) or NULL with *error set: no memory
+ * (KVO_NO_MEMORY), a stopped issuer (KVO_RELEASED) or the fence's record failed (its CUresult). */
+struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fence *fence, int64_t path,
+                             int64_t n, const int64_t *dev_ids, const int64_t *host_ids, int64_t nplans,
+                             struct kvo_plan *const *plans, int64_t first, int64_t layered,
+                             int64_t *error) {
     struct kvo_job *job = calloc(1, sizeof(*job));
     *error = KVO_NO_MEMORY;
     if (!job) return 0;
@@ -839,41 +881,39 @@ static struct kvo_job *kvo_submit(struct kvo_issuer *is, int64_t path, int64_t n
     job->plans = malloc((size_t)(nplans > 0 ? nplans : 1) * sizeof(*job->plans));
     job->marks = layered ? calloc((size_t)(first + nplans + 1), sizeof(CUevent)) : 0;
     if (!job->dev_ids || !job->host_ids || !job->plans || (layered && !job->marks)) {
-        free(job->dev_ids); free(job->host_ids); free(job->plans); free(job->marks); free(job);
+        job_free(job);
         return 0;
     }
     memcpy(job->plans, plans, (size_t)nplans * sizeof(*plans));
     job->issuer = is;
     job->path = path; job->n = n; job->nplans = nplans; job->first = first; job->layered = layered;
     job->marked = first; /* layers before `first` belong to another part: nothing to wait for */
-    job->fence = fence;
     job->refs = layered ? 3 : 2;
+    int own = fence == 0;
+    if (own && !(fence = kvo_fence_take(is, stream, error))) {
+        job_free(job);
+        return 0;
+    }
+    job->fence = fence;
     job->times[0] = now_ns();
     pthread_mutex_lock(&is->mu);
     if (is->stop || is->exited) {
+        if (own) fence_unref(is, fence);
         pthread_mutex_unlock(&is->mu);
         *error = KVO_RELEASED;
-        free(job->dev_ids); free(job->host_ids); free(job->plans); free(job->marks); free(job);
+        job_free(job);
         return 0;
     }
-    fence->refs++;
+    if (!own) fence->refs++; /* a taken fence keeps its taker's reference; an own one is the job's */
     is->refs++;
     if (is->queue_tail) is->queue_tail->next = job; else is->queue_head = job;
     is->queue_tail = job;
-    pthread_cond_signal(&is->work);
     pthread_mutex_unlock(&is->mu);
+    /* Signalled after the unlock: the woken thread does not wait for the caller's mutex. The issuer
+     * outlives the call (its owner holds a reference). */
+    pthread_cond_signal(&is->work);
     *error = 0;
     return job;
-}
-
-/* kvo_submit with its arguments in one int64 array (what Python fills with a few numpy stores,
- * then hands over in one call of three arguments): [path, n, nplans, first, layered, fence, plans,
- * dev_ids[n], host_ids[n]]. */
-struct kvo_job *kvo_submit_packed(struct kvo_issuer *is, const int64_t *packed, int64_t *error) {
-    int64_t n = packed[1];
-    return kvo_submit(is, packed[0], n, packed + 7, packed + 7 + n, packed[2],
-                      (struct kvo_plan *const *)(uintptr_t)packed[6], packed[3], packed[4],
-                      (struct kvo_fence *)(uintptr_t)packed[5], error);
 }
 
 /* 0 queued, 1 issued (in flight), 2 done. */
@@ -906,13 +946,15 @@ int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
     return done;
 }
 
-/* A done job's outcome: out[0] the error code (0: none), out[1] the kind of failure; *seconds the
- * device time between its start and end events; the failed call's name is returned. */
+/* A done job's outcome: out[0] the error code (0: none), out[1] the kind of failure, out[2..5] its
+ * times (as kvo_job_times); *seconds the device time between its start and end events; the failed
+ * call's name is returned. */
 const char *kvo_job_result(struct kvo_job *job, int64_t *out, double *seconds) {
     struct kvo_issuer *is = job->issuer;
     pthread_mutex_lock(&is->mu);
     out[0] = job->error;
     out[1] = job->fail;
+    memcpy(out + 2, job->times, sizeof(job->times));
     *seconds = job->seconds;
     const char *call = job->error_call ? job->error_call : "";
     pthread_mutex_unlock(&is->mu);
@@ -949,9 +991,11 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
         if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
     if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
     else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) {
+        caller_call(is, 1);
         code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
         if (code == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
             code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
+        caller_call(is, -1);
     }
     pthread_mutex_unlock(&is->mu);
     return code;

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload import native
-from kvoffload._validate import check_pairs
+from kvoffload._validate import check_pairs, check_range
 from kvoffload.errors import BlockConflictError
 from kvoffload.records import Direction
 
@@ -91,10 +91,12 @@ class Bookkeeping:
         self._read_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.reads.items()}
         self._write_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.writes.items()}
         self._stamps: dict[Memory, tuple[I32Array, ctypes.c_void_p, ctypes.c_int64]] = {}
+        self._admit_args: dict[Direction, tuple[object, ...]] = {}  # kvo_admit's after the ids
 
     @property
     def checks_pairs(self) -> bool:
-        """Whether :meth:`admit` checks the pairs itself (the caller then skips ``check_pairs``)."""
+        """Whether :meth:`admit` checks the pairs and the ids' range itself (the caller then skips
+        ``check_pairs`` and may pass ids of ``as_block_ids(..., ranged=False)``)."""
         return self._admit is not None
 
     def admit(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
@@ -105,22 +107,34 @@ class Bookkeeping:
         Raises (nothing counted): InvalidBlockIdError, BlockConflictError, as those checks.
         """
         admit = self._admit
-        if admit is not None and reads.shape[0] == writes.shape[0]:
-            source, target = SIDES[direction]
-            stamp = self._stamps.get(target)
-            if stamp is None:
-                array = np.zeros(self.reads[target].shape[0], dtype=np.int32)
-                stamp = self._stamps[target] = (array, ctypes.c_void_p(int(array.ctypes.data)),
-                                                ctypes.c_int64(0))
-            code = admit(reads.ctypes.data, writes.ctypes.data, reads.shape[0], self.reads[source].shape[0],
-                         self.reads[target].shape[0], self._write_at[source], self._read_at[source],
-                         self._read_at[target], self._write_at[target], stamp[1], ctypes.byref(stamp[2]))
-            if code < 0:
+        n = reads.shape[0]
+        if admit is not None and n == writes.shape[0] and n:
+            args = self._admit_args.get(direction) or self._native_args(direction)
+            if admit(native.address(reads), native.address(writes), n, *args) < 0:
                 self.jobs[job_id] = _Job(direction, reads, writes, native=True)
                 return
+        source, target = SIDES[direction]
+        if admit is not None:  # the ids may be unranged (see checks_pairs)
+            check_range(read_name, reads, self.reads[source].shape[0])
+            check_range(write_name, writes, self.reads[target].shape[0])
         check_pairs(reads, writes, read_name, write_name)
         self.check(job_id, direction, reads, writes, read_name, write_name)
         self.add(job_id, direction, reads, writes)
+
+    def _native_args(self, direction: Direction) -> tuple[object, ...]:
+        """kvo_admit's arguments after the ids for a job of ``direction``, built once: the limits,
+        the counts' addresses and the destination memory's duplicate-check scratch."""
+        source, target = SIDES[direction]
+        stamp = self._stamps.get(target)
+        if stamp is None:
+            array = np.zeros(self.reads[target].shape[0], dtype=np.int32)
+            stamp = self._stamps[target] = (array, ctypes.c_void_p(int(array.ctypes.data)),
+                                            ctypes.c_int64(0))
+        args = self._admit_args[direction] = (
+            self.reads[source].shape[0], self.reads[target].shape[0], self._write_at[source],
+            self._read_at[source], self._read_at[target], self._write_at[target], stamp[1],
+            ctypes.byref(stamp[2]))
+        return args
 
     def check(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
               read_name: str, write_name: str) -> None:
@@ -183,7 +197,7 @@ class Bookkeeping:
         source, target = SIDES[job.direction]
         if job.native:
             assert self._unadmit is not None
-            self._unadmit(job.reads.ctypes.data, job.writes.ctypes.data, job.reads.shape[0],
+            self._unadmit(native.address(job.reads), native.address(job.writes), job.reads.shape[0],
                           self._read_at[source], self._write_at[target])
             return
         _count(self.reads[source], job.reads, -1)

@@ -44,13 +44,14 @@ import torch
 
 from kvoffload._jobs import JobSource, as_job_id, as_timeout
 from kvoffload._layer_load import LayerLoad, LayerMarks
-from kvoffload._validate import as_block_ids, check_pairs
+from kvoffload._validate import as_block_ids, check_pairs, check_range
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner
 from kvoffload.disk.config import DiskCapabilities, DiskConfig, DiskRecordInfo, DiskStats
 from kvoffload.errors import (
     ArgumentTypeError,
     ClosedError,
     InvalidArgumentError,
+    InvalidBlockIdError,
     ShutdownError,
     warn_on_del,
 )
@@ -484,9 +485,12 @@ class Worker:
             submit = submit_as
         job = as_job_id(job_id)
         from_memory, to_memory = SIDES[direction]
-        src = as_block_ids(src_name, src_blocks, self._sizes[from_memory])
-        dst = as_block_ids(dst_name, dst_blocks, self._sizes[to_memory])
-        if not self._book.checks_pairs:
+        # The native admission checks the ids' range (and pairs) itself, in the same call.
+        ranged = not self._book.checks_pairs
+        src_limit, dst_limit = self._sizes[from_memory], self._sizes[to_memory]
+        src = as_block_ids(src_name, src_blocks, src_limit, ranged=ranged)
+        dst = as_block_ids(dst_name, dst_blocks, dst_limit, ranged=ranged)
+        if ranged:
             check_pairs(src, dst, src_name, dst_name)
         fence: object = None
         if self._pipeline is not None and direction in _PIPELINE_DIRECTIONS:
@@ -494,11 +498,19 @@ class Worker:
         try:
             with self._lock:
                 self._drop_settled()
-                if job in self._book.jobs:  # an id in flight: refused as ever, nothing counted
-                    check_pairs(src, dst, src_name, dst_name)
-                    self._book.check(job, direction, src, dst, src_name, dst_name)
-                    self._jobs.reserve(job, source)  # raises JobIdError
-                self._book.admit(job, direction, src, dst, src_name, dst_name)  # pairs, conflicts
+                try:
+                    if job in self._book.jobs:  # an id in flight: refused as ever, nothing counted
+                        check_range(src_name, src, src_limit)
+                        check_range(dst_name, dst, dst_limit)
+                        check_pairs(src, dst, src_name, dst_name)
+                        self._book.check(job, direction, src, dst, src_name, dst_name)
+                        self._jobs.reserve(job, source)  # raises JobIdError
+                    self._book.admit(job, direction, src, dst, src_name, dst_name)  # pairs, conflicts
+                except InvalidBlockIdError:
+                    if not ranged:  # an id past int64 is named by its own value, as ever
+                        as_block_ids(src_name, src_blocks, src_limit)
+                        as_block_ids(dst_name, dst_blocks, dst_limit)
+                    raise
                 try:
                     self._jobs.reserve(job, source)
                 except BaseException:

@@ -36,6 +36,8 @@ from kvoffload.worker.booking import Bookkeeping
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SPIN_S = cuda_backend.WAIT_SPIN_S
 TIMES: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+#: Appended to the caller's phase names while the first job of a burst is submitted.
+WHICH = [""]
 
 
 def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -45,8 +47,8 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         finally:
-            where = "caller" if threading.current_thread() is threading.main_thread() else "issuer"
-            TIMES[(name, where)].append(time.perf_counter() - t0)
+            caller = threading.current_thread() is threading.main_thread()
+            TIMES[(name + WHICH[0] if caller else name, "caller" if caller else "issuer")].append(time.perf_counter() - t0)
     return wrapper
 
 
@@ -63,6 +65,12 @@ def instrumented() -> Iterator[None]:
     patch(Worker, "load", "0 Worker.load (total)")
     patch(worker_module, "as_block_ids", "1 validate: as_block_ids")
     patch(worker_module, "check_pairs", "1 validate: check_pairs")
+    patch(worker_module, "as_job_id", "1 validate: as_job_id")
+    patch(Bookkeeping, "admit", "2 book: admit (checks and counts)")
+    patch(DirectionHandler, "_enqueue", "3 handler: enqueue (fence+issue)")
+    patch(NativeBackend, "stream_handle", "4 fence: stream handle")
+    patch(NativeBackend, "switches_device", "4 fence: device check")
+    patch(NativeBackend, "_submit", "5 issue: hand-off (pack and call)")
     patch(Bookkeeping, "check", "2 book: conflicts check")
     patch(Bookkeeping, "add", "2 book: add")
     patch(JobBook, "reserve", "2 book: reserve id")
@@ -111,6 +119,10 @@ def phases(device: torch.device) -> None:
                                                     ("256 blocks x 64 x 32 KiB", 32, 32 * KIB, 256, 4)):
             layout = per_layer(device, layers, page, 4 * blocks)
             with Worker.create(layout, 4 * blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
+                backend = w._store._backend  # noqa: SLF001 - a measurement of its calls
+                if isinstance(backend, NativeBackend):  # the library's calls, timed one by one
+                    backend._fence_take = timed("4 fence: library call (event record)", backend._fence_take)  # type: ignore[assignment]  # noqa: SLF001
+                    backend._hand_off = timed("5 issue: library call (hand-off, fence)", backend._hand_off)  # type: ignore[assignment]  # noqa: SLF001
                 job = 0
                 for _ in range(3):  # warm-up
                     w.store(job, [0], [0])
@@ -123,14 +135,30 @@ def phases(device: torch.device) -> None:
                         for k in range(burst):
                             ids.append(job)
                             dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                            WHICH[0] = " [first of burst]" if k == 0 else ""
+                            t0 = time.perf_counter()
+                            _reference_work()  # the host's own speed at this point of a burst
+                            TIMES[("0 reference: fixed Python work" + WHICH[0], "caller")].append(
+                                time.perf_counter() - t0)
                             t0 = time.perf_counter()
                             w.store(job, dev, dev)
+                            WHICH[0] = ""
                             TIMES[("0 store call, first of burst" if k == 0 else "0 store call, jobs 2-4", "caller")].append(time.perf_counter() - t0)
                             job += 1
                         t0 = time.perf_counter()
                         w.wait(ids, 60)
                         TIMES[("9 store burst: last call -> results", "caller")].append(time.perf_counter() - t0)
                 report(f"{path}/{w.issuer}: store, {label}, bursts of {burst}")
+
+
+def _reference_work() -> int:
+    """A fixed piece of Python (about as many bytecodes as a few of the library's checks): its time
+    first of a burst against later shows how much slower the host runs any Python after an idle
+    wait, whatever the library does."""
+    total = 0
+    for i in range(100):
+        total += i * i
+    return total
 
 
 def timeline(device: torch.device) -> None:

@@ -49,6 +49,7 @@ class FakeDriver:
         self.queries: dict[int, int] = {}
         self.fail: dict[str, int] = {}  # call -> CUresult to return (once)
         self.gate: dict[str, threading.Event] = {}  # call -> event it waits for before returning
+        self.gate_on: dict[tuple[str, int], threading.Event] = {}  # (call, its last argument) -> event
         self.entered: dict[str, threading.Event] = {}
         self.events_created = 0
         self.events_destroyed = 0
@@ -64,7 +65,7 @@ class FakeDriver:
         with self._lock:
             self.calls.append((call, *args))
             entered = self.entered.get(call)
-            gate = self.gate.get(call)
+            gate = self.gate.get(call) or (self.gate_on.get((call, args[-1])) if args else None)
             code = self.fail.pop(call, 0)
         if entered is not None:
             entered.set()
@@ -161,7 +162,7 @@ class FakeDriver:
     # ------------------------------------------------------------------------------- helpers
 
     def config(self, *, store: bool, slots: tuple[int, ...] = (), slot_bytes: int = 0,
-               batch: bool = True, keep: list[object]) -> native.Config:
+               batch: bool = True, keep: list[object], give_way_ns: int = 200_000) -> native.Config:
         """An issuer config over this driver: copy stream COPY, kernel stream KERNEL."""
         c = native.Config()
         for name in ("ctx_set_current", "event_create", "event_destroy", "event_record", "event_query",
@@ -185,6 +186,7 @@ class FakeDriver:
         c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
         c.poll_min_ns, c.poll_max_ns = 2000, 20000
         c.wait_spin_ns = 100_000
+        c.give_way_ns = give_way_ns
         return c
 
     def of(self, name: str) -> list[tuple[Any, ...]]:

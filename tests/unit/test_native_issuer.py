@@ -78,13 +78,15 @@ class Harness:
     """A handler over a native backend over the fake driver."""
 
     def __init__(self, direction: Direction, path: str, plan: CopyPlan, *, slot_bytes: int = 0,
-                 not_ready: int = 0, batch: bool = True, controls: int = 0) -> None:
+                 not_ready: int = 0, batch: bool = True, controls: int = 0,
+                 give_way_ns: int = 200_000) -> None:
         self.fake = FakeDriver(not_ready=not_ready)
         self.keep: list[object] = []
         self.tables: dict[int, I64] = {}
         slot_bytes = slot_bytes or 3 * plan.pages.record_bytes
         config = self.fake.config(store=direction is Direction.STORE, slots=SLOT_BASES,
-                                  slot_bytes=slot_bytes, batch=batch, keep=self.keep)
+                                  slot_bytes=slot_bytes, batch=batch, keep=self.keep,
+                                  give_way_ns=give_way_ns)
         config.controls = controls
         self.inner = Inner(direction)
         self.backend = NativeBackend.start(
@@ -270,6 +272,47 @@ def test_a_fence_given_back_early_is_not_recorded_again_before_its_wait() -> Non
         h.close()
 
 
+def thread_calls_while_a_caller_records(give_way_ns: int) -> int:
+    """The thread's driver calls made while a caller's thread is inside its fence's record (held
+    there by the test), the thread having been mid-issue of a job of many copies."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan, batch=False, give_way_ns=give_way_ns)
+    thread_gate, inside = threading.Event(), threading.Event()
+    caller_gate = threading.Event()
+    taken: list[object] = []
+    taker = threading.Thread(target=lambda: taken.append(h.backend.fence(None)))
+    try:
+        h.fake.gate["cuMemcpyAsync"] = thread_gate
+        h.fake.entered["cuMemcpyAsync"] = inside
+        h.handler.submit(0, list(range(0, 16, 2)), list(range(1, 17, 2)))  # 8 unmerged copies
+        assert inside.wait(TIMEOUT_S)  # the thread is inside its first copy
+        h.fake.gate_on[("cuEventRecord", COMPUTE)] = caller_gate
+        before = len(h.fake.snapshot())
+        taker.start()
+        assert wait_until(lambda: len(h.fake.snapshot()) > before)  # the caller is inside its record
+        seen = len(h.fake.snapshot())
+        del h.fake.gate["cuMemcpyAsync"]
+        thread_gate.set()  # the thread leaves its copy while the caller is still in its record
+        wait_until(lambda: len(h.fake.snapshot()) > seen + 2, timeout_s=0.5)
+        during = len(h.fake.snapshot()) - seen
+        caller_gate.set()
+        taker.join(TIMEOUT_S)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok
+        h.backend.release_fence(taken[0])
+        return during
+    finally:
+        thread_gate.set()
+        caller_gate.set()
+        h.close()
+
+
+def test_the_thread_gives_way_to_a_callers_driver_call() -> None:
+    # Control: a thread that never gives way goes on issuing while the caller is held in its call.
+    assert thread_calls_while_a_caller_records(0) > 2, "the control did not issue: the test proves nothing"
+    assert thread_calls_while_a_caller_records(30 * 10**9) == 0
+
+
 def unwaited_slot_writes(direction: Direction, controls: int) -> int:
     """Writes into a staging slot not preceded by a wait for the event recorded after the slot's
     last read, over a job of 6 chunks through 3 slots."""
@@ -427,6 +470,21 @@ def test_a_failed_issue_comes_back_as_a_failed_result(call: str, partly: bool) -
         assert h.run(1, [1], [2]).ok  # the next job goes through
     finally:
         h.close()
+
+
+def test_a_fence_the_hand_off_fails_to_record_fails_its_job_and_nothing_leaks() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        h.fake.fail["cuEventRecord"] = 1  # the handler's fence, recorded in the hand-off's call
+        result = h.run(0, [1], [2])
+        assert not result.ok and isinstance(result.error, CudaError)
+        assert "cuEventRecord" in str(result.error)
+        assert not h.fake.of("cuLaunchKernel"), "a job whose fence failed was enqueued"
+        assert h.run(1, [1], [2]).ok  # the next job goes through
+    finally:
+        h.close()
+    assert h.fake.events_destroyed == h.fake.events_created  # the failed fence's event went back
 
 
 def test_a_failed_completion_comes_back_as_a_failed_result() -> None:

@@ -215,6 +215,27 @@ BAD_CALLS = {
         lambda w: w.load(1, [0, -2], [0, 1]), InvalidBlockIdError, VALUE,
         r"host_blocks\[1\] = -2 is out of range",
     ),
+    # numpy ids: the native admission checks their range in its own call (as_block_ids skips it)
+    "store-numpy-device-id-out-of-range": BadCall(
+        lambda w: w.store(1, np.asarray([0, 16], dtype=np.int32), np.asarray([0, 1])), InvalidBlockIdError,
+        VALUE, r"device_blocks\[1\] = 16 is out of range \(the pool has 16 blocks: 0\.\.15\)",
+    ),
+    "load-numpy-negative-device-id": BadCall(
+        lambda w: w.load(1, np.asarray([0, 1]), np.asarray([3, -4])), InvalidBlockIdError, VALUE,
+        r"device_blocks\[1\] = -4 is out of range",
+    ),
+    "store-numpy-uint64-past-int64": BadCall(
+        lambda w: w.store(1, np.asarray([0, 2**63 + 5], dtype=np.uint64), np.asarray([0, 1])),
+        InvalidBlockIdError, VALUE, r"device_blocks\[1\] = 9223372036854775813 is out of range",
+    ),
+    "store-numpy-range-before-lengths": BadCall(
+        lambda w: w.store(1, np.asarray([0, 99]), np.asarray([0])), InvalidBlockIdError, VALUE,
+        r"device_blocks\[1\] = 99 is out of range",
+    ),
+    "load-numpy-range-before-duplicates": BadCall(
+        lambda w: w.load(1, np.asarray([0, 1]), np.asarray([99, 99])), InvalidBlockIdError, VALUE,
+        r"device_blocks\[0\] = 99 is out of range",
+    ),
     "store-float-id": BadCall(
         lambda w: w.store(1, _any([0, 1.0]), [0, 1]), BlockIdTypeError, TYPE_AND_VALUE,
         r"device_blocks\[1\] = 1\.0 is a float, not an int",
@@ -386,6 +407,11 @@ def test_job_id_in_flight_is_refused_in_both_directions_and_reusable_after_wait(
         with pytest.raises(JobIdError, match=r"job 1 is already in flight or waiting to be polled") as info:
             submit()
         assert_error(info, JobIdError, VALUE)
+    # Ids out of range are named first, as ever, numpy ones too (their range is checked late).
+    for ids, name in ((np.asarray([2**63 + 1], dtype=np.uint64), "device_blocks"),
+                      (np.asarray([-3]), "device_blocks")):
+        with pytest.raises(InvalidBlockIdError, match=rf"{name}\[0\] = {int(ids[0])} is out of range"):
+            worker.store(1, ids, np.asarray([5]))
     assert_unchanged(worker, before, rejected_job=1, in_flight=[1], host_written=[2])
 
     worker.load(1, [2], [10])
