@@ -368,6 +368,7 @@ class NativeBackend:
         self.direction: Direction = inner.direction
         self.device = inner.device
         self.index = index
+        self._on_cuda = self.device.type == "cuda"  # (the CPU tests' fake device is not)
         self.lib = lib
         self._inner = inner
         self._issuer = issuer
@@ -494,7 +495,7 @@ class NativeBackend:
     def switches_device(self) -> bool:
         """Whether a call that records or waits on a stream must make this backend's device current
         first (the caller's current CUDA device is another one)."""
-        return self.device.type == "cuda" and current_device_index() != self.index
+        return self._on_cuda and current_device_index() != self.index
 
     def fence(self, stream: object | None) -> object:
         """Record a fence on the compute stream (default: the device's current stream) in the
