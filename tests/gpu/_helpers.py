@@ -44,6 +44,7 @@ def _idle_fence(self: CudaBackend, stream: object | None) -> object:
 
 
 _native_fence = NativeBackend.fence
+_native_position = NativeBackend.position
 
 
 def _idle_native_fence(self: NativeBackend, stream: object | None) -> object:
@@ -51,10 +52,18 @@ def _idle_native_fence(self: NativeBackend, stream: object | None) -> object:
     return _native_fence(self, new_stream(self.device))
 
 
+def _idle_native_position(self: NativeBackend, stream: object | None) -> object:
+    """CONTROL ONLY: the handler's own fence of a native job (recorded by the hand-off) on an idle
+    stream (torch keeps its pool's streams: the handle outlives the stream object)."""
+    return _native_position(self, new_stream(self.device))
+
+
 def no_fence(patch: pytest.MonkeyPatch) -> None:
-    """Make every cuda backend created under ``patch``, whoever issues, use an idle fence."""
+    """Make every cuda backend created under ``patch``, whoever issues, use an idle fence: the fences
+    handlers take (``fence``, and ``position`` on the native issuer, whose hand-off records it)."""
     patch.setattr(CudaBackend, "fence", _idle_fence)
     patch.setattr(NativeBackend, "fence", _idle_native_fence)
+    patch.setattr(NativeBackend, "position", _idle_native_position)
 
 
 def cuda_backend(handler: DirectionHandler) -> CudaBackend:
