@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 import attrs
 import numpy as np
@@ -362,7 +362,7 @@ class DirectionHandler:
         hands_off = getattr(backend, "hands_off", False)
         try:
             if fence is None:  # also for an empty job: it checks the stream argument
-                fence = backend.position(stream) if hands_off else backend.fence(stream)  # type: ignore[attr-defined]
+                fence = cast(HandsOffBackend, backend).position(stream) if hands_off else backend.fence(stream)
         except DeviceMismatchError:
             raise
         except Exception as exc:  # a device fault: the job is reported failed, never dropped
