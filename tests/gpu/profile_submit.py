@@ -77,7 +77,7 @@ def instrumented() -> Iterator[None]:
     patch(DirectionHandler, "submit_validated", "3 handler submit (fence+issue)")
     patch(CudaBackend, "fence", "4 fence (event record)")
     patch(CudaBackend, "issue", "5 issue (whole)")
-    patch(NativeBackend, "fence", "4 fence (event record)")
+    patch(NativeBackend, "position", "4 fence: position (recorded in the hand-off)")
     patch(NativeBackend, "issue", "5 issue (whole)")
     patch(NativeTicket, "wait", "7 wait: ticket wait")
     patch(DirectionHandler, "_advance", "3 handler: advance (results)")
@@ -121,7 +121,6 @@ def phases(device: torch.device) -> None:
             with Worker.create(layout, 4 * blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
                 backend = w._store._backend  # noqa: SLF001 - a measurement of its calls
                 if isinstance(backend, NativeBackend):  # the library's calls, timed one by one
-                    backend._fence_take = timed("4 fence: library call (event record)", backend._fence_take)  # type: ignore[assignment]  # noqa: SLF001
                     backend._hand_off = timed("5 issue: library call (hand-off, fence)", backend._hand_off)  # type: ignore[assignment]  # noqa: SLF001
                 job = 0
                 for _ in range(3):  # warm-up
