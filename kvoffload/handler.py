@@ -262,6 +262,12 @@ class DirectionHandler:
         return self._closed
 
     @property
+    def hands_off(self) -> bool:
+        """Whether the backend hands each job to a thread of its own (``HandsOffBackend``): the
+        worker's fast front submits such a handler's jobs (:meth:`submit_handed_off`)."""
+        return bool(getattr(self._backend, "hands_off", False))
+
+    @property
     def thread_stopped(self) -> bool:
         """True when the issuer thread is not running (it can issue no more copies)."""
         return self._thread is None or not self._thread.is_alive()
@@ -377,15 +383,7 @@ class DirectionHandler:
         if layered is not None:
             transfer.layers, transfer.marks = layered
         if hands_off:  # issued here, in submit order (docs/design.md §16): nothing to weigh
-            with self._lock:
-                self._fifo.append(transfer)
-                self._submitted += 1
-                self._pending += 1
-                self._issue_lock.acquire()  # taken under _lock: no later job can overtake this one
-            try:
-                self._issue(backend, transfer, None)
-            finally:
-                self._issue_lock.release()
+            self._hand_over(backend, transfer)
             return
         pairs = int(src.shape[0])
         cost = 0 if layered is not None else backend.issue_cost(self._plan, pairs)
@@ -418,6 +416,44 @@ class DirectionHandler:
                 self._issue_lock.release()
         elif head is None:
             self._queue.put(transfer)
+
+    def position(self, stream: object = None) -> object:
+        """The fence of a job about to go to :meth:`submit_handed_off` (the hands-off backend's
+        ``position``: nothing is recorded yet, the hand-off records it).
+
+        Raises:
+            DeviceMismatchError: the stream is not one of the backend's device.
+        """
+        backend = self._backend
+        assert backend is not None
+        return cast(HandsOffBackend, backend).position(stream)
+
+    def submit_handed_off(self, job_id: int, src: I64Array, dst: I64Array, fence: object) -> None:
+        """The worker's fast front's submit (docs/design.md §16): a non-empty job of a hands-off
+        backend, its ids validated and booked, its fence from the backend's ``position`` (the
+        handler owns it from here). Issued on this thread in submit order, as :meth:`submit_validated`
+        issues such a job; a failure to hand it over is the job's failed result.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        backend = self._backend
+        assert backend is not None
+        self._hand_over(backend, _Transfer(job_id, src, dst, int(src.shape[0]) * self._page_bytes,
+                                           fence, True))
+
+    def _hand_over(self, backend: Backend, transfer: _Transfer) -> None:
+        """Queue ``transfer`` and issue it on this thread (a hands-off backend: cheap)."""
+        with self._lock:
+            self._fifo.append(transfer)
+            self._submitted += 1
+            self._pending += 1
+            self._issue_lock.acquire()  # taken under _lock: no later job can overtake this one
+        try:
+            self._issue(backend, transfer, None)
+        finally:
+            self._issue_lock.release()
 
     def _split(self, backend: Backend, transfer: _Transfer, pairs: int) -> _Transfer:
         """Cut the head off a costly job; ``transfer`` keeps the rest, the fence, the byte count."""

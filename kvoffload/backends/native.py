@@ -387,6 +387,12 @@ class NativeBackend:
         self._issuer_arg = ctypes.c_void_p(issuer)
         self._error = ctypes.c_int64(0)
         self._error_arg = ctypes.byref(self._error)
+        # The call front's hand-off, where it is built (the same call without ctypes).
+        front = native.front()
+        self._front_hand_off = front.hand_off if front is not None else None
+        self._front_spec = native.FrontSpec(hand_off=native.function_address(lib.kvo_hand_off),
+                                            issuer=issuer)
+        self._front_at = ctypes.addressof(self._front_spec)
 
     @classmethod
     def start(
@@ -575,15 +581,24 @@ class NativeBackend:
                 plans_address = self._plan_array(plans, whole=marks is None)
             except Exception as exc:  # nothing was handed over: the job fails at once
                 return FailedTicket(exc)
-            args = (self._issuer_arg, fence.stream, fence.pointer, _PATHS[name], n, native.address(device),
-                    native.address(host), len(plans), plans_address, first, int(marks is not None),
-                    self._error_arg)
+            front = self._front_hand_off
+            call: Callable[..., int | None]
+            if front is not None:
+                call = front
+                args: tuple[object, ...] = (
+                    self._front_at, fence.stream, fence.pointer, _PATHS[name], device, host,
+                    len(plans), plans_address, first, int(marks is not None))
+            else:
+                call = self._hand_off
+                args = (self._issuer_arg, fence.stream, fence.pointer, _PATHS[name], n,
+                        native.address(device), native.address(host), len(plans), plans_address,
+                        first, int(marks is not None), self._error_arg)
             if fence.pointer or not self.switches_device():
-                job = self._hand_off(*args)
+                job = call(*args)
             else:  # the fence is recorded in the call: with this backend's device current
                 with torch.cuda.device(self.index):
-                    job = self._hand_off(*args)
-            code = self._error.value
+                    job = call(*args)
+            code = self._front_spec.error if front is not None else self._error.value
         if not job:
             return FailedTicket(native_error(int(code), "cuEventRecord" if code > 0 else "native hand-off"))
         if marks is not None:

@@ -1,5 +1,7 @@
 """The native library (the issuer thread and the worker's admission check): ``issuer.c`` compiled with the machine's C compiler on first use,
-cached, and loaded through ctypes (docs/design.md §16).
+cached, and loaded through ctypes (docs/design.md §16); and its call front, ``front.c``, a CPython
+extension module built the same way where Python's headers are installed, which makes the two
+calls of every job (admission, hand-off) without ctypes' per-argument conversions (:func:`front`).
 
 Owns the build: the library is compiled once per source version into the cache directory
 (``KVOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoffload``, else ``~/.cache/kvoffload``) under a
@@ -9,8 +11,8 @@ and POSIX threads, nothing of CUDA: the driver's entry points come from Python a
 without a compiler gets :class:`~kvoffload.errors.NativeBuildError`, and a worker with
 ``issuer="auto"`` then issues from Python.
 
-Also declares the C structures Python fills (:class:`Config`, :class:`PlanSpec`) and the codes the
-library returns beside ``CUresult`` values.
+Also declares the C structures Python fills (:class:`Config`, :class:`PlanSpec`,
+:class:`FrontSpec`) and the codes the library returns beside ``CUresult`` values.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import logging
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
+from importlib import machinery, util
 from pathlib import Path
+from types import ModuleType
 from typing import Final
 
 import numpy as np
@@ -49,15 +54,21 @@ __all__ = [
     "SOURCE",
     "TIMEOUT",
     "Config",
+    "FrontSpec",
     "PlanSpec",
     "address",
     "available",
+    "build_front",
     "cache_dir",
+    "front",
     "library",
 ]
 
 _log = logging.getLogger("kvoffload.native")
 SOURCE: Final = Path(__file__).with_name("issuer.c")
+FRONT_SOURCE: Final = Path(__file__).with_name("front.c")
+#: The call front's module name (its init function is ``PyInit_`` and this name).
+FRONT_MODULE: Final = "kvoffload_front"
 #: How long one compile may take before the build is given up.
 BUILD_TIMEOUT_S: Final = 120.0
 _FLAGS: Final = ("-O2", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra")
@@ -117,6 +128,26 @@ class PlanSpec(ctypes.Structure):
     ]
 
 
+class FrontSpec(ctypes.Structure):
+    """``struct kvo_front_spec``: what a call of the call front needs beside its arguments — the
+    library's functions, one admission direction's constants (limits, counts, the duplicate check's
+    scratch) or one issuer, and the last failed hand-off's code."""
+
+    _fields_ = [
+        ("admit", _p), ("hand_off", _p),
+        ("src_limit", _i64), ("dst_limit", _i64),
+        ("src_writes", _p), ("src_reads", _p), ("dst_reads", _p), ("dst_writes", _p), ("stamp", _p),
+        ("token", _p),
+        ("issuer", _p),
+        ("error", _i64),
+    ]
+
+
+def function_address(function: ctypes._FuncPointer) -> int:
+    """The address of one of :func:`library`'s functions (for a :class:`FrontSpec`)."""
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+
+
 def address(ids: npt.NDArray[np.int64]) -> int:
     """The address of a writable, contiguous, non-empty id array's first element, for a call into
     the library: cheaper than ``ids.ctypes.data``, which builds an object per call."""
@@ -147,38 +178,79 @@ def build(directory: Path | None = None) -> Path:
         NativeBuildError: no compiler, the directory cannot be written, the compile failed (the
             message carries the compiler's output) or took longer than :data:`BUILD_TIMEOUT_S`.
     """
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return _build(SOURCE, _FLAGS, "kvoffload-issuer", ".so", "the native issuer", directory)
+
+
+def build_front(directory: Path | None = None) -> Path:
+    """Compile the call front (``front.c``) for this Python into ``directory`` (default:
+    :func:`cache_dir`) unless it is there; returns its path.
+
+    Raises:
+        NativeBuildError: Python's headers are not installed (``Python.h`` under
+            ``sysconfig.get_paths()["include"]``), and as :func:`build`.
+    """
+    include = sysconfig.get_paths().get("include") or ""
+    if not (Path(include) / "Python.h").is_file():
+        raise NativeBuildError(f"Python's headers are not installed (no Python.h in {include!r}): "
+                               "the call front cannot be built")
+    suffix = machinery.EXTENSION_SUFFIXES[0]
+    return _build(FRONT_SOURCE, (*_FLAGS, f"-I{include}"), "kvoffload-front", suffix,
+                  "the call front", directory)
+
+
+def _build(source_path: Path, flags: tuple[str, ...], stem: str, suffix: str, what: str,
+           directory: Path | None) -> Path:
+    """Compile ``source_path`` once per source and flags (see the module docstring)."""
+    source = source_path.read_bytes()
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target_dir = directory if directory is not None else cache_dir()
-    target = target_dir / f"kvoffload-issuer-{digest}.so"
+    target = target_dir / f"{stem}-{digest}{suffix}"
     if target.exists():
         return target
     compiler = _compiler()
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(prefix=".issuer-", suffix=".so", dir=target_dir)
+        fd, partial = tempfile.mkstemp(prefix=f".{stem}-", suffix=suffix, dir=target_dir)
         os.close(fd)
     except OSError as exc:
-        raise NativeBuildError(f"cannot write the native issuer into {target_dir}: {exc}") from exc
+        raise NativeBuildError(f"cannot write {what} into {target_dir}: {exc}") from exc
     try:
         done = subprocess.run(
-            [compiler, *_FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+            [compiler, *flags, "-o", partial, str(source_path)], capture_output=True, text=True,
             timeout=BUILD_TIMEOUT_S, check=False,
         )
         if done.returncode != 0:
             raise NativeBuildError(
-                f"{compiler} could not build the native issuer (exit status {done.returncode}):\n"
+                f"{compiler} could not build {what} (exit status {done.returncode}):\n"
                 f"{done.stderr.strip()}"
             )
         os.replace(partial, target)
     except subprocess.TimeoutExpired as exc:
         raise NativeBuildError(f"{compiler} did not finish within {BUILD_TIMEOUT_S} s") from exc
     except OSError as exc:
-        raise NativeBuildError(f"cannot build the native issuer with {compiler}: {exc}") from exc
+        raise NativeBuildError(f"cannot build {what} with {compiler}: {exc}") from exc
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+@functools.cache
+def front() -> ModuleType | None:
+    """The call front, built if needed and imported once per process; None where it cannot be
+    built or imported (the callers then use :func:`library`'s functions through ctypes, with the
+    same results)."""
+    try:
+        path = build_front()
+        spec = util.spec_from_file_location(FRONT_MODULE, path)
+        if spec is None or spec.loader is None:
+            raise NativeBuildError(f"cannot import the call front {path}")
+        module = util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (NativeBuildError, ImportError, OSError) as exc:
+        _log.info("the call front is not available (%s): the library is called through ctypes", exc)
+        return None
+    return module
 
 
 @functools.cache

@@ -86,6 +86,9 @@ class Bookkeeping:
         lib = native.available() if native_checks else None
         self._admit = lib.kvo_admit if lib is not None else None
         self._unadmit = lib.kvo_unadmit if lib is not None else None
+        # The call front's admission (the same check without ctypes), with its per-direction specs.
+        self._front = native.front() if lib is not None else None
+        self._front_specs: dict[Direction, tuple[native.FrontSpec, int]] = {}
         # The counts' addresses (the arrays live as long as the bookkeeping) and, per destination
         # memory, the duplicate check's scratch.
         self._read_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.reads.items()}
@@ -107,12 +110,8 @@ class Bookkeeping:
         Raises (nothing counted): InvalidBlockIdError, BlockConflictError, as those checks.
         """
         admit = self._admit
-        n = reads.shape[0]
-        if admit is not None and n == writes.shape[0] and n:
-            args = self._admit_args.get(direction) or self._native_args(direction)
-            if admit(native.address(reads), native.address(writes), n, *args) < 0:
-                self.jobs[job_id] = _Job(direction, reads, writes, native=True)
-                return
+        if self.admit_native(job_id, direction, reads, writes):
+            return
         source, target = SIDES[direction]
         if admit is not None:  # the ids may be unranged (see checks_pairs)
             check_range(read_name, reads, self.reads[source].shape[0])
@@ -120,6 +119,44 @@ class Bookkeeping:
         check_pairs(reads, writes, read_name, write_name)
         self.check(job_id, direction, reads, writes, read_name, write_name)
         self.add(job_id, direction, reads, writes)
+
+    def admit_native(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> bool:
+        """:meth:`admit`'s one call into the native library, for the worker's fast front: True when
+        the job was admitted and counted; False, with nothing counted, when the library is not
+        available, the lengths differ or are 0, or any check fails (:meth:`admit` then names it).
+        ``reads`` and ``writes`` must be writable, contiguous ``int64`` arrays the job owns."""
+        front = self._front
+        if front is not None:
+            spec = self._front_specs.get(direction) or self._front_spec(direction)
+            if not front.admit(spec[1], reads, writes):
+                return False
+        else:
+            admit = self._admit
+            n = reads.shape[0]
+            if admit is None or n != writes.shape[0] or not n:
+                return False
+            args = self._admit_args.get(direction) or self._native_args(direction)
+            if admit(native.address(reads), native.address(writes), n, *args) >= 0:
+                return False
+        self.jobs[job_id] = _Job(direction, reads, writes, native=True)
+        return True
+
+    def _front_spec(self, direction: Direction) -> tuple[native.FrontSpec, int]:
+        """The call front's admission spec of ``direction`` (and its address), built once: the
+        same constants as :meth:`_native_args`."""
+        assert self._admit is not None
+        source, target = SIDES[direction]
+        if target not in self._stamps:
+            self._native_args(direction)  # makes the destination's duplicate-check scratch
+        stamp, _, token = self._stamps[target]
+        spec = native.FrontSpec(
+            admit=native.function_address(self._admit), src_limit=self.reads[source].shape[0],
+            dst_limit=self.reads[target].shape[0], src_writes=self._write_at[source].value,
+            src_reads=self._read_at[source].value, dst_reads=self._read_at[target].value,
+            dst_writes=self._write_at[target].value, stamp=int(stamp.ctypes.data),
+            token=ctypes.addressof(token))
+        entry = self._front_specs[direction] = (spec, ctypes.addressof(spec))
+        return entry
 
     def _native_args(self, direction: Direction) -> tuple[object, ...]:
         """kvo_admit's arguments after the ids for a job of ``direction``, built once: the limits,

@@ -9,7 +9,9 @@ bookkeeping that spans directions. Borrows: the layout (and through it the engin
 which must outlive the worker).
 
 Every job method validates its arguments, books the job's blocks, reserves its id in the book and
-hands it to the component its direction routes to (a table, built once). Rules it enforces before
+hands it to the component its direction routes to (a table, built once). ``store`` and ``load`` of a native
+issuer first try a fast front (:meth:`Worker._front`) that does the same for numpy ids in one pass
+and declines, changing nothing, any job that is not plainly valid. Rules it enforces before
 anything is submitted (typed errors; the worker is unchanged afterwards; docs/design.md §4):
 
 * a job may not read a block that an in-flight job writes (a store reading a device block a load
@@ -50,8 +52,10 @@ from kvoffload.disk.config import DiskCapabilities, DiskConfig, DiskRecordInfo, 
 from kvoffload.errors import (
     ArgumentTypeError,
     ClosedError,
+    DeviceMismatchError,
     InvalidArgumentError,
     InvalidBlockIdError,
+    JobIdError,
     ShutdownError,
     warn_on_del,
 )
@@ -92,6 +96,7 @@ I64Array = npt.NDArray[np.int64]
 #: The directions that go through the disk pipeline (their fence is taken before booking).
 _PIPELINE_DIRECTIONS: Final = (Direction.STORE_TO_DISK, Direction.LOAD_FROM_DISK)
 _REMOTE_DIRECTIONS: Final = (Direction.PUT_REMOTE, Direction.GET_REMOTE)
+_I64: Final = np.dtype(np.int64)
 #: ``(job, src, dst, stream, fence)``: hands a validated, booked, reserved job to its component.
 _Submit = Callable[[int, I64Array, I64Array, object, object], None]
 
@@ -137,6 +142,12 @@ class Worker:
         self._book = Bookkeeping(self._sizes)
         self._holds: dict[int, threading.Event] = {}  # booking token -> settle event of its call
         self._routes = self._route_table()
+        # The fast front's directions (see _front): a hands-off backend and the native admission.
+        self._fronts = {
+            direction: handler
+            for direction, handler in ((Direction.STORE, self._store), (Direction.LOAD, self._load))
+            if handler.hands_off and self._book.checks_pairs
+        }
         # What shutdown stops, in order: the pipeline (a client of the bounce handlers), the store
         # and load handlers, the bounce handlers, the disk tier and the remote tier (their threads
         # may read into host records); the region comes after all of them.
@@ -305,8 +316,9 @@ class Worker:
                 job reads or writes.
             DeviceMismatchError: a stream of another device (any stream on the host backend).
         """
-        self._submit(Direction.STORE, job_id, device_blocks, host_blocks, stream,
-                     "device_blocks", "host_blocks")
+        if not self._front(Direction.STORE, job_id, device_blocks, host_blocks, stream):
+            self._submit(Direction.STORE, job_id, device_blocks, host_blocks, stream,
+                         "device_blocks", "host_blocks")
 
     def load(
         self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
@@ -321,8 +333,9 @@ class Worker:
         conflict rules mirrored (a host record an in-flight store writes; a device block an in-flight
         job reads or writes; a device block twice).
         """
-        self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
-                     "host_blocks", "device_blocks")
+        if not self._front(Direction.LOAD, job_id, host_blocks, device_blocks, stream):
+            self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
+                         "host_blocks", "device_blocks")
 
     def load_by_layer(
         self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
@@ -467,6 +480,48 @@ class Worker:
                 self._book.remove(job)
                 self._jobs.forget(job)
             raise
+
+    def _front(self, direction: Direction, job_id: object, src_blocks: object, dst_blocks: object,
+               stream: object) -> bool:
+        """The fast front door of ``store`` and ``load`` (docs/design.md §16): a job of a native
+        issuer's direction with an ``int`` id and one-dimensional ``int64`` numpy ids, submitted in
+        one pass (the ids copied, admitted and counted in one call into the library, the id
+        reserved, the job handed over). True when the job was submitted. False, with nothing
+        changed, for any other job or any failed check: :meth:`_submit` then validates it from the
+        start and submits it or raises its precise error, so the two doors differ only in speed.
+        """
+        handler = self._fronts.get(direction)
+        if (handler is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
+                or type(dst_blocks) is not np.ndarray or src_blocks.dtype is not _I64
+                or dst_blocks.dtype is not _I64 or src_blocks.ndim != 1 or dst_blocks.ndim != 1
+                or self._closed):
+            return False
+        try:
+            fence = handler.position(stream)
+        except DeviceMismatchError:
+            return False  # raised by _submit, after the checks of the ids, as ever
+        src, dst = src_blocks.copy(), dst_blocks.copy()  # the job's own: the caller may reuse its
+        book = self._book
+        with self._lock:
+            admitted = not self._holds and job_id not in book.jobs and book.admit_native(
+                job_id, direction, src, dst)
+            if admitted:
+                try:
+                    self._jobs.reserve(job_id, handler)
+                except JobIdError:  # finished and not yet returned: _submit says so
+                    book.remove(job_id)
+                    admitted = False
+        if not admitted:
+            handler.release_fence(fence)
+            return False
+        try:
+            handler.submit_handed_off(job_id, src, dst, fence)
+        except BaseException:
+            with self._lock:
+                book.remove(job_id)
+                self._jobs.forget(job_id)
+            raise
+        return True
 
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,

@@ -289,13 +289,87 @@ def small(device: torch.device) -> None:
                 setattr(cuda_backend, 'WAIT_SPIN_S', DEFAULT_SPIN_S)
 
 
+def front(device: torch.device) -> None:
+    """The caller's time of a 256-block store through the fast front and through the validating
+    path (jobs 2-4 of bursts of 4, native issuer, auto), with the front's phases timed, and the
+    fixed costs of a ctypes call and of the host's Python at that point."""
+    import ctypes
+
+    from kvoffload import native
+    blocks = 256
+    layout = per_layer(device, 32, 32 * KIB, 4 * blocks)
+    with Worker.create(layout, 4 * blocks, path="auto", issuer="native") as w:
+        fronts = w._fronts  # noqa: SLF001 - the measurement switches the front off and on
+        backend = w._store._backend  # noqa: SLF001
+        assert isinstance(backend, NativeBackend)
+        plain = backend._hand_off  # noqa: SLF001
+        job = 0
+        for _ in range(3):
+            w.store(job, [0], [0])
+            w.wait([job], 60)
+            job += 1
+        for label, table in (("front", fronts), ("validating path", {})):
+            w._fronts = table  # noqa: SLF001
+            backend._hand_off = timed("5 library call (hand-off, fence)", plain)  # type: ignore[assignment]  # noqa: SLF001
+            patches = [(Bookkeeping, "admit_native", "2 admit_native (one library call)"),
+                       (Bookkeeping, "admit", "2 admit (validating path)"),
+                       (DirectionHandler, "position", "3 handler.position"),
+                       (DirectionHandler, "submit_handed_off", "4 handler.submit_handed_off"),
+                       (DirectionHandler, "submit_validated", "4 handler.submit_validated"),
+                       (JobBook, "reserve", "2 reserve id"),
+                       (NativeBackend, "_submit", "5 backend hand-off (Python and call)"),
+                       (Worker, "_front", "1 Worker._front")]
+            originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+            for owner, attr, name in patches:
+                setattr(owner, attr, timed(name, getattr(owner, attr)))
+            try:
+                for _ in range(40):
+                    torch.cuda.synchronize(device)
+                    ids = []
+                    for k in range(4):
+                        dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                        WHICH[0] = " [first of burst]" if k == 0 else ""
+                        t0 = time.perf_counter()
+                        _reference_work()
+                        TIMES[("0 reference: fixed Python work" + WHICH[0], "caller")].append(time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        w.store(job, dev, dev)
+                        TIMES[("0 store call" + WHICH[0], "caller")].append(time.perf_counter() - t0)
+                        ids.append(job)
+                        job += 1
+                    WHICH[0] = ""
+                    w.wait(ids, 60)
+            finally:
+                for owner, attr, original in originals:
+                    setattr(owner, attr, original)
+                backend._hand_off = plain  # noqa: SLF001
+            report(f"auto/native: store, 256 blocks, bursts of 4, {label}")
+        w._fronts = fronts  # noqa: SLF001
+    lib = native.library()
+    scratch = np.zeros(256, dtype=np.int64)
+    at = ctypes.c_void_p(native.address(scratch))
+    samples = []
+    for _ in range(5000):
+        t0 = time.perf_counter()
+        lib.kvo_unadmit(at, at, 0, at, at)
+        samples.append(time.perf_counter() - t0)
+    print(f"  a ctypes call of 5 arguments that does nothing: median {statistics.median(samples) * 1e6:.2f} us")
+    samples = []
+    for _ in range(5000):
+        t0 = time.perf_counter()
+        native.address(scratch)
+        samples.append(time.perf_counter() - t0)
+    print(f"  native.address: median {statistics.median(samples) * 1e6:.2f} us")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("profile_submit: no CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
-    sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline}
+    sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline,
+                "front": front}
     for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:

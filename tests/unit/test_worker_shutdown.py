@@ -78,6 +78,7 @@ def make_worker(
     worker._lock = threading.Lock()
     worker._book = Bookkeeping({Memory.DEVICE: 4, Memory.HOST: 8})
     worker._jobs = JobBook()
+    worker._fronts = {}  # no fast front: every call takes the validating path
     worker._closed = False
     return worker, store, load
 

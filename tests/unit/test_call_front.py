@@ -1,0 +1,301 @@
+"""The worker's fast front and the library's call front, on CPU (native issuers over the fake
+driver of :mod:`tests.unit._native_fake`):
+
+* ``store``/``load`` of numpy ``int64`` ids go through the fast front, anything else through the
+  validating path, with the same results;
+* every bad job the front sees is declined, and the validating path raises exactly what it raises
+  with no front, leaving the worker unchanged;
+* the call front (a CPython extension) admits, refuses and counts as the ctypes call does, refuses
+  arrays it cannot read, and without Python's headers the library is called through ctypes, with
+  the same results.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload import DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, Worker, native
+from kvoffload.backends.native import NativeBackend
+from kvoffload.handler import DirectionHandler
+from kvoffload.records import Direction
+from kvoffload.worker.booking import Bookkeeping, Memory
+from tests.unit._native_fake import COMPUTE, FakeDriver
+
+I64 = npt.NDArray[np.int64]
+BLOCKS = 16
+TIMEOUT_S = 30.0
+
+
+class Inner:
+    """What a native backend takes over, on CPU: streams are ints; anything else is refused as the
+    CUDA backend refuses a stream that is not one of its device's."""
+
+    path = "auto"
+
+    def __init__(self, direction: Direction) -> None:
+        self.direction = direction
+        self.device = torch.device("cpu")
+
+    def stream_handle(self, stream: object | None) -> int:
+        if stream is None:
+            return COMPUTE
+        if type(stream) is not int:
+            raise DeviceMismatchError(f"stream must be a stream of the device, got {stream!r}")
+        return stream
+
+    def release(self) -> None:
+        pass
+
+
+def make_worker(keep: list[object], *, call_front: bool = True) -> Worker:
+    """A worker whose two directions are native issuers over one fake driver (``call_front``
+    False: the library is called through ctypes)."""
+    fake = FakeDriver()
+    keep.append(fake)
+
+    def factory(direction: Direction) -> Any:
+        config = fake.config(store=direction is Direction.STORE, keep=keep)
+        backend = NativeBackend.start(Inner(direction), config, index=0, choose=lambda _n: "dma",
+                                      path_names={"dma": "dma"}, tables=None, keep=keep)
+        if not call_front:
+            backend._front_hand_off = None  # noqa: SLF001 - the ctypes call, on purpose
+        return backend
+
+    layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0)
+    worker = Worker.create(layout, BLOCKS, backend_factory=factory)
+    if not call_front:
+        worker._book._front = None  # noqa: SLF001
+    return worker
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    keep: list[object] = []
+    w = make_worker(keep)
+    try:
+        yield w
+    finally:
+        w.shutdown(TIMEOUT_S)
+
+
+def doors(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the jobs each door hands to the handlers."""
+    counts = {"front": 0, "validating": 0}
+    front, validating = DirectionHandler.submit_handed_off, DirectionHandler.submit_validated
+
+    def via_front(self: DirectionHandler, *args: Any, **kwargs: Any) -> None:
+        counts["front"] += 1
+        front(self, *args, **kwargs)
+
+    def via_validating(self: DirectionHandler, *args: Any, **kwargs: Any) -> None:
+        counts["validating"] += 1
+        validating(self, *args, **kwargs)
+
+    monkeypatch.setattr(DirectionHandler, "submit_handed_off", via_front)
+    monkeypatch.setattr(DirectionHandler, "submit_validated", via_validating)
+    return counts
+
+
+def test_numpy_jobs_take_the_front_and_other_ids_the_validating_path(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert set(worker._fronts) == {Direction.STORE, Direction.LOAD}  # noqa: SLF001
+    counts = doors(monkeypatch)
+    ids = np.arange(4, dtype=np.int64)
+    worker.store(1, ids, ids + 4)
+    worker.load(2, ids + 8, ids + 4)
+    assert counts == {"front": 2, "validating": 0}
+    worker.store(3, [8, 9], [12, 13])  # a list
+    worker.store(4, torch.tensor([10, 11]), np.array([14, 15], dtype=np.int32))  # a tensor, int32
+    worker.store(np.int64(5), np.array([12], dtype=np.int64), np.array([1], dtype=np.int64))  # numpy id
+    worker.load(6, np.array([], dtype=np.int64), np.array([], dtype=np.int64))  # empty
+    assert counts == {"front": 2, "validating": 4}
+    results = {r.job_id: r for r in worker.wait([1, 2, 3, 4, 5, 6], TIMEOUT_S)}
+    assert all(r.ok for r in results.values())
+    assert [results[j].direction for j in (1, 2, 3, 4, 5, 6)] == [
+        Direction.STORE, Direction.LOAD, Direction.STORE, Direction.STORE, Direction.STORE,
+        Direction.LOAD]
+    assert results[1].nbytes == results[2].nbytes == 4 * 4 * 64
+    assert results[3].nbytes == 2 * 4 * 64 and results[6].nbytes == 0
+
+
+def _state(w: Worker) -> tuple[Any, ...]:
+    book = w._book  # noqa: SLF001
+    counts = tuple(a.tobytes() for m in (Memory.DEVICE, Memory.HOST)
+                   for a in (book.reads[m], book.writes[m]))
+    return (counts, sorted(book.jobs), sorted(w._jobs._open))  # noqa: SLF001
+
+
+def _outcome(w: Worker, call: str, args: tuple[object, ...], stream: object) -> str:
+    before = _state(w)
+    try:
+        getattr(w, call)(*args, stream=stream)
+    except Exception as exc:  # the outcome compared between the two doors
+        assert _state(w) == before, "a refused job changed the worker"
+        return f"{type(exc).__name__}: {exc}"
+    return "submitted"
+
+
+def _i(*values: int) -> I64:
+    return np.array(values, dtype=np.int64)
+
+
+#: (call, args, stream): jobs the front sees and must leave to the validating path's error.
+BAD_JOBS: list[tuple[str, tuple[object, ...], object]] = [
+    ("store", (10, _i(0, 16), _i(0, 1)), None),                    # a device id out of range
+    ("store", (10, _i(0, 1), _i(0, -1)), None),                    # a negative host id
+    ("load", (10, _i(0, 1), _i(3, 3)), None),                      # a device block twice
+    ("store", (10, _i(0, 1), _i(2, 2)), None),                     # a host block twice
+    ("store", (10, _i(0, 1, 2), _i(0, 1)), None),                  # unequal lengths
+    ("store", (10, np.array([1 << 63], dtype=np.uint64), _i(0)), None),  # uint64 past int64
+    ("store", (10, _i(0), _i(0)), "not a stream"),                 # a bad stream
+    ("store", (10, _i(0, 16), _i(0, 1)), "not a stream"),          # bad ids before a bad stream
+    ("store", (True, _i(0), _i(0)), None),                         # a bool job id
+    ("store", (1.0, _i(0), _i(0)), None),                          # a float job id
+    ("store", (10, np.array([0.0, 1.0]), _i(0, 1)), None),         # float ids
+    ("store", (10, np.zeros((2, 1), dtype=np.int64), _i(0, 1)), None),  # 2-D ids
+    ("store", (7, _i(5), _i(5)), None),                            # a job id in flight
+    ("load", (10, _i(6), _i(4)), None),                            # a device block a store reads
+    ("store", (10, _i(8), _i(6)), None),                           # a host record a store writes
+    ("load", (10, _i(6), _i(9)), None),                            # a record being written
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_JOBS)))
+def test_a_bad_job_raises_through_the_front_as_without_it_and_changes_nothing(case: int) -> None:
+    call, args, stream = BAD_JOBS[case]
+    outcomes = []
+    for front in (True, False):
+        keep: list[object] = []
+        w = make_worker(keep)
+        try:
+            if not front:
+                w._fronts = {}  # noqa: SLF001 - the validating path alone
+            w.store(7, _i(4), _i(6), stream=None)  # in flight: device 4 read, host 6 written
+            w.load(8, _i(7), _i(5), stream=None)   # in flight: host 7 read, device 5 written
+            outcomes.append(_outcome(w, call, args, stream))
+            w.wait([7, 8], TIMEOUT_S)
+        finally:
+            w.shutdown(TIMEOUT_S)
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0] != "submitted"
+
+
+def test_an_unreturned_job_keeps_its_id_through_the_front(worker: Worker) -> None:
+    worker.store(1, _i(0), _i(0))
+    with pytest.raises(JobIdError, match="already in flight or waiting to be polled"):
+        worker.store(1, _i(1), _i(1))
+    (result,) = worker.wait([1], TIMEOUT_S)
+    assert result.ok
+    worker.store(1, _i(1), _i(1))  # returned: the id is free again
+    assert worker.wait([1], TIMEOUT_S)[0].ok
+
+
+@pytest.mark.parametrize("call_front", [True, False], ids=["call front", "ctypes"])
+def test_jobs_complete_alike_through_the_call_front_and_through_ctypes(call_front: bool) -> None:
+    keep: list[object] = []
+    w = make_worker(keep, call_front=call_front)
+    try:
+        backend = w._store._backend  # noqa: SLF001
+        assert isinstance(backend, NativeBackend)
+        assert (backend._front_hand_off is not None) is call_front  # noqa: SLF001
+        for job in range(6):
+            ids = _i(job, job + 6)
+            if job % 2:
+                w.load(job, ids, ids)
+            else:
+                w.store(job, ids, ids)
+        results = w.wait(list(range(6)), TIMEOUT_S)
+        assert [(r.job_id, r.ok, r.nbytes) for r in results] == [(j, True, 2 * 4 * 64) for j in range(6)]
+        book = w._book  # noqa: SLF001
+        assert not book.jobs
+        assert all(not a.any() for m in (Memory.DEVICE, Memory.HOST) for a in (book.reads[m], book.writes[m]))
+    finally:
+        w.shutdown(TIMEOUT_S)
+
+
+def _admit(book: Bookkeeping, job: int, direction: Direction, reads: I64, writes: I64) -> bool:
+    return book.admit_native(job, direction, reads, writes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(
+    st.sampled_from([Direction.STORE, Direction.LOAD, Direction.DEMOTE]),
+    st.lists(st.integers(-1, 12), min_size=0, max_size=12),
+    st.lists(st.integers(-1, 12), min_size=0, max_size=12),
+    st.booleans(),
+), min_size=1, max_size=25))
+def test_the_call_front_admits_refuses_and_counts_as_the_ctypes_call(
+    jobs: list[tuple[Direction, list[int], list[int], bool]],
+) -> None:
+    sizes = {Memory.DEVICE: 12, Memory.HOST: 12, Memory.DISK: 12}
+    front, plain = Bookkeeping(sizes), Bookkeeping(sizes)
+    assert front._front is not None  # noqa: SLF001 - this machine builds it (CI too)
+    plain._front = None  # noqa: SLF001
+    for job, (direction, src, dst, finish_one) in enumerate(jobs):
+        reads, writes = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+        assert _admit(front, job, direction, reads, writes) == _admit(plain, job, direction, reads, writes)
+        if finish_one and front.jobs:
+            first = next(iter(front.jobs))
+            front.remove(first)
+            plain.remove(first)
+        for memory in sizes:
+            assert np.array_equal(front.reads[memory], plain.reads[memory])
+            assert np.array_equal(front.writes[memory], plain.writes[memory])
+
+
+@pytest.mark.parametrize("reads", [
+    np.arange(8, dtype=np.int64)[::2],           # not contiguous
+    np.arange(4, dtype=np.int32),                # int32
+    np.arange(4, dtype=np.float64),              # float
+    np.arange(4, dtype=np.int64).reshape(2, 2),  # 2-D
+    np.arange(4, dtype=np.int64).astype(">i8"),  # big-endian
+    [0, 1, 2, 3],                                # not a buffer
+    np.arange(3, dtype=np.int64),                # a length other than the writes'
+    np.arange(0, dtype=np.int64),                # empty
+], ids=["strided", "int32", "float", "2-D", "big-endian", "list", "length", "empty"])
+def test_the_call_front_refuses_ids_it_cannot_read_and_counts_nothing(reads: Any) -> None:
+    module = native.front()
+    assert module is not None
+    book = Bookkeeping({Memory.DEVICE: 8, Memory.HOST: 8})
+    spec = book._front_spec(Direction.STORE)  # noqa: SLF001
+    writes = np.arange(4, dtype=np.int64) if getattr(reads, "size", 4) else np.arange(0, dtype=np.int64)
+    assert module.admit(spec[1], reads, writes) is False
+    assert not any(a.any() for m in (Memory.DEVICE, Memory.HOST) for a in (book.reads[m], book.writes[m]))
+    assert module.admit(spec[1], np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)) is True
+
+
+def test_without_pythons_headers_the_front_is_not_built_and_ctypes_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    paths = dict(sysconfig.get_paths())
+    paths["include"] = str(tmp_path / "no-headers")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
+    with pytest.raises(NativeBuildError, match="Python's headers are not installed"):
+        native.build_front(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(native, "build_front", lambda: (_ for _ in ()).throw(NativeBuildError("x")))
+    assert native.front.__wrapped__() is None
+    monkeypatch.setattr(native, "front", lambda: None)
+    book = Bookkeeping({Memory.DEVICE: 8, Memory.HOST: 8})
+    assert book._front is None and book.checks_pairs  # noqa: SLF001
+    assert book.admit_native(1, Direction.STORE, np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64))
+
+
+def test_the_call_front_builds_into_a_directory_once(tmp_path: Path) -> None:
+    first = native.build_front(tmp_path)
+    assert first.name.startswith("kvoffload-front-") and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert native.build_front(tmp_path) == first
+    assert first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
