@@ -8,10 +8,11 @@ real worker must show zero over many trials.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, Worker
+from kvoffload import BlockIds, DeviceLayout, Worker
 from kvoffload import IssuerName, PathName
 from kvoffload.handler import INLINE_ISSUE_MAX_DESCRIPTORS
 from tests.gpu._helpers import TIMEOUT_S, cache, no_fence, stall
@@ -46,6 +47,14 @@ def mismatched_pages(layout: DeviceLayout, records: torch.Tensor, value: int) ->
     return bad
 
 
+def both_doors(trial: int, src: list[int], dst: list[int]) -> tuple[BlockIds, BlockIds]:
+    """The ids of one trial: lists on even trials (the validating path), int64 numpy arrays on odd
+    ones (a native issuer's fast front, docs/design.md §16), so every race runs through both."""
+    if trial % 2:
+        return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    return src, dst
+
+
 def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
                blocks: list[int] = BLOCKS, host: list[int] = HOST) -> int:
     """Stale pages over ``trials`` stores issued while the compute stream still writes the blocks."""
@@ -60,7 +69,7 @@ def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
         with torch.cuda.stream(compute):
             stall()
             fill_blocks(layout, index, new)  # the writes the store must see
-        w.store(first_job + trial, blocks, host, stream=compute)
+        w.store(first_job + trial, *both_doors(trial, blocks, host), stream=compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
         stale += mismatched_pages(layout, w.host_records()[host], new)
@@ -83,7 +92,7 @@ def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
         with torch.cuda.stream(compute):
             stall()
             snapshot = layout.gather_records(index)  # queued compute still reading the blocks
-        w.load(first_job + trial, host, blocks, stream=compute)
+        w.load(first_job + trial, *both_doors(trial, host, blocks), stream=compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)
@@ -178,7 +187,7 @@ def current_stream_store_race(w: Worker, layout: DeviceLayout, trials: int, firs
             stall()
             fill_blocks(layout, index, new)  # the writes the store must see
         assert torch.cuda.current_device() != layout.device.index
-        w.store(first_job + trial, BLOCKS, HOST)
+        w.store(first_job + trial, *both_doors(trial, BLOCKS, HOST))
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
         stale += mismatched_pages(layout, w.host_records()[HOST], new)
