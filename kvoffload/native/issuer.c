@@ -218,6 +218,12 @@ static CUresult wait_on(struct kvo_issuer *is, CUstream stream, CUevent ev) {
     return ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0);
 }
 
+/* Whether a call that failed with `r` may be made again: the calling thread had no current context
+ * (a caller's thread that never made it current) and the issuer's context is now current. */
+static int context_restored(const struct kvo_issuer *is, CUresult r) {
+    return r == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0;
+}
+
 static int64_t *copy_i64(const int64_t *src, int64_t n) {
     int64_t *out = malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
     if (out && n > 0) memcpy(out, src, (size_t)n * sizeof(int64_t));
@@ -228,8 +234,7 @@ static int64_t *copy_i64(const int64_t *src, int64_t n) {
 static CUresult pool_take(struct kvo_issuer *is, struct pool *p, CUevent *out) {
     if (p->count > 0) { *out = p->free[--p->count]; return 0; }
     CUresult r = ((fn_event_create)is->c.event_create)(out, p->flags);
-    if (r == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
-        r = ((fn_event_create)is->c.event_create)(out, p->flags);
+    if (context_restored(is, r)) r = ((fn_event_create)is->c.event_create)(out, p->flags);
     return r;
 }
 
@@ -254,6 +259,11 @@ static void pool_destroy(struct kvo_issuer *is, struct pool *p) {
 
 static void issuer_unref(struct kvo_issuer *is); /* caller holds the mutex; it may free `is` */
 
+/* A job's memory (its events are given back by whoever drops its last reference). */
+static void job_free(struct kvo_job *job) {
+    free(job->dev_ids); free(job->host_ids); free(job->plans); free(job->marks); free(job);
+}
+
 /* Drop one reference to a job (caller holds the mutex); the last one frees it and gives its events
  * back. */
 static void job_unref(struct kvo_job *job) {
@@ -263,11 +273,7 @@ static void job_unref(struct kvo_job *job) {
     pool_give(is, &is->timing, job->end);
     if (job->marks && !job->marks_released)
         for (int64_t i = 0; i < job->first + job->nplans; i++) pool_give(is, &is->plain, job->marks[i]);
-    free(job->marks);
-    free(job->dev_ids);
-    free(job->host_ids);
-    free(job->plans);
-    free(job);
+    job_free(job);
     issuer_unref(is);
 }
 
@@ -841,8 +847,7 @@ struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *e
     if (!r) {
         caller_call(is, 1);
         r = ((fn_event_record)is->c.event_record)(fence->event, stream);
-        if (r == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
-            r = ((fn_event_record)is->c.event_record)(fence->event, stream);
+        if (context_restored(is, r)) r = ((fn_event_record)is->c.event_record)(fence->event, stream);
         caller_call(is, -1);
         if (r) { pthread_mutex_lock(&is->mu); pool_give(is, &is->plain, fence->event); pthread_mutex_unlock(&is->mu); }
     }
@@ -857,10 +862,6 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
     pthread_mutex_lock(&is->mu);
     fence_unref(is, fence);
     pthread_mutex_unlock(&is->mu);
-}
-
-static void job_free(struct kvo_job *job) {
-    free(job->dev_ids); free(job->host_ids); free(job->plans); free(job->marks); free(job);
 }
 
 /* Hand a job to the thread, in one call from the caller's thread: behind `fence` (a fence of
@@ -993,7 +994,7 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
     else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) {
         caller_call(is, 1);
         code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
-        if (code == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0)
+        if (context_restored(is, code))
             code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
         caller_call(is, -1);
     }

@@ -103,9 +103,10 @@ class Bookkeeping:
         return self._admit is not None
 
     def admit(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
-              read_name: str, write_name: str) -> None:
+              read_name: str, write_name: str, *, pairs_checked: bool = False) -> None:
         """:func:`~kvoffload._validate.check_pairs`, :meth:`check` and :meth:`add` in one call
-        (into the native library where it is available).
+        (into the native library where it is available). ``pairs_checked``: the caller already ran
+        ``check_pairs`` on these ids (it is not run again where the library is not available).
 
         Raises (nothing counted): InvalidBlockIdError, BlockConflictError, as those checks.
         """
@@ -116,7 +117,8 @@ class Bookkeeping:
         if admit is not None:  # the ids may be unranged (see checks_pairs)
             check_range(read_name, reads, self.reads[source].shape[0])
             check_range(write_name, writes, self.reads[target].shape[0])
-        check_pairs(reads, writes, read_name, write_name)
+        if not pairs_checked:
+            check_pairs(reads, writes, read_name, write_name)
         self.check(job_id, direction, reads, writes, read_name, write_name)
         self.add(job_id, direction, reads, writes)
 
@@ -146,9 +148,7 @@ class Bookkeeping:
         same constants as :meth:`_native_args`."""
         assert self._admit is not None
         source, target = SIDES[direction]
-        if target not in self._stamps:
-            self._native_args(direction)  # makes the destination's duplicate-check scratch
-        stamp, _, token = self._stamps[target]
+        stamp, _, token = self._stamp(target)
         spec = native.FrontSpec(
             admit=native.function_address(self._admit), src_limit=self.reads[source].shape[0],
             dst_limit=self.reads[target].shape[0], src_writes=self._write_at[source].value,
@@ -158,15 +158,21 @@ class Bookkeeping:
         entry = self._front_specs[direction] = (spec, ctypes.addressof(spec))
         return entry
 
+    def _stamp(self, memory: Memory) -> tuple[I32Array, ctypes.c_void_p, ctypes.c_int64]:
+        """The duplicate check's scratch of a destination ``memory`` (its array, the array's address
+        and the token), made once and shared by every direction that writes there."""
+        stamp = self._stamps.get(memory)
+        if stamp is None:
+            array = np.zeros(self.reads[memory].shape[0], dtype=np.int32)
+            stamp = self._stamps[memory] = (array, ctypes.c_void_p(int(array.ctypes.data)),
+                                            ctypes.c_int64(0))
+        return stamp
+
     def _native_args(self, direction: Direction) -> tuple[object, ...]:
         """kvo_admit's arguments after the ids for a job of ``direction``, built once: the limits,
         the counts' addresses and the destination memory's duplicate-check scratch."""
         source, target = SIDES[direction]
-        stamp = self._stamps.get(target)
-        if stamp is None:
-            array = np.zeros(self.reads[target].shape[0], dtype=np.int32)
-            stamp = self._stamps[target] = (array, ctypes.c_void_p(int(array.ctypes.data)),
-                                            ctypes.c_int64(0))
+        stamp = self._stamp(target)
         args = self._admit_args[direction] = (
             self.reads[source].shape[0], self.reads[target].shape[0], self._write_at[source],
             self._read_at[source], self._read_at[target], self._write_at[target], stamp[1],

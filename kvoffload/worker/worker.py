@@ -560,7 +560,8 @@ class Worker:
                         check_pairs(src, dst, src_name, dst_name)
                         self._book.check(job, direction, src, dst, src_name, dst_name)
                         self._jobs.reserve(job, source)  # raises JobIdError
-                    self._book.admit(job, direction, src, dst, src_name, dst_name)  # pairs, conflicts
+                    self._book.admit(job, direction, src, dst, src_name, dst_name,  # pairs, conflicts
+                                     pairs_checked=ranged)
                 except InvalidBlockIdError:
                     if not ranged:  # an id past int64 is named by its own value, as ever
                         as_block_ids(src_name, src_blocks, src_limit)

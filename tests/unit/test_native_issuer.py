@@ -487,6 +487,23 @@ def test_a_fence_the_hand_off_fails_to_record_fails_its_job_and_nothing_leaks() 
     assert h.fake.events_destroyed == h.fake.events_created  # the failed fence's event went back
 
 
+def test_a_fence_recorded_without_a_current_context_is_recorded_again_in_the_issuers() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        h.fake.fail["cuEventRecord"] = 201  # CUDA_ERROR_INVALID_CONTEXT on the caller's thread
+        before = len(h.fake.of("cuCtxSetCurrent"))
+        assert h.run(0, [1], [2]).ok
+        calls = [c[0] for c in h.fake.snapshot()]
+        first = calls.index("cuEventRecord")
+        assert calls[first + 1: first + 3] == ["cuCtxSetCurrent", "cuEventRecord"]
+        assert len(h.fake.of("cuCtxSetCurrent")) == before + 1
+        h.fake.fail["cuEventRecord"] = 700  # any other code is the job's failure, not retried
+        assert not h.run(1, [1], [2]).ok
+    finally:
+        h.close()
+
+
 def test_a_failed_completion_comes_back_as_a_failed_result() -> None:
     plan = make_plan(Direction.LOAD, [256])
     h = Harness(Direction.LOAD, "dma", plan)
