@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final, Protocol, cast
 
 import attrs
@@ -155,6 +155,20 @@ class HandsOffBackend(Backend, Protocol):
         Raises:
             DeviceMismatchError: ``stream`` is not a stream of the backend's device.
         """
+
+    def stream_handle(self, stream: object | None) -> int:
+        """The handle of ``stream`` (None: the device's current stream).
+
+        Raises:
+            DeviceMismatchError: ``stream`` is not a stream of the backend's device.
+        """
+
+    def current_stream_reader(self) -> Callable[[], int]:
+        """A call without arguments that returns the calling thread's current stream's handle."""
+
+    def hand_off(self, plan: CopyPlan, src: I64Array, dst: I64Array, stream: int) -> Ticket:
+        """Hand a whole job over with its fence recorded on ``stream`` in the same call; never
+        raises (a failure is the ticket's)."""
 
 
 @attrs.define(eq=False)
@@ -417,43 +431,69 @@ class DirectionHandler:
         elif head is None:
             self._queue.put(transfer)
 
-    def position(self, stream: object = None) -> object:
-        """The fence of a job about to go to :meth:`submit_handed_off` (the hands-off backend's
-        ``position``: nothing is recorded yet, the hand-off records it).
+    def stream_handle(self, stream: object = None) -> int:
+        """The handle of ``stream`` for :meth:`submit_handed_off` (None: the device's current
+        stream; :meth:`current_stream_reader` reads that without a call of this method).
 
         Raises:
             DeviceMismatchError: the stream is not one of the backend's device.
         """
         backend = self._backend
         assert backend is not None
-        return cast(HandsOffBackend, backend).position(stream)
+        return cast(HandsOffBackend, backend).stream_handle(stream)
 
-    def submit_handed_off(self, job_id: int, src: I64Array, dst: I64Array, fence: object) -> None:
-        """The worker's fast front's submit (docs/design.md §16): a non-empty job of a hands-off
-        backend, its ids validated and booked, its fence from the backend's ``position`` (the
-        handler owns it from here). Issued on this thread in submit order, as :meth:`submit_validated`
-        issues such a job; a failure to hand it over is the job's failed result.
+    def current_stream_reader(self) -> Callable[[], int]:
+        """The hands-off backend's reader of the calling thread's current stream (a call without
+        arguments returning its handle), for :meth:`submit_handed_off`."""
+        backend = self._backend
+        assert backend is not None
+        return cast(HandsOffBackend, backend).current_stream_reader()
+
+    def submit_handed_off(self, job_id: int, src: I64Array, dst: I64Array, stream: int) -> None:
+        """The worker's fast front's submit (docs/design.md §16): a non-empty whole job of a
+        hands-off backend, its ids validated and booked, ordered after the work queued on
+        ``stream`` (a handle from :meth:`stream_handle` or :meth:`current_stream_reader`) before
+        this call. Handed over on this thread in submit order, as :meth:`submit_validated` hands
+        such a job over, with the fence recorded in the same call into the backend; a failure to
+        hand it over is the job's failed result.
 
         Raises:
             ClosedError: after shutdown.
         """
         self._check_open()
-        backend = self._backend
-        assert backend is not None
-        self._hand_over(backend, _Transfer(job_id, src, dst, int(src.shape[0]) * self._page_bytes,
-                                           fence, True))
+        self._hand_over(cast(HandsOffBackend, self._backend),
+                        _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False), stream)
 
-    def _hand_over(self, backend: Backend, transfer: _Transfer) -> None:
-        """Queue ``transfer`` and issue it on this thread (a hands-off backend: cheap)."""
-        with self._lock:
-            self._fifo.append(transfer)
-            self._submitted += 1
-            self._pending += 1
-            self._issue_lock.acquire()  # taken under _lock: no later job can overtake this one
-        try:
-            self._issue(backend, transfer, None)
-        finally:
-            self._issue_lock.release()
+    def _hand_over(self, backend: Backend, transfer: _Transfer, stream: int | None = None) -> None:
+        """Queue ``transfer`` and hand it over on this thread (a hands-off backend: cheap): through
+        :meth:`_issue`, or, with ``stream``, through the backend's ``hand_off`` (its fence
+        recorded on ``stream`` in the same call).
+
+        One hand-off at a time, in the order the callers take ``_issue_lock``: it is taken before
+        ``_lock`` (as the issuer thread takes them), so the queue's order is the hand-offs' order
+        and a caller waiting for it holds nothing the hand-off in progress needs (taking it under
+        ``_lock`` deadlocked two threads submitting at once: the second held ``_lock`` waiting for
+        it while the first waited for ``_lock`` to publish its ticket).
+        """
+        with self._issue_lock:
+            with self._lock:
+                self._fifo.append(transfer)
+                self._submitted += 1
+                self._pending += 1
+            if stream is None:
+                self._issue(backend, transfer, None)
+                return
+            try:
+                if self._abort.is_set():
+                    transfer.ticket = FailedTicket(
+                        TransferError("the handler shut down before the job was issued"))
+                else:
+                    transfer.ticket = cast(HandsOffBackend, backend).hand_off(
+                        self._plan, transfer.src, transfer.dst, stream)
+            except Exception as exc:  # reported as the job's failure, as _issue reports it
+                transfer.ticket = FailedTicket(exc)
+            finally:
+                self._mark_issued(transfer)
 
     def _split(self, backend: Backend, transfer: _Transfer, pairs: int) -> _Transfer:
         """Cut the head off a costly job; ``transfer`` keeps the rest, the fence, the byte count."""
@@ -491,6 +531,10 @@ class DirectionHandler:
         fence, transfer.fence = transfer.fence, None
         if transfer.owns_fence:
             backend.release_fence(fence)  # no other job waits for it: the wait was enqueued
+        self._mark_issued(transfer)
+
+    def _mark_issued(self, transfer: _Transfer) -> None:
+        """``transfer`` has its ticket: it is no longer pending (wakes :meth:`wait_issued`)."""
         with self._lock:
             self._pending -= 1
             transfer.issued = True

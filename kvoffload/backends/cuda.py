@@ -22,6 +22,7 @@ records one pooled event per layer as that layer's last copy is enqueued (:class
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -114,6 +115,14 @@ def current_stream_handle(index: int) -> int:
     if _raw_current_stream is not None:
         return int(_raw_current_stream(index))
     return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def current_stream_reader(index: int) -> Callable[[], int]:
+    """A call without arguments that returns :func:`current_stream_handle` of device ``index``:
+    torch's raw accessor bound to the device where it has one (no Python frame per call)."""
+    if _raw_current_stream is not None:
+        return functools.partial(_raw_current_stream, index)
+    return functools.partial(current_stream_handle, index)
 
 
 def current_device_index() -> int:

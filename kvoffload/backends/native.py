@@ -17,6 +17,7 @@ reference, a :class:`NativeFence` its taker's, a :class:`NativeLayerMarks` its m
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -30,7 +31,7 @@ from kvoffload import native
 from kvoffload._descriptors import CopyPlan
 from kvoffload._jobs import FailedTicket, Ticket
 from kvoffload._layer_load import LayerMarks
-from kvoffload.backends.cuda import CudaBackend, current_device_index
+from kvoffload.backends.cuda import CudaBackend, current_device_index, current_stream_reader
 from kvoffload.backends.kernel import SmPath, StagedPath
 from kvoffload.bindings import driver
 from kvoffload.bindings.copier import Copier
@@ -393,6 +394,7 @@ class NativeBackend:
         self._front_spec = native.FrontSpec(hand_off=native.function_address(lib.kvo_hand_off),
                                             issuer=issuer)
         self._front_at = ctypes.addressof(self._front_spec)
+        self._stores = self.direction is Direction.STORE
 
     @classmethod
     def start(
@@ -532,6 +534,14 @@ class NativeBackend:
         """
         return NativeFence(0, self.stream_handle(stream))
 
+    def current_stream_reader(self) -> Callable[[], int]:
+        """A call without arguments that returns the handle of the calling thread's current stream
+        on this backend's device (the fast front's stream when none is given): torch's raw
+        accessor bound to the device where it has one, else :meth:`stream_handle` of None."""
+        if self._on_cuda:
+            return current_stream_reader(self.index)
+        return functools.partial(self.stream_handle, None)
+
     def release_fence(self, fence: object) -> None:
         """Drop the taker's reference to a fence of :meth:`fence` (once; nothing for one of
         :meth:`position`, which the job took)."""
@@ -556,7 +566,14 @@ class NativeBackend:
 
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Hand the job to the native thread on the path chosen for its size; never raises."""
-        return self._submit((plan,), src, dst, fence, None, 0)
+        assert isinstance(fence, NativeFence)
+        return self._submit((plan,), src, dst, fence.stream, fence.pointer, None, 0)
+
+    def hand_off(self, plan: CopyPlan, src: I64Array, dst: I64Array, stream: int) -> Ticket:
+        """:meth:`issue` for the fast front (docs/design.md §16): a whole job whose fence the
+        hand-off records on ``stream`` (a handle of this backend's device) in the same call into
+        the library; never raises."""
+        return self._submit((plan,), src, dst, stream, 0, None, 0)
 
     def issue_layers(
         self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
@@ -564,36 +581,41 @@ class NativeBackend:
     ) -> Ticket:
         """Hand a layered job over: the thread marks each layer once its copies are enqueued."""
         assert isinstance(marks, NativeLayerMarks)
-        return self._submit(plans, src, dst, fence, marks, first)
+        assert isinstance(fence, NativeFence)
+        return self._submit(plans, src, dst, fence.stream, fence.pointer, marks, first)
 
     def _submit(
-        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
+        self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, stream: int, pointer: int,
         marks: NativeLayerMarks | None, first: int,
     ) -> Ticket:
-        assert isinstance(fence, NativeFence)
+        """Hand a job over behind the fence ``pointer`` (one of :meth:`fence`), or, when it is 0,
+        behind a fence the call records on ``stream``."""
         n = int(src.shape[0])
         name = self._choose(n)
-        device, host = (src, dst) if self.direction is Direction.STORE else (dst, src)
+        device, host = (src, dst) if self._stores else (dst, src)
+        whole = marks is None
         with self._lock:
             if self._released:
                 return FailedTicket(TransferError("the backend was released before the job was issued"))
-            try:
-                plans_address = self._plan_array(plans, whole=marks is None)
-            except Exception as exc:  # nothing was handed over: the job fails at once
-                return FailedTicket(exc)
+            plans_address = self._single.get((plans[0], whole)) if len(plans) == 1 else None
+            if plans_address is None:
+                try:
+                    plans_address = self._plan_array(plans, whole=whole)
+                except Exception as exc:  # nothing was handed over: the job fails at once
+                    return FailedTicket(exc)
             front = self._front_hand_off
             call: Callable[..., int | None]
             if front is not None:
                 call = front
                 args: tuple[object, ...] = (
-                    self._front_at, fence.stream, fence.pointer, _PATHS[name], device, host,
-                    len(plans), plans_address, first, int(marks is not None))
+                    self._front_at, stream, pointer, _PATHS[name], device, host, len(plans),
+                    plans_address, first, int(not whole))
             else:
                 call = self._hand_off
-                args = (self._issuer_arg, fence.stream, fence.pointer, _PATHS[name], n,
-                        native.address(device), native.address(host), len(plans), plans_address,
-                        first, int(marks is not None), self._error_arg)
-            if fence.pointer or not self.switches_device():
+                args = (self._issuer_arg, stream, pointer, _PATHS[name], n, native.address(device),
+                        native.address(host), len(plans), plans_address, first, int(not whole),
+                        self._error_arg)
+            if pointer or not self.switches_device():
                 job = call(*args)
             else:  # the fence is recorded in the call: with this backend's device current
                 with torch.cuda.device(self.index):

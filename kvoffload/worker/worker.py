@@ -143,8 +143,9 @@ class Worker:
         self._holds: dict[int, threading.Event] = {}  # booking token -> settle event of its call
         self._routes = self._route_table()
         # The fast front's directions (see _front): a hands-off backend and the native admission.
+        # Each is the handler and its reader of the caller's current stream (the default stream).
         self._fronts = {
-            direction: handler
+            direction: (handler, handler.current_stream_reader())
             for direction, handler in ((Direction.STORE, self._store), (Direction.LOAD, self._load))
             if handler.hands_off and self._book.checks_pairs
         }
@@ -490,32 +491,32 @@ class Worker:
         changed, for any other job or any failed check: :meth:`_submit` then validates it from the
         start and submits it or raises its precise error, so the two doors differ only in speed.
         """
-        handler = self._fronts.get(direction)
-        if (handler is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
+        lane = self._fronts.get(direction)
+        if (lane is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
                 or type(dst_blocks) is not np.ndarray or src_blocks.dtype is not _I64
                 or dst_blocks.dtype is not _I64 or src_blocks.ndim != 1 or dst_blocks.ndim != 1
                 or self._closed):
             return False
-        try:
-            fence = handler.position(stream)
-        except DeviceMismatchError:
-            return False  # raised by _submit, after the checks of the ids, as ever
+        handler, current_stream = lane
+        if stream is None:
+            handle = current_stream()
+        else:
+            try:
+                handle = handler.stream_handle(stream)
+            except DeviceMismatchError:
+                return False  # raised by _submit, after the checks of the ids, as ever
         src, dst = src_blocks.copy(), dst_blocks.copy()  # the job's own: the caller may reuse its
         book = self._book
         with self._lock:
-            admitted = not self._holds and job_id not in book.jobs and book.admit_native(
-                job_id, direction, src, dst)
-            if admitted:
-                try:
-                    self._jobs.reserve(job_id, handler)
-                except JobIdError:  # finished and not yet returned: _submit says so
-                    book.remove(job_id)
-                    admitted = False
-        if not admitted:
-            handler.release_fence(fence)
-            return False
+            if self._holds or job_id in book.jobs or not book.admit_native(job_id, direction, src, dst):
+                return False
+            try:
+                self._jobs.reserve(job_id, handler)
+            except JobIdError:  # finished and not yet returned: _submit says so
+                book.remove(job_id)
+                return False
         try:
-            handler.submit_handed_off(job_id, src, dst, fence)
+            handler.submit_handed_off(job_id, src, dst, handle)
         except BaseException:
             with self._lock:
                 book.remove(job_id)

@@ -13,6 +13,8 @@ driver of :mod:`tests.unit._native_fake`):
 from __future__ import annotations
 
 import sysconfig
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload import DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, Worker, native
+from kvoffload import CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, Worker, native
 from kvoffload.backends.native import NativeBackend
 from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
@@ -222,6 +224,131 @@ def test_jobs_complete_alike_through_the_call_front_and_through_ctypes(call_fron
         assert all(not a.any() for m in (Memory.DEVICE, Memory.HOST) for a in (book.reads[m], book.writes[m]))
     finally:
         w.shutdown(TIMEOUT_S)
+
+
+@pytest.mark.parametrize("call_front", [True, False], ids=["call front", "ctypes"])
+def test_the_front_records_its_fence_on_the_callers_stream_in_the_hand_off(call_front: bool) -> None:
+    keep: list[object] = []
+    w = make_worker(keep, call_front=call_front)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    try:
+        w.store(1, _i(0, 1), _i(0, 1))  # the current stream (the reader's)
+        w.load(2, _i(2), _i(2), stream=COMPUTE + 7)  # a stream given
+        assert all(r.ok for r in w.wait([1, 2], TIMEOUT_S))
+        fences = [c[2] for c in fake.of("cuEventRecord") if c[2] in (COMPUTE, COMPUTE + 7)]
+        assert fences == [COMPUTE, COMPUTE + 7]
+        waits = [c[2] for c in fake.of("cuStreamWaitEvent")]
+        assert len(waits) >= 2  # each job's copy stream waited for its fence
+    finally:
+        w.shutdown(TIMEOUT_S)
+    assert fake.events_destroyed == fake.events_created
+
+
+@pytest.mark.parametrize("call_front", [True, False], ids=["call front", "ctypes"])
+def test_a_front_job_whose_fence_fails_to_record_is_a_failed_result_and_returns_its_blocks(
+    call_front: bool,
+) -> None:
+    keep: list[object] = []
+    w = make_worker(keep, call_front=call_front)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    try:
+        fake.fail["cuEventRecord"] = 1  # CUDA_ERROR_INVALID_VALUE, in the hand-off's call
+        w.store(1, _i(0, 1), _i(0, 1))  # not raised: the job's failure
+        (result,) = w.wait([1], TIMEOUT_S)
+        assert not result.ok and isinstance(result.error, CudaError)
+        assert "cuEventRecord" in str(result.error)
+        book = w._book  # noqa: SLF001
+        assert not book.jobs
+        assert all(not a.any() for m in (Memory.DEVICE, Memory.HOST) for a in (book.reads[m], book.writes[m]))
+        w.store(1, _i(0, 1), _i(0, 1))  # the id and the blocks are free again
+        assert w.wait([1], TIMEOUT_S)[0].ok
+    finally:
+        w.shutdown(TIMEOUT_S)
+
+
+def test_a_hand_off_that_raises_is_the_jobs_failed_result_and_the_next_job_goes_through(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = worker._store._backend  # noqa: SLF001
+    assert isinstance(backend, NativeBackend)
+    monkeypatch.setattr(backend, "hand_off", lambda *_args: (_ for _ in ()).throw(RuntimeError("boom")))
+    worker.store(1, _i(3), _i(3))
+    (result,) = worker.wait([1], TIMEOUT_S)
+    assert not result.ok and isinstance(result.error, RuntimeError)
+    monkeypatch.undo()
+    worker.store(2, _i(3), _i(3))
+    assert worker.wait([2], TIMEOUT_S)[0].ok
+    assert worker._store.wait_issued(TIMEOUT_S)  # noqa: SLF001 - nothing left pending
+
+
+@pytest.mark.parametrize("doors", [("front", "front"), ("front", "list"), ("list", "front")])
+def test_a_submit_waiting_for_a_hand_off_in_progress_never_deadlocks_it(doors: tuple[str, str]) -> None:
+    """Thread A's hand-off is held inside its fence's record while thread B submits to the same
+    direction; once the record returns both jobs are handed over, in the order of the hand-offs.
+    (B used to wait for the hand-off lock holding the handler's lock, which A needed next.)"""
+    keep: list[object] = []
+    w = make_worker(keep)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    gate, inside = threading.Event(), threading.Event()
+    fake.gate_on[("cuEventRecord", COMPUTE)] = gate
+    fake.entered["cuEventRecord"] = inside
+    errors: list[BaseException] = []
+
+    def submit(job: int, door: str) -> None:
+        try:
+            ids: Any = _i(job) if door == "front" else [job]
+            w.store(job, ids, ids)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    first = threading.Thread(target=submit, args=(1, doors[0]), daemon=True)
+    second = threading.Thread(target=submit, args=(2, doors[1]), daemon=True)
+    first.start()
+    assert inside.wait(TIMEOUT_S)  # A is inside its hand-off's fence record
+    second.start()
+    time.sleep(0.2)  # B reaches the hand-off and waits (the outcome does not depend on it)
+    gate.set()
+    first.join(TIMEOUT_S)
+    second.join(TIMEOUT_S)
+    assert not first.is_alive() and not second.is_alive(), "two submits deadlocked"
+    assert not errors
+    results = w.wait([1, 2], TIMEOUT_S)
+    assert [r.ok for r in results] == [True, True]
+    w.shutdown(TIMEOUT_S)
+
+
+def test_threads_submitting_at_once_through_both_doors_get_every_result() -> None:
+    keep: list[object] = []
+    w = make_worker(keep)
+    errors: list[BaseException] = []
+
+    def run(thread: int) -> None:
+        try:
+            for k in range(60):
+                job, block = thread * 1000 + k, thread  # each thread its own block
+                ids: Any = _i(block) if k % 2 else [block]
+                if k % 3:
+                    w.store(job, ids, ids)
+                else:
+                    w.load(job, ids, ids)
+                (result,) = w.wait([job], TIMEOUT_S)
+                assert result.ok and result.job_id == job
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "submitting threads deadlocked"
+    assert not errors
+    book = w._book  # noqa: SLF001
+    assert not book.jobs
+    w.shutdown(TIMEOUT_S)
 
 
 def _admit(book: Bookkeeping, job: int, direction: Direction, reads: I64, writes: I64) -> bool:
