@@ -21,6 +21,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Final, Protocol
 
 import numpy as np
@@ -105,12 +106,14 @@ class NativeTicket:
 
     Thread-safe: a wait may block in the library while another thread finds the job done and
     releases the ticket; the reference is dropped only once no call is inside the library (the job
-    must not be freed under a waiter)."""
+    must not be freed under a waiter). The library is called through the call front where it is
+    built (``front``: the module and its spec's address), else through ctypes."""
 
     __slots__ = ("_lib", "_job", "error", "path", "_done", "_seconds", "_released", "_failure",
-                 "_times", "_guard", "_users")
+                 "_times", "_guard", "_users", "_front", "_spec")
 
-    def __init__(self, lib: ctypes.CDLL, job: int, path: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, job: int, path: str,
+                 front: tuple[ModuleType, int] | None = None) -> None:
         self._lib = lib
         self._job = job
         self.error: BaseException | None = None
@@ -122,6 +125,8 @@ class NativeTicket:
         self._times = (0.0, 0.0, 0.0, 0.0)
         self._guard = threading.Lock()
         self._users = 0  # calls inside the library
+        self._front: ModuleType | None = front[0] if front is not None else None
+        self._spec = front[1] if front is not None else 0
 
     def _enter(self) -> bool:
         """Count a call into the library; False once released (the job may be gone)."""
@@ -136,20 +141,33 @@ class NativeTicket:
             self._users -= 1
             last = self._released and self._users == 0
         if last:
+            self._drop()
+
+    def _drop(self) -> None:
+        """The ticket's reference goes (kvo_job_release)."""
+        if self._front is not None:
+            self._front.job_release(self._spec, self._job)
+        else:
             self._lib.kvo_job_release(self._job)
 
     def _read(self) -> None:
         """The job is done: keep its outcome, its device time and its timeline."""
-        out = (ctypes.c_int64 * 6)()
-        seconds = ctypes.c_double(0.0)
-        call = self._lib.kvo_job_result(self._job, out, ctypes.byref(seconds))
-        self._times = (out[2] / 1e9, out[3] / 1e9, out[4] / 1e9, out[5] / 1e9)
-        self._seconds = seconds.value
-        code, fail = int(out[0]), int(out[1])
+        if self._front is not None:
+            code, fail, handed, began, issued, found, seconds, name = self._front.job_result(
+                self._spec, self._job)
+            call = name or None
+        else:
+            out = (ctypes.c_int64 * 6)()
+            c_seconds = ctypes.c_double(0.0)
+            named = self._lib.kvo_job_result(self._job, out, ctypes.byref(c_seconds))
+            code, fail, handed, began, issued, found = out
+            seconds, call = c_seconds.value, (named.decode() if named else None)
+        self._times = (handed / 1e9, began / 1e9, issued / 1e9, found / 1e9)
+        self._seconds = seconds
         if fail == native.FAIL_COMPLETION:
-            self._failure = native_error(code, call.decode() if call else "native issuer")
+            self._failure = native_error(int(code), call or "native issuer")
         elif fail != native.FAIL_NONE:
-            self.error = native_error(code, call.decode() if call else "native issuer")
+            self.error = native_error(int(code), call or "native issuer")
         self._done = True
 
     def _outcome(self) -> bool:
@@ -162,7 +180,9 @@ class NativeTicket:
         failure (at every call, as a failed event query does)."""
         if not self._done and self._enter():
             try:
-                if self._lib.kvo_job_state(self._job) != native.JOB_DONE:
+                state = (self._front.job_state(self._spec, self._job) if self._front is not None
+                         else self._lib.kvo_job_state(self._job))
+                if state != native.JOB_DONE:
                     return False
                 self._read()
             finally:
@@ -174,7 +194,9 @@ class NativeTicket:
         passed; True when done. Raises as :meth:`done`."""
         if not self._done and self._enter():
             try:
-                if not self._lib.kvo_job_wait(self._job, _ns(timeout_s)):
+                done = (self._front.job_wait(self._spec, self._job, _ns(timeout_s)) if self._front is not None
+                        else self._lib.kvo_job_wait(self._job, _ns(timeout_s)))
+                if not done:
                     return False
                 self._read()
             finally:
@@ -210,7 +232,7 @@ class NativeTicket:
             self._released = True
             last = self._users == 0
         if last:
-            self._lib.kvo_job_release(self._job)
+            self._drop()
 
 
 class NativeFence:
@@ -391,9 +413,9 @@ class NativeBackend:
         # The call front's hand-off, where it is built (the same call without ctypes).
         front = native.front()
         self._front_hand_off = front.hand_off if front is not None else None
-        self._front_spec = native.FrontSpec(hand_off=native.function_address(lib.kvo_hand_off),
-                                            issuer=issuer)
+        self._front_spec = native.front_spec(lib, issuer=issuer)
         self._front_at = ctypes.addressof(self._front_spec)
+        self._front_calls = (front, self._front_at) if front is not None else None  # the tickets'
         self._stores = self.direction is Direction.STORE
 
     @classmethod
@@ -625,7 +647,7 @@ class NativeBackend:
             return FailedTicket(native_error(int(code), "cuEventRecord" if code > 0 else "native hand-off"))
         if marks is not None:
             marks.attach(int(job))
-        return NativeTicket(self.lib, int(job), self._path_names[name])
+        return NativeTicket(self.lib, int(job), self._path_names[name], self._front_calls)
 
     def _plan_array(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> int:
         """The address of a C array of the library's plans for ``plans`` (each registered once;

@@ -61,6 +61,7 @@ __all__ = [
     "build_front",
     "cache_dir",
     "front",
+    "front_spec",
     "library",
 ]
 
@@ -131,7 +132,8 @@ class PlanSpec(ctypes.Structure):
 class FrontSpec(ctypes.Structure):
     """``struct kvo_front_spec``: what a call of the call front needs beside its arguments — the
     library's functions, one admission direction's constants (limits, counts, the duplicate check's
-    scratch) or one issuer, and the last failed hand-off's code."""
+    scratch) or one issuer, and the last failed hand-off's code (build it with
+    :func:`front_spec`)."""
 
     _fields_ = [
         ("admit", _p), ("hand_off", _p),
@@ -140,7 +142,17 @@ class FrontSpec(ctypes.Structure):
         ("token", _p),
         ("issuer", _p),
         ("error", _i64),
+        ("unadmit", _p), ("job_state", _p), ("job_wait", _p), ("job_result", _p), ("job_release", _p),
     ]
+
+
+def front_spec(lib: ctypes.CDLL, **fields: int | None) -> FrontSpec:
+    """A :class:`FrontSpec` with every one of ``lib``'s functions the call front calls, and
+    ``fields`` (one admission direction's constants, or an issuer)."""
+    functions = {name: function_address(getattr(lib, "kvo_" + name))
+                 for name in ("admit", "hand_off", "unadmit", "job_state", "job_wait", "job_result",
+                              "job_release")}
+    return FrontSpec(**functions, **fields)
 
 
 def function_address(function: ctypes._FuncPointer) -> int:

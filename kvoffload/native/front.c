@@ -1,13 +1,16 @@
-/* kvoffload's call front: the two calls into the native library that every job of a native issuer
- * makes on the engine's thread (the admission check of its block ids, the hand-off to the issuer
- * thread), as a CPython extension module (docs/design.md §16).
+/* kvoffload's call front: the calls into the native library that every job of a native issuer
+ * makes on the engine's thread (the admission check of its block ids and the hand-off to the issuer
+ * thread at submit; the job's state, wait, result and release and the uncount of its blocks when
+ * its result is taken), as a CPython extension module (docs/design.md §16).
  *
  * Through ctypes, each call converts its arguments one by one and each id array's address is read
  * through a ctypes object: about 1.4 us for the admission and 2 us around the hand-off on a 2-core
- * host, more than the C they call. Here a call takes its arguments as a vector (METH_FASTCALL),
+ * host, more than the C they call (and the result's out-arrays are ctypes objects built per call). Here a call takes its arguments as a vector (METH_FASTCALL),
  * reads the id arrays through the buffer protocol, and finds the library's functions and the
  * per-direction constants in a struct Python filled once (struct kvo_front_spec). The library
- * itself (issuer.c) is unchanged and still loaded through ctypes: this module only calls it.
+ * itself (issuer.c) is unchanged and still loaded through ctypes: this module only calls it. Every
+ * call that takes the issuer's lock or may wait releases the GIL, as ctypes does: the thread holding
+ * that lock may need the GIL (a driver of Python callbacks, as the CPU tests' fake driver).
  *
  * Built by kvoffload.native with Python's headers where they are installed; without them the
  * ctypes calls are used, with the same results.
@@ -21,6 +24,11 @@ typedef int64_t (*fn_admit)(const int64_t *, const int64_t *, int64_t, int64_t, 
                             int64_t *);
 typedef void *(*fn_hand_off)(void *, void *, void *, int64_t, int64_t, const int64_t *,
                              const int64_t *, int64_t, void *const *, int64_t, int64_t, int64_t *);
+typedef void (*fn_unadmit)(const int64_t *, const int64_t *, int64_t, int32_t *, int32_t *);
+typedef int64_t (*fn_job_state)(void *);
+typedef int64_t (*fn_job_wait)(void *, int64_t);
+typedef const char *(*fn_job_result)(void *, int64_t *, double *);
+typedef void (*fn_job_release)(void *);
 
 /* Filled by Python (kvoffload.native.FrontSpec, 8-byte fields): one per admission direction and
  * one per issuer. */
@@ -31,6 +39,7 @@ struct kvo_front_spec {
     int64_t *token;
     void *issuer;                    /* kvo_hand_off's issuer */
     int64_t error;                   /* the last failed hand-off's code */
+    void *unadmit, *job_state, *job_wait, *job_result, *job_release; /* the library's kvo_* */
 };
 
 /* A one-dimensional, C-contiguous int64 buffer of `obj`, or 0 (no exception set) for anything else. */
@@ -128,12 +137,131 @@ static PyObject *front_hand_off(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromVoidPtr(job);
 }
 
+/* The job of a call's argument: a non-null address (an exception set otherwise). */
+static void *job_of(PyObject *address) {
+    void *p = PyLong_AsVoidPtr(address);
+    if (!p && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null job");
+    return p;
+}
+
+/* unadmit(spec, reads, writes) -> None: kvo_unadmit of a job admit() admitted, with the spec's
+ * source read counts and destination write counts. */
+static PyObject *front_unadmit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "unadmit(spec, reads, writes) takes 3 arguments");
+        return 0;
+    }
+    struct kvo_front_spec *s = spec_of(args[0]);
+    if (!s) return 0;
+    Py_buffer r, w;
+    if (!id_buffer(args[1], &r)) {
+        PyErr_SetString(PyExc_TypeError, "reads must be a 1-D contiguous int64 array");
+        return 0;
+    }
+    if (!id_buffer(args[2], &w)) {
+        PyBuffer_Release(&r);
+        PyErr_SetString(PyExc_TypeError, "writes must be a 1-D contiguous int64 array");
+        return 0;
+    }
+    if (r.len != w.len) PyErr_SetString(PyExc_ValueError, "reads and writes differ in length");
+    else ((fn_unadmit)s->unadmit)(r.buf, w.buf, (int64_t)(r.len / 8), s->src_reads, s->dst_writes);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&r);
+    if (PyErr_Occurred()) return 0;
+    Py_RETURN_NONE;
+}
+
+/* job_state(spec, job) -> int: kvo_job_state (0 queued, 1 in flight, 2 done). */
+static PyObject *front_job_state(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "job_state(spec, job) takes 2 arguments");
+        return 0;
+    }
+    struct kvo_front_spec *s = spec_of(args[0]);
+    void *job = s ? job_of(args[1]) : 0;
+    if (!job) return 0;
+    int64_t state;
+    Py_BEGIN_ALLOW_THREADS
+    state = ((fn_job_state)s->job_state)(job);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(state);
+}
+
+/* job_wait(spec, job, timeout_ns) -> bool: kvo_job_wait, with the GIL released. */
+static PyObject *front_job_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "job_wait(spec, job, timeout_ns) takes 3 arguments");
+        return 0;
+    }
+    struct kvo_front_spec *s = spec_of(args[0]);
+    void *job = s ? job_of(args[1]) : 0;
+    if (!job) return 0;
+    int64_t timeout_ns = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return 0;
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS
+    done = ((fn_job_wait)s->job_wait)(job, timeout_ns);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(done != 0);
+}
+
+/* job_result(spec, job) -> (code, fail, handed, began, issued, found, seconds, call): kvo_job_result
+ * of a done job, its times in CLOCK_MONOTONIC ns and the failed call's name ("" for none). */
+static PyObject *front_job_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "job_result(spec, job) takes 2 arguments");
+        return 0;
+    }
+    struct kvo_front_spec *s = spec_of(args[0]);
+    void *job = s ? job_of(args[1]) : 0;
+    if (!job) return 0;
+    int64_t out[6] = {0};
+    double seconds = 0.0;
+    const char *call;
+    Py_BEGIN_ALLOW_THREADS
+    call = ((fn_job_result)s->job_result)(job, out, &seconds);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(LLLLLLds)", (long long)out[0], (long long)out[1], (long long)out[2],
+                         (long long)out[3], (long long)out[4], (long long)out[5], seconds,
+                         call ? call : "");
+}
+
+/* job_release(spec, job) -> None: kvo_job_release (the caller's reference to the job goes). */
+static PyObject *front_job_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "job_release(spec, job) takes 2 arguments");
+        return 0;
+    }
+    struct kvo_front_spec *s = spec_of(args[0]);
+    void *job = s ? job_of(args[1]) : 0;
+    if (!job) return 0;
+    Py_BEGIN_ALLOW_THREADS
+    ((fn_job_release)s->job_release)(job);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"admit", (PyCFunction)(void (*)(void))front_admit, METH_FASTCALL,
      "admit(spec, reads, writes) -> bool: kvo_admit over the arrays' buffers."},
     {"hand_off", (PyCFunction)(void (*)(void))front_hand_off, METH_FASTCALL,
      "hand_off(spec, stream, fence, path, device_ids, host_ids, nplans, plans, first, layered)"
      " -> int: kvo_hand_off over the arrays' buffers."},
+    {"unadmit", (PyCFunction)(void (*)(void))front_unadmit, METH_FASTCALL,
+     "unadmit(spec, reads, writes) -> None: kvo_unadmit over the arrays' buffers."},
+    {"job_state", (PyCFunction)(void (*)(void))front_job_state, METH_FASTCALL,
+     "job_state(spec, job) -> int: kvo_job_state."},
+    {"job_wait", (PyCFunction)(void (*)(void))front_job_wait, METH_FASTCALL,
+     "job_wait(spec, job, timeout_ns) -> bool: kvo_job_wait without the GIL."},
+    {"job_result", (PyCFunction)(void (*)(void))front_job_result, METH_FASTCALL,
+     "job_result(spec, job) -> (code, fail, handed, began, issued, found, seconds, call)."},
+    {"job_release", (PyCFunction)(void (*)(void))front_job_release, METH_FASTCALL,
+     "job_release(spec, job) -> None: kvo_job_release."},
     {0, 0, 0, 0},
 };
 

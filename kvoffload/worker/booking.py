@@ -83,10 +83,11 @@ class Bookkeeping:
         self.jobs: dict[int, _Job] = {}
         self.held: dict[int, tuple[int, _Job]] = {}  # hold token -> (job id, its blocks)
         self._tokens = itertools.count(1)
-        lib = native.available() if native_checks else None
+        lib = self._lib = native.available() if native_checks else None
         self._admit = lib.kvo_admit if lib is not None else None
         self._unadmit = lib.kvo_unadmit if lib is not None else None
-        # The call front's admission (the same check without ctypes), with its per-direction specs.
+        # The call front's admission and uncount (the same calls without ctypes), with their
+        # per-direction specs.
         self._front = native.front() if lib is not None else None
         self._front_specs: dict[Direction, tuple[native.FrontSpec, int]] = {}
         # The counts' addresses (the arrays live as long as the bookkeeping) and, per destination
@@ -144,13 +145,13 @@ class Bookkeeping:
         return True
 
     def _front_spec(self, direction: Direction) -> tuple[native.FrontSpec, int]:
-        """The call front's admission spec of ``direction`` (and its address), built once: the
-        same constants as :meth:`_native_args`."""
-        assert self._admit is not None
+        """The call front's spec of ``direction`` for its admission and uncount (and its address),
+        built once: the same constants as :meth:`_native_args`."""
+        assert self._lib is not None
         source, target = SIDES[direction]
         stamp, _, token = self._stamp(target)
-        spec = native.FrontSpec(
-            admit=native.function_address(self._admit), src_limit=self.reads[source].shape[0],
+        spec = native.front_spec(
+            self._lib, src_limit=self.reads[source].shape[0],
             dst_limit=self.reads[target].shape[0], src_writes=self._write_at[source].value,
             src_reads=self._read_at[source].value, dst_reads=self._read_at[target].value,
             dst_writes=self._write_at[target].value, stamp=int(stamp.ctypes.data),
@@ -239,6 +240,11 @@ class Bookkeeping:
     def _uncount(self, job: _Job) -> None:
         source, target = SIDES[job.direction]
         if job.native:
+            front = self._front
+            if front is not None:
+                spec = self._front_specs.get(job.direction) or self._front_spec(job.direction)
+                front.unadmit(spec[1], job.reads, job.writes)
+                return
             assert self._unadmit is not None
             self._unadmit(native.address(job.reads), native.address(job.writes), job.reads.shape[0],
                           self._read_at[source], self._write_at[target])

@@ -12,6 +12,7 @@ driver of :mod:`tests.unit._native_fake`):
 
 from __future__ import annotations
 
+import ctypes
 import sysconfig
 import threading
 import time
@@ -70,7 +71,8 @@ def make_worker(keep: list[object], *, call_front: bool = True) -> Worker:
         backend = NativeBackend.start(Inner(direction), config, index=0, choose=lambda _n: "dma",
                                       path_names={"dma": "dma"}, tables=None, keep=keep)
         if not call_front:
-            backend._front_hand_off = None  # noqa: SLF001 - the ctypes call, on purpose
+            backend._front_hand_off = None  # noqa: SLF001 - the ctypes calls, on purpose
+            backend._front_calls = None  # noqa: SLF001
         return backend
 
     layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0)
@@ -349,6 +351,47 @@ def test_threads_submitting_at_once_through_both_doors_get_every_result() -> Non
     book = w._book  # noqa: SLF001
     assert not book.jobs
     w.shutdown(TIMEOUT_S)
+
+
+def test_a_completion_failure_reads_alike_through_the_call_front_and_through_ctypes() -> None:
+    outcomes = []
+    for call_front in (True, False):
+        keep: list[object] = []
+        w = make_worker(keep, call_front=call_front)
+        fake = keep[0]
+        assert isinstance(fake, FakeDriver)
+        try:
+            fake.fail["cuEventQuery"] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS, found by the thread
+            w.store(1, _i(0), _i(0))
+            (result,) = w.wait([1], TIMEOUT_S)
+            assert not result.ok and isinstance(result.error, CudaError)
+            outcomes.append((type(result.error).__name__, str(result.error)))
+            assert not w._book.jobs  # noqa: SLF001 - its blocks were uncounted
+        finally:
+            w.shutdown(TIMEOUT_S)
+    assert outcomes[0] == outcomes[1]
+    assert "cuEventQuery" in outcomes[0][1]
+
+
+def test_the_call_fronts_job_calls_refuse_what_they_cannot_read() -> None:
+    front = native.front()
+    assert front is not None
+    lib = native.library()
+    spec = native.front_spec(lib)
+    at = ctypes.addressof(spec)
+    for call, args in (("job_state", (at, 0)), ("job_result", (at, 0)), ("job_release", (at, 0)),
+                       ("job_wait", (at, 0, 1000)), ("job_state", (0, 1))):
+        with pytest.raises(ValueError, match="null"):
+            getattr(front, call)(*args)
+    with pytest.raises(TypeError, match="3 arguments"):
+        front.job_wait(at, 1)
+    reads = np.zeros(2, dtype=np.int64)
+    with pytest.raises(TypeError, match="reads must be"):
+        front.unadmit(at, reads.astype(np.int32), reads)
+    with pytest.raises(TypeError, match="writes must be"):
+        front.unadmit(at, reads, [0, 0])
+    with pytest.raises(ValueError, match="differ in length"):
+        front.unadmit(at, reads, reads[:1])
 
 
 def _admit(book: Bookkeeping, job: int, direction: Direction, reads: I64, writes: I64) -> bool:

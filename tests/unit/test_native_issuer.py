@@ -399,7 +399,8 @@ def test_layers_are_marked_in_order_and_waited_for_on_the_given_stream(path: str
 
 
 class CountingLibrary:
-    """The library, with its job releases counted (what a ticket hands back, and when)."""
+    """The library, or the call front, with its job releases counted (what a ticket hands back,
+    and when)."""
 
     def __init__(self, lib: Any) -> None:
         self._lib = lib
@@ -412,8 +413,15 @@ class CountingLibrary:
         self.releases += 1
         self._lib.kvo_job_release(job)
 
+    def job_release(self, spec: int, job: int) -> None:
+        self.releases += 1
+        self._lib.job_release(spec, job)
 
-def test_a_ticket_released_under_a_waiter_keeps_its_job_until_the_wait_left_the_library() -> None:
+
+@pytest.mark.parametrize("call_front", [True, False], ids=["call front", "ctypes"])
+def test_a_ticket_released_under_a_waiter_keeps_its_job_until_the_wait_left_the_library(
+    call_front: bool,
+) -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan)
     in_flight, queried = threading.Event(), threading.Event()
@@ -424,8 +432,14 @@ def test_a_ticket_released_under_a_waiter_keeps_its_job_until_the_wait_left_the_
         ticket = h.backend.issue(plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
         h.backend.release_fence(fence)
         assert isinstance(ticket, native_backend.NativeTicket)
-        counting = CountingLibrary(ticket._lib)
-        ticket._lib = counting  # type: ignore[assignment]
+        if call_front:
+            assert ticket._front is not None  # the call front is built here
+            counting = CountingLibrary(ticket._front)
+            ticket._front = counting  # type: ignore[assignment]
+        else:
+            counting = CountingLibrary(ticket._lib)
+            ticket._lib = counting  # type: ignore[assignment]
+            ticket._front = None
         outcome: list[bool] = []
         waiter = threading.Thread(target=lambda: outcome.append(ticket.wait(TIMEOUT_S)))
         waiter.start()
