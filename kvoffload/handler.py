@@ -83,6 +83,8 @@ INLINE_HEAD_MAX_DESCRIPTORS: Final = 128
 #: thread stops within microseconds, and only a thread stuck in a copy should count as running.
 ISSUER_JOIN_MIN_S: Final = 0.05
 _EMPTY_PATH: Final = "none"
+#: The error of a job whose handler shut down before it was issued.
+_SHUT_DOWN: Final = "the handler shut down before the job was issued"
 
 
 # ------------------------------------------------------------------------------- the seam
@@ -485,8 +487,7 @@ class DirectionHandler:
                 return
             try:
                 if self._abort.is_set():
-                    transfer.ticket = FailedTicket(
-                        TransferError("the handler shut down before the job was issued"))
+                    transfer.ticket = FailedTicket(TransferError(_SHUT_DOWN))
                 else:
                     transfer.ticket = cast(HandsOffBackend, backend).hand_off(
                         self._plan, transfer.src, transfer.dst, stream)
@@ -510,8 +511,7 @@ class DirectionHandler:
         if init_error is not None:
             transfer.ticket = FailedTicket(init_error)
         elif self._abort.is_set():
-            transfer.ticket = FailedTicket(
-                TransferError("the handler shut down before the job was issued"))
+            transfer.ticket = FailedTicket(TransferError(_SHUT_DOWN))
         else:
             t = transfer
             try:

@@ -275,7 +275,10 @@ def test_a_hand_off_that_raises_is_the_jobs_failed_result_and_the_next_job_goes_
 ) -> None:
     backend = worker._store._backend  # noqa: SLF001
     assert isinstance(backend, NativeBackend)
-    monkeypatch.setattr(backend, "hand_off", lambda *_args: (_ for _ in ()).throw(RuntimeError("boom")))
+    def refuse(*_args: object) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(backend, "hand_off", refuse)
     worker.store(1, _i(3), _i(3))
     (result,) = worker.wait([1], TIMEOUT_S)
     assert not result.ok and isinstance(result.error, RuntimeError)
