@@ -422,3 +422,46 @@ def test_a_job_never_overtakes_one_queued_before_it() -> None:
         assert order == [0, 5, 6]
     finally:
         handler.shutdown(timeout=HANG_GUARD_S)
+
+
+def test_threads_submitting_at_once_never_deadlock_and_every_job_comes_back() -> None:
+    """The Python issuer's three ways to issue at once from several threads: small jobs on the
+    caller's thread, costly ones split (a head here, the rest on the thread) or queued. Every
+    thread's jobs come back, in its own submit order, and nothing hangs (the hand-off lock is
+    taken under the handler's lock only when no job is pending, so its holder never needs that
+    lock again)."""
+    backend = FakeBackend()
+    backend.inline = True
+    backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS // 2 + 1  # two blocks: over the limit
+    handler = make_handler(backend)
+    errors: list[BaseException] = []
+    done: dict[int, list[int]] = {}
+
+    def run(thread: int) -> None:
+        try:
+            ids = []
+            for k in range(80):
+                job = thread * 1000 + k
+                blocks = [2 * thread] if k % 2 else [2 * thread, 2 * thread + 1]
+                handler.submit(job, blocks, blocks)
+                ids.append(job)
+                if k % 8 == 7:
+                    handler.wait(ids[-8:], timeout=HANG_GUARD_S)
+            done[thread] = ids
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * HANG_GUARD_S)
+    if any(t.is_alive() for t in threads):  # no shutdown: the stuck threads hold its lock
+        pytest.fail("submitting threads deadlocked")
+    try:
+        assert not errors
+        assert sorted(done) == [0, 1, 2, 3]
+        stats = handler.stats()
+        assert stats.submitted == stats.completed == 320 and stats.in_flight == 0
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
