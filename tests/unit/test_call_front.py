@@ -33,6 +33,7 @@ from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
 from tests.unit._native_fake import COMPUTE, FakeDriver
+from tests.unit._threads import run_at_once
 
 I64 = npt.NDArray[np.int64]
 BLOCKS = 16
@@ -328,29 +329,19 @@ def test_a_submit_waiting_for_a_hand_off_in_progress_never_deadlocks_it(doors: t
 def test_threads_submitting_at_once_through_both_doors_get_every_result() -> None:
     keep: list[object] = []
     w = make_worker(keep)
-    errors: list[BaseException] = []
 
     def run(thread: int) -> None:
-        try:
-            for k in range(60):
-                job, block = thread * 1000 + k, thread  # each thread its own block
-                ids: Any = _i(block) if k % 2 else [block]
-                if k % 3:
-                    w.store(job, ids, ids)
-                else:
-                    w.load(job, ids, ids)
-                (result,) = w.wait([job], TIMEOUT_S)
-                assert result.ok and result.job_id == job
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for k in range(60):
+            job, block = thread * 1000 + k, thread  # each thread its own block
+            ids: Any = _i(block) if k % 2 else [block]
+            if k % 3:
+                w.store(job, ids, ids)
+            else:
+                w.load(job, ids, ids)
+            (result,) = w.wait([job], TIMEOUT_S)
+            assert result.ok and result.job_id == job
 
-    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * TIMEOUT_S)
-    assert not any(t.is_alive() for t in threads), "submitting threads deadlocked"
-    assert not errors
+    assert not run_at_once(run, 4, 2 * TIMEOUT_S)
     book = w._book  # noqa: SLF001
     assert not book.jobs
     w.shutdown(TIMEOUT_S)

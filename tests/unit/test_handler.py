@@ -29,6 +29,7 @@ from kvoffload.handler import (
 )
 from kvoffload.records import Direction
 from kvoffload.testing import FakeBackend, FakeTicket
+from tests.unit._threads import run_at_once
 
 I64Array = npt.NDArray[np.int64]
 HANG_GUARD_S = 30.0  # generous bound for "does not hang"; never a performance assertion
@@ -434,30 +435,20 @@ def test_threads_submitting_at_once_never_deadlock_and_every_job_comes_back() ->
     backend.inline = True
     backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS // 2 + 1  # two blocks: over the limit
     handler = make_handler(backend)
-    errors: list[BaseException] = []
     done: dict[int, list[int]] = {}
 
     def run(thread: int) -> None:
-        try:
-            ids = []
-            for k in range(80):
-                job = thread * 1000 + k
-                blocks = [2 * thread] if k % 2 else [2 * thread, 2 * thread + 1]
-                handler.submit(job, blocks, blocks)
-                ids.append(job)
-                if k % 8 == 7:
-                    handler.wait(ids[-8:], timeout=HANG_GUARD_S)
-            done[thread] = ids
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        ids = []
+        for k in range(80):
+            job = thread * 1000 + k
+            blocks = [2 * thread] if k % 2 else [2 * thread, 2 * thread + 1]
+            handler.submit(job, blocks, blocks)
+            ids.append(job)
+            if k % 8 == 7:
+                handler.wait(ids[-8:], timeout=HANG_GUARD_S)
+        done[thread] = ids
 
-    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * HANG_GUARD_S)
-    if any(t.is_alive() for t in threads):  # no shutdown: the stuck threads hold its lock
-        pytest.fail("submitting threads deadlocked")
+    errors = run_at_once(run, 4, 2 * HANG_GUARD_S)  # fails, without a shutdown, on a deadlock
     try:
         assert not errors
         assert sorted(done) == [0, 1, 2, 3]
