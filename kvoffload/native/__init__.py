@@ -1,7 +1,8 @@
 """The native library (the issuer thread and the worker's admission check): ``issuer.c`` compiled with the machine's C compiler on first use,
 cached, and loaded through ctypes (docs/design.md §16); and its call front, ``front.c``, a CPython
-extension module built the same way where Python's headers are installed, which makes the two
-calls of every job (admission, hand-off) without ctypes' per-argument conversions (:func:`front`).
+extension module built the same way where Python's headers are installed, which makes a job's calls
+on the engine's thread (admission and hand-off; state, wait, result, release and uncount) without
+ctypes' per-argument conversions (:func:`front`).
 
 Owns the build: the library is compiled once per source version into the cache directory
 (``KVOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoffload``, else ``~/.cache/kvoffload``) under a
