@@ -61,7 +61,9 @@ def as_job_ids(job_ids: Iterable[object]) -> list[int]:
     Raises:
         JobIdError: a non-int id, a duplicate, or ``job_ids`` not iterable.
     """
-    if type(job_ids) is list and all(type(j) is int for j in job_ids):  # the common call
+    if type(job_ids) is list and len(job_ids) == 1 and type(job_ids[0]) is int:  # the common call
+        return [job_ids[0]]
+    if type(job_ids) is list and all(type(j) is int for j in job_ids):
         ids: list[int] = list(job_ids)
     elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
         raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}")
@@ -192,12 +194,15 @@ class JobBook:
             WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
                 in flight (the finished ones stay available too).
         """
-        with self._lock:
-            unknown = [j for j in ids if j not in self._open]
-            if unknown:
-                raise UnknownJobError(f"job(s) {unknown} are neither in flight nor waiting to be polled")
+        first_look = True
         while True:
             with self._lock:
+                if first_look:  # checked in the first look, which also finds the sources to advance
+                    unknown = [j for j in ids if j not in self._open]
+                    if unknown:
+                        raise UnknownJobError(
+                            f"job(s) {unknown} are neither in flight nor waiting to be polled")
+                    first_look = False
                 sources = {id(s): s for j in ids if j not in self._done
                            and (s := self._open.get(j)) is not None and not s.pushes}
             for source in sources.values():

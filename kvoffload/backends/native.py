@@ -150,25 +150,33 @@ class NativeTicket:
         else:
             self._lib.kvo_job_release(self._job)
 
-    def _read(self) -> None:
-        """The job is done: keep its outcome, its device time and its timeline."""
+    def _take(self, release: bool) -> bool:
+        """Whether the job is done; once it is, keep its outcome, its device time and its timeline
+        and, with ``release`` (no other call inside the library), drop the ticket's reference in
+        the same call into the library (kvo_job_take)."""
         if self._front is not None:
-            code, fail, handed, began, issued, found, seconds, name = self._front.job_result(
-                self._spec, self._job)
-            call = name or None
+            taken = self._front.job_take(self._spec, self._job, release)
+            if taken is None:
+                return False
+            code, fail, handed, began, issued, found, seconds, name = taken
         else:
             out = (ctypes.c_int64 * 6)()
-            c_seconds = ctypes.c_double(0.0)
-            named = self._lib.kvo_job_result(self._job, out, ctypes.byref(c_seconds))
+            c_seconds, c_name = ctypes.c_double(0.0), ctypes.c_char_p()
+            if self._lib.kvo_job_take(self._job, int(release), out, ctypes.byref(c_seconds),
+                                      ctypes.byref(c_name)) != native.JOB_DONE:
+                return False
             code, fail, handed, began, issued, found = out
-            seconds, call = c_seconds.value, (named.decode() if named else None)
+            seconds, name = c_seconds.value, (c_name.value or b"").decode()
+        if release:
+            self._released = True
         self._times = (handed / 1e9, began / 1e9, issued / 1e9, found / 1e9)
         self._seconds = seconds
         if fail == native.FAIL_COMPLETION:
-            self._failure = native_error(int(code), call or "native issuer")
+            self._failure = native_error(int(code), name or "native issuer")
         elif fail != native.FAIL_NONE:
-            self.error = native_error(int(code), call or "native issuer")
+            self.error = native_error(int(code), name or "native issuer")
         self._done = True
+        return True
 
     def _outcome(self) -> bool:
         if self._failure is not None:
@@ -177,16 +185,13 @@ class NativeTicket:
 
     def done(self) -> bool:
         """Whether the thread found the job complete; never blocks. Raises the completion's
-        failure (at every call, as a failed event query does)."""
-        if not self._done and self._enter():
-            try:
-                state = (self._front.job_state(self._spec, self._job) if self._front is not None
-                         else self._lib.kvo_job_state(self._job))
-                if state != native.JOB_DONE:
+        failure (at every call, as a failed event query does). The call that finds the job done
+        also drops the ticket's reference unless a wait is inside the library: its result is kept,
+        and :meth:`release` then has nothing left to do."""
+        if not self._done:
+            with self._guard:  # the library's call never waits long (the issuer's lock)
+                if not self._released and not self._take(release=self._users == 0):
                     return False
-                self._read()
-            finally:
-                self._leave()
         return self._outcome()
 
     def wait(self, timeout_s: float) -> bool:
@@ -196,9 +201,8 @@ class NativeTicket:
             try:
                 done = (self._front.job_wait(self._spec, self._job, _ns(timeout_s)) if self._front is not None
                         else self._lib.kvo_job_wait(self._job, _ns(timeout_s)))
-                if not done:
+                if not done or not self._take(release=False):
                     return False
-                self._read()
             finally:
                 self._leave()
         return self._outcome()
@@ -226,11 +230,11 @@ class NativeTicket:
     def release(self) -> None:
         """Drop the ticket's reference (the job's events go back to the issuer's pools) once no
         call is inside the library. Once; later calls do nothing."""
+        if self._released:  # never unset: the call that found the job done may have dropped it
+            return
         with self._guard:
-            if self._released:
-                return
+            last = not self._released and self._users == 0
             self._released = True
-            last = self._users == 0
         if last:
             self._drop()
 

@@ -1,7 +1,7 @@
 """The native library (the issuer thread and the worker's admission check): ``issuer.c`` compiled with the machine's C compiler on first use,
 cached, and loaded through ctypes (docs/design.md §16); and its call front, ``front.c``, a CPython
 extension module built the same way where Python's headers are installed, which makes a job's calls
-on the engine's thread (admission and hand-off; state, wait, result, release and uncount) without
+on the engine's thread (admission and hand-off; wait, result taken with its release, and uncount) without
 ctypes' per-argument conversions (:func:`front`).
 
 Owns the build: the library is compiled once per source version into the cache directory
@@ -143,7 +143,7 @@ class FrontSpec(ctypes.Structure):
         ("token", _p),
         ("issuer", _p),
         ("error", _i64),
-        ("unadmit", _p), ("job_state", _p), ("job_wait", _p), ("job_result", _p), ("job_release", _p),
+        ("unadmit", _p), ("job_take", _p), ("job_wait", _p), ("job_release", _p),
     ]
 
 
@@ -151,8 +151,7 @@ def front_spec(lib: ctypes.CDLL, **fields: int | None) -> FrontSpec:
     """A :class:`FrontSpec` with every one of ``lib``'s functions the call front calls, and
     ``fields`` (one admission direction's constants, or an issuer)."""
     functions = {name: function_address(getattr(lib, "kvo_" + name))
-                 for name in ("admit", "hand_off", "unadmit", "job_state", "job_wait", "job_result",
-                              "job_release")}
+                 for name in ("admit", "hand_off", "unadmit", "job_take", "job_wait", "job_release")}
     return FrontSpec(**functions, **fields)
 
 
@@ -299,9 +298,8 @@ def library() -> ctypes.CDLL:
         "kvo_fence_take": ([p, p, pi64], p),
         "kvo_fence_release": ([p, p], None),
         "kvo_hand_off": ([p, p, p, i64, i64, p, p, i64, p, i64, i64, pi64], p),
-        "kvo_job_state": ([p], i64),
+        "kvo_job_take": ([p, i64, pi64, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_char_p)], i64),
         "kvo_job_wait": ([p, i64], i64),
-        "kvo_job_result": ([p, pi64, ctypes.POINTER(ctypes.c_double)], ctypes.c_char_p),
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
         "kvo_wait_layer": ([p, i64, p, i64], i64),

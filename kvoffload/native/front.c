@@ -1,7 +1,7 @@
 /* kvoffload's call front: the calls into the native library that every job of a native issuer
  * makes on the engine's thread (the admission check of its block ids and the hand-off to the issuer
- * thread at submit; the job's state, wait, result and release and the uncount of its blocks when
- * its result is taken), as a CPython extension module (docs/design.md §16).
+ * thread at submit; the job's wait, its result taken with its reference released in the same call,
+ * and the uncount of its blocks), as a CPython extension module (docs/design.md §16).
  *
  * Through ctypes, each call converts its arguments one by one and each id array's address is read
  * through a ctypes object: about 1.4 us for the admission and 2 us around the hand-off on a 2-core
@@ -19,15 +19,16 @@
 #include <Python.h>
 #include <stdint.h>
 
+enum { JOB_DONE = 2 }; /* kvo_job_take's state of a done job */
+
 typedef int64_t (*fn_admit)(const int64_t *, const int64_t *, int64_t, int64_t, int64_t,
                             const int32_t *, int32_t *, const int32_t *, int32_t *, int32_t *,
                             int64_t *);
 typedef void *(*fn_hand_off)(void *, void *, void *, int64_t, int64_t, const int64_t *,
                              const int64_t *, int64_t, void *const *, int64_t, int64_t, int64_t *);
 typedef void (*fn_unadmit)(const int64_t *, const int64_t *, int64_t, int32_t *, int32_t *);
-typedef int64_t (*fn_job_state)(void *);
+typedef int64_t (*fn_job_take)(void *, int64_t, int64_t *, double *, const char **);
 typedef int64_t (*fn_job_wait)(void *, int64_t);
-typedef const char *(*fn_job_result)(void *, int64_t *, double *);
 typedef void (*fn_job_release)(void *);
 
 /* Filled by Python (kvoffload.native.FrontSpec, 8-byte fields): one per admission direction and
@@ -39,7 +40,7 @@ struct kvo_front_spec {
     int64_t *token;
     void *issuer;                    /* kvo_hand_off's issuer */
     int64_t error;                   /* the last failed hand-off's code */
-    void *unadmit, *job_state, *job_wait, *job_result, *job_release; /* the library's kvo_* */
+    void *unadmit, *job_take, *job_wait, *job_release; /* the library's kvo_* */
 };
 
 /* A one-dimensional, C-contiguous int64 buffer of `obj`, or 0 (no exception set) for anything else. */
@@ -172,23 +173,6 @@ static PyObject *front_unadmit(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* job_state(spec, job) -> int: kvo_job_state (0 queued, 1 in flight, 2 done). */
-static PyObject *front_job_state(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "job_state(spec, job) takes 2 arguments");
-        return 0;
-    }
-    struct kvo_front_spec *s = spec_of(args[0]);
-    void *job = s ? job_of(args[1]) : 0;
-    if (!job) return 0;
-    int64_t state;
-    Py_BEGIN_ALLOW_THREADS
-    state = ((fn_job_state)s->job_state)(job);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(state);
-}
-
 /* job_wait(spec, job, timeout_ns) -> bool: kvo_job_wait, with the GIL released. */
 static PyObject *front_job_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -208,23 +192,28 @@ static PyObject *front_job_wait(PyObject *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(done != 0);
 }
 
-/* job_result(spec, job) -> (code, fail, handed, began, issued, found, seconds, call): kvo_job_result
- * of a done job, its times in CLOCK_MONOTONIC ns and the failed call's name ("" for none). */
-static PyObject *front_job_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* job_take(spec, job, release) -> None while the job is not done, else (code, fail, handed, began,
+ * issued, found, seconds, call): kvo_job_take, its times in CLOCK_MONOTONIC ns and the failed call's
+ * name ("" for none); with `release` true, the caller's reference to the done job goes. */
+static PyObject *front_job_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "job_result(spec, job) takes 2 arguments");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "job_take(spec, job, release) takes 3 arguments");
         return 0;
     }
     struct kvo_front_spec *s = spec_of(args[0]);
     void *job = s ? job_of(args[1]) : 0;
     if (!job) return 0;
+    int release = PyObject_IsTrue(args[2]);
+    if (release < 0) return 0;
     int64_t out[6] = {0};
     double seconds = 0.0;
-    const char *call;
+    const char *call = "";
+    int64_t state;
     Py_BEGIN_ALLOW_THREADS
-    call = ((fn_job_result)s->job_result)(job, out, &seconds);
+    state = ((fn_job_take)s->job_take)(job, release, out, &seconds, &call);
     Py_END_ALLOW_THREADS
+    if (state != JOB_DONE) Py_RETURN_NONE;
     return Py_BuildValue("(LLLLLLds)", (long long)out[0], (long long)out[1], (long long)out[2],
                          (long long)out[3], (long long)out[4], (long long)out[5], seconds,
                          call ? call : "");
@@ -254,12 +243,11 @@ static PyMethodDef methods[] = {
      " -> int: kvo_hand_off over the arrays' buffers."},
     {"unadmit", (PyCFunction)(void (*)(void))front_unadmit, METH_FASTCALL,
      "unadmit(spec, reads, writes) -> None: kvo_unadmit over the arrays' buffers."},
-    {"job_state", (PyCFunction)(void (*)(void))front_job_state, METH_FASTCALL,
-     "job_state(spec, job) -> int: kvo_job_state."},
     {"job_wait", (PyCFunction)(void (*)(void))front_job_wait, METH_FASTCALL,
      "job_wait(spec, job, timeout_ns) -> bool: kvo_job_wait without the GIL."},
-    {"job_result", (PyCFunction)(void (*)(void))front_job_result, METH_FASTCALL,
-     "job_result(spec, job) -> (code, fail, handed, began, issued, found, seconds, call)."},
+    {"job_take", (PyCFunction)(void (*)(void))front_job_take, METH_FASTCALL,
+     "job_take(spec, job, release) -> None, or (code, fail, handed, began, issued, found, seconds,"
+     " call) once the job is done: kvo_job_take."},
     {"job_release", (PyCFunction)(void (*)(void))front_job_release, METH_FASTCALL,
      "job_release(spec, job) -> None: kvo_job_release."},
     {0, 0, 0, 0},

@@ -917,15 +917,6 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     return job;
 }
 
-/* 0 queued, 1 issued (in flight), 2 done. */
-int64_t kvo_job_state(struct kvo_job *job) {
-    struct kvo_issuer *is = job->issuer;
-    pthread_mutex_lock(&is->mu);
-    int64_t state = job->state;
-    pthread_mutex_unlock(&is->mu);
-    return state;
-}
-
 /* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins first
  * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
  * blocked on a condition variable costs tens of microseconds on some hosts; then blocks. */
@@ -947,19 +938,37 @@ int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
     return done;
 }
 
-/* A done job's outcome: out[0] the error code (0: none), out[1] the kind of failure, out[2..5] its
- * times (as kvo_job_times); *seconds the device time between its start and end events; the failed
- * call's name is returned. */
-const char *kvo_job_result(struct kvo_job *job, int64_t *out, double *seconds) {
+/* The caller's reference to the job goes (the caller holds the mutex), and the mutex is unlocked,
+ * unless it went with the issuer (its last reference was the job's). */
+static void release_and_unlock(struct kvo_job *job) {
+    struct kvo_issuer *is = job->issuer;
+    int64_t last_issuer_ref = is->refs == 1 && job->refs == 1;
+    job_unref(job);
+    if (!last_issuer_ref) pthread_mutex_unlock(&is->mu);
+}
+
+/* The job's state (0 queued, 1 issued, 2 done) and, once it is done, its outcome: out[0] the error
+ * code (0: none), out[1] the kind of failure, out[2..5] its times (as kvo_job_times), *seconds the
+ * device time between its start and end events, *call the failed call's name ("" for none); with
+ * `release`, the caller's reference to a done job goes in the same call (as kvo_job_release). */
+int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double *seconds,
+                     const char **call) {
     struct kvo_issuer *is = job->issuer;
     pthread_mutex_lock(&is->mu);
-    out[0] = job->error;
-    out[1] = job->fail;
-    memcpy(out + 2, job->times, sizeof(job->times));
-    *seconds = job->seconds;
-    const char *call = job->error_call ? job->error_call : "";
+    int64_t state = job->state;
+    if (state == JOB_DONE) {
+        out[0] = job->error;
+        out[1] = job->fail;
+        memcpy(out + 2, job->times, sizeof(job->times));
+        *seconds = job->seconds;
+        *call = job->error_call ? job->error_call : "";
+        if (release) {
+            release_and_unlock(job);
+            return state;
+        }
+    }
     pthread_mutex_unlock(&is->mu);
-    return call;
+    return state;
 }
 
 /* A done job's timeline (CLOCK_MONOTONIC ns): handed over, issue began, issued, found done. */
@@ -972,11 +981,8 @@ void kvo_job_times(struct kvo_job *job, int64_t *out) {
 
 /* The ticket's reference goes (the job's result was read, or the job was abandoned). */
 void kvo_job_release(struct kvo_job *job) {
-    struct kvo_issuer *is = job->issuer;
-    pthread_mutex_lock(&is->mu);
-    int64_t last_issuer_ref = is->refs == 1 && job->refs == 1;
-    job_unref(job);
-    if (!last_issuer_ref) pthread_mutex_unlock(&is->mu);
+    pthread_mutex_lock(&job->issuer->mu);
+    release_and_unlock(job);
 }
 
 /* Make `stream` wait for layer `layer`'s mark: wait (up to timeout_ns, without the GIL) until the

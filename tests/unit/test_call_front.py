@@ -373,12 +373,14 @@ def test_the_call_fronts_job_calls_refuse_what_they_cannot_read() -> None:
     lib = native.library()
     spec = native.front_spec(lib)
     at = ctypes.addressof(spec)
-    for call, args in (("job_state", (at, 0)), ("job_result", (at, 0)), ("job_release", (at, 0)),
-                       ("job_wait", (at, 0, 1000)), ("job_state", (0, 1))):
+    for call, args in (("job_take", (at, 0, False)), ("job_release", (at, 0)),
+                       ("job_wait", (at, 0, 1000)), ("job_take", (0, 1, True))):
         with pytest.raises(ValueError, match="null"):
             getattr(front, call)(*args)
     with pytest.raises(TypeError, match="3 arguments"):
         front.job_wait(at, 1)
+    with pytest.raises(TypeError, match="3 arguments"):
+        front.job_take(at, 1)
     reads = np.zeros(2, dtype=np.int64)
     with pytest.raises(TypeError, match="reads must be"):
         front.unadmit(at, reads.astype(np.int32), reads)

@@ -8,9 +8,10 @@ failed results, and shutdown is bounded whatever the thread is doing."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class Harness:
 
     def __init__(self, direction: Direction, path: str, plan: CopyPlan, *, slot_bytes: int = 0,
                  not_ready: int = 0, batch: bool = True, controls: int = 0,
-                 give_way_ns: int = 200_000) -> None:
+                 give_way_ns: int = 200_000, tune: dict[str, int] | None = None) -> None:
         self.fake = FakeDriver(not_ready=not_ready)
         self.keep: list[object] = []
         self.tables: dict[int, I64] = {}
@@ -88,6 +89,8 @@ class Harness:
                                   slot_bytes=slot_bytes, batch=batch, keep=self.keep,
                                   give_way_ns=give_way_ns)
         config.controls = controls
+        for field, value in (tune or {}).items():  # config fields a test sets
+            setattr(config, field, value)
         self.inner = Inner(direction)
         self.backend = NativeBackend.start(
             self.inner, config, index=0, choose=lambda _n: path,
@@ -417,33 +420,71 @@ class CountingLibrary:
         self.releases += 1
         self._lib.job_release(spec, job)
 
+    def kvo_job_take(self, job: int, release: int, *out: Any) -> int:
+        state = int(self._lib.kvo_job_take(job, release, *out))
+        self.releases += bool(release) and state == native.JOB_DONE
+        return state
+
+    def job_take(self, spec: int, job: int, release: bool) -> Any:
+        taken = self._lib.job_take(spec, job, release)
+        self.releases += release and taken is not None
+        return taken
+
+
+def counted(ticket: native_backend.NativeTicket, call_front: bool) -> CountingLibrary:
+    """Count the ticket's releases of its job, through the call front or (``call_front`` False)
+    through ctypes."""
+    if call_front:
+        assert ticket._front is not None  # the call front is built here
+        counting = CountingLibrary(ticket._front)
+        ticket._front = counting  # type: ignore[assignment]
+    else:
+        counting = CountingLibrary(ticket._lib)
+        ticket._lib = counting  # type: ignore[assignment]
+        ticket._front = None
+    return counting
+
+
+@contextlib.contextmanager
+def closing_harness() -> Iterator[tuple[Harness, threading.Event]]:
+    """A dma store harness and the event that lets its held queries through (see
+    :func:`held_in_flight`); on leaving, every gate opens and the harness is closed."""
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
+    in_flight = threading.Event()
+    try:
+        yield h, in_flight
+    finally:
+        h.fake.gate.clear()
+        in_flight.set()
+        h.close()
+
+
+def held_in_flight(h: Harness, call_front: bool,
+                   in_flight: threading.Event) -> tuple[native_backend.NativeTicket, CountingLibrary]:
+    """A 1-pair job issued through ``h`` whose completion query blocks until ``in_flight`` is set
+    (the thread is inside it when this returns), with its ticket's releases counted."""
+    queried = threading.Event()
+    h.fake.gate["cuEventQuery"] = in_flight
+    h.fake.entered["cuEventQuery"] = queried
+    fence = h.backend.fence(None)
+    ticket = h.backend.issue(h.plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
+    h.backend.release_fence(fence)
+    assert isinstance(ticket, native_backend.NativeTicket)
+    counting = counted(ticket, call_front)
+    assert queried.wait(TIMEOUT_S)
+    return ticket, counting
+
 
 @pytest.mark.parametrize("call_front", [True, False], ids=["call front", "ctypes"])
 def test_a_ticket_released_under_a_waiter_keeps_its_job_until_the_wait_left_the_library(
     call_front: bool,
 ) -> None:
-    plan = make_plan(Direction.STORE, [256])
-    h = Harness(Direction.STORE, "dma", plan)
-    in_flight, queried = threading.Event(), threading.Event()
-    h.fake.gate["cuEventQuery"] = in_flight  # the job stays in flight: a waiter blocks in the library
-    h.fake.entered["cuEventQuery"] = queried
-    try:
-        fence = h.backend.fence(None)
-        ticket = h.backend.issue(plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
-        h.backend.release_fence(fence)
-        assert isinstance(ticket, native_backend.NativeTicket)
-        if call_front:
-            assert ticket._front is not None  # the call front is built here
-            counting = CountingLibrary(ticket._front)
-            ticket._front = counting  # type: ignore[assignment]
-        else:
-            counting = CountingLibrary(ticket._lib)
-            ticket._lib = counting  # type: ignore[assignment]
-            ticket._front = None
+    with closing_harness() as (h, in_flight):
+        ticket, counting = held_in_flight(h, call_front, in_flight)  # a waiter blocks in the library
         outcome: list[bool] = []
         waiter = threading.Thread(target=lambda: outcome.append(ticket.wait(TIMEOUT_S)))
         waiter.start()
-        assert queried.wait(TIMEOUT_S) and wait_until(lambda: ticket._users == 1)
+        assert wait_until(lambda: ticket._users == 1)
         ticket.release()  # another thread is done with the job while the waiter is still inside
         assert counting.releases == 0, "the job was released under a waiter"
         del h.fake.gate["cuEventQuery"]
@@ -452,10 +493,31 @@ def test_a_ticket_released_under_a_waiter_keeps_its_job_until_the_wait_left_the_
         assert outcome == [True] and counting.releases == 1  # the waiter, leaving, let it go
         ticket.release()
         assert counting.releases == 1
-    finally:
-        h.fake.gate.clear()
+
+
+@pytest.mark.parametrize("waiter_inside", [False, True], ids=["alone", "under a waiter"])
+@pytest.mark.parametrize("call_front", [True, False], ids=["call front", "ctypes"])
+def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
+    call_front: bool, waiter_inside: bool,
+) -> None:
+    with closing_harness() as (h, in_flight):
+        ticket, counting = held_in_flight(h, call_front, in_flight)
+        assert not ticket.done() and counting.releases == 0  # in flight: nothing is dropped
+        if waiter_inside:  # as a wait in progress does: a call counted inside the library
+            assert ticket._enter()
+        del h.fake.gate["cuEventQuery"]
         in_flight.set()
-        h.close()
+        assert wait_until(ticket.done)  # the thread found it done
+        # Alone, the call that found it done dropped the reference; under a waiter it kept it.
+        assert counting.releases == (0 if waiter_inside else 1)
+        assert ticket.error is None and ticket.times()[3] > 0  # its outcome is kept
+        ticket.release()
+        assert counting.releases == (0 if waiter_inside else 1)
+        if waiter_inside:
+            ticket._leave()  # the wait left the library: the reference goes now
+        assert counting.releases == 1
+        ticket.release()
+        assert counting.releases == 1
 
 
 def test_completion_is_found_by_the_thread_and_signalled() -> None:
