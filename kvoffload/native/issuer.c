@@ -636,14 +636,16 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
     job_unref(job); /* the thread's reference */
 }
 
-/* Predict when a job just put in flight ends (caller holds the mutex): after the jobs in flight
- * before it, at the fastest rate a completed job of this issuer ran. Erring early is safe (its
- * waiter spins a little longer); the fastest rate keeps the prediction from erring late, which
- * would leave the waiter asleep past the end (docs/design.md §16). */
+/* Predict when a job just put in flight ends (caller holds the mutex): from when its issue began
+ * (its first copies may run while the rest is enqueued) or the predicted end of the jobs in flight
+ * before it, whichever is later, at the fastest rate a completed job of this issuer ran. Erring
+ * early is safe (its waiter spins a little longer); the issue's start and the fastest rate keep the
+ * prediction from erring late, which would leave the waiter asleep past the end (docs/design.md
+ * §16). */
 static void predict_end(struct kvo_issuer *is, struct kvo_job *job) {
     if (is->fastest_ns_per_byte == 0.0 || job->bytes <= 0) return;
-    int64_t start = is->last_expected_end > job->polled_ns && is->flight_head ? is->last_expected_end
-                                                                            : job->polled_ns;
+    int64_t began = job->times[1];
+    int64_t start = is->flight_head && is->last_expected_end > began ? is->last_expected_end : began;
     int64_t end = start + (int64_t)((double)job->bytes * is->fastest_ns_per_byte);
     is->last_expected_end = end;
     __atomic_store_n(&job->expected_end, end, __ATOMIC_RELEASE);
