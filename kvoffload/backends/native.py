@@ -48,7 +48,6 @@ __all__ = [
     "POLL_MIN_S",
     "STOP_TIMEOUT_S",
     "WAIT_SPIN_S",
-    "WAKE_LEAD_S",
     "NativeBackend",
     "NativeFence",
     "NativeLayerMarks",
@@ -67,10 +66,6 @@ POLL_MAX_S: Final = 20e-6
 #: How long a wait for a job spins (without the GIL) before it blocks: waking a blocked thread costs
 #: tens of microseconds on some hosts, more than a short job's copy.
 WAIT_SPIN_S: Final = 2e-3
-#: A wait for a job predicted to end after its spin would stop sleeps until this long before the
-#: predicted end, then spins: a thread blocked past the spin was woken 115-189 us after the job's
-#: end on the H200 hosts, and a timer's wake-up this far ahead falls inside the job.
-WAKE_LEAD_S: Final = 0.5e-3
 #: The longest the issuer thread holds back its next driver call while a caller's thread is inside
 #: one of its own (the fence's record, a layer's stream wait): the driver serialises a context's
 #: calls, and a thread issuing call after call kept the engine's thread waiting behind several.
@@ -514,7 +509,6 @@ class NativeBackend:
         c.controls = CONTROLS
         c.wait_spin_ns = _ns(WAIT_SPIN_S)
         c.give_way_ns = _ns(GIVE_WAY_S)
-        c.wake_lead_ns = _ns(WAKE_LEAD_S)
         return cls.start(
             inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over
             path_names={name: path.name for name, path in inner.paths.items()}, tables=tables,

@@ -96,7 +96,6 @@ struct kvo_config {
     int64_t controls;    /* CONTROL ONLY (tests that prove a rule): CONTROL_SKIP_SLOT_WAIT */
     int64_t wait_spin_ns; /* how long kvo_job_wait spins before it blocks */
     int64_t give_way_ns;  /* the longest the thread gives way to one caller's driver call */
-    int64_t wake_lead_ns; /* a long job's waiter wakes this long before its predicted end (0: never sleeps first) */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -117,7 +116,6 @@ struct kvo_plan {
     int64_t record_bytes, host_base, host_stride, chunk_records, merge;
     int64_t kseg, kseg_rows, cseg, cseg_rows, pitch, runs;
     int64_t *run_offset, *run_size;
-    int64_t bytes;           /* of one pair: the sum of its pages' bytes */
 };
 
 struct pool { CUevent *free; int64_t count, cap; unsigned flags; };
@@ -141,8 +139,6 @@ struct kvo_job {
     const char *error_call;
     double seconds;
     int64_t polled_ns;     /* when the thread first found it in flight */
-    int64_t bytes;         /* the bytes it copies */
-    int64_t expected_end;  /* CLOCK_MONOTONIC ns of its predicted end (0: none); read without the lock */
     int64_t times[4];      /* CLOCK_MONOTONIC ns: handed over, issue began, issued, found done */
 };
 
@@ -163,8 +159,6 @@ struct kvo_issuer {
     int64_t stop, exited, started, refs, ctx_error;
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
-    double fastest_ns_per_byte; /* the fastest completed job's device time per byte (0: none yet) */
-    int64_t last_expected_end;  /* the predicted end of the last job put in flight */
     /* thread-only state */
     CUstream last_end;
     int64_t next_slot;
@@ -636,21 +630,6 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
     job_unref(job); /* the thread's reference */
 }
 
-/* Predict when a job just put in flight ends (caller holds the mutex): from when its issue began
- * (its first copies may run while the rest is enqueued) or the predicted end of the jobs in flight
- * before it, whichever is later, at the fastest rate a completed job of this issuer ran. Erring
- * early is safe (its waiter spins a little longer); the issue's start and the fastest rate keep the
- * prediction from erring late, which would leave the waiter asleep past the end (docs/design.md
- * §16). */
-static void predict_end(struct kvo_issuer *is, struct kvo_job *job) {
-    if (is->fastest_ns_per_byte == 0.0 || job->bytes <= 0) return;
-    int64_t began = job->times[1];
-    int64_t start = is->flight_head && is->last_expected_end > began ? is->last_expected_end : began;
-    int64_t end = start + (int64_t)((double)job->bytes * is->fastest_ns_per_byte);
-    is->last_expected_end = end;
-    __atomic_store_n(&job->expected_end, end, __ATOMIC_RELEASE);
-}
-
 static void *run(void *arg) {
     struct kvo_issuer *is = arg;
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* short polling sleeps wake on time */
@@ -690,7 +669,6 @@ static void *run(void *arg) {
             if (job->fail == FAIL_NOTHING) { finish(is, job); continue; }
             job->state = JOB_ISSUED;
             job->polled_ns = now_ns();
-            predict_end(is, job);
             if (is->flight_tail) is->flight_tail->next = job; else is->flight_head = job;
             is->flight_tail = job;
             pthread_cond_broadcast(&is->done);
@@ -728,10 +706,6 @@ static void *run(void *arg) {
             if (!is->flight_head) is->flight_tail = 0;
             if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
             job->seconds = ms / 1e3;
-            if (q == 0 && job->fail == FAIL_NONE && ms > 0.0f && job->bytes > 0) {
-                double rate = (double)ms * 1e6 / (double)job->bytes;
-                if (is->fastest_ns_per_byte == 0.0 || rate < is->fastest_ns_per_byte) is->fastest_ns_per_byte = rate;
-            }
             finish(is, job);
             sleep_ns = is->c.poll_min_ns;
             continue;
@@ -846,7 +820,6 @@ struct kvo_plan *kvo_plan_new(const struct kvo_plan_spec *s) {
     p->chunk_records = s->chunk_records > 0 ? s->chunk_records : 1; p->merge = s->merge;
     p->kseg = s->kseg; p->kseg_rows = s->kseg_rows; p->cseg = s->cseg; p->cseg_rows = s->cseg_rows;
     p->pitch = s->pitch; p->runs = s->runs;
-    for (int64_t q = 0; q < s->pages && s->nbytes; q++) p->bytes += s->nbytes[q];
     if (!p->dev_base || !p->dev_stride || !p->nbytes || !p->host_offset || !p->segment ||
         !p->run_offset || !p->run_size) {
         free(p->dev_base); free(p->dev_stride); free(p->nbytes); free(p->host_offset);
@@ -913,7 +886,6 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
         return 0;
     }
     memcpy(job->plans, plans, (size_t)nplans * sizeof(*plans));
-    for (int64_t k = 0; k < nplans; k++) job->bytes += n * plans[k]->bytes;
     job->issuer = is;
     job->path = path; job->n = n; job->nplans = nplans; job->first = first; job->layered = layered;
     job->marked = first; /* layers before `first` belong to another part: nothing to wait for */
@@ -945,11 +917,18 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     return job;
 }
 
-/* Block on the done condition until the job is done or CLOCK_MONOTONIC reaches `until_ns`; 1 when
- * it is done. */
-static int64_t sleep_until_done(struct kvo_issuer *is, struct kvo_job *job, int64_t until_ns) {
+/* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins first
+ * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
+ * blocked on a condition variable costs tens of microseconds on some hosts; then blocks. */
+int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
+    struct kvo_issuer *is = job->issuer;
+    int64_t start = now_ns(), spin = is->c.wait_spin_ns < timeout_ns ? is->c.wait_spin_ns : timeout_ns;
+    while (now_ns() - start < spin) {
+        if (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE) break;
+        for (int i = 0; i < 32; i++) cpu_relax();
+    }
+    int64_t left = timeout_ns - (now_ns() - start);
     struct timespec until;
-    int64_t left = until_ns - now_ns();
     deadline_after(&until, left > 0 ? left : 0);
     pthread_mutex_lock(&is->mu);
     while (job->state != JOB_DONE)
@@ -957,35 +936,6 @@ static int64_t sleep_until_done(struct kvo_issuer *is, struct kvo_job *job, int6
     int64_t done = job->state == JOB_DONE;
     pthread_mutex_unlock(&is->mu);
     return done;
-}
-
-/* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins
- * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
- * blocked on a condition variable costs tens of microseconds on some hosts (over 100 on the H200
- * hosts); then blocks. A job predicted to end after the spin would stop (predict_end) is waited
- * for asleep first, until the config's wake_lead_ns before its predicted end, and then with a
- * fresh spin: the timer's wake-up falls inside the job, and the spin covers its end
- * (docs/design.md §16). */
-int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
-    struct kvo_issuer *is = job->issuer;
-    int64_t now = now_ns(), deadline = now + (timeout_ns > 0 ? timeout_ns : 0);
-    int64_t spin_until = now + (is->c.wait_spin_ns < timeout_ns ? is->c.wait_spin_ns : timeout_ns);
-    int slept = is->c.wake_lead_ns <= 0; /* asleep before the end at most once */
-    while (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) != JOB_DONE) {
-        now = now_ns();
-        if (now >= spin_until) break;
-        int64_t expected = __atomic_load_n(&job->expected_end, __ATOMIC_ACQUIRE);
-        if (!slept && expected > spin_until) {
-            slept = 1;
-            int64_t wake = expected - is->c.wake_lead_ns;
-            if (wake > now) sleep_until_done(is, job, wake < deadline ? wake : deadline);
-            now = now_ns();
-            spin_until = now + is->c.wait_spin_ns < deadline ? now + is->c.wait_spin_ns : deadline;
-            continue;
-        }
-        for (int i = 0; i < 32; i++) cpu_relax();
-    }
-    return sleep_until_done(is, job, deadline);
 }
 
 /* The caller's reference to the job goes (the caller holds the mutex), and the mutex is unlocked,
@@ -1019,12 +969,6 @@ int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double 
     }
     pthread_mutex_unlock(&is->mu);
     return state;
-}
-
-/* The job's predicted end (CLOCK_MONOTONIC ns; 0 until it is in flight, or with no completed job to
- * predict from): see predict_end. */
-int64_t kvo_job_expected_end(struct kvo_job *job) {
-    return __atomic_load_n(&job->expected_end, __ATOMIC_ACQUIRE);
 }
 
 /* A done job's timeline (CLOCK_MONOTONIC ns): handed over, issue began, issued, found done. */

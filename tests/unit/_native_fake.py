@@ -46,7 +46,6 @@ class FakeDriver:
         self.calls: list[tuple[Any, ...]] = []
         self.provenance: dict[int, int] = {}
         self.not_ready = not_ready  # NOT_READY answers to each event's first queries
-        self.elapsed_ms = 0.5  # every job's device time
         self.queries: dict[int, int] = {}
         self.fail: dict[str, int] = {}  # call -> CUresult to return (once)
         self.gate: dict[str, threading.Event] = {}  # call -> event it waits for before returning
@@ -106,7 +105,7 @@ class FakeDriver:
         return NOT_READY if seen <= self.not_ready else 0
 
     def _event_elapsed(self, out: Any, start: int | None, end: int | None) -> int:
-        out[0] = self.elapsed_ms
+        out[0] = 0.5
         return 0
 
     def _stream_wait_event(self, stream: int | None, event: int | None, flags: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -519,81 +518,6 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
         assert counting.releases == 1
         ticket.release()
         assert counting.releases == 1
-
-
-def _issue(h: Harness, pairs: int) -> native_backend.NativeTicket:
-    fence = h.backend.fence(None)
-    ids = np.arange(pairs, dtype=np.int64)
-    ticket = h.backend.issue(h.plan, ids, ids, fence)
-    h.backend.release_fence(fence)
-    assert isinstance(ticket, native_backend.NativeTicket)
-    return ticket
-
-
-def test_a_job_in_flight_is_predicted_to_end_after_those_before_it_at_the_fastest_rate_seen() -> None:
-    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
-    lib = h.backend.lib
-    try:
-        first = _issue(h, 1)
-        assert first.wait(TIMEOUT_S)
-        assert lib.kvo_job_expected_end(first._job) == 0  # nothing to predict from yet
-        h.fake.elapsed_ms = 200.0  # a slower job does not slow the prediction down
-        assert _issue(h, 1).wait(TIMEOUT_S)
-        h.fake.not_ready = 1 << 40  # the next jobs stay in flight (their queries say not ready)
-        second, third = _issue(h, 2), _issue(h, 3)
-        assert wait_until(lambda: lib.kvo_job_expected_end(third._job) != 0)
-        rate = 0.5e6 / 256  # ns per byte: 0.5 ms for the first job's 256 bytes
-        began = second.times()[1] * 1e9
-        second_end = lib.kvo_job_expected_end(second._job)
-        assert 2 * 256 * rate - 1e3 <= second_end - began < 2 * 256 * rate + 50e6  # from its issue's start
-        # The third runs after the second: predicted from the second's end at the latest.
-        assert lib.kvo_job_expected_end(third._job) >= second_end + 3 * 256 * rate - 1e3
-        h.fake.not_ready = 0
-        assert third.wait(TIMEOUT_S) and second.done()
-    finally:
-        h.fake.not_ready = 0
-        h.close()
-
-
-@pytest.mark.parametrize("lead", [True, False], ids=["asleep until its lead", "control: no lead"])
-def test_a_wait_for_a_job_predicted_past_its_spin_sleeps_until_shortly_before_its_end(lead: bool) -> None:
-    """The job is predicted to end 1 s after it went in flight (the first job's device time per
-    byte); the wait's spin is 300 ms. With a lead of 100 ms the wait sleeps (no CPU) until the job
-    ends, here after 0.5 s, and is woken by its end; the control spins its 300 ms first."""
-    spin_ns, lead_ns = 300_000_000, 100_000_000
-    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
-                tune={"wait_spin_ns": spin_ns, "wake_lead_ns": lead_ns if lead else 0})
-    in_flight = threading.Event()
-    h.fake.elapsed_ms = 1000.0
-    try:
-        assert _issue(h, 1).wait(TIMEOUT_S)  # 1 s per 256 bytes, as far as the issuer knows
-        h.fake.gate["cuEventQuery"] = in_flight
-        ticket = _issue(h, 1)
-        assert wait_until(lambda: h.backend.lib.kvo_job_expected_end(ticket._job) != 0)
-        assert not ticket.wait(0.05)  # a deadline inside the sleep still holds
-        outcome: list[tuple[bool, float]] = []
-
-        def waiter() -> None:
-            cpu = time.thread_time()
-            done = ticket.wait(TIMEOUT_S)
-            outcome.append((done, time.thread_time() - cpu))
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        time.sleep(0.5)
-        del h.fake.gate["cuEventQuery"]
-        in_flight.set()  # the job ends before its predicted end
-        thread.join(TIMEOUT_S)
-        ((done, cpu_s),) = outcome
-        assert done
-        if lead:
-            assert cpu_s < 0.1, f"the wait spun for {cpu_s:.3f} s of CPU"
-        else:
-            assert cpu_s > 0.1, f"the control's wait used only {cpu_s:.3f} s of CPU"
-    finally:
-        h.fake.gate.clear()
-        in_flight.set()
-        h.close()
 
 
 def test_completion_is_found_by_the_thread_and_signalled() -> None:
