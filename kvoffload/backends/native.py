@@ -102,7 +102,9 @@ def _ns(seconds: float) -> int:
 
 class NativeTicket:
     """One job handed to the native issuer. Owns the ticket's reference to the job until
-    :meth:`release`. ``error`` is known once the job is done (the thread issues it later).
+    :meth:`release`, or until :meth:`done` finds the job done with no call inside the library (the
+    same call into the library drops it). ``error`` is known once the job is done (the thread
+    issues it later).
 
     Thread-safe: a wait may block in the library while another thread finds the job done and
     releases the ticket; the reference is dropped only once no call is inside the library (the job

@@ -80,7 +80,7 @@ class Harness:
 
     def __init__(self, direction: Direction, path: str, plan: CopyPlan, *, slot_bytes: int = 0,
                  not_ready: int = 0, batch: bool = True, controls: int = 0,
-                 give_way_ns: int = 200_000, tune: dict[str, int] | None = None) -> None:
+                 give_way_ns: int = 200_000) -> None:
         self.fake = FakeDriver(not_ready=not_ready)
         self.keep: list[object] = []
         self.tables: dict[int, I64] = {}
@@ -89,8 +89,6 @@ class Harness:
                                   slot_bytes=slot_bytes, batch=batch, keep=self.keep,
                                   give_way_ns=give_way_ns)
         config.controls = controls
-        for field, value in (tune or {}).items():  # config fields a test sets
-            setattr(config, field, value)
         self.inner = Inner(direction)
         self.backend = NativeBackend.start(
             self.inner, config, index=0, choose=lambda _n: path,
