@@ -43,7 +43,9 @@ from kvoffload.records import Direction
 
 __all__ = [
     "CONTROLS",
+    "END_LEAD_S",
     "GIVE_WAY_S",
+    "IDLE_SPIN_S",
     "POLL_MAX_S",
     "POLL_MIN_S",
     "STOP_TIMEOUT_S",
@@ -70,6 +72,18 @@ WAIT_SPIN_S: Final = 2e-3
 #: one of its own (the fence's record, a layer's stream wait): the driver serialises a context's
 #: calls, and a thread issuing call after call kept the engine's thread waiting behind several.
 GIVE_WAY_S: Final = 200e-6
+#: How long the issuer thread, out of work, keeps looking for the next job (without the lock, not
+#: blocked) before it blocks; 0 (the default): it blocks at once. With it, a job handed over
+#: meanwhile starts without a wake-up and its hand-off signals nothing, but it is off: on the H200
+#: (docs/design.md §16) 0.5 ms of it removed the 5-22 us wake-up of jobs handed over soon after
+#: the last, and the caller's own code ran slower beside the spinning thread (a 1-block job's
+#: result came back 88.6-98.4 us after the call against 79.8-81.5 us without it).
+IDLE_SPIN_S: Final = 0.0
+#: The issuer thread polls a job without sleeps from this long before the end it predicts for it
+#: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
+#: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
+#: median 32 us after them on the H200 hosts, 17-18 us with this (docs/design.md §16).
+END_LEAD_S: Final = 50e-6
 #: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
 STOP_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
@@ -511,6 +525,8 @@ class NativeBackend:
         c.controls = CONTROLS
         c.wait_spin_ns = _ns(WAIT_SPIN_S)
         c.give_way_ns = _ns(GIVE_WAY_S)
+        c.idle_spin_ns = _ns(IDLE_SPIN_S)
+        c.end_lead_ns = _ns(END_LEAD_S)
         return cls.start(
             inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over
             path_names={name: path.name for name, path in inner.paths.items()}, tables=tables,

@@ -40,6 +40,7 @@ from kvoffload.errors import NativeBuildError
 __all__ = [
     "ABANDONED",
     "BUILD_TIMEOUT_S",
+    "CONTROL_NEVER_SIGNAL",
     "CONTROL_SKIP_SLOT_WAIT",
     "FAIL_COMPLETION",
     "FAIL_NONE",
@@ -94,6 +95,9 @@ TIMEOUT: Final = -6
 #: CONTROL ONLY: a staging slot is rewritten without waiting for its last read (rule 5 broken on
 #: purpose, for the tests that prove the rule).
 CONTROL_SKIP_SLOT_WAIT: Final = 1
+#: CONTROL ONLY: a hand-off never signals the thread, even when it is blocked (the idle spin's
+#: wake-up rule broken on purpose).
+CONTROL_NEVER_SIGNAL: Final = 2
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -112,7 +116,8 @@ class Config(ctypes.Structure):
         ("store", _i64), ("sm_ctas", _i64), ("staged_ctas", _i64),
         ("slots", _i64), ("slot_bytes", _i64), ("slot_bases", _p),
         ("poll_min_ns", _i64), ("poll_max_ns", _i64), ("controls", _i64),
-        ("wait_spin_ns", _i64), ("give_way_ns", _i64),
+        ("wait_spin_ns", _i64), ("give_way_ns", _i64), ("idle_spin_ns", _i64),
+        ("end_lead_ns", _i64),
     ]
 
 
@@ -302,6 +307,8 @@ def library() -> ctypes.CDLL:
         "kvo_job_wait": ([p, i64], i64),
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
+        "kvo_issuer_signals": ([p], i64),
+        "kvo_job_expected_end": ([p], i64),
         "kvo_wait_layer": ([p, i64, p, i64], i64),
         "kvo_admit": ([p, p, i64, i64, i64, p, p, p, p, p, pi64], i64),
         "kvo_unadmit": ([p, p, i64, p, p], None),

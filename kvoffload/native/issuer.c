@@ -53,7 +53,7 @@ enum {
 };
 enum { PATH_DMA = 0, PATH_SM = 1, PATH_STAGED = 2 };
 /* A test's control breaks rule 5 on purpose: a slot is rewritten without waiting for its last read. */
-enum { CONTROL_SKIP_SLOT_WAIT = 1 };
+enum { CONTROL_SKIP_SLOT_WAIT = 1, CONTROL_NEVER_SIGNAL = 2 };
 enum { JOB_QUEUED = 0, JOB_ISSUED = 1, JOB_DONE = 2 };
 /* kind of failure, as the Python ticket reports it */
 enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
@@ -93,9 +93,12 @@ struct kvo_config {
     int64_t slots, slot_bytes;
     const uint64_t *slot_bases;
     int64_t poll_min_ns, poll_max_ns;
-    int64_t controls;    /* CONTROL ONLY (tests that prove a rule): CONTROL_SKIP_SLOT_WAIT */
+    int64_t controls;    /* CONTROL ONLY (tests that prove a rule): CONTROL_* */
     int64_t wait_spin_ns; /* how long kvo_job_wait spins before it blocks */
     int64_t give_way_ns;  /* the longest the thread gives way to one caller's driver call */
+    int64_t idle_spin_ns; /* how long the thread, out of work, looks for a job before it blocks */
+    int64_t end_lead_ns;  /* a job is polled without sleeps from this long before its predicted end
+                           * to as long after it (0: never) */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -116,6 +119,7 @@ struct kvo_plan {
     int64_t record_bytes, host_base, host_stride, chunk_records, merge;
     int64_t kseg, kseg_rows, cseg, cseg_rows, pitch, runs;
     int64_t *run_offset, *run_size;
+    int64_t bytes;           /* of one pair: the sum of its pages' bytes */
 };
 
 struct pool { CUevent *free; int64_t count, cap; unsigned flags; };
@@ -139,6 +143,8 @@ struct kvo_job {
     const char *error_call;
     double seconds;
     int64_t polled_ns;     /* when the thread first found it in flight */
+    int64_t bytes;         /* the bytes it copies */
+    int64_t expected_end;  /* CLOCK_MONOTONIC ns of its predicted end (0: none; see predict_end) */
     int64_t times[4];      /* CLOCK_MONOTONIC ns: handed over, issue began, issued, found done */
 };
 
@@ -157,9 +163,13 @@ struct kvo_issuer {
     pthread_cond_t work, done;
     struct kvo_job *queue_head, *queue_tail, *flight_head, *flight_tail;
     int64_t stop, exited, started, refs, ctx_error;
+    int64_t sleeping; /* the thread waits on `work` (under mu): a hand-off must signal it */
+    int64_t signals;  /* hand-offs that signalled it (kvo_issuer_signals) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
     /* thread-only state */
+    double fastest_ns_per_byte; /* the fastest completed job's device time per byte (0: none yet) */
+    int64_t last_expected_end;  /* the predicted end of the last job put in flight */
     CUstream last_end;
     int64_t next_slot;
     CUevent *filled, *drained;
@@ -630,6 +640,49 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
     job_unref(job); /* the thread's reference */
 }
 
+/* Predict when a job just put in flight ends (the thread, holding the mutex): from when its issue
+ * began (its first copies run while the rest is enqueued) or the predicted end of the jobs in
+ * flight before it, whichever is later, at the fastest device time per byte a completed job of this
+ * issuer had. The thread polls the job without sleeps around that time (end_lead_ns either side):
+ * a poll that sleeps poll_max_ns between queries (plus its wake-up) finds a long job's end tens of
+ * microseconds late. Erring early costs some polls; erring late finds the end as the sleeps do.
+ * A job predicted to run less than 8 * poll_max_ns gets no prediction: its polls never sleep that
+ * long (an eighth of its age), and a thread polling without sleeps beside a short job slowed the
+ * caller's own code around it (docs/design.md §16). */
+static void predict_end(struct kvo_issuer *is, struct kvo_job *job) {
+    job->expected_end = 0;
+    if (is->c.end_lead_ns <= 0 || is->fastest_ns_per_byte == 0.0 || job->bytes <= 0) return;
+    int64_t runs = (int64_t)((double)job->bytes * is->fastest_ns_per_byte);
+    int64_t began = job->times[1];
+    int64_t start = is->flight_head && is->last_expected_end > began ? is->last_expected_end : began;
+    is->last_expected_end = start + runs;
+    if (runs >= 8 * is->c.poll_max_ns) job->expected_end = start + runs;
+}
+
+/* A job completed in `ms` of device time: the fastest rate so far predicts the next jobs' ends. */
+static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float ms) {
+    if (ms <= 0.0f || job->bytes <= 0 || job->fail != FAIL_NONE) return;
+    double rate = (double)ms * 1e6 / (double)job->bytes;
+    if (is->fastest_ns_per_byte == 0.0 || rate < is->fastest_ns_per_byte) is->fastest_ns_per_byte = rate;
+}
+
+/* Out of work, the thread (holding mu) looks for a hand-off without the lock for up to the config's
+ * idle_spin_ns before it blocks: a job handed over meanwhile starts without a wake-up (which costs
+ * microseconds on the caller's side and the thread's), and its hand-off signals nothing. 1 when a
+ * job or the stop came (mu held again either way). The hand-off signals only a thread that
+ * `sleeping` says is blocked, and the thread sets it under mu after it looked at the queue there,
+ * so no hand-off is missed. */
+static int idle_spin(struct kvo_issuer *is) {
+    if (is->c.idle_spin_ns <= 0) return 0;
+    int64_t until = now_ns() + is->c.idle_spin_ns;
+    pthread_mutex_unlock(&is->mu);
+    while (!__atomic_load_n(&is->queue_head, __ATOMIC_ACQUIRE) && !__atomic_load_n(&is->stop, __ATOMIC_ACQUIRE)
+           && now_ns() < until)
+        for (int i = 0; i < 8; i++) cpu_relax();
+    pthread_mutex_lock(&is->mu);
+    return is->queue_head || is->stop;
+}
+
 static void *run(void *arg) {
     struct kvo_issuer *is = arg;
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* short polling sleeps wake on time */
@@ -669,6 +722,7 @@ static void *run(void *arg) {
             if (job->fail == FAIL_NOTHING) { finish(is, job); continue; }
             job->state = JOB_ISSUED;
             job->polled_ns = now_ns();
+            predict_end(is, job);
             if (is->flight_tail) is->flight_tail->next = job; else is->flight_head = job;
             is->flight_tail = job;
             pthread_cond_broadcast(&is->done);
@@ -693,9 +747,19 @@ static void *run(void *arg) {
                 if (((fn_event_elapsed)is->c.event_elapsed)(&ms, job->start, end)) ms = 0.0f;
             pthread_mutex_lock(&is->mu);
             if (q == KVO_NOT_READY) {
+                int64_t now = now_ns(), end = job->expected_end, lead = is->c.end_lead_ns;
+                if (end && now >= end - lead && now < end + lead) { /* near its end: poll again soon */
+                    pthread_mutex_unlock(&is->mu);
+                    for (int i = 0; i < 16; i++) cpu_relax();
+                    pthread_mutex_lock(&is->mu);
+                    continue;
+                }
+                int64_t nap = end && now < end - lead && end - lead - now < sleep_ns ? end - lead - now : sleep_ns;
                 struct timespec until;
-                deadline_after(&until, sleep_ns);
+                deadline_after(&until, nap);
+                is->sleeping = 1;
                 pthread_cond_timedwait(&is->work, &is->mu, &until);
+                is->sleeping = 0;
                 /* sleep about an eighth of the time in flight so far, within the bounds */
                 int64_t age = (now_ns() - job->polled_ns) / 8;
                 sleep_ns = age < is->c.poll_min_ns ? is->c.poll_min_ns
@@ -706,12 +770,16 @@ static void *run(void *arg) {
             if (!is->flight_head) is->flight_tail = 0;
             if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
             job->seconds = ms / 1e3;
+            learn_rate(is, job, ms);
             finish(is, job);
             sleep_ns = is->c.poll_min_ns;
             continue;
         }
         if (is->stop) break;
+        if (idle_spin(is)) continue;
+        is->sleeping = 1;
         pthread_cond_wait(&is->work, &is->mu);
+        is->sleeping = 0;
     }
     for (int64_t s = 0; s < is->c.slots; s++) {
         pool_give(is, &is->plain, is->filled[s]);
@@ -784,7 +852,7 @@ static void issuer_unref(struct kvo_issuer *is) { /* caller holds the mutex */
  * call (leave them to the process). */
 int64_t kvo_issuer_stop(struct kvo_issuer *is, int64_t timeout_ns) {
     pthread_mutex_lock(&is->mu);
-    is->stop = 1;
+    __atomic_store_n(&is->stop, 1, __ATOMIC_RELEASE); /* read without the lock by an idle spin */
     pthread_cond_broadcast(&is->work);
     struct timespec until;
     deadline_after(&until, timeout_ns);
@@ -820,6 +888,7 @@ struct kvo_plan *kvo_plan_new(const struct kvo_plan_spec *s) {
     p->chunk_records = s->chunk_records > 0 ? s->chunk_records : 1; p->merge = s->merge;
     p->kseg = s->kseg; p->kseg_rows = s->kseg_rows; p->cseg = s->cseg; p->cseg_rows = s->cseg_rows;
     p->pitch = s->pitch; p->runs = s->runs;
+    for (int64_t q = 0; q < s->pages && p->nbytes; q++) p->bytes += p->nbytes[q];
     if (!p->dev_base || !p->dev_stride || !p->nbytes || !p->host_offset || !p->segment ||
         !p->run_offset || !p->run_size) {
         free(p->dev_base); free(p->dev_stride); free(p->nbytes); free(p->host_offset);
@@ -886,6 +955,7 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
         return 0;
     }
     memcpy(job->plans, plans, (size_t)nplans * sizeof(*plans));
+    for (int64_t k = 0; k < nplans; k++) job->bytes += n * plans[k]->bytes;
     job->issuer = is;
     job->path = path; job->n = n; job->nplans = nplans; job->first = first; job->layered = layered;
     job->marked = first; /* layers before `first` belong to another part: nothing to wait for */
@@ -907,12 +977,15 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     }
     if (!own) fence->refs++; /* a taken fence keeps its taker's reference; an own one is the job's */
     is->refs++;
-    if (is->queue_tail) is->queue_tail->next = job; else is->queue_head = job;
+    if (is->queue_tail) is->queue_tail->next = job;
+    else __atomic_store_n(&is->queue_head, job, __ATOMIC_RELEASE); /* read by an idle spin */
     is->queue_tail = job;
+    int wake = is->sleeping && !(is->c.controls & CONTROL_NEVER_SIGNAL);
+    is->signals += wake;
     pthread_mutex_unlock(&is->mu);
     /* Signalled after the unlock: the woken thread does not wait for the caller's mutex. The issuer
-     * outlives the call (its owner holds a reference). */
-    pthread_cond_signal(&is->work);
+     * outlives the call (its owner holds a reference). A spinning thread needs no signal. */
+    if (wake) pthread_cond_signal(&is->work);
     *error = 0;
     return job;
 }
@@ -969,6 +1042,24 @@ int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double 
     }
     pthread_mutex_unlock(&is->mu);
     return state;
+}
+
+/* How many hand-offs found the thread blocked and signalled it (the idle spin's measure). */
+int64_t kvo_issuer_signals(struct kvo_issuer *is) {
+    pthread_mutex_lock(&is->mu);
+    int64_t signals = is->signals;
+    pthread_mutex_unlock(&is->mu);
+    return signals;
+}
+
+/* The job's predicted end (CLOCK_MONOTONIC ns; 0 until it is in flight, or with nothing to predict
+ * from): see predict_end. */
+int64_t kvo_job_expected_end(struct kvo_job *job) {
+    struct kvo_issuer *is = job->issuer;
+    pthread_mutex_lock(&is->mu);
+    int64_t end = job->expected_end;
+    pthread_mutex_unlock(&is->mu);
+    return end;
 }
 
 /* A done job's timeline (CLOCK_MONOTONIC ns): handed over, issue began, issued, found done. */

@@ -6,7 +6,9 @@ microsecond) and prints, per path and job size, the median microseconds of each 
 caller's thread and on the issuer thread; then the split of an isolated 64 MiB job (caller's time,
 device time, call -> result) with the library as it is and with candidate settings (a longer spin
 before the completion poll sleeps; smaller staged chunks), each next to a pinned copy of the same
-bytes measured in the same run.
+bytes measured in the same run. ``timeline`` and ``timeline64`` show where a native job's time goes
+(the call, the hand-off, the thread's start, the issue, the completion found, the wait's return),
+for 1- and 256-block stores and for isolated 64 MiB jobs per page size.
 """
 
 from __future__ import annotations
@@ -200,6 +202,60 @@ def timeline(device: torch.device) -> None:
         NativeBackend._submit = original  # type: ignore[method-assign]  # noqa: SLF001
 
 
+def timeline64(device: torch.device) -> None:
+    """Where an isolated 64 MiB native job's time goes (auto; the per-layer layout of
+    ``bench --latency``: 8 layers, K and V), per page size, store and load: median us from the call,
+    next to one pinned copy of the same bytes timed call -> synchronized in the same rounds."""
+    tickets: list[NativeTicket] = []
+    original = NativeBackend._submit  # noqa: SLF001 - every hand-off, through either door
+
+    def keeping(self: NativeBackend, *args: Any) -> Any:
+        ticket = original(self, *args)
+        if isinstance(ticket, NativeTicket):
+            tickets.append(ticket)
+        return ticket
+
+    host = torch.empty(64 * MIB, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(64 * MIB, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    NativeBackend._submit = keeping  # type: ignore[method-assign,assignment]  # noqa: SLF001
+    try:
+        for page in (4 * KIB, 64 * KIB, 2 * MIB):
+            blocks = 64 * MIB // (16 * page)
+            layout = per_layer(device, 8, page, 2 * blocks)
+            ids = np.arange(blocks, dtype=np.int64)
+            with Worker.create(layout, blocks, path="auto", issuer="native") as w:
+                for store in (True, False):
+                    rows = []
+                    for i in range(10):
+                        torch.cuda.synchronize(device)
+                        tickets.clear()
+                        job = i + (0 if store else 100)
+                        t0 = time.monotonic()
+                        (w.store if store else w.load)(job, ids, ids)
+                        t1 = time.monotonic()
+                        (r,) = w.wait([job], 60)
+                        t2 = time.monotonic()
+                        handed, began, issued, found = tickets[-1].times()
+                        torch.cuda.synchronize(device)
+                        t3 = time.monotonic()
+                        with torch.cuda.stream(stream):
+                            (host.copy_(buf, non_blocking=True) if store else buf.copy_(host, non_blocking=True))
+                        stream.synchronize()
+                        t4 = time.monotonic()
+                        if i >= 2:
+                            rows.append((t1 - t0, handed - t0, began - t0, issued - t0, found - t0, t2 - t0,
+                                         r.seconds, t4 - t3))
+                    med = [statistics.median(x[k] for x in rows) * 1e6 for k in range(8)]
+                    print(f"== native timeline, 64 MiB {'store' if store else 'load'} at {page // KIB} KiB pages "
+                          f"({blocks} blocks), median us from the call: call returned {med[0]:.1f}; handed over "
+                          f"{med[1]:.1f}; thread began {med[2]:.1f}; issued {med[3]:.1f}; found done {med[4]:.1f}; "
+                          f"wait returned {med[5]:.1f}; device time {med[6]:.1f}; pinned copy {med[7]:.1f} "
+                          f"(ratio {med[7] / med[5]:.3f})")
+    finally:
+        NativeBackend._submit = original  # type: ignore[method-assign]  # noqa: SLF001
+
+
 def isolated(device: torch.device) -> None:
     page, layers = 64 * KIB, 8
     block = 2 * layers * page
@@ -368,7 +424,7 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
     sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline,
-                "front": front}
+                "timeline64": timeline64, "front": front}
     for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:

@@ -46,6 +46,7 @@ class FakeDriver:
         self.calls: list[tuple[Any, ...]] = []
         self.provenance: dict[int, int] = {}
         self.not_ready = not_ready  # NOT_READY answers to each event's first queries
+        self.elapsed_ms = 0.5  # every job's device time
         self.queries: dict[int, int] = {}
         self.fail: dict[str, int] = {}  # call -> CUresult to return (once)
         self.gate: dict[str, threading.Event] = {}  # call -> event it waits for before returning
@@ -105,7 +106,7 @@ class FakeDriver:
         return NOT_READY if seen <= self.not_ready else 0
 
     def _event_elapsed(self, out: Any, start: int | None, end: int | None) -> int:
-        out[0] = 0.5
+        out[0] = self.elapsed_ms
         return 0
 
     def _stream_wait_event(self, stream: int | None, event: int | None, flags: int) -> int:
@@ -162,7 +163,8 @@ class FakeDriver:
     # ------------------------------------------------------------------------------- helpers
 
     def config(self, *, store: bool, slots: tuple[int, ...] = (), slot_bytes: int = 0,
-               batch: bool = True, keep: list[object], give_way_ns: int = 200_000) -> native.Config:
+               batch: bool = True, keep: list[object], give_way_ns: int = 200_000,
+               idle_spin_ns: int = 0, end_lead_ns: int = 50_000) -> native.Config:
         """An issuer config over this driver: copy stream COPY, kernel stream KERNEL."""
         c = native.Config()
         for name in ("ctx_set_current", "event_create", "event_destroy", "event_record", "event_query",
@@ -187,6 +189,8 @@ class FakeDriver:
         c.poll_min_ns, c.poll_max_ns = 2000, 20000
         c.wait_spin_ns = 100_000
         c.give_way_ns = give_way_ns
+        c.idle_spin_ns = idle_spin_ns
+        c.end_lead_ns = end_lead_ns
         return c
 
     def of(self, name: str) -> list[tuple[Any, ...]]:

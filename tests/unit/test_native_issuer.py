@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -80,15 +81,18 @@ class Harness:
 
     def __init__(self, direction: Direction, path: str, plan: CopyPlan, *, slot_bytes: int = 0,
                  not_ready: int = 0, batch: bool = True, controls: int = 0,
-                 give_way_ns: int = 200_000) -> None:
+                 give_way_ns: int = 200_000, idle_spin_ns: int = 0,
+                 tune: dict[str, int] | None = None) -> None:
         self.fake = FakeDriver(not_ready=not_ready)
         self.keep: list[object] = []
         self.tables: dict[int, I64] = {}
         slot_bytes = slot_bytes or 3 * plan.pages.record_bytes
         config = self.fake.config(store=direction is Direction.STORE, slots=SLOT_BASES,
                                   slot_bytes=slot_bytes, batch=batch, keep=self.keep,
-                                  give_way_ns=give_way_ns)
+                                  give_way_ns=give_way_ns, idle_spin_ns=idle_spin_ns)
         config.controls = controls
+        for name, value in (tune or {}).items():
+            setattr(config, name, value)
         self.inner = Inner(direction)
         self.backend = NativeBackend.start(
             self.inner, config, index=0, choose=lambda _n: path,
@@ -516,6 +520,136 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
         assert counting.releases == 1
         ticket.release()
         assert counting.releases == 1
+
+
+def signals_over_jobs_one_at_a_time(idle_spin_ns: int) -> int:
+    """Hand-offs that had to signal the thread, over 5 jobs each handed over after the one before
+    it was done (the thread out of work each time)."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, idle_spin_ns=idle_spin_ns)
+    try:
+        time.sleep(0.05)  # the thread is out of work (spinning or blocked) before the first job
+        for job in range(5):
+            assert h.run(job, [job], [job + 10]).ok
+        return int(h.backend.lib.kvo_issuer_signals(h.backend._issuer))  # noqa: SLF001
+    finally:
+        h.close()  # with a 60 s spin, bounded only if the spinning thread sees the stop
+
+
+def test_a_job_handed_to_a_thread_out_of_work_is_taken_without_a_wake_up() -> None:
+    # Control: a thread that blocks as soon as it is out of work is signalled by every hand-off.
+    assert signals_over_jobs_one_at_a_time(0) == 5, "the control was not signalled: the test proves nothing"
+    assert signals_over_jobs_one_at_a_time(60 * 10**9) == 0
+
+
+def issued_after_the_spin(controls: int) -> bool:
+    """Whether a job handed over once the thread's idle spin ended (so it blocks) is done within
+    0.5 s."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, controls=controls, idle_spin_ns=1_000_000)
+    time.sleep(0.05)  # the 1 ms spin is over: the thread blocks
+    h.handler.submit(0, [1], [2])
+    try:
+        (result,) = h.handler.wait([0], 0.5)
+    except WaitTimeoutError:
+        with pytest.raises(WaitTimeoutError):  # the drain gives the job up; the stop wakes the thread
+            h.handler.shutdown(0.2)
+        assert h.inner.released == 1
+        return False
+    h.close()
+    return bool(result.ok)
+
+
+def test_a_hand_off_wakes_a_thread_that_blocked_after_its_idle_spin() -> None:
+    # Control: a hand-off that never signals leaves the job queued behind a blocked thread.
+    assert not issued_after_the_spin(native.CONTROL_NEVER_SIGNAL), "the control ran the job: the test proves nothing"
+    assert issued_after_the_spin(0)
+
+
+def _issue(h: Harness, pairs: int) -> native_backend.NativeTicket:
+    fence = h.backend.fence(None)
+    ids = np.arange(pairs, dtype=np.int64)
+    ticket = h.backend.issue(h.plan, ids, ids, fence)
+    h.backend.release_fence(fence)
+    assert isinstance(ticket, native_backend.NativeTicket)
+    return ticket
+
+
+def test_a_job_in_flight_is_predicted_to_end_after_those_before_it_at_the_fastest_rate_seen() -> None:
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
+    lib = h.backend.lib
+    try:
+        first = _issue(h, 1)
+        assert first.wait(TIMEOUT_S)
+        assert lib.kvo_job_expected_end(first._job) == 0  # nothing to predict from yet
+        h.fake.elapsed_ms = 200.0  # a slower job does not slow the prediction down
+        assert _issue(h, 1).wait(TIMEOUT_S)
+        h.fake.not_ready = 1 << 40  # the next jobs stay in flight (their queries say not ready)
+        second, third = _issue(h, 2), _issue(h, 3)
+        assert wait_until(lambda: lib.kvo_job_expected_end(third._job) != 0)
+        rate = 0.5e6 / 256  # ns per byte: 0.5 ms for the first job's 256 bytes
+        began = second.times()[1] * 1e9
+        second_end = lib.kvo_job_expected_end(second._job)
+        assert 2 * 256 * rate - 1e3 <= second_end - began < 2 * 256 * rate + 50e6  # from its issue's start
+        # The third runs after the second: predicted from the second's end at the latest.
+        assert lib.kvo_job_expected_end(third._job) >= second_end + 3 * 256 * rate - 1e3
+        h.fake.not_ready = 0
+        assert third.wait(TIMEOUT_S) and second.done()
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+
+
+def test_a_job_too_short_for_the_longest_polling_sleep_is_given_no_predicted_end() -> None:
+    # The fake's polls sleep at most 20 us: jobs predicted to run under 160 us are polled as ever.
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
+    lib = h.backend.lib
+    try:
+        h.fake.elapsed_ms = 0.1  # 100 us per 256 bytes
+        assert _issue(h, 1).wait(TIMEOUT_S)
+        h.fake.not_ready = 1 << 40
+        short, long = _issue(h, 1), _issue(h, 2)
+        assert wait_until(lambda: lib.kvo_job_expected_end(long._job) != 0)  # 200 us: predicted
+        assert lib.kvo_job_expected_end(short._job) == 0
+        h.fake.not_ready = 0
+        assert long.wait(TIMEOUT_S) and short.done()
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+
+
+def queries_around_the_predicted_end(lead_ns: int) -> tuple[int, int, int]:
+    """Queries of a job's end event while it stays in flight, the thread's sleeping polls 20 ms
+    apart and the job predicted to end 200 ms after its issue began: in its first 100 ms, from
+    150 to 250 ms, and from 350 to 550 ms (the counts are read at those times by this thread)."""
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
+                tune={"poll_min_ns": 20_000_000, "poll_max_ns": 20_000_000, "end_lead_ns": lead_ns})
+    try:
+        h.fake.elapsed_ms = 200.0
+        assert _issue(h, 1).wait(TIMEOUT_S)  # 200 ms per 256 bytes, as far as the thread knows
+        h.fake.not_ready = 1 << 40
+        before = len(h.fake.of("cuEventQuery"))
+        ticket = _issue(h, 1)
+        assert wait_until(lambda: ticket.times()[1] != 0)
+        began = ticket.times()[1]
+        counts = []
+        for at in (0.1, 0.15, 0.25, 0.35, 0.55):
+            time.sleep(max(0.0, began + at - time.monotonic()))
+            counts.append(len(h.fake.of("cuEventQuery")) - before)
+        return counts[0], counts[2] - counts[1], counts[4] - counts[3]
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+
+
+def test_a_job_is_polled_without_sleeps_around_its_predicted_end_and_only_there() -> None:
+    # Control: without a lead the thread polls every 20 ms throughout.
+    early, near, late = queries_around_the_predicted_end(0)
+    assert near <= 8, "the control polled without sleeps: the test proves nothing"
+    early, near, late = queries_around_the_predicted_end(50_000_000)
+    assert early <= 8  # asleep far from the end
+    assert near >= 40  # around it (each query is a Python call here: still thousands)
+    assert late <= 16  # 50 ms past the predicted end the sleeping polls resume
 
 
 def test_completion_is_found_by_the_thread_and_signalled() -> None:
