@@ -484,19 +484,7 @@ class DirectionHandler:
                 self._fifo.append(transfer)
                 self._submitted += 1
                 self._pending += 1
-            if stream is None:
-                self._issue(backend, transfer, None)
-                return
-            try:
-                if self._abort.is_set():
-                    transfer.ticket = FailedTicket(TransferError(_SHUT_DOWN))
-                else:
-                    transfer.ticket = cast(HandsOffBackend, backend).hand_off(
-                        self._plan, transfer.src, transfer.dst, stream)
-            except Exception as exc:  # reported as the job's failure, as _issue reports it
-                transfer.ticket = FailedTicket(exc)
-            finally:
-                self._mark_issued(transfer)
+            self._issue(backend, transfer, None, stream)
 
     def _split(self, backend: Backend, transfer: _Transfer, pairs: int) -> _Transfer:
         """Cut the head off a costly job; ``transfer`` keeps the rest, the fence, the byte count."""
@@ -508,8 +496,11 @@ class DirectionHandler:
         transfer.src, transfer.dst = transfer.src[count:], transfer.dst[count:]
         return head
 
-    def _issue(self, backend: Backend, transfer: _Transfer, init_error: BaseException | None) -> None:
-        """Issue one transfer (the caller holds ``_issue_lock``) and publish its ticket."""
+    def _issue(self, backend: Backend, transfer: _Transfer, init_error: BaseException | None,
+               stream: int | None = None) -> None:
+        """Issue one transfer (the caller holds ``_issue_lock``) and publish its ticket; with
+        ``stream``, through the hands-off backend's ``hand_off`` (its fence recorded on ``stream``
+        in the same call)."""
         if init_error is not None:
             transfer.ticket = FailedTicket(init_error)
         elif self._abort.is_set():
@@ -517,7 +508,9 @@ class DirectionHandler:
         else:
             t = transfer
             try:
-                if t.layers is None or t.marks is None or isinstance(t.marks, WholeJobMarks):
+                if stream is not None:
+                    t.ticket = cast(HandsOffBackend, backend).hand_off(self._plan, t.src, t.dst, stream)
+                elif t.layers is None or t.marks is None or isinstance(t.marks, WholeJobMarks):
                     t.ticket = backend.issue(self._plan, t.src, t.dst, t.fence)
                 else:
                     t.ticket = backend.issue_layers(t.layers, t.src, t.dst, t.fence, t.marks,  # type: ignore[attr-defined]

@@ -673,12 +673,9 @@ class NativeBackend:
 
     def _plan_array(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> int:
         """The address of a C array of the library's plans for ``plans`` (each registered once;
-        caller holds the lock). ``whole``: staged rows are whole records (a job of whole blocks),
-        else the compact rows of a layer's part of each record."""
-        if len(plans) == 1:
-            address = self._single.get((plans[0], whole))
-            if address is not None:
-                return address
+        caller holds the lock; :meth:`_submit` looks a single plan's up in ``_single`` first).
+        ``whole``: staged rows are whole records (a job of whole blocks), else the compact rows of
+        a layer's part of each record."""
         pointers = tuple(self._native_plan(p, whole) for p in plans)
         cached = self._plan_arrays.get(pointers)
         if cached is None:

@@ -57,21 +57,57 @@ static int id_buffer(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
-static struct kvo_front_spec *spec_of(PyObject *address) {
-    void *p = PyLong_AsVoidPtr(address);
+/* The spec, the first of a call's `nargs` arguments, or 0 with an exception set: a count other
+ * than `want` (`usage` names the call) or a null spec. */
+static struct kvo_front_spec *spec_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                                       const char *usage) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", usage, want);
+        return 0;
+    }
+    void *p = PyLong_AsVoidPtr(args[0]);
     if (!p && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null spec");
     return p;
+}
+
+/* The job, the second argument of a call checked as spec_arg checks it (*spec set), or 0 with an
+ * exception set (also for a null job). */
+static void *job_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage,
+                     struct kvo_front_spec **spec) {
+    *spec = spec_arg(args, nargs, want, usage);
+    if (!*spec) return 0;
+    void *p = PyLong_AsVoidPtr(args[1]);
+    if (!p && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null job");
+    return p;
+}
+
+/* Two id buffers of one length (1 with both views held), or 0 with a TypeError naming the array
+ * that is not a 1-D contiguous int64 array or a ValueError for two lengths, and no view held. */
+static int id_pair(PyObject *a, PyObject *b, Py_buffer *x, Py_buffer *y, const char *a_name,
+                   const char *b_name) {
+    if (!id_buffer(a, x)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D contiguous int64 array", a_name);
+        return 0;
+    }
+    if (!id_buffer(b, y)) {
+        PyBuffer_Release(x);
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D contiguous int64 array", b_name);
+        return 0;
+    }
+    if (x->len != y->len) {
+        PyBuffer_Release(y);
+        PyBuffer_Release(x);
+        PyErr_Format(PyExc_ValueError, "%s and %s differ in length", a_name, b_name);
+        return 0;
+    }
+    return 1;
 }
 
 /* admit(spec, reads, writes) -> bool: True when the job was admitted and counted; False (nothing
  * counted) when the arrays are not 1-D contiguous int64 of one non-zero length or a check failed. */
 static PyObject *front_admit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "admit(spec, reads, writes) takes 3 arguments");
-        return 0;
-    }
-    struct kvo_front_spec *s = spec_of(args[0]);
+    struct kvo_front_spec *s = spec_arg(args, nargs, 3, "admit(spec, reads, writes)");
     if (!s) return 0;
     Py_buffer r, w;
     if (!id_buffer(args[1], &r)) Py_RETURN_FALSE;
@@ -96,11 +132,7 @@ static PyObject *front_admit(PyObject *self, PyObject *const *args, Py_ssize_t n
  * wait behind the driver). */
 static PyObject *front_hand_off(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "hand_off takes 10 arguments");
-        return 0;
-    }
-    struct kvo_front_spec *s = spec_of(args[0]);
+    struct kvo_front_spec *s = spec_arg(args, nargs, 10, "hand_off");
     if (!s) return 0;
     void *stream = PyLong_AsVoidPtr(args[1]);
     void *fence = PyLong_AsVoidPtr(args[2]);
@@ -111,77 +143,38 @@ static PyObject *front_hand_off(PyObject *self, PyObject *const *args, Py_ssize_
     int64_t layered = PyLong_AsLongLong(args[9]);
     if (PyErr_Occurred()) return 0;
     Py_buffer d, h;
-    if (!id_buffer(args[4], &d)) {
-        PyErr_SetString(PyExc_TypeError, "device ids must be a 1-D contiguous int64 array");
-        return 0;
-    }
-    if (!id_buffer(args[5], &h)) {
-        PyBuffer_Release(&d);
-        PyErr_SetString(PyExc_TypeError, "host ids must be a 1-D contiguous int64 array");
-        return 0;
-    }
-    int64_t n = (int64_t)(d.len / 8);
-    void *job = 0;
-    if (n != (int64_t)(h.len / 8)) {
-        PyErr_SetString(PyExc_ValueError, "device and host ids differ in length");
-    } else {
-        int64_t error = 0;
-        Py_BEGIN_ALLOW_THREADS
-        job = ((fn_hand_off)s->hand_off)(s->issuer, stream, fence, path, n, d.buf, h.buf, nplans,
-                                         plans, first, layered, &error);
-        Py_END_ALLOW_THREADS
-        s->error = error;
-    }
+    if (!id_pair(args[4], args[5], &d, &h, "device ids", "host ids")) return 0;
+    int64_t error = 0;
+    void *job;
+    Py_BEGIN_ALLOW_THREADS
+    job = ((fn_hand_off)s->hand_off)(s->issuer, stream, fence, path, (int64_t)(d.len / 8), d.buf,
+                                     h.buf, nplans, plans, first, layered, &error);
+    Py_END_ALLOW_THREADS
+    s->error = error;
     PyBuffer_Release(&h);
     PyBuffer_Release(&d);
-    if (PyErr_Occurred()) return 0;
     return PyLong_FromVoidPtr(job);
-}
-
-/* The job of a call's argument: a non-null address (an exception set otherwise). */
-static void *job_of(PyObject *address) {
-    void *p = PyLong_AsVoidPtr(address);
-    if (!p && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null job");
-    return p;
 }
 
 /* unadmit(spec, reads, writes) -> None: kvo_unadmit of a job admit() admitted, with the spec's
  * source read counts and destination write counts. */
 static PyObject *front_unadmit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "unadmit(spec, reads, writes) takes 3 arguments");
-        return 0;
-    }
-    struct kvo_front_spec *s = spec_of(args[0]);
+    struct kvo_front_spec *s = spec_arg(args, nargs, 3, "unadmit(spec, reads, writes)");
     if (!s) return 0;
     Py_buffer r, w;
-    if (!id_buffer(args[1], &r)) {
-        PyErr_SetString(PyExc_TypeError, "reads must be a 1-D contiguous int64 array");
-        return 0;
-    }
-    if (!id_buffer(args[2], &w)) {
-        PyBuffer_Release(&r);
-        PyErr_SetString(PyExc_TypeError, "writes must be a 1-D contiguous int64 array");
-        return 0;
-    }
-    if (r.len != w.len) PyErr_SetString(PyExc_ValueError, "reads and writes differ in length");
-    else ((fn_unadmit)s->unadmit)(r.buf, w.buf, (int64_t)(r.len / 8), s->src_reads, s->dst_writes);
+    if (!id_pair(args[1], args[2], &r, &w, "reads", "writes")) return 0;
+    ((fn_unadmit)s->unadmit)(r.buf, w.buf, (int64_t)(r.len / 8), s->src_reads, s->dst_writes);
     PyBuffer_Release(&w);
     PyBuffer_Release(&r);
-    if (PyErr_Occurred()) return 0;
     Py_RETURN_NONE;
 }
 
 /* job_wait(spec, job, timeout_ns) -> bool: kvo_job_wait, with the GIL released. */
 static PyObject *front_job_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "job_wait(spec, job, timeout_ns) takes 3 arguments");
-        return 0;
-    }
-    struct kvo_front_spec *s = spec_of(args[0]);
-    void *job = s ? job_of(args[1]) : 0;
+    struct kvo_front_spec *s;
+    void *job = job_arg(args, nargs, 3, "job_wait(spec, job, timeout_ns)", &s);
     if (!job) return 0;
     int64_t timeout_ns = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred()) return 0;
@@ -197,12 +190,8 @@ static PyObject *front_job_wait(PyObject *self, PyObject *const *args, Py_ssize_
  * name ("" for none); with `release` true, the caller's reference to the done job goes. */
 static PyObject *front_job_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "job_take(spec, job, release) takes 3 arguments");
-        return 0;
-    }
-    struct kvo_front_spec *s = spec_of(args[0]);
-    void *job = s ? job_of(args[1]) : 0;
+    struct kvo_front_spec *s;
+    void *job = job_arg(args, nargs, 3, "job_take(spec, job, release)", &s);
     if (!job) return 0;
     int release = PyObject_IsTrue(args[2]);
     if (release < 0) return 0;
@@ -222,12 +211,8 @@ static PyObject *front_job_take(PyObject *self, PyObject *const *args, Py_ssize_
 /* job_release(spec, job) -> None: kvo_job_release (the caller's reference to the job goes). */
 static PyObject *front_job_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "job_release(spec, job) takes 2 arguments");
-        return 0;
-    }
-    struct kvo_front_spec *s = spec_of(args[0]);
-    void *job = s ? job_of(args[1]) : 0;
+    struct kvo_front_spec *s;
+    void *job = job_arg(args, nargs, 2, "job_release(spec, job)", &s);
     if (!job) return 0;
     Py_BEGIN_ALLOW_THREADS
     ((fn_job_release)s->job_release)(job);

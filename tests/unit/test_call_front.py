@@ -388,6 +388,17 @@ def test_the_call_fronts_job_calls_refuse_what_they_cannot_read() -> None:
         front.unadmit(at, reads, [0, 0])
     with pytest.raises(ValueError, match="differ in length"):
         front.unadmit(at, reads, reads[:1])
+    with pytest.raises(TypeError, match="2 arguments"):
+        front.job_release(at)
+    with pytest.raises(TypeError, match="3 arguments"):
+        front.admit(at, reads)
+    with pytest.raises(TypeError, match="10 arguments"):
+        front.hand_off(at, 0)
+    for device, host, error, message in ((reads.astype(np.int32), reads, TypeError, "device ids must be"),
+                                         (reads, [0, 0], TypeError, "host ids must be"),
+                                         (reads, reads[:1], ValueError, "differ in length")):
+        with pytest.raises(error, match=message):  # refused before the library is called
+            front.hand_off(at, 0, 0, 0, device, host, 0, 0, 0, 0)
 
 
 def _admit(book: Bookkeeping, job: int, direction: Direction, reads: I64, writes: I64) -> bool:
