@@ -162,10 +162,10 @@ def _reference_work() -> int:
     return total
 
 
-def timeline(device: torch.device) -> None:
-    """Where a native job's time goes: the call, the hand-off to the thread's start, the issue, the
-    device, the completion found, the wait's return (median us from the call)."""
-    layout = per_layer(device, 32, 32 * KIB, 1024)
+@contextmanager
+def kept_tickets() -> Iterator[list[NativeTicket]]:
+    """Every native ticket handed out meanwhile (through either door), in a list the caller may
+    clear."""
     tickets: list[NativeTicket] = []
     original = NativeBackend._submit  # noqa: SLF001 - every hand-off, through either door
 
@@ -177,6 +177,16 @@ def timeline(device: torch.device) -> None:
 
     NativeBackend._submit = keeping  # type: ignore[method-assign,assignment]  # noqa: SLF001
     try:
+        yield tickets
+    finally:
+        NativeBackend._submit = original  # type: ignore[method-assign]  # noqa: SLF001
+
+
+def timeline(device: torch.device) -> None:
+    """Where a native job's time goes: the call, the hand-off to the thread's start, the issue, the
+    device, the completion found, the wait's return (median us from the call)."""
+    layout = per_layer(device, 32, 32 * KIB, 1024)
+    with kept_tickets() as tickets:
         for blocks, bursts in ((1, 60), (256, 20)):
             with Worker.create(layout, 1024, path="auto", issuer="native") as w:
                 rows = []
@@ -198,28 +208,16 @@ def timeline(device: torch.device) -> None:
                 print(f"\n== native timeline, store of {blocks} block(s) x 64 x 32 KiB (auto), median us from the call:"
                       f" call returned {med[0]:.1f}; handed over {med[1]:.1f}; thread began {med[2]:.1f}; issued "
                       f"{med[3]:.1f}; found done {med[4]:.1f}; wait returned {med[5]:.1f}; device time {med[6]:.1f}")
-    finally:
-        NativeBackend._submit = original  # type: ignore[method-assign]  # noqa: SLF001
 
 
 def timeline64(device: torch.device) -> None:
     """Where an isolated 64 MiB native job's time goes (auto; the per-layer layout of
     ``bench --latency``: 8 layers, K and V), per page size, store and load: median us from the call,
     next to one pinned copy of the same bytes timed call -> synchronized in the same rounds."""
-    tickets: list[NativeTicket] = []
-    original = NativeBackend._submit  # noqa: SLF001 - every hand-off, through either door
-
-    def keeping(self: NativeBackend, *args: Any) -> Any:
-        ticket = original(self, *args)
-        if isinstance(ticket, NativeTicket):
-            tickets.append(ticket)
-        return ticket
-
     host = torch.empty(64 * MIB, dtype=torch.uint8, pin_memory=True)
     buf = torch.empty(64 * MIB, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    NativeBackend._submit = keeping  # type: ignore[method-assign,assignment]  # noqa: SLF001
-    try:
+    with kept_tickets() as tickets:
         for page in (4 * KIB, 64 * KIB, 2 * MIB):
             blocks = 64 * MIB // (16 * page)
             layout = per_layer(device, 8, page, 2 * blocks)
@@ -252,8 +250,6 @@ def timeline64(device: torch.device) -> None:
                           f"{med[1]:.1f}; thread began {med[2]:.1f}; issued {med[3]:.1f}; found done {med[4]:.1f}; "
                           f"wait returned {med[5]:.1f}; device time {med[6]:.1f}; pinned copy {med[7]:.1f} "
                           f"(ratio {med[7] / med[5]:.3f})")
-    finally:
-        NativeBackend._submit = original  # type: ignore[method-assign]  # noqa: SLF001
 
 
 def isolated(device: torch.device) -> None:
