@@ -162,6 +162,18 @@ def _reference_work() -> int:
     return total
 
 
+def pinned_copy_s(device: torch.device, stream: torch.cuda.Stream, host: torch.Tensor, buf: torch.Tensor,
+                  store: bool) -> float:
+    """One pinned copy of ``buf`` to ``host`` (``store``) or back on ``stream``, timed call ->
+    synchronized, after the device is idle: the reference a job is measured against."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with torch.cuda.stream(stream):
+        (host.copy_(buf, non_blocking=True) if store else buf.copy_(host, non_blocking=True))
+    stream.synchronize()
+    return time.perf_counter() - t0
+
+
 @contextmanager
 def kept_tickets() -> Iterator[list[NativeTicket]]:
     """Every native ticket handed out meanwhile (through either door), in a list the caller may
@@ -235,15 +247,10 @@ def timeline64(device: torch.device) -> None:
                         (r,) = w.wait([job], 60)
                         t2 = time.monotonic()
                         handed, began, issued, found = tickets[-1].times()
-                        torch.cuda.synchronize(device)
-                        t3 = time.monotonic()
-                        with torch.cuda.stream(stream):
-                            (host.copy_(buf, non_blocking=True) if store else buf.copy_(host, non_blocking=True))
-                        stream.synchronize()
-                        t4 = time.monotonic()
+                        copy = pinned_copy_s(device, stream, host, buf, store)
                         if i >= 2:
                             rows.append((t1 - t0, handed - t0, began - t0, issued - t0, found - t0, t2 - t0,
-                                         r.seconds, t4 - t3))
+                                         r.seconds, copy))
                     med = [statistics.median(x[k] for x in rows) * 1e6 for k in range(8)]
                     print(f"== native timeline, 64 MiB {'store' if store else 'load'} at {page // KIB} KiB pages "
                           f"({blocks} blocks), median us from the call: call returned {med[0]:.1f}; handed over "
@@ -284,14 +291,9 @@ def isolated(device: torch.device) -> None:
                             t1 = time.perf_counter()
                             (r,) = w.wait([i + (0 if store else 100)], 60)
                             t2 = time.perf_counter()
-                            torch.cuda.synchronize(device)
-                            t3 = time.perf_counter()
-                            with torch.cuda.stream(stream):
-                                (host.copy_(buf, non_blocking=True) if store else buf.copy_(host, non_blocking=True))
-                            stream.synchronize()
-                            t4 = time.perf_counter()
+                            copy = pinned_copy_s(device, stream, host, buf, store)
                             if i >= 2:
-                                rows.append((t2 - t0, t1 - t0, r.seconds, t4 - t3))
+                                rows.append((t2 - t0, t1 - t0, r.seconds, copy))
                         med = [statistics.median(x[k] for x in rows) for k in range(4)]
                         print(f"  [{path:<6}] {name:<38} {'store' if store else 'load ':<5} call->result "
                               f"{med[0] * 1e6:7.1f} (call {med[1] * 1e6:6.1f}, device {med[2] * 1e6:7.1f}) "
@@ -325,14 +327,9 @@ def small(device: torch.device) -> None:
                             t1 = time.perf_counter()
                             (r,) = w.wait([i], 60)
                             t2 = time.perf_counter()
-                            torch.cuda.synchronize(device)
-                            t3 = time.perf_counter()
-                            with torch.cuda.stream(stream):
-                                (host.copy_(buf, non_blocking=True) if store else buf.copy_(host, non_blocking=True))
-                            stream.synchronize()
-                            t4 = time.perf_counter()
+                            copy = pinned_copy_s(device, stream, host, buf, store)
                             if i >= 4:
-                                rows.append((t2 - t0, t1 - t0, r.seconds, t4 - t3))
+                                rows.append((t2 - t0, t1 - t0, r.seconds, copy))
                         med = [statistics.median(x[k] for x in rows) for k in range(4)]
                         print(f"  [{path:<6}] spin {spin * 1e3:5.1f} ms {'store' if store else 'load ':<5} "
                               f"call->result {med[0] * 1e6:6.1f} (call {med[1] * 1e6:5.1f}, device "
