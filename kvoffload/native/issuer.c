@@ -754,6 +754,7 @@ static void *run(void *arg) {
                     pthread_mutex_lock(&is->mu);
                     continue;
                 }
+                if (is->queue_head) continue; /* handed over during the query: it signalled no one */
                 int64_t nap = end && now < end - lead && end - lead - now < sleep_ns ? end - lead - now : sleep_ns;
                 struct timespec until;
                 deadline_after(&until, nap);

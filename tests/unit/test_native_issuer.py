@@ -618,6 +618,31 @@ def test_a_job_too_short_for_the_longest_polling_sleep_is_given_no_predicted_end
         h.close()
 
 
+def test_a_job_handed_over_while_the_thread_queries_is_issued_without_waiting_out_its_poll() -> None:
+    # The thread is inside a query of the job in flight (no one to signal) when the next job is
+    # handed over; its polls sleep 5 s. It looks at the queue before it sleeps: issued at once.
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
+                tune={"poll_min_ns": 5_000_000_000, "poll_max_ns": 5_000_000_000, "end_lead_ns": 0})
+    querying, gate = threading.Event(), threading.Event()
+    try:
+        h.fake.not_ready = 1 << 40
+        h.fake.entered["cuEventQuery"] = querying
+        h.fake.gate["cuEventQuery"] = gate
+        first = _issue(h, 1)
+        assert querying.wait(TIMEOUT_S)
+        second = _issue(h, 2)
+        gate.set()  # the query says not ready; the thread would sleep 5 s
+        assert wait_until(lambda: second.times()[2] != 0, 2.0), "the second job waited out the poll"
+        h.fake.not_ready = 0
+        third = _issue(h, 1)  # signals the sleeping thread, which then finds all three done
+        assert third.wait(TIMEOUT_S) and second.done() and first.done()
+    finally:
+        h.fake.not_ready = 0
+        h.fake.gate.clear()
+        gate.set()
+        h.close()
+
+
 def queries_around_the_predicted_end(lead_ns: int) -> tuple[int, int, int]:
     """Queries of a job's end event while it stays in flight, the thread's sleeping polls 20 ms
     apart and the job predicted to end 200 ms after its issue began: in its first 100 ms, from
