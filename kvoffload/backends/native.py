@@ -75,7 +75,7 @@ GIVE_WAY_S: Final = 200e-6
 #: How long the issuer thread, out of work, keeps looking for the next job (without the lock, not
 #: blocked) before it blocks; 0 (the default): it blocks at once. With it, a job handed over
 #: meanwhile starts without a wake-up and its hand-off signals nothing, but it is off: on the H200
-#: (docs/design.md §16) 0.5 ms of it removed the 5-22 us wake-up of jobs handed over soon after
+#: (docs/design.md §16) 0.5 ms of it removed the 5-36 us wake-up of jobs handed over soon after
 #: the last, and the caller's own code ran slower beside the spinning thread (a 1-block job's
 #: result came back 88.6-98.4 us after the call against 79.8-81.5 us without it).
 IDLE_SPIN_S: Final = 0.0

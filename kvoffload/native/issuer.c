@@ -652,16 +652,22 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
 static void predict_end(struct kvo_issuer *is, struct kvo_job *job) {
     job->expected_end = 0;
     if (is->c.end_lead_ns <= 0 || is->fastest_ns_per_byte == 0.0 || job->bytes <= 0) return;
-    int64_t runs = (int64_t)((double)job->bytes * is->fastest_ns_per_byte);
+    double predicted = (double)job->bytes * is->fastest_ns_per_byte;
+    if (!(predicted < 1e15)) return; /* over 11 days: nothing to predict */
+    int64_t runs = (int64_t)predicted;
     int64_t began = job->times[1];
     int64_t start = is->flight_head && is->last_expected_end > began ? is->last_expected_end : began;
     is->last_expected_end = start + runs;
     if (runs >= 8 * is->c.poll_max_ns) job->expected_end = start + runs;
 }
 
-/* A job completed in `ms` of device time: the fastest rate so far predicts the next jobs' ends. */
+/* A job completed in `ms` of device time: the fastest rate so far predicts the next jobs' ends. Only
+ * jobs of at least 8 * poll_max_ns teach it (the jobs that are predicted): a short job's device time
+ * is mostly its launch, and one too fast a reading would move every later window early. */
 static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float ms) {
-    if (ms <= 0.0f || job->bytes <= 0 || job->fail != FAIL_NONE) return;
+    if (ms <= 0.0f || (double)ms * 1e6 < (double)(8 * is->c.poll_max_ns) || job->bytes <= 0 ||
+        job->fail != FAIL_NONE)
+        return;
     double rate = (double)ms * 1e6 / (double)job->bytes;
     if (is->fastest_ns_per_byte == 0.0 || rate < is->fastest_ns_per_byte) is->fastest_ns_per_byte = rate;
 }
@@ -712,9 +718,9 @@ static void *run(void *arg) {
                 continue;
             }
             pthread_mutex_unlock(&is->mu);
-            job->times[1] = now_ns();
+            __atomic_store_n(&job->times[1], now_ns(), __ATOMIC_RELAXED); /* kvo_job_times may read */
             issue_job(is, job);
-            job->times[2] = now_ns();
+            __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
             pthread_mutex_lock(&is->mu);
             if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
             if (job->layered && job->marked < job->first + job->nplans && job->fail == FAIL_NOTHING)
@@ -754,7 +760,7 @@ static void *run(void *arg) {
                     pthread_mutex_lock(&is->mu);
                     continue;
                 }
-                if (is->queue_head) continue; /* handed over during the query: it signalled no one */
+                if (is->queue_head || is->stop) continue; /* came during the query: it woke no one */
                 int64_t nap = end && now < end - lead && end - lead - now < sleep_ns ? end - lead - now : sleep_ns;
                 struct timespec until;
                 deadline_after(&until, nap);
@@ -1067,7 +1073,7 @@ int64_t kvo_job_expected_end(struct kvo_job *job) {
 void kvo_job_times(struct kvo_job *job, int64_t *out) {
     struct kvo_issuer *is = job->issuer;
     pthread_mutex_lock(&is->mu);
-    memcpy(out, job->times, sizeof(job->times));
+    for (int k = 0; k < 4; k++) out[k] = __atomic_load_n(&job->times[k], __ATOMIC_RELAXED);
     pthread_mutex_unlock(&is->mu);
 }
 

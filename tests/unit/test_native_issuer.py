@@ -584,6 +584,8 @@ def test_a_job_in_flight_is_predicted_to_end_after_those_before_it_at_the_fastes
         assert lib.kvo_job_expected_end(first._job) == 0  # nothing to predict from yet
         h.fake.elapsed_ms = 200.0  # a slower job does not slow the prediction down
         assert _issue(h, 1).wait(TIMEOUT_S)
+        h.fake.elapsed_ms = 0.01  # nor does a short one speed it up (its time is mostly its launch)
+        assert _issue(h, 1).wait(TIMEOUT_S)
         h.fake.not_ready = 1 << 40  # the next jobs stay in flight (their queries say not ready)
         second, third = _issue(h, 2), _issue(h, 3)
         assert wait_until(lambda: lib.kvo_job_expected_end(third._job) != 0)
@@ -605,8 +607,8 @@ def test_a_job_too_short_for_the_longest_polling_sleep_is_given_no_predicted_end
     h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
     lib = h.backend.lib
     try:
-        h.fake.elapsed_ms = 0.1  # 100 us per 256 bytes
-        assert _issue(h, 1).wait(TIMEOUT_S)
+        h.fake.elapsed_ms = 0.4  # 100 us per 256 bytes, from a job long enough to teach it
+        assert _issue(h, 4).wait(TIMEOUT_S)
         h.fake.not_ready = 1 << 40
         short, long = _issue(h, 1), _issue(h, 2)
         assert wait_until(lambda: lib.kvo_job_expected_end(long._job) != 0)  # 200 us: predicted
@@ -641,6 +643,51 @@ def test_a_job_handed_over_while_the_thread_queries_is_issued_without_waiting_ou
         h.fake.gate.clear()
         gate.set()
         h.close()
+
+
+def test_a_stop_that_comes_while_the_thread_queries_is_not_left_for_the_polling_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The thread is inside a query of a job that never ends, its polls sleeping 30 s, when the
+    # owner stops it (nothing to signal): it looks before it sleeps and stops within the deadline.
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
+                tune={"poll_min_ns": 30_000_000_000, "poll_max_ns": 30_000_000_000, "end_lead_ns": 0})
+    querying, gate, stopping = threading.Event(), threading.Event(), threading.Event()
+    stop = h.backend.lib.kvo_issuer_stop
+
+    def announced_stop(issuer: int, timeout_ns: int) -> int:
+        stopping.set()
+        return int(stop(issuer, timeout_ns))
+
+    monkeypatch.setattr(native_backend, "STOP_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(h.backend.lib, "kvo_issuer_stop", announced_stop)
+    h.fake.not_ready = 1 << 40
+    try:
+        h.fake.entered["cuEventQuery"] = querying
+        h.fake.gate["cuEventQuery"] = gate
+        h.handler.submit(0, [1], [2])
+        assert querying.wait(TIMEOUT_S)
+        outcome: list[BaseException] = []
+
+        def shut() -> None:
+            try:
+                h.handler.shutdown(0.2)  # the drain gives the job up, then the thread is stopped
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                outcome.append(exc)
+
+        closer = threading.Thread(target=shut)
+        closer.start()
+        assert stopping.wait(TIMEOUT_S)
+        time.sleep(0.2)  # the stop is set (under the issuer's lock) while the thread queries
+        gate.set()
+        closer.join(TIMEOUT_S)
+        assert not closer.is_alive()
+        assert [type(e) for e in outcome] == [WaitTimeoutError]  # not "did not stop"
+        assert h.inner.released == 1
+    finally:
+        h.fake.not_ready = 0
+        h.fake.gate.clear()
+        gate.set()
 
 
 def queries_around_the_predicted_end(lead_ns: int) -> tuple[int, int, int]:
