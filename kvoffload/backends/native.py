@@ -45,6 +45,8 @@ __all__ = [
     "CONTROLS",
     "END_LEAD_S",
     "GIVE_WAY_S",
+    "IDLE_LIGHT_S",
+    "IDLE_NAP_S",
     "IDLE_SPIN_S",
     "POLL_MAX_S",
     "POLL_MIN_S",
@@ -79,6 +81,13 @@ GIVE_WAY_S: Final = 200e-6
 #: the last, and the caller's own code ran slower beside the spinning thread (a 1-block job's
 #: result came back 88.6-98.4 us after the call against 79.8-81.5 us without it).
 IDLE_SPIN_S: Final = 0.0
+#: Out of work, the issuer thread blocks in naps of :data:`IDLE_NAP_S` for :data:`IDLE_LIGHT_S`
+#: after its last job, then until woken; 0 (the default): it blocks until woken at once. A short
+#: timed sleep should keep its core out of a deep idle state (the likely reason why waking the
+#: thread took 20-45 us on the H200 hosts after it blocked for a millisecond, 5 us after tens of
+#: microseconds). Not measured yet on a GPU host, so off.
+IDLE_NAP_S: Final = 0.0
+IDLE_LIGHT_S: Final = 2e-3
 #: The issuer thread polls a job without sleeps from this long before the end it predicts for it
 #: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
 #: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
@@ -527,6 +536,8 @@ class NativeBackend:
         c.give_way_ns = _ns(GIVE_WAY_S)
         c.idle_spin_ns = _ns(IDLE_SPIN_S)
         c.end_lead_ns = _ns(END_LEAD_S)
+        c.idle_nap_ns = _ns(IDLE_NAP_S)
+        c.idle_light_ns = _ns(IDLE_LIGHT_S)
         return cls.start(
             inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over
             path_names={name: path.name for name, path in inner.paths.items()}, tables=tables,

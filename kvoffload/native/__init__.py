@@ -117,7 +117,7 @@ class Config(ctypes.Structure):
         ("slots", _i64), ("slot_bytes", _i64), ("slot_bases", _p),
         ("poll_min_ns", _i64), ("poll_max_ns", _i64), ("controls", _i64),
         ("wait_spin_ns", _i64), ("give_way_ns", _i64), ("idle_spin_ns", _i64),
-        ("end_lead_ns", _i64),
+        ("end_lead_ns", _i64), ("idle_nap_ns", _i64), ("idle_light_ns", _i64),
     ]
 
 
@@ -307,7 +307,7 @@ def library() -> ctypes.CDLL:
         "kvo_job_wait": ([p, i64], i64),
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
-        "kvo_issuer_signals": ([p], i64),
+        "kvo_issuer_counts": ([p, pi64], None),
         "kvo_job_expected_end": ([p], i64),
         "kvo_wait_layer": ([p, i64, p, i64], i64),
         "kvo_admit": ([p, p, i64, i64, i64, p, p, p, p, p, pi64], i64),

@@ -99,6 +99,8 @@ struct kvo_config {
     int64_t idle_spin_ns; /* how long the thread, out of work, looks for a job before it blocks */
     int64_t end_lead_ns;  /* a job is polled without sleeps from this long before its predicted end
                            * to as long after it (0: never) */
+    int64_t idle_nap_ns;  /* out of work, the thread blocks in naps this long (0: blocks until woken) */
+    int64_t idle_light_ns; /* for this long after its last work, then until woken */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -164,7 +166,8 @@ struct kvo_issuer {
     struct kvo_job *queue_head, *queue_tail, *flight_head, *flight_tail;
     int64_t stop, exited, started, refs, ctx_error;
     int64_t sleeping; /* the thread waits on `work` (under mu): a hand-off must signal it */
-    int64_t signals;  /* hand-offs that signalled it (kvo_issuer_signals) */
+    int64_t signals;  /* hand-offs that signalled it (kvo_issuer_counts) */
+    int64_t naps;     /* idle naps the thread took (kvo_issuer_counts) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
     /* thread-only state */
@@ -705,7 +708,9 @@ static void *run(void *arg) {
     is->started = 1;
     pthread_cond_broadcast(&is->done);
     int64_t sleep_ns = is->c.poll_min_ns;
+    int64_t idle_since = 0; /* when the thread last ran out of work (0: it has work) */
     for (;;) {
+        if (is->queue_head || is->flight_head) idle_since = 0;
         if (is->queue_head) {
             struct kvo_job *job = is->queue_head;
             is->queue_head = job->next;
@@ -784,8 +789,19 @@ static void *run(void *arg) {
         }
         if (is->stop) break;
         if (idle_spin(is)) continue;
+        int64_t now = now_ns();
+        if (!idle_since) idle_since = now;
         is->sleeping = 1;
-        pthread_cond_wait(&is->work, &is->mu);
+        if (is->c.idle_nap_ns > 0 && now - idle_since < is->c.idle_light_ns) {
+            /* a short timed sleep: the core is not let into a deep idle state, whose wake-up took
+             * 20-45 us on the H200 hosts after a millisecond idle (5 us after tens of us) */
+            struct timespec until;
+            deadline_after(&until, is->c.idle_nap_ns);
+            pthread_cond_timedwait(&is->work, &is->mu, &until);
+            is->naps++;
+        } else {
+            pthread_cond_wait(&is->work, &is->mu);
+        }
         is->sleeping = 0;
     }
     for (int64_t s = 0; s < is->c.slots; s++) {
@@ -1051,12 +1067,13 @@ int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double 
     return state;
 }
 
-/* How many hand-offs found the thread blocked and signalled it (the idle spin's measure). */
-int64_t kvo_issuer_signals(struct kvo_issuer *is) {
+/* out[0]: how many hand-offs found the thread blocked and signalled it (the idle spin's measure);
+ * out[1]: how many idle naps it took. */
+void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     pthread_mutex_lock(&is->mu);
-    int64_t signals = is->signals;
+    out[0] = is->signals;
+    out[1] = is->naps;
     pthread_mutex_unlock(&is->mu);
-    return signals;
 }
 
 /* The job's predicted end (CLOCK_MONOTONIC ns; 0 until it is in flight, or with nothing to predict

@@ -8,7 +8,8 @@ device time, call -> result) with the library as it is and with candidate settin
 before the completion poll sleeps; smaller staged chunks), each next to a pinned copy of the same
 bytes measured in the same run. ``timeline`` and ``timeline64`` show where a native job's time goes
 (the call, the hand-off, the thread's start, the issue, the completion found, the wait's return),
-for 1- and 256-block stores and for isolated 64 MiB jobs per page size.
+for 1- and 256-block stores and for isolated 64 MiB jobs per page size; ``ab`` alternates variants
+of the native issuer job by job in one process.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 import kvoffload.backends.cuda as cuda_backend
+import kvoffload.backends.native as native_backend
 import kvoffload.worker.worker as worker_module
 from kvoffload import DeviceLayout, Worker
 from kvoffload._jobs import JobBook
@@ -410,6 +412,68 @@ def front(device: torch.device) -> None:
     print(f"  native.address: median {statistics.median(samples) * 1e6:.2f} us")
 
 
+#: The builds ``ab`` compares: the native backend's module constants each overrides.
+AB_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("as is", {}),
+    ("idle naps 50 us", {"IDLE_NAP_S": 50e-6}),
+    ("no end lead", {"END_LEAD_S": 0.0}),
+)
+
+
+def ab(device: torch.device) -> None:
+    """Variants of the native issuer side by side in one process (``AB_VARIANTS``), their isolated
+    jobs alternated one by one, each after a pinned copy of the same bytes: where builds measured in
+    separate processes differ by less than runs do, alternating job by job leaves the host's drift
+    to every variant alike. Per workload and variant: median us of call -> result and its ratio to
+    the copy, and where the time went (the caller until the hand-off, the thread's wake-up, the
+    completion found after the issue's start plus the device time, the result after that)."""
+    workloads = (("1-block store (64 x 32 KiB)", 32, 32 * KIB, 1, True),
+                 ("64 MiB store, 2 MiB pages", 8, 2 * MIB, 2, True),
+                 ("64 MiB load, 2 MiB pages", 8, 2 * MIB, 2, False),
+                 ("64 MiB store, 4 KiB pages", 8, 4 * KIB, 1024, True))
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with kept_tickets() as tickets:
+        for label, layers, page, blocks, store in workloads:
+            nbytes = blocks * 2 * layers * page
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            layout = per_layer(device, layers, page, blocks)
+            ids = np.arange(blocks, dtype=np.int64)
+            workers: list[Worker] = []
+            try:
+                for _, overrides in AB_VARIANTS:
+                    saved = {k: getattr(native_backend, k) for k in overrides}
+                    for k, v in overrides.items():
+                        setattr(native_backend, k, v)
+                    try:
+                        workers.append(Worker.create(layout, blocks, path="auto", issuer="native"))
+                    finally:
+                        for k, v in saved.items():
+                            setattr(native_backend, k, v)
+                rows: list[list[tuple[float, ...]]] = [[] for _ in AB_VARIANTS]
+                for i in range(24):
+                    for v, w in enumerate(workers):
+                        copy = pinned_copy_s(device, stream, host, buf, store)
+                        tickets.clear()
+                        t0 = time.monotonic()
+                        (w.store if store else w.load)(i, ids, ids)
+                        (r,) = w.wait([i], 60)
+                        t2 = time.monotonic()
+                        handed, began, _, found = tickets[-1].times()
+                        if i >= 4:
+                            rows[v].append((t2 - t0, copy, handed - t0, began - handed,
+                                            found - began - r.seconds, t2 - found))
+                print(f"\n== ab, {label}: median us (call -> result, its ratio to the pinned copy; hand-off "
+                      "after the call, wake-up, found after issue start + device, result after found)")
+                for (name, _), got in zip(AB_VARIANTS, rows):
+                    med = [statistics.median(x[k] for x in got) * 1e6 for k in range(6)]
+                    print(f"  {name:<22} {med[0]:8.1f} ({med[1] / med[0]:.3f}x)  hand-off {med[2]:5.1f}  "
+                          f"wake-up {med[3]:5.1f}  found {med[4]:5.1f}  result {med[5]:5.1f}")
+            finally:
+                for w in workers:
+                    w.shutdown()
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("profile_submit: no CUDA device", file=sys.stderr)
@@ -417,7 +481,7 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
     sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline,
-                "timeline64": timeline64, "front": front}
+                "timeline64": timeline64, "front": front, "ab": ab}
     for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:

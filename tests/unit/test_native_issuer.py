@@ -522,6 +522,41 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
         assert counting.releases == 1
 
 
+def counts(h: Harness) -> tuple[int, int]:
+    """The issuer's (signals, idle naps) so far."""
+    out = (ctypes.c_int64 * 2)()
+    h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
+    return int(out[0]), int(out[1])
+
+
+def naps_after_a_job(idle_nap_ns: int) -> tuple[int, int]:
+    """Idle naps of 1 ms (or none) for 200 ms after a job: the naps in the first 100 ms, and those
+    from 400 to 700 ms (when the thread blocks until woken); then a job is still taken."""
+    h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]),
+                tune={"idle_nap_ns": idle_nap_ns, "idle_light_ns": 200_000_000})
+    try:
+        assert h.run(0, [1], [2]).ok
+        start = time.monotonic()
+        time.sleep(0.1)
+        early = counts(h)[1]
+        time.sleep(max(0.0, start + 0.4 - time.monotonic()))
+        before = counts(h)[1]
+        time.sleep(0.3)
+        late = counts(h)[1] - before
+        assert h.run(1, [3], [4]).ok  # a hand-off wakes the thread, napping or not
+        return early, late
+    finally:
+        h.close()
+
+
+def test_out_of_work_the_thread_naps_for_a_while_then_blocks_until_woken() -> None:
+    # Control: without naps the thread blocks until woken at once.
+    assert naps_after_a_job(0) == (0, 0), "the control napped: the test proves nothing"
+    early, late = naps_after_a_job(1_000_000)
+    assert early >= 20  # about one a millisecond
+    assert late == 0  # past the light period: blocked until woken
+
+
 def signals_over_jobs_one_at_a_time(idle_spin_ns: int) -> int:
     """Hand-offs that had to signal the thread, over 5 jobs each handed over after the one before
     it was done (the thread out of work each time)."""
@@ -531,7 +566,7 @@ def signals_over_jobs_one_at_a_time(idle_spin_ns: int) -> int:
         time.sleep(0.05)  # the thread is out of work (spinning or blocked) before the first job
         for job in range(5):
             assert h.run(job, [job], [job + 10]).ok
-        return int(h.backend.lib.kvo_issuer_signals(h.backend._issuer))  # noqa: SLF001
+        return counts(h)[0]
     finally:
         h.close()  # with a 60 s spin, bounded only if the spinning thread sees the stop
 
