@@ -42,6 +42,7 @@ from kvoffload.errors import CudaError, TransferError, WaitTimeoutError
 from kvoffload.records import Direction
 
 __all__ = [
+    "CALLER_ISSUE_MAX",
     "CONTROLS",
     "END_LEAD_S",
     "GIVE_WAY_S",
@@ -88,6 +89,11 @@ IDLE_SPIN_S: Final = 0.0
 #: microseconds). Not measured yet on a GPU host, so off.
 IDLE_NAP_S: Final = 0.0
 IDLE_LIGHT_S: Final = 2e-3
+#: A job of at most this many pages handed to an issuer thread that is out of work and blocked is
+#: issued by the caller's thread inside the hand-off (without the GIL), so that the thread's wake-up
+#: is not on its path; 0 (the default): the thread issues every job. Not measured yet on a GPU host,
+#: so off.
+CALLER_ISSUE_MAX: Final = 0
 #: The issuer thread polls a job without sleeps from this long before the end it predicts for it
 #: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
 #: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
@@ -538,6 +544,9 @@ class NativeBackend:
         c.end_lead_ns = _ns(END_LEAD_S)
         c.idle_nap_ns = _ns(IDLE_NAP_S)
         c.idle_light_ns = _ns(IDLE_LIGHT_S)
+        if CALLER_ISSUE_MAX > 0:
+            c.caller_issue_max = CALLER_ISSUE_MAX
+            c.ctx_get_current = driver.entry_point(b"cuCtxGetCurrent", hot)
         return cls.start(
             inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over
             path_names={name: path.name for name, path in inner.paths.items()}, tables=tables,

@@ -63,6 +63,7 @@ enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
 enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, ABI_13 = 13000 };
 
 typedef CUresult (*fn_ctx_set)(void *);
+typedef CUresult (*fn_ctx_get)(void **);
 typedef CUresult (*fn_event_create)(CUevent *, unsigned);
 typedef CUresult (*fn_event_destroy)(CUevent);
 typedef CUresult (*fn_event_record)(CUevent, CUstream);
@@ -101,6 +102,9 @@ struct kvo_config {
                            * to as long after it (0: never) */
     int64_t idle_nap_ns;  /* out of work, the thread blocks in naps this long (0: blocks until woken) */
     int64_t idle_light_ns; /* for this long after its last work, then until woken */
+    int64_t caller_issue_max; /* a job of at most this many pages handed to an idle thread is issued
+                               * by the caller (0: never); see caller_issue */
+    void *ctx_get_current;    /* cuCtxGetCurrent (needed when caller_issue_max > 0) */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -168,6 +172,8 @@ struct kvo_issuer {
     int64_t sleeping; /* the thread waits on `work` (under mu): a hand-off must signal it */
     int64_t signals;  /* hand-offs that signalled it (kvo_issuer_counts) */
     int64_t naps;     /* idle naps the thread took (kvo_issuer_counts) */
+    int64_t issuing;  /* a caller issues a job (caller_issue): the thread issues nothing meanwhile */
+    int64_t caller_issued; /* jobs their callers issued (kvo_issuer_counts) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
     /* thread-only state */
@@ -643,6 +649,24 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
     job_unref(job); /* the thread's reference */
 }
 
+static void predict_end(struct kvo_issuer *is, struct kvo_job *job);
+
+/* A job was issued (by the thread, or by its caller): its fence goes, and it is done at once (nothing
+ * enqueued) or put in flight for the thread to poll. Caller holds the mutex. 1 when in flight. */
+static int issued(struct kvo_issuer *is, struct kvo_job *job) {
+    if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
+    if (job->layered && job->marked < job->first + job->nplans && job->fail == FAIL_NOTHING)
+        job->marked = job->first + job->nplans; /* nothing to wait for */
+    if (job->fail == FAIL_NOTHING) { finish(is, job); return 0; }
+    job->state = JOB_ISSUED;
+    job->polled_ns = now_ns();
+    predict_end(is, job);
+    if (is->flight_tail) is->flight_tail->next = job; else is->flight_head = job;
+    is->flight_tail = job;
+    pthread_cond_broadcast(&is->done);
+    return 1;
+}
+
 /* Predict when a job just put in flight ends (the thread, holding the mutex): from when its issue
  * began (its first copies run while the rest is enqueued) or the predicted end of the jobs in
  * flight before it, whichever is later, at the fastest device time per byte a completed job of this
@@ -710,6 +734,12 @@ static void *run(void *arg) {
     int64_t sleep_ns = is->c.poll_min_ns;
     int64_t idle_since = 0; /* when the thread last ran out of work (0: it has work) */
     for (;;) {
+        if (is->issuing) { /* a caller issues a job: nothing else is issued meanwhile */
+            is->sleeping = 1;
+            pthread_cond_wait(&is->work, &is->mu);
+            is->sleeping = 0;
+            continue;
+        }
         if (is->queue_head || is->flight_head) idle_since = 0;
         if (is->queue_head) {
             struct kvo_job *job = is->queue_head;
@@ -727,17 +757,7 @@ static void *run(void *arg) {
             issue_job(is, job);
             __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
             pthread_mutex_lock(&is->mu);
-            if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
-            if (job->layered && job->marked < job->first + job->nplans && job->fail == FAIL_NOTHING)
-                job->marked = job->first + job->nplans; /* nothing to wait for */
-            if (job->fail == FAIL_NOTHING) { finish(is, job); continue; }
-            job->state = JOB_ISSUED;
-            job->polled_ns = now_ns();
-            predict_end(is, job);
-            if (is->flight_tail) is->flight_tail->next = job; else is->flight_head = job;
-            is->flight_tail = job;
-            pthread_cond_broadcast(&is->done);
-            sleep_ns = is->c.poll_min_ns;
+            if (issued(is, job)) sleep_ns = is->c.poll_min_ns;
             continue;
         }
         if (is->flight_head) {
@@ -956,6 +976,49 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
     pthread_mutex_unlock(&is->mu);
 }
 
+/* The caller's thread issues a small job handed to a thread that is out of work and blocked (its
+ * wake-up, 5-45 us on the H200 hosts, would come before the job's first copy): under the mutex, with
+ * nothing queued or in flight, `issuing` keeps the thread from issuing, and the job is issued here
+ * with the mutex released, the issuer's context made current for the calls (and the caller's put
+ * back), then put in flight for the thread, which is woken to poll it. Jobs stay issued one at a
+ * time in hand-off order: a hand-off meanwhile queues behind it. 1 when issued here (the mutex
+ * released), 0 (the mutex held) when the thread is to issue it. */
+static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
+    int64_t pages = 0;
+    for (int64_t k = 0; k < job->nplans; k++) pages += job->n * job->plans[k]->pages;
+    if (is->c.caller_issue_max <= 0 || pages > is->c.caller_issue_max || job->layered ||
+        !is->c.ctx_get_current || !is->started || is->ctx_error || !is->sleeping || is->queue_head ||
+        is->flight_head || is->issuing)
+        return 0;
+    is->issuing = 1;
+    pthread_mutex_unlock(&is->mu);
+    void *saved = 0;
+    CUresult r = ((fn_ctx_get)is->c.ctx_get_current)(&saved);
+    int switched = !r && saved != is->c.context;
+    if (switched) r = ((fn_ctx_set)is->c.ctx_set_current)(is->c.context);
+    if (r) { /* the calls could not run in the issuer's context: the thread issues the job */
+        pthread_mutex_lock(&is->mu);
+        job->next = is->queue_head; /* first: it was handed over before any job queued meanwhile */
+        __atomic_store_n(&is->queue_head, job, __ATOMIC_RELEASE);
+        if (!is->queue_tail) is->queue_tail = job;
+        is->issuing = 0;
+        pthread_cond_broadcast(&is->work);
+        pthread_mutex_unlock(&is->mu);
+        return 1;
+    }
+    __atomic_store_n(&job->times[1], now_ns(), __ATOMIC_RELAXED);
+    issue_job(is, job);
+    __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
+    if (switched) ((fn_ctx_set)is->c.ctx_set_current)(saved);
+    pthread_mutex_lock(&is->mu);
+    issued(is, job);
+    is->caller_issued++;
+    is->issuing = 0;
+    pthread_cond_broadcast(&is->work); /* the thread polls it, and issues what came meanwhile */
+    pthread_mutex_unlock(&is->mu);
+    return 1;
+}
+
 /* Hand a job to the thread, in one call from the caller's thread: behind `fence` (a fence of
  * kvo_fence_take, which keeps its taker's reference), or, when `fence` is NULL, behind a fence
  * recorded on `stream` here (its only taker is the job). dev_ids/host_ids (n each) are copied;
@@ -1000,6 +1063,10 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     }
     if (!own) fence->refs++; /* a taken fence keeps its taker's reference; an own one is the job's */
     is->refs++;
+    if (caller_issue(is, job)) {
+        *error = 0;
+        return job;
+    }
     if (is->queue_tail) is->queue_tail->next = job;
     else __atomic_store_n(&is->queue_head, job, __ATOMIC_RELEASE); /* read by an idle spin */
     is->queue_tail = job;
@@ -1068,11 +1135,12 @@ int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double 
 }
 
 /* out[0]: how many hand-offs found the thread blocked and signalled it (the idle spin's measure);
- * out[1]: how many idle naps it took. */
+ * out[1]: how many idle naps it took; out[2]: how many jobs their callers issued. */
 void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     pthread_mutex_lock(&is->mu);
     out[0] = is->signals;
     out[1] = is->naps;
+    out[2] = is->caller_issued;
     pthread_mutex_unlock(&is->mu);
 }
 

@@ -415,6 +415,7 @@ def front(device: torch.device) -> None:
 #: The builds ``ab`` compares: the native backend's module constants each overrides.
 AB_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
     ("as is", {}),
+    ("caller issues <= 1024 pages", {"CALLER_ISSUE_MAX": 1024}),
     ("idle naps 50 us", {"IDLE_NAP_S": 50e-6}),
     ("no end lead", {"END_LEAD_S": 0.0}),
 )

@@ -27,6 +27,7 @@ _p, _u, _i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
 _u64 = ctypes.c_uint64
 PROTOTYPES: dict[str, Any] = {
     "ctx_set_current": ctypes.CFUNCTYPE(_i, _p),
+    "ctx_get_current": ctypes.CFUNCTYPE(_i, ctypes.POINTER(_p)),
     "event_create": ctypes.CFUNCTYPE(_i, ctypes.POINTER(_p), _u),
     "event_destroy": ctypes.CFUNCTYPE(_i, _p),
     "event_record": ctypes.CFUNCTYPE(_i, _p, _p),
@@ -47,6 +48,8 @@ class FakeDriver:
         self.provenance: dict[int, int] = {}
         self.not_ready = not_ready  # NOT_READY answers to each event's first queries
         self.elapsed_ms = 0.5  # every job's device time
+        self.current: dict[int, int] = {}  # thread ident -> its current context (0: none)
+        self.threads: list[int] = []  # the thread ident of each logged call
         self.queries: dict[int, int] = {}
         self.fail: dict[str, int] = {}  # call -> CUresult to return (once)
         self.gate: dict[str, threading.Event] = {}  # call -> event it waits for before returning
@@ -65,6 +68,7 @@ class FakeDriver:
     def _enter(self, call: str, *args: Any) -> int:
         with self._lock:
             self.calls.append((call, *args))
+            self.threads.append(threading.get_ident())
             entered = self.entered.get(call)
             gate = self.gate.get(call) or (self.gate_on.get((call, args[-1])) if args else None)
             code = self.fail.pop(call, 0)
@@ -77,7 +81,16 @@ class FakeDriver:
     # ------------------------------------------------------------------------------ the calls
 
     def _ctx_set_current(self, ctx: int | None) -> int:
-        return self._enter("cuCtxSetCurrent", ctx)
+        code = self._enter("cuCtxSetCurrent", ctx)
+        if not code:
+            with self._lock:
+                self.current[threading.get_ident()] = ctx or 0
+        return code
+
+    def _ctx_get_current(self, out: Any) -> int:
+        with self._lock:
+            out[0] = self.current.get(threading.get_ident(), 0) or None
+        return 0
 
     def _event_create(self, out: Any, flags: int) -> int:
         code = self._enter("cuEventCreate", flags)
@@ -167,8 +180,8 @@ class FakeDriver:
                idle_spin_ns: int = 0, end_lead_ns: int = 50_000) -> native.Config:
         """An issuer config over this driver: copy stream COPY, kernel stream KERNEL."""
         c = native.Config()
-        for name in ("ctx_set_current", "event_create", "event_destroy", "event_record", "event_query",
-                     "event_elapsed", "stream_wait_event", "memcpy_async"):
+        for name in ("ctx_set_current", "ctx_get_current", "event_create", "event_destroy", "event_record",
+                     "event_query", "event_elapsed", "stream_wait_event", "memcpy_async"):
             setattr(c, name, self.address(name))
         if batch:
             c.memcpy_batch = self.address("memcpy_batch")

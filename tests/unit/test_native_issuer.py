@@ -524,7 +524,7 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
 
 def counts(h: Harness) -> tuple[int, int]:
     """The issuer's (signals, idle naps) so far."""
-    out = (ctypes.c_int64 * 2)()
+    out = (ctypes.c_int64 * 3)()
     h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
     return int(out[0]), int(out[1])
 
@@ -555,6 +555,98 @@ def test_out_of_work_the_thread_naps_for_a_while_then_blocks_until_woken() -> No
     early, late = naps_after_a_job(1_000_000)
     assert early >= 20  # about one a millisecond
     assert late == 0  # past the light period: blocked until woken
+
+
+COPIES = ("cuMemcpyBatchAsync", "cuMemcpyAsync", "cuLaunchKernel")
+
+
+def copy_threads(fake: FakeDriver, start: int = 0) -> set[int]:
+    """The threads that made the copy calls logged from ``start`` on."""
+    with fake._lock:  # noqa: SLF001
+        return {t for c, t in zip(fake.calls[start:], fake.threads[start:]) if c[0] in COPIES}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_small_job_handed_to_an_idle_thread_is_issued_by_its_caller(path: str) -> None:
+    plan = make_plan(Direction.STORE, [256, 512])
+    main = threading.get_ident()
+    for limit in (0, 4):  # the control first: the thread issues every job
+        h = Harness(Direction.STORE, path, plan, tune={"caller_issue_max": limit})
+        try:
+            time.sleep(0.05)  # the thread blocks, out of work
+            assert h.run(0, [1, 2], [3, 4]).ok  # 2 pairs x 2 pages: 4 pages
+            assert moved(h.fake, expected(plan, [1, 2], [3, 4])) == 0
+            by = copy_threads(h.fake)
+            assert (by == {main}) == (limit > 0), f"limit {limit}: copies made by {by}"
+            start = len(h.fake.snapshot())
+            time.sleep(0.05)
+            assert h.run(1, [5, 6, 7], [8, 9, 10]).ok  # 6 pages: over the limit, the thread's
+            assert moved(h.fake, expected(plan, [5, 6, 7], [8, 9, 10])) == 0
+            assert main not in copy_threads(h.fake, start)
+            out = (ctypes.c_int64 * 3)()
+            h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
+            assert out[2] == (1 if limit else 0)
+        finally:
+            h.close()
+
+
+def test_a_job_handed_over_while_a_caller_issues_is_issued_after_it_and_by_no_one_meanwhile() -> None:
+    # The handler hands jobs over one at a time; the library keeps the order on its own too: a job
+    # handed to it directly while a caller issues is queued, and the thread issues it afterwards.
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, tune={"caller_issue_max": 64})
+    gate, launching = threading.Event(), threading.Event()
+    lib = h.backend.lib
+    try:
+        time.sleep(0.05)
+        h.fake.gate["cuLaunchKernel"] = gate
+        h.fake.entered["cuLaunchKernel"] = launching
+        first = threading.Thread(target=lambda: h.handler.submit(0, [1], [2]))
+        first.start()
+        assert launching.wait(TIMEOUT_S)  # the first job's caller is inside its launch
+        del h.fake.gate["cuLaunchKernel"]
+        during = len(h.fake.snapshot())
+        dev, host, error = np.array([3], dtype=np.int64), np.array([4], dtype=np.int64), ctypes.c_int64()
+        plans = h.backend._plan_array((plan,), whole=True)  # noqa: SLF001 - registered by the first job
+        job = lib.kvo_hand_off(h.backend._issuer, COMPUTE, None, native.PATH_SM, 1, native.address(dev),  # noqa: SLF001
+                               native.address(host), 1, plans, 0, 0, ctypes.byref(error))
+        assert job, error.value
+        second = native_backend.NativeTicket(lib, int(job), "sm")
+        time.sleep(0.1)
+        issued = [c for c, t in zip(h.fake.snapshot()[during:], h.fake.threads[during:])
+                  if t != first.ident and c[0] in (*COPIES, "cuStreamWaitEvent")]
+        assert not issued, f"issued beside the caller's issue: {issued}"
+        gate.set()
+        first.join(TIMEOUT_S)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok and second.wait(TIMEOUT_S)
+        second.release()
+        assert moved(h.fake, {**expected(plan, [1], [2]), **expected(plan, [3], [4])}) == 0
+        launches = [(c, t) for c, t in zip(h.fake.snapshot(), h.fake.threads) if c[0] == "cuLaunchKernel"]
+        assert [t == first.ident for _, t in launches] == [True, False]  # the caller's, then the thread's
+    finally:
+        gate.set()
+        h.close()
+
+
+def test_a_caller_issues_in_the_issuers_context_and_gets_its_own_back() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan, tune={"caller_issue_max": 64})
+    main = threading.get_ident()
+    try:
+        time.sleep(0.05)
+        h.fake.current[main] = 0x77  # the caller's thread has another context current
+        start = len(h.fake.snapshot())
+        assert h.run(0, [1], [2]).ok
+        mine = [c for c, t in zip(h.fake.snapshot()[start:], h.fake.threads[start:])
+                if t == main and c[0] in ("cuCtxSetCurrent", *COPIES)]
+        names = [c[0] for c in mine]
+        assert names[0] == names[-1] == "cuCtxSetCurrent" and len(names) > 2
+        assert all(n in COPIES for n in names[1:-1])
+        assert mine[0][1] in (0, None) and mine[-1][1] == 0x77  # the issuer's (NULL here), then its own
+        assert h.fake.current[main] == 0x77
+    finally:
+        h.close()
 
 
 def signals_over_jobs_one_at_a_time(idle_spin_ns: int) -> int:
