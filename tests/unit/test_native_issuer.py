@@ -702,6 +702,13 @@ def _issue(h: Harness, pairs: int) -> native_backend.NativeTicket:
     return ticket
 
 
+def ended(h: Harness, *tickets: native_backend.NativeTicket) -> bool:
+    """Let the jobs held in flight end (their queries say ready again); whether the last one's wait
+    and then every other one find them done."""
+    h.fake.not_ready = 0
+    return tickets[-1].wait(TIMEOUT_S) and all(t.done() for t in tickets)
+
+
 def test_a_job_in_flight_is_predicted_to_end_after_those_before_it_at_the_fastest_rate_seen() -> None:
     h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
     lib = h.backend.lib
@@ -722,8 +729,7 @@ def test_a_job_in_flight_is_predicted_to_end_after_those_before_it_at_the_fastes
         assert 2 * 256 * rate - 1e3 <= second_end - began < 2 * 256 * rate + 50e6  # from its issue's start
         # The third runs after the second: predicted from the second's end at the latest.
         assert lib.kvo_job_expected_end(third._job) >= second_end + 3 * 256 * rate - 1e3
-        h.fake.not_ready = 0
-        assert third.wait(TIMEOUT_S) and second.done()
+        assert ended(h, second, third)
     finally:
         h.fake.not_ready = 0
         h.close()
@@ -740,8 +746,7 @@ def test_a_job_too_short_for_the_longest_polling_sleep_is_given_no_predicted_end
         short, long = _issue(h, 1), _issue(h, 2)
         assert wait_until(lambda: lib.kvo_job_expected_end(long._job) != 0)  # 200 us: predicted
         assert lib.kvo_job_expected_end(short._job) == 0
-        h.fake.not_ready = 0
-        assert long.wait(TIMEOUT_S) and short.done()
+        assert ended(h, short, long)
     finally:
         h.fake.not_ready = 0
         h.close()
