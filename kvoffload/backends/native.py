@@ -97,7 +97,7 @@ CALLER_ISSUE_MAX: Final = 0
 #: The issuer thread polls a job without sleeps from this long before the end it predicts for it
 #: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
 #: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
-#: median 32 us after them on the H200 hosts, 17-18 us with this (docs/design.md §16).
+#: median 32 us after them on the H200 hosts, 18.6 us with this (docs/design.md §16).
 END_LEAD_S: Final = 50e-6
 #: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
 STOP_TIMEOUT_S: Final = 10.0
