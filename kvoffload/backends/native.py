@@ -86,13 +86,15 @@ IDLE_SPIN_S: Final = 0.0
 #: after its last job, then until woken; 0 (the default): it blocks until woken at once. A short
 #: timed sleep should keep its core out of a deep idle state (the likely reason why waking the
 #: thread took 20-45 us on the H200 hosts after it blocked for a millisecond, 5 us after tens of
-#: microseconds). Not measured yet on a GPU host, so off.
+#: microseconds). Not measured yet on a GPU host, so off; on the 2-core CI machine naps that ended
+#: into the blocking wait delayed the next job by about 2 ms (docs/design.md §16).
 IDLE_NAP_S: Final = 0.0
 IDLE_LIGHT_S: Final = 2e-3
 #: A job of at most this many pages handed to an issuer thread that is out of work and blocked is
 #: issued by the caller's thread inside the hand-off (without the GIL), so that the thread's wake-up
 #: is not on its path; 0 (the default): the thread issues every job. Not measured yet on a GPU host,
-#: so off.
+#: so off (on the CI machine, over a no-op driver, it cut a 1-block job's call -> result by a fifth
+#: to a third: docs/design.md §16).
 CALLER_ISSUE_MAX: Final = 0
 #: The issuer thread polls a job without sleeps from this long before the end it predicts for it
 #: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
