@@ -984,12 +984,13 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
  * time in hand-off order: a hand-off meanwhile queues behind it. 1 when issued here (the mutex
  * released), 0 (the mutex held) when the thread is to issue it. */
 static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
+    if (is->c.caller_issue_max <= 0 || job->layered || !is->c.ctx_get_current || !is->started ||
+        is->ctx_error || !is->sleeping || is->queue_head || is->flight_head || is->issuing)
+        return 0; /* off, or the thread is not idle: nothing counted under the lock */
     int64_t pages = 0;
-    for (int64_t k = 0; k < job->nplans; k++) pages += job->n * job->plans[k]->pages;
-    if (is->c.caller_issue_max <= 0 || pages > is->c.caller_issue_max || job->layered ||
-        !is->c.ctx_get_current || !is->started || is->ctx_error || !is->sleeping || is->queue_head ||
-        is->flight_head || is->issuing)
-        return 0;
+    for (int64_t k = 0; k < job->nplans && pages <= is->c.caller_issue_max; k++)
+        pages += job->n * job->plans[k]->pages;
+    if (pages > is->c.caller_issue_max) return 0;
     is->issuing = 1;
     pthread_mutex_unlock(&is->mu);
     void *saved = 0;
