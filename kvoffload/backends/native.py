@@ -52,6 +52,7 @@ __all__ = [
     "POLL_MAX_S",
     "POLL_MIN_S",
     "STOP_TIMEOUT_S",
+    "WAIT_QUERY_S",
     "WAIT_SPIN_S",
     "NativeBackend",
     "NativeFence",
@@ -92,10 +93,17 @@ IDLE_NAP_S: Final = 0.0
 IDLE_LIGHT_S: Final = 2e-3
 #: A job of at most this many pages handed to an issuer thread that is out of work and blocked is
 #: issued by the caller's thread inside the hand-off (without the GIL), so that the thread's wake-up
-#: is not on its path; 0 (the default): the thread issues every job. Not measured yet on a GPU host,
-#: so off (on the CI machine, over a no-op driver, it cut a 1-block job's call -> result by a fifth
-#: to a third: docs/design.md §16).
-CALLER_ISSUE_MAX: Final = 0
+#: (5-90 us on the H200 hosts) is not on its path; 0: the thread issues every job. On the H200
+#: (docs/design.md §16) a 1-block job's call -> result went from 108-113 us to 89-93 us with it, a
+#: 64 MiB job's at 2 MiB pages from 0.88-0.91x to 0.93-0.97x a pinned copy's. A larger job (a
+#: 256-block store of 16384 pages) stays the thread's: its issue would lengthen the caller's call.
+CALLER_ISSUE_MAX: Final = 1024
+#: A wait that spins (:data:`WAIT_SPIN_S`) queries its job's end event itself at most this often
+#: once the job heads the issuer's flight, instead of waiting for the thread's next poll (its
+#: sleeps of 4-20 us come with their wake-ups); 0: only the thread queries. On the H200
+#: (docs/design.md §16) a 1-block job was found done 9.0-10.5 us after its issue's start plus its
+#: device time with it, 15.5-17.5 us without.
+WAIT_QUERY_S: Final = 1e-6
 #: The issuer thread polls a job without sleeps from this long before the end it predicts for it
 #: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
 #: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
@@ -546,6 +554,7 @@ class NativeBackend:
         c.end_lead_ns = _ns(END_LEAD_S)
         c.idle_nap_ns = _ns(IDLE_NAP_S)
         c.idle_light_ns = _ns(IDLE_LIGHT_S)
+        c.wait_query_ns = _ns(WAIT_QUERY_S)
         if CALLER_ISSUE_MAX > 0:
             c.caller_issue_max = CALLER_ISSUE_MAX
             c.ctx_get_current = driver.entry_point(b"cuCtxGetCurrent", hot)

@@ -118,7 +118,7 @@ class Config(ctypes.Structure):
         ("poll_min_ns", _i64), ("poll_max_ns", _i64), ("controls", _i64),
         ("wait_spin_ns", _i64), ("give_way_ns", _i64), ("idle_spin_ns", _i64),
         ("end_lead_ns", _i64), ("idle_nap_ns", _i64), ("idle_light_ns", _i64),
-        ("caller_issue_max", _i64), ("ctx_get_current", _p),
+        ("caller_issue_max", _i64), ("ctx_get_current", _p), ("wait_query_ns", _i64),
     ]
 
 

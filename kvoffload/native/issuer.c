@@ -105,6 +105,8 @@ struct kvo_config {
     int64_t caller_issue_max; /* a job of at most this many pages handed to an idle thread is issued
                                * by the caller (0: never); see caller_issue */
     void *ctx_get_current;    /* cuCtxGetCurrent (needed when caller_issue_max > 0) */
+    int64_t wait_query_ns;    /* a spinning kvo_job_wait queries its job's end itself at most this
+                               * often once the job heads the flight (0: never); see waiter_query */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -174,9 +176,11 @@ struct kvo_issuer {
     int64_t naps;     /* idle naps the thread took (kvo_issuer_counts) */
     int64_t issuing;  /* a caller issues a job (caller_issue): the thread issues nothing meanwhile */
     int64_t caller_issued; /* jobs their callers issued (kvo_issuer_counts) */
+    int64_t querying; /* the thread or a waiter queries the flight's head (without the lock) */
+    int64_t waiter_found; /* jobs their waiters found done (kvo_issuer_counts) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
-    /* thread-only state */
+    /* the thread's state (the rate and the last prediction also the waiter's, under mu) */
     double fastest_ns_per_byte; /* the fastest completed job's device time per byte (0: none yet) */
     int64_t last_expected_end;  /* the predicted end of the last job put in flight */
     CUstream last_end;
@@ -650,6 +654,17 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
 }
 
 static void predict_end(struct kvo_issuer *is, struct kvo_job *job);
+static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float ms);
+
+/* The flight's head `job` was found complete (by the thread or its waiter) after `ms` of device
+ * time: it leaves the flight and is done. Caller holds the mutex. */
+static void found(struct kvo_issuer *is, struct kvo_job *job, float ms) {
+    is->flight_head = job->next;
+    if (!is->flight_head) is->flight_tail = 0;
+    job->seconds = ms / 1e3;
+    learn_rate(is, job, ms);
+    finish(is, job);
+}
 
 /* A job was issued (by the thread, or by its caller): its fence goes, and it is done at once (nothing
  * enqueued) or put in flight for the thread to poll. Caller holds the mutex. 1 when in flight. */
@@ -658,7 +673,7 @@ static int issued(struct kvo_issuer *is, struct kvo_job *job) {
     if (job->layered && job->marked < job->first + job->nplans && job->fail == FAIL_NOTHING)
         job->marked = job->first + job->nplans; /* nothing to wait for */
     if (job->fail == FAIL_NOTHING) { finish(is, job); return 0; }
-    job->state = JOB_ISSUED;
+    __atomic_store_n(&job->state, JOB_ISSUED, __ATOMIC_RELEASE); /* read by a spinning waiter */
     job->polled_ns = now_ns();
     predict_end(is, job);
     if (is->flight_tail) is->flight_tail->next = job; else is->flight_head = job;
@@ -769,7 +784,16 @@ static void *run(void *arg) {
                 finish(is, job);
                 continue;
             }
+            if (is->querying) { /* its waiter queries it (waiter_query): the thread polls later */
+                struct timespec until;
+                deadline_after(&until, sleep_ns);
+                is->sleeping = 1;
+                pthread_cond_timedwait(&is->work, &is->mu, &until);
+                is->sleeping = 0;
+                continue;
+            }
             CUevent end = job->end;
+            is->querying = 1; /* no waiter queries or finishes the job meanwhile (waiter_query) */
             pthread_mutex_unlock(&is->mu);
             give_way(is);
             CUresult q = ((fn_event_query)is->c.event_query)(end);
@@ -777,6 +801,7 @@ static void *run(void *arg) {
             if (q == 0 && job->fail == FAIL_NONE && is->c.event_elapsed)
                 if (((fn_event_elapsed)is->c.event_elapsed)(&ms, job->start, end)) ms = 0.0f;
             pthread_mutex_lock(&is->mu);
+            is->querying = 0;
             if (q == KVO_NOT_READY) {
                 int64_t now = now_ns(), end = job->expected_end, lead = is->c.end_lead_ns;
                 if (end && now >= end - lead && now < end + lead) { /* near its end: poll again soon */
@@ -798,12 +823,8 @@ static void *run(void *arg) {
                          : age > is->c.poll_max_ns ? is->c.poll_max_ns : age;
                 continue;
             }
-            is->flight_head = job->next;
-            if (!is->flight_head) is->flight_tail = 0;
             if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
-            job->seconds = ms / 1e3;
-            learn_rate(is, job, ms);
-            finish(is, job);
+            found(is, job, ms);
             sleep_ns = is->c.poll_min_ns;
             continue;
         }
@@ -1081,15 +1102,53 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     return job;
 }
 
+/* A waiter spinning for `job` looks at its end itself (the thread's polls sleep between queries:
+ * 4-20 us, plus their wake-ups). When the job heads the flight, its issue succeeded and no one
+ * queries it (`querying`, which the thread also takes for its queries, so one of them queries at a
+ * time and the job leaves the flight once, in order: only the head), the waiter queries its end
+ * event without the mutex and finds a completed job done here, as the thread would, or failed with
+ * the query's error, as the thread would report it. 1 when the job is done. The job's events stay its own while the waiter holds its reference. */
+static int waiter_query(struct kvo_issuer *is, struct kvo_job *job) {
+    pthread_mutex_lock(&is->mu);
+    if (job->state == JOB_ISSUED && is->flight_head == job && !is->querying && !is->stop &&
+        job->fail == FAIL_NONE) {
+        is->querying = 1;
+        pthread_mutex_unlock(&is->mu);
+        CUresult q = ((fn_event_query)is->c.event_query)(job->end);
+        float ms = 0.0f;
+        if (q == 0 && is->c.event_elapsed &&
+            ((fn_event_elapsed)is->c.event_elapsed)(&ms, job->start, job->end))
+            ms = 0.0f;
+        pthread_mutex_lock(&is->mu);
+        is->querying = 0;
+        if (q != KVO_NOT_READY && job->state == JOB_ISSUED && is->flight_head == job) { /* not given up */
+            if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
+            found(is, job, ms);
+            is->waiter_found++;
+        }
+    }
+    int done = job->state == JOB_DONE;
+    pthread_mutex_unlock(&is->mu);
+    return done;
+}
+
 /* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins first
  * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
- * blocked on a condition variable costs tens of microseconds on some hosts; then blocks. */
+ * blocked on a condition variable costs tens of microseconds on some hosts, querying the job's end
+ * itself every wait_query_ns while it spins (waiter_query); then blocks. */
 int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
     struct kvo_issuer *is = job->issuer;
     int64_t start = now_ns(), spin = is->c.wait_spin_ns < timeout_ns ? is->c.wait_spin_ns : timeout_ns;
-    while (now_ns() - start < spin) {
+    int64_t next_query = start, now = start;
+    while (now - start < spin) {
         if (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE) break;
+        if (is->c.wait_query_ns > 0 && now >= next_query &&
+            __atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_ISSUED) {
+            if (waiter_query(is, job)) break;
+            next_query = now_ns() + is->c.wait_query_ns;
+        }
         for (int i = 0; i < 32; i++) cpu_relax();
+        now = now_ns();
     }
     int64_t left = timeout_ns - (now_ns() - start);
     struct timespec until;
@@ -1136,12 +1195,14 @@ int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double 
 }
 
 /* out[0]: how many hand-offs found the thread blocked and signalled it (the idle spin's measure);
- * out[1]: how many idle naps it took; out[2]: how many jobs their callers issued. */
+ * out[1]: how many idle naps it took; out[2]: how many jobs their callers issued; out[3]: how
+ * many jobs their waiters found done (waiter_query). */
 void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     pthread_mutex_lock(&is->mu);
     out[0] = is->signals;
     out[1] = is->naps;
     out[2] = is->caller_issued;
+    out[3] = is->waiter_found;
     pthread_mutex_unlock(&is->mu);
 }
 

@@ -354,6 +354,7 @@ def front(device: torch.device) -> None:
         backend = w._store._backend  # noqa: SLF001
         assert isinstance(backend, NativeBackend)
         plain = backend._hand_off  # noqa: SLF001
+        front_call = backend._front_hand_off  # noqa: SLF001
         job = 0
         for _ in range(3):
             w.store(job, [0], [0])
@@ -362,6 +363,8 @@ def front(device: torch.device) -> None:
         for label, table in (("front", fronts), ("validating path", {})):
             w._fronts = table  # noqa: SLF001
             backend._hand_off = timed("5 library call (hand-off, fence)", plain)  # type: ignore[assignment]  # noqa: SLF001
+            if front_call is not None:
+                backend._front_hand_off = timed("6 call front's hand_off (fence, hand-off)", front_call)  # noqa: SLF001
             patches = [(Bookkeeping, "admit_native", "2 admit_native (one library call)"),
                        (Bookkeeping, "admit", "2 admit (validating path)"),
                        (DirectionHandler, "submit_handed_off", "4 handler.submit_handed_off"),
@@ -393,8 +396,20 @@ def front(device: torch.device) -> None:
                 for owner, attr, original in originals:
                     setattr(owner, attr, original)
                 backend._hand_off = plain  # noqa: SLF001
+                backend._front_hand_off = front_call  # noqa: SLF001
             report(f"auto/native: store, 256 blocks, bursts of 4, {label}")
         w._fronts = fronts  # noqa: SLF001
+        fences: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(40):  # a fence alone (its record on the current stream), in bursts of 4
+            torch.cuda.synchronize(device)
+            for k in range(4):
+                t0 = time.perf_counter()
+                fence = backend.fence(None)
+                backend.release_fence(fence)
+                fences[k == 0].append(time.perf_counter() - t0)
+        print(f"  a fence taken and given back (NativeBackend.fence, release_fence): median "
+              f"{statistics.median(fences[False]) * 1e6:.2f} us, first of burst "
+              f"{statistics.median(fences[True]) * 1e6:.2f} us")
     lib = native.library()
     scratch = np.zeros(256, dtype=np.int64)
     at = ctypes.c_void_p(native.address(scratch))
@@ -415,8 +430,9 @@ def front(device: torch.device) -> None:
 #: The builds ``ab`` compares: the native backend's module constants each overrides.
 AB_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
     ("as is", {}),
-    ("caller issues <= 1024 pages", {"CALLER_ISSUE_MAX": 1024}),
-    ("idle naps 50 us", {"IDLE_NAP_S": 50e-6}),
+    ("thread issues all", {"CALLER_ISSUE_MAX": 0}),
+    ("waiter queries 1 us", {"WAIT_QUERY_S": 1e-6}),
+    ("waiter queries 3 us", {"WAIT_QUERY_S": 3e-6}),
     ("no end lead", {"END_LEAD_S": 0.0}),
 )
 
@@ -427,7 +443,8 @@ def ab(device: torch.device) -> None:
     separate processes differ by less than runs do, alternating job by job leaves the host's drift
     to every variant alike. Per workload and variant: median us of call -> result and its ratio to
     the copy, and where the time went (the caller until the hand-off, the thread's wake-up, the
-    completion found after the issue's start plus the device time, the result after that)."""
+    completion found after the issue's start plus the device time, the result after that, the
+    caller's time in the call)."""
     workloads = (("1-block store (64 x 32 KiB)", 32, 32 * KIB, 1, True),
                  ("64 MiB store, 2 MiB pages", 8, 2 * MIB, 2, True),
                  ("64 MiB load, 2 MiB pages", 8, 2 * MIB, 2, False),
@@ -452,24 +469,27 @@ def ab(device: torch.device) -> None:
                         for k, v in saved.items():
                             setattr(native_backend, k, v)
                 rows: list[list[tuple[float, ...]]] = [[] for _ in AB_VARIANTS]
-                for i in range(24):
+                for i in range(44):
                     for v, w in enumerate(workers):
                         copy = pinned_copy_s(device, stream, host, buf, store)
                         tickets.clear()
                         t0 = time.monotonic()
                         (w.store if store else w.load)(i, ids, ids)
+                        t1 = time.monotonic()
                         (r,) = w.wait([i], 60)
                         t2 = time.monotonic()
                         handed, began, _, found = tickets[-1].times()
                         if i >= 4:
                             rows[v].append((t2 - t0, copy, handed - t0, began - handed,
-                                            found - began - r.seconds, t2 - found))
+                                            found - began - r.seconds, t2 - found, t1 - t0))
                 print(f"\n== ab, {label}: median us (call -> result, its ratio to the pinned copy; hand-off "
-                      "after the call, wake-up, found after issue start + device, result after found)")
+                      "after the call, wake-up, found after issue start + device, result after found; the caller's "
+                      "time in the call)")
                 for (name, _), got in zip(AB_VARIANTS, rows):
-                    med = [statistics.median(x[k] for x in got) * 1e6 for k in range(6)]
+                    med = [statistics.median(x[k] for x in got) * 1e6 for k in range(7)]
                     print(f"  {name:<22} {med[0]:8.1f} ({med[1] / med[0]:.3f}x)  hand-off {med[2]:5.1f}  "
-                          f"wake-up {med[3]:5.1f}  found {med[4]:5.1f}  result {med[5]:5.1f}")
+                          f"wake-up {med[3]:5.1f}  found {med[4]:5.1f}  result {med[5]:5.1f}  "
+                          f"call {med[6]:5.1f}")
             finally:
                 for w in workers:
                     w.shutdown()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload import native
+from kvoffload.backends import native as native_backend
 
 GRANULE = 4
 COPY, KERNEL, COMPUTE, IDLE = 0x1000, 0x2000, 0x3000, 0x4000
@@ -177,8 +178,11 @@ class FakeDriver:
 
     def config(self, *, store: bool, slots: tuple[int, ...] = (), slot_bytes: int = 0,
                batch: bool = True, keep: list[object], give_way_ns: int = 200_000,
-               idle_spin_ns: int = 0, end_lead_ns: int = 50_000) -> native.Config:
-        """An issuer config over this driver: copy stream COPY, kernel stream KERNEL."""
+               idle_spin_ns: int = 0, end_lead_ns: int = 50_000,
+               caller_issue_max: int = native_backend.CALLER_ISSUE_MAX,
+               wait_query_ns: int = round(native_backend.WAIT_QUERY_S * 1e9)) -> native.Config:
+        """An issuer config over this driver: copy stream COPY, kernel stream KERNEL; small jobs
+        handed to an idle thread are issued by their callers as the library's default does."""
         c = native.Config()
         for name in ("ctx_set_current", "ctx_get_current", "event_create", "event_destroy", "event_record",
                      "event_query", "event_elapsed", "stream_wait_event", "memcpy_async"):
@@ -204,6 +208,8 @@ class FakeDriver:
         c.give_way_ns = give_way_ns
         c.idle_spin_ns = idle_spin_ns
         c.end_lead_ns = end_lead_ns
+        c.caller_issue_max = caller_issue_max
+        c.wait_query_ns = wait_query_ns
         return c
 
     def of(self, name: str) -> list[tuple[Any, ...]]:

@@ -50,6 +50,9 @@ I64 = npt.NDArray[np.int64]
 SLOT_BASES = ((1 << 44), (1 << 44) + (1 << 30), (1 << 44) + (2 << 30))
 TIMEOUT_S = 30.0
 NUM_BLOCKS = 64
+#: For the tests that hold the issuer thread inside a driver call of an issue: every job is the
+#: thread's to issue (by default an idle thread's small job is issued by its caller).
+THREAD_ISSUES = {"caller_issue_max": 0}
 
 
 class Inner:
@@ -245,7 +248,7 @@ def test_a_job_waits_for_its_fence_before_it_touches_a_page(path: str, direction
 
 def test_a_fence_given_back_early_is_not_recorded_again_before_its_wait() -> None:
     plan = make_plan(Direction.STORE, [256])
-    h = Harness(Direction.STORE, "dma", plan)
+    h = Harness(Direction.STORE, "dma", plan, tune=THREAD_ISSUES)
     backend = h.backend
     try:
         # Control: a fence given back with no job holding it is the next one taken (the pool is
@@ -281,7 +284,7 @@ def thread_calls_while_a_caller_records(give_way_ns: int) -> int:
     """The thread's driver calls made while a caller's thread is inside its fence's record (held
     there by the test), the thread having been mid-issue of a job of many copies."""
     plan = make_plan(Direction.STORE, [256])
-    h = Harness(Direction.STORE, "dma", plan, batch=False, give_way_ns=give_way_ns)
+    h = Harness(Direction.STORE, "dma", plan, batch=False, give_way_ns=give_way_ns, tune=THREAD_ISSUES)
     thread_gate, inside = threading.Event(), threading.Event()
     caller_gate = threading.Event()
     taken: list[object] = []
@@ -524,7 +527,7 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
 
 def counts(h: Harness) -> tuple[int, int]:
     """The issuer's (signals, idle naps) so far."""
-    out = (ctypes.c_int64 * 3)()
+    out = (ctypes.c_int64 * 4)()
     h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
     return int(out[0]), int(out[1])
 
@@ -583,7 +586,7 @@ def test_a_small_job_handed_to_an_idle_thread_is_issued_by_its_caller(path: str)
             assert h.run(1, [5, 6, 7], [8, 9, 10]).ok  # 6 pages: over the limit, the thread's
             assert moved(h.fake, expected(plan, [5, 6, 7], [8, 9, 10])) == 0
             assert main not in copy_threads(h.fake, start)
-            out = (ctypes.c_int64 * 3)()
+            out = (ctypes.c_int64 * 4)()
             h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
             assert out[2] == (1 if limit else 0)
         finally:
@@ -653,7 +656,7 @@ def signals_over_jobs_one_at_a_time(idle_spin_ns: int) -> int:
     """Hand-offs that had to signal the thread, over 5 jobs each handed over after the one before
     it was done (the thread out of work each time)."""
     plan = make_plan(Direction.STORE, [256])
-    h = Harness(Direction.STORE, "sm", plan, idle_spin_ns=idle_spin_ns)
+    h = Harness(Direction.STORE, "sm", plan, idle_spin_ns=idle_spin_ns, tune=THREAD_ISSUES)
     try:
         time.sleep(0.05)  # the thread is out of work (spinning or blocked) before the first job
         for job in range(5):
@@ -673,7 +676,7 @@ def issued_after_the_spin(controls: int) -> bool:
     """Whether a job handed over once the thread's idle spin ended (so it blocks) is done within
     0.5 s."""
     plan = make_plan(Direction.STORE, [256])
-    h = Harness(Direction.STORE, "sm", plan, controls=controls, idle_spin_ns=1_000_000)
+    h = Harness(Direction.STORE, "sm", plan, controls=controls, idle_spin_ns=1_000_000, tune=THREAD_ISSUES)
     time.sleep(0.05)  # the 1 ms spin is over: the thread blocks
     h.handler.submit(0, [1], [2])
     try:
@@ -774,6 +777,152 @@ def test_a_job_handed_over_while_the_thread_queries_is_issued_without_waiting_ou
         h.fake.not_ready = 0
         h.fake.gate.clear()
         gate.set()
+        h.close()
+
+
+def waiter_harness(wait_query_ns: int) -> Harness:
+    """A harness whose thread polls a job in flight every 30 s and whose waits spin for 10 s,
+    querying the job's end every ``wait_query_ns`` (0: never)."""
+    return Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
+                   tune={"poll_min_ns": 30 * 10**9, "poll_max_ns": 30 * 10**9, "end_lead_ns": 0,
+                         "wait_spin_ns": 10 * 10**9, "wait_query_ns": wait_query_ns})
+
+
+def thread_queries(h: Harness) -> int:
+    """The end-event queries the issuer's thread made so far (not the test's thread)."""
+    main = threading.get_ident()
+    return sum(1 for c, t in zip(h.fake.snapshot(), h.fake.threads) if c[0] == "cuEventQuery" and t != main)
+
+
+def found_by_its_waiter(wait_query_ns: int) -> tuple[bool, int, int]:
+    """A job whose end the thread found not ready (so it sleeps 30 s) and that then completes,
+    waited for 1 s: whether the wait saw it done, the jobs waiters found done, and the thread's
+    queries meanwhile."""
+    h = waiter_harness(wait_query_ns)
+    try:
+        h.fake.not_ready = 1 << 40
+        ticket = _issue(h, 2)
+        assert wait_until(lambda: thread_queries(h) > 0)
+        time.sleep(0.05)  # past its query: the thread sleeps
+        before = thread_queries(h)
+        h.fake.not_ready = 0  # the job completes: the next query says so
+        done = ticket.wait(1.0)
+        out = (ctypes.c_int64 * 4)()
+        h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
+        if done:
+            assert ticket.done() and ticket.error is None and ticket.seconds() > 0
+            assert moved(h.fake, expected(h.plan, [0, 1], [0, 1])) == 0
+            ticket.release()
+        return done, int(out[3]), thread_queries(h) - before
+    finally:
+        h.close()
+
+
+def test_a_spinning_waiter_finds_its_job_done_without_waiting_for_the_threads_next_poll() -> None:
+    # Control: without the waiter's queries the job is found at the thread's next poll, 30 s on.
+    assert found_by_its_waiter(0) == (False, 0, 0), "the control found the job: the test proves nothing"
+    assert found_by_its_waiter(1_000) == (True, 1, 0)
+
+
+def test_a_query_that_fails_in_a_waiters_hands_fails_the_job() -> None:
+    # The thread sleeps 30 s between polls, so the waiter's query is the one that fails (once, as
+    # the fake driver fails a call): the job fails with it, not left to a later query that passes.
+    h = waiter_harness(1_000)
+    try:
+        h.fake.not_ready = 1 << 40
+        ticket = _issue(h, 1)
+        assert wait_until(lambda: thread_queries(h) > 0)
+        time.sleep(0.05)
+        h.fake.fail["cuEventQuery"] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+        h.fake.not_ready = 0
+        with pytest.raises(CudaError, match="cuEventQuery"):
+            ticket.wait(1.0)
+        assert "cuEventQuery" not in h.fake.fail  # the waiter's query was the one
+        ticket.release()
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+
+
+def test_a_waiter_finds_nothing_done_behind_a_job_still_in_flight() -> None:
+    # Jobs leave the flight in order: the second job's waiter does not query it (or anything) while
+    # the first heads the flight, however its own end looks.
+    h = waiter_harness(1_000)
+    try:
+        h.fake.not_ready = 1 << 40
+        first = _issue(h, 1)
+        second = _issue(h, 2)
+        assert wait_until(lambda: thread_queries(h) > 0)
+        time.sleep(0.05)
+        queries = len(h.fake.of("cuEventQuery"))
+        assert not second.wait(0.2) and not first.done()
+        assert len(h.fake.of("cuEventQuery")) == queries  # no one queried meanwhile
+        h.fake.not_ready = 0
+        assert first.wait(1.0) and second.wait(1.0)  # each waiter finds its own, in order
+        out = (ctypes.c_int64 * 4)()
+        h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
+        assert out[3] == 2
+        first.release()
+        second.release()
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+
+
+def test_while_a_waiter_queries_the_thread_issues_and_stops_without_querying() -> None:
+    # A waiter held inside its query of the job in flight: the thread does not query that job
+    # meanwhile, still issues the next job, and stops within its deadline.
+    h = waiter_harness(1_000)
+    gate, inside = threading.Event(), threading.Event()
+    try:
+        h.fake.not_ready = 1 << 40
+        first = _issue(h, 1)
+        assert wait_until(lambda: thread_queries(h) > 0)
+        time.sleep(0.05)
+        h.fake.entered["cuEventQuery"] = inside
+        h.fake.gate["cuEventQuery"] = gate
+        waiter = threading.Thread(target=lambda: first.wait(TIMEOUT_S))
+        waiter.start()
+        assert inside.wait(TIMEOUT_S)  # the waiter is inside its query
+        before = thread_queries(h) - 1  # that one is the waiter's (not the test's thread)
+        second = _issue(h, 2)
+        assert wait_until(lambda: second.times()[2] != 0, 5.0), "the next job was not issued"
+        time.sleep(0.05)
+        assert thread_queries(h) - 1 == before, "the thread queried the job its waiter queries"
+        del h.fake.gate["cuEventQuery"]
+        h.fake.not_ready = 0
+        gate.set()
+        waiter.join(TIMEOUT_S)
+        assert first.done() and second.wait(1.0)
+        first.release()
+        second.release()
+    finally:
+        h.fake.not_ready = 0
+        h.fake.gate.clear()
+        gate.set()
+        h.close()
+
+
+def test_waiters_and_the_thread_racing_to_find_jobs_done_find_each_once_in_order() -> None:
+    # Jobs two at a time, each event not ready at its first queries; the thread polls every 2-20 us
+    # and the waits query every microsecond: every job is found done once, every page lands.
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]), not_ready=3,
+                tune={"wait_query_ns": 1_000, "end_lead_ns": 0})
+    try:
+        want: dict[int, int] = {}
+        for job in range(0, 120, 2):
+            pairs = [(job % 60, 60 + job % 4), ((job + 1) % 60, 62 + (job + 1) % 2)]
+            for k, (src, dst) in enumerate(pairs):
+                h.handler.submit(job + k, [src], [dst])
+            results = h.handler.wait([job, job + 1], TIMEOUT_S)
+            assert all(r.ok for r in results)
+            for src, dst in pairs:  # a later job's pages replace an earlier one's
+                want.update(expected(h.plan, [src], [dst]))
+        assert moved(h.fake, want) == 0
+        out = (ctypes.c_int64 * 4)()
+        h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
+        assert 0 < out[3] <= 120
+    finally:
         h.close()
 
 
@@ -940,7 +1089,7 @@ def test_release_is_bounded_while_the_thread_is_stuck_in_a_driver_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     plan = make_plan(Direction.STORE, [256])
-    h = Harness(Direction.STORE, "sm", plan)
+    h = Harness(Direction.STORE, "sm", plan, tune=THREAD_ISSUES)
     gate, entered = threading.Event(), threading.Event()
     h.fake.gate["cuLaunchKernel"] = gate
     h.fake.entered["cuLaunchKernel"] = entered
