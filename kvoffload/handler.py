@@ -174,6 +174,10 @@ class HandsOffBackend(Backend, Protocol):
         """Hand a whole job over with its fence recorded on ``stream`` in the same call; never
         raises (a failure is the ticket's)."""
 
+    def early_wake(self, pages: int) -> tuple[int, Callable[[], object]] | None:
+        """For jobs of ``pages`` pages per pair: the fewest pairs of a job whose thread is best
+        woken as soon as the job is taken, and the call that wakes it (None: never)."""
+
 
 @attrs.define(eq=False)
 class _Transfer:
@@ -452,6 +456,14 @@ class DirectionHandler:
         backend = self._backend
         assert backend is not None
         return cast(HandsOffBackend, backend).current_stream_reader()
+
+    def early_wake(self) -> tuple[int, Callable[[], object]] | None:
+        """The hands-off backend's early wake for this handler's jobs (see
+        ``HandsOffBackend.early_wake``), for the worker's fast front: the fewest pairs of a job to
+        make the call for, and the call; None when there is none."""
+        backend = self._backend
+        assert backend is not None
+        return cast(HandsOffBackend, backend).early_wake(self._plan.pages.num_pages)
 
     def submit_handed_off(self, job_id: int, src: I64Array, dst: I64Array, stream: int) -> None:
         """The worker's fast front's submit (docs/design.md §16): a non-empty whole job of a

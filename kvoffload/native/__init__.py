@@ -119,6 +119,7 @@ class Config(ctypes.Structure):
         ("wait_spin_ns", _i64), ("give_way_ns", _i64), ("idle_spin_ns", _i64),
         ("end_lead_ns", _i64), ("idle_nap_ns", _i64), ("idle_light_ns", _i64),
         ("caller_issue_max", _i64), ("ctx_get_current", _p), ("wait_query_ns", _i64),
+        ("expect_spin_ns", _i64),
     ]
 
 
@@ -309,6 +310,7 @@ def library() -> ctypes.CDLL:
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
         "kvo_issuer_counts": ([p, pi64], None),
+        "kvo_issuer_expect": ([p], i64),
         "kvo_job_expected_end": ([p], i64),
         "kvo_wait_layer": ([p, i64, p, i64], i64),
         "kvo_admit": ([p, p, i64, i64, i64, p, p, p, p, p, pi64], i64),

@@ -107,6 +107,8 @@ struct kvo_config {
     void *ctx_get_current;    /* cuCtxGetCurrent (needed when caller_issue_max > 0) */
     int64_t wait_query_ns;    /* a spinning kvo_job_wait queries its job's end itself at most this
                                * often once the job heads the flight (0: never); see waiter_query */
+    int64_t expect_spin_ns;   /* a thread woken by kvo_issuer_expect looks for the hand-off this long
+                               * before it blocks again (0: kvo_issuer_expect does nothing) */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -178,6 +180,9 @@ struct kvo_issuer {
     int64_t caller_issued; /* jobs their callers issued (kvo_issuer_counts) */
     int64_t querying; /* the thread or a waiter queries the flight's head (without the lock) */
     int64_t waiter_found; /* jobs their waiters found done (kvo_issuer_counts) */
+    int64_t expect_until; /* CLOCK_MONOTONIC ns until which the thread, out of work, looks for a
+                           * hand-off kvo_issuer_expect announced (0: none) */
+    int64_t expects;      /* the calls of kvo_issuer_expect that woke the thread (kvo_issuer_counts) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
     /* the thread's state (the rate and the last prediction also the waiter's, under mu) */
@@ -715,14 +720,16 @@ static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float m
 }
 
 /* Out of work, the thread (holding mu) looks for a hand-off without the lock for up to the config's
- * idle_spin_ns before it blocks: a job handed over meanwhile starts without a wake-up (which costs
- * microseconds on the caller's side and the thread's), and its hand-off signals nothing. 1 when a
- * job or the stop came (mu held again either way). The hand-off signals only a thread that
- * `sleeping` says is blocked, and the thread sets it under mu after it looked at the queue there,
- * so no hand-off is missed. */
+ * idle_spin_ns, or until the end of a spin kvo_issuer_expect announced, before it blocks: a job
+ * handed over meanwhile starts without a wake-up (which costs microseconds on the caller's side and
+ * the thread's), and its hand-off signals nothing. 1 when a job or the stop came (mu held again
+ * either way). The hand-off signals only a thread that `sleeping` says is blocked, and the thread
+ * sets it under mu after it looked at the queue there, so no hand-off is missed. */
 static int idle_spin(struct kvo_issuer *is) {
-    if (is->c.idle_spin_ns <= 0) return 0;
-    int64_t until = now_ns() + is->c.idle_spin_ns;
+    int64_t now = now_ns(), until = is->c.idle_spin_ns > 0 ? now + is->c.idle_spin_ns : 0;
+    if (is->expect_until > until) until = is->expect_until;
+    is->expect_until = 0;
+    if (until <= now) return 0;
     pthread_mutex_unlock(&is->mu);
     while (!__atomic_load_n(&is->queue_head, __ATOMIC_ACQUIRE) && !__atomic_load_n(&is->stop, __ATOMIC_ACQUIRE)
            && now_ns() < until)
@@ -1196,14 +1203,36 @@ int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double 
 
 /* out[0]: how many hand-offs found the thread blocked and signalled it (the idle spin's measure);
  * out[1]: how many idle naps it took; out[2]: how many jobs their callers issued; out[3]: how
- * many jobs their waiters found done (waiter_query). */
+ * many jobs their waiters found done (waiter_query); out[4]: how many kvo_issuer_expect calls woke
+ * the thread. */
 void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     pthread_mutex_lock(&is->mu);
     out[0] = is->signals;
     out[1] = is->naps;
     out[2] = is->caller_issued;
     out[3] = is->waiter_found;
+    out[4] = is->expects;
     pthread_mutex_unlock(&is->mu);
+}
+
+/* A hand-off of a job its caller will not issue (larger than caller_issue_max) is coming: a thread
+ * that is out of work and blocked is woken now, and looks for the hand-off for expect_spin_ns
+ * before it blocks again, so that its wake-up (tens of microseconds on the H200 hosts after a
+ * millisecond blocked) overlaps the caller's work before the hand-off instead of following it.
+ * 1 when it woke the thread; 0 (nothing done) when it is off, or the thread has work, a caller
+ * issues, or it is not blocked. */
+int64_t kvo_issuer_expect(struct kvo_issuer *is) {
+    if (is->c.expect_spin_ns <= 0) return 0;
+    pthread_mutex_lock(&is->mu);
+    int wake = is->sleeping && !is->queue_head && !is->flight_head && !is->issuing && !is->stop &&
+               !(is->c.controls & CONTROL_NEVER_SIGNAL);
+    if (wake) {
+        is->expect_until = now_ns() + is->c.expect_spin_ns;
+        is->expects++;
+    }
+    pthread_mutex_unlock(&is->mu);
+    if (wake) pthread_cond_signal(&is->work);
+    return wake;
 }
 
 /* The job's predicted end (CLOCK_MONOTONIC ns; 0 until it is in flight, or with nothing to predict

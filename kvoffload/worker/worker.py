@@ -143,9 +143,10 @@ class Worker:
         self._holds: dict[int, threading.Event] = {}  # booking token -> settle event of its call
         self._routes = self._route_table()
         # The fast front's directions (see _front): a hands-off backend and the native admission.
-        # Each is the handler and its reader of the caller's current stream (the default stream).
+        # Each is the handler, its reader of the caller's current stream (the default stream) and
+        # its early wake (the fewest pairs of a job to wake the issuer thread for, and the call).
         self._fronts = {
-            direction: (handler, handler.current_stream_reader())
+            direction: (handler, handler.current_stream_reader(), handler.early_wake())
             for direction, handler in ((Direction.STORE, self._store), (Direction.LOAD, self._load))
             if handler.hands_off and self._book.checks_pairs
         }
@@ -487,8 +488,9 @@ class Worker:
         """The fast front door of ``store`` and ``load`` (docs/design.md §16): a job of a native
         issuer's direction with an ``int`` id and one-dimensional ``int64`` numpy ids, submitted in
         one pass (the ids copied, admitted and counted in one call into the library, the id
-        reserved, the job handed over). True when the job was submitted. False, with nothing
-        changed, for any other job or any failed check: :meth:`_submit` then validates it from the
+        reserved, the job handed over), with an issuer thread that is out of work woken first
+        for a job its caller will not issue. True when the job was submitted. False, with nothing
+        changed (but a thread perhaps woken), for any other job or any failed check: :meth:`_submit` then validates it from the
         start and submits it or raises its precise error, so the two doors differ only in speed.
         """
         lane = self._fronts.get(direction)
@@ -497,7 +499,9 @@ class Worker:
                 or dst_blocks.dtype is not _I64 or src_blocks.ndim != 1 or dst_blocks.ndim != 1
                 or self._closed):
             return False
-        handler, current_stream = lane
+        handler, current_stream, wake = lane
+        if wake is not None and src_blocks.shape[0] >= wake[0]:
+            wake[1]()  # a job its caller will not issue: the thread wakes while the checks run
         if stream is None:
             handle = current_stream()
         else:

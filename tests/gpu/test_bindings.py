@@ -98,7 +98,7 @@ def test_the_native_issuer_copies_with_each_directions_access_order(device: torc
             assert isinstance(backend, NativeBackend)
             dma = cuda_backend(handler).paths["dma"]
             assert isinstance(dma, DmaPath)
-            config = backend._keep[0]  # type: ignore[index]
+            config = backend._keep[0]
             assert config.batch_attrs == dma.copier.attrs_pointer(order)
 
 

@@ -180,9 +180,11 @@ class FakeDriver:
                batch: bool = True, keep: list[object], give_way_ns: int = 200_000,
                idle_spin_ns: int = 0, end_lead_ns: int = 50_000,
                caller_issue_max: int = native_backend.CALLER_ISSUE_MAX,
-               wait_query_ns: int = round(native_backend.WAIT_QUERY_S * 1e9)) -> native.Config:
-        """An issuer config over this driver: copy stream COPY, kernel stream KERNEL; small jobs
-        handed to an idle thread are issued by their callers as the library's default does."""
+               wait_query_ns: int = round(native_backend.WAIT_QUERY_S * 1e9),
+               expect_spin_ns: int = round(native_backend.EXPECT_SPIN_S * 1e9)) -> native.Config:
+        """An issuer config over this driver: copy stream COPY, kernel stream KERNEL; the rest as
+        the library's defaults (small jobs handed to an idle thread issued by their callers,
+        spinning waiters querying, the early wake)."""
         c = native.Config()
         for name in ("ctx_set_current", "ctx_get_current", "event_create", "event_destroy", "event_record",
                      "event_query", "event_elapsed", "stream_wait_event", "memcpy_async"):
@@ -210,6 +212,7 @@ class FakeDriver:
         c.end_lead_ns = end_lead_ns
         c.caller_issue_max = caller_issue_max
         c.wait_query_ns = wait_query_ns
+        c.expect_spin_ns = expect_spin_ns
         return c
 
     def of(self, name: str) -> list[tuple[Any, ...]]:

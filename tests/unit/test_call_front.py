@@ -61,14 +61,16 @@ class Inner:
         pass
 
 
-def make_worker(keep: list[object], *, call_front: bool = True) -> Worker:
+def make_worker(keep: list[object], *, call_front: bool = True, tune: dict[str, int] | None = None) -> Worker:
     """A worker whose two directions are native issuers over one fake driver (``call_front``
-    False: the library is called through ctypes)."""
+    False: the library is called through ctypes; ``tune``: config fields to set)."""
     fake = FakeDriver()
     keep.append(fake)
 
     def factory(direction: Direction) -> Any:
         config = fake.config(store=direction is Direction.STORE, keep=keep)
+        for name, value in (tune or {}).items():
+            setattr(config, name, value)
         backend = NativeBackend.start(Inner(direction), config, index=0, choose=lambda _n: "dma",
                                       path_names={"dma": "dma"}, tables=None, keep=keep)
         if not call_front:
@@ -476,3 +478,31 @@ def test_the_call_front_builds_into_a_directory_once(tmp_path: Path) -> None:
     assert native.build_front(tmp_path) == first
     assert first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+
+
+def early_wakes(expect_spin_ns: int) -> list[int]:
+    """Through the fast front, with callers issuing jobs of up to 2 pages (pairs here): the store
+    issuer's early wakes after a 2-pair job and then after a 3-pair job, each handed to a blocked
+    thread."""
+    keep: list[object] = []
+    w = make_worker(keep, tune={"caller_issue_max": 2, "expect_spin_ns": expect_spin_ns})
+    backend = w._store._backend  # noqa: SLF001
+    assert isinstance(backend, NativeBackend)
+    wakes = []
+    try:
+        for job, pairs in ((0, 2), (1, 3)):
+            time.sleep(0.05)  # the thread is out of work and blocked
+            w.store(job, _i(*range(pairs)), _i(*range(pairs)))
+            assert w.wait([job], TIMEOUT_S)[0].ok
+            out = (ctypes.c_int64 * 5)()
+            backend.lib.kvo_issuer_counts(backend._issuer, out)  # noqa: SLF001
+            wakes.append(int(out[4]))
+    finally:
+        w.shutdown(TIMEOUT_S)
+    return wakes
+
+
+def test_the_front_wakes_the_thread_early_for_a_job_its_caller_will_not_issue() -> None:
+    # Control: with the early wake off no job wakes the thread before its hand-off.
+    assert early_wakes(0) == [0, 0], "the control woke the thread: the test proves nothing"
+    assert early_wakes(200_000) == [0, 1]  # the 2-pair job is its caller's; the 3-pair job is not

@@ -525,11 +525,12 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
         assert counting.releases == 1
 
 
-def counts(h: Harness) -> tuple[int, int]:
-    """The issuer's (signals, idle naps) so far."""
-    out = (ctypes.c_int64 * 4)()
+def counts(h: Harness) -> tuple[int, ...]:
+    """The issuer's counts so far: hand-offs that signalled the thread, idle naps, jobs their
+    callers issued, jobs their waiters found done, early wakes (kvo_issuer_counts)."""
+    out = (ctypes.c_int64 * 5)()
     h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
-    return int(out[0]), int(out[1])
+    return tuple(int(v) for v in out)
 
 
 def naps_after_a_job(idle_nap_ns: int) -> tuple[int, int]:
@@ -586,9 +587,7 @@ def test_a_small_job_handed_to_an_idle_thread_is_issued_by_its_caller(path: str)
             assert h.run(1, [5, 6, 7], [8, 9, 10]).ok  # 6 pages: over the limit, the thread's
             assert moved(h.fake, expected(plan, [5, 6, 7], [8, 9, 10])) == 0
             assert main not in copy_threads(h.fake, start)
-            out = (ctypes.c_int64 * 4)()
-            h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
-            assert out[2] == (1 if limit else 0)
+            assert counts(h)[2] == (1 if limit else 0)
         finally:
             h.close()
 
@@ -670,6 +669,52 @@ def test_a_job_handed_to_a_thread_out_of_work_is_taken_without_a_wake_up() -> No
     # Control: a thread that blocks as soon as it is out of work is signalled by every hand-off.
     assert signals_over_jobs_one_at_a_time(0) == 5, "the control was not signalled: the test proves nothing"
     assert signals_over_jobs_one_at_a_time(60 * 10**9) == 0
+
+
+def expect_then_hand_off(expect: bool, spin_ns: int = 10 * 10**9) -> tuple[int, int, int]:
+    """A blocked thread, told (or not) that a hand-off is coming, then a job handed over 50 ms
+    later: what kvo_issuer_expect returned (0 without it), the hand-offs that had to signal the
+    thread, and the calls that woke it."""
+    h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]),
+                tune={**THREAD_ISSUES, "expect_spin_ns": spin_ns})
+    lib = h.backend.lib
+    try:
+        time.sleep(0.05)  # out of work: blocked
+        woke = int(lib.kvo_issuer_expect(h.backend._issuer)) if expect else 0  # noqa: SLF001
+        time.sleep(0.05)
+        assert h.run(0, [1], [2]).ok
+        assert moved(h.fake, expected(h.plan, [1], [2])) == 0
+        return woke, counts(h)[0], counts(h)[4]
+    finally:
+        h.close()
+
+
+def test_a_thread_told_a_hand_off_is_coming_wakes_and_takes_it_without_a_signal() -> None:
+    # Control: a hand-off to a blocked thread signals it.
+    assert expect_then_hand_off(False) == (0, 1, 0), "the control was not signalled: the test proves nothing"
+    assert expect_then_hand_off(True) == (1, 0, 1)
+    # A thread whose look ended (1 ms) blocks again: the hand-off signals it, and it is taken.
+    assert expect_then_hand_off(True, spin_ns=1_000_000) == (1, 1, 1)
+
+
+def test_a_thread_with_work_or_an_early_wake_off_is_not_woken() -> None:
+    h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune=THREAD_ISSUES)
+    off = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune={"expect_spin_ns": 0})
+    try:
+        time.sleep(0.05)
+        assert off.backend.lib.kvo_issuer_expect(off.backend._issuer) == 0  # noqa: SLF001
+        assert off.backend.early_wake(4) is None
+        h.fake.not_ready = 1 << 40
+        ticket = _issue(h, 1)
+        assert wait_until(lambda: ticket.times()[2] != 0)  # in flight
+        assert h.backend.lib.kvo_issuer_expect(h.backend._issuer) == 0  # noqa: SLF001
+        h.fake.not_ready = 0
+        assert ticket.wait(TIMEOUT_S)
+        ticket.release()
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+        off.close()
 
 
 def issued_after_the_spin(controls: int) -> bool:
@@ -794,26 +839,32 @@ def thread_queries(h: Harness) -> int:
     return sum(1 for c, t in zip(h.fake.snapshot(), h.fake.threads) if c[0] == "cuEventQuery" and t != main)
 
 
+def held_past_a_poll(h: Harness, *pairs: int) -> list[native_backend.NativeTicket]:
+    """Jobs of ``pairs`` pairs each, issued and held in flight (their queries say not ready), once
+    the thread queried the first and went to sleep for its next poll."""
+    h.fake.not_ready = 1 << 40
+    tickets = [_issue(h, n) for n in pairs]
+    assert wait_until(lambda: thread_queries(h) > 0)
+    time.sleep(0.05)  # past its query: the thread sleeps
+    return tickets
+
+
 def found_by_its_waiter(wait_query_ns: int) -> tuple[bool, int, int]:
     """A job whose end the thread found not ready (so it sleeps 30 s) and that then completes,
     waited for 1 s: whether the wait saw it done, the jobs waiters found done, and the thread's
     queries meanwhile."""
     h = waiter_harness(wait_query_ns)
     try:
-        h.fake.not_ready = 1 << 40
-        ticket = _issue(h, 2)
-        assert wait_until(lambda: thread_queries(h) > 0)
-        time.sleep(0.05)  # past its query: the thread sleeps
+        (ticket,) = held_past_a_poll(h, 2)
         before = thread_queries(h)
         h.fake.not_ready = 0  # the job completes: the next query says so
         done = ticket.wait(1.0)
-        out = (ctypes.c_int64 * 4)()
-        h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
+        found = counts(h)[3]
         if done:
             assert ticket.done() and ticket.error is None and ticket.seconds() > 0
             assert moved(h.fake, expected(h.plan, [0, 1], [0, 1])) == 0
             ticket.release()
-        return done, int(out[3]), thread_queries(h) - before
+        return done, found, thread_queries(h) - before
     finally:
         h.close()
 
@@ -829,10 +880,7 @@ def test_a_query_that_fails_in_a_waiters_hands_fails_the_job() -> None:
     # the fake driver fails a call): the job fails with it, not left to a later query that passes.
     h = waiter_harness(1_000)
     try:
-        h.fake.not_ready = 1 << 40
-        ticket = _issue(h, 1)
-        assert wait_until(lambda: thread_queries(h) > 0)
-        time.sleep(0.05)
+        (ticket,) = held_past_a_poll(h, 1)
         h.fake.fail["cuEventQuery"] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
         h.fake.not_ready = 0
         with pytest.raises(CudaError, match="cuEventQuery"):
@@ -849,19 +897,13 @@ def test_a_waiter_finds_nothing_done_behind_a_job_still_in_flight() -> None:
     # the first heads the flight, however its own end looks.
     h = waiter_harness(1_000)
     try:
-        h.fake.not_ready = 1 << 40
-        first = _issue(h, 1)
-        second = _issue(h, 2)
-        assert wait_until(lambda: thread_queries(h) > 0)
-        time.sleep(0.05)
+        first, second = held_past_a_poll(h, 1, 2)
         queries = len(h.fake.of("cuEventQuery"))
         assert not second.wait(0.2) and not first.done()
         assert len(h.fake.of("cuEventQuery")) == queries  # no one queried meanwhile
         h.fake.not_ready = 0
         assert first.wait(1.0) and second.wait(1.0)  # each waiter finds its own, in order
-        out = (ctypes.c_int64 * 4)()
-        h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
-        assert out[3] == 2
+        assert counts(h)[3] == 2
         first.release()
         second.release()
     finally:
@@ -875,10 +917,7 @@ def test_while_a_waiter_queries_the_thread_issues_and_stops_without_querying() -
     h = waiter_harness(1_000)
     gate, inside = threading.Event(), threading.Event()
     try:
-        h.fake.not_ready = 1 << 40
-        first = _issue(h, 1)
-        assert wait_until(lambda: thread_queries(h) > 0)
-        time.sleep(0.05)
+        (first,) = held_past_a_poll(h, 1)
         h.fake.entered["cuEventQuery"] = inside
         h.fake.gate["cuEventQuery"] = gate
         waiter = threading.Thread(target=lambda: first.wait(TIMEOUT_S))
@@ -919,9 +958,7 @@ def test_waiters_and_the_thread_racing_to_find_jobs_done_find_each_once_in_order
             for src, dst in pairs:  # a later job's pages replace an earlier one's
                 want.update(expected(h.plan, [src], [dst]))
         assert moved(h.fake, want) == 0
-        out = (ctypes.c_int64 * 4)()
-        h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
-        assert 0 < out[3] <= 120
+        assert 0 < counts(h)[3] <= 120
     finally:
         h.close()
 
