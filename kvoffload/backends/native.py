@@ -658,7 +658,14 @@ class NativeBackend:
         (:data:`EXPECT_SPIN_S`; kvo_issuer_expect); None when the early wake is off."""
         if self._expect is None or pages <= 0:
             return None
-        return self._caller_issue_max // pages + 1, functools.partial(self._expect, self._issuer_arg)
+        return self._caller_issue_max // pages + 1, self._wake_early
+
+    def _wake_early(self) -> None:
+        """kvo_issuer_expect, unless the backend was released (the issuer may be gone): under the
+        lock :meth:`release` takes, as a hand-off."""
+        with self._lock:
+            if not self._released and self._expect is not None:
+                self._expect(self._issuer_arg)
 
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Hand the job to the native thread on the path chosen for its size; never raises."""

@@ -8,7 +8,9 @@ Owns the build: the library is compiled once per source version into the cache d
 (``KVOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoffload``, else ``~/.cache/kvoffload``) under a
 name that carries the source's hash, written to a temporary name and renamed, so that concurrent
 processes never load a half-written file. It needs a C compiler (``$CC``, else ``cc`` or ``gcc``)
-and POSIX threads, nothing of CUDA: the driver's entry points come from Python at run time. A machine
+and POSIX threads, nothing of CUDA: the driver's entry points come from Python at run time
+(``KVOFFLOAD_NATIVE_CFLAGS``, whitespace-separated, adds compiler flags: the CI builds both under
+AddressSanitizer with it; the flags are part of the cached name). A machine
 without a compiler gets :class:`~kvoffload.errors.NativeBuildError`, and a worker with
 ``issuer="auto"`` then issues from Python.
 
@@ -189,6 +191,11 @@ def _compiler() -> str:
     raise NativeBuildError("no C compiler found ($CC, cc or gcc): the native issuer cannot be built")
 
 
+def _flags() -> tuple[str, ...]:
+    """The compiler flags: the library's, then those of ``KVOFFLOAD_NATIVE_CFLAGS``."""
+    return (*_FLAGS, *os.environ.get("KVOFFLOAD_NATIVE_CFLAGS", "").split())
+
+
 def build(directory: Path | None = None) -> Path:
     """Compile the library into ``directory`` (default: :func:`cache_dir`) unless it is there;
     returns its path.
@@ -197,7 +204,7 @@ def build(directory: Path | None = None) -> Path:
         NativeBuildError: no compiler, the directory cannot be written, the compile failed (the
             message carries the compiler's output) or took longer than :data:`BUILD_TIMEOUT_S`.
     """
-    return _build(SOURCE, _FLAGS, "kvoffload-issuer", ".so", "the native issuer", directory)
+    return _build(SOURCE, _flags(), "kvoffload-issuer", ".so", "the native issuer", directory)
 
 
 def build_front(directory: Path | None = None) -> Path:
@@ -213,7 +220,7 @@ def build_front(directory: Path | None = None) -> Path:
         raise NativeBuildError(f"Python's headers are not installed (no Python.h in {include!r}): "
                                "the call front cannot be built")
     suffix = machinery.EXTENSION_SUFFIXES[0]
-    return _build(FRONT_SOURCE, (*_FLAGS, f"-I{include}"), "kvoffload-front", suffix,
+    return _build(FRONT_SOURCE, (*_flags(), f"-I{include}"), "kvoffload-front", suffix,
                   "the call front", directory)
 
 

@@ -9,7 +9,9 @@
  * over the staging ring), enqueues it behind the caller's fence on the direction's streams through
  * driver entry points Python resolved with cuGetProcAddress, records its end event, and then polls
  * that event (cuEventQuery, short sleeps with a 1 us timer slack) until it completes; waiters on a
- * condition variable are woken at once. No CUDA header is needed: the few types are declared here.
+ * condition variable are woken at once. A waiter spinning for the job polls it too (waiter_query), a
+ * small job handed to an idle thread is issued by its caller (caller_issue), and a caller about to
+ * hand over a large one may wake the thread first (kvo_issuer_expect). No CUDA header is needed: the few types are declared here.
  *
  * Ownership: the issuer owns its thread, its event pools and every job from kvo_hand_off until the
  * last of its references (the thread's, the ticket's, the layer marks') is dropped. A fence is owned
@@ -185,7 +187,7 @@ struct kvo_issuer {
     int64_t expects;      /* the calls of kvo_issuer_expect that woke the thread (kvo_issuer_counts) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
     struct pool timing, plain;
-    /* the thread's state (the rate and the last prediction also the waiter's, under mu) */
+    /* the thread's state (the rate also the waiter's, under mu: learn_rate) */
     double fastest_ns_per_byte; /* the fastest completed job's device time per byte (0: none yet) */
     int64_t last_expected_end;  /* the predicted end of the last job put in flight */
     CUstream last_end;
@@ -664,7 +666,7 @@ static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float m
 /* The flight's head `job` was found complete (by the thread or its waiter) after `ms` of device
  * time: it leaves the flight and is done. Caller holds the mutex. */
 static void found(struct kvo_issuer *is, struct kvo_job *job, float ms) {
-    is->flight_head = job->next;
+    __atomic_store_n(&is->flight_head, job->next, __ATOMIC_RELEASE); /* a waiter looks without mu */
     if (!is->flight_head) is->flight_tail = 0;
     job->seconds = ms / 1e3;
     learn_rate(is, job, ms);
@@ -672,7 +674,7 @@ static void found(struct kvo_issuer *is, struct kvo_job *job, float ms) {
 }
 
 /* A job was issued (by the thread, or by its caller): its fence goes, and it is done at once (nothing
- * enqueued) or put in flight for the thread to poll. Caller holds the mutex. 1 when in flight. */
+ * enqueued) or put in flight for the thread (or a waiter spinning for it) to poll. Caller holds the mutex. 1 when in flight. */
 static int issued(struct kvo_issuer *is, struct kvo_job *job) {
     if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
     if (job->layered && job->marked < job->first + job->nplans && job->fail == FAIL_NOTHING)
@@ -681,7 +683,8 @@ static int issued(struct kvo_issuer *is, struct kvo_job *job) {
     __atomic_store_n(&job->state, JOB_ISSUED, __ATOMIC_RELEASE); /* read by a spinning waiter */
     job->polled_ns = now_ns();
     predict_end(is, job);
-    if (is->flight_tail) is->flight_tail->next = job; else is->flight_head = job;
+    if (is->flight_tail) is->flight_tail->next = job;
+    else __atomic_store_n(&is->flight_head, job, __ATOMIC_RELEASE); /* a waiter looks without mu */
     is->flight_tail = job;
     pthread_cond_broadcast(&is->done);
     return 1;
@@ -765,6 +768,7 @@ static void *run(void *arg) {
         if (is->queue_head || is->flight_head) idle_since = 0;
         if (is->queue_head) {
             struct kvo_job *job = is->queue_head;
+            is->expect_until = 0; /* the job an early wake announced came (or another did) */
             is->queue_head = job->next;
             if (!is->queue_head) is->queue_tail = 0;
             job->next = 0;
@@ -785,7 +789,7 @@ static void *run(void *arg) {
         if (is->flight_head) {
             struct kvo_job *job = is->flight_head;
             if (is->stop) { /* the owner gave up on it: wake its waiters */
-                is->flight_head = job->next;
+                __atomic_store_n(&is->flight_head, job->next, __ATOMIC_RELEASE);
                 if (!is->flight_head) is->flight_tail = 0;
                 job->error = KVO_ABANDONED; job->error_call = "release"; job->fail = FAIL_COMPLETION;
                 finish(is, job);
@@ -819,13 +823,14 @@ static void *run(void *arg) {
                 }
                 if (is->queue_head || is->stop) continue; /* came during the query: it woke no one */
                 int64_t nap = end && now < end - lead && end - lead - now < sleep_ns ? end - lead - now : sleep_ns;
+                int64_t polled = job->polled_ns; /* a waiter may find the job done (and free it) meanwhile */
                 struct timespec until;
                 deadline_after(&until, nap);
                 is->sleeping = 1;
                 pthread_cond_timedwait(&is->work, &is->mu, &until);
                 is->sleeping = 0;
                 /* sleep about an eighth of the time in flight so far, within the bounds */
-                int64_t age = (now_ns() - job->polled_ns) / 8;
+                int64_t age = (now_ns() - polled) / 8;
                 sleep_ns = age < is->c.poll_min_ns ? is->c.poll_min_ns
                          : age > is->c.poll_max_ns ? is->c.poll_max_ns : age;
                 continue;
@@ -1114,9 +1119,15 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
  * queries it (`querying`, which the thread also takes for its queries, so one of them queries at a
  * time and the job leaves the flight once, in order: only the head), the waiter queries its end
  * event without the mutex and finds a completed job done here, as the thread would, or failed with
- * the query's error, as the thread would report it. 1 when the job is done. The job's events stay its own while the waiter holds its reference. */
+ * the query's error, as the thread would report it. A query the caller's thread cannot make (no
+ * context current there) is left to the thread, and the waiter stops querying. The query is not
+ * counted as a caller's driver call: the thread does not give way to it (it would hold back the
+ * issue of the jobs queued behind at every query). 1 when the job is done, -1 when the waiter is to
+ * stop querying, else 0. The job's events stay its own while the waiter holds its reference. */
 static int waiter_query(struct kvo_issuer *is, struct kvo_job *job) {
+    if (__atomic_load_n(&is->flight_head, __ATOMIC_ACQUIRE) != job) return 0; /* not yet the head */
     pthread_mutex_lock(&is->mu);
+    int stop_querying = 0;
     if (job->state == JOB_ISSUED && is->flight_head == job && !is->querying && !is->stop &&
         job->fail == FAIL_NONE) {
         is->querying = 1;
@@ -1128,7 +1139,8 @@ static int waiter_query(struct kvo_issuer *is, struct kvo_job *job) {
             ms = 0.0f;
         pthread_mutex_lock(&is->mu);
         is->querying = 0;
-        if (q != KVO_NOT_READY && job->state == JOB_ISSUED && is->flight_head == job) { /* not given up */
+        stop_querying = q == KVO_INVALID_CONTEXT;
+        if (q != KVO_NOT_READY && !stop_querying && job->state == JOB_ISSUED && is->flight_head == job) {
             if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
             found(is, job, ms);
             is->waiter_found++;
@@ -1136,22 +1148,24 @@ static int waiter_query(struct kvo_issuer *is, struct kvo_job *job) {
     }
     int done = job->state == JOB_DONE;
     pthread_mutex_unlock(&is->mu);
-    return done;
+    return done ? 1 : stop_querying ? -1 : 0;
 }
 
 /* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins first
  * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
  * blocked on a condition variable costs tens of microseconds on some hosts, querying the job's end
- * itself every wait_query_ns while it spins (waiter_query); then blocks. */
+ * itself every wait_query_ns while it spins (waiter_query); then blocks. A query in the spin may
+ * wait behind another thread's driver call: the wait can end that much past timeout_ns. */
 int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
     struct kvo_issuer *is = job->issuer;
     int64_t start = now_ns(), spin = is->c.wait_spin_ns < timeout_ns ? is->c.wait_spin_ns : timeout_ns;
-    int64_t next_query = start, now = start;
+    int64_t next_query = start, now = start, query = is->c.wait_query_ns > 0;
     while (now - start < spin) {
         if (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE) break;
-        if (is->c.wait_query_ns > 0 && now >= next_query &&
-            __atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_ISSUED) {
-            if (waiter_query(is, job)) break;
+        if (query && now >= next_query && __atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_ISSUED) {
+            int r = waiter_query(is, job);
+            if (r > 0) break;
+            query = r == 0;
             next_query = now_ns() + is->c.wait_query_ns;
         }
         for (int i = 0; i < 32; i++) cpu_relax();

@@ -697,6 +697,19 @@ def test_a_thread_told_a_hand_off_is_coming_wakes_and_takes_it_without_a_signal(
     assert expect_then_hand_off(True, spin_ns=1_000_000) == (1, 1, 1)
 
 
+def test_an_early_wake_after_the_backend_was_released_calls_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]))
+    calls: list[object] = []
+    wake = h.backend.early_wake(4)
+    assert wake is not None
+    monkeypatch.setattr(h.backend, "_expect", calls.append)  # counts the calls into the library
+    wake[1]()
+    assert len(calls) == 1
+    h.close()  # the issuer is stopped and freed
+    wake[1]()  # a front that took a job before the shutdown: nothing is called
+    assert len(calls) == 1
+
+
 def test_a_thread_with_work_or_an_early_wake_off_is_not_woken() -> None:
     h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune=THREAD_ISSUES)
     off = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune={"expect_spin_ns": 0})
@@ -886,6 +899,24 @@ def test_a_query_that_fails_in_a_waiters_hands_fails_the_job() -> None:
         with pytest.raises(CudaError, match="cuEventQuery"):
             ticket.wait(1.0)
         assert "cuEventQuery" not in h.fake.fail  # the waiter's query was the one
+        ticket.release()
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+
+
+def test_a_query_the_waiters_thread_cannot_make_is_left_to_the_issuer_thread() -> None:
+    # With no context current on the waiter's thread its query fails with CUDA_ERROR_INVALID_CONTEXT:
+    # the job is not failed for it; the waiter stops querying and the thread finds it later.
+    h = waiter_harness(1_000)
+    try:
+        (ticket,) = held_past_a_poll(h, 1)
+        h.fake.fail["cuEventQuery"] = 201  # CUDA_ERROR_INVALID_CONTEXT
+        h.fake.not_ready = 0
+        start = len(h.fake.of("cuEventQuery"))
+        assert not ticket.wait(0.2)  # not failed, not found: left to the thread's next poll
+        assert "cuEventQuery" not in h.fake.fail and len(h.fake.of("cuEventQuery")) == start + 1
+        assert counts(h)[3] == 0 and not ticket.done()
         ticket.release()
     finally:
         h.fake.not_ready = 0
@@ -1172,6 +1203,16 @@ def test_the_library_builds_into_a_directory_once(tmp_path: Path) -> None:
     stamp = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
+
+
+def test_extra_compiler_flags_build_a_library_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = native.build(tmp_path)
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_CFLAGS", "-DKVO_EXTRA=1  -g")
+    flagged = native.build(tmp_path)
+    assert flagged != plain and sorted(p.name for p in tmp_path.iterdir()) == sorted([plain.name, flagged.name])
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_CFLAGS", "-fno-such-flag")
+    with pytest.raises(NativeBuildError, match="fno-such-flag"):  # the flags reach the compiler
+        native.build(tmp_path)
 
 
 def test_a_failed_build_raises_with_the_compilers_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
