@@ -838,12 +838,22 @@ def test_a_job_handed_over_while_the_thread_queries_is_issued_without_waiting_ou
         h.close()
 
 
-def waiter_harness(wait_query_ns: int) -> Harness:
+@contextlib.contextmanager
+def waiter_harness(wait_query_ns: int) -> Iterator[Harness]:
     """A harness whose thread polls a job in flight every 30 s and whose waits spin for 10 s,
-    querying the job's end every ``wait_query_ns`` (0: never)."""
-    return Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
-                   tune={"poll_min_ns": 30 * 10**9, "poll_max_ns": 30 * 10**9, "end_lead_ns": 0,
-                         "wait_spin_ns": 10 * 10**9, "wait_query_ns": wait_query_ns})
+    querying the job's end every ``wait_query_ns`` (0: never); closed on exit, with every job let
+    end and every gate open."""
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
+                tune={"poll_min_ns": 30 * 10**9, "poll_max_ns": 30 * 10**9, "end_lead_ns": 0,
+                      "wait_spin_ns": 10 * 10**9, "wait_query_ns": wait_query_ns})
+    try:
+        yield h
+    finally:
+        h.fake.not_ready = 0
+        for gate in h.fake.gate.values():
+            gate.set()
+        h.fake.gate.clear()
+        h.close()
 
 
 def thread_queries(h: Harness) -> int:
@@ -866,8 +876,7 @@ def found_by_its_waiter(wait_query_ns: int) -> tuple[bool, int, int]:
     """A job whose end the thread found not ready (so it sleeps 30 s) and that then completes,
     waited for 1 s: whether the wait saw it done, the jobs waiters found done, and the thread's
     queries meanwhile."""
-    h = waiter_harness(wait_query_ns)
-    try:
+    with waiter_harness(wait_query_ns) as h:
         (ticket,) = held_past_a_poll(h, 2)
         before = thread_queries(h)
         h.fake.not_ready = 0  # the job completes: the next query says so
@@ -878,8 +887,6 @@ def found_by_its_waiter(wait_query_ns: int) -> tuple[bool, int, int]:
             assert moved(h.fake, expected(h.plan, [0, 1], [0, 1])) == 0
             ticket.release()
         return done, found, thread_queries(h) - before
-    finally:
-        h.close()
 
 
 def test_a_spinning_waiter_finds_its_job_done_without_waiting_for_the_threads_next_poll() -> None:
@@ -888,46 +895,31 @@ def test_a_spinning_waiter_finds_its_job_done_without_waiting_for_the_threads_ne
     assert found_by_its_waiter(1_000) == (True, 1, 0)
 
 
-def test_a_query_that_fails_in_a_waiters_hands_fails_the_job() -> None:
+@pytest.mark.parametrize("code", [700, 201], ids=["illegal address", "no context"])
+def test_a_query_that_fails_in_a_waiters_hands_fails_the_job_unless_it_lacked_a_context(code: int) -> None:
     # The thread sleeps 30 s between polls, so the waiter's query is the one that fails (once, as
-    # the fake driver fails a call): the job fails with it, not left to a later query that passes.
-    h = waiter_harness(1_000)
-    try:
+    # the fake driver fails a call). CUDA_ERROR_ILLEGAL_ADDRESS fails the job, not left to a later
+    # query that passes; CUDA_ERROR_INVALID_CONTEXT (no context current on the waiter's thread)
+    # fails nothing: the waiter stops querying and leaves the job to the thread's next poll.
+    with waiter_harness(1_000) as h:
         (ticket,) = held_past_a_poll(h, 1)
-        h.fake.fail["cuEventQuery"] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
-        h.fake.not_ready = 0
-        with pytest.raises(CudaError, match="cuEventQuery"):
-            ticket.wait(1.0)
-        assert "cuEventQuery" not in h.fake.fail  # the waiter's query was the one
-        ticket.release()
-    finally:
-        h.fake.not_ready = 0
-        h.close()
-
-
-def test_a_query_the_waiters_thread_cannot_make_is_left_to_the_issuer_thread() -> None:
-    # With no context current on the waiter's thread its query fails with CUDA_ERROR_INVALID_CONTEXT:
-    # the job is not failed for it; the waiter stops querying and the thread finds it later.
-    h = waiter_harness(1_000)
-    try:
-        (ticket,) = held_past_a_poll(h, 1)
-        h.fake.fail["cuEventQuery"] = 201  # CUDA_ERROR_INVALID_CONTEXT
+        h.fake.fail["cuEventQuery"] = code
         h.fake.not_ready = 0
         start = len(h.fake.of("cuEventQuery"))
-        assert not ticket.wait(0.2)  # not failed, not found: left to the thread's next poll
-        assert "cuEventQuery" not in h.fake.fail and len(h.fake.of("cuEventQuery")) == start + 1
-        assert counts(h)[3] == 0 and not ticket.done()
+        if code == 700:
+            with pytest.raises(CudaError, match="cuEventQuery"):
+                ticket.wait(1.0)
+        else:
+            assert not ticket.wait(0.2)
+            assert len(h.fake.of("cuEventQuery")) == start + 1 and counts(h)[3] == 0 and not ticket.done()
+        assert "cuEventQuery" not in h.fake.fail  # the waiter's query was the one
         ticket.release()
-    finally:
-        h.fake.not_ready = 0
-        h.close()
 
 
 def test_a_waiter_finds_nothing_done_behind_a_job_still_in_flight() -> None:
     # Jobs leave the flight in order: the second job's waiter does not query it (or anything) while
     # the first heads the flight, however its own end looks.
-    h = waiter_harness(1_000)
-    try:
+    with waiter_harness(1_000) as h:
         first, second = held_past_a_poll(h, 1, 2)
         queries = len(h.fake.of("cuEventQuery"))
         assert not second.wait(0.2) and not first.done()
@@ -937,17 +929,13 @@ def test_a_waiter_finds_nothing_done_behind_a_job_still_in_flight() -> None:
         assert counts(h)[3] == 2
         first.release()
         second.release()
-    finally:
-        h.fake.not_ready = 0
-        h.close()
 
 
 def test_while_a_waiter_queries_the_thread_issues_and_stops_without_querying() -> None:
     # A waiter held inside its query of the job in flight: the thread does not query that job
     # meanwhile, still issues the next job, and stops within its deadline.
-    h = waiter_harness(1_000)
     gate, inside = threading.Event(), threading.Event()
-    try:
+    with waiter_harness(1_000) as h:
         (first,) = held_past_a_poll(h, 1)
         h.fake.entered["cuEventQuery"] = inside
         h.fake.gate["cuEventQuery"] = gate
@@ -966,11 +954,6 @@ def test_while_a_waiter_queries_the_thread_issues_and_stops_without_querying() -
         assert first.done() and second.wait(1.0)
         first.release()
         second.release()
-    finally:
-        h.fake.not_ready = 0
-        h.fake.gate.clear()
-        gate.set()
-        h.close()
 
 
 def test_waiters_and_the_thread_racing_to_find_jobs_done_find_each_once_in_order() -> None:
