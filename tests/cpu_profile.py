@@ -1,0 +1,224 @@
+"""What a native job costs its caller on a machine without a GPU (``python -m tests.cpu_profile``).
+
+The native issuer runs over a no-op driver compiled here (every driver call returns at once; an
+event completes ``DEVICE_US`` after its record), so what is timed is the library's and Python's own
+work on the caller's thread (``NAME=VALUE`` arguments set constants of
+:mod:`kvoffload.backends.native` first, e.g. ``EXPECT_SPIN_S=0``): the call of a 256-block store in bursts of 4 (the first after a wait,
+and jobs 2-4), a 1-block store's call -> result, and the wait of a job already done; then the
+Python functions those calls run (cProfile, by own time). Device time is spent on none of it, so
+a change to the submit or result path can be measured here first, side by side with the tree it
+changes (run both in one session; the CI machine's spread between runs is large). Figures here are
+the host's, not the H200 host's: only ratios between builds measured together mean anything.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import ctypes
+import io
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload import DeviceLayout, Worker, native
+from kvoffload.backends.native import NativeBackend
+from kvoffload.records import Direction
+from tests.unit._native_fake import FUNCTIONS
+
+#: The no-op driver's device time of every job (from an event's record to its completion).
+DEVICE_US = 50
+LAYERS = 32
+PAGE = 16 * 1024
+BLOCKS = 1024
+COPY, KERNEL, COMPUTE = 0x1000, 0x2000, 0x3000
+
+_DRIVER = r"""
+#include <stdint.h>
+#include <time.h>
+typedef int CUresult;
+enum { NOT_READY = 600, EVENTS = 1 << 16 };
+static int64_t due[EVENTS];
+static uint64_t next_event = 1;
+static int64_t device_ns;
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+void noop_device_ns(int64_t ns) { device_ns = ns; }
+CUresult noop_ctx_set(void *c) { (void)c; return 0; }
+CUresult noop_ctx_get(void **c) { *c = 0; return 0; }
+CUresult noop_event_create(uint64_t *out, unsigned f) {
+    (void)f; *out = __atomic_fetch_add(&next_event, 1, __ATOMIC_RELAXED) % EVENTS; return 0;
+}
+CUresult noop_event_destroy(uint64_t e) { (void)e; return 0; }
+CUresult noop_event_record(uint64_t e, void *s) {
+    (void)s; __atomic_store_n(&due[e % EVENTS], now_ns() + device_ns, __ATOMIC_RELEASE); return 0;
+}
+CUresult noop_event_query(uint64_t e) {
+    return now_ns() >= __atomic_load_n(&due[e % EVENTS], __ATOMIC_ACQUIRE) ? 0 : NOT_READY;
+}
+CUresult noop_event_elapsed(float *ms, uint64_t a, uint64_t b) {
+    (void)a; (void)b; *ms = (float)device_ns / 1e6f; return 0;
+}
+CUresult noop_stream_wait(void *s, uint64_t e, unsigned f) { (void)s; (void)e; (void)f; return 0; }
+CUresult noop_memcpy(uint64_t d, uint64_t s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
+CUresult noop_batch(void *d, void *s, void *n, size_t c, void *a, void *i, size_t na, void *st) {
+    (void)d; (void)s; (void)n; (void)c; (void)a; (void)i; (void)na; (void)st; return 0;
+}
+CUresult noop_launch(void *f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g,
+                     unsigned h, void *s, void *p, void *x) {
+    (void)f; (void)a; (void)b; (void)c; (void)d; (void)e; (void)g; (void)h; (void)s; (void)p; (void)x;
+    return 0;
+}
+"""
+
+
+def _driver() -> ctypes.CDLL:
+    """The no-op driver, compiled into a temporary directory (removed once loaded)."""
+    with tempfile.TemporaryDirectory(prefix="kvoffload-noop-") as scratch:
+        source, library = Path(scratch) / "noop.c", Path(scratch) / "noop.so"
+        source.write_text(_DRIVER)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True,
+                       timeout=120)
+        lib = ctypes.CDLL(str(library))
+    lib.noop_device_ns(ctypes.c_int64(DEVICE_US * 1000))
+    return lib
+
+
+class _Inner:
+    """What the native backend takes over: streams are ints, the default one the compute stream."""
+
+    path = "dma"
+
+    def __init__(self, direction: Direction) -> None:
+        self.direction = direction
+        self.device = torch.device("cpu")
+
+    def stream_handle(self, stream: object | None) -> int:
+        return COMPUTE if stream is None else int(stream)  # type: ignore[call-overload]
+
+    def release(self) -> None:
+        pass
+
+
+def _worker(lib: ctypes.CDLL, keep: list[object]) -> Worker:
+    """A worker of LAYERS K and V tensors of PAGE-byte pages, both directions native over ``lib``."""
+    def entry(name: str) -> int:
+        return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
+
+    def factory(direction: Direction) -> Any:
+        c = native.Config()
+        for field, name in (("ctx_set_current", "noop_ctx_set"), ("ctx_get_current", "noop_ctx_get"),
+                            ("event_create", "noop_event_create"), ("event_destroy", "noop_event_destroy"),
+                            ("event_record", "noop_event_record"), ("event_query", "noop_event_query"),
+                            ("event_elapsed", "noop_event_elapsed"), ("stream_wait_event", "noop_stream_wait"),
+                            ("memcpy_async", "noop_memcpy"), ("memcpy_batch", "noop_batch"),
+                            ("launch", "noop_launch")):
+            setattr(c, field, entry(name))
+        c.batch_abi = 13000
+        for i, (function, rows) in enumerate(FUNCTIONS):
+            c.functions[i] = function
+            c.function_rows[i] = rows
+        c.nfunctions, c.threads = len(FUNCTIONS), 512
+        c.copy_stream, c.kernel_stream = COPY, KERNEL
+        c.store = int(direction is Direction.STORE)
+        c.sm_ctas, c.staged_ctas = 8, 132
+        bases = (ctypes.c_uint64 * 1)(0)
+        keep.append(bases)
+        c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
+        from kvoffload.backends import native as nb
+        c.poll_min_ns, c.poll_max_ns = int(nb.POLL_MIN_S * 1e9), int(nb.POLL_MAX_S * 1e9)
+        c.wait_spin_ns, c.give_way_ns = int(nb.WAIT_SPIN_S * 1e9), int(nb.GIVE_WAY_S * 1e9)
+        c.end_lead_ns, c.idle_light_ns = int(nb.END_LEAD_S * 1e9), int(nb.IDLE_LIGHT_S * 1e9)
+        c.caller_issue_max, c.wait_query_ns = nb.CALLER_ISSUE_MAX, int(nb.WAIT_QUERY_S * 1e9)
+        c.expect_spin_ns = int(nb.EXPECT_SPIN_S * 1e9)
+        return NativeBackend.start(_Inner(direction), c, index=0, choose=lambda _n: "dma",
+                                   path_names={"dma": "dma"}, tables=None, keep=keep)
+
+    tensors = [torch.empty(BLOCKS, PAGE, dtype=torch.uint8) for _ in range(2 * LAYERS)]
+    keep.append(tensors)
+    layout = DeviceLayout.from_tensors(tensors, block_dim=0)
+    return Worker.create(layout, BLOCKS, backend_factory=factory)
+
+
+def _us(samples: list[float]) -> str:
+    ordered = sorted(samples)
+    return (f"median {statistics.median(ordered) * 1e6:7.1f} us, "
+            f"p90 {ordered[int(0.9 * (len(ordered) - 1))] * 1e6:7.1f} us")
+
+
+def main() -> int:
+    from kvoffload.backends import native as nb
+    for setting in sys.argv[1:]:  # NAME=VALUE: a constant of kvoffload.backends.native, for A/B runs
+        name, _, value = setting.partition("=")
+        if not hasattr(nb, name) or not value:
+            print(f"usage: python -m tests.cpu_profile [NAME=VALUE ...] (NAME one of {nb.__all__})",
+                  file=sys.stderr)
+            return 2
+        setattr(nb, name, type(getattr(nb, name))(float(value)))
+        print(f"{name} = {getattr(nb, name)}")
+    keep: list[object] = []
+    w = _worker(_driver(), keep)
+    try:
+        job = 0
+        first: list[float] = []
+        rest: list[float] = []
+        for _ in range(60):  # bursts of 4 stores of 256 blocks, each burst after the last finished
+            ids = []
+            for k in range(4):
+                blocks = np.arange(k * 256, (k + 1) * 256, dtype=np.int64)
+                t0 = time.perf_counter()
+                w.store(job, blocks, blocks)
+                (first if k == 0 else rest).append(time.perf_counter() - t0)
+                ids.append(job)
+                job += 1
+            w.wait(ids, 60)
+            time.sleep(0.001)
+        print(f"caller's time per store of 256 blocks x {2 * LAYERS} pages: first of a burst {_us(first[5:])}")
+        print(f"                                                 jobs 2-4 {_us(rest[15:])}")
+        one = np.arange(1, dtype=np.int64)
+        whole: list[float] = []
+        waits: list[float] = []
+        for _ in range(300):
+            time.sleep(0.001)
+            t0 = time.perf_counter()
+            w.store(job, one, one)
+            w.wait([job], 60)
+            whole.append(time.perf_counter() - t0)
+            job += 1
+            w.store(job, one, one)
+            time.sleep(0.002)  # done meanwhile (device time DEVICE_US)
+            t0 = time.perf_counter()
+            w.wait([job], 60)
+            waits.append(time.perf_counter() - t0)
+            job += 1
+        print(f"1-block store, call -> result (device {DEVICE_US} us): {_us(whole[20:])}")
+        print(f"wait of a 1-block job already done: {_us(waits[20:])}")
+        profile = cProfile.Profile()
+        for _ in range(200):
+            blocks = np.arange(256, dtype=np.int64)
+            profile.enable()
+            w.store(job, blocks, blocks)
+            w.wait([job], 60)
+            profile.disable()
+            job += 1
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(20)
+        print("\nthe Python of 200 stores of 256 blocks and their waits, by own time:")
+        print(out.getvalue())
+    finally:
+        w.shutdown(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
