@@ -490,8 +490,9 @@ class Worker:
         one pass (the ids copied, admitted and counted in one call into the library, the id
         reserved, the job handed over), with an issuer thread that is out of work woken first
         for a job its caller will not issue. True when the job was submitted. False, with nothing
-        changed (but a thread perhaps woken), for any other job or any failed check: :meth:`_submit` then validates it from the
-        start and submits it or raises its precise error, so the two doors differ only in speed.
+        changed (but a thread perhaps woken), for any other job or any failed check:
+        :meth:`_submit` then validates it from the start and submits it or raises its precise
+        error, so the two doors differ only in speed.
         """
         lane = self._fronts.get(direction)
         if (lane is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
