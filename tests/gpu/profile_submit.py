@@ -25,12 +25,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 import kvoffload.backends.cuda as cuda_backend
 import kvoffload.backends.native as native_backend
 import kvoffload.worker.worker as worker_module
-from kvoffload import DeviceLayout, Worker
+from kvoffload import DeviceLayout, TransferResult, Worker
 from kvoffload._jobs import JobBook
 from kvoffload.backends.cuda import CudaBackend, CudaTicket
 from kvoffload.backends.native import NativeBackend, NativeTicket
@@ -164,6 +165,20 @@ def _reference_work() -> int:
     return total
 
 
+def one_job(w: Worker, store: bool, job: int, ids: npt.NDArray[np.int64], tickets: list[NativeTicket],
+            ) -> tuple[float, float, float, TransferResult, tuple[float, float, float, float]]:
+    """One isolated job of ``w`` through its public calls, its ticket kept alone in ``tickets``:
+    monotonic times of the call, of its return and of the wait's return, the result, and the
+    ticket's times (handed over, issue began, issued, found done)."""
+    tickets.clear()
+    t0 = time.monotonic()
+    (w.store if store else w.load)(job, ids, ids)
+    t1 = time.monotonic()
+    (result,) = w.wait([job], 60)
+    t2 = time.monotonic()
+    return t0, t1, t2, result, tickets[-1].times()
+
+
 def pinned_copy_s(device: torch.device, stream: torch.cuda.Stream, host: torch.Tensor, buf: torch.Tensor,
                   store: bool) -> float:
     """One pinned copy of ``buf`` to ``host`` (``store``) or back on ``stream``, timed call ->
@@ -241,14 +256,8 @@ def timeline64(device: torch.device) -> None:
                     rows = []
                     for i in range(10):
                         torch.cuda.synchronize(device)
-                        tickets.clear()
-                        job = i + (0 if store else 100)
-                        t0 = time.monotonic()
-                        (w.store if store else w.load)(job, ids, ids)
-                        t1 = time.monotonic()
-                        (r,) = w.wait([job], 60)
-                        t2 = time.monotonic()
-                        handed, began, issued, found = tickets[-1].times()
+                        t0, t1, t2, r, (handed, began, issued, found) = one_job(
+                            w, store, i + (0 if store else 100), ids, tickets)
                         copy = pinned_copy_s(device, stream, host, buf, store)
                         if i >= 2:
                             rows.append((t1 - t0, handed - t0, began - t0, issued - t0, found - t0, t2 - t0,
@@ -471,13 +480,7 @@ def ab(device: torch.device) -> None:
                 for i in range(44):
                     for v, w in enumerate(workers):
                         copy = pinned_copy_s(device, stream, host, buf, store)
-                        tickets.clear()
-                        t0 = time.monotonic()
-                        (w.store if store else w.load)(i, ids, ids)
-                        t1 = time.monotonic()
-                        (r,) = w.wait([i], 60)
-                        t2 = time.monotonic()
-                        handed, began, _, found = tickets[-1].times()
+                        t0, t1, t2, r, (handed, began, _, found) = one_job(w, store, i, ids, tickets)
                         if i >= 4:
                             rows[v].append((t2 - t0, copy, handed - t0, began - handed,
                                             found - began - r.seconds, t2 - found, t1 - t0))
