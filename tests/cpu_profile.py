@@ -157,6 +157,7 @@ def _us(samples: list[float]) -> str:
 
 
 def main() -> int:
+    """Set the constants given, then measure and print (see the module docstring)."""
     from kvoffload.backends import native as nb
     for setting in sys.argv[1:]:  # NAME=VALUE: a constant of kvoffload.backends.native, for A/B runs
         name, _, value = setting.partition("=")

@@ -35,6 +35,7 @@ def _runtime() -> str:
 
 
 def main() -> int:
+    """Run the tests under the sanitizer in a fresh interpreter; print any report; 1 on one."""
     with tempfile.TemporaryDirectory(prefix="kvoffload-asan-") as scratch:
         env = dict(os.environ, LD_PRELOAD=_runtime(), KVOFFLOAD_CACHE_DIR=f"{scratch}/cache",
                    KVOFFLOAD_NATIVE_CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g",
