@@ -11,7 +11,8 @@
  * that event (cuEventQuery, short sleeps with a 1 us timer slack) until it completes; waiters on a
  * condition variable are woken at once. A waiter spinning for the job polls it too (waiter_query), a
  * small job handed to an idle thread is issued by its caller (caller_issue), and a caller about to
- * hand over a large one may wake the thread first (kvo_issuer_expect). No CUDA header is needed: the few types are declared here.
+ * hand over a large one may wake the thread first (kvo_issuer_expect). No CUDA header is needed:
+ * the few types are declared here.
  *
  * Ownership: the issuer owns its thread, its event pools and every job from kvo_hand_off until the
  * last of its references (the thread's, the ticket's, the layer marks') is dropped. A fence is owned
@@ -663,9 +664,22 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
 static void predict_end(struct kvo_issuer *is, struct kvo_job *job);
 static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float ms);
 
+/* Query the end event of the flight's head `job` (the caller, the thread or its waiter, holds
+ * `querying`, not the mutex): the query's answer, and *ms the job's device time once complete (0
+ * otherwise, and for a job whose issue failed part-way). */
+static CUresult query_end(struct kvo_issuer *is, const struct kvo_job *job, float *ms) {
+    CUresult q = ((fn_event_query)is->c.event_query)(job->end);
+    *ms = 0.0f;
+    if (q == 0 && job->fail == FAIL_NONE && is->c.event_elapsed &&
+        ((fn_event_elapsed)is->c.event_elapsed)(ms, job->start, job->end))
+        *ms = 0.0f;
+    return q;
+}
+
 /* The flight's head `job` was found complete (by the thread or its waiter) after `ms` of device
- * time: it leaves the flight and is done. Caller holds the mutex. */
-static void found(struct kvo_issuer *is, struct kvo_job *job, float ms) {
+ * time, or its query failed with `q`: it leaves the flight and is done. Caller holds the mutex. */
+static void found(struct kvo_issuer *is, struct kvo_job *job, CUresult q, float ms) {
+    if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
     __atomic_store_n(&is->flight_head, job->next, __ATOMIC_RELEASE); /* a waiter looks without mu */
     if (!is->flight_head) is->flight_tail = 0;
     job->seconds = ms / 1e3;
@@ -674,7 +688,8 @@ static void found(struct kvo_issuer *is, struct kvo_job *job, float ms) {
 }
 
 /* A job was issued (by the thread, or by its caller): its fence goes, and it is done at once (nothing
- * enqueued) or put in flight for the thread (or a waiter spinning for it) to poll. Caller holds the mutex. 1 when in flight. */
+ * enqueued) or put in flight for the thread (or a waiter spinning for it) to poll. Caller holds the
+ * mutex. 1 when in flight. */
 static int issued(struct kvo_issuer *is, struct kvo_job *job) {
     if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
     if (job->layered && job->marked < job->first + job->nplans && job->fail == FAIL_NOTHING)
@@ -741,6 +756,16 @@ static int idle_spin(struct kvo_issuer *is) {
     return is->queue_head || is->stop;
 }
 
+/* The thread (holding mu) blocks for up to `ns`, or until a hand-off, the stop or a caller's
+ * issue signals it (`sleeping` tells them to). */
+static void nap(struct kvo_issuer *is, int64_t ns) {
+    struct timespec until;
+    deadline_after(&until, ns);
+    is->sleeping = 1;
+    pthread_cond_timedwait(&is->work, &is->mu, &until);
+    is->sleeping = 0;
+}
+
 static void *run(void *arg) {
     struct kvo_issuer *is = arg;
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* short polling sleeps wake on time */
@@ -796,21 +821,14 @@ static void *run(void *arg) {
                 continue;
             }
             if (is->querying) { /* its waiter queries it (waiter_query): the thread polls later */
-                struct timespec until;
-                deadline_after(&until, sleep_ns);
-                is->sleeping = 1;
-                pthread_cond_timedwait(&is->work, &is->mu, &until);
-                is->sleeping = 0;
+                nap(is, sleep_ns);
                 continue;
             }
-            CUevent end = job->end;
             is->querying = 1; /* no waiter queries or finishes the job meanwhile (waiter_query) */
             pthread_mutex_unlock(&is->mu);
             give_way(is);
-            CUresult q = ((fn_event_query)is->c.event_query)(end);
-            float ms = 0.0f;
-            if (q == 0 && job->fail == FAIL_NONE && is->c.event_elapsed)
-                if (((fn_event_elapsed)is->c.event_elapsed)(&ms, job->start, end)) ms = 0.0f;
+            float ms;
+            CUresult q = query_end(is, job, &ms);
             pthread_mutex_lock(&is->mu);
             is->querying = 0;
             if (q == KVO_NOT_READY) {
@@ -822,21 +840,16 @@ static void *run(void *arg) {
                     continue;
                 }
                 if (is->queue_head || is->stop) continue; /* came during the query: it woke no one */
-                int64_t nap = end && now < end - lead && end - lead - now < sleep_ns ? end - lead - now : sleep_ns;
+                int64_t until_lead = end && now < end - lead && end - lead - now < sleep_ns ? end - lead - now : sleep_ns;
                 int64_t polled = job->polled_ns; /* a waiter may find the job done (and free it) meanwhile */
-                struct timespec until;
-                deadline_after(&until, nap);
-                is->sleeping = 1;
-                pthread_cond_timedwait(&is->work, &is->mu, &until);
-                is->sleeping = 0;
+                nap(is, until_lead);
                 /* sleep about an eighth of the time in flight so far, within the bounds */
                 int64_t age = (now_ns() - polled) / 8;
                 sleep_ns = age < is->c.poll_min_ns ? is->c.poll_min_ns
                          : age > is->c.poll_max_ns ? is->c.poll_max_ns : age;
                 continue;
             }
-            if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
-            found(is, job, ms);
+            found(is, job, q, ms);
             sleep_ns = is->c.poll_min_ns;
             continue;
         }
@@ -844,18 +857,16 @@ static void *run(void *arg) {
         if (idle_spin(is)) continue;
         int64_t now = now_ns();
         if (!idle_since) idle_since = now;
-        is->sleeping = 1;
         if (is->c.idle_nap_ns > 0 && now - idle_since < is->c.idle_light_ns) {
             /* a short timed sleep: the core is not let into a deep idle state, whose wake-up took
              * 20-45 us on the H200 hosts after a millisecond idle (5 us after tens of us) */
-            struct timespec until;
-            deadline_after(&until, is->c.idle_nap_ns);
-            pthread_cond_timedwait(&is->work, &is->mu, &until);
+            nap(is, is->c.idle_nap_ns);
             is->naps++;
         } else {
+            is->sleeping = 1;
             pthread_cond_wait(&is->work, &is->mu);
+            is->sleeping = 0;
         }
-        is->sleeping = 0;
     }
     for (int64_t s = 0; s < is->c.slots; s++) {
         pool_give(is, &is->plain, is->filled[s]);
@@ -1132,17 +1143,13 @@ static int waiter_query(struct kvo_issuer *is, struct kvo_job *job) {
         job->fail == FAIL_NONE) {
         is->querying = 1;
         pthread_mutex_unlock(&is->mu);
-        CUresult q = ((fn_event_query)is->c.event_query)(job->end);
-        float ms = 0.0f;
-        if (q == 0 && is->c.event_elapsed &&
-            ((fn_event_elapsed)is->c.event_elapsed)(&ms, job->start, job->end))
-            ms = 0.0f;
+        float ms;
+        CUresult q = query_end(is, job, &ms);
         pthread_mutex_lock(&is->mu);
         is->querying = 0;
         stop_querying = q == KVO_INVALID_CONTEXT;
         if (q != KVO_NOT_READY && !stop_querying && job->state == JOB_ISSUED && is->flight_head == job) {
-            if (q != 0) { job->error = q; job->error_call = "cuEventQuery"; job->fail = FAIL_COMPLETION; }
-            found(is, job, ms);
+            found(is, job, q, ms);
             is->waiter_found++;
         }
     }
