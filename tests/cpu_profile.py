@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvoffload import DeviceLayout, Worker, native
-from kvoffload.backends.native import NativeBackend
+from kvoffload.backends.native import NativeBackend, tune
 from kvoffload.records import Direction
 from tests.unit._native_fake import FUNCTIONS
 
@@ -135,12 +135,7 @@ def _worker(lib: ctypes.CDLL, keep: list[object]) -> Worker:
         bases = (ctypes.c_uint64 * 1)(0)
         keep.append(bases)
         c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
-        from kvoffload.backends import native as nb
-        c.poll_min_ns, c.poll_max_ns = int(nb.POLL_MIN_S * 1e9), int(nb.POLL_MAX_S * 1e9)
-        c.wait_spin_ns, c.give_way_ns = int(nb.WAIT_SPIN_S * 1e9), int(nb.GIVE_WAY_S * 1e9)
-        c.end_lead_ns, c.idle_light_ns = int(nb.END_LEAD_S * 1e9), int(nb.IDLE_LIGHT_S * 1e9)
-        c.caller_issue_max, c.wait_query_ns = nb.CALLER_ISSUE_MAX, int(nb.WAIT_QUERY_S * 1e9)
-        c.expect_spin_ns = int(nb.EXPECT_SPIN_S * 1e9)
+        tune(c)  # the library's constants, as set for this run
         return NativeBackend.start(_Inner(direction), c, index=0, choose=lambda _n: "dma",
                                    path_names={"dma": "dma"}, tables=None, keep=keep)
 

@@ -60,6 +60,7 @@ __all__ = [
     "NativeLayerMarks",
     "NativeTicket",
     "native_error",
+    "tune",
 ]
 
 _log = logging.getLogger("kvoffload.native")
@@ -145,6 +146,25 @@ def native_error(code: int, call: str) -> BaseException:
 
 def _ns(seconds: float) -> int:
     return max(0, min(int(seconds * 1e9), 1 << 62))
+
+
+def tune(c: native.Config) -> None:
+    """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
+    the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead and
+    early wake, the caller's-issue limit and the controls. ``ctx_get_current``, which the caller's
+    issue needs, is the caller's to resolve."""
+    c.poll_min_ns = _ns(POLL_MIN_S)
+    c.poll_max_ns = _ns(POLL_MAX_S)
+    c.controls = CONTROLS
+    c.wait_spin_ns = _ns(WAIT_SPIN_S)
+    c.give_way_ns = _ns(GIVE_WAY_S)
+    c.idle_spin_ns = _ns(IDLE_SPIN_S)
+    c.end_lead_ns = _ns(END_LEAD_S)
+    c.idle_nap_ns = _ns(IDLE_NAP_S)
+    c.idle_light_ns = _ns(IDLE_LIGHT_S)
+    c.wait_query_ns = _ns(WAIT_QUERY_S)
+    c.expect_spin_ns = _ns(EXPECT_SPIN_S)
+    c.caller_issue_max = max(0, int(CALLER_ISSUE_MAX))
 
 
 class NativeTicket:
@@ -556,19 +576,8 @@ class NativeBackend:
                 c.slot_bytes = path.slot_bytes
                 bases = (ctypes.c_uint64 * path.slots)(*path.slot_bases)
         c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
-        c.poll_min_ns = _ns(POLL_MIN_S)
-        c.poll_max_ns = _ns(POLL_MAX_S)
-        c.controls = CONTROLS
-        c.wait_spin_ns = _ns(WAIT_SPIN_S)
-        c.give_way_ns = _ns(GIVE_WAY_S)
-        c.idle_spin_ns = _ns(IDLE_SPIN_S)
-        c.end_lead_ns = _ns(END_LEAD_S)
-        c.idle_nap_ns = _ns(IDLE_NAP_S)
-        c.idle_light_ns = _ns(IDLE_LIGHT_S)
-        c.wait_query_ns = _ns(WAIT_QUERY_S)
-        c.expect_spin_ns = _ns(EXPECT_SPIN_S)
+        tune(c)
         if CALLER_ISSUE_MAX > 0:
-            c.caller_issue_max = CALLER_ISSUE_MAX
             c.ctx_get_current = driver.entry_point(b"cuCtxGetCurrent", hot)
         return cls.start(
             inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over

@@ -1271,3 +1271,15 @@ def test_native_admission_admits_refuses_and_counts_as_the_python_checks(
         fast.remove(job)
     for memory in sizes:  # every count returns to zero, whatever each path counted
         assert not fast.reads[memory].any() and not fast.writes[memory].any()
+
+
+def test_tune_sets_the_issuers_fields_from_the_module_constants_read_at_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(native_backend, "WAIT_QUERY_S", 3e-6)
+    monkeypatch.setattr(native_backend, "CALLER_ISSUE_MAX", 7)
+    c = native.Config()
+    native_backend.tune(c)
+    assert (c.wait_query_ns, c.caller_issue_max) == (3000, 7)
+    assert c.expect_spin_ns == round(native_backend.EXPECT_SPIN_S * 1e9)
+    assert c.poll_max_ns == round(native_backend.POLL_MAX_S * 1e9)
