@@ -147,7 +147,7 @@ class HandsOffBackend(Backend, Protocol):
     """A backend whose ``issue`` only hands the job to a thread of its own (docs/design.md §16):
     cheap whatever the job's size, so the handler issues every job on the caller's thread, in
     submit order, never splits one, and takes its own fences with :meth:`position`; the worker's
-    fast front hands a whole job over with :meth:`hand_off`, its fence recorded on a stream in the
+    fast front hands a whole job over with :meth:`hand_off_call`'s call, its fence recorded on a stream in the
     same call."""
 
     hands_off: bool
@@ -170,9 +170,10 @@ class HandsOffBackend(Backend, Protocol):
     def current_stream_reader(self) -> Callable[[], int]:
         """A call without arguments that returns the calling thread's current stream's handle."""
 
-    def hand_off(self, plan: CopyPlan, src: I64Array, dst: I64Array, stream: int) -> Ticket:
-        """Hand a whole job over with its fence recorded on ``stream`` in the same call; never
-        raises (a failure is the ticket's)."""
+    def hand_off_call(self, plan: CopyPlan) -> Callable[[I64Array, I64Array, int], Ticket]:
+        """A call ``(src, dst, stream)`` that hands a whole job of ``plan`` over with its fence
+        recorded on ``stream`` in the same call; the call never raises (a failure is the
+        ticket's)."""
 
     def early_wake(self, pages: int) -> tuple[int, Callable[[], object]] | None:
         """For jobs of ``pages`` pages per pair: the fewest pairs of a job whose thread is best
@@ -243,6 +244,9 @@ class DirectionHandler:
         self._bytes_done = 0
         self._busy_s = 0.0
         self._layer_plans: tuple[tuple[PageTable, ...], tuple[CopyPlan, ...]] | None = None
+        # The hands-off backend's call for the fast front's jobs (submit_handed_off), made at its
+        # first job.
+        self._hand_off_call: Callable[[I64Array, I64Array, int], Ticket] | None = None
 
     @classmethod
     def create(
@@ -469,21 +473,35 @@ class DirectionHandler:
         """The worker's fast front's submit (docs/design.md §16): a non-empty whole job of a
         hands-off backend, its ids validated and booked, ordered after the work queued on
         ``stream`` (a handle from :meth:`stream_handle` or :meth:`current_stream_reader`) before
-        this call. Handed over on this thread in submit order, as :meth:`submit_validated` hands
-        such a job over, with the fence recorded in the same call into the backend; a failure to
-        hand it over is the job's failed result.
+        this call. Handed over on this thread in submit order, as :meth:`_hand_over` hands a job
+        over (its steps inline: this runs on the engine's thread for every such job), with the
+        fence recorded in the same call into the backend; a failure to hand it over is the job's
+        failed result.
 
         Raises:
             ClosedError: after shutdown.
         """
-        self._check_open()
-        self._hand_over(cast(HandsOffBackend, self._backend),
-                        _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False), stream)
+        hand_off = self._hand_off_call
+        if hand_off is None:
+            backend = cast(HandsOffBackend, self._backend)
+            hand_off = self._hand_off_call = backend.hand_off_call(self._plan)
+        transfer = _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False)
+        with self._issue_lock:  # as _hand_over's
+            with self._lock:
+                self._check_open()
+                self._fifo.append(transfer)
+                self._submitted += 1
+                self._pending += 1
+            try:
+                transfer.ticket = (FailedTicket(TransferError(_SHUT_DOWN)) if self._abort.is_set()
+                                   else hand_off(src, dst, stream))
+            except Exception as exc:  # reported as the job's failure, as _issue's
+                transfer.ticket = FailedTicket(exc)
+            self._mark_issued(transfer)
 
-    def _hand_over(self, backend: Backend, transfer: _Transfer, stream: int | None = None) -> None:
-        """Queue ``transfer`` and hand it over on this thread (a hands-off backend: cheap): through
-        :meth:`_issue`, or, with ``stream``, through the backend's ``hand_off`` (its fence
-        recorded on ``stream`` in the same call).
+    def _hand_over(self, backend: Backend, transfer: _Transfer) -> None:
+        """Queue ``transfer`` and hand it over through :meth:`_issue` on this thread (a hands-off
+        backend: cheap).
 
         One hand-off at a time, in the order the callers take ``_issue_lock``: it is taken before
         ``_lock`` (as the issuer thread takes them), so the queue's order is the hand-offs' order
@@ -496,7 +514,7 @@ class DirectionHandler:
                 self._fifo.append(transfer)
                 self._submitted += 1
                 self._pending += 1
-            self._issue(backend, transfer, None, stream)
+            self._issue(backend, transfer, None)
 
     def _split(self, backend: Backend, transfer: _Transfer, pairs: int) -> _Transfer:
         """Cut the head off a costly job; ``transfer`` keeps the rest, the fence, the byte count."""
@@ -508,11 +526,8 @@ class DirectionHandler:
         transfer.src, transfer.dst = transfer.src[count:], transfer.dst[count:]
         return head
 
-    def _issue(self, backend: Backend, transfer: _Transfer, init_error: BaseException | None,
-               stream: int | None = None) -> None:
-        """Issue one transfer (the caller holds ``_issue_lock``) and publish its ticket; with
-        ``stream``, through the hands-off backend's ``hand_off`` (its fence recorded on ``stream``
-        in the same call)."""
+    def _issue(self, backend: Backend, transfer: _Transfer, init_error: BaseException | None) -> None:
+        """Issue one transfer (the caller holds ``_issue_lock``) and publish its ticket."""
         if init_error is not None:
             transfer.ticket = FailedTicket(init_error)
         elif self._abort.is_set():
@@ -520,9 +535,7 @@ class DirectionHandler:
         else:
             t = transfer
             try:
-                if stream is not None:
-                    t.ticket = cast(HandsOffBackend, backend).hand_off(self._plan, t.src, t.dst, stream)
-                elif t.layers is None or t.marks is None or isinstance(t.marks, WholeJobMarks):
+                if t.layers is None or t.marks is None or isinstance(t.marks, WholeJobMarks):
                     t.ticket = backend.issue(self._plan, t.src, t.dst, t.fence)
                 else:
                     t.ticket = backend.issue_layers(t.layers, t.src, t.dst, t.fence, t.marks,  # type: ignore[attr-defined]

@@ -123,6 +123,7 @@ STOP_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
 #: except in a test whose control proves that a rule is needed.
 CONTROLS = 0
+_RELEASED: Final = "the backend was released before the job was issued"
 _PATHS: Final = {"dma": native.PATH_DMA, "dma-loop": native.PATH_DMA, "sm": native.PATH_SM,
                  "staged": native.PATH_STAGED}
 
@@ -130,7 +131,7 @@ _PATHS: Final = {"dma": native.PATH_DMA, "dma-loop": native.PATH_DMA, "sm": nati
 def native_error(code: int, call: str) -> BaseException:
     """The exception for a code the library reported for ``call`` (a ``CUresult`` or its own)."""
     if code == native.RELEASED:
-        return TransferError("the backend was released before the job was issued")
+        return TransferError(_RELEASED)
     if code == native.ABANDONED:
         return TransferError("the backend was released while the job was in flight")
     if code == native.NO_MEMORY:
@@ -681,11 +682,42 @@ class NativeBackend:
         assert isinstance(fence, NativeFence)
         return self._submit((plan,), src, dst, fence.stream, fence.pointer, None, 0)
 
-    def hand_off(self, plan: CopyPlan, src: I64Array, dst: I64Array, stream: int) -> Ticket:
-        """:meth:`issue` for the fast front (docs/design.md §16): a whole job whose fence the
-        hand-off records on ``stream`` (a handle of this backend's device) in the same call into
-        the library; never raises."""
-        return self._submit((plan,), src, dst, stream, 0, None, 0)
+    def hand_off_call(self, plan: CopyPlan) -> Callable[[I64Array, I64Array, int], Ticket]:
+        """:meth:`issue` for the fast front (docs/design.md §16), bound to ``plan``: a call
+        ``(src, dst, stream)`` that hands a whole job over with its fence recorded on ``stream`` (a
+        handle of this backend's device) in the same call into the library; never raises. With the
+        call front, the call is :meth:`_submit`'s work for such a job with the plan registered here,
+        once: the fast front's every job runs it on the engine's thread."""
+        def submit(src: I64Array, dst: I64Array, stream: int) -> Ticket:
+            return self._submit((plan,), src, dst, stream, 0, None, 0)
+
+        with self._lock:
+            if self._front_hand_off is None or self._released:
+                return submit
+            try:
+                address = self._plan_array((plan,), whole=True)
+            except Exception:  # each job fails with the registration's error, through _submit
+                return submit
+        choose, stores, lock = self._choose, self._stores, self._lock
+        front_at, spec, on_cuda, index = self._front_at, self._front_spec, self._on_cuda, self.index
+
+        def hand_off(src: I64Array, dst: I64Array, stream: int) -> Ticket:
+            name = choose(src.shape[0])
+            device, host = (src, dst) if stores else (dst, src)
+            with lock:
+                if self._released:
+                    return FailedTicket(TransferError(_RELEASED))
+                call = self._front_hand_off  # (looked up per call: a profile may wrap it)
+                assert call is not None
+                if on_cuda and current_device_index() != index:  # the fence is recorded in the call
+                    with torch.cuda.device(index):
+                        job = call(front_at, stream, 0, _PATHS[name], device, host, 1, address, 0, 0)
+                else:
+                    job = call(front_at, stream, 0, _PATHS[name], device, host, 1, address, 0, 0)
+                code = spec.error
+            return self._ticket(job, code, name)
+
+        return hand_off
 
     def issue_layers(
         self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
@@ -708,7 +740,7 @@ class NativeBackend:
         whole = marks is None
         with self._lock:
             if self._released:
-                return FailedTicket(TransferError("the backend was released before the job was issued"))
+                return FailedTicket(TransferError(_RELEASED))
             plans_address = self._single.get((plans[0], whole)) if len(plans) == 1 else None
             if plans_address is None:
                 try:
@@ -733,10 +765,15 @@ class NativeBackend:
                 with torch.cuda.device(self.index):
                     job = call(*args)
             code = self._front_spec.error if front is not None else self._error.value
+        if job and marks is not None:
+            marks.attach(int(job))
+        return self._ticket(job, code, name)
+
+    def _ticket(self, job: int | None, code: int, name: str) -> Ticket:
+        """The ticket of a hand-off that returned ``job`` (0 or None: it failed with ``code``) on
+        the path ``name``."""
         if not job:
             return FailedTicket(native_error(int(code), "cuEventRecord" if code > 0 else "native hand-off"))
-        if marks is not None:
-            marks.attach(int(job))
         return NativeTicket(self.lib, int(job), self._path_names[name], self._front_calls)
 
     def _plan_array(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> int:

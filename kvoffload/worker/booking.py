@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -96,6 +97,7 @@ class Bookkeeping:
         self._write_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.writes.items()}
         self._stamps: dict[Memory, tuple[I32Array, ctypes.c_void_p, ctypes.c_int64]] = {}
         self._admit_args: dict[Direction, tuple[object, ...]] = {}  # kvo_admit's after the ids
+        self._admissions: dict[Direction, Callable[[int, I64Array, I64Array], bool]] = {}
 
     @property
     def checks_pairs(self) -> bool:
@@ -124,25 +126,41 @@ class Bookkeeping:
         self.add(job_id, direction, reads, writes)
 
     def admit_native(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array) -> bool:
-        """:meth:`admit`'s one call into the native library, for the worker's fast front: True when
-        the job was admitted and counted; False, with nothing counted, when the library is not
-        available, the lengths differ or are 0, or any check fails (:meth:`admit` then names it).
-        ``reads`` and ``writes`` must be writable, contiguous ``int64`` arrays the job owns."""
-        front = self._front
+        """:meth:`admit`'s one call into the native library: True when the job was admitted and
+        counted; False, with nothing counted, when the library is not available, the lengths differ
+        or are 0, or any check fails (:meth:`admit` then names it). ``reads`` and ``writes`` must
+        be writable, contiguous ``int64`` arrays the job owns."""
+        return self.native_admission(direction)(job_id, reads, writes)
+
+    def native_admission(self, direction: Direction) -> Callable[[int, I64Array, I64Array], bool]:
+        """:meth:`admit_native` of ``direction`` as a call ``(job_id, reads, writes)``, its lookups
+        made once (the worker's fast front makes it for every job)."""
+        admission = self._admissions.get(direction)
+        if admission is not None:
+            return admission
+        jobs, front = self.jobs, self._front
         if front is not None:
-            spec = self._front_specs.get(direction) or self._front_spec(direction)
-            if not front.admit(spec[1], reads, writes):
-                return False
+            admit_front, spec = front.admit, self._front_spec(direction)[1]
+
+            def admission(job_id: int, reads: I64Array, writes: I64Array) -> bool:
+                if not admit_front(spec, reads, writes):
+                    return False
+                jobs[job_id] = _Job(direction, reads, writes, True)
+                return True
         else:
             admit = self._admit
-            n = reads.shape[0]
-            if admit is None or n != writes.shape[0] or not n:
-                return False
-            args = self._admit_args.get(direction) or self._native_args(direction)
-            if admit(native.address(reads), native.address(writes), n, *args) >= 0:
-                return False
-        self.jobs[job_id] = _Job(direction, reads, writes, native=True)
-        return True
+
+            def admission(job_id: int, reads: I64Array, writes: I64Array) -> bool:
+                n = reads.shape[0]
+                if admit is None or n != writes.shape[0] or not n:
+                    return False
+                args = self._admit_args.get(direction) or self._native_args(direction)
+                if admit(native.address(reads), native.address(writes), n, *args) >= 0:
+                    return False
+                jobs[job_id] = _Job(direction, reads, writes, True)
+                return True
+        self._admissions[direction] = admission
+        return admission
 
     def _front_spec(self, direction: Direction) -> tuple[native.FrontSpec, int]:
         """The call front's spec of ``direction`` for its admission and uncount (and its address),

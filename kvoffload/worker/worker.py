@@ -143,10 +143,12 @@ class Worker:
         self._holds: dict[int, threading.Event] = {}  # booking token -> settle event of its call
         self._routes = self._route_table()
         # The fast front's directions (see _front): a hands-off backend and the native admission.
-        # Each is the handler, its reader of the caller's current stream (the default stream) and
-        # its early wake (the fewest pairs of a job to wake the issuer thread for, and the call).
+        # Each is the handler, its reader of the caller's current stream (the default stream), its
+        # early wake (the fewest pairs of a job to wake the issuer thread for, and the call) and the
+        # bookkeeping's native admission of its direction.
         self._fronts = {
-            direction: (handler, handler.current_stream_reader(), handler.early_wake())
+            direction: (handler, handler.current_stream_reader(), handler.early_wake(),
+                        self._book.native_admission(direction))
             for direction, handler in ((Direction.STORE, self._store), (Direction.LOAD, self._load))
             if handler.hands_off and self._book.checks_pairs
         }
@@ -500,7 +502,7 @@ class Worker:
                 or dst_blocks.dtype is not _I64 or src_blocks.ndim != 1 or dst_blocks.ndim != 1
                 or self._closed):
             return False
-        handler, current_stream, wake = lane
+        handler, current_stream, wake, admit = lane
         if wake is not None and src_blocks.shape[0] >= wake[0]:
             wake[1]()  # a job its caller will not issue: the thread wakes while the checks run
         if stream is None:
@@ -513,7 +515,7 @@ class Worker:
         src, dst = src_blocks.copy(), dst_blocks.copy()  # the job's own: the caller may reuse its
         book = self._book
         with self._lock:
-            if self._holds or job_id in book.jobs or not book.admit_native(job_id, direction, src, dst):
+            if self._holds or job_id in book.jobs or not admit(job_id, src, dst):
                 return False
             try:
                 self._jobs.reserve(job_id, handler)

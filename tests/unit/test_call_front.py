@@ -276,12 +276,10 @@ def test_a_front_job_whose_fence_fails_to_record_is_a_failed_result_and_returns_
 def test_a_hand_off_that_raises_is_the_jobs_failed_result_and_the_next_job_goes_through(
     worker: Worker, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    backend = worker._store._backend  # noqa: SLF001
-    assert isinstance(backend, NativeBackend)
     def refuse(*_args: object) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(backend, "hand_off", refuse)
+    monkeypatch.setattr(worker._store, "_hand_off_call", refuse)  # noqa: SLF001 - the backend's call
     worker.store(1, _i(3), _i(3))
     (result,) = worker.wait([1], TIMEOUT_S)
     assert not result.ok and isinstance(result.error, RuntimeError)
