@@ -493,7 +493,11 @@ class NativeBackend:
         self._stores = self.direction is Direction.STORE
         # The early wake's (see early_wake): the largest job its caller issues, and whether it is on.
         self._caller_issue_max = int(config.caller_issue_max)
-        self._expect = lib.kvo_issuer_expect if config.expect_spin_ns > 0 else None
+        self._expect: Callable[[object], object] | None = None
+        self._expect_arg: object = None
+        if config.expect_spin_ns > 0:  # through the call front where it is built
+            self._expect, self._expect_arg = ((front.expect, self._front_at) if front is not None
+                                              else (lib.kvo_issuer_expect, self._issuer_arg))
 
     @classmethod
     def start(
@@ -675,7 +679,7 @@ class NativeBackend:
         lock :meth:`release` takes, as a hand-off."""
         with self._lock:
             if not self._released and self._expect is not None:
-                self._expect(self._issuer_arg)
+                self._expect(self._expect_arg)
 
     def issue(self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: object) -> Ticket:
         """Hand the job to the native thread on the path chosen for its size; never raises."""

@@ -153,6 +153,7 @@ class FrontSpec(ctypes.Structure):
         ("issuer", _p),
         ("error", _i64),
         ("unadmit", _p), ("job_take", _p), ("job_wait", _p), ("job_release", _p),
+        ("expect", _p),
     ]
 
 
@@ -161,6 +162,7 @@ def front_spec(lib: ctypes.CDLL, **fields: int | None) -> FrontSpec:
     ``fields`` (one admission direction's constants, or an issuer)."""
     functions = {name: function_address(getattr(lib, "kvo_" + name))
                  for name in ("admit", "hand_off", "unadmit", "job_take", "job_wait", "job_release")}
+    functions["expect"] = function_address(lib.kvo_issuer_expect)
     return FrontSpec(**functions, **fields)
 
 

@@ -1,6 +1,6 @@
 /* kvoffload's call front: the calls into the native library that every job of a native issuer
- * makes on the engine's thread (the admission check of its block ids and the hand-off to the issuer
- * thread at submit; the job's wait, its result taken with its reference released in the same call,
+ * makes on the engine's thread (the admission check of its block ids, the early wake of an idle
+ * issuer thread and the hand-off to the issuer thread at submit; the job's wait, its result taken with its reference released in the same call,
  * and the uncount of its blocks), as a CPython extension module (docs/design.md §16).
  *
  * Through ctypes, each call converts its arguments one by one and each id array's address is read
@@ -30,6 +30,7 @@ typedef void (*fn_unadmit)(const int64_t *, const int64_t *, int64_t, int32_t *,
 typedef int64_t (*fn_job_take)(void *, int64_t, int64_t *, double *, const char **);
 typedef int64_t (*fn_job_wait)(void *, int64_t);
 typedef void (*fn_job_release)(void *);
+typedef int64_t (*fn_expect)(void *);
 
 /* Filled by Python (kvoffload.native.FrontSpec, 8-byte fields): one per admission direction and
  * one per issuer. */
@@ -41,6 +42,7 @@ struct kvo_front_spec {
     void *issuer;                    /* kvo_hand_off's issuer */
     int64_t error;                   /* the last failed hand-off's code */
     void *unadmit, *job_take, *job_wait, *job_release; /* the library's kvo_* */
+    void *expect;                    /* the library's kvo_issuer_expect */
 };
 
 /* A one-dimensional, C-contiguous int64 buffer of `obj`, or 0 (no exception set) for anything else. */
@@ -220,6 +222,19 @@ static PyObject *front_job_release(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* expect(spec) -> bool: kvo_issuer_expect of the spec's issuer (True when it woke the thread),
+ * with the GIL released (it takes the issuer's lock). */
+static PyObject *front_expect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    struct kvo_front_spec *s = spec_arg(args, nargs, 1, "expect(spec)");
+    if (!s) return 0;
+    int64_t woke;
+    Py_BEGIN_ALLOW_THREADS
+    woke = ((fn_expect)s->expect)(s->issuer);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(woke != 0);
+}
+
 static PyMethodDef methods[] = {
     {"admit", (PyCFunction)(void (*)(void))front_admit, METH_FASTCALL,
      "admit(spec, reads, writes) -> bool: kvo_admit over the arrays' buffers."},
@@ -235,6 +250,8 @@ static PyMethodDef methods[] = {
      " call) once the job is done: kvo_job_take."},
     {"job_release", (PyCFunction)(void (*)(void))front_job_release, METH_FASTCALL,
      "job_release(spec, job) -> None: kvo_job_release."},
+    {"expect", (PyCFunction)(void (*)(void))front_expect, METH_FASTCALL,
+     "expect(spec) -> bool: kvo_issuer_expect of the spec's issuer, without the GIL."},
     {0, 0, 0, 0},
 };
 

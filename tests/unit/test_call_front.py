@@ -500,7 +500,12 @@ def early_wakes(expect_spin_ns: int) -> list[int]:
     return wakes
 
 
-def test_the_front_wakes_the_thread_early_for_a_job_its_caller_will_not_issue() -> None:
+@pytest.mark.parametrize("through", ["call front", "ctypes"])
+def test_the_front_wakes_the_thread_early_for_a_job_its_caller_will_not_issue(
+    through: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if through == "ctypes":
+        monkeypatch.setattr(native, "front", lambda: None)
     # Control: with the early wake off no job wakes the thread before its hand-off.
     assert early_wakes(0) == [0, 0], "the control woke the thread: the test proves nothing"
     assert early_wakes(200_000) == [0, 1]  # the 2-pair job is its caller's; the 3-pair job is not
