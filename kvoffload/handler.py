@@ -147,8 +147,8 @@ class HandsOffBackend(Backend, Protocol):
     """A backend whose ``issue`` only hands the job to a thread of its own (docs/design.md §16):
     cheap whatever the job's size, so the handler issues every job on the caller's thread, in
     submit order, never splits one, and takes its own fences with :meth:`position`; the worker's
-    fast front hands a whole job over with :meth:`hand_off_call`'s call, its fence recorded on a stream in the
-    same call."""
+    fast front hands a whole job over with :meth:`hand_off_call`'s call, its fence recorded on a
+    stream in the same call."""
 
     hands_off: bool
 

@@ -370,8 +370,7 @@ def front(device: torch.device) -> None:
             w.wait([job], 60)
             job += 1
         handler = w._store  # noqa: SLF001
-        hand_off_call = handler._hand_off_call  # noqa: SLF001 - made by the warm-up's first job
-        assert hand_off_call is not None
+        hand_off_call = handler._hand_off_call or backend.hand_off_call(handler._plan)  # noqa: SLF001
         timed_fronts = {direction: (*lane[:3], timed("2 native admission (one library call)", lane[3]))
                         for direction, lane in fronts.items()}
         for label, table in (("front", timed_fronts), ("validating path", {})):
