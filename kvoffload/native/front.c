@@ -1,7 +1,8 @@
 /* kvoffload's call front: the calls into the native library that every job of a native issuer
  * makes on the engine's thread (the admission check of its block ids, the early wake of an idle
- * issuer thread and the hand-off to the issuer thread at submit; the job's wait, its result taken with its reference released in the same call,
- * and the uncount of its blocks), as a CPython extension module (docs/design.md §16).
+ * issuer thread and the hand-off to the issuer thread at submit; the job's wait, its result taken
+ * with its reference released in the same call, and the uncount of its blocks), as a CPython
+ * extension module (docs/design.md §16).
  *
  * Through ctypes, each call converts its arguments one by one and each id array's address is read
  * through a ctypes object: about 1.4 us for the admission and 2 us around the hand-off on a 2-core
