@@ -64,6 +64,10 @@ PathTicket = Union["CudaTicket", FailedTicket]
 WAIT_SPIN_S: Final = 5e-3
 WAIT_POLL_MIN_S: Final = 50e-6
 WAIT_POLL_MAX_S: Final = 100e-6
+#: The kernel stream's priority (``cuStreamCreateWithPriority``; 0 is the lowest, negative values
+#: are higher, clamped to the device's range): the copy kernel's CTAs are scheduled ahead of
+#: pending compute CTAs of lower priority.
+KERNEL_STREAM_PRIORITY: Final = 0
 #: Where a path's jobs run.
 StreamName = Literal["copy", "kernel", "both"]
 COPY: Final = "copy"
@@ -312,7 +316,7 @@ class CudaStreams:
         index = device_index(device)
         copy = driver.create_stream(index)
         try:
-            second = driver.create_stream(index) if kernel else 0
+            second = driver.create_stream(index, KERNEL_STREAM_PRIORITY) if kernel else 0
         except BaseException:
             driver.destroy_stream(index, copy)
             raise

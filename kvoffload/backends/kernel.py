@@ -41,7 +41,7 @@ from kvoffload.bindings.kernel import KERNEL_ROWS, CopyKernel, KernelLauncher
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction
 
-__all__ = ["CHUNK_ISSUE_COST", "SM_CTAS", "SegmentTables", "SmPath", "StagedPath", "device_buffer"]
+__all__ = ["CHUNK_ISSUE_COST", "SM_CTAS", "STAGED_CTAS", "SegmentTables", "SmPath", "StagedPath", "device_buffer"]
 
 I64Array = npt.NDArray[np.int64]
 #: What issuing one staged chunk costs the host (a kernel launch, a DMA call, three events), in
@@ -50,6 +50,8 @@ CHUNK_ISSUE_COST: Final = 40
 #: CTAs of the ``sm`` path's kernel unless configured: enough to fill the host link (8 CTAs move
 #: about 51 GB/s on an H200), few enough to leave the SMs to compute.
 SM_CTAS: Final = 8
+#: CTAs of the ``staged`` path's gather kernel unless configured; 0: one per SM.
+STAGED_CTAS: Final = 0
 #: Row indices 0..n of a staging slot, for chunks of up to one launch's records.
 _ROWS: Final = np.arange(KERNEL_ROWS, dtype=np.int64)
 

@@ -434,7 +434,7 @@ def _path_factory(
                 ctas = options.kernel_ctas if options.path == "sm" and options.kernel_ctas else kpaths.SM_CTAS
                 paths["sm"] = kpaths.SmPath(direction, kernel, tables, ctas)
             if "staged" in names:
-                ctas = options.kernel_ctas or driver.multiprocessor_count(cuda.index)
+                ctas = options.kernel_ctas or kpaths.STAGED_CTAS or driver.multiprocessor_count(cuda.index)
                 paths["staged"] = kpaths.StagedPath(direction, streams, kernel, copier, tables, ctas,
                                                     options.staging_slots, _slot_bytes(options))
         return paths
