@@ -96,7 +96,6 @@ class Bookkeeping:
         self._read_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.reads.items()}
         self._write_at = {m: ctypes.c_void_p(int(a.ctypes.data)) for m, a in self.writes.items()}
         self._stamps: dict[Memory, tuple[I32Array, ctypes.c_void_p, ctypes.c_int64]] = {}
-        self._admit_args: dict[Direction, tuple[object, ...]] = {}  # kvo_admit's after the ids
         self._admissions: dict[Direction, Callable[[int, I64Array, I64Array], bool]] = {}
 
     @property
@@ -147,18 +146,20 @@ class Bookkeeping:
                     return False
                 jobs[job_id] = _Job(direction, reads, writes, True)
                 return True
-        else:
-            admit = self._admit
+        elif self._admit is not None:
+            admit, args = self._admit, self._native_args(direction)
 
             def admission(job_id: int, reads: I64Array, writes: I64Array) -> bool:
                 n = reads.shape[0]
-                if admit is None or n != writes.shape[0] or not n:
+                if n != writes.shape[0] or not n:
                     return False
-                args = self._admit_args.get(direction) or self._native_args(direction)
                 if admit(native.address(reads), native.address(writes), n, *args) >= 0:
                     return False
                 jobs[job_id] = _Job(direction, reads, writes, True)
                 return True
+        else:  # no library: the Python checks admit every job
+            def admission(job_id: int, reads: I64Array, writes: I64Array) -> bool:
+                return False
         self._admissions[direction] = admission
         return admission
 
@@ -188,15 +189,14 @@ class Bookkeeping:
         return stamp
 
     def _native_args(self, direction: Direction) -> tuple[object, ...]:
-        """kvo_admit's arguments after the ids for a job of ``direction``, built once: the limits,
-        the counts' addresses and the destination memory's duplicate-check scratch."""
+        """kvo_admit's arguments after the ids for a job of ``direction`` (built once per direction,
+        by :meth:`native_admission`): the limits, the counts' addresses and the destination memory's
+        duplicate-check scratch."""
         source, target = SIDES[direction]
         stamp = self._stamp(target)
-        args = self._admit_args[direction] = (
-            self.reads[source].shape[0], self.reads[target].shape[0], self._write_at[source],
-            self._read_at[source], self._read_at[target], self._write_at[target], stamp[1],
-            ctypes.byref(stamp[2]))
-        return args
+        return (self.reads[source].shape[0], self.reads[target].shape[0], self._write_at[source],
+                self._read_at[source], self._read_at[target], self._write_at[target], stamp[1],
+                ctypes.byref(stamp[2]))
 
     def check(self, job_id: int, direction: Direction, reads: I64Array, writes: I64Array,
               read_name: str, write_name: str) -> None:
