@@ -9,7 +9,9 @@ before the completion poll sleeps; smaller staged chunks), each next to a pinned
 bytes measured in the same run. ``timeline`` and ``timeline64`` show where a native job's time goes
 (the call, the hand-off, the thread's start, the issue, the completion found, the wait's return),
 for 1- and 256-block stores and for isolated 64 MiB jobs per page size; ``ab`` alternates variants
-of the native issuer job by job in one process.
+of the native issuer job by job in one process; ``before`` times a burst's first call against what
+the caller ran just before it, and ``floor`` against the same steps in one flat function and
+against the library's calls alone.
 """
 
 from __future__ import annotations
@@ -441,6 +443,254 @@ def front(device: torch.device) -> None:
     print(f"  native.address: median {statistics.median(samples) * 1e6:.2f} us")
 
 
+def _poll_until(w: Worker, ids: list[int]) -> None:
+    """Poll (never blocking) until every job of ``ids`` is back: an engine's step loop."""
+    left = set(ids)
+    while left:
+        for r in w.poll():
+            left.discard(r.job_id)
+
+
+def _pinned_copy(w: Worker, other: Worker, copy: Callable[[], float]) -> None:
+    copy()
+
+
+def _other_job(w: Worker, other: Worker, copy: Callable[[], float]) -> None:
+    other.store(1 << 40, [0], [0])
+    other.wait([1 << 40], 60)
+
+
+def _own_job(w: Worker, other: Worker, copy: Callable[[], float]) -> None:
+    w.store(1 << 40, [1024], [1024])
+    w.wait([1 << 40], 60)
+
+
+#: What the caller did in ``before`` after the poll loop that took the last burst's results back,
+#: right before the next burst (the worker, a second worker of the same layout, a pinned copy).
+BEFORE_PRELUDES: tuple[tuple[str, Callable[[Worker, Worker, Callable[[], float]], None]], ...] = (
+    ("nothing", lambda w, other, copy: None),
+    ("a 2 MiB pinned copy", _pinned_copy),
+    ("a 1-block store of another worker", _other_job),
+    ("a 1-block store of this worker", _own_job),
+)
+
+
+def before(device: torch.device) -> None:
+    """The first call of a burst (256-block stores of 64 pages of 32 KiB, bursts of 4, fast front,
+    no timers inside the library) after a poll loop took the burst before back and the caller then
+    did one of ``BEFORE_PRELUDES`` (nothing; a pinned copy: the device busy, no library code; a
+    1-block job of another worker: the library's code run, not this worker's objects; one of this
+    worker), alternated burst by burst in one process: median us of the first call, of jobs 2-4,
+    and of the fixed piece of Python just before the first call."""
+    blocks = 256
+    layout = per_layer(device, 32, 32 * KIB, 4 * blocks + 1)  # the last block: _own_job's
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    host = torch.empty(2 * MIB, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(2 * MIB, dtype=torch.uint8, device=device)
+    rows: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+    job = 0
+    with Worker.create(layout, 4 * blocks + 1, path="auto", issuer="native") as w, \
+            Worker.create(per_layer(device, 32, 32 * KIB, 1), 1, path="auto", issuer="native") as other:
+        for x in (w, other):
+            x.store(0, [0], [0])
+            x.wait([0], 60)
+        job = 1
+        pending: list[int] = []
+        for i in range(32):
+            for name, prelude in BEFORE_PRELUDES:
+                _poll_until(w, pending)
+                prelude(w, other, lambda: pinned_copy_s(device, stream, host, buf, True))
+                pending = []
+                first = later = ref = 0.0
+                for k in range(4):
+                    dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                    t0 = time.perf_counter()
+                    _reference_work()
+                    t1 = time.perf_counter()
+                    w.store(job, dev, dev)
+                    t2 = time.perf_counter()
+                    if k == 0:
+                        first, ref = t2 - t1, t1 - t0
+                    else:
+                        later += (t2 - t1) / 3
+                    pending.append(job)
+                    job += 1
+                if i >= 2:
+                    rows[name].append((first, later, ref))
+        w.wait(pending, 60)
+    print("\n== before: 256-block stores in bursts of 4; after a poll loop took the burst before back, the "
+          "caller did ...: median us of the first call (p90), of jobs 2-4 (their mean per burst), of the fixed "
+          "Python piece before the first call")
+    for name, got in rows.items():
+        med = [statistics.median(x[k] for x in got) * 1e6 for k in range(3)]
+        p90 = float(np.percentile([x[0] for x in got], 90)) * 1e6
+        print(f"  {name:<36} first {med[0]:7.1f} (p90 {p90:7.1f})  jobs 2-4 {med[1]:6.1f}  "
+              f"fixed Python {med[2]:5.1f}")
+
+
+def _flat_store(device: torch.device, w: Worker) -> Callable[[int, npt.NDArray[np.int64], npt.NDArray[np.int64]], None]:
+    """The fast front's store of ``w`` as one flat function: the same checks, copies, locks,
+    bookkeeping entry, reservation, queue entry, hand-off, ticket and publish step as
+    ``Worker.store`` makes through its layers, inline (``flat``)."""
+    from kvoffload import native
+    from kvoffload.backends.cuda import current_device_index
+    from kvoffload.handler import _Transfer
+    from kvoffload.records import Direction
+    from kvoffload.worker.booking import _Job
+
+    front = native.front()
+    assert front is not None
+    handler = w._store  # noqa: SLF001 - the measurement inlines the layers' steps
+    backend = handler._backend  # noqa: SLF001
+    assert isinstance(backend, NativeBackend)
+    _, current_stream, wake, _ = w._fronts[Direction.STORE]  # noqa: SLF001
+    book, jobs, lock = w._book, w._jobs, w._lock  # noqa: SLF001
+    spec_admit = book._front_specs[Direction.STORE][1]  # noqa: SLF001
+    front_at, spec, lib = backend._front_at, backend._front_spec, backend.lib  # noqa: SLF001
+    plans = backend._single[(handler._plan, True)]  # noqa: SLF001
+    choose, names, calls = backend._choose, backend._path_names, backend._front_calls  # noqa: SLF001
+    issue_lock, handler_lock, fifo = handler._issue_lock, handler._lock, handler._fifo  # noqa: SLF001
+    jobs_lock, open_ = jobs._lock, jobs._open  # noqa: SLF001
+    admit, hand_off, expect = front.admit, front.hand_off, front.expect
+    page_bytes, index, i64 = handler._page_bytes, backend.index, np.dtype(np.int64)  # noqa: SLF001
+    on_cuda = backend._on_cuda  # noqa: SLF001
+    threshold = wake[0] if wake is not None else 1 << 62
+
+    def store(job_id: int, src_blocks: npt.NDArray[np.int64], dst_blocks: npt.NDArray[np.int64]) -> None:
+        if (type(job_id) is not int or type(src_blocks) is not np.ndarray or type(dst_blocks) is not np.ndarray
+                or src_blocks.dtype is not i64 or dst_blocks.dtype is not i64 or src_blocks.ndim != 1
+                or dst_blocks.ndim != 1 or w._closed):  # noqa: SLF001
+            raise RuntimeError("flat: not a fast-front job")
+        n = src_blocks.shape[0]
+        if n >= threshold:
+            expect(front_at)
+        handle = current_stream()
+        src, dst = src_blocks.copy(), dst_blocks.copy()
+        with lock:
+            if w._holds or job_id in book.jobs or not admit(spec_admit, src, dst):  # noqa: SLF001
+                raise RuntimeError("flat: not admitted")
+            book.jobs[job_id] = _Job(Direction.STORE, src, dst, True)
+            with jobs_lock:
+                open_[job_id] = handler
+        transfer = _Transfer(job_id, src, dst, n * page_bytes, None, False)
+        with issue_lock:
+            with handler_lock:
+                if handler._closed:  # noqa: SLF001
+                    raise RuntimeError("flat: closed")
+                fifo.append(transfer)
+                handler._submitted += 1  # noqa: SLF001
+                handler._pending += 1  # noqa: SLF001
+            name = choose(n)
+            with backend._lock:  # noqa: SLF001
+                if on_cuda and current_device_index() != index:
+                    raise RuntimeError("flat: another device")
+                job = hand_off(front_at, handle, 0, native_backend._PATHS[name], src, dst, 1, plans, 0, 0)  # noqa: SLF001
+                code = spec.error
+            if not job:
+                raise RuntimeError(f"flat: hand-off failed ({code})")
+            transfer.ticket = NativeTicket(lib, int(job), names[name], calls)
+            with handler_lock:
+                handler._pending -= 1  # noqa: SLF001
+                transfer.issued = True
+                if handler._issue_waiters:  # noqa: SLF001
+                    handler._issued.notify_all()  # noqa: SLF001
+
+    return store
+
+
+def floor(device: torch.device) -> None:
+    """What a burst's first call would cost with no Python around the library's calls: 256-block
+    stores in bursts of 4, each burst after a poll loop took the one before back, alternating the
+    worker's ``store``, the same steps in one flat function (``_flat_store``), and the library's
+    calls alone (the call front's early wake, admission and
+    hand-off with the fence's record, as ``store`` makes them, and nothing else: no checks, copies,
+    id reservation, queue entry or ticket). Median us of the first call and of jobs 2-4."""
+    from kvoffload import native
+    from kvoffload.records import Direction
+
+    front = native.front()
+    if front is None:
+        print("floor: no call front on this host")
+        return
+    blocks = 256
+    layout = per_layer(device, 32, 32 * KIB, 4 * blocks)
+    rows: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    with Worker.create(layout, 4 * blocks, path="auto", issuer="native") as w:
+        w.store(0, np.arange(blocks, dtype=np.int64), np.arange(blocks, dtype=np.int64))
+        w.wait([0], 60)
+        handler = w._store  # noqa: SLF001 - the measurement calls the library as the lane does
+        backend = handler._backend  # noqa: SLF001
+        assert isinstance(backend, NativeBackend)
+        current_stream = w._fronts[Direction.STORE][1]  # noqa: SLF001
+        spec_admit = w._book._front_specs[Direction.STORE][1]  # noqa: SLF001 - the lane's own spec
+        front_at = backend._front_at  # noqa: SLF001
+        plans = backend._single[(handler._plan, True)]  # noqa: SLF001
+        path = native_backend._PATHS[backend._choose(blocks)]  # noqa: SLF001
+        expect, admit, hand_off = front.expect, front.admit, front.hand_off
+
+        steps: list[list[float]] = []
+
+        def library_calls(job: int, ids: npt.NDArray[np.int64]) -> int:
+            t0 = time.perf_counter()
+            expect(front_at)
+            t1 = time.perf_counter()
+            stream = current_stream()
+            t2 = time.perf_counter()
+            if not admit(spec_admit, ids, ids):
+                raise RuntimeError("not admitted")
+            t3 = time.perf_counter()
+            job = int(hand_off(front_at, stream, 0, path, ids, ids, 1, plans, 0, 0))
+            steps.append([t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3])
+            return job
+
+        flat = _flat_store(device, w)
+        split: dict[bool, list[list[float]]] = {True: [], False: []}
+        job = 1
+        for i in range(30):
+            for name in ("Worker.store", "one flat function", "the library's calls alone"):
+                times = []
+                if name != "the library's calls alone":
+                    ids = []
+                    call = w.store if name == "Worker.store" else flat
+                    for k in range(4):
+                        dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                        t0 = time.perf_counter()
+                        call(job, dev, dev)
+                        times.append(time.perf_counter() - t0)
+                        ids.append(job)
+                        job += 1
+                    _poll_until(w, ids)
+                else:
+                    held = []
+                    for k in range(4):
+                        dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                        t0 = time.perf_counter()
+                        pointer = library_calls(job, dev)
+                        times.append(time.perf_counter() - t0)
+                        held.append((dev, backend._ticket(pointer, 0, backend._choose(blocks))))  # noqa: SLF001
+                        job += 1
+                    while not all(t.done() for _, t in held):
+                        pass
+                    for dev, ticket in held:
+                        ticket.release()
+                        front.unadmit(spec_admit, dev, dev)
+                if i >= 2:
+                    rows[name].append((times[0], sum(times[1:]) / 3))
+                    if name == "the library's calls alone":
+                        split[True].append(steps[-4])
+                        split[False].extend(steps[-3:])
+    print("\n== floor: 256-block stores in bursts of 4, each burst after a poll loop took the one before back: "
+          "median us of the first call (p90) and of jobs 2-4 (their mean per burst)")
+    for name, got in rows.items():
+        p90 = float(np.percentile([x[0] for x in got], 90)) * 1e6
+        print(f"  {name:<28} first {statistics.median(x[0] for x in got) * 1e6:7.1f} (p90 {p90:7.1f})  "
+              f"jobs 2-4 {statistics.median(x[1] for x in got) * 1e6:6.1f}")
+    for first, label in ((True, "first of burst"), (False, "jobs 2-4")):
+        med = [statistics.median(x[k] for x in split[first]) * 1e6 for k in range(4)]
+        print(f"  the library's calls, {label:<14}: early wake {med[0]:5.1f}  stream handle {med[1]:5.1f}  "
+              f"admission {med[2]:5.1f}  hand-off with the fence {med[3]:5.1f}")
+
+
 #: The builds ``ab`` compares: the native backend's module constants each overrides.
 AB_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
     ("as is", {}),
@@ -509,7 +759,8 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
     sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline,
-                "timeline64": timeline64, "front": front, "ab": ab}
+                "timeline64": timeline64, "front": front, "ab": ab,
+                "before": before, "floor": floor}
     for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:
