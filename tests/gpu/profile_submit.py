@@ -691,6 +691,81 @@ def floor(device: torch.device) -> None:
               f"admission {med[2]:5.1f}  hand-off with the fence {med[3]:5.1f}")
 
 
+#: The workers ``layered`` alternates: a label, the path, the native backend's constants to override.
+LAYERED_VARIANTS: tuple[tuple[str, str, dict[str, float]], ...] = (
+    ("auto", "auto", {}),
+    ("auto, no early wake", "auto", {"EXPECT_SPIN_S": 0.0}),
+    ("sm", "sm", {}),
+)
+
+
+def layered(device: torch.device) -> None:
+    """Where a layered load's start goes (``bench --layerwise``'s load: 16 layers x 2 pages of 32
+    KiB, 256 blocks, native issuer), per variant (``LAYERED_VARIANTS``, alternated round by round
+    in one process): median us after the call of its return, of the hand-off, of the thread's issue
+    start and of the issue's end (all layers); on the device, from an event recorded on the compute
+    stream just before the call, when each layer landed (that stream's wait for it), and the job's
+    device time."""
+    from kvoffload.cli._torch import new_event, new_stream
+    from kvoffload.cli.latency_bench import _per_layer
+
+    layers, blocks = 16, 256
+    layout, _ = _per_layer(device, layers, 32 * KIB, 2 * blocks)
+    src = np.arange(blocks, dtype=np.int64)
+    dst = src + blocks
+    compute = new_stream(device)
+    rows: dict[str, list[tuple[float, ...]]] = collections.defaultdict(list)
+    landed_at: dict[str, list[list[float]]] = collections.defaultdict(list)
+    workers = []
+    for _, path, overrides in LAYERED_VARIANTS:
+        saved = {name: getattr(native_backend, name) for name in overrides}
+        for name, value in overrides.items():
+            setattr(native_backend, name, value)
+        try:
+            workers.append(Worker.create(layout, blocks, path=path, issuer="native"))  # type: ignore[arg-type]
+        finally:
+            for name, value in saved.items():
+                setattr(native_backend, name, value)
+    try:
+        with kept_tickets() as tickets:
+            for w in workers:
+                w.store(0, src, src)
+                w.wait([0], 60)
+            job = 1
+            for i in range(14):
+                for (label, _, _), w in zip(LAYERED_VARIANTS, workers):
+                    torch.cuda.synchronize(device)
+                    tickets.clear()
+                    begin = new_event(timing=True)
+                    landed = [new_event(timing=True) for _ in range(layers)]
+                    begin.record(compute)
+                    t0 = time.monotonic()
+                    load = w.load_by_layer(job, src, dst, stream=compute)
+                    t1 = time.monotonic()
+                    for layer in range(layers):
+                        load.wait_layer(layer, compute)
+                        landed[layer].record(compute)
+                    (result,) = w.wait([job], 60)
+                    landed[-1].synchronize()
+                    handed, began, issued, _ = tickets[-1].times()
+                    if i >= 2:
+                        rows[label].append((t1 - t0, handed - t0, began - t0, issued - t0, result.seconds))
+                        landed_at[label].append([float(begin.elapsed_time(e)) * 1e3 for e in landed])
+                    job += 1
+    finally:
+        for w in workers:
+            w.shutdown()
+    print("\n== layered: load_by_layer of 256 blocks x 16 layers x 2 pages of 32 KiB: median us after the call of "
+          "its return, the hand-off, the thread's issue start, its end (all layers), the job's device time; then "
+          "when each layer landed on the compute stream")
+    for label, got in rows.items():
+        med = [statistics.median(x[k] for x in got) * 1e6 for k in range(5)]
+        print(f"  {label:<20} return {med[0]:7.1f}  hand-off {med[1]:7.1f}  issue began {med[2]:7.1f}  "
+              f"issued {med[3]:7.1f}  device {med[4]:8.1f}")
+        print(f"  {'':<20} layer i landed: " + " ".join(
+            f"{statistics.median(x[k] for x in landed_at[label]):.0f}" for k in range(layers)))
+
+
 #: The builds ``ab`` compares: the native backend's module constants each overrides.
 AB_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
     ("as is", {}),
@@ -760,7 +835,7 @@ def main() -> int:
     wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
     sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline,
                 "timeline64": timeline64, "front": front, "ab": ab,
-                "before": before, "floor": floor}
+                "before": before, "floor": floor, "layered": layered}
     for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:
