@@ -352,8 +352,7 @@ class Worker:
         copies wait for the work queued on ``stream`` before this call (rule 2 holds per layer) and
         the job's result comes through :meth:`poll`/:meth:`wait` as a whole; until then the device
         blocks of a layer not yet waited for hold undefined bytes. The native issuer issues every
-        layer on its thread as soon as the job is handed over (a thread out of work is woken as
-        the call begins, so its wake-up overlaps the checks); the Python issuer issues layer 0 on
+        layer on its thread as soon as the job is handed over; the Python issuer issues layer 0 on
         the caller's thread when no other load is queued for issue.
 
         Raises (before anything is submitted; the worker is unchanged): as :meth:`load`, and
@@ -362,9 +361,6 @@ class Worker:
         """
         tables = self.layout.require_layers()
         handler = self._load
-        lane = self._fronts.get(Direction.LOAD)
-        if lane is not None and lane[2] is not None and not self._closed:
-            lane[2][1]()  # its thread issues every layered load: it wakes while the checks run
         made: list[LayerMarks] = []
 
         def submit(j: int, s: I64Array, d: I64Array, on: object, _f: object) -> None:

@@ -694,7 +694,6 @@ def floor(device: torch.device) -> None:
 #: The workers ``layered`` alternates: a label, the path, the native backend's constants to override.
 LAYERED_VARIANTS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("auto", "auto", {}),
-    ("auto, no early wake", "auto", {"EXPECT_SPIN_S": 0.0}),
     ("sm", "sm", {}),
 )
 

@@ -500,40 +500,6 @@ def early_wakes(expect_spin_ns: int) -> list[int]:
     return wakes
 
 
-def layered_early_wakes(expect_spin_ns: int) -> list[int]:
-    """The load issuer's early wakes after each of two 1-pair layered loads (a size its caller
-    would issue whole), each handed to a blocked thread, with every layer waited for."""
-    keep: list[object] = []
-    w = make_worker(keep, tune={"caller_issue_max": 2, "expect_spin_ns": expect_spin_ns})
-    backend = w._load._backend  # noqa: SLF001
-    assert isinstance(backend, NativeBackend)
-    layers = w.layout.num_layers
-    assert layers
-    wakes = []
-    try:
-        w.store(0, _i(0), _i(0))
-        assert w.wait([0], TIMEOUT_S)[0].ok
-        for job in (1, 2):
-            time.sleep(0.05)  # the thread is out of work and blocked
-            load = w.load_by_layer(job, _i(0), _i(job))
-            for layer in range(layers):
-                load.wait_layer(layer)
-            assert w.wait([job], TIMEOUT_S)[0].ok
-            out = (ctypes.c_int64 * 5)()
-            backend.lib.kvo_issuer_counts(backend._issuer, out)  # noqa: SLF001
-            wakes.append(int(out[4]))
-    finally:
-        w.shutdown(TIMEOUT_S)
-    return wakes
-
-
-def test_a_layered_load_wakes_its_thread_early() -> None:
-    # Control: with the early wake off no layered load wakes the thread before its hand-off.
-    assert layered_early_wakes(0) == [0, 0], "the control woke the thread: the test proves nothing"
-    # The thread issues every layered load, however small: each wakes it as the call begins.
-    assert layered_early_wakes(200_000) == [1, 2]
-
-
 @pytest.mark.parametrize("through", ["call front", "ctypes"])
 def test_the_front_wakes_the_thread_early_for_a_job_its_caller_will_not_issue(
     through: str, monkeypatch: pytest.MonkeyPatch,
