@@ -165,7 +165,11 @@ class Bookkeeping:
 
     def _front_spec(self, direction: Direction) -> tuple[native.FrontSpec, int]:
         """The call front's spec of ``direction`` for its admission and uncount (and its address),
-        built once: the same constants as :meth:`_native_args`."""
+        built once: the same constants as :meth:`_native_args`. The bookkeeping owns it; callers
+        hold its address, so it is never built again (that would free the one they hold)."""
+        entry = self._front_specs.get(direction)
+        if entry is not None:
+            return entry
         assert self._lib is not None
         source, target = SIDES[direction]
         stamp, _, token = self._stamp(target)
@@ -260,8 +264,7 @@ class Bookkeeping:
         if job.native:
             front = self._front
             if front is not None:
-                spec = self._front_specs.get(job.direction) or self._front_spec(job.direction)
-                front.unadmit(spec[1], job.reads, job.writes)
+                front.unadmit(self._front_spec(job.direction)[1], job.reads, job.writes)
                 return
             assert self._unadmit is not None
             self._unadmit(native.address(job.reads), native.address(job.writes), job.reads.shape[0],

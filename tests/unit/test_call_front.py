@@ -452,6 +452,18 @@ def test_the_call_front_refuses_ids_it_cannot_read_and_counts_nothing(reads: Any
     assert module.admit(spec[1], np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)) is True
 
 
+def test_a_directions_front_spec_is_built_once() -> None:
+    # Its address is held by the admission: a second build would free the spec it points to.
+    book = Bookkeeping({Memory.DEVICE: 8, Memory.HOST: 8})
+    admission = book.native_admission(Direction.STORE)
+    first = book._front_spec(Direction.STORE)  # noqa: SLF001
+    assert book._front_spec(Direction.STORE) is first  # noqa: SLF001
+    assert book._front_spec(Direction.LOAD) is not first  # noqa: SLF001
+    assert admission(1, np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64))
+    book.remove(1)
+    assert not any(a.any() for m in (Memory.DEVICE, Memory.HOST) for a in (book.reads[m], book.writes[m]))
+
+
 def test_without_pythons_headers_the_front_is_not_built_and_ctypes_is_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
