@@ -4,8 +4,10 @@ The native issuer runs over a no-op driver compiled here (every driver call retu
 event completes ``DEVICE_US`` after its record), so what is timed is the library's and Python's own
 work on the caller's thread (``NAME=VALUE`` arguments set constants of
 :mod:`kvoffload.backends.native` first, e.g. ``EXPECT_SPIN_S=0``): the call of a 256-block store in bursts of 4 (the first after a wait,
-and jobs 2-4), a 1-block store's call -> result, and the wait of a job already done; then the
-Python functions those calls run (cProfile, by own time). Device time is spent on none of it, so
+and jobs 2-4), a 1-block store's call -> result, the wait of a job already done, the 256-block
+store's first call and later ones through the worker, one flat function of the same steps and the
+library's calls alone (``profile_submit``'s ``floor``); then the Python functions those calls run
+(cProfile, by own time). Device time is spent on none of it, so
 a change to the submit or result path can be measured here first, side by side with the tree it
 changes (run both in one session; the CI machine's spread between runs is large). Figures here are
 the host's, not the H200 host's: only ratios between builds measured together mean anything.
@@ -31,6 +33,7 @@ import torch
 from kvoffload import DeviceLayout, Worker, native
 from kvoffload.backends.native import NativeBackend, tune
 from kvoffload.records import Direction
+from tests.gpu.profile_submit import floor_rows, print_floor
 from tests.unit._native_fake import FUNCTIONS
 
 #: The no-op driver's device time of every job (from an event's record to its completion).
@@ -199,6 +202,10 @@ def main() -> int:
             job += 1
         print(f"1-block store, call -> result (device {DEVICE_US} us): {_us(whole[20:])}")
         print(f"wait of a 1-block job already done: {_us(waits[20:])}")
+        rows, split = floor_rows(w, 256, 60, lambda: time.sleep(0.001))
+        print("\n256-block stores in bursts of 4, each after a poll loop and a 1 ms sleep, three ways alternated"
+              " (tests.gpu.profile_submit.floor_rows): median us of the first call (p90) and of jobs 2-4")
+        print_floor(rows, split)
         profile = cProfile.Profile()
         for _ in range(200):
             blocks = np.arange(256, dtype=np.int64)

@@ -528,7 +528,7 @@ def before(device: torch.device) -> None:
               f"fixed Python {med[2]:5.1f}")
 
 
-def _flat_store(device: torch.device, w: Worker) -> Callable[[int, npt.NDArray[np.int64], npt.NDArray[np.int64]], None]:
+def _flat_store(w: Worker) -> Callable[[int, npt.NDArray[np.int64], npt.NDArray[np.int64]], None]:
     """The fast front's store of ``w`` as one flat function: the same checks, copies, locks,
     bookkeeping entry, reservation, queue entry, hand-off, ticket and publish step as
     ``Worker.store`` makes through its layers, inline (``flat``)."""
@@ -598,97 +598,114 @@ def _flat_store(device: torch.device, w: Worker) -> Callable[[int, npt.NDArray[n
     return store
 
 
-def floor(device: torch.device) -> None:
-    """What a burst's first call would cost with no Python around the library's calls: 256-block
-    stores in bursts of 4, each burst after a poll loop took the one before back, alternating the
-    worker's ``store``, the same steps in one flat function (``_flat_store``), and the library's
-    calls alone (the call front's early wake, admission and
-    hand-off with the fence's record, as ``store`` makes them, and nothing else: no checks, copies,
-    id reservation, queue entry or ticket). Median us of the first call and of jobs 2-4."""
+#: The three ways ``floor_rows`` submits a 256-block store.
+FLOOR_WAYS: tuple[str, ...] = ("Worker.store", "one flat function", "the library's calls alone")
+
+
+def floor_rows(w: Worker, blocks: int, rounds: int, between: Callable[[], object] = lambda: None,
+               ) -> tuple[dict[str, list[tuple[float, float]]], dict[bool, list[list[float]]]]:
+    """Bursts of 4 stores of ``blocks`` blocks on ``w`` (a native store issuer with the call front;
+    4 x ``blocks`` blocks on each side), each burst after a poll loop took the one before back and
+    ``between`` ran, alternating ``FLOOR_WAYS``: the worker's ``store``, the same steps in one flat
+    function (:func:`_flat_store`), and the library's calls alone (the call front's early wake,
+    torch's current-stream read, the admission and the hand-off with the fence's record, as
+    ``store`` makes them, and nothing else: no checks, copies, id reservation, queue entry or
+    ticket). Per way, (first call, mean of calls 2-4) of every burst after the first two; and the
+    library's calls one by one (early wake, stream, admission, hand-off), first of a burst (True)
+    and later (False)."""
     from kvoffload import native
     from kvoffload.records import Direction
 
     front = native.front()
-    if front is None:
-        print("floor: no call front on this host")
-        return
-    blocks = 256
-    layout = per_layer(device, 32, 32 * KIB, 4 * blocks)
+    assert front is not None, "no call front on this host"
+    w.store(0, np.arange(blocks, dtype=np.int64), np.arange(blocks, dtype=np.int64))
+    w.wait([0], 60)
+    handler = w._store  # noqa: SLF001 - the measurement calls the library as the lane does
+    backend = handler._backend  # noqa: SLF001
+    assert isinstance(backend, NativeBackend)
+    current_stream = w._fronts[Direction.STORE][1]  # noqa: SLF001
+    spec_admit = w._book._front_spec(Direction.STORE)[1]  # noqa: SLF001 - the lane's own spec
+    front_at = backend._front_at  # noqa: SLF001
+    plans = backend._single[(handler._plan, True)]  # noqa: SLF001
+    name = backend._choose(blocks)  # noqa: SLF001
+    path = native_backend._PATHS[name]  # noqa: SLF001
+    expect, admit, hand_off = front.expect, front.admit, front.hand_off
+    steps: list[list[float]] = []
+
+    def library_calls(ids: npt.NDArray[np.int64]) -> int:
+        t0 = time.perf_counter()
+        expect(front_at)
+        t1 = time.perf_counter()
+        stream = current_stream()
+        t2 = time.perf_counter()
+        if not admit(spec_admit, ids, ids):
+            raise RuntimeError("not admitted")
+        t3 = time.perf_counter()
+        job = int(hand_off(front_at, stream, 0, path, ids, ids, 1, plans, 0, 0))
+        steps.append([t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3])
+        return job
+
+    flat = _flat_store(w)
     rows: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-    with Worker.create(layout, 4 * blocks, path="auto", issuer="native") as w:
-        w.store(0, np.arange(blocks, dtype=np.int64), np.arange(blocks, dtype=np.int64))
-        w.wait([0], 60)
-        handler = w._store  # noqa: SLF001 - the measurement calls the library as the lane does
-        backend = handler._backend  # noqa: SLF001
-        assert isinstance(backend, NativeBackend)
-        current_stream = w._fronts[Direction.STORE][1]  # noqa: SLF001
-        spec_admit = w._book._front_specs[Direction.STORE][1]  # noqa: SLF001 - the lane's own spec
-        front_at = backend._front_at  # noqa: SLF001
-        plans = backend._single[(handler._plan, True)]  # noqa: SLF001
-        path = native_backend._PATHS[backend._choose(blocks)]  # noqa: SLF001
-        expect, admit, hand_off = front.expect, front.admit, front.hand_off
+    split: dict[bool, list[list[float]]] = {True: [], False: []}
+    job = 1
+    for i in range(rounds):
+        for way in FLOOR_WAYS:
+            between()
+            times = []
+            if way != "the library's calls alone":
+                ids = []
+                call = w.store if way == "Worker.store" else flat
+                for k in range(4):
+                    dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                    t0 = time.perf_counter()
+                    call(job, dev, dev)
+                    times.append(time.perf_counter() - t0)
+                    ids.append(job)
+                    job += 1
+                _poll_until(w, ids)
+            else:
+                held = []
+                for k in range(4):
+                    dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
+                    t0 = time.perf_counter()
+                    pointer = library_calls(dev)
+                    times.append(time.perf_counter() - t0)
+                    held.append((dev, backend._ticket(pointer, 0, name)))  # noqa: SLF001
+                while not all(t.done() for _, t in held):
+                    pass
+                for dev, ticket in held:
+                    ticket.release()
+                    front.unadmit(spec_admit, dev, dev)
+            if i >= 2:
+                rows[way].append((times[0], sum(times[1:]) / 3))
+                if way == "the library's calls alone":
+                    split[True].append(steps[-4])
+                    split[False].extend(steps[-3:])
+    return rows, split
 
-        steps: list[list[float]] = []
 
-        def library_calls(job: int, ids: npt.NDArray[np.int64]) -> int:
-            t0 = time.perf_counter()
-            expect(front_at)
-            t1 = time.perf_counter()
-            stream = current_stream()
-            t2 = time.perf_counter()
-            if not admit(spec_admit, ids, ids):
-                raise RuntimeError("not admitted")
-            t3 = time.perf_counter()
-            job = int(hand_off(front_at, stream, 0, path, ids, ids, 1, plans, 0, 0))
-            steps.append([t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3])
-            return job
-
-        flat = _flat_store(device, w)
-        split: dict[bool, list[list[float]]] = {True: [], False: []}
-        job = 1
-        for i in range(30):
-            for name in ("Worker.store", "one flat function", "the library's calls alone"):
-                times = []
-                if name != "the library's calls alone":
-                    ids = []
-                    call = w.store if name == "Worker.store" else flat
-                    for k in range(4):
-                        dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
-                        t0 = time.perf_counter()
-                        call(job, dev, dev)
-                        times.append(time.perf_counter() - t0)
-                        ids.append(job)
-                        job += 1
-                    _poll_until(w, ids)
-                else:
-                    held = []
-                    for k in range(4):
-                        dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
-                        t0 = time.perf_counter()
-                        pointer = library_calls(job, dev)
-                        times.append(time.perf_counter() - t0)
-                        held.append((dev, backend._ticket(pointer, 0, backend._choose(blocks))))  # noqa: SLF001
-                        job += 1
-                    while not all(t.done() for _, t in held):
-                        pass
-                    for dev, ticket in held:
-                        ticket.release()
-                        front.unadmit(spec_admit, dev, dev)
-                if i >= 2:
-                    rows[name].append((times[0], sum(times[1:]) / 3))
-                    if name == "the library's calls alone":
-                        split[True].append(steps[-4])
-                        split[False].extend(steps[-3:])
-    print("\n== floor: 256-block stores in bursts of 4, each burst after a poll loop took the one before back: "
-          "median us of the first call (p90) and of jobs 2-4 (their mean per burst)")
-    for name, got in rows.items():
+def print_floor(rows: dict[str, list[tuple[float, float]]], split: dict[bool, list[list[float]]]) -> None:
+    """Print :func:`floor_rows`' figures (medians, us)."""
+    for way, got in rows.items():
         p90 = float(np.percentile([x[0] for x in got], 90)) * 1e6
-        print(f"  {name:<28} first {statistics.median(x[0] for x in got) * 1e6:7.1f} (p90 {p90:7.1f})  "
+        print(f"  {way:<28} first {statistics.median(x[0] for x in got) * 1e6:7.1f} (p90 {p90:7.1f})  "
               f"jobs 2-4 {statistics.median(x[1] for x in got) * 1e6:6.1f}")
     for first, label in ((True, "first of burst"), (False, "jobs 2-4")):
         med = [statistics.median(x[k] for x in split[first]) * 1e6 for k in range(4)]
         print(f"  the library's calls, {label:<14}: early wake {med[0]:5.1f}  stream handle {med[1]:5.1f}  "
               f"admission {med[2]:5.1f}  hand-off with the fence {med[3]:5.1f}")
+
+
+def floor(device: torch.device) -> None:
+    """:func:`floor_rows` on the H200: 256-block stores (64 pages of 32 KiB), native issuer, auto."""
+    blocks = 256
+    with Worker.create(per_layer(device, 32, 32 * KIB, 4 * blocks), 4 * blocks, path="auto",
+                       issuer="native") as w:
+        rows, split = floor_rows(w, blocks, 30)
+    print("\n== floor: 256-block stores in bursts of 4, each burst after a poll loop took the one before back: "
+          "median us of the first call (p90) and of jobs 2-4 (their mean per burst)")
+    print_floor(rows, split)
 
 
 #: The workers ``layered`` alternates: a label, the path, the native backend's constants to override.
