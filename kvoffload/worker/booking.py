@@ -264,7 +264,8 @@ class Bookkeeping:
         if job.native:
             front = self._front
             if front is not None:
-                front.unadmit(self._front_spec(job.direction)[1], job.reads, job.writes)
+                spec = self._front_specs.get(job.direction) or self._front_spec(job.direction)
+                front.unadmit(spec[1], job.reads, job.writes)
                 return
             assert self._unadmit is not None
             self._unadmit(native.address(job.reads), native.address(job.writes), job.reads.shape[0],
