@@ -488,7 +488,6 @@ def before(device: torch.device) -> None:
     host = torch.empty(2 * MIB, dtype=torch.uint8, pin_memory=True)
     buf = torch.empty(2 * MIB, dtype=torch.uint8, device=device)
     rows: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
-    job = 0
     with Worker.create(layout, 4 * blocks + 1, path="auto", issuer="native") as w, \
             Worker.create(per_layer(device, 32, 32 * KIB, 1), 1, path="auto", issuer="native") as other:
         for x in (w, other):
