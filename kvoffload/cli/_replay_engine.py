@@ -248,10 +248,13 @@ class _Replay:
             self.requests += 1
             self.lookup_blocks += len(keys)
             hits = self.manager.lookup(keys)
+            plan = self.manager.prepare_load(keys[:hits]) if hits else None
+            if plan is not None:  # it stops short when no host block is left to read a remote hit
+                hits = len(plan.keys)  # into: the rest are misses, computed like the others
             blocks = [self.free.pop() for _ in keys]
             request = _Request(self.requests, keys, blocks, hits)
             if hits:
-                request.load_plan = self.manager.prepare_load(keys[:hits])
+                request.load_plan = plan
                 admitted.append(request)
             else:
                 self.ready.append(request)

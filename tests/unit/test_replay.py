@@ -1,7 +1,7 @@
 """The engine replay on the host backend: zero corruption at small sizes, and proof that its
 verification catches what it must (a flipped byte, a skipped store copy, a wrong host block from the
-scheduler), that a failed load is a miss and never a hit, and that a failed store never becomes
-loadable."""
+scheduler), that a failed load is a miss and never a hit, that a failed store never becomes
+loadable, and that the keys a load plan stops short of are computed as misses."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ from kvoffload.backends.host import HostBackend, HostTicket
 from kvoffload import LoadPlan, Manager
 from kvoffload.cli._caches import build_cache
 from kvoffload.cli._replay_model import PatternGenerator, Workload, block_key
+from kvoffload.cli import replay as replay_module
 from kvoffload.cli.replay import EXIT_FAILED, EXIT_OK, ReplayConfig, ReplayReport, main, run_replay
+from kvoffload.remote import RemoteConfig
+from kvoffload.testing import MemoryCluster
 
 I64Array = npt.NDArray[np.int64]
 #: Small records (4 pages of 512 bytes: 4096-byte records) so that a run takes about a second.
@@ -264,3 +267,29 @@ def test_a_failed_store_never_becomes_loadable() -> None:
     assert report.load_jobs == 0 and report.hit_blocks == 0 and report.manager_hit_rate == 0.0
     assert report.corrupted_blocks == 0 and not report.ok
     assert report.events["store_failed"] == report.store_failed_blocks
+
+
+def test_a_load_plan_that_stops_short_leaves_the_rest_to_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A remote tier on the project's in-memory store (the real services' runs are tests/remote).
+    cluster = MemoryCluster()
+    monkeypatch.setattr(replay_module, "remote_config",
+                        lambda config: RemoteConfig(store=cluster.factory) if config.remote else None)
+    real = Manager.prepare_load
+    short: list[int] = []
+
+    def counting(self: Manager, keys: list[bytes]) -> LoadPlan:
+        plan = real(self, keys)
+        if len(plan.keys) < len(keys):
+            short.append(len(keys) - len(plan.keys))
+        return plan
+
+    monkeypatch.setattr(Manager, "prepare_load", counting)
+    remote = attrs.evolve(SMALL, remote="redis", remote_address="127.0.0.1:1")
+    assert_clean(run_replay(remote))  # instance A fills the store through its write-through puts
+    # Instance B, with a host pool too small to read every remote hit into: plans stop short, and
+    # the keys after the stop are misses the compute writes, never blocks left unwritten.
+    report = run_replay(attrs.evolve(remote, host_blocks=8, seed=2))
+    assert short, "no plan stopped short: the test proves nothing"
+    assert report.hits_by_tier["remote"] > 0
+    assert_clean(report)
+    assert report.lookup_blocks == report.hit_blocks + report.computed_blocks
