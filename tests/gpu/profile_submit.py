@@ -707,6 +707,19 @@ def floor(device: torch.device) -> None:
     print_floor(rows, split)
 
 
+def native_worker(layout: DeviceLayout, blocks: int, path: str, overrides: dict[str, float]) -> Worker:
+    """A native-issuer worker on ``path`` built with ``overrides`` of the native backend's module
+    constants (restored once it is built): one variant of ``ab`` or ``layered``."""
+    saved = {name: getattr(native_backend, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(native_backend, name, value)
+    try:
+        return Worker.create(layout, blocks, path=path, issuer="native")  # type: ignore[arg-type]
+    finally:
+        for name, value in saved.items():
+            setattr(native_backend, name, value)
+
+
 #: The workers ``layered`` alternates: a label, the path, the native backend's constants to override.
 LAYERED_VARIANTS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("auto", "auto", {}),
@@ -731,17 +744,10 @@ def layered(device: torch.device) -> None:
     compute = new_stream(device)
     rows: dict[str, list[tuple[float, ...]]] = collections.defaultdict(list)
     landed_at: dict[str, list[list[float]]] = collections.defaultdict(list)
-    workers = []
-    for _, path, overrides in LAYERED_VARIANTS:
-        saved = {name: getattr(native_backend, name) for name in overrides}
-        for name, value in overrides.items():
-            setattr(native_backend, name, value)
-        try:
-            workers.append(Worker.create(layout, blocks, path=path, issuer="native"))  # type: ignore[arg-type]
-        finally:
-            for name, value in saved.items():
-                setattr(native_backend, name, value)
+    workers: list[Worker] = []
     try:
+        for _, path, overrides in LAYERED_VARIANTS:
+            workers.append(native_worker(layout, blocks, path, overrides))
         with kept_tickets() as tickets:
             for w in workers:
                 w.store(0, src, src)
@@ -813,14 +819,7 @@ def ab(device: torch.device) -> None:
             workers: list[Worker] = []
             try:
                 for _, overrides in AB_VARIANTS:
-                    saved = {k: getattr(native_backend, k) for k in overrides}
-                    for k, v in overrides.items():
-                        setattr(native_backend, k, v)
-                    try:
-                        workers.append(Worker.create(layout, blocks, path="auto", issuer="native"))
-                    finally:
-                        for k, v in saved.items():
-                            setattr(native_backend, k, v)
+                    workers.append(native_worker(layout, blocks, "auto", overrides))
                 rows: list[list[tuple[float, ...]]] = [[] for _ in AB_VARIANTS]
                 for i in range(44):
                     for v, w in enumerate(workers):
