@@ -118,6 +118,14 @@ EXPECT_SPIN_S: Final = 200e-6
 #: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
 #: median 32 us after them on the H200 hosts, 18.6 us with this (docs/design.md §16).
 END_LEAD_S: Final = 50e-6
+#: A staged chunk's rows of at least this many records that follow each other in the host pool,
+#: where a row is narrower than a record (a layer's span of each record in a layered load), go to
+#: the driver as one strided copy (``cuMemcpy2DAsync``) per byte range of the record instead of one
+#: batched descriptor per row; 0: never. On the H200 a layer of 256 spans of 64 KiB host -> device
+#: took 1.36x a contiguous copy of its bytes as descriptors (114 us of the driver's time) and 1.00x
+#: as one strided copy (3 us); spans of 8 KiB 12.1x against 1.06x
+#: (``python -m tests.gpu.probe_strided_copy``; docs/design.md §12).
+STRIDED_MIN_ROWS: Final = 4
 #: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
 STOP_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
@@ -152,7 +160,7 @@ def _ns(seconds: float) -> int:
 def tune(c: native.Config) -> None:
     """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
     the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead and
-    early wake, the caller's-issue limit and the controls. ``ctx_get_current``, which the caller's
+    early wake, the caller's-issue limit, the staged rows' strided copies and the controls. ``ctx_get_current``, which the caller's
     issue needs, is the caller's to resolve."""
     c.poll_min_ns = _ns(POLL_MIN_S)
     c.poll_max_ns = _ns(POLL_MAX_S)
@@ -166,6 +174,7 @@ def tune(c: native.Config) -> None:
     c.wait_query_ns = _ns(WAIT_QUERY_S)
     c.expect_spin_ns = _ns(EXPECT_SPIN_S)
     c.caller_issue_max = max(0, int(CALLER_ISSUE_MAX))
+    c.strided_min_rows = max(0, int(STRIDED_MIN_ROWS))
 
 
 class NativeTicket:
@@ -550,7 +559,7 @@ class NativeBackend:
                               ("event_record", b"cuEventRecord"), ("event_query", b"cuEventQuery"),
                               ("event_elapsed", b"cuEventElapsedTime"),
                               ("stream_wait_event", b"cuStreamWaitEvent"),
-                              ("memcpy_async", b"cuMemcpyAsync")):
+                              ("memcpy_async", b"cuMemcpyAsync"), ("memcpy_2d", b"cuMemcpy2DAsync")):
             setattr(c, field, driver.entry_point(symbol, hot))
         if copier.method is CopyMethod.BATCH_CTYPES and copier.symbol and copier.abi_version:
             c.memcpy_batch = copier.symbol

@@ -49,6 +49,8 @@ __all__ = [
     "FAIL_NOTHING",
     "FAIL_PARTLY",
     "JOB_DONE",
+    "MEMORYTYPE_DEVICE",
+    "MEMORYTYPE_HOST",
     "NO_MEMORY",
     "PATH_DMA",
     "PATH_SM",
@@ -59,6 +61,7 @@ __all__ = [
     "TIMEOUT",
     "Config",
     "FrontSpec",
+    "Memcpy2D",
     "PlanSpec",
     "address",
     "available",
@@ -121,7 +124,28 @@ class Config(ctypes.Structure):
         ("wait_spin_ns", _i64), ("give_way_ns", _i64), ("idle_spin_ns", _i64),
         ("end_lead_ns", _i64), ("idle_nap_ns", _i64), ("idle_light_ns", _i64),
         ("caller_issue_max", _i64), ("ctx_get_current", _p), ("wait_query_ns", _i64),
-        ("expect_spin_ns", _i64),
+        ("expect_spin_ns", _i64), ("memcpy_2d", _p), ("strided_min_rows", _i64),
+    ]
+
+
+#: ``CUmemorytype`` of a strided copy's side: a pinned host pointer, a device address.
+MEMORYTYPE_HOST: Final = 1
+MEMORYTYPE_DEVICE: Final = 2
+
+
+class Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D`` as the driver lays it out and ``issuer.c`` declares it (``struct
+    memcpy_2d``): what the thread hands ``cuMemcpy2DAsync`` for a staged chunk's rows of
+    consecutive records (read by the CPU tests' fake driver and the strided-copy probe)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int32),
+        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int32),
+        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
     ]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload import native
+from kvoffload.native import MEMORYTYPE_HOST, Memcpy2D
 from kvoffload.backends import native as native_backend
 
 GRANULE = 4
@@ -37,6 +38,7 @@ PROTOTYPES: dict[str, Any] = {
     "stream_wait_event": ctypes.CFUNCTYPE(_i, _p, _p, _u),
     "memcpy_async": ctypes.CFUNCTYPE(_i, _u64, _u64, ctypes.c_size_t, _p),
     "memcpy_batch": ctypes.CFUNCTYPE(_i, _p, _p, _p, ctypes.c_size_t, _p, _p, ctypes.c_size_t, _p),
+    "memcpy_2d": ctypes.CFUNCTYPE(_i, _p, _p),
     "launch": ctypes.CFUNCTYPE(_i, _p, _u, _u, _u, _u, _u, _u, _u, _p, _p, _p),
 }
 
@@ -150,6 +152,17 @@ class FakeDriver:
             self._move(dst, src, size)
         return 0
 
+    def _memcpy_2d(self, copy: int | None, stream: int | None) -> int:
+        d = Memcpy2D.from_address(copy or 0)
+        code = self._enter("cuMemcpy2DAsync", stream, int(d.Height))
+        if code:
+            return code
+        src = d.srcHost if d.srcMemoryType == MEMORYTYPE_HOST else d.srcDevice
+        dst = d.dstHost if d.dstMemoryType == MEMORYTYPE_HOST else d.dstDevice
+        for row in range(d.Height):
+            self._move(dst + row * d.dstPitch, src + row * d.srcPitch, d.WidthInBytes)
+        return 0
+
     def _launch(self, function: int | None, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
                 shared: int, stream: int | None, params: int | None, extra: int | None) -> int:
         code = self._enter("cuLaunchKernel", stream, gx)
@@ -177,14 +190,16 @@ class FakeDriver:
     # ------------------------------------------------------------------------------- helpers
 
     def config(self, *, store: bool, slots: tuple[int, ...] = (), slot_bytes: int = 0,
-               batch: bool = True, keep: list[object], give_way_ns: int = 200_000,
+               batch: bool = True, keep: list[object],
+               strided_min_rows: int = native_backend.STRIDED_MIN_ROWS, give_way_ns: int = 200_000,
                idle_spin_ns: int = 0, end_lead_ns: int = 50_000,
                caller_issue_max: int = native_backend.CALLER_ISSUE_MAX,
                wait_query_ns: int = round(native_backend.WAIT_QUERY_S * 1e9),
                expect_spin_ns: int = round(native_backend.EXPECT_SPIN_S * 1e9)) -> native.Config:
         """An issuer config over this driver: copy stream COPY, kernel stream KERNEL; the rest as
         the library's defaults (small jobs handed to an idle thread issued by their callers,
-        spinning waiters querying, the early wake)."""
+        spinning waiters querying, the early wake, staged rows of consecutive records as strided
+        copies)."""
         c = native.Config()
         for name in ("ctx_set_current", "ctx_get_current", "event_create", "event_destroy", "event_record",
                      "event_query", "event_elapsed", "stream_wait_event", "memcpy_async"):
@@ -213,6 +228,8 @@ class FakeDriver:
         c.caller_issue_max = caller_issue_max
         c.wait_query_ns = wait_query_ns
         c.expect_spin_ns = expect_spin_ns
+        c.memcpy_2d = self.address("memcpy_2d")
+        c.strided_min_rows = strided_min_rows
         return c
 
     def of(self, name: str) -> list[tuple[Any, ...]]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -217,6 +218,111 @@ def test_a_long_dma_job_goes_to_the_driver_in_bounded_batches() -> None:
         h.close()
 
 
+def strided_plan(direction: Direction, page_sizes: list[int], **kwargs: Any) -> CopyPlan:
+    """``make_plan``'s pages with records 3 records apart in the pool (one rank's slices of a shared
+    pool, docs/design.md §13): a job's records never continue each other."""
+    plan = make_plan(direction, page_sizes, **kwargs)
+    return attrs.evolve(plan, host_stride=3 * plan.pages.record_bytes)
+
+
+#: Host records of a staged job: runs of 5 and 4 consecutive records inside one pinned area (5
+#: records an area), runs of 2 and 1 below ``STRIDED_MIN_ROWS``, and a run of 4 that an area's
+#: end cuts into 2 + 2.
+STRIDED_HOSTS = [10, 11, 12, 13, 14, 20, 21, 33, 40, 41, 42, 43, 48, 49, 50, 51]
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("min_rows", [native_backend.STRIDED_MIN_ROWS, 0])
+def test_staged_rows_of_consecutive_records_go_as_strided_copies(
+    direction: Direction, layout: str, min_rows: int,
+) -> None:
+    """Rows of at least STRIDED_MIN_ROWS records that follow each other in one pinned area go as one
+    cuMemcpy2DAsync per run of the record; the rest as descriptors. 0 turns strided copies off.
+    Either way the job moves exactly its bytes."""
+    assert native_backend.STRIDED_MIN_ROWS == 4, "the host runs below are chosen for 4"
+    plan = strided_plan(direction, **LAYOUTS[layout])  # type: ignore[arg-type]
+    h = Harness(direction, "staged", plan, slot_bytes=64 * plan.pages.record_bytes,
+                tune={"strided_min_rows": min_rows})
+    try:
+        device = np.random.default_rng(3).permutation(NUM_BLOCKS)[:len(STRIDED_HOSTS)].tolist()
+        host = STRIDED_HOSTS
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        assert h.run(0, src, dst).ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        strided = h.fake.of("cuMemcpy2DAsync")
+        descriptors = sum(c[2] for c in h.fake.of("cuMemcpyBatchAsync")) + len(h.fake.of("cuMemcpyAsync"))
+        if min_rows:
+            assert sorted(c[2] for c in strided) == [4, 5]  # whole records: one run each
+            assert all(c[1] == COPY for c in strided)
+            assert descriptors == len(STRIDED_HOSTS) - 9
+        else:
+            assert not strided and descriptors == len(STRIDED_HOSTS)
+    finally:
+        h.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    direction=st.sampled_from([Direction.STORE, Direction.LOAD]),
+    layout=st.sampled_from(list(LAYOUTS)),
+    host=st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=24, unique=True),
+    seed=st.integers(0, 2**16),
+    slot_rows=st.integers(1, 9),
+    min_rows=st.sampled_from([0, 1, 2, 3, 4]),
+    spread=st.sampled_from([1, 3]),
+)
+def test_a_staged_job_moves_exactly_its_bytes_whatever_its_records_runs(
+    direction: Direction, layout: str, host: list[int], seed: int, slot_rows: int, min_rows: int,
+    spread: int,
+) -> None:
+    """Random host records (runs of consecutive ones among them), chunks of 1-9 rows, strided copies
+    from 1-4 rows or never, records back to back or apart: every granule comes from its place."""
+    plan = make_plan(direction, **LAYOUTS[layout])  # type: ignore[arg-type]
+    plan = attrs.evolve(plan, host_stride=spread * plan.pages.record_bytes)
+    h = Harness(direction, "staged", plan, slot_bytes=slot_rows * plan.pages.record_bytes,
+                tune={"strided_min_rows": min_rows})
+    try:
+        device = np.random.default_rng(seed).permutation(NUM_BLOCKS)[:len(host)].tolist()
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        assert h.run(0, src, dst).ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        if min_rows == 0 or spread == 1:
+            assert not h.fake.of("cuMemcpy2DAsync")
+    finally:
+        h.close()
+
+
+def test_a_layered_staged_load_moves_each_layers_spans_of_consecutive_records_as_strided_copies() -> None:
+    pages = [256, 256, 512, 512, 128, 128]  # three layers of two pages
+    plan = make_plan(Direction.LOAD, pages)
+    h = Harness(Direction.LOAD, "staged", plan)
+    try:
+        host, device = [5, 6, 7, 8, 9, 12], [40, 11, 2, 63, 30, 17]
+        h.handler._book.reserve(0, h.handler)  # what the worker does before a layered submit
+        h.handler.submit_layered(0, np.array(host, dtype=np.int64), np.array(device, dtype=np.int64),
+                                 layer_tables(plan))
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok, result.error
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        # One strided copy per layer (its two pages are one run of the record) of the 5 records,
+        # the sixth record's span as one copy.
+        assert [c[2] for c in h.fake.of("cuMemcpy2DAsync")] == [5, 5, 5]
+        assert len(h.fake.of("cuMemcpyAsync")) == 3 and not h.fake.of("cuMemcpyBatchAsync")
+    finally:
+        h.close()
+
+
+def layer_tables(plan: CopyPlan) -> tuple[PageTable, ...]:
+    """Three layers of two pages each of a six-page plan."""
+    p = plan.pages
+    return tuple(
+        PageTable(dev_base=p.dev_base[i:i + 2], dev_stride=p.dev_stride[i:i + 2], nbytes=p.nbytes[i:i + 2],
+                  host_offset=p.host_offset[i:i + 2], segment=p.segment[i:i + 2], record_bytes=p.record_bytes)
+        for i in (0, 2, 4)
+    )
+
+
 def _last_before(calls: list[tuple[Any, ...]], index: int,
                  match: Callable[[tuple[Any, ...]], bool]) -> tuple[Any, ...] | None:
     found = [call for call in calls[:index] if match(call)]
@@ -321,23 +427,26 @@ def test_the_thread_gives_way_to_a_callers_driver_call() -> None:
     assert thread_calls_while_a_caller_records(30 * 10**9) == 0
 
 
-def unwaited_slot_writes(direction: Direction, controls: int) -> int:
+def unwaited_slot_writes(direction: Direction, controls: int, strided: bool = False) -> int:
     """Writes into a staging slot not preceded by a wait for the event recorded after the slot's
-    last read, over a job of 6 chunks through 3 slots."""
-    plan = make_plan(direction, [256, 256])
+    last read, over a job of 6 chunks through 3 slots (``strided``: of 2 consecutive records each,
+    strided copies from 2 rows on, so every chunk's DMA is one)."""
+    plan = (strided_plan if strided else make_plan)(direction, [256, 256])
     record = plan.pages.record_bytes
-    h = Harness(direction, "staged", plan, slot_bytes=2 * record, controls=controls)  # 2 rows a slot
+    h = Harness(direction, "staged", plan, slot_bytes=2 * record, controls=controls,  # 2 rows a slot
+                tune={"strided_min_rows": 2})
     try:
         device = list(range(0, 40, 3))[:11]  # 11 pairs: 6 chunks, every slot used twice
-        host = list(range(20, 31))
+        host = [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12] if strided else list(range(20, 31))
         src, dst = (device, host) if direction is Direction.STORE else (host, device)
         assert h.run(0, src, dst).ok
         assert moved(h.fake, expected(plan, device, host)) == 0
+        assert len(h.fake.of("cuMemcpy2DAsync")) == (5 if strided else 0)
         calls = h.fake.snapshot()
         # Writes into a slot: the gather launch (store) or the DMA from the host (load).
         writers, writer_stream, reader_stream = (
             (("cuLaunchKernel",), KERNEL, COPY) if direction is Direction.STORE
-            else (("cuMemcpyBatchAsync", "cuMemcpyAsync"), COPY, KERNEL)
+            else (("cuMemcpyBatchAsync", "cuMemcpyAsync", "cuMemcpy2DAsync"), COPY, KERNEL)
         )
         writes = [i for i, c in enumerate(calls) if c[0] in writers and c[1] == writer_stream]
         assert len(writes) == 6
@@ -353,25 +462,22 @@ def unwaited_slot_writes(direction: Direction, controls: int) -> int:
 
 
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
-def test_a_staging_slot_is_rewritten_only_after_its_last_read(direction: Direction) -> None:
-    control = unwaited_slot_writes(direction, native.CONTROL_SKIP_SLOT_WAIT)
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_staging_slot_is_rewritten_only_after_its_last_read(direction: Direction, strided: bool) -> None:
+    control = unwaited_slot_writes(direction, native.CONTROL_SKIP_SLOT_WAIT, strided)
     assert control > 0, "the control wrote every slot after a wait: the check proves nothing"
-    assert unwaited_slot_writes(direction, 0) == 0
+    assert unwaited_slot_writes(direction, 0, strided) == 0
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_layers_are_marked_in_order_and_waited_for_on_the_given_stream(path: str) -> None:
+@pytest.mark.parametrize("host", [[3, 4, 5, 6, 9], [5, 6, 7, 8, 9]])  # the second: strided if staged
+def test_layers_are_marked_in_order_and_waited_for_on_the_given_stream(path: str, host: list[int]) -> None:
     pages = [256, 256, 512, 512, 128, 128]  # three layers of two pages
     plan = make_plan(Direction.LOAD, pages)
-    tables = tuple(
-        PageTable(dev_base=plan.pages.dev_base[i:i + 2], dev_stride=plan.pages.dev_stride[i:i + 2],
-                  nbytes=plan.pages.nbytes[i:i + 2], host_offset=plan.pages.host_offset[i:i + 2],
-                  segment=plan.pages.segment[i:i + 2], record_bytes=plan.pages.record_bytes)
-        for i in (0, 2, 4)
-    )
+    tables = layer_tables(plan)
     h = Harness(Direction.LOAD, path, plan)
     try:
-        host, device = [3, 4, 5, 6, 9], [10, 11, 12, 13, 14]
+        device = [10, 11, 12, 13, 14]
         in_flight = threading.Event()  # the job stays in flight until the waits were enqueued
         h.fake.gate["cuEventQuery"] = in_flight
         h.handler._book.reserve(0, h.handler)  # what the worker does before a layered submit
@@ -395,7 +501,7 @@ def test_layers_are_marked_in_order_and_waited_for_on_the_given_stream(path: str
         assert order == sorted(order), "layers were not marked in order"
         # Each layer's mark follows its own copies and precedes the next layer's.
         copies = [i for i, c in enumerate(calls)
-                  if c[0] in ("cuLaunchKernel", "cuMemcpyBatchAsync", "cuMemcpyAsync")]
+                  if c[0] in ("cuLaunchKernel", "cuMemcpyBatchAsync", "cuMemcpyAsync", "cuMemcpy2DAsync")]
         for layer, at in enumerate(order):
             assert any(i < at for i in copies), f"layer {layer} marked before any copy"
             if layer + 1 < len(order):
@@ -1278,8 +1384,9 @@ def test_tune_sets_the_issuers_fields_from_the_module_constants_read_at_the_call
 ) -> None:
     monkeypatch.setattr(native_backend, "WAIT_QUERY_S", 3e-6)
     monkeypatch.setattr(native_backend, "CALLER_ISSUE_MAX", 7)
+    monkeypatch.setattr(native_backend, "STRIDED_MIN_ROWS", 9)
     c = native.Config()
     native_backend.tune(c)
-    assert (c.wait_query_ns, c.caller_issue_max) == (3000, 7)
+    assert (c.wait_query_ns, c.caller_issue_max, c.strided_min_rows) == (3000, 7, 9)
     assert c.expect_spin_ns == round(native_backend.EXPECT_SPIN_S * 1e9)
     assert c.poll_max_ns == round(native_backend.POLL_MAX_S * 1e9)
