@@ -99,6 +99,8 @@ IDLE_LIGHT_S: Final = 2e-3
 #: (docs/design.md §16) a 1-block job's call -> result went from 108-113 us to 89-93 us with it, a
 #: 64 MiB job's at 2 MiB pages from 0.88-0.91x to 0.93-0.97x a pinned copy's. A larger job (a
 #: 256-block store of 16384 pages) stays the thread's: its issue would lengthen the caller's call.
+#: With it on, a layered load's first layer is issued by its caller too when it costs few driver
+#: calls (``sm``, or ``staged`` with strided copies), the rest by the thread.
 CALLER_ISSUE_MAX: Final = 1024
 #: A wait that spins (:data:`WAIT_SPIN_S`) queries its job's end event itself at most this often
 #: once the job heads the issuer's flight, instead of waiting for the thread's next poll (its

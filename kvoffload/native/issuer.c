@@ -64,6 +64,9 @@ enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
  * and the caller's own driver calls (its fence's cuEventRecord) wait for it: one call of 16 384
  * descriptors held the engine's thread for about 10 ms on the H200 (bench --latency, path dma). */
 enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, ABI_13 = 13000 };
+/* The most a caller issues of a layered job's first layer on the staged path (first_layer_is_cheap):
+ * chunks, and descriptors beside its strided copies. */
+enum { CALLER_LAYER_CHUNKS = 4, CALLER_LAYER_COPIES = 16 };
 
 typedef CUresult (*fn_ctx_set)(void *);
 typedef CUresult (*fn_ctx_get)(void **);
@@ -172,6 +175,8 @@ struct kvo_job {
     struct kvo_issuer *issuer;
     struct kvo_job *next;
     int64_t path, n, nplans, first, layered;
+    int64_t begun;         /* its issue began: fence waited for, start recorded (issue_begin) */
+    int64_t next_plan;     /* plans (layers) enqueued so far (issue_plans) */
     int64_t *dev_ids, *host_ids;
     struct kvo_plan **plans;
     struct kvo_fence *fence;
@@ -694,26 +699,30 @@ static CUresult record_mark(struct kvo_issuer *is, struct kvo_job *job, int64_t 
     return r;
 }
 
-/* Issue one job (the issuer thread). On return the job's `fail` says what happened: FAIL_NOTHING
- * (nothing enqueued: it completes at once), FAIL_PARTLY (part enqueued: its end follows it), or
- * FAIL_NONE. */
-static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
+/* A job's issue, in three steps: issue_begin (its events, the fence's wait, the start's record),
+ * issue_plans (its plans, layer after layer, each layered one marked) and issue_end (the end's
+ * record). The thread runs them one after the other (issue_job); a caller that issues a layered
+ * job's first layer (caller_issue) runs the first two for that layer and the thread the rest. On
+ * return of the last, the job's `fail` says what happened: FAIL_NOTHING (nothing enqueued: it
+ * completes at once), FAIL_PARTLY (part enqueued: its end follows it), or FAIL_NONE. */
+
+/* 0 when the job's issue began; else the job failed with nothing enqueued (FAIL_NOTHING set). */
+static int issue_begin(struct kvo_issuer *is, struct kvo_job *job) {
     const char *call = "cuEventRecord";
     CUresult r = 0;
     int64_t path = job->path;
     CUstream own = own_stream(is, path), other = path == PATH_DMA ? is->c.kernel_stream : is->c.copy_stream;
-    CUstream stream_end = end_stream(is, path);
     int store = (int)is->c.store;
-    if (is->ctx_error) { job->error = is->ctx_error; job->error_call = "cuCtxSetCurrent"; job->fail = FAIL_NOTHING; return; }
+    if (is->ctx_error) { job->error = is->ctx_error; job->error_call = "cuCtxSetCurrent"; job->fail = FAIL_NOTHING; return 1; }
     pthread_mutex_lock(&is->mu);
     r = pool_take(is, &is->timing, &job->start);
     if (!r) r = pool_take(is, &is->timing, &job->end);
     pthread_mutex_unlock(&is->mu);
-    if (r) { job->error = r; job->error_call = "cuEventCreate"; job->fail = FAIL_NOTHING; return; }
+    if (r) { job->error = r; job->error_call = "cuEventCreate"; job->fail = FAIL_NOTHING; return 1; }
     /* Jobs of one direction finish in submission order: a job on one stream first waits for the
      * other when the previous job ended there. */
     if (path != PATH_STAGED && other && is->last_end == other) {
-        if ((r = mark_wait(is, own, other))) { job->error = r; job->error_call = "cuStreamWaitEvent"; job->fail = FAIL_NOTHING; return; }
+        if ((r = mark_wait(is, own, other))) { job->error = r; job->error_call = "cuStreamWaitEvent"; job->fail = FAIL_NOTHING; return 1; }
     }
     /* The fence: rules 1 and 2 (the kernel or DMA reads/writes pages compute may still use). */
     CUstream fenced = path == PATH_DMA ? is->c.copy_stream : is->c.kernel_stream;
@@ -725,31 +734,49 @@ static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
     fence_unref(is, job->fence); /* the wait was enqueued: it captured the record */
     job->fence = 0;
     pthread_mutex_unlock(&is->mu);
-    if (r) { job->error = r; job->error_call = call; job->fail = FAIL_NOTHING; return; }
-    is->last_end = path == PATH_STAGED ? stream_end : own;
+    if (r) { job->error = r; job->error_call = call; job->fail = FAIL_NOTHING; return 1; }
+    is->last_end = path == PATH_STAGED ? end_stream(is, path) : own;
+    job->begun = 1;
+    return 0;
+}
+
+/* Enqueue the job's plans from job->next_plan up to `until`, a layered job's each marked as its last
+ * copy is enqueued; 0, or the failed call's code with *call naming it. */
+static CUresult issue_plans(struct kvo_issuer *is, struct kvo_job *job, int64_t until,
+                            const char **call) {
+    int64_t path = job->path;
+    CUstream own = own_stream(is, path);
+    int store = (int)is->c.store;
+    CUresult r = 0;
     const int64_t *order = 0;
     if (path == PATH_STAGED) {
         order = staged_order(is, job);
-        if (!order) { r = KVO_NO_MEMORY; call = "malloc"; }
+        if (!order) { *call = "malloc"; return KVO_NO_MEMORY; }
     }
-    int64_t layer = job->first;
-    for (int64_t k = 0; k < job->nplans && !r; k++, layer++) {
-        const struct kvo_plan *p = job->plans[k];
-        if (path == PATH_DMA) r = dma_plan(is, p, job, own, &call);
+    for (; job->next_plan < until && !r; job->next_plan++) {
+        const struct kvo_plan *p = job->plans[job->next_plan];
+        if (path == PATH_DMA) r = dma_plan(is, p, job, own, call);
         else if (path == PATH_SM)
             r = launch_rows(is, p->kseg, p->kseg_rows, job->dev_ids, job->host_ids, 0, job->n,
-                            (uint64_t)p->host_base, p->host_stride, store, is->c.sm_ctas, own, &call);
-        else r = staged_plan(is, p, job, order, &call);
+                            (uint64_t)p->host_base, p->host_stride, store, is->c.sm_ctas, own, call);
+        else r = staged_plan(is, p, job, order, call);
         if (!r && job->layered) {
             CUstream at = path == PATH_DMA ? own : is->c.kernel_stream;
-            if ((r = record_mark(is, job, layer, at))) call = "cuEventRecord";
+            if ((r = record_mark(is, job, job->first + job->next_plan, at))) *call = "cuEventRecord";
         }
     }
-    CUresult issue_error = r;
-    const char *issue_call = call;
+    return r;
+}
+
+/* Record the job's end after what was enqueued (`issue_error`: the plans' failure, named by
+ * `issue_call`, or 0). */
+static void issue_end(struct kvo_issuer *is, struct kvo_job *job, CUresult issue_error,
+                      const char *issue_call) {
+    int64_t path = job->path;
+    CUstream stream_end = end_stream(is, path);
     /* A load of the staged path ends on the kernel stream: no DMA of a failed chunk after the end. */
     CUresult end_error = 0;
-    if (path == PATH_STAGED && !store) end_error = mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
+    if (path == PATH_STAGED && !is->c.store) end_error = mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
     if (!end_error) end_error = record_on(is, job->end, stream_end);
     if (end_error && !issue_error) { issue_error = end_error; issue_call = "cuEventRecord"; }
     if (issue_error) { job->error = issue_error; job->error_call = issue_call; }
@@ -758,6 +785,14 @@ static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
     if (job->layered && issue_error) /* the layers left unmarked follow what was enqueued */
         for (int64_t l = job->marked; l < job->first + job->nplans; l++)
             if (record_mark(is, job, l, stream_end)) break;
+}
+
+/* Issue one job, or the rest of one whose caller issued its first layer. */
+static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
+    if (!job->begun && issue_begin(is, job)) return;
+    const char *call = "";
+    CUresult r = issue_plans(is, job, job->nplans, &call);
+    issue_end(is, job, r, call);
 }
 
 /* ----------------------------------------------------------------------------------- the thread */
@@ -906,14 +941,14 @@ static void *run(void *arg) {
             is->queue_head = job->next;
             if (!is->queue_head) is->queue_tail = 0;
             job->next = 0;
-            if (is->stop) {
+            if (is->stop && !job->begun) { /* a job its caller began is issued: its work is enqueued */
                 job->error = KVO_RELEASED; job->error_call = "release"; job->fail = FAIL_NOTHING;
                 if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
                 finish(is, job);
                 continue;
             }
             pthread_mutex_unlock(&is->mu);
-            __atomic_store_n(&job->times[1], now_ns(), __ATOMIC_RELAXED); /* kvo_job_times may read */
+            if (!job->begun) __atomic_store_n(&job->times[1], now_ns(), __ATOMIC_RELAXED); /* kvo_job_times may read */
             issue_job(is, job);
             __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
             pthread_mutex_lock(&is->mu);
@@ -1129,21 +1164,57 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
     pthread_mutex_unlock(&is->mu);
 }
 
+/* Whether a layered job's first layer costs its caller few driver calls: one kernel launch (sm), or
+ * staged chunks (at most CALLER_LAYER_CHUNKS) whose rows go as strided copies but for at most
+ * CALLER_LAYER_COPIES descriptors. A layer of batched descriptors (dma, or records that do not
+ * follow each other) would hold the caller for hundreds of microseconds. Caller holds the mutex,
+ * the thread is out of work (so the issuer's order buffer is free). */
+static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job) {
+    const struct kvo_plan *p = job->plans[0];
+    if (job->path == PATH_SM) return job->n <= MAX_ROWS;
+    if (job->path != PATH_STAGED || !is->c.memcpy_2d || is->c.strided_min_rows <= 0 || p->pitch <= 0 ||
+        p->host_stride > STRIDED_MAX_PITCH)
+        return 0;
+    int64_t rows_per_slot = is->c.slot_bytes / p->pitch;
+    if (rows_per_slot <= 0 || job->n > rows_per_slot * CALLER_LAYER_CHUNKS) return 0;
+    const int64_t *order = staged_order(is, job);
+    if (!order) return 0;
+    int64_t copies = 0;
+    for (int64_t start = 0; start < job->n; start += rows_per_slot) {
+        int64_t rows = job->n - start < rows_per_slot ? job->n - start : rows_per_slot;
+        for (int64_t k = 0; k < rows;) {
+            int64_t m = consecutive_rows(p, job, order + start, k, rows);
+            if (m < is->c.strided_min_rows) copies += m * p->runs;
+            k += m;
+        }
+    }
+    return copies <= CALLER_LAYER_COPIES;
+}
+
 /* The caller's thread issues a small job handed to a thread that is out of work and blocked (its
- * wake-up, 5-45 us on the H200 hosts, would come before the job's first copy): under the mutex, with
- * nothing queued or in flight, `issuing` keeps the thread from issuing, and the job is issued here
- * with the mutex released, the issuer's context made current for the calls (and the caller's put
- * back), then put in flight for the thread, which is woken to poll it. Jobs stay issued one at a
- * time in hand-off order: a hand-off meanwhile queues behind it. 1 when issued here (the mutex
- * released), 0 (the mutex held) when the thread is to issue it. */
+ * wake-up, 5-45 us on the H200 hosts, would come before the job's first copy), or the first layer of
+ * a layered job when that layer is cheap to issue (first_layer_is_cheap): under the mutex, with
+ * nothing queued or in flight, `issuing` keeps the thread from issuing, and the job (or its first
+ * layer) is issued here with the mutex released, the issuer's context made current for the calls
+ * (and the caller's put back). A job issued whole is then put in flight for the thread, which is
+ * woken to poll it; a layered job's rest is queued first for the thread, which issues it from its
+ * second layer on (the caller's layer is marked: a wait for it needs no thread). Jobs stay issued
+ * one at a time in hand-off order: a hand-off meanwhile queues behind it. 1 when the caller issued
+ * (the mutex released), 0 (the mutex held) when the thread is to issue all of it. */
 static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
-    if (is->c.caller_issue_max <= 0 || job->layered || !is->c.ctx_get_current || !is->started ||
+    if (is->c.caller_issue_max <= 0 || !is->c.ctx_get_current || !is->started ||
         is->ctx_error || !is->sleeping || is->queue_head || is->flight_head || is->issuing)
         return 0; /* off, or the thread is not idle: nothing counted under the lock */
-    int64_t pages = 0;
-    for (int64_t k = 0; k < job->nplans && pages <= is->c.caller_issue_max; k++)
-        pages += job->n * job->plans[k]->pages;
-    if (pages > is->c.caller_issue_max) return 0;
+    int64_t until = job->nplans;
+    if (job->layered) {
+        if (job->nplans < 1 || !first_layer_is_cheap(is, job)) return 0;
+        until = 1;
+    } else {
+        int64_t pages = 0;
+        for (int64_t k = 0; k < job->nplans && pages <= is->c.caller_issue_max; k++)
+            pages += job->n * job->plans[k]->pages;
+        if (pages > is->c.caller_issue_max) return 0;
+    }
     is->issuing = 1;
     pthread_mutex_unlock(&is->mu);
     void *saved = 0;
@@ -1161,11 +1232,23 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
         return 1;
     }
     __atomic_store_n(&job->times[1], now_ns(), __ATOMIC_RELAXED);
-    issue_job(is, job);
-    __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
+    int whole = 1; /* issued to its end here (or failed) */
+    if (!issue_begin(is, job)) {
+        const char *call = "";
+        CUresult failed = issue_plans(is, job, until, &call);
+        if (failed || job->next_plan >= job->nplans) issue_end(is, job, failed, call);
+        else whole = 0;
+    }
+    if (whole) __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
     if (switched) ((fn_ctx_set)is->c.ctx_set_current)(saved);
     pthread_mutex_lock(&is->mu);
-    issued(is, job);
+    if (whole) {
+        issued(is, job);
+    } else { /* the rest is the thread's, before any job handed over meanwhile */
+        job->next = is->queue_head;
+        __atomic_store_n(&is->queue_head, job, __ATOMIC_RELEASE);
+        if (!is->queue_tail) is->queue_tail = job;
+    }
     is->caller_issued++;
     is->issuing = 0;
     pthread_cond_broadcast(&is->work); /* the thread polls it, and issues what came meanwhile */

@@ -351,9 +351,11 @@ class Worker:
         The layers are the layout's (``layout.layers``, 0 first). Like :meth:`load`, every layer's
         copies wait for the work queued on ``stream`` before this call (rule 2 holds per layer) and
         the job's result comes through :meth:`poll`/:meth:`wait` as a whole; until then the device
-        blocks of a layer not yet waited for hold undefined bytes. The native issuer issues every
-        layer on its thread as soon as the job is handed over; the Python issuer issues layer 0 on
-        the caller's thread when no other load is queued for issue.
+        blocks of a layer not yet waited for hold undefined bytes. The native issuer's thread issues
+        the layers as soon as the job is handed over, but for layer 0 when the thread is idle and
+        that layer costs few driver calls (``sm``, or ``staged`` with strided copies): then the
+        caller issues it inside the hand-off; the Python issuer issues layer 0 on the caller's
+        thread when no other load is queued for issue.
 
         Raises (before anything is submitted; the worker is unchanged): as :meth:`load`, and
             LayerError: the layout has no layers (its tensor names do not say them: pass

@@ -723,6 +723,7 @@ def native_worker(layout: DeviceLayout, blocks: int, path: str, overrides: dict[
 #: The workers ``layered`` alternates: a label, the path, the native backend's constants to override.
 LAYERED_VARIANTS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("auto", "auto", {}),
+    ("auto, thread issues", "auto", {"CALLER_ISSUE_MAX": 0}),
     ("auto, descriptors", "auto", {"STRIDED_MIN_ROWS": 0}),
     ("sm", "sm", {}),
 )

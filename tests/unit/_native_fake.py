@@ -165,18 +165,16 @@ class FakeDriver:
 
     def _launch(self, function: int | None, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
                 shared: int, stream: int | None, params: int | None, extra: int | None) -> int:
-        code = self._enter("cuLaunchKernel", stream, gx)
-        if code:
-            return code
         width = dict(FUNCTIONS)[function or 0]
         pointers = ctypes.cast(params or 0, ctypes.POINTER(_p))
         scalars = [ctypes.cast(pointers[i], ctypes.POINTER(_u64))[0] for i in range(5)]
         table_ptr, table_rows, rows, host_base, record = scalars
         to_host = ctypes.cast(pointers[5], ctypes.POINTER(ctypes.c_int32))[0]
-        ids = np.ctypeslib.as_array(ctypes.cast(pointers[6], ctypes.POINTER(ctypes.c_int64)), (2 * width,))
+        ids = np.ctypeslib.as_array(ctypes.cast(pointers[6], ctypes.POINTER(ctypes.c_int64)), (2 * width,)).copy()
         table = np.ctypeslib.as_array(ctypes.cast(table_ptr, ctypes.POINTER(ctypes.c_int64)), (table_rows, 4))
-        with self._lock:
-            self.calls[-1] = (*self.calls[-1], int(rows))
+        code = self._enter("cuLaunchKernel", stream, gx, int(rows))  # logged: (name, stream, CTAs, rows)
+        if code:
+            return code
         for r in range(rows):
             for dev_base, dev_stride, host_offset, nbytes in table.tolist():
                 dev = dev_base + int(ids[r]) * dev_stride

@@ -352,6 +352,27 @@ def test_a_job_waits_for_its_fence_before_it_touches_a_page(path: str, direction
         h.close()
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("limit", [0, native_backend.CALLER_ISSUE_MAX])  # by the thread, by the caller
+def test_a_layered_load_waits_for_its_fence_before_its_first_layer_touches_a_page(path: str, limit: int) -> None:
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    h = Harness(Direction.LOAD, path, plan, tune={"caller_issue_max": limit})
+    try:
+        time.sleep(0.05)  # the thread blocks, out of work
+        submit_layered(h, 0, [5, 6, 7, 8], [1, 2, 3, 4])
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok, result.error
+        calls = h.fake.snapshot()
+        (fence,) = [c for c in calls if c[0] == "cuEventRecord" and c[2] == COMPUTE]
+        touching = KERNEL if path != "dma" else COPY
+        waited = next(i for i, c in enumerate(calls) if c[0] == "cuStreamWaitEvent" and c[2] == fence[1])
+        first_touch = next(i for i, c in enumerate(calls) if c[0] in COPIES and c[1] == touching)
+        assert calls[waited][1] == touching and waited < first_touch
+        assert counts(h)[2] == (1 if limit and path != "dma" else 0)
+    finally:
+        h.close()
+
+
 def test_a_fence_given_back_early_is_not_recorded_again_before_its_wait() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan, tune=THREAD_ISSUES)
@@ -667,7 +688,7 @@ def test_out_of_work_the_thread_naps_for_a_while_then_blocks_until_woken() -> No
     assert late == 0  # past the light period: blocked until woken
 
 
-COPIES = ("cuMemcpyBatchAsync", "cuMemcpyAsync", "cuLaunchKernel")
+COPIES = ("cuMemcpyBatchAsync", "cuMemcpyAsync", "cuLaunchKernel", "cuMemcpy2DAsync")
 
 
 def copy_threads(fake: FakeDriver, start: int = 0) -> set[int]:
@@ -696,6 +717,110 @@ def test_a_small_job_handed_to_an_idle_thread_is_issued_by_its_caller(path: str)
             assert counts(h)[2] == (1 if limit else 0)
         finally:
             h.close()
+
+
+#: Host records of a 5-block layered load: consecutive (strided copies when staged), scattered (5
+#: descriptors a layer), and 20 scattered (more descriptors than a caller issues of a layer).
+LAYERED_HOSTS = {"consecutive": [5, 6, 7, 8, 9], "scattered": [3, 14, 7, 22, 9],
+                 "many": list(range(0, 60, 3))}
+
+
+def submit_layered(h: Harness, job: int, host: list[int], device: list[int]) -> NativeLayerMarks:
+    """A layered load of the three layers of ``layer_tables``, submitted as the worker does."""
+    h.handler._book.reserve(job, h.handler)  # noqa: SLF001 - what the worker does before a layered submit
+    marks = h.handler.submit_layered(job, np.array(host, dtype=np.int64), np.array(device, dtype=np.int64),
+                                     layer_tables(h.plan))
+    assert isinstance(marks, NativeLayerMarks)
+    return marks
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("hosts", list(LAYERED_HOSTS))
+def test_an_idle_threads_layered_load_has_its_first_layer_issued_by_its_caller_when_cheap(
+    path: str, hosts: str,
+) -> None:
+    """The caller issues layer 0 (sm: one launch; staged: strided copies and at most 16
+    descriptors), marks it, and queues the rest for the thread; never a layer of dma descriptors."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])  # three layers of two pages
+    host = LAYERED_HOSTS[hosts]
+    device = list(range(40, 40 + len(host)))
+    cheap = path == "sm" or (path == "staged" and hosts != "many")
+    main = threading.get_ident()
+    for limit in (0, native_backend.CALLER_ISSUE_MAX):  # the control first: the thread issues all
+        h = Harness(Direction.LOAD, path, plan, tune={"caller_issue_max": limit})
+        try:
+            time.sleep(0.05)  # the thread blocks, out of work
+            marks = submit_layered(h, 0, host, device)
+            mine = [c for c, t in zip(h.fake.snapshot(), h.fake.threads) if t == main and c[0] in COPIES]
+            marks.wait(0, IDLE, TIMEOUT_S)
+            (result,) = h.handler.wait([0], TIMEOUT_S)
+            assert result.ok, result.error
+            assert moved(h.fake, expected(plan, device, host)) == 0
+            calls = h.fake.snapshot()
+            theirs = [c for c, t in zip(calls, h.fake.threads) if t != main and c[0] in COPIES]
+            if limit and cheap:
+                # Layer 0's copies, every one of them, before the call returned; the thread's the
+                # other two layers' (as many calls each here).
+                assert mine and len(theirs) == 2 * len(mine), (mine, theirs)
+                assert counts(h)[2] == 1
+            else:
+                assert not mine and counts(h)[2] == 0
+        finally:
+            h.close()
+
+
+def test_a_failed_first_layer_in_its_callers_hands_fails_the_job_and_leaves_nothing_to_the_thread() -> None:
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    h = Harness(Direction.LOAD, "staged", plan)
+    main = threading.get_ident()
+    try:
+        time.sleep(0.05)
+        h.fake.fail["cuMemcpy2DAsync"] = 700
+        marks = submit_layered(h, 0, [5, 6, 7, 8, 9], [1, 2, 3, 4, 10])
+        for layer in (2, 0, 1):  # every layer is marked (after what was enqueued): no wait hangs
+            marks.wait(layer, IDLE, TIMEOUT_S)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert not result.ok and "cuMemcpy2DAsync" in str(result.error)
+        copies = [(c[0], t == main) for c, t in zip(h.fake.snapshot(), h.fake.threads) if c[0] in COPIES]
+        assert copies == [("cuMemcpy2DAsync", True)], copies  # nothing after the failure, by anyone
+        assert counts(h)[2] == 1
+    finally:
+        h.close()
+
+
+def test_a_job_handed_over_while_a_caller_issues_a_first_layer_is_issued_after_the_whole_layered_job() -> None:
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    h = Harness(Direction.LOAD, "sm", plan)
+    gate, launching = threading.Event(), threading.Event()
+    lib = h.backend.lib
+    try:
+        time.sleep(0.05)
+        h.fake.gate["cuLaunchKernel"] = gate
+        h.fake.entered["cuLaunchKernel"] = launching
+        first = threading.Thread(target=lambda: submit_layered(h, 0, [5, 6, 7], [1, 2, 3]))
+        first.start()
+        assert launching.wait(TIMEOUT_S)  # the layered job's caller is inside layer 0's launch
+        del h.fake.gate["cuLaunchKernel"]
+        dev, host, error = np.array([20], dtype=np.int64), np.array([21], dtype=np.int64), ctypes.c_int64()
+        whole = plan_for(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+        plans = h.backend._plan_array((whole,), whole=True)  # noqa: SLF001
+        job = lib.kvo_hand_off(h.backend._issuer, COMPUTE, None, native.PATH_SM, 1, native.address(dev),  # noqa: SLF001
+                               native.address(host), 1, plans, 0, 0, ctypes.byref(error))
+        assert job, error.value
+        second = native_backend.NativeTicket(lib, int(job), "sm")
+        gate.set()
+        first.join(TIMEOUT_S)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok and second.wait(TIMEOUT_S)
+        second.release()
+        launches = [(c[3], t == first.ident) for c, t in zip(h.fake.snapshot(), h.fake.threads)
+                    if c[0] == "cuLaunchKernel"]  # (rows, by the layered job's caller)
+        # Layer 0 by its caller, layers 1 and 2 by the thread, then the job handed over meanwhile.
+        assert [by_caller for _, by_caller in launches] == [True, False, False, False]
+        assert [rows for rows, _ in launches] == [3, 3, 3, 1]
+    finally:
+        gate.set()
+        h.close()
 
 
 def test_a_job_handed_over_while_a_caller_issues_is_issued_after_it_and_by_no_one_meanwhile() -> None:
