@@ -175,6 +175,16 @@ class HandsOffBackend(Backend, Protocol):
         recorded on ``stream`` in the same call; the call never raises (a failure is the
         ticket's)."""
 
+    def hand_off_layers_call(
+        self, plans: tuple[CopyPlan, ...],
+    ) -> Callable[[I64Array, I64Array, int, LayerMarks], Ticket]:
+        """A call ``(src, dst, stream, marks)`` that hands a layered job of ``plans`` (layer ``i``'s
+        plan ``plans[i]``) over as :meth:`hand_off_call`'s call hands a whole one, ``marks`` (of
+        ``layer_marks``) attached to the job; the call never raises."""
+
+    def layer_marks(self, count: int) -> LayerMarks:
+        """Marks for a layered job of ``count`` layers."""
+
     def early_wake(self, pages: int) -> tuple[int, Callable[[], object]] | None:
         """For jobs of ``pages`` pages per pair: the fewest pairs of a job whose thread is best
         woken as soon as the job is taken, and the call that wakes it (None: never)."""
@@ -247,6 +257,9 @@ class DirectionHandler:
         # The hands-off backend's call for the fast front's jobs (submit_handed_off), made at its
         # first job.
         self._hand_off_call: Callable[[I64Array, I64Array, int], Ticket] | None = None
+        # The fast front's layered hand-off: the layout's tables, their plans, the bound call.
+        self._layered_hand_off: tuple[tuple[PageTable, ...], tuple[CopyPlan, ...],
+                                      Callable[[I64Array, I64Array, int, LayerMarks], Ticket]] | None = None
 
     @classmethod
     def create(
@@ -374,13 +387,17 @@ class DirectionHandler:
         self._check_open()
         backend = self._backend
         assert backend is not None
+        make = getattr(backend, "layer_marks", None)
+        marks: LayerMarks = make(len(tables)) if make is not None else WholeJobMarks(len(tables))
+        self._enqueue(job_id, src, dst, stream, None, (self._layer_plans_for(tables), marks))
+        return marks
+
+    def _layer_plans_for(self, tables: tuple[PageTable, ...]) -> tuple[CopyPlan, ...]:
+        """The plans of a layered job over ``tables`` (one a layer), built once for the layout's."""
         cached = self._layer_plans
         if cached is None or cached[0] is not tables:
             cached = self._layer_plans = (tables, tuple(self._plan.for_pages(t) for t in tables))
-        make = getattr(backend, "layer_marks", None)
-        marks: LayerMarks = make(len(tables)) if make is not None else WholeJobMarks(len(tables))
-        self._enqueue(job_id, src, dst, stream, None, (cached[1], marks))
-        return marks
+        return cached[1]
 
     def _enqueue(
         self, job_id: int, src: I64Array, dst: I64Array, stream: object, fence: object,
@@ -487,17 +504,55 @@ class DirectionHandler:
             hand_off = self._hand_off_call = backend.hand_off_call(self._plan)
         transfer = _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False)
         with self._issue_lock:  # as _hand_over's
-            with self._lock:
-                self._check_open()
-                self._fifo.append(transfer)
-                self._submitted += 1
-                self._pending += 1
+            self._queue_handed_off(transfer)
             try:
                 transfer.ticket = (FailedTicket(TransferError(_SHUT_DOWN)) if self._abort.is_set()
                                    else hand_off(src, dst, stream))
             except Exception as exc:  # reported as the job's failure, as _issue's
                 transfer.ticket = FailedTicket(exc)
             self._mark_issued(transfer)
+
+    def submit_handed_off_layered(
+        self, job_id: int, src: I64Array, dst: I64Array, stream: int, tables: tuple[PageTable, ...],
+    ) -> LayerMarks:
+        """:meth:`submit_handed_off` for a job that lands layer after layer (``tables[i]``: layer
+        ``i``'s pages), as :meth:`submit_layered` submits one; returns the marks, which the handler
+        owns until the result is published (docs/design.md §12).
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        cached = self._layered_hand_off
+        if cached is None or cached[0] is not tables:
+            plans = self._layer_plans_for(tables)
+            backend = cast(HandsOffBackend, self._backend)
+            cached = self._layered_hand_off = (tables, plans, backend.hand_off_layers_call(plans))
+        _, plans, hand_off = cached
+        marks = cast(HandsOffBackend, self._backend).layer_marks(len(tables))
+        transfer = _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False,
+                             layers=plans, marks=marks)
+        with self._issue_lock:  # as _hand_over's
+            self._queue_handed_off(transfer)
+            try:
+                transfer.ticket = (FailedTicket(TransferError(_SHUT_DOWN)) if self._abort.is_set()
+                                   else hand_off(src, dst, stream, marks))
+            except Exception as exc:  # reported as the job's failure, as _issue's
+                transfer.ticket = FailedTicket(exc)
+            marks.settle()  # layers the hand-off could not mark wait no more
+            self._mark_issued(transfer)
+        return marks
+
+    def _queue_handed_off(self, transfer: _Transfer) -> None:
+        """Queue a transfer the caller hands over next (the caller holds ``_issue_lock``).
+
+        Raises:
+            ClosedError: after shutdown (nothing queued).
+        """
+        with self._lock:
+            self._check_open()
+            self._fifo.append(transfer)
+            self._submitted += 1
+            self._pending += 1
 
     def _hand_over(self, backend: Backend, transfer: _Transfer) -> None:
         """Queue ``transfer`` and hand it over through :meth:`_issue` on this thread (a hands-off

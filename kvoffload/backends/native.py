@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -455,6 +455,13 @@ class Wrapped(Protocol):
 TableSource = Callable[[CopyPlan], "tuple[int, int]"]
 
 
+class _HandOff(Protocol):
+    """A bound hand-off of :meth:`NativeBackend._bind_hand_off` (``marks``: a layered job's)."""
+
+    def __call__(self, src: I64Array, dst: I64Array, stream: int, marks: LayerMarks | None = None) -> Ticket:
+        """Hand the job over; never raises."""
+
+
 class NativeBackend:
     """One direction's copies issued by the native thread over a :class:`CudaBackend`'s streams and
     paths (see the module docstring). Build it with :meth:`over`.
@@ -703,20 +710,37 @@ class NativeBackend:
         handle of this backend's device) in the same call into the library; never raises. With the
         call front, the call is :meth:`_submit`'s work for such a job with the plan registered here,
         once: the fast front's every job runs it on the engine's thread."""
-        def submit(src: I64Array, dst: I64Array, stream: int) -> Ticket:
-            return self._submit((plan,), src, dst, stream, 0, None, 0)
+        return self._bind_hand_off((plan,), whole=True)
+
+    def hand_off_layers_call(
+        self, plans: tuple[CopyPlan, ...],
+    ) -> Callable[[I64Array, I64Array, int, LayerMarks], Ticket]:
+        """:meth:`issue_layers` for the fast front, bound to ``plans`` (layer ``i``'s plan
+        ``plans[i]``, from layer 0): a call ``(src, dst, stream, marks)`` that hands a layered job
+        over as :meth:`hand_off_call`'s call hands a whole one, the marks (of :meth:`layer_marks`)
+        attached to the job it hands over; never raises."""
+        return self._bind_hand_off(plans, whole=False)
+
+    def _bind_hand_off(
+        self, plans: tuple[CopyPlan, ...], *, whole: bool,
+    ) -> _HandOff:
+        """The call of :meth:`hand_off_call` (``whole``) or :meth:`hand_off_layers_call`: the plans
+        registered once, here; without the call front, or when that fails, :meth:`_submit`."""
+        def submit(src: I64Array, dst: I64Array, stream: int, marks: LayerMarks | None = None) -> Ticket:
+            return self._submit(plans, src, dst, stream, 0, cast("NativeLayerMarks | None", marks), 0)
 
         with self._lock:
             if self._front_hand_off is None or self._released:
                 return submit
             try:
-                address = self._plan_array((plan,), whole=True)
+                address = self._plan_array(plans, whole=whole)
             except Exception:  # each job fails with the registration's error, through _submit
                 return submit
         choose, stores, lock = self._choose, self._stores, self._lock
         front_at, spec, on_cuda, index = self._front_at, self._front_spec, self._on_cuda, self.index
+        count, layered = len(plans), int(not whole)
 
-        def hand_off(src: I64Array, dst: I64Array, stream: int) -> Ticket:
+        def hand_off(src: I64Array, dst: I64Array, stream: int, marks: LayerMarks | None = None) -> Ticket:
             name = choose(src.shape[0])
             device, host = (src, dst) if stores else (dst, src)
             with lock:
@@ -726,10 +750,12 @@ class NativeBackend:
                 assert call is not None
                 if on_cuda and current_device_index() != index:  # the fence is recorded in the call
                     with torch.cuda.device(index):
-                        job = call(front_at, stream, 0, _PATHS[name], device, host, 1, address, 0, 0)
+                        job = call(front_at, stream, 0, _PATHS[name], device, host, count, address, 0, layered)
                 else:
-                    job = call(front_at, stream, 0, _PATHS[name], device, host, 1, address, 0, 0)
+                    job = call(front_at, stream, 0, _PATHS[name], device, host, count, address, 0, layered)
                 code = spec.error
+            if job and marks is not None:
+                cast(NativeLayerMarks, marks).attach(int(job))
             return self._ticket(job, code, name)
 
         return hand_off

@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvoffload._descriptors import PageTable
 from kvoffload._jobs import JobSource, as_job_id, as_timeout
 from kvoffload._layer_load import LayerLoad, LayerMarks
 from kvoffload._validate import as_block_ids, check_pairs, check_range
@@ -59,7 +60,7 @@ from kvoffload.errors import (
     ShutdownError,
     warn_on_del,
 )
-from kvoffload.handler import Backend
+from kvoffload.handler import Backend, DirectionHandler
 from kvoffload.layout import DeviceLayout
 from kvoffload.pool import PoolRank
 from kvoffload.records import (
@@ -362,6 +363,9 @@ class Worker:
                 ``layers=`` to ``DeviceLayout.from_tensors``).
         """
         tables = self.layout.require_layers()
+        marks = self._front_layered(job_id, host_blocks, device_blocks, stream, tables)
+        if marks is not None:
+            return LayerLoad(job_id, marks, self._check_open)
         handler = self._load
         made: list[LayerMarks] = []
 
@@ -498,40 +502,73 @@ class Worker:
         :meth:`_submit` then validates it from the start and submits it or raises its precise
         error, so the two doors differ only in speed.
         """
+        taken = self._front_take(direction, job_id, src_blocks, dst_blocks, stream, wake=True)
+        if taken is None:
+            return False
+        job, handler, src, dst, handle = taken
+        try:
+            handler.submit_handed_off(job, src, dst, handle)
+        except BaseException:
+            self._front_forget(job)
+            raise
+        return True
+
+    def _front_layered(self, job_id: object, host_blocks: object, device_blocks: object, stream: object,
+                       tables: tuple[PageTable, ...]) -> LayerMarks | None:
+        """:meth:`_front` for ``load_by_layer`` over the layout's ``tables``: the job's marks when
+        it was submitted, None (nothing changed) when :meth:`_submit` is to validate it. No early
+        wake: the caller issues layer 0 itself when the thread is idle (docs/design.md §16)."""
+        taken = self._front_take(Direction.LOAD, job_id, host_blocks, device_blocks, stream, wake=False)
+        if taken is None:
+            return None
+        job, handler, src, dst, handle = taken
+        try:
+            return handler.submit_handed_off_layered(job, src, dst, handle, tables)
+        except BaseException:
+            self._front_forget(job)
+            raise
+
+    def _front_take(
+        self, direction: Direction, job_id: object, src_blocks: object, dst_blocks: object,
+        stream: object, *, wake: bool,
+    ) -> tuple[int, DirectionHandler, I64Array, I64Array, int] | None:
+        """The fast front's checks and bookkeeping: for a job it takes, its id, its handler, its own copies
+        of the ids (admitted and counted, the id reserved) and its stream's handle, for the handler
+        to hand over (or :meth:`_front_forget` to undo); None, with nothing changed (but a thread
+        perhaps woken, with ``wake``), for any other job."""
         lane = self._fronts.get(direction)
         if (lane is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
                 or type(dst_blocks) is not np.ndarray or src_blocks.dtype is not _I64
                 or dst_blocks.dtype is not _I64 or src_blocks.ndim != 1 or dst_blocks.ndim != 1
                 or self._closed):
-            return False
-        handler, current_stream, wake, admit = lane
-        if wake is not None and src_blocks.shape[0] >= wake[0]:
-            wake[1]()  # a job its caller will not issue: the thread wakes while the checks run
+            return None
+        handler, current_stream, early, admit = lane
+        if wake and early is not None and src_blocks.shape[0] >= early[0]:
+            early[1]()  # a job its caller will not issue: the thread wakes while the checks run
         if stream is None:
             handle = current_stream()
         else:
             try:
                 handle = handler.stream_handle(stream)
             except DeviceMismatchError:
-                return False  # raised by _submit, after the checks of the ids, as ever
+                return None  # raised by _submit, after the checks of the ids, as ever
         src, dst = src_blocks.copy(), dst_blocks.copy()  # the job's own: the caller may reuse its
         book = self._book
         with self._lock:
             if self._holds or job_id in book.jobs or not admit(job_id, src, dst):
-                return False
+                return None
             try:
                 self._jobs.reserve(job_id, handler)
             except JobIdError:  # finished and not yet returned: _submit says so
                 book.remove(job_id)
-                return False
-        try:
-            handler.submit_handed_off(job_id, src, dst, handle)
-        except BaseException:
-            with self._lock:
-                book.remove(job_id)
-                self._jobs.forget(job_id)
-            raise
-        return True
+                return None
+        return job_id, handler, src, dst, handle
+
+    def _front_forget(self, job_id: int) -> None:
+        """Undo :meth:`_front_take`'s bookkeeping of a job its handler refused (it raised)."""
+        with self._lock:
+            self._book.remove(job_id)
+            self._jobs.forget(job_id)
 
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,

@@ -723,6 +723,7 @@ def native_worker(layout: DeviceLayout, blocks: int, path: str, overrides: dict[
 #: The workers ``layered`` alternates: a label, the path, the native backend's constants to override.
 LAYERED_VARIANTS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("auto", "auto", {}),
+    ("auto, validating path", "auto", {}),  # the worker's fast front off (see layered)
     ("auto, thread issues", "auto", {"CALLER_ISSUE_MAX": 0}),
     ("auto, descriptors", "auto", {"STRIDED_MIN_ROWS": 0}),
     ("sm", "sm", {}),
@@ -748,8 +749,10 @@ def layered(device: torch.device) -> None:
     landed_at: dict[str, list[list[float]]] = collections.defaultdict(list)
     workers: list[Worker] = []
     try:
-        for _, path, overrides in LAYERED_VARIANTS:
+        for label, path, overrides in LAYERED_VARIANTS:
             workers.append(native_worker(layout, blocks, path, overrides))
+            if "validating" in label:
+                workers[-1]._fronts = {}  # noqa: SLF001 - every job through the validating path
         with kept_tickets() as tickets:
             for w in workers:
                 w.store(0, src, src)

@@ -34,6 +34,7 @@ from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
 from tests.unit._native_fake import COMPUTE, FakeDriver
 from tests.unit._threads import run_at_once
+from tests.unit.test_native_issuer import expected, moved
 
 I64 = npt.NDArray[np.int64]
 BLOCKS = 16
@@ -61,9 +62,11 @@ class Inner:
         pass
 
 
-def make_worker(keep: list[object], *, call_front: bool = True, tune: dict[str, int] | None = None) -> Worker:
+def make_worker(keep: list[object], *, call_front: bool = True, tune: dict[str, int] | None = None,
+                layer_dim: int | None = None) -> Worker:
     """A worker whose two directions are native issuers over one fake driver (``call_front``
-    False: the library is called through ctypes; ``tune``: config fields to set)."""
+    False: the library is called through ctypes; ``tune``: config fields to set; ``layer_dim=1``:
+    the cache tensor's four rows of a page are four layers, else the tensor is one)."""
     fake = FakeDriver()
     keep.append(fake)
 
@@ -78,7 +81,8 @@ def make_worker(keep: list[object], *, call_front: bool = True, tune: dict[str, 
             backend._front_calls = None  # noqa: SLF001
         return backend
 
-    layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0)
+    layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0,
+                                       layer_dim=layer_dim)
     worker = Worker.create(layout, BLOCKS, backend_factory=factory)
     if not call_front:
         worker._book._front = None  # noqa: SLF001
@@ -96,20 +100,23 @@ def worker() -> Iterator[Worker]:
 
 
 def doors(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count the jobs each door hands to the handlers."""
+    """Count the jobs each door hands to the handlers (a layered load's door counts as its
+    whole-job door's)."""
     counts = {"front": 0, "validating": 0}
-    front, validating = DirectionHandler.submit_handed_off, DirectionHandler.submit_validated
 
-    def via_front(self: DirectionHandler, *args: Any, **kwargs: Any) -> None:
-        counts["front"] += 1
-        front(self, *args, **kwargs)
+    def counted(name: str, door: str) -> None:
+        call = getattr(DirectionHandler, name)
 
-    def via_validating(self: DirectionHandler, *args: Any, **kwargs: Any) -> None:
-        counts["validating"] += 1
-        validating(self, *args, **kwargs)
+        def via(self: DirectionHandler, *args: Any, **kwargs: Any) -> Any:
+            counts[door] += 1
+            return call(self, *args, **kwargs)
 
-    monkeypatch.setattr(DirectionHandler, "submit_handed_off", via_front)
-    monkeypatch.setattr(DirectionHandler, "submit_validated", via_validating)
+        monkeypatch.setattr(DirectionHandler, name, via)
+
+    counted("submit_handed_off", "front")
+    counted("submit_handed_off_layered", "front")
+    counted("submit_validated", "validating")
+    counted("submit_layered", "validating")
     return counts
 
 
@@ -178,13 +185,17 @@ BAD_JOBS: list[tuple[str, tuple[object, ...], object]] = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(BAD_JOBS)))
+#: BAD_JOBS' loads again, layer by layer.
+BAD_LAYERED = [("load_by_layer", args, stream) for call, args, stream in BAD_JOBS if call == "load"]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_JOBS) + len(BAD_LAYERED)))
 def test_a_bad_job_raises_through_the_front_as_without_it_and_changes_nothing(case: int) -> None:
-    call, args, stream = BAD_JOBS[case]
+    call, args, stream = (BAD_JOBS + BAD_LAYERED)[case]
     outcomes = []
     for front in (True, False):
         keep: list[object] = []
-        w = make_worker(keep)
+        w = make_worker(keep, layer_dim=1)
         try:
             if not front:
                 w._fronts = {}  # noqa: SLF001 - the validating path alone
@@ -196,6 +207,74 @@ def test_a_bad_job_raises_through_the_front_as_without_it_and_changes_nothing(ca
             w.shutdown(TIMEOUT_S)
     assert outcomes[0] == outcomes[1]
     assert outcomes[0] != "submitted"
+
+
+@pytest.mark.parametrize("call_front", [True, False], ids=["call front", "ctypes"])
+def test_a_numpy_layered_load_takes_the_front_and_lands_every_layer_where_it_belongs(
+    call_front: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the front as through the validating path: the fence recorded on the caller's stream
+    in the hand-off, every page from its record, and each layer's wait on the device for an event
+    the issue recorded after that layer's copies (the control: the same load with list ids)."""
+    counts = doors(monkeypatch)
+    keep: list[object] = []
+    w = make_worker(keep, call_front=call_front, layer_dim=1)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    try:
+        assert w.layout.num_layers == 4
+        plan = w._load._plan  # noqa: SLF001 - the whole job's pages, for the expected bytes
+        for job, (host, device) in enumerate((([3, 9, 4], [7, 1, 12]), ([5, 0], [2, 14]))):
+            ids: Any = (_i(*host), _i(*device)) if job == 0 else (host, device)
+            fake.not_ready = 1 << 40  # in flight until the waits are enqueued (a done job's are not)
+            load = w.load_by_layer(job, *ids, stream=COMPUTE + 3)
+            assert load.num_layers == 4
+            for layer in (0, 3, 1, 2):
+                load.wait_layer(layer, stream=COMPUTE + 5)
+            fake.not_ready = 0
+            (result,) = w.wait([job], TIMEOUT_S)
+            assert result.ok, result.error
+            assert moved(fake, expected(plan, device, host)) == 0
+        assert counts == {"front": 1, "validating": 1}
+        calls = fake.snapshot()
+        fences = [c for c in calls if c[0] == "cuEventRecord" and c[2] == COMPUTE + 3]
+        assert len(fences) == 2  # each job's, in its hand-off
+        waits = [(k, c[2]) for k, c in enumerate(calls) if c[0] == "cuStreamWaitEvent" and c[1] == COMPUTE + 5]
+        assert len(waits) == 8 and len({e for _, e in waits[:4]}) == 4
+        for k, event in waits:  # each layer's event was recorded before the wait, after copies
+            recorded = [i for i, c in enumerate(calls[:k]) if c[0] == "cuEventRecord" and c[1] == event]
+            assert recorded and any(c[0] in ("cuMemcpyBatchAsync", "cuMemcpyAsync")
+                                    for c in calls[:recorded[-1]])
+        assert not w._book.jobs  # noqa: SLF001
+    finally:
+        w.shutdown(TIMEOUT_S)
+    assert fake.events_destroyed == fake.events_created
+
+
+def test_a_layered_hand_off_that_raises_is_the_jobs_failed_result_and_its_layers_wait_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keep: list[object] = []
+    w = make_worker(keep, layer_dim=1)
+    try:
+        def refuse(*_args: object) -> Any:
+            raise RuntimeError("boom")
+
+        backend = w._load._backend  # noqa: SLF001
+        monkeypatch.setattr(backend, "hand_off_layers_call", lambda _plans: refuse)
+        load = w.load_by_layer(1, _i(3, 4), _i(3, 4))
+        started = time.monotonic()
+        load.wait_layer(2, stream=COMPUTE, timeout=TIMEOUT_S)  # settled: returns, nothing to wait for
+        assert time.monotonic() - started < TIMEOUT_S / 2
+        (result,) = w.wait([1], TIMEOUT_S)
+        assert not result.ok and isinstance(result.error, RuntimeError)
+        monkeypatch.undo()
+        w._load._layered_hand_off = None  # noqa: SLF001 - bound again, to the backend's call
+        w.load_by_layer(2, _i(3, 4), _i(3, 4)).wait_layer(3, stream=COMPUTE)
+        assert w.wait([2], TIMEOUT_S)[0].ok
+        assert not w._book.jobs  # noqa: SLF001
+    finally:
+        w.shutdown(TIMEOUT_S)
 
 
 def test_an_unreturned_job_keeps_its_id_through_the_front(worker: Worker) -> None:
