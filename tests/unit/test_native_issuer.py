@@ -788,11 +788,22 @@ def test_a_failed_first_layer_in_its_callers_hands_fails_the_job_and_leaves_noth
         h.close()
 
 
+def hand_off_directly(h: Harness, plan: CopyPlan, device: int, host: int) -> native_backend.NativeTicket:
+    """A one-block sm job of ``plan`` handed to the library itself (not through the handler, which
+    hands jobs over one at a time), behind a fence recorded on the compute stream."""
+    dev, rec, error = np.array([device], dtype=np.int64), np.array([host], dtype=np.int64), ctypes.c_int64()
+    plans = h.backend._plan_array((plan,), whole=True)  # noqa: SLF001
+    job = h.backend.lib.kvo_hand_off(h.backend._issuer, COMPUTE, None, native.PATH_SM, 1,  # noqa: SLF001
+                                     native.address(dev), native.address(rec), 1, plans, 0, 0,
+                                     ctypes.byref(error))
+    assert job, error.value
+    return native_backend.NativeTicket(h.backend.lib, int(job), "sm")
+
+
 def test_a_job_handed_over_while_a_caller_issues_a_first_layer_is_issued_after_the_whole_layered_job() -> None:
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
     h = Harness(Direction.LOAD, "sm", plan)
     gate, launching = threading.Event(), threading.Event()
-    lib = h.backend.lib
     try:
         time.sleep(0.05)
         h.fake.gate["cuLaunchKernel"] = gate
@@ -801,13 +812,7 @@ def test_a_job_handed_over_while_a_caller_issues_a_first_layer_is_issued_after_t
         first.start()
         assert launching.wait(TIMEOUT_S)  # the layered job's caller is inside layer 0's launch
         del h.fake.gate["cuLaunchKernel"]
-        dev, host, error = np.array([20], dtype=np.int64), np.array([21], dtype=np.int64), ctypes.c_int64()
-        whole = plan_for(Direction.LOAD, [256, 256, 512, 512, 128, 128])
-        plans = h.backend._plan_array((whole,), whole=True)  # noqa: SLF001
-        job = lib.kvo_hand_off(h.backend._issuer, COMPUTE, None, native.PATH_SM, 1, native.address(dev),  # noqa: SLF001
-                               native.address(host), 1, plans, 0, 0, ctypes.byref(error))
-        assert job, error.value
-        second = native_backend.NativeTicket(lib, int(job), "sm")
+        second = hand_off_directly(h, plan_for(Direction.LOAD, [256, 256, 512, 512, 128, 128]), 20, 21)
         gate.set()
         first.join(TIMEOUT_S)
         (result,) = h.handler.wait([0], TIMEOUT_S)
@@ -829,7 +834,6 @@ def test_a_job_handed_over_while_a_caller_issues_is_issued_after_it_and_by_no_on
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "sm", plan, tune={"caller_issue_max": 64})
     gate, launching = threading.Event(), threading.Event()
-    lib = h.backend.lib
     try:
         time.sleep(0.05)
         h.fake.gate["cuLaunchKernel"] = gate
@@ -839,12 +843,7 @@ def test_a_job_handed_over_while_a_caller_issues_is_issued_after_it_and_by_no_on
         assert launching.wait(TIMEOUT_S)  # the first job's caller is inside its launch
         del h.fake.gate["cuLaunchKernel"]
         during = len(h.fake.snapshot())
-        dev, host, error = np.array([3], dtype=np.int64), np.array([4], dtype=np.int64), ctypes.c_int64()
-        plans = h.backend._plan_array((plan,), whole=True)  # noqa: SLF001 - registered by the first job
-        job = lib.kvo_hand_off(h.backend._issuer, COMPUTE, None, native.PATH_SM, 1, native.address(dev),  # noqa: SLF001
-                               native.address(host), 1, plans, 0, 0, ctypes.byref(error))
-        assert job, error.value
-        second = native_backend.NativeTicket(lib, int(job), "sm")
+        second = hand_off_directly(h, plan, 3, 4)
         time.sleep(0.1)
         issued = [c for c, t in zip(h.fake.snapshot()[during:], h.fake.threads[during:])
                   if t != first.ident and c[0] in (*COPIES, "cuStreamWaitEvent")]
