@@ -23,7 +23,7 @@ from kvoffload import DeviceLayout, IssuerName, LayerLoad, PathName, Worker
 from kvoffload.cli._caches import LAYOUTS, build_cache
 from tests.gpu._helpers import TIMEOUT_S, no_fence, stall
 from tests.gpu.conftest import Figures
-from tests.gpu.test_races import BLOCKS, HOST, fill_blocks
+from tests.gpu.test_races import BLOCKS, HOST, both_doors, fill_blocks
 from tests.gpu.test_staging import ISSUERS, no_slot_wait
 
 PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
@@ -114,7 +114,7 @@ def ordering_trials(w: Worker, layout: DeviceLayout, how: str, trials: int, firs
         torch.cuda.synchronize(device)
         with torch.cuda.stream(side):
             stall()  # the load starts only after this: a reader that does not wait runs first
-        load: LayerLoad = w.load_by_layer(first + trial, host, dst, stream=side)
+        load: LayerLoad = w.load_by_layer(first + trial, *both_doors(trial, host, dst), stream=side)
         ready0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         ready_last = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(compute):
@@ -163,7 +163,7 @@ def test_wait_layer_orders_the_stream_after_that_layer_only(
 
 def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> tuple[int, int]:
     """As the load race of test_races, through ``load_by_layer`` (waiting for every layer on the
-    compute stream after its read)."""
+    compute stream after its read), through both doors."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     index = torch.tensor(BLOCKS, device=layout.device)
     seen_new = not_loaded = 0
@@ -176,7 +176,7 @@ def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: i
         with torch.cuda.stream(compute):
             stall()
             snapshot = layout.gather_records(index)  # queued compute still reading the blocks
-        load = w.load_by_layer(first_job + trial, HOST, BLOCKS, stream=compute)
+        load = w.load_by_layer(first_job + trial, *both_doors(trial, HOST, BLOCKS), stream=compute)
         for layer in range(load.num_layers):
             load.wait_layer(layer, compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
