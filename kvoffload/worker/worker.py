@@ -532,10 +532,10 @@ class Worker:
         self, direction: Direction, job_id: object, src_blocks: object, dst_blocks: object,
         stream: object, *, wake: bool,
     ) -> tuple[int, DirectionHandler, I64Array, I64Array, int] | None:
-        """The fast front's checks and bookkeeping: for a job it takes, its id, its handler, its own copies
-        of the ids (admitted and counted, the id reserved) and its stream's handle, for the handler
-        to hand over (or :meth:`_front_forget` to undo); None, with nothing changed (but a thread
-        perhaps woken, with ``wake``), for any other job."""
+        """The fast front's checks and bookkeeping: for a job it takes, its id, its handler, its
+        own copies of the ids (admitted and counted, the id reserved) and its stream's handle, for
+        the handler to hand over (or :meth:`_front_forget` to undo); None, with nothing changed
+        (but a thread perhaps woken, with ``wake``), for any other job."""
         lane = self._fronts.get(direction)
         if (lane is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
                 or type(dst_blocks) is not np.ndarray or src_blocks.dtype is not _I64
