@@ -741,15 +741,15 @@ static int issue_begin(struct kvo_issuer *is, struct kvo_job *job) {
 }
 
 /* Enqueue the job's plans from job->next_plan up to `until`, a layered job's each marked as its last
- * copy is enqueued; 0, or the failed call's code with *call naming it. */
+ * copy is enqueued; 0, or the failed call's code with *call naming it. `order`: a staged job's
+ * order (staged_order) when its issuer already has it, else 0. */
 static CUresult issue_plans(struct kvo_issuer *is, struct kvo_job *job, int64_t until,
-                            const char **call) {
+                            const int64_t *order, const char **call) {
     int64_t path = job->path;
     CUstream own = own_stream(is, path);
     int store = (int)is->c.store;
     CUresult r = 0;
-    const int64_t *order = 0;
-    if (path == PATH_STAGED) {
+    if (path == PATH_STAGED && !order) {
         order = staged_order(is, job);
         if (!order) { *call = "malloc"; return KVO_NO_MEMORY; }
     }
@@ -791,7 +791,7 @@ static void issue_end(struct kvo_issuer *is, struct kvo_job *job, CUresult issue
 static void issue_job(struct kvo_issuer *is, struct kvo_job *job) {
     if (!job->begun && issue_begin(is, job)) return;
     const char *call = "";
-    CUresult r = issue_plans(is, job, job->nplans, &call);
+    CUresult r = issue_plans(is, job, job->nplans, 0, &call);
     issue_end(is, job, r, call);
 }
 
@@ -1168,8 +1168,9 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
  * staged chunks (at most CALLER_LAYER_CHUNKS) whose rows go as strided copies but for at most
  * CALLER_LAYER_COPIES descriptors. A layer of batched descriptors (dma, or records that do not
  * follow each other) would hold the caller for hundreds of microseconds. Caller holds the mutex,
- * the thread is out of work (so the issuer's order buffer is free). */
-static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job) {
+ * the thread is out of work (so the issuer's order buffer is free); a staged job's order, computed
+ * here, goes to *order for the issue. */
+static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, const int64_t **order_out) {
     const struct kvo_plan *p = job->plans[0];
     if (job->path == PATH_SM) return job->n <= MAX_ROWS;
     if (job->path != PATH_STAGED || !is->c.memcpy_2d || is->c.strided_min_rows <= 0 || p->pitch <= 0 ||
@@ -1179,6 +1180,7 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job) {
     if (rows_per_slot <= 0 || job->n > rows_per_slot * CALLER_LAYER_CHUNKS) return 0;
     const int64_t *order = staged_order(is, job);
     if (!order) return 0;
+    *order_out = order;
     int64_t copies = 0;
     for (int64_t start = 0; start < job->n; start += rows_per_slot) {
         int64_t rows = job->n - start < rows_per_slot ? job->n - start : rows_per_slot;
@@ -1206,8 +1208,9 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
         is->ctx_error || !is->sleeping || is->queue_head || is->flight_head || is->issuing)
         return 0; /* off, or the thread is not idle: nothing counted under the lock */
     int64_t until = job->nplans;
+    const int64_t *order = 0; /* a staged layered job's, from first_layer_is_cheap */
     if (job->layered) {
-        if (job->nplans < 1 || !first_layer_is_cheap(is, job)) return 0;
+        if (job->nplans < 1 || !first_layer_is_cheap(is, job, &order)) return 0;
         until = 1;
     } else {
         int64_t pages = 0;
@@ -1235,7 +1238,7 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
     int whole = 1; /* issued to its end here (or failed) */
     if (!issue_begin(is, job)) {
         const char *call = "";
-        CUresult failed = issue_plans(is, job, until, &call);
+        CUresult failed = issue_plans(is, job, until, order, &call);
         if (failed || job->next_plan >= job->nplans) issue_end(is, job, failed, call);
         else whole = 0;
     }
