@@ -1193,6 +1193,14 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, cons
     return copies <= CALLER_LAYER_COPIES;
 }
 
+/* Put `job` at the head of the issue queue (caller holds the mutex): a job its caller was to issue,
+ * which goes before any job handed over meanwhile. */
+static void queue_first(struct kvo_issuer *is, struct kvo_job *job) {
+    job->next = is->queue_head;
+    __atomic_store_n(&is->queue_head, job, __ATOMIC_RELEASE);
+    if (!is->queue_tail) is->queue_tail = job;
+}
+
 /* The caller's thread issues a small job handed to a thread that is out of work and blocked (its
  * wake-up, 5-45 us on the H200 hosts, would come before the job's first copy), or the first layer of
  * a layered job when that layer is cheap to issue (first_layer_is_cheap): under the mutex, with
@@ -1226,9 +1234,7 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
     if (switched) r = ((fn_ctx_set)is->c.ctx_set_current)(is->c.context);
     if (r) { /* the calls could not run in the issuer's context: the thread issues the job */
         pthread_mutex_lock(&is->mu);
-        job->next = is->queue_head; /* first: it was handed over before any job queued meanwhile */
-        __atomic_store_n(&is->queue_head, job, __ATOMIC_RELEASE);
-        if (!is->queue_tail) is->queue_tail = job;
+        queue_first(is, job); /* it was handed over before any job queued meanwhile */
         is->issuing = 0;
         pthread_cond_broadcast(&is->work);
         pthread_mutex_unlock(&is->mu);
@@ -1248,9 +1254,7 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
     if (whole) {
         issued(is, job);
     } else { /* the rest is the thread's, before any job handed over meanwhile */
-        job->next = is->queue_head;
-        __atomic_store_n(&is->queue_head, job, __ATOMIC_RELEASE);
-        if (!is->queue_tail) is->queue_tail = job;
+        queue_first(is, job);
     }
     is->caller_issued++;
     is->issuing = 0;
