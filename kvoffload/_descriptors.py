@@ -23,14 +23,44 @@ import numpy.typing as npt
 from kvoffload.records import Direction
 
 __all__ = [
-    "UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk", "kernel_segments",
-    "plan_staged", "plan_staged_part",
+    "STAGED_EDGE_GROWTH", "UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk",
+    "kernel_segments", "plan_staged", "plan_staged_part", "staged_chunk_rows",
 ]
 
 I64Array = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 
 _EMPTY_U64: Final = np.zeros(0, dtype=np.uint64)
+#: A staged job's chunks grow by this factor from its edge chunk (:func:`staged_chunk_rows`): the
+#: copy kernel moves a chunk through HBM about 20x faster than the link moves it, so the kernel of
+#: a chunk 8x the edge's still finishes within the edge chunk's DMA.
+STAGED_EDGE_GROWTH: Final = 8
+
+
+def staged_chunk_rows(count: int, rows_per_slot: int, edge_rows: int, store: bool) -> list[int]:
+    """The rows of each chunk of a staged job of ``count`` rows, in issue order (docs/design.md §7).
+
+    A chunk waits for the whole of its neighbour's other half: a store's first DMA for the gather
+    of its whole first chunk, a load's last scatter for the DMA of its whole last chunk. So the
+    chunk at the job's edge (a store's first, a load's last) holds ``edge_rows`` rows, and the
+    chunks grow from it by :data:`STAGED_EDGE_GROWTH` up to ``rows_per_slot``; the rest are whole
+    slots and the remainder (a store's last chunk, a load's first). ``edge_rows`` 0: every chunk a
+    whole slot but the last. ``issuer.c``'s ``staged_chunks`` makes the same chunks.
+
+    Raises:
+        ValueError: ``rows_per_slot`` below 1.
+    """
+    if rows_per_slot <= 0:
+        raise ValueError("a staged plan needs at least one slot of at least one row")
+    size = rows_per_slot if edge_rows <= 0 else min(edge_rows, rows_per_slot)
+    rows: list[int] = []
+    left = count
+    while left > 0:
+        take = min(size, left)
+        rows.append(take)
+        left -= take
+        size = min(size * STAGED_EDGE_GROWTH, rows_per_slot)
+    return rows if store or edge_rows <= 0 else rows[::-1]
 
 
 @attrs.frozen(eq=False)
@@ -294,8 +324,11 @@ def plan_staged(
     slot_bases: tuple[int, ...],
     rows_per_slot: int,
     first_slot: int = 0,
+    *,
+    edge_bytes: int = 0,
 ) -> list[StagedChunk]:
-    """Split a job into chunks of at most ``rows_per_slot`` records that rotate over the slots.
+    """Split a job into chunks of at most ``rows_per_slot`` records that rotate over the slots, the
+    chunk at its edge of ``edge_bytes`` (:func:`staged_chunk_rows`; at least one record; 0: none).
 
     Inside a slot the job's records lie back to back in host-block order, each laid out exactly like
     a host record, so a slot <-> host copy is one copy per record, merged when host blocks are
@@ -315,22 +348,25 @@ def plan_staged(
     # In host order, consecutive host records become one DMA; the pairing is unchanged.
     order = np.argsort(host_blocks, kind="stable")
     device_blocks, host_blocks = device_blocks[order], host_blocks[order]
-    # The record copies of every chunk at once: row r of the job is row r % rows_per_slot of chunk
-    # r // rows_per_slot, whose slot rotates from first_slot. A run never crosses a chunk (its slot)
-    # or a pin chunk of the host pool.
+    # The record copies of every chunk at once: row r of the job is row r - bounds[c] of the chunk
+    # c it falls in, whose slot rotates from first_slot. A run never crosses a chunk (its slot) or a
+    # pin chunk of the host pool.
+    rows = staged_chunk_rows(count, rows_per_slot, _edge_rows(edge_bytes, record), store)
+    bounds_at = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(rows, dtype=np.int64)))
     index = np.arange(count, dtype=np.int64)
-    one_chunk = count <= rows_per_slot
+    one_chunk = len(rows) == 1
+    chunk_of = np.zeros(count, dtype=np.int64)
     if one_chunk:
         slot_addr = slot_bases[first_slot % len(slot_bases)] + index * record
     else:
-        chunk_of = index // rows_per_slot
+        chunk_of = np.searchsorted(bounds_at, index, side="right") - 1
         bases = np.asarray(slot_bases, dtype=np.int64)
-        slot_addr = bases[(first_slot + chunk_of) % len(slot_bases)] + (index % rows_per_slot) * record
+        slot_addr = bases[(first_slot + chunk_of) % len(slot_bases)] + (index - bounds_at[chunk_of]) * record
     host_addr = plan.host_base + host_blocks * plan.host_stride
     srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
     area = host_blocks // plan.chunk_records
     if not one_chunk:
-        area = area * (count // rows_per_slot + 1) + chunk_of  # one area per (pin chunk, job chunk)
+        area = area * (len(rows) + 1) + chunk_of  # one area per (pin chunk, job chunk)
     continues = (
         (srcs[1:] == srcs[:-1] + record) & (dsts[1:] == dsts[:-1] + record) & (area[1:] == area[:-1])
     )
@@ -340,11 +376,11 @@ def plan_staged(
     copy_sizes = _as_u64(sizes)
     bounds = (
         [0, int(starts.shape[0])] if one_chunk
-        else np.searchsorted(chunk_of[starts], np.arange(-(-count // rows_per_slot) + 1)).tolist()
+        else np.searchsorted(chunk_of[starts], np.arange(len(rows) + 1)).tolist()
     )
     chunks: list[StagedChunk] = []
     for index_, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        start, stop = index_ * rows_per_slot, min(count, (index_ + 1) * rows_per_slot)
+        start, stop = int(bounds_at[index_]), int(bounds_at[index_ + 1])
         chunks.append(StagedChunk(
             (first_slot + index_) % len(slot_bases), slice(start, stop), device_blocks[start:stop],
             Descriptors(copy_dsts[lo:hi], copy_srcs[lo:hi], copy_sizes[lo:hi]),
@@ -359,6 +395,8 @@ def plan_staged_part(
     slot_bases: tuple[int, ...],
     slot_bytes: int,
     first_slot: int = 0,
+    *,
+    edge_bytes: int = 0,
 ) -> list[StagedChunk]:
     """:func:`plan_staged` for a plan whose pages fill only part of each record (one layer's): the
     DMA moves only those byte ranges (:attr:`CopyPlan.record_runs`) of each record, into slot rows
@@ -370,7 +408,8 @@ def plan_staged_part(
     pitch = compact.pages.record_bytes
     rows_per_slot = slot_bytes // pitch
     if compact is plan:
-        return plan_staged(plan, src_blocks, dst_blocks, slot_bases, rows_per_slot, first_slot)
+        return plan_staged(plan, src_blocks, dst_blocks, slot_bases, rows_per_slot, first_slot,
+                           edge_bytes=edge_bytes)
     if rows_per_slot <= 0 or not slot_bases:
         raise ValueError("a staged plan needs at least one slot of at least one row")
     offsets, sizes = plan.record_runs
@@ -381,8 +420,10 @@ def plan_staged_part(
     order = np.argsort(host_blocks, kind="stable")
     device_blocks, host_blocks = device_blocks[order], host_blocks[order]
     chunks: list[StagedChunk] = []
-    for index, start in enumerate(range(0, count, rows_per_slot)):
-        stop = min(count, start + rows_per_slot)
+    start = 0
+    taking = staged_chunk_rows(count, rows_per_slot, _edge_rows(edge_bytes, pitch), store)
+    for index, taken in enumerate(taking):
+        stop = start + taken
         slot = (first_slot + index) % len(slot_bases)
         rows = np.arange(stop - start, dtype=np.int64)
         slot_addr = (slot_bases[slot] + rows[:, None] * pitch + in_row[None, :]).ravel()
@@ -392,7 +433,13 @@ def plan_staged_part(
         run_sizes = np.broadcast_to(sizes, (stop - start, sizes.shape[0])).ravel()
         chunks.append(StagedChunk(slot, slice(start, stop), device_blocks[start:stop],
                                   Descriptors(_as_u64(dsts), _as_u64(srcs), _as_u64(run_sizes))))
+        start = stop
     return chunks
+
+
+def _edge_rows(edge_bytes: int, row_bytes: int) -> int:
+    """Rows of a staged job's edge chunk of ``edge_bytes`` (at least one; 0 when there is none)."""
+    return max(1, edge_bytes // row_bytes) if edge_bytes > 0 else 0
 
 
 def _single_record_copy(

@@ -597,6 +597,7 @@ class NativeBackend:
                 c.staged_ctas = path.ctas
                 c.slots = path.slots
                 c.slot_bytes = path.slot_bytes
+                c.edge_bytes = path.edge_bytes
                 bases = (ctypes.c_uint64 * path.slots)(*path.slot_bases)
         c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
         tune(c)

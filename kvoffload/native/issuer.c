@@ -67,6 +67,8 @@ enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, ABI_13 = 13000 };
 /* The most a caller issues of a layered job's first layer on the staged path (first_layer_is_cheap):
  * chunks, and descriptors beside its strided copies. */
 enum { CALLER_LAYER_CHUNKS = 4, CALLER_LAYER_COPIES = 16 };
+/* A staged job's chunks grow by this factor from its edge chunk (staged_chunks). */
+enum { EDGE_GROWTH = 8, MAX_EDGE_CHUNKS = 64 };
 
 typedef CUresult (*fn_ctx_set)(void *);
 typedef CUresult (*fn_ctx_get)(void **);
@@ -142,6 +144,8 @@ struct kvo_config {
     void *memcpy_2d;          /* cuMemcpy2DAsync (NULL: staged rows always go as descriptors) */
     int64_t strided_min_rows; /* a staged chunk's rows of at least this many consecutive records go
                                * as one strided copy per run (0: never); see staged_plan */
+    int64_t edge_bytes;       /* bytes of a staged job's edge chunk (0: every chunk a whole slot);
+                               * see staged_chunks */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -498,6 +502,53 @@ static int64_t *staged_order(struct kvo_issuer *is, const struct kvo_job *job) {
     return is->order;
 }
 
+/* A staged job's chunks (docs/design.md §7), as kvoffload._descriptors.staged_chunk_rows makes
+ * them: in store order, the edge chunk of `edge` rows, then chunks growing by EDGE_GROWTH up to a
+ * slot's rows (the head), then whole slots, then the rest; a load with an edge takes them in
+ * reverse, so that its last chunk is the small one (its end waits for that chunk's scatter, a
+ * store's first DMA for its first chunk's gather). Without an edge: whole slots, then the rest. */
+struct chunks {
+    int64_t head[MAX_EDGE_CHUNKS];
+    int64_t nhead, per_slot, full, rest, count;
+    int reverse; /* a load's, with an edge */
+};
+
+static void staged_chunks(struct chunks *c, int64_t n, int64_t per_slot, int64_t edge, int store) {
+    int64_t size = edge > 0 && edge < per_slot ? edge : per_slot, left = n;
+    c->nhead = 0;
+    while (left > 0 && size < per_slot) { /* at most log8 of per_slot steps */
+        int64_t take = size < left ? size : left;
+        c->head[c->nhead++] = take;
+        left -= take;
+        size = size > per_slot / EDGE_GROWTH ? per_slot : size * EDGE_GROWTH;
+    }
+    c->per_slot = per_slot;
+    c->full = left / per_slot;
+    c->rest = left % per_slot;
+    c->count = c->nhead + c->full + (c->rest > 0);
+    c->reverse = !store && edge > 0;
+}
+
+/* Rows of chunk `i` (in issue order) of `c`. */
+static int64_t chunk_rows(const struct chunks *c, int64_t i) {
+    int64_t k = c->reverse ? c->count - 1 - i : i;
+    if (k < c->nhead) return c->head[k];
+    return k < c->nhead + c->full ? c->per_slot : c->rest;
+}
+
+/* The edge chunk's rows of a plan whose staged rows are `pitch` bytes (0: none). */
+static int64_t edge_rows(const struct kvo_issuer *is, int64_t pitch) {
+    if (is->c.edge_bytes <= 0) return 0;
+    return is->c.edge_bytes / pitch > 0 ? is->c.edge_bytes / pitch : 1;
+}
+
+/* Whether plan `k` of `job` holds the job's edge: a store's first plan, a load's last (the other
+ * plans of a layered load keep whole slots: a chunk boundary costs the link about 3 us, more than
+ * a layer's smaller last scatter saves). */
+static int at_edge(const struct kvo_issuer *is, const struct kvo_job *job, int64_t k) {
+    return is->c.store ? k == 0 : k == job->nplans - 1;
+}
+
 /* A plain event from the pool, recorded on `stream` (given back if the record fails). */
 static CUresult take_recorded(struct kvo_issuer *is, CUstream stream, CUevent *out) {
     pthread_mutex_lock(&is->mu);
@@ -577,8 +628,9 @@ static int64_t consecutive_rows(const struct kvo_plan *p, const struct kvo_job *
     return m;
 }
 
-/* One plan's pairs through the staging ring: chunks of as many rows as a slot holds, rotating over
- * the slots. Store: gather into the slot (kernel stream), then DMA to the host records (copy
+/* One plan's pairs through the staging ring: chunks of as many rows as a slot holds (but those
+ * growing from the job's edge chunk when the plan holds it, `edge_here`: staged_chunks), rotating
+ * over the slots. Store: gather into the slot (kernel stream), then DMA to the host records (copy
  * stream). Load: DMA into the slot, then scatter. A slot is written only after the event recorded
  * after its previous read (docs/design.md §5 rule 5).
  *
@@ -590,7 +642,8 @@ static int64_t consecutive_rows(const struct kvo_plan *p, const struct kvo_job *
  * one strided copy takes 1.00-1.06x (python -m tests.gpu.probe_strided_copy). The other rows go as
  * descriptors, merged where they continue each other. */
 static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
-                            const struct kvo_job *job, const int64_t *order, const char **call) {
+                            const struct kvo_job *job, const int64_t *order, int edge_here,
+                            const char **call) {
     CUstream copy = is->c.copy_stream, kernel = is->c.kernel_stream;
     int store = (int)is->c.store;
     int64_t rows_per_slot = is->c.slot_bytes / p->pitch;
@@ -605,8 +658,11 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
     int contiguous = p->runs == 1 && p->run_size[0] == p->host_stride && p->pitch == p->host_stride;
     int64_t min_rows = is->c.strided_min_rows;
     int strided = is->c.memcpy_2d && min_rows > 0 && !contiguous && p->host_stride <= STRIDED_MAX_PITCH;
-    for (int64_t start = 0; start < job->n && !r; start += rows_per_slot) {
-        int64_t rows = job->n - start < rows_per_slot ? job->n - start : rows_per_slot;
+    struct chunks chunks;
+    staged_chunks(&chunks, job->n, rows_per_slot, edge_here ? edge_rows(is, p->pitch) : 0, store);
+    int64_t rows = 0;
+    for (int64_t c = 0, start = 0; c < chunks.count && !r; c++, start += rows) {
+        rows = chunk_rows(&chunks, c);
         int64_t slot = is->next_slot;
         is->next_slot = (is->next_slot + 1) % is->c.slots;
         uint64_t base = is->slot_bases[slot];
@@ -759,7 +815,7 @@ static CUresult issue_plans(struct kvo_issuer *is, struct kvo_job *job, int64_t 
         else if (path == PATH_SM)
             r = launch_rows(is, p->kseg, p->kseg_rows, job->dev_ids, job->host_ids, 0, job->n,
                             (uint64_t)p->host_base, p->host_stride, store, is->c.sm_ctas, own, call);
-        else r = staged_plan(is, p, job, order, call);
+        else r = staged_plan(is, p, job, order, at_edge(is, job, job->next_plan), call);
         if (!r && job->layered) {
             CUstream at = path == PATH_DMA ? own : is->c.kernel_stream;
             if ((r = record_mark(is, job, job->first + job->next_plan, at))) *call = "cuEventRecord";
@@ -1177,13 +1233,17 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, cons
         p->host_stride > STRIDED_MAX_PITCH)
         return 0;
     int64_t rows_per_slot = is->c.slot_bytes / p->pitch;
-    if (rows_per_slot <= 0 || job->n > rows_per_slot * CALLER_LAYER_CHUNKS) return 0;
+    if (rows_per_slot <= 0) return 0;
+    struct chunks chunks;
+    staged_chunks(&chunks, job->n, rows_per_slot, at_edge(is, job, 0) ? edge_rows(is, p->pitch) : 0,
+                  (int)is->c.store);
+    if (chunks.count > CALLER_LAYER_CHUNKS) return 0;
     const int64_t *order = staged_order(is, job);
     if (!order) return 0;
     *order_out = order;
-    int64_t copies = 0;
-    for (int64_t start = 0; start < job->n; start += rows_per_slot) {
-        int64_t rows = job->n - start < rows_per_slot ? job->n - start : rows_per_slot;
+    int64_t copies = 0, rows = 0;
+    for (int64_t c = 0, start = 0; c < chunks.count; c++, start += rows) {
+        rows = chunk_rows(&chunks, c);
         for (int64_t k = 0; k < rows;) {
             int64_t m = consecutive_rows(p, job, order + start, k, rows);
             if (m < is->c.strided_min_rows) copies += m * p->runs;

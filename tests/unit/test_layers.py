@@ -30,7 +30,7 @@ from kvoffload import (
     WaitTimeoutError,
     Worker,
 )
-from kvoffload._descriptors import CopyPlan, PageTable, plan_staged, plan_staged_part
+from kvoffload._descriptors import CopyPlan, PageTable, plan_staged, plan_staged_part, staged_chunk_rows
 from kvoffload._layer_load import LayerMarks
 from kvoffload.backends.host import HostBackend, HostTicket
 from kvoffload.cli.demo import LAYOUTS, build_cache
@@ -196,7 +196,10 @@ def test_aliased_tensors_must_be_in_one_layer() -> None:
 # --------------------------------------------------------------------------- staged layer plans
 
 
-def test_a_layers_staged_plan_moves_exactly_its_ranges_into_compact_rows() -> None:
+@pytest.mark.parametrize("edge_rows", [0, 1, 2])
+def test_a_layers_staged_plan_moves_exactly_its_ranges_into_compact_rows(edge_rows: int) -> None:
+    """Chunks of whole slots (5 rows each), or, with an edge chunk, chunks growing to whole slots
+    towards the load's end (``staged_chunk_rows``): each row's ranges land in its chunk's slot."""
     layout = cache("kv-separate")
     host_base, slots = 1 << 40, (1 << 41, 1 << 42)
     src = np.array([7, 3, 9, 1, 4, 8, 2], dtype=np.int64)  # host blocks of a load
@@ -210,12 +213,18 @@ def test_a_layers_staged_plan_moves_exactly_its_ranges_into_compact_rows() -> No
         assert pitch % 16 == 0 and pitch >= int(offsets[-1] + sizes[-1] - offsets[0])
         assert np.array_equal(compact.pages.host_offset, table.host_offset - offsets[0])
         rows = 5
-        chunks = plan_staged_part(plan, src, dst, slots, rows * pitch + pitch - 1, first_slot=1)
-        assert [c.slot for c in chunks] == [1, 0]
+        chunks = plan_staged_part(plan, src, dst, slots, rows * pitch + pitch - 1, first_slot=1,
+                                  edge_bytes=edge_rows * pitch)
+        taking = staged_chunk_rows(7, rows, edge_rows, False)
+        assert taking == {0: [5, 2], 1: [1, 5, 1], 2: [5, 2]}[edge_rows]
+        assert [c.slot for c in chunks] == [(1 + i) % 2 for i in range(len(taking))]
         order = np.argsort(src, kind="stable")
+        chunk_of = np.repeat(np.arange(len(taking)), taking)
+        starts = np.cumsum([0] + taking)
         want = set()
         for j, pair in enumerate(order):
-            base = slots[(1 + j // rows) % 2] + (j % rows) * pitch
+            c = int(chunk_of[j])
+            base = slots[(1 + c) % 2] + (j - starts[c]) * pitch
             for off, n in zip(offsets, sizes):
                 want.add((int(base + off - offsets[0]), int(host_base + src[pair] * record + off), int(n)))
         got = {(int(d), int(s), int(n)) for c in chunks

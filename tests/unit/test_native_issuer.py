@@ -38,7 +38,7 @@ from kvoffload import (
     Worker,
 )
 from kvoffload import native
-from kvoffload._descriptors import CopyPlan, PageTable, kernel_segments
+from kvoffload._descriptors import CopyPlan, PageTable, kernel_segments, staged_chunk_rows
 from kvoffload.backends import native as native_backend
 from kvoffload.backends.native import NativeBackend, NativeLayerMarks
 from kvoffload.handler import DirectionHandler
@@ -271,22 +271,26 @@ def test_staged_rows_of_consecutive_records_go_as_strided_copies(
     slot_rows=st.integers(1, 9),
     min_rows=st.sampled_from([0, 1, 2, 3, 4]),
     spread=st.sampled_from([1, 3]),
+    edge=st.integers(0, 3),
 )
 def test_a_staged_job_moves_exactly_its_bytes_whatever_its_records_runs(
     direction: Direction, layout: str, host: list[int], seed: int, slot_rows: int, min_rows: int,
-    spread: int,
+    spread: int, edge: int,
 ) -> None:
     """Random host records (runs of consecutive ones among them), chunks of 1-9 rows, strided copies
-    from 1-4 rows or never, records back to back or apart: every granule comes from its place."""
+    from 1-4 rows or never, records back to back or apart, an edge chunk of 0-3 records: every
+    granule comes from its place, and the chunks are the Python issuer's (``staged_chunk_rows``)."""
     plan = make_plan(direction, **LAYOUTS[layout])  # type: ignore[arg-type]
     plan = attrs.evolve(plan, host_stride=spread * plan.pages.record_bytes)
     h = Harness(direction, "staged", plan, slot_bytes=slot_rows * plan.pages.record_bytes,
-                tune={"strided_min_rows": min_rows})
+                tune={"strided_min_rows": min_rows, "edge_bytes": edge * plan.pages.record_bytes})
     try:
         device = np.random.default_rng(seed).permutation(NUM_BLOCKS)[:len(host)].tolist()
         src, dst = (device, host) if direction is Direction.STORE else (host, device)
         assert h.run(0, src, dst).ok
         assert moved(h.fake, expected(plan, device, host)) == 0
+        chunks = [c[3] for c in h.fake.of("cuLaunchKernel")]
+        assert chunks == staged_chunk_rows(len(host), slot_rows, edge, direction is Direction.STORE)
         if min_rows == 0 or spread == 1:
             assert not h.fake.of("cuMemcpy2DAsync")
     finally:
@@ -767,6 +771,33 @@ def test_an_idle_threads_layered_load_has_its_first_layer_issued_by_its_caller_w
                 assert not mine and counts(h)[2] == 0
         finally:
             h.close()
+
+
+@pytest.mark.parametrize("edge", [0, 512])
+def test_a_layered_staged_loads_last_layer_ends_in_its_edge_chunk_and_the_others_in_whole_slots(edge: int) -> None:
+    """12 records of three layers (rows of 512, 1024 and 256 bytes: 10, 5 and 21 a slot): layers 0
+    and 1 in whole slots, the caller issuing layer 0; the last layer, the job's end, in chunks
+    growing to its edge chunk of 512 bytes (2 rows) — one chunk of 12 rows without an edge. Every
+    page lands from its record."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    host = list(range(20, 32))
+    device = np.random.default_rng(5).permutation(64)[:12].tolist()
+    h = Harness(Direction.LOAD, "staged", plan, tune={"edge_bytes": edge})
+    main = threading.get_ident()
+    try:
+        time.sleep(0.05)  # the thread blocks, out of work
+        marks = submit_layered(h, 0, host, device)
+        marks.wait(0, IDLE, TIMEOUT_S)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok, result.error
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        launches = [(c[3], t == main) for c, t in zip(h.fake.snapshot(), h.fake.threads) if c[0] == "cuLaunchKernel"]
+        last = staged_chunk_rows(12, 21, edge // 256, False)
+        assert last == ([10, 2] if edge else [12])
+        assert [n for n, _ in launches] == [10, 2] + [5, 5, 2] + last
+        assert [n for n, mine in launches if mine] == [10, 2]
+    finally:
+        h.close()
 
 
 def test_a_failed_first_layer_in_its_callers_hands_fails_the_job_and_leaves_nothing_to_the_thread() -> None:

@@ -11,7 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload._descriptors import CopyPlan, Descriptors, PageTable, kernel_segments, plan_staged
+from kvoffload._descriptors import (
+    STAGED_EDGE_GROWTH,
+    CopyPlan,
+    Descriptors,
+    PageTable,
+    kernel_segments,
+    plan_staged,
+    staged_chunk_rows,
+)
 from kvoffload.records import Direction
 
 U64 = npt.NDArray[np.uint64]
@@ -75,21 +83,21 @@ jobs = st.tuples(
     st.randoms(use_true_random=False),
     st.integers(1, 6),
     st.integers(0, 2),
+    st.integers(0, 3),  # the edge chunk's records (0: none)
 )
+Job = tuple[Direction, list[int], list[int], object, int, int, int]
 
 
 @settings(max_examples=150, deadline=None)
 @given(jobs)
-def test_kernel_and_dma_together_move_the_bytes_of_the_plain_plan(
-    job: tuple[Direction, list[int], list[int], object, int, int],
-) -> None:
-    direction, page_sizes, device_ids, rnd, rows, first = job
+def test_kernel_and_dma_together_move_the_bytes_of_the_plain_plan(job: Job) -> None:
+    direction, page_sizes, device_ids, rnd, rows, first, edge = job
     plan = plan_for(direction, page_sizes)
     device = np.array(device_ids, dtype=np.int64)
     host = np.array(sorted(device_ids, key=lambda _: rnd.random()), dtype=np.int64)  # type: ignore[attr-defined]
     src, dst = (device, host) if direction is Direction.STORE else (host, device)
     expected = byte_map(*_triple(plan.build(src, dst)))
-    chunks = plan_staged(plan, src, dst, SLOT_BASES, rows, first)
+    chunks = plan_staged(plan, src, dst, SLOT_BASES, rows, first, edge_bytes=edge * RECORD)
     composed: dict[int, int] = {}
     for chunk in chunks:
         slot_rows = np.arange(chunk.device_blocks.shape[0], dtype=np.int64)
@@ -109,15 +117,16 @@ def _triple(d: Descriptors) -> tuple[U64, U64, U64]:
 
 @settings(max_examples=100, deadline=None)
 @given(jobs)
-def test_chunks_rotate_over_slots_and_hold_at_most_their_rows(
-    job: tuple[Direction, list[int], list[int], object, int, int],
-) -> None:
-    direction, page_sizes, device_ids, _, rows, first = job
+def test_chunks_rotate_over_slots_and_hold_at_most_their_rows(job: Job) -> None:
+    direction, page_sizes, device_ids, _, rows, first, edge = job
     plan = plan_for(direction, page_sizes)
     ids = np.array(device_ids, dtype=np.int64)
-    chunks = plan_staged(plan, ids, ids[::-1].copy(), SLOT_BASES, rows, first)
+    chunks = plan_staged(plan, ids, ids[::-1].copy(), SLOT_BASES, rows, first, edge_bytes=edge * RECORD)
     assert [c.slot for c in chunks] == [(first + i) % len(SLOT_BASES) for i in range(len(chunks))]
     assert sum(c.pairs.stop - c.pairs.start for c in chunks) == len(device_ids)
+    if len(device_ids) > 1:  # (one record is one chunk, whatever the rule)
+        store = direction is Direction.STORE
+        assert [c.pairs.stop - c.pairs.start for c in chunks] == staged_chunk_rows(len(device_ids), rows, edge, store)
     for chunk in chunks:
         assert chunk.pairs.stop - chunk.pairs.start <= rows
         base = SLOT_BASES[chunk.slot]
@@ -186,3 +195,37 @@ def test_unit_max_must_be_a_positive_multiple_of_16() -> None:
     plan = plan_for(Direction.STORE, [1024])
     with pytest.raises(ValueError, match="multiple of 16"):
         kernel_segments(plan.pages, 100)
+
+
+@settings(max_examples=300, deadline=None)
+@given(count=st.integers(0, 2000), per_slot=st.integers(1, 300), edge=st.integers(0, 400),
+       store=st.booleans())
+def test_a_staged_jobs_chunks_grow_from_a_small_edge_chunk_up_to_whole_slots(
+    count: int, per_slot: int, edge: int, store: bool,
+) -> None:
+    """Every row in one chunk of at most a slot; a store's first chunk (a load's last) holds the
+    edge's rows, and each chunk after it (before it) at most STAGED_EDGE_GROWTH times as many, so
+    the copy kernel of the next chunk finishes within the edge chunk's DMA; between the growth and
+    the rest, whole slots. Without an edge, whole slots, then the rest, either way."""
+    rows = staged_chunk_rows(count, per_slot, edge, store)
+    assert sum(rows) == count and all(1 <= r <= per_slot for r in rows)
+    if count == 0:
+        return
+    if edge == 0:
+        assert rows[:-1] == [per_slot] * (len(rows) - 1)
+        return
+    assert rows == staged_chunk_rows(count, per_slot, edge, not store)[::-1]
+    grown = rows if store else rows[::-1]  # from the edge on
+    assert grown[0] == min(edge, per_slot, count)
+    for before, after in zip(grown[:-2], grown[1:-1]):  # (the last: the rest)
+        assert after == min(before * STAGED_EDGE_GROWTH, per_slot)
+    assert len(grown) <= -(-count // per_slot) + 1 + len(bin(per_slot)) // 3 + 1  # log8 more at most
+
+
+def test_a_staged_plan_of_16_layers_worth_of_rows_takes_a_small_last_chunk_for_a_load() -> None:
+    """The H200's layer-wise prefill: 256 rows of 64 KiB, slots of 64 MiB, an edge of 1 MiB: a
+    store gathers 16 rows before its first DMA, a load scatters 16 after its last."""
+    assert staged_chunk_rows(256, 1024, 16, True) == [16, 128, 112]
+    assert staged_chunk_rows(256, 1024, 16, False) == [112, 128, 16]
+    assert staged_chunk_rows(256, 1024, 0, False) == [256]
+    assert staged_chunk_rows(100, 8, 1, True) == [1, 8] + [8] * 11 + [3]
