@@ -45,7 +45,8 @@ def staged_chunk_rows(count: int, rows_per_slot: int, edge_rows: int, store: boo
     chunk at the job's edge (a store's first, a load's last) holds ``edge_rows`` rows, and the
     chunks grow from it by :data:`STAGED_EDGE_GROWTH` up to ``rows_per_slot``; the rest are whole
     slots and the remainder (a store's last chunk, a load's first). ``edge_rows`` 0: every chunk a
-    whole slot but the last. ``issuer.c``'s ``staged_chunks`` makes the same chunks.
+    whole slot but the last. ``issuer.c``'s ``staged_chunks`` makes the same chunks, with an edge
+    for a job alone; the Python issuer plans whole slots (``edge_rows`` 0).
 
     Raises:
         ValueError: ``rows_per_slot`` below 1.

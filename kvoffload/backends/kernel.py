@@ -23,7 +23,6 @@ from kvoffload._descriptors import (
     kernel_segments,
     plan_staged,
     plan_staged_part,
-    staged_chunk_rows,
 )
 from kvoffload._jobs import FailedTicket
 from kvoffload.backends.cuda import (
@@ -42,10 +41,7 @@ from kvoffload.bindings.kernel import KERNEL_ROWS, CopyKernel, KernelLauncher
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction
 
-__all__ = [
-    "CHUNK_ISSUE_COST", "SM_CTAS", "STAGED_CTAS", "STAGED_EDGE_BYTES", "SegmentTables", "SmPath", "StagedPath",
-    "device_buffer",
-]
+__all__ = ["CHUNK_ISSUE_COST", "SM_CTAS", "STAGED_CTAS", "SegmentTables", "SmPath", "StagedPath", "device_buffer"]
 
 I64Array = npt.NDArray[np.int64]
 #: What issuing one staged chunk costs the host (a kernel launch, a DMA call, three events), in
@@ -56,12 +52,6 @@ CHUNK_ISSUE_COST: Final = 40
 SM_CTAS: Final = 8
 #: CTAs of the ``staged`` path's gather kernel unless configured; 0: one per SM.
 STAGED_CTAS: Final = 0
-#: Bytes of a staged job's edge chunk (a store's first, a load's last; docs/design.md §7): a store's
-#: first DMA waits for its first chunk's gather, a load's end for its last chunk's scatter (15 us
-#: for a chunk of 16 MiB on the H200, 60 us for 64 MiB), so the chunk there is small and the chunks
-#: grow from it. A layered load's other layers keep whole slots. 0: every chunk a whole slot. Read
-#: when a worker is built.
-STAGED_EDGE_BYTES: Final = 1 << 20
 #: Row indices 0..n of a staging slot, for chunks of up to one launch's records.
 _ROWS: Final = np.arange(KERNEL_ROWS, dtype=np.int64)
 
@@ -216,7 +206,6 @@ class StagedPath:
         self.ctas = ctas
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self.edge_bytes = STAGED_EDGE_BYTES
         self._staging: torch.Tensor | None = device_buffer(streams, (slots * slot_bytes,), torch.uint8)
         copy_stream = torch.cuda.ExternalStream(streams.copy, device=streams.device)  # type: ignore[no-untyped-call]
         self._staging.record_stream(copy_stream)
@@ -229,11 +218,8 @@ class StagedPath:
     def issue_cost(self, plan: CopyPlan, pairs: int) -> int:
         """A kernel row and a record copy per block, and :data:`CHUNK_ISSUE_COST` per chunk (its
         kernel launch, DMA call and events)."""
-        record = plan.pages.record_bytes
-        rows = max(1, self.slot_bytes // record)
-        edge = max(1, self.edge_bytes // record) if self.edge_bytes > 0 else 0
-        store = self.direction is Direction.STORE
-        return 2 * pairs + CHUNK_ISSUE_COST * len(staged_chunk_rows(pairs, rows, edge, store))
+        rows = max(1, self.slot_bytes // plan.pages.record_bytes)
+        return 2 * pairs + CHUNK_ISSUE_COST * -(-pairs // rows)
 
     def issue(
         self, streams: CudaStreams, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event
@@ -246,8 +232,7 @@ class StagedPath:
                 f"a host record of {plan.pages.record_bytes} bytes does not fit a staging slot of "
                 f"{self.slot_bytes} bytes"
             ))
-        chunks = plan_staged(plan, src, dst, self.slot_bases, rows, self._next_slot,
-                             edge_bytes=self.edge_bytes)
+        chunks = plan_staged(plan, src, dst, self.slot_bases, rows, self._next_slot)
         self._next_slot = (self._next_slot + len(chunks)) % self.slots
         try:
             start = driver.Event(streams.timing_events)
@@ -287,8 +272,7 @@ class StagedPath:
         """A load, layer after layer: each layer's byte ranges of the records DMA'd into slot rows
         that hold only them (:attr:`~kvoffload._descriptors.CopyPlan.compact`: many more blocks per
         chunk than whole records) and scattered from there, chunks rotating over the ring as for
-        whole records (the last layer's growing to the job's edge chunk, :data:`STAGED_EDGE_BYTES`);
-        its mark recorded on the kernel stream after its last scatter."""
+        whole records; its mark recorded on the kernel stream after its last scatter."""
         if self.direction is not Direction.LOAD:
             return FailedTicket(TransferError("a layered staged job is a load"))
         try:
@@ -301,11 +285,9 @@ class StagedPath:
         try:
             start.record(stream)
             fence.wait_on(kstream)  # rule 2, for every layer: the scatters follow the fence
-            last = first + len(plans) - 1
             for layer, plan in enumerate(plans, first):
-                edge = self.edge_bytes if layer == last else 0  # the job's end: its last layer's
                 chunks = plan_staged_part(plan, src, dst, self.slot_bases, self.slot_bytes,
-                                          self._next_slot, edge_bytes=edge)
+                                          self._next_slot)
                 self._next_slot = (self._next_slot + len(chunks)) % self.slots
                 compact = plan.compact
                 segments = self.tables.get(compact)

@@ -52,6 +52,7 @@ __all__ = [
     "IDLE_SPIN_S",
     "POLL_MAX_S",
     "POLL_MIN_S",
+    "STAGED_EDGE_BYTES",
     "STOP_TIMEOUT_S",
     "WAIT_QUERY_S",
     "WAIT_SPIN_S",
@@ -128,6 +129,12 @@ END_LEAD_S: Final = 50e-6
 #: as one strided copy (3 us); spans of 8 KiB 12.1x against 1.06x
 #: (``python -m tests.gpu.probe_strided_copy``; docs/design.md §12).
 STRIDED_MIN_ROWS: Final = 4
+#: Bytes of the staged chunk at the edge of a job alone (a store's first, a load's last; nothing of
+#: its direction in flight or queued when its issue is taken up): a store's first DMA waits for its
+#: first chunk's gather, a load's end for its last chunk's scatter (on the H200 15 us for 16 MiB,
+#: about 60 for 64 MiB), so the chunk there is small and the chunks grow from it by 8 to whole
+#: slots; jobs behind others keep whole slots. 0: never (docs/design.md §7).
+STAGED_EDGE_BYTES: Final = 1 << 20
 #: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
 STOP_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
@@ -162,8 +169,8 @@ def _ns(seconds: float) -> int:
 def tune(c: native.Config) -> None:
     """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
     the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead and
-    early wake, the caller's-issue limit, the staged rows' strided copies and the controls. ``ctx_get_current``, which the caller's
-    issue needs, is the caller's to resolve."""
+    early wake, the caller's-issue limit, the staged rows' strided copies and edge chunks, and the
+    controls. ``ctx_get_current``, which the caller's issue needs, is the caller's to resolve."""
     c.poll_min_ns = _ns(POLL_MIN_S)
     c.poll_max_ns = _ns(POLL_MAX_S)
     c.controls = CONTROLS
@@ -177,6 +184,7 @@ def tune(c: native.Config) -> None:
     c.expect_spin_ns = _ns(EXPECT_SPIN_S)
     c.caller_issue_max = max(0, int(CALLER_ISSUE_MAX))
     c.strided_min_rows = max(0, int(STRIDED_MIN_ROWS))
+    c.edge_bytes = max(0, int(STAGED_EDGE_BYTES))
 
 
 class NativeTicket:
@@ -597,7 +605,6 @@ class NativeBackend:
                 c.staged_ctas = path.ctas
                 c.slots = path.slots
                 c.slot_bytes = path.slot_bytes
-                c.edge_bytes = path.edge_bytes
                 bases = (ctypes.c_uint64 * path.slots)(*path.slot_bases)
         c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
         tune(c)

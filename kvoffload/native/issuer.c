@@ -180,6 +180,8 @@ struct kvo_job {
     struct kvo_job *next;
     int64_t path, n, nplans, first, layered;
     int64_t begun;         /* its issue began: fence waited for, start recorded (issue_begin) */
+    int64_t alone;         /* nothing of its direction was in flight or queued when its issue was
+                            * taken up: a staged job's edge chunk is then worth it (at_edge) */
     int64_t next_plan;     /* plans (layers) enqueued so far (issue_plans) */
     int64_t *dev_ids, *host_ids;
     struct kvo_plan **plans;
@@ -542,11 +544,14 @@ static int64_t edge_rows(const struct kvo_issuer *is, int64_t pitch) {
     return is->c.edge_bytes / pitch > 0 ? is->c.edge_bytes / pitch : 1;
 }
 
-/* Whether plan `k` of `job` holds the job's edge: a store's first plan, a load's last (the other
- * plans of a layered load keep whole slots: a chunk boundary costs the link about 3 us, more than
- * a layer's smaller last scatter saves). */
+/* Whether plan `k` of `job` takes the job's edge chunk: the job is alone (the link idles until its
+ * first DMA, or nothing waits behind its end) and the plan is a store's first or a load's last.
+ * The other plans of a layered load keep whole slots (a chunk boundary costs the link about 3 us,
+ * more than a layer's smaller last scatter saves), and so do jobs behind others: their gather or
+ * scatter overlaps the jobs beside them anyway, and smaller chunks there left the link waiting on
+ * the gathers beside a GEMM (docs/design.md §7). */
 static int at_edge(const struct kvo_issuer *is, const struct kvo_job *job, int64_t k) {
-    return is->c.store ? k == 0 : k == job->nplans - 1;
+    return job->alone && (is->c.store ? k == 0 : k == job->nplans - 1);
 }
 
 /* A plain event from the pool, recorded on `stream` (given back if the record fails). */
@@ -997,6 +1002,7 @@ static void *run(void *arg) {
             is->queue_head = job->next;
             if (!is->queue_head) is->queue_tail = 0;
             job->next = 0;
+            if (!job->begun) job->alone = !is->queue_head && !is->flight_head;
             if (is->stop && !job->begun) { /* a job its caller began is issued: its work is enqueued */
                 job->error = KVO_RELEASED; job->error_call = "release"; job->fail = FAIL_NOTHING;
                 if (job->fence) { fence_unref(is, job->fence); job->fence = 0; }
@@ -1277,6 +1283,7 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
         return 0; /* off, or the thread is not idle: nothing counted under the lock */
     int64_t until = job->nplans;
     const int64_t *order = 0; /* a staged layered job's, from first_layer_is_cheap */
+    job->alone = 1; /* nothing queued or in flight, by the conditions above */
     if (job->layered) {
         if (job->nplans < 1 || !first_layer_is_cheap(is, job, &order)) return 0;
         until = 1;

@@ -11,7 +11,8 @@ bytes measured in the same run. ``timeline`` and ``timeline64`` show where a nat
 for 1- and 256-block stores and for isolated 64 MiB jobs per page size; ``ab`` alternates variants
 of the native issuer job by job in one process; ``before`` times a burst's first call against what
 the caller ran just before it, and ``floor`` against the same steps in one flat function and
-against the library's calls alone.
+against the library's calls alone; ``trace`` lists the device's copies and kernels of a layered
+load and of isolated 64 MiB staged jobs, op by op.
 """
 
 from __future__ import annotations
@@ -846,6 +847,97 @@ def ab(device: torch.device) -> None:
                     w.shutdown()
 
 
+def _device_ops(run: Callable[[], None]) -> list[list[tuple[str, float, float, int]]]:
+    """The copies and kernels ``run`` put on the device (torch.profiler's CUDA activity), as jobs:
+    runs of ops with less than 100 us of idle device between them; per op its name, start (us after
+    its job's first op), duration (us) and bytes."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    handle, name = tempfile.mkstemp(suffix=".json", prefix="kvoffload-trace-")
+    os.close(handle)
+    try:
+        prof.export_chrome_trace(name)
+        with open(name, encoding="utf-8") as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(name)
+    ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")), key=lambda e: e["ts"])
+    jobs: list[list[tuple[str, float, float, int]]] = []
+    end = -1e18
+    for e in ops:
+        if e["ts"] > end + 100:
+            jobs.append([])
+            first = e["ts"]
+        kind = "kernel" if e["cat"] == "kernel" else e["name"].split(" ")[1]
+        jobs[-1].append((kind, e["ts"] - first, e["dur"], int(e["args"].get("bytes", 0))))
+        end = max(end, e["ts"] + e["dur"])
+    return jobs
+
+
+def trace(device: torch.device) -> None:
+    """The device's side of a job, op by op: a layered load's first two layers (``bench
+    --layerwise``'s load, 16 layers x 2 pages of 32 KiB, 256 blocks, on ``staged`` and ``sm``) and an
+    isolated 64 MiB ``staged`` store and load (8 layers x 2 pages of 4 KiB, the staged chunks
+    growing from the job's edge chunk: a store's first, a load's last), the last of three jobs each."""
+    from kvoffload.cli._torch import new_stream
+    from kvoffload.cli.latency_bench import _per_layer
+
+    print("\n== trace: the device's ops of one job (kind, start us after the job's first op, duration us, MiB)")
+    layers, blocks = 16, 256
+    layout, _ = _per_layer(device, layers, 32 * KIB, 2 * blocks)
+    src = np.arange(blocks, dtype=np.int64)
+    compute = new_stream(device)
+    for path in ("staged", "sm"):
+        with Worker.create(layout, blocks, path=path, issuer="native") as w:
+            w.store(0, src, src)
+            w.wait([0], 60)
+            job = [1]
+
+            def loads() -> None:
+                for _ in range(3):
+                    torch.cuda.synchronize(device)
+                    load = w.load_by_layer(job[0], src, src + blocks, stream=compute)
+                    load.wait_layer(layers - 1, compute)
+                    w.wait([job[0]], 60)
+                    job[0] += 1
+                    torch.cuda.synchronize(device)
+
+            loads()  # warm
+            ops = _device_ops(loads)[-1]
+        print(f"  layered load, {path}: " + "; ".join(
+            f"{k} {t:.1f} +{d:.1f}" + (f" {n / MIB:.0f}" if n else "") for k, t, d, n in ops
+            if t < 2.2 * ops[-1][1] / layers))
+    page = 4 * KIB
+    nb = (64 * MIB) // (2 * 8 * page)
+    layout, _ = _per_layer(device, 8, page, 2 * nb)
+    ids = np.arange(nb, dtype=np.int64)
+    with Worker.create(layout, nb, path="staged", issuer="native") as w:
+        for store in (True, False):
+            job = [0]
+
+            def jobs() -> None:
+                for _ in range(3):
+                    torch.cuda.synchronize(device)
+                    if store:
+                        w.store(job[0], ids, ids)
+                    else:
+                        w.load(job[0], ids, ids)
+                    w.wait([job[0]], 60)
+                    job[0] += 1
+                    torch.cuda.synchronize(device)
+
+            jobs()  # warm
+            ops = _device_ops(jobs)[-1]
+            print(f"  64 MiB {'store' if store else 'load'}, staged: " + "; ".join(
+                f"{k} {t:.1f} +{d:.1f}" + (f" {n / MIB:.2f}" if n else "") for k, t, d, n in ops))
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("profile_submit: no CUDA device", file=sys.stderr)
@@ -854,7 +946,7 @@ def main() -> int:
     wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
     sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline,
                 "timeline64": timeline64, "front": front, "ab": ab,
-                "before": before, "floor": floor, "layered": layered}
+                "before": before, "floor": floor, "layered": layered, "trace": trace}
     for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:

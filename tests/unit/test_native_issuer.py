@@ -800,6 +800,32 @@ def test_a_layered_staged_loads_last_layer_ends_in_its_edge_chunk_and_the_others
         h.close()
 
 
+def test_a_staged_job_behind_one_in_flight_keeps_whole_slots_and_one_alone_takes_its_edge_chunk() -> None:
+    """Two stores of 12 records (3 a slot), the second handed over while the first is in flight
+    (its end event not ready for its first 2000 queries): the first, alone, takes chunks growing from
+    its edge chunk of one record; the second keeps whole slots (its gather overlaps the first's
+    DMA anyway). Both move exactly their bytes. Without an edge both keep whole slots."""
+    plan = make_plan(Direction.STORE, **LAYOUTS["per-tensor"])  # type: ignore[arg-type]
+    record = plan.pages.record_bytes
+    for edge in (record, 0):
+        h = Harness(Direction.STORE, "staged", plan, not_ready=2000, tune={"edge_bytes": edge})
+        try:
+            time.sleep(0.05)  # the thread blocks, out of work
+            first, second = list(range(12)), list(range(20, 32))
+            h.handler.submit(0, first, first)
+            h.handler.submit(1, second, second)
+            results = h.handler.wait([0, 1], TIMEOUT_S)
+            assert all(r.ok for r in results)
+            want = expected(plan, first, first) | expected(plan, second, second)
+            assert moved(h.fake, want) == 0
+            chunks = [c[3] for c in h.fake.of("cuLaunchKernel")]
+            alone = staged_chunk_rows(12, 3, 1, True) if edge else [3, 3, 3, 3]
+            assert alone == ([1, 3, 3, 3, 2] if edge else [3, 3, 3, 3])
+            assert chunks == alone + [3, 3, 3, 3]
+        finally:
+            h.close()
+
+
 def test_a_failed_first_layer_in_its_callers_hands_fails_the_job_and_leaves_nothing_to_the_thread() -> None:
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
     h = Harness(Direction.LOAD, "staged", plan)
