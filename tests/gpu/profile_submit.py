@@ -880,6 +880,27 @@ def _device_ops(run: Callable[[], None]) -> list[list[tuple[str, float, float, i
     return jobs
 
 
+def _traced(device: torch.device, w: Worker, submit: Callable[[int], None]) -> list[tuple[str, float, float, int]]:
+    """The device's ops of the last of three jobs ``submit(job_id)`` submits to ``w`` one at a time
+    (after three unprofiled ones), each waited for and the device synchronized around it."""
+    job = [10_000]
+
+    def three() -> None:
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            submit(job[0])
+            w.wait([job[0]], 60)
+            job[0] += 1
+            torch.cuda.synchronize(device)
+
+    three()  # warm
+    return _device_ops(three)[-1]
+
+
+def _ops_line(ops: list[tuple[str, float, float, int]]) -> str:
+    return "; ".join(f"{k} {t:.1f} +{d:.1f}" + (f" {n / MIB:.2f}" if n else "") for k, t, d, n in ops)
+
+
 def trace(device: torch.device) -> None:
     """The device's side of a job, op by op: a layered load's first two layers (``bench
     --layerwise``'s load, 16 layers x 2 pages of 32 KiB, 256 blocks, on ``staged`` and ``sm``) and an
@@ -897,45 +918,16 @@ def trace(device: torch.device) -> None:
         with Worker.create(layout, blocks, path=path, issuer="native") as w:
             w.store(0, src, src)
             w.wait([0], 60)
-            job = [1]
-
-            def loads() -> None:
-                for _ in range(3):
-                    torch.cuda.synchronize(device)
-                    load = w.load_by_layer(job[0], src, src + blocks, stream=compute)
-                    load.wait_layer(layers - 1, compute)
-                    w.wait([job[0]], 60)
-                    job[0] += 1
-                    torch.cuda.synchronize(device)
-
-            loads()  # warm
-            ops = _device_ops(loads)[-1]
-        print(f"  layered load, {path}: " + "; ".join(
-            f"{k} {t:.1f} +{d:.1f}" + (f" {n / MIB:.0f}" if n else "") for k, t, d, n in ops
-            if t < 2.2 * ops[-1][1] / layers))
+            ops = _traced(device, w, lambda j: w.load_by_layer(j, src, src + blocks, stream=compute)
+                          .wait_layer(layers - 1, compute))
+        print(f"  layered load, {path}: " + _ops_line([op for op in ops if op[1] < 2.2 * ops[-1][1] / layers]))
     page = 4 * KIB
     nb = (64 * MIB) // (2 * 8 * page)
     layout, _ = _per_layer(device, 8, page, 2 * nb)
     ids = np.arange(nb, dtype=np.int64)
     with Worker.create(layout, nb, path="staged", issuer="native") as w:
-        for store in (True, False):
-            job = [0]
-
-            def jobs() -> None:
-                for _ in range(3):
-                    torch.cuda.synchronize(device)
-                    if store:
-                        w.store(job[0], ids, ids)
-                    else:
-                        w.load(job[0], ids, ids)
-                    w.wait([job[0]], 60)
-                    job[0] += 1
-                    torch.cuda.synchronize(device)
-
-            jobs()  # warm
-            ops = _device_ops(jobs)[-1]
-            print(f"  64 MiB {'store' if store else 'load'}, staged: " + "; ".join(
-                f"{k} {t:.1f} +{d:.1f}" + (f" {n / MIB:.2f}" if n else "") for k, t, d, n in ops))
+        print("  64 MiB store alone, staged: " + _ops_line(_traced(device, w, lambda j: w.store(j, ids, ids))))
+        print("  64 MiB load alone, staged: " + _ops_line(_traced(device, w, lambda j: w.load(j, ids, ids))))
 
 
 def main() -> int:
