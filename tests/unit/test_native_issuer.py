@@ -279,7 +279,7 @@ def test_a_staged_job_moves_exactly_its_bytes_whatever_its_records_runs(
 ) -> None:
     """Random host records (runs of consecutive ones among them), chunks of 1-9 rows, strided copies
     from 1-4 rows or never, records back to back or apart, an edge chunk of 0-3 records: every
-    granule comes from its place, and the chunks are the Python issuer's (``staged_chunk_rows``)."""
+    granule comes from its place, and the chunks (of a job alone) are ``staged_chunk_rows``'s."""
     plan = make_plan(direction, **LAYOUTS[layout])  # type: ignore[arg-type]
     plan = attrs.evolve(plan, host_stride=spread * plan.pages.record_bytes)
     h = Harness(direction, "staged", plan, slot_bytes=slot_rows * plan.pages.record_bytes,
@@ -802,13 +802,13 @@ def test_a_layered_staged_loads_last_layer_ends_in_its_edge_chunk_and_the_others
 
 def test_a_staged_job_behind_one_in_flight_keeps_whole_slots_and_one_alone_takes_its_edge_chunk() -> None:
     """Two stores of 12 records (3 a slot), the second handed over while the first is in flight
-    (its end event not ready for its first 2000 queries): the first, alone, takes chunks growing from
+    (its end event not ready for its first 20000 queries): the first, alone, takes chunks growing from
     its edge chunk of one record; the second keeps whole slots (its gather overlaps the first's
     DMA anyway). Both move exactly their bytes. Without an edge both keep whole slots."""
     plan = make_plan(Direction.STORE, **LAYOUTS["per-tensor"])  # type: ignore[arg-type]
     record = plan.pages.record_bytes
     for edge in (record, 0):
-        h = Harness(Direction.STORE, "staged", plan, not_ready=2000, tune={"edge_bytes": edge})
+        h = Harness(Direction.STORE, "staged", plan, not_ready=20000, tune={"edge_bytes": edge})
         try:
             time.sleep(0.05)  # the thread blocks, out of work
             first, second = list(range(12)), list(range(20, 32))
