@@ -356,18 +356,16 @@ def plan_staged(
     bounds_at = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(rows, dtype=np.int64)))
     index = np.arange(count, dtype=np.int64)
     one_chunk = len(rows) == 1
-    chunk_of = np.zeros(count, dtype=np.int64)
+    host_addr = plan.host_base + host_blocks * plan.host_stride
+    area = host_blocks // plan.chunk_records
     if one_chunk:
         slot_addr = slot_bases[first_slot % len(slot_bases)] + index * record
     else:
         chunk_of = np.searchsorted(bounds_at, index, side="right") - 1
         bases = np.asarray(slot_bases, dtype=np.int64)
         slot_addr = bases[(first_slot + chunk_of) % len(slot_bases)] + (index - bounds_at[chunk_of]) * record
-    host_addr = plan.host_base + host_blocks * plan.host_stride
-    srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
-    area = host_blocks // plan.chunk_records
-    if not one_chunk:
         area = area * (len(rows) + 1) + chunk_of  # one area per (pin chunk, job chunk)
+    srcs, dsts = (slot_addr, host_addr) if store else (host_addr, slot_addr)
     continues = (
         (srcs[1:] == srcs[:-1] + record) & (dsts[1:] == dsts[:-1] + record) & (area[1:] == area[:-1])
     )

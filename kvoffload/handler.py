@@ -522,13 +522,13 @@ class DirectionHandler:
         Raises:
             ClosedError: after shutdown.
         """
+        backend = cast(HandsOffBackend, self._backend)
         cached = self._layered_hand_off
         if cached is None or cached[0] is not tables:
             plans = self._layer_plans_for(tables)
-            backend = cast(HandsOffBackend, self._backend)
             cached = self._layered_hand_off = (tables, plans, backend.hand_off_layers_call(plans))
         _, plans, hand_off = cached
-        marks = cast(HandsOffBackend, self._backend).layer_marks(len(tables))
+        marks = backend.layer_marks(len(tables))
         transfer = _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False,
                              layers=plans, marks=marks)
         with self._issue_lock:  # as _hand_over's

@@ -223,8 +223,9 @@ def test_a_staged_jobs_chunks_grow_from_a_small_edge_chunk_up_to_whole_slots(
 
 
 def test_a_staged_plan_of_16_layers_worth_of_rows_takes_a_small_last_chunk_for_a_load() -> None:
-    """The H200's layer-wise prefill: 256 rows of 64 KiB, slots of 64 MiB, an edge of 1 MiB: a
-    store gathers 16 rows before its first DMA, a load scatters 16 after its last."""
+    """A job alone of 256 rows of 64 KiB (one layer of the H200's layer-wise prefill), slots of 64
+    MiB, an edge of 1 MiB: a store gathers 16 rows before its first DMA, a load scatters 16 after
+    its last."""
     assert staged_chunk_rows(256, 1024, 16, True) == [16, 128, 112]
     assert staged_chunk_rows(256, 1024, 16, False) == [112, 128, 16]
     assert staged_chunk_rows(256, 1024, 0, False) == [256]
