@@ -452,21 +452,26 @@ def test_the_thread_gives_way_to_a_callers_driver_call() -> None:
     assert thread_calls_while_a_caller_records(30 * 10**9) == 0
 
 
-def unwaited_slot_writes(direction: Direction, controls: int, strided: bool = False) -> int:
+def unwaited_slot_writes(direction: Direction, controls: int, strided: bool = False, edge: bool = False) -> int:
     """Writes into a staging slot not preceded by a wait for the event recorded after the slot's
     last read, over a job of 6 chunks through 3 slots (``strided``: of 2 consecutive records each,
-    strided copies from 2 rows on, so every chunk's DMA is one)."""
+    strided copies from 2 rows on, so every chunk's DMA is one; ``edge``: the job alone's edge chunk
+    of one record, the other chunks shifted by one row)."""
     plan = (strided_plan if strided else make_plan)(direction, [256, 256])
     record = plan.pages.record_bytes
     h = Harness(direction, "staged", plan, slot_bytes=2 * record, controls=controls,  # 2 rows a slot
-                tune={"strided_min_rows": 2})
+                tune={"strided_min_rows": 2, "edge_bytes": record if edge else 0})
     try:
         device = list(range(0, 40, 3))[:11]  # 11 pairs: 6 chunks, every slot used twice
         host = [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12] if strided else list(range(20, 31))
         src, dst = (device, host) if direction is Direction.STORE else (host, device)
         assert h.run(0, src, dst).ok
         assert moved(h.fake, expected(plan, device, host)) == 0
-        assert len(h.fake.of("cuMemcpy2DAsync")) == (5 if strided else 0)
+        if not edge:
+            assert len(h.fake.of("cuMemcpy2DAsync")) == (5 if strided else 0)
+        else:  # [1, 2, 2, 2, 2, 2] for the store, reversed for the load
+            launched = [c[3] for c in h.fake.of("cuLaunchKernel")]
+            assert launched == staged_chunk_rows(11, 2, 1, direction is Direction.STORE)
         calls = h.fake.snapshot()
         # Writes into a slot: the gather launch (store) or the DMA from the host (load).
         writers, writer_stream, reader_stream = (
@@ -487,11 +492,12 @@ def unwaited_slot_writes(direction: Direction, controls: int, strided: bool = Fa
 
 
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
-@pytest.mark.parametrize("strided", [False, True])
-def test_a_staging_slot_is_rewritten_only_after_its_last_read(direction: Direction, strided: bool) -> None:
-    control = unwaited_slot_writes(direction, native.CONTROL_SKIP_SLOT_WAIT, strided)
+@pytest.mark.parametrize(("strided", "edge"), [(False, False), (True, False), (False, True)])
+def test_a_staging_slot_is_rewritten_only_after_its_last_read(direction: Direction, strided: bool,
+                                                               edge: bool) -> None:
+    control = unwaited_slot_writes(direction, native.CONTROL_SKIP_SLOT_WAIT, strided, edge)
     assert control > 0, "the control wrote every slot after a wait: the check proves nothing"
-    assert unwaited_slot_writes(direction, 0, strided) == 0
+    assert unwaited_slot_writes(direction, 0, strided, edge) == 0
 
 
 @pytest.mark.parametrize("path", PATHS)
