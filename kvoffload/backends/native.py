@@ -53,7 +53,6 @@ __all__ = [
     "POLL_MAX_S",
     "POLL_MIN_S",
     "STAGED_EDGE_BYTES",
-    "STAGED_LOAD_LATE_FENCE",
     "STOP_TIMEOUT_S",
     "WAIT_QUERY_S",
     "WAIT_SPIN_S",
@@ -136,12 +135,6 @@ STRIDED_MIN_ROWS: Final = 4
 #: about 60 for 64 MiB), so the chunk there is small and the chunks grow from it by 8 to whole
 #: slots; jobs behind others keep whole slots. 0: never (docs/design.md §7).
 STAGED_EDGE_BYTES: Final = 1 << 20
-#: 1: a ``staged`` load waits for its compute fence on the kernel stream just before its first
-#: scatter, the first of its ops that writes a device page, instead of before its first DMA into
-#: the staging ring; a job its caller issues (handed to an idle thread) has its own fence recorded
-#: there too, still inside the call. Its first DMA then goes without the fence's two driver calls
-#: before it. 0: the fence first, as on every other path (docs/design.md §12).
-STAGED_LOAD_LATE_FENCE: Final = 1
 #: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
 STOP_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
@@ -176,8 +169,8 @@ def _ns(seconds: float) -> int:
 def tune(c: native.Config) -> None:
     """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
     the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead and
-    early wake, the caller's-issue limit, the staged rows' strided copies, edge chunks and late
-    fence, and the controls. ``ctx_get_current``, which the caller's issue needs, is the caller's to resolve."""
+    early wake, the caller's-issue limit, the staged rows' strided copies and edge chunks, and the
+    controls. ``ctx_get_current``, which the caller's issue needs, is the caller's to resolve."""
     c.poll_min_ns = _ns(POLL_MIN_S)
     c.poll_max_ns = _ns(POLL_MAX_S)
     c.controls = CONTROLS
@@ -192,7 +185,6 @@ def tune(c: native.Config) -> None:
     c.caller_issue_max = max(0, int(CALLER_ISSUE_MAX))
     c.strided_min_rows = max(0, int(STRIDED_MIN_ROWS))
     c.edge_bytes = max(0, int(STAGED_EDGE_BYTES))
-    c.late_fence = int(bool(STAGED_LOAD_LATE_FENCE))
 
 
 class NativeTicket:

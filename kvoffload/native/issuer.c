@@ -146,9 +146,6 @@ struct kvo_config {
                                * as one strided copy per run (0: never); see staged_plan */
     int64_t edge_bytes;       /* bytes of a staged job's edge chunk (0: every chunk a whole slot);
                                * see staged_chunks */
-    int64_t late_fence;       /* a staged load waits for its fence before its first scatter, not its
-                               * first DMA, and a caller issuing one records its own fence there
-                               * (0: the fence first, as on every other path); see fence_wait */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -182,11 +179,7 @@ struct kvo_job {
     struct kvo_issuer *issuer;
     struct kvo_job *next;
     int64_t path, n, nplans, first, layered;
-    int64_t begun;         /* its issue began: start recorded (issue_begin) */
-    int64_t fenced;        /* its fence's stream wait was enqueued (issue_begin, or fence_wait) */
-    int64_t fence_late;    /* its own fence is still to be recorded on fence_stream, by the caller
-                            * that issues it, before its first scatter (fence_wait) */
-    CUstream fence_stream;
+    int64_t begun;         /* its issue began: fence waited for, start recorded (issue_begin) */
     int64_t alone;         /* nothing of its direction was in flight or queued when its issue was
                             * taken up: a staged job's edge chunk is then worth it (at_edge) */
     int64_t next_plan;     /* plans (layers) enqueued so far (issue_plans) */
@@ -300,16 +293,6 @@ static CUresult wait_on(struct kvo_issuer *is, CUstream stream, CUevent ev) {
  * (a caller's thread that never made it current) and the issuer's context is now current. */
 static int context_restored(const struct kvo_issuer *is, CUresult r) {
     return r == KVO_INVALID_CONTEXT && ((fn_ctx_set)is->c.ctx_set_current)(is->c.context) == 0;
-}
-
-/* A caller's record of `ev` on its own stream: counted as a caller's driver call (the thread gives
- * way), made again in the issuer's context when the calling thread had none current. */
-static CUresult caller_record(struct kvo_issuer *is, CUevent ev, CUstream stream) {
-    caller_call(is, 1);
-    CUresult r = ((fn_event_record)is->c.event_record)(ev, stream);
-    if (context_restored(is, r)) r = ((fn_event_record)is->c.event_record)(ev, stream);
-    caller_call(is, -1);
-    return r;
 }
 
 static int64_t *copy_i64(const int64_t *src, int64_t n) {
@@ -600,34 +583,6 @@ static CUresult mark_wait(struct kvo_issuer *is, CUstream waiter, CUstream strea
 }
 
 /* Room for n strided copies. */
-/* Whether `job` waits for its fence only before its first scatter (late_fence): a staged load,
- * whose first ops, the DMAs into the ring, touch no page compute may use (rules 1 and 2 guard the
- * pages; rule 5 guards the ring's slots, by their own events). Its first DMA then goes without the
- * fence's calls before it, and a caller issuing the job records its own fence only there. */
-static int fence_at_scatter(const struct kvo_issuer *is, const struct kvo_job *job) {
-    return is->c.late_fence && job->path == PATH_STAGED && !is->c.store;
-}
-
-/* Enqueue `waiter`'s wait for the job's fence (recorded first when it is the caller's to record
- * late), then drop the job's reference to it: the wait captured the record. 0, or the failed
- * call's code with *call naming it (the job keeps its fence; issued() drops it). */
-static CUresult fence_wait(struct kvo_issuer *is, struct kvo_job *job, CUstream waiter, const char **call) {
-    CUresult r;
-    if (job->fence_late) {
-        *call = "cuEventRecord";
-        job->fence_late = 0;
-        if ((r = caller_record(is, job->fence->event, job->fence_stream))) return r;
-    }
-    *call = "cuStreamWaitEvent";
-    if ((r = wait_on(is, waiter, job->fence->event))) return r;
-    pthread_mutex_lock(&is->mu);
-    fence_unref(is, job->fence);
-    job->fence = 0;
-    pthread_mutex_unlock(&is->mu);
-    job->fenced = 1;
-    return 0;
-}
-
 static int reserve_strided(struct kvo_issuer *is, size_t n) {
     if (n <= is->strided_cap) return 1;
     size_t cap = is->strided_cap ? is->strided_cap : 64;
@@ -692,7 +647,7 @@ static int64_t consecutive_rows(const struct kvo_plan *p, const struct kvo_job *
  * one strided copy takes 1.00-1.06x (python -m tests.gpu.probe_strided_copy). The other rows go as
  * descriptors, merged where they continue each other. */
 static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
-                            struct kvo_job *job, const int64_t *order, int edge_here,
+                            const struct kvo_job *job, const int64_t *order, int edge_here,
                             const char **call) {
     CUstream copy = is->c.copy_stream, kernel = is->c.kernel_stream;
     int store = (int)is->c.store;
@@ -770,7 +725,6 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
             if ((r = issue_strided(is, nstrided, copy, call))) break;
             *call = "cuEventRecord";
             if ((r = record_on(is, is->filled[slot], copy))) break;
-            if (!job->fenced && (r = fence_wait(is, job, kernel, call))) break; /* the first scatter */
             *call = "cuStreamWaitEvent";
             if ((r = wait(kernel, is->filled[slot], 0))) break;
             if ((r = launch_rows(is, p->cseg, p->cseg_rows, dev, 0, 1, rows, base, p->pitch, 0,
@@ -831,12 +785,16 @@ static int issue_begin(struct kvo_issuer *is, struct kvo_job *job) {
     if (path != PATH_STAGED && other && is->last_end == other) {
         if ((r = mark_wait(is, own, other))) { job->error = r; job->error_call = "cuStreamWaitEvent"; job->fail = FAIL_NOTHING; return 1; }
     }
-    /* The fence: rules 1 and 2 (the kernel or DMA reads/writes pages compute may still use); a
-     * staged load's waits for its first scatter (fence_at_scatter). */
+    /* The fence: rules 1 and 2 (the kernel or DMA reads/writes pages compute may still use). */
     CUstream fenced = path == PATH_DMA ? is->c.copy_stream : is->c.kernel_stream;
     CUstream started = (path == PATH_STAGED && !store) ? is->c.copy_stream : fenced;
-    if (!fence_at_scatter(is, job)) r = fence_wait(is, job, fenced, &call);
+    call = "cuStreamWaitEvent";
+    r = wait_on(is, fenced, job->fence->event);
     if (!r) { call = "cuEventRecord"; r = record_on(is, job->start, started); }
+    pthread_mutex_lock(&is->mu);
+    fence_unref(is, job->fence); /* the wait was enqueued: it captured the record */
+    job->fence = 0;
+    pthread_mutex_unlock(&is->mu);
     if (r) { job->error = r; job->error_call = call; job->fail = FAIL_NOTHING; return 1; }
     is->last_end = path == PATH_STAGED ? end_stream(is, path) : own;
     job->begun = 1;
@@ -1301,19 +1259,6 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, cons
     return copies <= CALLER_LAYER_COPIES;
 }
 
-/* A job whose own fence was to be recorded late (fence_at_scatter) by its caller goes to the thread
- * instead: the fence is recorded now, on the caller's thread (caller holds the mutex), for the job
- * must wait for the compute stream as it was at the call. 1 when that record failed: the job then
- * fails with nothing enqueued (the caller hands it to issued()). */
-static int late_record_failed(struct kvo_issuer *is, struct kvo_job *job) {
-    if (!job->fence_late) return 0;
-    job->fence_late = 0;
-    CUresult r = caller_record(is, job->fence->event, job->fence_stream);
-    if (!r) return 0;
-    job->error = r; job->error_call = "cuEventRecord"; job->fail = FAIL_NOTHING;
-    return 1;
-}
-
 /* Put `job` at the head of the issue queue (caller holds the mutex): a job its caller was to issue,
  * which goes before any job handed over meanwhile. */
 static void queue_first(struct kvo_issuer *is, struct kvo_job *job) {
@@ -1356,8 +1301,7 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
     if (switched) r = ((fn_ctx_set)is->c.ctx_set_current)(is->c.context);
     if (r) { /* the calls could not run in the issuer's context: the thread issues the job */
         pthread_mutex_lock(&is->mu);
-        if (late_record_failed(is, job)) issued(is, job); /* done at once, failed */
-        else queue_first(is, job); /* it was handed over before any job queued meanwhile */
+        queue_first(is, job); /* it was handed over before any job queued meanwhile */
         is->issuing = 0;
         pthread_cond_broadcast(&is->work);
         pthread_mutex_unlock(&is->mu);
@@ -1368,11 +1312,6 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
     if (!issue_begin(is, job)) {
         const char *call = "";
         CUresult failed = issue_plans(is, job, until, order, &call);
-        if (!failed && job->fence_late) { /* no scatter came: the fence is recorded before the call returns */
-            call = "cuEventRecord";
-            job->fence_late = 0;
-            failed = caller_record(is, job->fence->event, job->fence_stream);
-        }
         if (failed || job->next_plan >= job->nplans) issue_end(is, job, failed, call);
         else whole = 0;
     }
@@ -1419,38 +1358,23 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     job->marked = first; /* layers before `first` belong to another part: nothing to wait for */
     job->refs = layered ? 3 : 2;
     int own = fence == 0;
-    /* A staged load's own fence is recorded late when its caller issues it (fence_at_scatter): here
-     * only its event is taken, under the mutex below. */
-    int late = own && is->c.late_fence && path == PATH_STAGED && !is->c.store;
-    if (late) {
-        if (!(fence = calloc(1, sizeof(*fence)))) { job_free(job); return 0; }
-        fence->refs = 1;
-    } else if (own && !(fence = kvo_fence_take(is, stream, error))) {
+    if (own && !(fence = kvo_fence_take(is, stream, error))) {
         job_free(job);
         return 0;
     }
     job->fence = fence;
     job->times[0] = now_ns();
     pthread_mutex_lock(&is->mu);
-    CUresult taken = is->stop || is->exited ? KVO_RELEASED : late ? pool_take(is, &is->plain, &fence->event) : 0;
-    if (taken) {
-        if (late) free(fence);
-        else if (own) fence_unref(is, fence);
+    if (is->stop || is->exited) {
+        if (own) fence_unref(is, fence);
         pthread_mutex_unlock(&is->mu);
-        *error = taken;
+        *error = KVO_RELEASED;
         job_free(job);
         return 0;
     }
-    if (late) { job->fence_late = 1; job->fence_stream = stream; }
     if (!own) fence->refs++; /* a taken fence keeps its taker's reference; an own one is the job's */
     is->refs++;
     if (caller_issue(is, job)) {
-        *error = 0;
-        return job;
-    }
-    if (late_record_failed(is, job)) { /* the thread's to issue: its fence is recorded first */
-        issued(is, job);
-        pthread_mutex_unlock(&is->mu);
         *error = 0;
         return job;
     }

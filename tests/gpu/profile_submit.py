@@ -724,7 +724,6 @@ def native_worker(layout: DeviceLayout, blocks: int, path: str, overrides: dict[
 #: The workers ``layered`` alternates: a label, the path, the native backend's constants to override.
 LAYERED_VARIANTS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("auto", "auto", {}),
-    ("auto, fence first", "auto", {"STAGED_LOAD_LATE_FENCE": 0}),
     ("auto, validating path", "auto", {}),  # the worker's fast front off (see layered)
     ("auto, thread issues", "auto", {"CALLER_ISSUE_MAX": 0}),
     ("auto, descriptors", "auto", {"STRIDED_MIN_ROWS": 0}),
@@ -800,7 +799,6 @@ AB_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
     ("no early wake", {"EXPECT_SPIN_S": 0.0}),
     ("no waiter queries", {"WAIT_QUERY_S": 0.0}),
     ("thread issues all", {"CALLER_ISSUE_MAX": 0}),
-    ("staged load's fence first", {"STAGED_LOAD_LATE_FENCE": 0}),
 )
 
 

@@ -3,7 +3,7 @@ the driver's entry points. Copies are not made: every copy and copy-kernel launc
 *provenance* map (destination granule -> the address its bytes came from), so a test checks that
 the bytes of every host record (store) or device page (load) came from the right place, through a
 staging slot or not. Every call is logged in order with its stream; a test may make a call block
-(``gate``, ``gate_on``) or fail (``fail``, ``fail_on``).
+(``gate``) or fail (``fail``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ class FakeDriver:
         self.threads: list[int] = []  # the thread ident of each logged call
         self.queries: dict[int, int] = {}
         self.fail: dict[str, int] = {}  # call -> CUresult to return (once)
-        self.fail_on: dict[tuple[str, int], int] = {}  # (call, its last argument) -> CUresult (once)
         self.gate: dict[str, threading.Event] = {}  # call -> event it waits for before returning
         self.gate_on: dict[tuple[str, int], threading.Event] = {}  # (call, its last argument) -> event
         self.entered: dict[str, threading.Event] = {}
@@ -75,7 +74,7 @@ class FakeDriver:
             self.threads.append(threading.get_ident())
             entered = self.entered.get(call)
             gate = self.gate.get(call) or (self.gate_on.get((call, args[-1])) if args else None)
-            code = self.fail.pop(call, 0) or (self.fail_on.pop((call, args[-1]), 0) if args else 0)
+            code = self.fail.pop(call, 0)
         if entered is not None:
             entered.set()
         if gate is not None:
@@ -230,7 +229,6 @@ class FakeDriver:
         c.memcpy_2d = self.address("memcpy_2d")
         c.strided_min_rows = strided_min_rows
         c.edge_bytes = 0
-        c.late_fence = int(native_backend.STAGED_LOAD_LATE_FENCE)
         return c
 
     def of(self, name: str) -> list[tuple[Any, ...]]:

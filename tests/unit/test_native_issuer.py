@@ -377,75 +377,6 @@ def test_a_layered_load_waits_for_its_fence_before_its_first_layer_touches_a_pag
         h.close()
 
 
-@pytest.mark.parametrize("layered", [False, True])
-@pytest.mark.parametrize("limit", [0, native_backend.CALLER_ISSUE_MAX])  # by the thread, by the caller
-def test_a_staged_load_waits_for_its_fence_just_before_its_first_scatter(layered: bool, limit: int) -> None:
-    """A staged load's first DMA (into the ring: no page compute uses) goes before its fence's
-    stream wait and, when its caller issues the job, before the fence's record too; the wait is the
-    kernel stream's, before the first scatter, and the record is made before the call returns. The
-    control (``late_fence`` 0): the record and the wait come before the first DMA."""
-    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])  # three layers of two pages
-    host, device = [5, 6, 7, 8, 9], [40, 41, 42, 43, 44]
-    for late in (0, 1):
-        h = Harness(Direction.LOAD, "staged", plan, tune={"caller_issue_max": limit, "late_fence": late})
-        try:
-            time.sleep(0.05)  # the thread blocks, out of work
-            marks = submit_layered(h, 0, host, device) if layered else None
-            if not layered:
-                h.handler.submit(0, host, device)
-            returned = h.fake.snapshot()
-            assert [c for c in returned if c[0] == "cuEventRecord" and c[2] == COMPUTE], "no fence at the return"
-            if marks is not None:
-                marks.wait(0, IDLE, TIMEOUT_S)
-            (result,) = h.handler.wait([0], TIMEOUT_S)
-            assert result.ok, result.error
-            assert moved(h.fake, expected(plan, device, host)) == 0
-            calls = h.fake.snapshot()
-            record = next(i for i, c in enumerate(calls) if c[0] == "cuEventRecord" and c[2] == COMPUTE)
-            wait = next(i for i, c in enumerate(calls) if c[0] == "cuStreamWaitEvent" and c[2] == calls[record][1])
-            first_dma = next(i for i, c in enumerate(calls) if c[0] in COPIES and c[1] == COPY)
-            first_scatter = next(i for i, c in enumerate(calls) if c[0] == "cuLaunchKernel")
-            assert calls[wait][1] == KERNEL and record < wait < first_scatter
-            assert h.fake.threads[record] == threading.get_ident(), "the fence was recorded by the thread"
-            assert counts(h)[2] == (1 if limit else 0)
-            if late:
-                assert first_dma < wait
-                assert (first_dma < record) == bool(limit), "a caller's issue records the fence after the DMA"
-            else:
-                assert wait < first_dma
-        finally:
-            h.close()
-
-
-@pytest.mark.parametrize("layered", [False, True])
-@pytest.mark.parametrize("limit", [0, native_backend.CALLER_ISSUE_MAX])  # by the thread, by the caller
-def test_a_staged_loads_late_fence_that_fails_to_record_fails_its_job_with_no_page_written(
-    layered: bool, limit: int,
-) -> None:
-    """The fence recorded late fails: the job's result names cuEventRecord, no scatter was launched
-    (no device page written), every event goes back, and the next job goes through."""
-    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
-    h = Harness(Direction.LOAD, "staged", plan, tune={"caller_issue_max": limit})
-    try:
-        time.sleep(0.05)  # the thread blocks, out of work
-        h.fake.fail_on[("cuEventRecord", COMPUTE)] = 1  # CUDA_ERROR_INVALID_VALUE
-        marks = submit_layered(h, 0, [5, 6], [40, 41]) if layered else None
-        if not layered:
-            h.handler.submit(0, [5, 6], [40, 41])
-        if marks is not None:
-            marks.wait(2, IDLE, TIMEOUT_S)  # a failed job's layers wait no more
-        (result,) = h.handler.wait([0], TIMEOUT_S)
-        assert not result.ok and isinstance(result.error, CudaError)
-        assert "cuEventRecord" in str(result.error)
-        assert not h.fake.of("cuLaunchKernel"), "a page was written behind a fence that was never recorded"
-        assert counts(h)[2] == (1 if limit else 0)
-        assert h.run(1, [7], [42]).ok  # the next job goes through
-        assert moved(h.fake, expected(plan, [42], [7])) == 0
-    finally:
-        h.close()
-    assert h.fake.events_destroyed == h.fake.events_created
-
-
 def test_a_fence_given_back_early_is_not_recorded_again_before_its_wait() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan, tune=THREAD_ISSUES)
@@ -1641,9 +1572,8 @@ def test_tune_sets_the_issuers_fields_from_the_module_constants_read_at_the_call
     monkeypatch.setattr(native_backend, "WAIT_QUERY_S", 3e-6)
     monkeypatch.setattr(native_backend, "CALLER_ISSUE_MAX", 7)
     monkeypatch.setattr(native_backend, "STRIDED_MIN_ROWS", 9)
-    monkeypatch.setattr(native_backend, "STAGED_LOAD_LATE_FENCE", 0)
     c = native.Config()
     native_backend.tune(c)
-    assert (c.wait_query_ns, c.caller_issue_max, c.strided_min_rows, c.late_fence) == (3000, 7, 9, 0)
+    assert (c.wait_query_ns, c.caller_issue_max, c.strided_min_rows) == (3000, 7, 9)
     assert c.expect_spin_ns == round(native_backend.EXPECT_SPIN_S * 1e9)
     assert c.poll_max_ns == round(native_backend.POLL_MAX_S * 1e9)
