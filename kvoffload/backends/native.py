@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Final, Protocol, cast
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -56,6 +57,7 @@ __all__ = [
     "STOP_TIMEOUT_S",
     "WAIT_QUERY_S",
     "WAIT_SPIN_S",
+    "DriverCallStats",
     "NativeBackend",
     "NativeFence",
     "NativeLayerMarks",
@@ -470,6 +472,25 @@ class _HandOff(Protocol):
         """Hand the job over; never raises."""
 
 
+@attrs.frozen
+class DriverCallStats:
+    """Where the engine's thread waited inside the driver (docs/design.md §16): the driver
+    serialises the calls of one context, so a caller's driver call (its fence's record in a
+    hand-off, a layer's stream wait) waits while the issuing side (the issuer thread, or a caller
+    issuing a job) is inside one of its own. Counted since the backend was built.
+
+    ``longest_ns``: the issuing side's longest driver call of each kind (``native.CALL_KINDS`` but
+    "none"). ``slow_caller_calls``: the callers' calls longer than 100 us, by the kind of call the
+    issuing side was in when they began ("none": in none). ``caller_calls`` and
+    ``caller_longest_ns``: how many callers' calls were made, and the longest.
+    """
+
+    longest_ns: Mapping[str, int]
+    slow_caller_calls: Mapping[str, int]
+    caller_calls: int
+    caller_longest_ns: int
+
+
 class NativeBackend:
     """One direction's copies issued by the native thread over a :class:`CudaBackend`'s streams and
     paths (see the module docstring). Build it with :meth:`over`.
@@ -873,6 +894,25 @@ class NativeBackend:
             raise TransferError("the native issuer could not allocate a plan")
         self._plans[(plan, whole)] = int(created)
         return int(created)
+
+    def call_stats(self) -> DriverCallStats:
+        """The issuer's :class:`DriverCallStats` so far.
+
+        Raises:
+            TransferError: the backend was released (its issuer is gone).
+        """
+        kinds = native.CALL_KINDS
+        out = (ctypes.c_int64 * (2 * len(kinds) + 2))()
+        with self._lock:
+            if self._released:
+                raise TransferError("the native backend was released: it has no driver call statistics")
+            self.lib.kvo_issuer_call_stats(self._issuer, out)
+        n = len(kinds)
+        return DriverCallStats(
+            longest_ns={kinds[k]: int(out[k]) for k in range(1, n)},
+            slow_caller_calls={kinds[k]: int(out[n + k]) for k in range(n)},
+            caller_calls=int(out[2 * n]), caller_longest_ns=int(out[2 * n + 1]),
+        )
 
     def release(self) -> None:
         """Stop the thread (jobs not issued yet fail), free the plans and the issuer, then release

@@ -42,6 +42,7 @@ from kvoffload.errors import NativeBuildError
 __all__ = [
     "ABANDONED",
     "BUILD_TIMEOUT_S",
+    "CALL_KINDS",
     "CONTROL_NEVER_SIGNAL",
     "CONTROL_SKIP_SLOT_WAIT",
     "FAIL_COMPLETION",
@@ -82,6 +83,9 @@ BUILD_TIMEOUT_S: Final = 120.0
 _FLAGS: Final = ("-O2", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra")
 
 # Path kinds and job states, as issuer.c numbers them.
+#: The issuing side's kinds of driver call, as ``kvo_issuer_call_stats`` orders them ("none": no
+#: call in progress).
+CALL_KINDS: Final = ("none", "record", "wait", "copy", "launch", "query")
 PATH_DMA: Final = 0
 PATH_SM: Final = 1
 PATH_STAGED: Final = 2
@@ -343,6 +347,7 @@ def library() -> ctypes.CDLL:
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
         "kvo_issuer_counts": ([p, pi64], None),
+        "kvo_issuer_call_stats": ([p, pi64], None),
         "kvo_issuer_expect": ([p], i64),
         "kvo_job_expected_end": ([p], i64),
         "kvo_wait_layer": ([p, i64, p, i64], i64),

@@ -67,6 +67,10 @@ enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, ABI_13 = 13000 };
 /* The most a caller issues of a layered job's first layer on the staged path (first_layer_is_cheap):
  * chunks, and descriptors beside its strided copies. */
 enum { CALLER_LAYER_CHUNKS = 4, CALLER_LAYER_COPIES = 16 };
+/* The issuing side's driver calls by kind, for the diagnostics of kvo_issuer_call_stats; a caller's
+ * driver call longer than SLOW_CALLER_CALL_NS is counted by the kind in progress when it began. */
+enum { CALL_NONE = 0, CALL_RECORD, CALL_WAIT, CALL_COPY, CALL_LAUNCH, CALL_QUERY, CALL_KINDS };
+#define SLOW_CALLER_CALL_NS 100000
 /* A staged job's chunks grow by this factor from its edge chunk (staged_chunks). */
 enum { EDGE_GROWTH = 8, MAX_EDGE_CHUNKS = 64 };
 
@@ -225,6 +229,12 @@ struct kvo_issuer {
                            * hand-off kvo_issuer_expect announced (0: none) */
     int64_t expects;      /* the calls of kvo_issuer_expect that woke the thread (kvo_issuer_counts) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
+    /* Diagnostics (kvo_issuer_call_stats): the issuing side's driver call in progress (CALL_*),
+     * its longest call of each kind, and the callers' calls: how many, the longest, and those
+     * slower than SLOW_CALLER_CALL_NS by the issuing side's call in progress when they began. */
+    atomic_int issue_call;
+    int64_t issue_call_max_ns[CALL_KINDS];
+    int64_t caller_calls, caller_call_max_ns, slow_caller_calls[CALL_KINDS];
     struct pool timing, plain;
     /* the thread's state (the rate also the waiter's, under mu: learn_rate) */
     double fastest_ns_per_byte; /* the fastest completed job's device time per byte (0: none yet) */
@@ -278,15 +288,54 @@ static void caller_call(struct kvo_issuer *is, int delta) {
     atomic_fetch_add_explicit(&is->callers, delta, memory_order_acq_rel);
 }
 
+/* The issuing side (the thread, or a caller that issues) enters a driver call of `kind`: returns
+ * when it began. Only the issuing side writes these (one at a time: a caller issues while the
+ * thread issues nothing); kvo_issuer_call_stats reads them. */
+static int64_t issue_call_begin(struct kvo_issuer *is, int kind) {
+    atomic_store_explicit(&is->issue_call, kind, memory_order_relaxed);
+    return now_ns();
+}
+
+static void issue_call_end(struct kvo_issuer *is, int kind, int64_t began) {
+    int64_t took = now_ns() - began;
+    atomic_store_explicit(&is->issue_call, CALL_NONE, memory_order_relaxed);
+    if (took > __atomic_load_n(&is->issue_call_max_ns[kind], __ATOMIC_RELAXED))
+        __atomic_store_n(&is->issue_call_max_ns[kind], took, __ATOMIC_RELAXED);
+}
+
+/* The issuing side's driver call `call` of `kind`, timed (a GNU statement expression). */
+#define ISSUE_CALL(is, kind, call) __extension__({ \
+    int64_t began_ = issue_call_begin((is), (kind)); \
+    CUresult r_ = (call); \
+    issue_call_end((is), (kind), began_); \
+    r_; })
+
+/* A caller's driver call that began while the issuing side was in a call of kind `at` took `took`
+ * ns: counted for kvo_issuer_call_stats (callers may race: atomics). */
+static void caller_call_took(struct kvo_issuer *is, int at, int64_t took) {
+    __atomic_fetch_add(&is->caller_calls, 1, __ATOMIC_RELAXED);
+    int64_t longest = __atomic_load_n(&is->caller_call_max_ns, __ATOMIC_RELAXED);
+    while (took > longest &&
+           !__atomic_compare_exchange_n(&is->caller_call_max_ns, &longest, took, 0, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+    }
+    if (took > SLOW_CALLER_CALL_NS) __atomic_fetch_add(&is->slow_caller_calls[at], 1, __ATOMIC_RELAXED);
+}
+
 /* The thread's driver calls that enqueue work: each gives way first. */
 static CUresult record_on(struct kvo_issuer *is, CUevent ev, CUstream stream) {
     give_way(is);
-    return ((fn_event_record)is->c.event_record)(ev, stream);
+    return ISSUE_CALL(is, CALL_RECORD, ((fn_event_record)is->c.event_record)(ev, stream));
 }
 
 static CUresult wait_on(struct kvo_issuer *is, CUstream stream, CUevent ev) {
     give_way(is);
-    return ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0);
+    return ISSUE_CALL(is, CALL_WAIT, ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0));
+}
+
+/* A stream wait of a staged chunk (no give-way before it: the chunk's calls go back to back). */
+static CUresult chunk_wait(struct kvo_issuer *is, CUstream stream, CUevent ev) {
+    return ISSUE_CALL(is, CALL_WAIT, ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0));
 }
 
 /* Whether a call that failed with `r` may be made again: the calling thread had no current context
@@ -382,9 +431,10 @@ static CUresult launch_rows(struct kvo_issuer *is, int64_t table, int64_t table_
             p->ids[width + i] = host ? host[start + i] : (start + i) * host_step;
         }
         give_way(is);
-        CUresult r = ((fn_launch)is->c.launch)(is->c.functions[f], (unsigned)ctas, 1, 1,
-                                               (unsigned)is->c.threads, 1, 1, 0, stream,
-                                               p->pointers, 0);
+        CUresult r = ISSUE_CALL(is, CALL_LAUNCH,
+                                ((fn_launch)is->c.launch)(is->c.functions[f], (unsigned)ctas, 1, 1,
+                                                          (unsigned)is->c.threads, 1, 1, 0, stream,
+                                                          p->pointers, 0));
         if (r) return r;
     }
     return 0;
@@ -433,8 +483,8 @@ static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream strea
         *call = "cuMemcpyAsync";
         for (size_t i = 0; i < count; i++) {
             give_way(is);
-            CUresult r = ((fn_memcpy)is->c.memcpy_async)(is->d_dst[i], is->d_src[i], is->d_size[i],
-                                                          stream);
+            CUresult r = ISSUE_CALL(is, CALL_COPY, ((fn_memcpy)is->c.memcpy_async)(
+                                                       is->d_dst[i], is->d_src[i], is->d_size[i], stream));
             if (r) return r;
         }
         return 0;
@@ -445,6 +495,7 @@ static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream strea
         size_t n = count - start < BATCH_MAX ? count - start : BATCH_MAX;
         CUresult r;
         give_way(is);
+        int64_t began = issue_call_begin(is, CALL_COPY);
         if (is->c.batch_abi >= ABI_13)
             r = ((fn_batch13)is->c.memcpy_batch)(is->d_dst + start, is->d_src + start,
                                                   is->d_size + start, n, is->c.batch_attrs, &zero,
@@ -453,6 +504,7 @@ static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream strea
             r = ((fn_batch12)is->c.memcpy_batch)(is->d_dst + start, is->d_src + start,
                                                   is->d_size + start, n, is->c.batch_attrs, &zero,
                                                   1, &fail, stream);
+        issue_call_end(is, CALL_COPY, began);
         if (r) return r;
     }
     return 0;
@@ -600,7 +652,7 @@ static CUresult issue_strided(struct kvo_issuer *is, size_t count, CUstream stre
     *call = "cuMemcpy2DAsync";
     for (size_t i = 0; i < count; i++) {
         give_way(is);
-        CUresult r = ((fn_memcpy_2d)is->c.memcpy_2d)(&is->strided[i], stream);
+        CUresult r = ISSUE_CALL(is, CALL_COPY, ((fn_memcpy_2d)is->c.memcpy_2d)(&is->strided[i], stream));
         if (r) return r;
     }
     return 0;
@@ -658,7 +710,6 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
     *call = "malloc";
     if (!dev) return KVO_NO_MEMORY;
     CUresult r = 0;
-    fn_stream_wait wait = (fn_stream_wait)is->c.stream_wait_event;
     /* Strided copies only where rows are not already one descriptor (records back to back). */
     int contiguous = p->runs == 1 && p->run_size[0] == p->host_stride && p->pitch == p->host_stride;
     int64_t min_rows = is->c.strided_min_rows;
@@ -707,26 +758,26 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
         int reuse_wait = !(is->c.controls & CONTROL_SKIP_SLOT_WAIT);
         if (store) {
             *call = "cuStreamWaitEvent";
-            if (reuse_wait && (r = wait(kernel, is->drained[slot], 0))) break;
+            if (reuse_wait && (r = chunk_wait(is, kernel, is->drained[slot]))) break;
             if ((r = launch_rows(is, p->cseg, p->cseg_rows, dev, 0, 1, rows, base, p->pitch, 1,
                                  is->c.staged_ctas, kernel, call))) break;
             *call = "cuEventRecord";
             if ((r = record_on(is, is->filled[slot], kernel))) break;
             *call = "cuStreamWaitEvent";
-            if ((r = wait(copy, is->filled[slot], 0))) break;
+            if ((r = chunk_wait(is, copy, is->filled[slot]))) break;
             if ((r = issue_copies(is, count, copy, call))) break;
             if ((r = issue_strided(is, nstrided, copy, call))) break;
             *call = "cuEventRecord";
             if ((r = record_on(is, is->drained[slot], copy))) break;
         } else {
             *call = "cuStreamWaitEvent";
-            if (reuse_wait && (r = wait(copy, is->drained[slot], 0))) break;
+            if (reuse_wait && (r = chunk_wait(is, copy, is->drained[slot]))) break;
             if ((r = issue_copies(is, count, copy, call))) break;
             if ((r = issue_strided(is, nstrided, copy, call))) break;
             *call = "cuEventRecord";
             if ((r = record_on(is, is->filled[slot], copy))) break;
             *call = "cuStreamWaitEvent";
-            if ((r = wait(kernel, is->filled[slot], 0))) break;
+            if ((r = chunk_wait(is, kernel, is->filled[slot]))) break;
             if ((r = launch_rows(is, p->cseg, p->cseg_rows, dev, 0, 1, rows, base, p->pitch, 0,
                                  is->c.staged_ctas, kernel, call))) break;
             *call = "cuEventRecord";
@@ -1034,7 +1085,9 @@ static void *run(void *arg) {
             pthread_mutex_unlock(&is->mu);
             give_way(is);
             float ms;
+            int64_t began = issue_call_begin(is, CALL_QUERY);
             CUresult q = query_end(is, job, &ms);
+            issue_call_end(is, CALL_QUERY, began);
             pthread_mutex_lock(&is->mu);
             is->querying = 0;
             if (q == KVO_NOT_READY) {
@@ -1208,7 +1261,10 @@ struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *e
     pthread_mutex_unlock(&is->mu);
     if (!r) {
         caller_call(is, 1);
+        int at = atomic_load_explicit(&is->issue_call, memory_order_relaxed);
+        int64_t began = now_ns();
         r = ((fn_event_record)is->c.event_record)(fence->event, stream);
+        caller_call_took(is, at, now_ns() - began);
         if (context_restored(is, r)) r = ((fn_event_record)is->c.event_record)(fence->event, stream);
         caller_call(is, -1);
         if (r) { pthread_mutex_lock(&is->mu); pool_give(is, &is->plain, fence->event); pthread_mutex_unlock(&is->mu); }
@@ -1502,6 +1558,21 @@ void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     pthread_mutex_unlock(&is->mu);
 }
 
+/* Diagnostics of the driver's serialisation of the callers' calls behind the issuing side's (docs/
+ * design.md §16), 2 * CALL_KINDS + 2 values: out[k] the issuing side's longest driver call of kind k
+ * so far (ns; CALL_RECORD, CALL_WAIT, CALL_COPY, CALL_LAUNCH, CALL_QUERY; out[0] unused), out[
+ * CALL_KINDS + k] the callers' driver calls (a fence's record, a layer's stream wait) longer than
+ * SLOW_CALLER_CALL_NS that began while the issuing side was in a call of kind k (k = 0: in none),
+ * out[2 * CALL_KINDS] the callers' calls made, out[2 * CALL_KINDS + 1] the longest of them (ns). */
+void kvo_issuer_call_stats(struct kvo_issuer *is, int64_t *out) {
+    for (int k = 0; k < CALL_KINDS; k++) {
+        out[k] = __atomic_load_n(&is->issue_call_max_ns[k], __ATOMIC_RELAXED);
+        out[CALL_KINDS + k] = __atomic_load_n(&is->slow_caller_calls[k], __ATOMIC_RELAXED);
+    }
+    out[2 * CALL_KINDS] = __atomic_load_n(&is->caller_calls, __ATOMIC_RELAXED);
+    out[2 * CALL_KINDS + 1] = __atomic_load_n(&is->caller_call_max_ns, __ATOMIC_RELAXED);
+}
+
 /* A hand-off of a job its caller will not issue (larger than caller_issue_max) is coming: a thread
  * that is out of work and blocked is woken now, and looks for the hand-off for expect_spin_ns
  * before it blocks again, so that its wake-up (tens of microseconds on the H200 hosts after a
@@ -1560,7 +1631,10 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
     if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
     else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) {
         caller_call(is, 1);
+        int at = atomic_load_explicit(&is->issue_call, memory_order_relaxed);
+        int64_t began = now_ns();
         code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
+        caller_call_took(is, at, now_ns() - began);
         if (context_restored(is, code))
             code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
         caller_call(is, -1);

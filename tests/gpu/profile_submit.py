@@ -12,7 +12,10 @@ for 1- and 256-block stores and for isolated 64 MiB jobs per page size; ``ab`` a
 of the native issuer job by job in one process; ``before`` times a burst's first call against what
 the caller ran just before it, and ``floor`` against the same steps in one flat function and
 against the library's calls alone; ``trace`` lists the device's copies and kernels of a layered
-load and of isolated 64 MiB staged jobs, op by op.
+load and of isolated 64 MiB staged jobs, op by op; ``outliers`` splits the caller's time of
+256-block calls by whether a garbage collection of the interpreter ran inside the call, and says
+where the slow calls' time went (the Python before the hand-off, the fence's record inside it, and
+what the issuer thread was doing in the driver meanwhile).
 """
 
 from __future__ import annotations
@@ -930,6 +933,141 @@ def trace(device: torch.device) -> None:
         print("  64 MiB load alone, staged: " + _ops_line(_traced(device, w, lambda j: w.load(j, ids, ids))))
 
 
+def outliers(device: torch.device) -> None:
+    """What the caller's time's outliers are: ``bench --latency``'s caller-time workload (256-block
+    stores and loads in bursts of 4, ``auto``, native issuer) for 100 bursts a direction, each call
+    classified by whether one of the interpreter's garbage collections ran inside it
+    (``gc.callbacks``): the calls without one (median, p99, max, how many over 150 us), the calls
+    with one (their count and times by the collection's generation), and the collections' own
+    times; each call over 150 us with where its time went; the backend's driver-call statistics
+    (``NativeBackend.call_stats``); then the net GC-tracked allocations per job of that loop (the
+    young generation's count over 200 jobs with collection off)."""
+    import gc
+
+    from kvoffload.cli.latency_bench import BURST, BURST_BLOCKS, BURST_LAYERS, _per_layer
+
+    blocks = BURST * BURST_BLOCKS
+    layout, _ = _per_layer(device, BURST_LAYERS, 32 * KIB, blocks)
+    ran: list[tuple[int, float, float]] = []  # (generation, start, stop)
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            started.append(now)
+        else:
+            ran.append((info["generation"], started.pop() if started else now, now))
+
+    import resource
+
+    slow: list[str] = []
+    in_library: list[tuple[float, float, float]] = []  # the library's hand-off calls: (entry, return, CPU s)
+
+    def watch(w: Worker) -> None:
+        """Time every call into the library's hand-off (through the call front) of ``w``."""
+        for handler in (w._store, w._load):  # noqa: SLF001
+            backend = handler._backend  # noqa: SLF001
+            assert isinstance(backend, NativeBackend)
+            call = backend._front_hand_off  # noqa: SLF001
+            assert call is not None, "no call front on this host"
+
+            def timed_call(*args: Any, call: Callable[..., Any] = call) -> Any:
+                c0 = time.thread_time()
+                t0 = time.perf_counter()
+                try:
+                    return call(*args)
+                finally:
+                    in_library.append((t0, time.perf_counter(), time.thread_time() - c0))
+
+            backend._front_hand_off = timed_call  # noqa: SLF001
+
+    def burst(w: Worker, store: bool, job: int) -> list[tuple[float, float, int]]:
+        torch.cuda.synchronize(device)
+        calls = []
+        with kept_tickets() as tickets:
+            for k in range(BURST):
+                dev = np.arange(k * BURST_BLOCKS, (k + 1) * BURST_BLOCKS, dtype=np.int64)
+                u0 = resource.getrusage(resource.RUSAGE_THREAD)
+                c0 = time.thread_time()
+                t0 = time.perf_counter()
+                (w.store if store else w.load)(job + k, dev, dev)
+                t1 = time.perf_counter()
+                c1 = time.thread_time()
+                u1 = resource.getrusage(resource.RUSAGE_THREAD)
+                calls.append((t0, t1, job + k))
+                if t1 - t0 > 150e-6:  # where an outlier's time went
+                    handed = tickets[-1].times()[0] - t0 if tickets else float("nan")
+                    entry, left, cpu = in_library[-1] if in_library else (t0, t0, 0.0)
+                    slow.append(f"job {k + 1} of its burst: {(t1 - t0) * 1e6:.0f} us, on the CPU {(c1 - c0) * 1e6:.0f}; "
+                                f"the library's hand-off call entered at {(entry - t0) * 1e6:.0f}, its fence "
+                                f"recorded at {handed * 1e6:.0f}, returned at {(left - t0) * 1e6:.0f} (on the CPU "
+                                f"{cpu * 1e6:.0f}); minor faults {u1.ru_minflt - u0.ru_minflt}, "
+                                f"switches {u1.ru_nvcsw - u0.ru_nvcsw} voluntary {u1.ru_nivcsw - u0.ru_nivcsw} "
+                                f"involuntary")
+            if not all(r.ok for r in w.wait([c[2] for c in calls], 60)):
+                raise RuntimeError("a job of the burst failed")
+        return calls
+
+    print("\n== outliers: the caller's time per 256-block call in bursts of 4 (auto, native), split by "
+          "whether a garbage collection ran inside the call")
+    gc.callbacks.append(on_gc)
+    try:
+        with Worker.create(layout, blocks, path="auto", issuer="native") as w:
+            watch(w)
+            print(f"  paths: store {w._store.path}, load {w._load.path}")  # noqa: SLF001
+            job = 0
+            for store in (True, False):
+                burst(w, store, job)  # warm
+                job += BURST
+                ran.clear()
+                calls: list[tuple[float, float, int]] = []
+                for _ in range(100):
+                    calls += burst(w, store, job)
+                    job += BURST
+                inside: dict[int, list[float]] = collections.defaultdict(list)
+                clean: list[float] = []
+                for t0, t1, _ in calls:
+                    gens = [g for g, a, b in ran if a >= t0 and b <= t1]
+                    (inside[max(gens)] if gens else clean).append(t1 - t0)
+                clean.sort()
+                print(f"  {'store' if store else 'load '}: {len(calls)} calls; without a collection median "
+                      f"{statistics.median(clean) * 1e6:.1f} p99 {clean[int(0.99 * (len(clean) - 1))] * 1e6:.1f} "
+                      f"max {clean[-1] * 1e6:.1f} us, {sum(t > 150e-6 for t in clean)} over 150 us")
+                for gen in sorted(inside):
+                    got = sorted(inside[gen])
+                    print(f"         with a generation-{gen} collection: {len(got)} calls, median "
+                          f"{statistics.median(got) * 1e6:.1f} max {got[-1] * 1e6:.1f} us")
+                by_gen: dict[int, list[float]] = collections.defaultdict(list)
+                for g, a, b in ran:
+                    by_gen[g].append(b - a)
+                print("         collections during the loop: " + "; ".join(
+                    f"generation {g}: {len(d)}, median {statistics.median(d) * 1e6:.1f} max {max(d) * 1e6:.1f} us"
+                    for g, d in sorted(by_gen.items())))
+                for line in slow[:40]:
+                    print("         " + line)
+                slow.clear()
+                backend = (w._store if store else w._load)._backend  # noqa: SLF001
+                assert isinstance(backend, NativeBackend)
+                stats = backend.call_stats()
+                print(f"         the callers' driver calls: {stats.caller_calls}, the longest "
+                      f"{stats.caller_longest_ns / 1e3:.0f} us; over 100 us by the issuing side's call then: "
+                      + ", ".join(f"{k} {v}" for k, v in stats.slow_caller_calls.items())
+                      + "; the issuing side's longest calls: "
+                      + ", ".join(f"{k} {v / 1e3:.0f} us" for k, v in stats.longest_ns.items()))
+            gc.disable()
+            try:
+                before = gc.get_count()[0]
+                for _ in range(50):
+                    burst(w, True, job)
+                    job += BURST
+                print(f"  net GC-tracked allocations per job of this loop (its own included): "
+                      f"{(gc.get_count()[0] - before) / 200:.1f}; thresholds {gc.get_threshold()}")
+            finally:
+                gc.enable()
+    finally:
+        gc.callbacks.remove(on_gc)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("profile_submit: no CUDA device", file=sys.stderr)
@@ -938,7 +1076,8 @@ def main() -> int:
     wanted = sys.argv[1:] or ["small", "isolated", "phases", "timeline"]
     sections = {"small": small, "isolated": isolated, "phases": phases, "timeline": timeline,
                 "timeline64": timeline64, "front": front, "ab": ab,
-                "before": before, "floor": floor, "layered": layered, "trace": trace}
+                "before": before, "floor": floor, "layered": layered, "trace": trace,
+                "outliers": outliers}
     for section in (sections[name] for name in wanted):
         t0 = time.perf_counter()
         try:

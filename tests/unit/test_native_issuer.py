@@ -452,6 +452,52 @@ def test_the_thread_gives_way_to_a_callers_driver_call() -> None:
     assert thread_calls_while_a_caller_records(30 * 10**9) == 0
 
 
+def held_fence(h: Harness, hold_s: float) -> None:
+    """Take and give back a fence whose record the fake driver holds for ``hold_s``."""
+    gate = threading.Event()
+    h.fake.gate_on[("cuEventRecord", COMPUTE)] = gate
+    timer = threading.Timer(hold_s, gate.set)
+    timer.start()
+    try:
+        h.backend.release_fence(h.backend.fence(None))
+    finally:
+        del h.fake.gate_on[("cuEventRecord", COMPUTE)]
+        timer.join()
+
+
+def test_a_callers_slow_driver_call_is_counted_by_the_issuing_sides_call_in_progress() -> None:
+    """A caller's fence record held 0.2 s while the thread is held inside a copy counts as slow
+    under "copy", and the copy (held until after it) is the thread's longest call; one held while the
+    thread is idle counts under "none"; quick records count as calls only."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan, batch=False, tune=THREAD_ISSUES)
+    thread_gate, inside = threading.Event(), threading.Event()
+    try:
+        h.backend.release_fence(h.backend.fence(None))
+        stats = h.backend.call_stats()
+        assert stats.caller_calls == 1 and not any(stats.slow_caller_calls.values())
+        h.fake.gate["cuMemcpyAsync"] = thread_gate
+        h.fake.entered["cuMemcpyAsync"] = inside
+        h.handler.submit(0, [0], [1])  # its fence recorded in the hand-off: a quick call
+        assert inside.wait(TIMEOUT_S)  # the thread is inside the job's copy
+        held_fence(h, 0.2)
+        del h.fake.gate["cuMemcpyAsync"]
+        thread_gate.set()
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok
+        held_fence(h, 0.2)  # the thread idle
+        stats = h.backend.call_stats()
+        assert stats.slow_caller_calls == {"none": 1, "record": 0, "wait": 0, "copy": 1, "launch": 0, "query": 0}
+        assert stats.caller_calls == 4 and stats.caller_longest_ns >= 200_000_000
+        assert stats.longest_ns["copy"] >= 200_000_000  # held from before the caller's record to after it
+        assert set(stats.longest_ns) == {"record", "wait", "copy", "launch", "query"}
+    finally:
+        thread_gate.set()
+        h.close()
+    with pytest.raises(TransferError, match="released"):
+        h.backend.call_stats()
+
+
 def unwaited_slot_writes(direction: Direction, controls: int, strided: bool = False, edge: bool = False) -> int:
     """Writes into a staging slot not preceded by a wait for the event recorded after the slot's
     last read, over a job of 6 chunks through 3 slots (``strided``: of 2 consecutive records each,
