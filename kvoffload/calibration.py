@@ -7,13 +7,16 @@ times them on scratch device tensors shaped like the layout's pages. Owns nothin
 touched.
 
 For each direction it times the ``dma`` and ``staged`` paths on jobs of a few sizes (1 block, a few
-blocks, about 64 MiB), and the ``sm`` path on the smallest bucket only (where the host can map the
-pool). The paths take turns within every repeat (see :func:`turns`), so that a shared host's
-drift weighs on all of them alike. Each path's last job at each size writes into a cleared
-destination and every byte is checked; per size bucket the fastest path that moved its bytes
-correctly is kept — a path that fails its own check is never chosen. ``sm`` is a latency path: one
-kernel launch and no DMA hand-off wins for jobs of a few blocks, and such a job holds its few CTAs
-for tens of microseconds; bulk jobs never take it (it competes with compute for the SMs). The
+blocks, about 64 MiB), and the ``sm`` path on the smallest bucket only, where that bucket's job is
+small (:func:`sm_competes`; and where the host can map the pool). The paths take turns within
+every repeat (see :func:`turns`), so that a shared host's drift weighs on all of them alike. Each
+path's last job at each size writes into a cleared destination and every byte is checked; per size
+bucket the fastest path that moved its bytes correctly is kept, or, within :data:`TIE_MARGIN` of
+it, the first of ``dma``, ``staged``, ``sm`` (the one that spends the least compute) — a path that
+fails its own check is never chosen. ``sm`` is a latency path: one kernel launch and no DMA
+hand-off wins for jobs of a few small blocks, and such a job holds its few CTAs for tens of
+microseconds; bulk jobs never take it (it competes with compute for the SMs), whatever their
+block count (one block of 2 MiB pages is 32 MiB in an 8-layer layout). The
 result is cached per process by (device, page geometry, whether ``sm`` was allowed) and can be
 persisted to a JSON file.
 """
@@ -41,7 +44,7 @@ from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
-__all__ = ["CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key"]
+__all__ = ["CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key", "sm_competes"]
 
 _log = logging.getLogger("kvoffload.calibration")
 
@@ -54,11 +57,22 @@ REPEATS: Final = 3
 #: a shared host).
 SMALL_REPEATS: Final = 15
 WAIT_S: Final = 60.0
-_FILE_VERSION: Final = 1
+#: 2: choices of sm_competes and TIE_MARGIN (a file of version 1 is measured again).
+_FILE_VERSION: Final = 2
 #: The paths ``auto`` chooses among, in order of preference on a tie.
 CANDIDATES: Final = ("dma", "staged", "sm")
 #: Size buckets (from the smallest) where the ``sm`` path competes.
 SM_BUCKETS: Final = 1
+#: ... and only where the bucket's job is at most this many bytes. On the H200 a 1-block job of 64
+#: pages of 32 KiB (2 MiB) took 1.27x a pinned copy on ``sm`` against 1.48-1.69x on the other
+#: paths, while a 1-block job of 2 MiB pages (32 MiB) calibrated ``sm``, ``staged`` and ``dma``
+#: within 4% of each other and ``sm`` was chosen in some runs: a 64 MiB store alone then took 0.93x
+#: a pinned copy against 0.97x on ``dma`` (docs/design.md §7).
+SM_MAX_JOB_BYTES: Final = 8 << 20
+#: Within this fraction of the fastest path's figure at a size, the first of :data:`CANDIDATES`
+#: is chosen: the repeats' spread on a shared host is a few percent, and ``dma`` spends no SMs and
+#: no ring, ``staged`` its gather's SMs, ``sm`` SMs all along.
+TIE_MARGIN: Final = 0.03
 
 
 class ScratchPool(Protocol):
@@ -222,11 +236,21 @@ def _check_bulk(measured: dict[str, tuple[float, ...]], key: str, direction: Dir
         )
 
 
+def sm_competes(index: int, job_bytes: int) -> bool:
+    """Whether the ``sm`` path is timed and may be chosen in size bucket ``index``, whose job moves
+    ``job_bytes``: in the first :data:`SM_BUCKETS` buckets, for a job of at most
+    :data:`SM_MAX_JOB_BYTES`."""
+    return index < SM_BUCKETS and job_bytes <= SM_MAX_JOB_BYTES
+
+
 def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
-    """The path with the highest figure at size ``index`` (the first listed on a tie); ``sm`` only
-    in the first :data:`SM_BUCKETS` buckets."""
-    allowed = [p for p in measured if p != "sm" or index < SM_BUCKETS]
-    return max(allowed, key=lambda path: measured[path][index])
+    """The path for size ``index``: of the paths allowed there (``sm`` only in the first
+    :data:`SM_BUCKETS` buckets; where :func:`sm_competes` said no, its figure is 0.0), the first in
+    :data:`CANDIDATES` order whose figure is within :data:`TIE_MARGIN` of the highest."""
+    order = [p for p in CANDIDATES if p in measured] + [p for p in measured if p not in CANDIDATES]
+    allowed = [p for p in order if p != "sm" or index < SM_BUCKETS]
+    best = max(measured[p][index] for p in allowed)
+    return next(p for p in allowed if measured[p][index] >= (1.0 - TIE_MARGIN) * best)
 
 
 def turns(paths: Sequence[str], repeats: int) -> list[str]:
@@ -241,8 +265,8 @@ def _time_paths(
     device: torch.device, plan: CopyPlan, handlers: dict[str, PathHandler],
     sizes: Sequence[int], blocks: int, scratch: torch.Tensor, region: ScratchPool,
 ) -> dict[str, tuple[float, ...]]:
-    """GB/s of each path at each job size (``sm`` at the first :data:`SM_BUCKETS` sizes only, 0.0
-    above), the paths timed in :func:`turns`. A path that fails a job, or whose verified job — into
+    """GB/s of each path at each job size (``sm`` only where :func:`sm_competes`, 0.0 elsewhere),
+    the paths timed in :func:`turns`. A path that fails a job, or whose verified job — into
     a destination cleared just before it — leaves a byte wrong, is left out."""
     records = region.records()
     alive = list(handlers)
@@ -266,7 +290,8 @@ def _time_paths(
         records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))  # never all zeros
         for index, size in enumerate(sizes):
             ids = np.arange(size, dtype=np.int64)
-            here = [p for p in alive if p != "sm" or index < SM_BUCKETS]
+            sm_here = sm_competes(index, size * plan.pages.block_bytes)
+            here = [p for p in alive if p != "sm" or sm_here]
             times: dict[str, list[float]] = {path: [] for path in here}
             repeats = REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS
             for path in turns(here, repeats):

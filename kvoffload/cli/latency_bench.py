@@ -123,6 +123,7 @@ def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, re
         for store in (True, False):
             samples: list[tuple[float, float, float]] = []
             copies: list[float] = []
+            taken: set[str] = set()  # the paths the jobs took (``auto`` says which it chose)
             for i in range(repeats + 2):  # two warm-ups
                 torch.cuda.synchronize(device)
                 total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
@@ -132,11 +133,13 @@ def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, re
                 if i >= 2:
                     samples.append((total, call, result.seconds))
                     copies.append(c)
+                    taken.add(result.path)
+            shown = label.replace("auto", f"auto({','.join(sorted(taken))})", 1) if path == "auto" else label
             bad = 0 if store else _mismatched(layout, dev_a, dev_b)
             t = statistics.median(s[0] for s in samples)
             c = statistics.median(copies)
             rows.append(
-                f"{_size(page):>8} {_size(blocks * block):>8} {'store' if store else 'load':<6} {label:<14}"
+                f"{_size(page):>8} {_size(blocks * block):>8} {'store' if store else 'load':<6} {shown:<20}"
                 f" {t * 1e6:9.1f} {c * 1e6:9.1f}   {c / t:5.2f}x"
                 f" {statistics.median(s[1] for s in samples) * 1e6:9.1f}"
                 f" {statistics.median(s[2] for s in samples) * 1e6:9.1f}   {bad}"
@@ -243,10 +246,11 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
                for row in caller_time(device, path, BURSTS // 2 if quick else BURSTS, issuer)]
     print(f"kvoffload bench --latency on {torch.cuda.get_device_name(device)}; per-layer layouts of "
           f"{LATENCY_LAYERS} layers (K and V pages)")
-    print(f"{'page':>8} {'job':>8} {'dir':<6} {'path/issuer':<14} {'job us':>9} {'copy us':>9}   {'ratio':>6}"
+    print(f"{'page':>8} {'job':>8} {'dir':<6} {'path/issuer':<20} {'job us':>9} {'copy us':>9}   {'ratio':>6}"
           f" {'call us':>9} {'device us':>9}   bad")
     print("  (a job alone, call -> result, vs one pinned copy of the same bytes timed the same way; "
-          "ratio = copy / job; call = caller's time in store/load; device = TransferResult.seconds)")
+          "ratio = copy / job; call = caller's time in store/load; device = TransferResult.seconds; auto(p): "
+          "the path auto took)")
     for row in rows:
         print(row)
     for row in small + callers:

@@ -13,8 +13,8 @@ import torch
 from kvoffload import DeviceLayout
 from kvoffload._descriptors import CopyPlan
 from kvoffload.calibration import (
-    SM_BUCKETS, AutoChoice, _check_bulk, _clear, _fastest, _load, _save, _scratch_pages, _verified,
-    turns,
+    SM_BUCKETS, SM_MAX_JOB_BYTES, TIE_MARGIN, AutoChoice, _check_bulk, _clear, _fastest, _load, _save,
+    _scratch_pages, _verified, sm_competes, turns,
 )
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction
@@ -69,6 +69,28 @@ def test_sm_competes_only_in_the_smallest_bucket() -> None:
     assert _fastest(slow_sm, 0) == "dma"
     no_bulk: dict[str, tuple[float, ...]] = {"dma": (0.0, 0.0, 0.0), "sm": (4.0, 0.0, 0.0)}
     assert _fastest(no_bulk, 1) == "dma"
+
+
+def test_sm_competes_only_for_a_small_job_whatever_its_block_count() -> None:
+    """One block of 64 pages of 32 KiB (2 MiB) is a latency job; one block of 16 pages of 2 MiB (32
+    MiB) is a bulk job, where sm would hold SMs for the whole copy."""
+    assert SM_MAX_JOB_BYTES == 8 << 20
+    assert sm_competes(0, 2 << 20) and sm_competes(0, SM_MAX_JOB_BYTES)
+    assert not sm_competes(0, SM_MAX_JOB_BYTES + 1) and not sm_competes(0, 32 << 20)
+    assert not sm_competes(1, 1 << 20)  # beyond the first bucket, whatever the bytes
+
+
+def test_within_the_margin_the_path_that_spends_the_least_compute_is_chosen() -> None:
+    """Figures within TIE_MARGIN of the fastest are a tie (the repeats' spread): dma before staged
+    before sm. Beyond the margin the fastest wins."""
+    assert TIE_MARGIN == 0.03
+    # A 32 MiB 1-block bucket (2 MiB pages) as calibrated on the H200, sm not timed there.
+    measured: dict[str, tuple[float, ...]] = {"sm": (0.0, 0.0), "staged": (39.5, 49.7), "dma": (38.9, 50.5)}
+    assert [_fastest(measured, i) for i in range(2)] == ["dma", "dma"]
+    measured = {"dma": (38.0, 48.0), "staged": (39.5, 49.7), "sm": (40.0, 0.0)}
+    assert [_fastest(measured, i) for i in range(2)] == ["staged", "staged"]  # dma 3.8% and 3.4% slower
+    assert _fastest({"dma": (30.0,), "staged": (31.0,), "sm": (40.0,)}, 0) == "sm"  # sm well ahead
+    assert _fastest({"staged": (0.0,), "dma": (0.0,)}, 0) == "dma"  # nothing measured: dma
 
 
 def test_every_repeat_times_each_path_once_starting_one_later() -> None:
