@@ -11,9 +11,8 @@ blocks, about 64 MiB), and the ``sm`` path on the smallest bucket only, where th
 small (:func:`sm_competes`; and where the host can map the pool). The paths take turns within
 every repeat (see :func:`turns`), so that a shared host's drift weighs on all of them alike. Each
 path's last job at each size writes into a cleared destination and every byte is checked; per size
-bucket the fastest path that moved its bytes correctly is kept, or, within :data:`TIE_MARGIN` of
-it, the first of ``dma``, ``staged``, ``sm`` (the one that spends the least compute) — a path that
-fails its own check is never chosen. ``sm`` is a latency path: one kernel launch and no DMA
+bucket the fastest path that moved its bytes correctly is kept — a path that fails its own check is
+never chosen. ``sm`` is a latency path: one kernel launch and no DMA
 hand-off wins for jobs of a few small blocks, and such a job holds its few CTAs for tens of
 microseconds; bulk jobs never take it (it competes with compute for the SMs), whatever their
 block count (one block of 2 MiB pages is 32 MiB in an 8-layer layout). The
@@ -57,7 +56,7 @@ REPEATS: Final = 3
 #: a shared host).
 SMALL_REPEATS: Final = 15
 WAIT_S: Final = 60.0
-#: 2: choices of sm_competes and TIE_MARGIN (a file of version 1 is measured again).
+#: 2: choices made with :func:`sm_competes` (a file of version 1 is measured again).
 _FILE_VERSION: Final = 2
 #: The paths ``auto`` chooses among, in order of preference on a tie.
 CANDIDATES: Final = ("dma", "staged", "sm")
@@ -69,10 +68,7 @@ SM_BUCKETS: Final = 1
 #: within 4% of each other and ``sm`` was chosen in some runs: a 64 MiB store alone then took 0.93x
 #: a pinned copy against 0.97x on ``dma`` (docs/design.md §7).
 SM_MAX_JOB_BYTES: Final = 8 << 20
-#: Within this fraction of the fastest path's figure at a size, the first of :data:`CANDIDATES`
-#: is chosen: the repeats' spread on a shared host is a few percent, and ``dma`` spends no SMs and
-#: no ring, ``staged`` its gather's SMs, ``sm`` SMs all along.
-TIE_MARGIN: Final = 0.03
+
 
 
 class ScratchPool(Protocol):
@@ -244,13 +240,12 @@ def sm_competes(index: int, job_bytes: int) -> bool:
 
 
 def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
-    """The path for size ``index``: of the paths allowed there (``sm`` only in the first
-    :data:`SM_BUCKETS` buckets; where :func:`sm_competes` said no, its figure is 0.0), the first in
-    :data:`CANDIDATES` order whose figure is within :data:`TIE_MARGIN` of the highest."""
+    """The path with the highest figure at size ``index`` (the first in :data:`CANDIDATES` order
+    on a tie); ``sm`` only in the first :data:`SM_BUCKETS` buckets (where :func:`sm_competes` said
+    no, its figure is 0.0)."""
     order = [p for p in CANDIDATES if p in measured] + [p for p in measured if p not in CANDIDATES]
     allowed = [p for p in order if p != "sm" or index < SM_BUCKETS]
-    best = max(measured[p][index] for p in allowed)
-    return next(p for p in allowed if measured[p][index] >= (1.0 - TIE_MARGIN) * best)
+    return max(allowed, key=lambda path: measured[path][index])
 
 
 def turns(paths: Sequence[str], repeats: int) -> list[str]:

@@ -63,6 +63,8 @@ class BenchRow:
 
     page_bytes: int
     path: str
+    #: The paths the jobs took (``auto`` chooses per job), sorted and comma-separated.
+    taken: str
     store_gbps: float
     load_gbps: float
     both_gbps: float
@@ -112,8 +114,10 @@ def _worker(layout: DeviceLayout, num_host: int, path: str, kernel_ctas: int | N
     return Worker.create(layout, num_host, path=path, kernel_ctas=kernel_ctas)  # type: ignore[arg-type]
 
 
-def _run(w: Worker, jobs: list[tuple[str, np.ndarray, np.ndarray]], first: int) -> float:
-    """Submit the jobs back to back, wait for all; wall seconds from first submit to last result."""
+def _run(w: Worker, jobs: list[tuple[str, np.ndarray, np.ndarray]], first: int,
+         taken: set[str] | None = None) -> float:
+    """Submit the jobs back to back, wait for all; wall seconds from first submit to last result
+    (the paths the jobs took added to ``taken``)."""
     torch.cuda.synchronize(w.layout.device)
     start = time.perf_counter()
     for i, (kind, src, dst) in enumerate(jobs):
@@ -123,6 +127,8 @@ def _run(w: Worker, jobs: list[tuple[str, np.ndarray, np.ndarray]], first: int) 
     failed = [r for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} job(s) failed: {failed[0].error}")
+    if taken is not None:
+        taken.update(r.path for r in results)
     return elapsed
 
 
@@ -198,15 +204,16 @@ def measure_path(
     host = rng.permutation(2 * num)
     with _worker(layout, 2 * num, path, kernel_ctas) as w:
         _run(w, _split("store", dev_a[:per_job], host[:per_job], per_job), 10**6)  # warm-up
-        store_s = _run(w, _split("store", dev_a, host[:num], per_job), 0)
+        taken: set[str] = set()
+        store_s = _run(w, _split("store", dev_a, host[:num], per_job), 0, taken)
         bad = _mismatches_host(w, layout, dev_a, host[:num])
-        load_s = _run(w, _split("load", host[:num], dev_b, per_job), 1000)
+        load_s = _run(w, _split("load", host[:num], dev_b, per_job), 1000, taken)
         bad += _mismatches_device(layout, dev_a, dev_b)
         # both at once: store dev_b (just loaded) to fresh records while loading the first half back
         mixed = _split("store", dev_b, host[num:], per_job)
         mixed_load = _split("load", host[:num], dev_a, per_job)
         interleaved = [job for pair in zip(mixed, mixed_load) for job in pair]
-        both_s = _run(w, interleaved, 2000) / 2
+        both_s = _run(w, interleaved, 2000, taken) / 2
         bad += _mismatches_host(w, layout, dev_b, host[num:])
         bad += _mismatches_device(layout, dev_a, dev_b)
         gemm_slowdown = gemm_store = None
@@ -214,7 +221,7 @@ def measure_path(
             gemm_slowdown, gemm_store = _with_gemm(w, layout, dev_a, host[:num], per_job, gemm)
     moved = num * layout.block_bytes
     row = BenchRow(
-        page_bytes=page_bytes, path=path, store_gbps=moved / store_s / _GB,
+        page_bytes=page_bytes, path=path, taken=",".join(sorted(taken)), store_gbps=moved / store_s / _GB,
         load_gbps=moved / load_s / _GB, both_gbps=2 * moved / (2 * both_s) / _GB,
         gemm_slowdown=gemm_slowdown, gemm_store_gbps=gemm_store, verified_bytes=4 * moved,
         mismatched_blocks=bad,
@@ -416,12 +423,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log(progress, f"done in {time.perf_counter() - began:.1f} s")
     print(f"kvoffload bench on {torch.cuda.get_device_name(device)}")
     print(f"link limit: d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s, both at once {both:.1f} GB/s")
-    header = f"{'page':>8} {'path':<7} {'store GB/s':>16} {'load GB/s':>16} {'both GB/s':>16}"
+    header = f"{'page':>8} {'path':<14} {'store GB/s':>16} {'load GB/s':>16} {'both GB/s':>16}"
     if args.gemm:
         header += f" {'GEMM slower':>12} {'store beside GEMM':>18}"
     print(header)
     for r in rows:
-        line = (f"{_size(r.page_bytes):>8} {r.path:<7} {r.store_gbps:6.1f} ({r.store_gbps / d2h:4.2f}x)"
+        shown = f"auto({r.taken})" if r.path == "auto" else r.path
+        line = (f"{_size(r.page_bytes):>8} {shown:<14} {r.store_gbps:6.1f} ({r.store_gbps / d2h:4.2f}x)"
                 f"    {r.load_gbps:6.1f} ({r.load_gbps / h2d:4.2f}x)    "
                 f"{r.both_gbps:6.1f} ({r.both_gbps / both:4.2f}x)")
         if r.gemm_slowdown is not None and r.gemm_store_gbps is not None:
