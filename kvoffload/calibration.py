@@ -12,11 +12,10 @@ small (:func:`sm_competes`; and where the host can map the pool). The paths take
 every repeat (see :func:`turns`), so that a shared host's drift weighs on all of them alike. Each
 path's last job at each size writes into a cleared destination and every byte is checked; per size
 bucket the fastest path that moved its bytes correctly is kept — a path that fails its own check is
-never chosen. ``sm`` is a latency path: one kernel launch and no DMA
-hand-off wins for jobs of a few small blocks, and such a job holds its few CTAs for tens of
-microseconds; bulk jobs never take it (it competes with compute for the SMs), whatever their
-block count (one block of 2 MiB pages is 32 MiB in an 8-layer layout). The
-result is cached per process by (device, page geometry, whether ``sm`` was allowed) and can be
+never chosen. ``sm`` is a latency path: one kernel launch and no DMA hand-off wins for jobs of a few
+small blocks, and such a job holds its few CTAs for tens of microseconds; bulk jobs never take it
+(it competes with compute for the SMs), whatever their block count (one block of 2 MiB pages is 32
+MiB in an 8-layer layout). The result is cached per process by (device, page geometry, whether ``sm`` was allowed) and can be
 persisted to a JSON file.
 """
 
@@ -43,7 +42,9 @@ from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
-__all__ = ["CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key", "sm_competes"]
+__all__ = [
+    "CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key", "sm_competes",
+]
 
 _log = logging.getLogger("kvoffload.calibration")
 
@@ -68,7 +69,6 @@ SM_BUCKETS: Final = 1
 #: within 4% of each other and ``sm`` was chosen in some runs: a 64 MiB store alone then took 0.93x
 #: a pinned copy against 0.97x on ``dma`` (docs/design.md §7).
 SM_MAX_JOB_BYTES: Final = 8 << 20
-
 
 
 class ScratchPool(Protocol):
@@ -240,11 +240,9 @@ def sm_competes(index: int, job_bytes: int) -> bool:
 
 
 def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
-    """The path with the highest figure at size ``index`` (the first in :data:`CANDIDATES` order
-    on a tie); ``sm`` only in the first :data:`SM_BUCKETS` buckets (where :func:`sm_competes` said
-    no, its figure is 0.0)."""
-    order = [p for p in CANDIDATES if p in measured] + [p for p in measured if p not in CANDIDATES]
-    allowed = [p for p in order if p != "sm" or index < SM_BUCKETS]
+    """The path with the highest figure at size ``index`` (the first listed on a tie); ``sm`` only
+    in the first :data:`SM_BUCKETS` buckets (where :func:`sm_competes` said no, its figure is 0.0)."""
+    allowed = [p for p in measured if p != "sm" or index < SM_BUCKETS]
     return max(allowed, key=lambda path: measured[path][index])
 
 

@@ -82,10 +82,10 @@ FRONT_MODULE: Final = "kvoffload_front"
 BUILD_TIMEOUT_S: Final = 120.0
 _FLAGS: Final = ("-O2", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra")
 
-# Path kinds and job states, as issuer.c numbers them.
 #: The issuing side's kinds of driver call, as ``kvo_issuer_call_stats`` orders them ("none": no
 #: call in progress).
 CALL_KINDS: Final = ("none", "record", "wait", "copy", "launch", "query")
+# Path kinds and job states, as issuer.c numbers them.
 PATH_DMA: Final = 0
 PATH_SM: Final = 1
 PATH_STAGED: Final = 2

@@ -311,7 +311,7 @@ static void issue_call_end(struct kvo_issuer *is, int kind, int64_t began) {
     r_; })
 
 /* A caller's driver call that began while the issuing side was in a call of kind `at` took `took`
- * ns: counted for kvo_issuer_call_stats (callers may race: atomics). */
+ * ns: counted for kvo_issuer_call_stats (callers may race: atomics). CALLER_CALL times one. */
 static void caller_call_took(struct kvo_issuer *is, int at, int64_t took) {
     __atomic_fetch_add(&is->caller_calls, 1, __ATOMIC_RELAXED);
     int64_t longest = __atomic_load_n(&is->caller_call_max_ns, __ATOMIC_RELAXED);
@@ -321,6 +321,14 @@ static void caller_call_took(struct kvo_issuer *is, int at, int64_t took) {
     }
     if (took > SLOW_CALLER_CALL_NS) __atomic_fetch_add(&is->slow_caller_calls[at], 1, __ATOMIC_RELAXED);
 }
+
+/* A caller's driver call `call` (on the caller's thread), timed for kvo_issuer_call_stats. */
+#define CALLER_CALL(is, call) __extension__({ \
+    int at_ = atomic_load_explicit(&(is)->issue_call, memory_order_relaxed); \
+    int64_t began_ = now_ns(); \
+    CUresult r_ = (call); \
+    caller_call_took((is), at_, now_ns() - began_); \
+    r_; })
 
 /* The thread's driver calls that enqueue work: each gives way first. */
 static CUresult record_on(struct kvo_issuer *is, CUevent ev, CUstream stream) {
@@ -333,7 +341,7 @@ static CUresult wait_on(struct kvo_issuer *is, CUstream stream, CUevent ev) {
     return ISSUE_CALL(is, CALL_WAIT, ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0));
 }
 
-/* A stream wait of a staged chunk (no give-way before it: the chunk's calls go back to back). */
+/* A staged chunk's stream wait, timed as the issuing side's (it does not give way first). */
 static CUresult chunk_wait(struct kvo_issuer *is, CUstream stream, CUevent ev) {
     return ISSUE_CALL(is, CALL_WAIT, ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0));
 }
@@ -1261,10 +1269,7 @@ struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *e
     pthread_mutex_unlock(&is->mu);
     if (!r) {
         caller_call(is, 1);
-        int at = atomic_load_explicit(&is->issue_call, memory_order_relaxed);
-        int64_t began = now_ns();
-        r = ((fn_event_record)is->c.event_record)(fence->event, stream);
-        caller_call_took(is, at, now_ns() - began);
+        r = CALLER_CALL(is, ((fn_event_record)is->c.event_record)(fence->event, stream));
         if (context_restored(is, r)) r = ((fn_event_record)is->c.event_record)(fence->event, stream);
         caller_call(is, -1);
         if (r) { pthread_mutex_lock(&is->mu); pool_give(is, &is->plain, fence->event); pthread_mutex_unlock(&is->mu); }
@@ -1631,10 +1636,7 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
     if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
     else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) {
         caller_call(is, 1);
-        int at = atomic_load_explicit(&is->issue_call, memory_order_relaxed);
-        int64_t began = now_ns();
-        code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
-        caller_call_took(is, at, now_ns() - began);
+        code = CALLER_CALL(is, ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0));
         if (context_restored(is, code))
             code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
         caller_call(is, -1);
