@@ -89,7 +89,7 @@ from kvoffload.manager.records import (
     namespaced_key,
 )
 from kvoffload.bindings.types import Capabilities, CopyMethod, SrcAccessOrder
-from kvoffload.records import BlockIds, Direction, HandlerStats, TransferResult, WorkerStats
+from kvoffload.records import BlockIds, Direction, DriverCallStats, HandlerStats, TransferResult, WorkerStats
 
 if TYPE_CHECKING:
     from kvoffload.layout import DeviceLayout, TensorGeometry
@@ -184,6 +184,7 @@ __all__ = [
     "DuplicateKeyError",
     "EventKind",
     "EvictionPolicy",
+    "DriverCallStats",
     "HandlerStats",
     "InvalidArgumentError",
     "InvalidBlockIdError",

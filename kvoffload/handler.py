@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Final, Protocol, cast
+from typing import Final, Protocol, cast, runtime_checkable
 
 import attrs
 import numpy as np
@@ -58,6 +58,7 @@ from kvoffload.records import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     BlockIds,
     Direction,
+    DriverCallStats,
     HandlerStats,
     TransferResult,
 )
@@ -141,6 +142,14 @@ class LayeredBackend(Backend, Protocol):
     ) -> Ticket:
         """As :meth:`Backend.issue`, layer after layer (``plans[i]`` moves layer ``first + i``),
         marking each in ``marks`` once its copies are enqueued; never raises."""
+
+
+@runtime_checkable
+class CallStatsSource(Protocol):
+    """A backend that counts where its callers waited inside the driver (the native issuer)."""
+
+    def call_stats(self) -> DriverCallStats:
+        """Its :class:`~kvoffload.records.DriverCallStats` so far."""
 
 
 class HandsOffBackend(Backend, Protocol):
@@ -774,6 +783,18 @@ class DirectionHandler:
         else:
             self._failed += 1
         self._book.finish(result.job_id, result)
+
+    def driver_call_stats(self) -> DriverCallStats | None:
+        """Where callers waited inside the driver behind this handler's backend, where the backend
+        counts it (the native issuer: :class:`~kvoffload.records.DriverCallStats`), else None.
+
+        Raises:
+            ClosedError: after shutdown.
+            TransferError: a shutdown released the backend meanwhile.
+        """
+        self._check_open()
+        backend = self._backend
+        return backend.call_stats() if isinstance(backend, CallStatsSource) else None
 
     def stats(self) -> HandlerStats:
         """Counters since creation (also valid after shutdown)."""

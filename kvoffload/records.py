@@ -12,7 +12,7 @@ import attrs
 from typing_extensions import TypeAlias
 
 if TYPE_CHECKING:  # only named in annotations: this module imports neither at run time
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from typing import Any
 
     import numpy as np
@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "BlockIds",
     "Direction",
+    "DriverCallStats",
     "HandlerStats",
     "TransferResult",
     "WorkerStats",
@@ -108,6 +109,25 @@ class HandlerStats:
     def gbps(self) -> float:
         """Bytes of successful jobs over their summed copy time, in GB/s (0.0 before any)."""
         return self.bytes_done / self.busy_seconds / 1e9 if self.busy_seconds > 0 else 0.0
+
+
+@attrs.frozen
+class DriverCallStats:
+    """Where the engine's thread waited inside the driver behind a native issuer (docs/design.md
+    §16), counted since the issuer started: the driver serialises the calls of one context, so a
+    caller's driver call (its fence's record in a hand-off, a layer's stream wait) waits while the
+    issuing side (the issuer thread, or a caller issuing a job) is inside one of its own.
+
+    ``longest_ns``: the issuing side's longest driver call of each kind ("record", "wait", "copy",
+    "launch", "query"). ``slow_caller_calls``: the callers' calls longer than 100 us, by the kind of
+    call the issuing side was in when they began ("none": in none). ``caller_calls`` and
+    ``caller_longest_ns``: how many callers' calls were made, and the longest.
+    """
+
+    longest_ns: Mapping[str, int]
+    slow_caller_calls: Mapping[str, int]
+    caller_calls: int
+    caller_longest_ns: int
 
 
 @attrs.frozen

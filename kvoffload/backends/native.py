@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Final, Protocol, cast
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -40,7 +39,7 @@ from kvoffload.bindings.copier import Copier
 from kvoffload.bindings.kernel import COPY_KERNEL_THREADS, LAUNCH_ABI_VERSION
 from kvoffload.bindings.types import CopyMethod
 from kvoffload.errors import CudaError, TransferError, WaitTimeoutError
-from kvoffload.records import Direction
+from kvoffload.records import Direction, DriverCallStats
 
 __all__ = [
     "CALLER_ISSUE_MAX",
@@ -57,7 +56,6 @@ __all__ = [
     "STOP_TIMEOUT_S",
     "WAIT_QUERY_S",
     "WAIT_SPIN_S",
-    "DriverCallStats",
     "NativeBackend",
     "NativeFence",
     "NativeLayerMarks",
@@ -470,25 +468,6 @@ class _HandOff(Protocol):
 
     def __call__(self, src: I64Array, dst: I64Array, stream: int, marks: LayerMarks | None = None) -> Ticket:
         """Hand the job over; never raises."""
-
-
-@attrs.frozen
-class DriverCallStats:
-    """Where the engine's thread waited inside the driver (docs/design.md §16): the driver
-    serialises the calls of one context, so a caller's driver call (its fence's record in a
-    hand-off, a layer's stream wait) waits while the issuing side (the issuer thread, or a caller
-    issuing a job) is inside one of its own. Counted since the backend was built.
-
-    ``longest_ns``: the issuing side's longest driver call of each kind (``native.CALL_KINDS`` but
-    "none"). ``slow_caller_calls``: the callers' calls longer than 100 us, by the kind of call the
-    issuing side was in when they began ("none": in none). ``caller_calls`` and
-    ``caller_longest_ns``: how many callers' calls were made, and the longest.
-    """
-
-    longest_ns: Mapping[str, int]
-    slow_caller_calls: Mapping[str, int]
-    caller_calls: int
-    caller_longest_ns: int
 
 
 class NativeBackend:

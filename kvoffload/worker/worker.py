@@ -67,6 +67,7 @@ from kvoffload.records import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     BlockIds,
     Direction,
+    DriverCallStats,
     TransferResult,
     WorkerStats,
 )
@@ -737,6 +738,24 @@ class Worker:
         """
         self._check_open()
         return self._region.records()[: self.num_host_blocks]  # never the disk tier's bounce slots
+
+    def driver_call_stats(self) -> dict[Direction, DriverCallStats]:
+        """Where the calling threads waited inside the CUDA driver behind the native issuer, per
+        direction it issues (:class:`~kvoffload.records.DriverCallStats`: the issuer's longest
+        driver calls, the callers' calls over 100 us by what the issuer was doing in the driver
+        then; docs/design.md §16). Empty for a worker without the native issuer. A diagnostic: it
+        tells whether the engine's thread stalled behind the library's own driver calls.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        out: dict[Direction, DriverCallStats] = {}
+        for direction, handler in ((Direction.STORE, self._store), (Direction.LOAD, self._load)):
+            stats = handler.driver_call_stats()
+            if stats is not None:
+                out[direction] = stats
+        return out
 
     def stats(self) -> WorkerStats:
         """A snapshot of the configuration and of both directions' counters."""

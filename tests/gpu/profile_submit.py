@@ -37,7 +37,7 @@ import torch
 import kvoffload.backends.cuda as cuda_backend
 import kvoffload.backends.native as native_backend
 import kvoffload.worker.worker as worker_module
-from kvoffload import DeviceLayout, TransferResult, Worker
+from kvoffload import DeviceLayout, Direction, TransferResult, Worker
 from kvoffload._jobs import JobBook
 from kvoffload.backends.cuda import CudaBackend, CudaTicket
 from kvoffload.backends.native import NativeBackend, NativeTicket
@@ -940,7 +940,7 @@ def outliers(device: torch.device) -> None:
     (``gc.callbacks``): the calls without one (median, p99, max, how many over 150 us), the calls
     with one (their count and times by the collection's generation), and the collections' own
     times; each call over 150 us with where its time went; the backend's driver-call statistics
-    (``NativeBackend.call_stats``); then the net GC-tracked allocations per job of that loop (the
+    (``Worker.driver_call_stats``); then the net GC-tracked allocations per job of that loop (the
     young generation's count over 200 jobs with collection off)."""
     import gc
 
@@ -1046,9 +1046,7 @@ def outliers(device: torch.device) -> None:
                 for line in slow[:40]:
                     print("         " + line)
                 slow.clear()
-                backend = (w._store if store else w._load)._backend  # noqa: SLF001
-                assert isinstance(backend, NativeBackend)
-                stats = backend.call_stats()
+                stats = w.driver_call_stats()[Direction.STORE if store else Direction.LOAD]
                 print(f"         the callers' driver calls: {stats.caller_calls}, the longest "
                       f"{stats.caller_longest_ns / 1e3:.0f} us; over 100 us by the issuing side's call then: "
                       + ", ".join(f"{k} {v}" for k, v in stats.slow_caller_calls.items())

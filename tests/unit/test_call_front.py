@@ -27,7 +27,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload import CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, Worker, native
+from kvoffload import (
+    ClosedError, CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, Worker, native,
+)
 from kvoffload.backends.native import NativeBackend
 from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
@@ -118,6 +120,32 @@ def doors(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     counted("submit_validated", "validating")
     counted("submit_layered", "validating")
     return counts
+
+
+def test_the_worker_reports_where_its_callers_waited_in_the_driver_per_native_direction() -> None:
+    """Each job's fence is recorded by its caller in the hand-off: one caller's call per job, none
+    slow; after shutdown the call raises ClosedError. A worker without the native issuer reports
+    nothing."""
+    keep: list[object] = []
+    w = make_worker(keep)
+    try:
+        ids = np.arange(4, dtype=np.int64)
+        w.store(1, ids, ids + 4)
+        w.store(2, [8, 9], [12, 13])  # the validating path records its fence in the hand-off too
+        w.load(3, ids + 8, ids + 4)
+        assert all(r.ok for r in w.wait([1, 2, 3], TIMEOUT_S))
+        stats = w.driver_call_stats()
+        assert set(stats) == {Direction.STORE, Direction.LOAD}
+        assert (stats[Direction.STORE].caller_calls, stats[Direction.LOAD].caller_calls) == (2, 1)
+        assert not any(stats[Direction.STORE].slow_caller_calls.values())
+        assert set(stats[Direction.LOAD].longest_ns) == {"record", "wait", "copy", "launch", "query"}
+    finally:
+        w.shutdown(TIMEOUT_S)
+    with pytest.raises(ClosedError):
+        w.driver_call_stats()
+    layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0)
+    with Worker.create(layout, BLOCKS, backend="host") as host:
+        assert host.driver_call_stats() == {}
 
 
 def test_numpy_jobs_take_the_front_and_other_ids_the_validating_path(
