@@ -123,8 +123,8 @@ def doors(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 def test_the_worker_reports_where_its_callers_waited_in_the_driver_per_native_direction() -> None:
-    """Each job's fence is recorded by its caller in the hand-off: one caller's call per job, none
-    slow; after shutdown the call raises ClosedError. A worker without the native issuer reports
+    """Each job's fence is recorded by its caller in the hand-off: one caller's call per job; after
+    shutdown the call raises ClosedError. A worker without the native issuer reports
     nothing."""
     keep: list[object] = []
     w = make_worker(keep)
@@ -137,7 +137,6 @@ def test_the_worker_reports_where_its_callers_waited_in_the_driver_per_native_di
         stats = w.driver_call_stats()
         assert set(stats) == {Direction.STORE, Direction.LOAD}
         assert (stats[Direction.STORE].caller_calls, stats[Direction.LOAD].caller_calls) == (2, 1)
-        assert not any(stats[Direction.STORE].slow_caller_calls.values())
         assert set(stats[Direction.LOAD].longest_ns) == {"record", "wait", "copy", "launch", "query"}
     finally:
         w.shutdown(TIMEOUT_S)

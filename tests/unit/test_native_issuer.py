@@ -468,14 +468,14 @@ def held_fence(h: Harness, hold_s: float) -> None:
 def test_a_callers_slow_driver_call_is_counted_by_the_issuing_sides_call_in_progress() -> None:
     """A caller's fence record held 0.2 s while the thread is held inside a copy counts as slow
     under "copy", and the copy (held until after it) is the thread's longest call; one held while the
-    thread is idle counts under "none"; quick records count as calls only."""
+    thread is idle counts under "none"; every record counts as a call. (Only the held calls' times
+    are bounded: a quick call on a loaded machine may take over 100 us too.)"""
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan, batch=False, tune=THREAD_ISSUES)
     thread_gate, inside = threading.Event(), threading.Event()
     try:
         h.backend.release_fence(h.backend.fence(None))
-        stats = h.backend.call_stats()
-        assert stats.caller_calls == 1 and not any(stats.slow_caller_calls.values())
+        assert h.backend.call_stats().caller_calls == 1
         h.fake.gate["cuMemcpyAsync"] = thread_gate
         h.fake.entered["cuMemcpyAsync"] = inside
         h.handler.submit(0, [0], [1])  # its fence recorded in the hand-off: a quick call
@@ -487,7 +487,8 @@ def test_a_callers_slow_driver_call_is_counted_by_the_issuing_sides_call_in_prog
         assert result.ok
         held_fence(h, 0.2)  # the thread idle
         stats = h.backend.call_stats()
-        assert stats.slow_caller_calls == {"none": 1, "record": 0, "wait": 0, "copy": 1, "launch": 0, "query": 0}
+        assert set(stats.slow_caller_calls) == {"none", "record", "wait", "copy", "launch", "query"}
+        assert stats.slow_caller_calls["copy"] >= 1 and stats.slow_caller_calls["none"] >= 1
         assert stats.caller_calls == 4 and stats.caller_longest_ns >= 200_000_000
         assert stats.longest_ns["copy"] >= 200_000_000  # held from before the caller's record to after it
         assert set(stats.longest_ns) == {"record", "wait", "copy", "launch", "query"}
