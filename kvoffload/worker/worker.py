@@ -748,6 +748,7 @@ class Worker:
 
         Raises:
             ClosedError: after shutdown.
+            TransferError: a shutdown running meanwhile released a backend.
         """
         self._check_open()
         out: dict[Direction, DriverCallStats] = {}

@@ -943,6 +943,7 @@ def outliers(device: torch.device) -> None:
     (``Worker.driver_call_stats``); then the net GC-tracked allocations per job of that loop (the
     young generation's count over 200 jobs with collection off)."""
     import gc
+    import resource
 
     from kvoffload.cli.latency_bench import BURST, BURST_BLOCKS, BURST_LAYERS, _per_layer
 
@@ -957,8 +958,6 @@ def outliers(device: torch.device) -> None:
             started.append(now)
         else:
             ran.append((info["generation"], started.pop() if started else now, now))
-
-    import resource
 
     slow: list[str] = []
     in_library: list[tuple[float, float, float]] = []  # the library's hand-off calls: (entry, return, CPU s)
