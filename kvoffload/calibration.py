@@ -10,9 +10,12 @@ For each direction it times the ``dma`` and ``staged`` paths on jobs of a few si
 blocks, about 64 MiB), and the ``sm`` path on the smallest bucket only, where that bucket's job is
 small (:func:`sm_competes`; and where the host can map the pool). The paths take turns within
 every repeat (see :func:`turns`), so that a shared host's drift weighs on all of them alike. Each
-path's last job at each size writes into a cleared destination and every byte is checked; per size
-bucket the fastest path that moved its bytes correctly is kept — a path that fails its own check is
-never chosen. ``sm`` is a latency path: one kernel launch and no DMA hand-off wins for jobs of a few
+path's last job at each size writes into a cleared destination and every byte is checked; a path
+that fails its own check is never chosen. In the *bulk* buckets (those where ``sm`` does not
+compete) the bulk paths are timed a second way too, a store and a load of the bucket's size at once
+(:func:`_time_both_ways`): some hosts move a path fast one way and slowly both ways. Per size bucket
+the path kept is the fastest alone in a latency bucket, and in a bulk bucket the one whose worse
+ratio to the best figure, alone or both ways, is highest (:func:`_fastest`). ``sm`` is a latency path: one kernel launch and no DMA hand-off wins for jobs of a few
 small blocks, and such a job holds its few CTAs for tens of microseconds; bulk jobs never take it
 (it competes with compute for the SMs), whatever their block count (one block of 2 MiB pages is 32
 MiB in an 8-layer layout). The result is cached per process by (device, page geometry, whether ``sm`` was allowed) and can be
@@ -43,7 +46,7 @@ from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
 __all__ = [
-    "CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key", "sm_competes",
+    "BOTH_WAYS", "CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key", "sm_competes",
 ]
 
 _log = logging.getLogger("kvoffload.calibration")
@@ -57,8 +60,10 @@ REPEATS: Final = 3
 #: a shared host).
 SMALL_REPEATS: Final = 15
 WAIT_S: Final = 60.0
-#: 2: choices made with :func:`sm_competes` (a file of version 1 is measured again).
-_FILE_VERSION: Final = 2
+#: 3: bulk buckets chosen on both-ways figures too (a file of an earlier version is measured again).
+_FILE_VERSION: Final = 3
+#: The key of :attr:`AutoChoice.gbps` holding the both-ways figures.
+BOTH_WAYS: Final = "both"
 #: The paths ``auto`` chooses among, in order of preference on a tie.
 CANDIDATES: Final = ("dma", "staged", "sm")
 #: Size buckets (from the smallest) where the ``sm`` path competes.
@@ -107,7 +112,9 @@ class AutoChoice:
     """The path ``auto`` uses, per direction, by job size.
 
     ``buckets`` are ascending block counts; ``paths[direction][i]`` is the path for jobs of at least
-    ``buckets[i]`` blocks (and fewer than ``buckets[i+1]``). ``gbps`` keeps what was measured.
+    ``buckets[i]`` blocks (and fewer than ``buckets[i+1]``). ``gbps`` keeps what was measured:
+    ``gbps[direction][path]`` per bucket, and ``gbps["both"][path]`` (:data:`BOTH_WAYS`) the bytes
+    of a store and a load at once over their time, 0.0 where not timed.
     """
 
     key: str
@@ -194,24 +201,37 @@ def _measure(
     scratch, table = _scratch_pages(device, pages, 2 * blocks)
     sizes = (*SIZE_BUCKETS_BLOCKS, blocks)
     gbps: dict[str, dict[str, tuple[float, ...]]] = {}
-    paths: dict[str, tuple[str, ...]] = {}
+    directions = (Direction.STORE, Direction.LOAD)
     try:
         with scratch_pool(2 * blocks, pages.record_bytes) as region:
-            for direction in (Direction.STORE, Direction.LOAD):
-                plan = CopyPlan(table, region.base_ptr, region.chunk_records, direction)
+            plans = {d: CopyPlan(table, region.base_ptr, region.chunk_records, d) for d in directions}
+            for direction in directions:
                 with contextlib.ExitStack() as handlers:
                     made = {
-                        path: handlers.enter_context(handler_for(path, plan, 2 * blocks))
+                        path: handlers.enter_context(handler_for(path, plans[direction], 2 * blocks))
                         for path in candidates
                     }
-                    measured = _time_paths(device, plan, made, sizes, blocks, scratch, region)
+                    measured = _time_paths(device, plans[direction], made, sizes, blocks, scratch, region)
                 _check_bulk(measured, key, direction)
                 gbps[direction.value] = measured
-                paths[direction.value] = tuple(_fastest(measured, i) for i in range(len(sizes)))
+            bulk = [p for p in candidates if p != "sm" and all(p in gbps[d.value] for d in directions)]
+            with contextlib.ExitStack() as handlers:
+                pairs = {
+                    path: (handlers.enter_context(handler_for(path, plans[Direction.STORE], 2 * blocks)),
+                           handlers.enter_context(handler_for(path, plans[Direction.LOAD], 2 * blocks)))
+                    for path in bulk
+                }
+                both = _time_both_ways(device, plans, pairs, sizes, blocks, scratch, region)
+            failed = set(bulk) - set(both)  # a path that failed both ways is never chosen either way
+            for direction in directions:
+                measured = {p: g for p, g in gbps[direction.value].items() if p not in failed}
+                _check_bulk(measured, key, direction)
+                gbps[direction.value] = measured
+            gbps[BOTH_WAYS] = both
     finally:
         del scratch
-    buckets = (*SIZE_BUCKETS_BLOCKS, blocks)
-    choice = AutoChoice(key=key, buckets=buckets, paths=paths, gbps=gbps)
+    paths = {d.value: tuple(_fastest(gbps[d.value], i, both) for i in range(len(sizes))) for d in directions}
+    choice = AutoChoice(key=key, buckets=sizes, paths=paths, gbps=gbps)
     _log.info("auto path calibration for %s: %s", key, paths)
     return choice
 
@@ -239,11 +259,31 @@ def sm_competes(index: int, job_bytes: int) -> bool:
     return index < SM_BUCKETS and job_bytes <= SM_MAX_JOB_BYTES
 
 
-def _fastest(measured: dict[str, tuple[float, ...]], index: int) -> str:
-    """The path with the highest figure at size ``index`` (the first listed on a tie); ``sm`` only
-    in the first :data:`SM_BUCKETS` buckets (where :func:`sm_competes` said no, its figure is 0.0)."""
+def _fastest(
+    measured: dict[str, tuple[float, ...]], index: int,
+    both: dict[str, tuple[float, ...]] | None = None,
+) -> str:
+    """The path kept at size ``index`` (the first listed on a tie); ``sm`` only in the first
+    :data:`SM_BUCKETS` buckets (where :func:`sm_competes` said no, its figure is 0.0).
+
+    Where no path has a both-ways figure at ``index`` (a latency bucket, or none given): the
+    highest figure alone. Where some do (a bulk bucket): the highest *score*, a path's figure alone
+    over the best alone or its figure both ways over the best both ways, whichever is lower — so a
+    path a few percent ahead alone but well behind both ways is not kept. A path not timed both
+    ways is scored on its figure alone.
+    """
     allowed = [p for p in measured if p != "sm" or index < SM_BUCKETS]
-    return max(allowed, key=lambda path: measured[path][index])
+    best_alone = max(measured[p][index] for p in allowed)
+    timed = {p: both[p][index] for p in allowed if both and p in both and both[p][index] > 0.0}
+    if not timed or best_alone <= 0.0:
+        return max(allowed, key=lambda path: measured[path][index])
+    best_both = max(timed.values())
+
+    def score(path: str) -> float:
+        alone = measured[path][index] / best_alone
+        return min(alone, timed[path] / best_both) if path in timed else alone
+
+    return max(allowed, key=score)
 
 
 def turns(paths: Sequence[str], repeats: int) -> list[str]:
@@ -268,7 +308,7 @@ def _time_paths(
 
     def run(path: str, ids: np.ndarray) -> float | None:
         nonlocal job
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         start = time.perf_counter()
         handlers[path].submit(job, ids, ids + blocks)
         (result,) = handlers[path].wait([job], WAIT_S)
@@ -312,6 +352,76 @@ def _time_paths(
         del records  # a view of the pool must not outlive its cleanup
     return {path: tuple(figures[path]) + (0.0,) * (len(sizes) - len(figures[path]))
             for path in alive}
+
+
+def _time_both_ways(
+    device: torch.device, plans: dict[Direction, CopyPlan],
+    pairs: dict[str, tuple[PathHandler, PathHandler]], sizes: Sequence[int], blocks: int,
+    scratch: torch.Tensor, region: ScratchPool,
+) -> dict[str, tuple[float, ...]]:
+    """GB/s of each bulk path of ``pairs`` (its store handler, its load handler) with a store and a
+    load of each bulk size (where :func:`sm_competes` says no) submitted together: the bytes of
+    both over the time from the first submit to the second result, the paths timed in
+    :func:`turns`; 0.0 in the latency buckets. The store reads device blocks the load does not
+    write and writes records the load does not read. A path that fails a job, or whose verified
+    pair of jobs — into destinations cleared just before — leaves a byte wrong, is left out."""
+    records = region.records()
+    alive = list(pairs)
+    figures: dict[str, list[float]] = {path: [0.0] * len(sizes) for path in pairs}
+    block_bytes = plans[Direction.STORE].pages.block_bytes
+    job = 0
+
+    def run(path: str, ids: np.ndarray) -> float | None:
+        nonlocal job
+        _synchronize(device)
+        start = time.perf_counter()
+        for handler in pairs[path]:
+            handler.submit(job, ids, ids + blocks)
+        results = [handler.wait([job], WAIT_S)[0] for handler in pairs[path]]
+        job += 1
+        failed = [r for r in results if not r.ok]
+        if not failed:
+            return time.perf_counter() - start
+        _log.warning("auto calibration: path %s failed both ways: %s", path, failed[0].error)
+        alive.remove(path)
+        return None
+
+    try:
+        for index, size in enumerate(sizes):
+            if sm_competes(index, size * block_bytes):
+                continue  # a latency bucket: its jobs are timed alone
+            ids = np.arange(size, dtype=np.int64)
+            times: dict[str, list[float]] = {path: [] for path in alive}
+            repeats = REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS
+            for path in turns(list(alive), repeats):
+                if path in alive:
+                    seconds = run(path, ids)
+                    if seconds is not None:
+                        times[path].append(seconds)
+            for path in list(alive):
+                if path not in alive:
+                    continue
+                for plan in plans.values():
+                    _clear(plan, scratch, records, ids + blocks)
+                if run(path, ids) is None:
+                    continue
+                if not all(_verified(plan, scratch, records, ids, ids + blocks, blocks) for plan in plans.values()):
+                    _log.warning("auto calibration: path %s moved bytes wrong both ways; never chosen", path)
+                    alive.remove(path)
+                    continue
+                figures[path][index] = 2 * size * block_bytes / statistics.median(times[path]) / 1e9
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # as in _time_paths: no view of the pool held
+        raise
+    finally:
+        del records
+    return {path: tuple(figures[path]) for path in alive}
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU device, as in the tests)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _clear(plan: CopyPlan, scratch: torch.Tensor, records: torch.Tensor, dst: np.ndarray) -> None:

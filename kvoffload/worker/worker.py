@@ -243,8 +243,9 @@ class Worker:
                 engine moves whole records (link speed at any page size, little compute cost).
                 ``"sm"``: the copy kernel reads and writes host memory directly (costs SMs).
                 ``"auto"``: per job, the path a calibration measured once per process (for this
-                device and page geometry) to be fastest for the job's direction and size; dma when a
-                record does not fit a staging slot.
+                device and page geometry) to be fastest for the job's direction and size (for bulk
+                jobs, alone and with both directions at once); dma when a record does not fit a
+                staging slot.
             staging_bytes: device memory of the staged path's rings, both directions together.
             staging_slots: slots per ring (at least 2, so that kernel and DMA overlap).
             kernel_ctas: CTAs of the copy kernel (default: every SM for staged, 8 for sm).

@@ -31,7 +31,11 @@ def test_auto_jobs_report_the_path_the_calibration_chose(device: torch.device, f
         assert [r.path for r in results] == [choose(size) for size in sizes]
         assert torch.equal(w.host_records()[:73].to(device), layout.gather_records(list(range(73))))
     choice = next(iter(calibration._cache.values()))
-    figures.add("auto calibration (per-layer, 8 layers, 32 KiB pages)", f"{choice.paths}")
+    both = choice.gbps[calibration.BOTH_WAYS]
+    assert sorted(both) == ["dma", "staged"]  # the bulk paths, timed both ways in the bulk buckets
+    assert all(g[0] == 0.0 and min(g[1:]) > 0.0 for g in both.values())
+    figures.add("auto calibration (per-layer, 8 layers, 32 KiB pages)",
+                f"{choice.paths}; both ways GB/s {both}")
 
 
 def test_auto_mixes_paths_and_still_finishes_jobs_in_order(device: torch.device) -> None:

@@ -1,23 +1,27 @@
 """The auto path's calibration on CPU: bucket lookup, persistence across processes, the order
-paths are timed in, and the cleared destination of each verified job."""
+paths are timed in, the cleared destination of each verified job, and the choice in a bulk bucket
+on figures alone and both ways (a whole calibration over fake paths on a simulated clock)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
+import types
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout
-from kvoffload._descriptors import CopyPlan
+from kvoffload import DeviceLayout, calibration
+from kvoffload._descriptors import CopyPlan, PageTable
 from kvoffload.calibration import (
-    SM_BUCKETS, SM_MAX_JOB_BYTES, AutoChoice, _check_bulk, _clear, _fastest, _load, _save,
+    BOTH_WAYS, SM_BUCKETS, SM_MAX_JOB_BYTES, AutoChoice, _check_bulk, _clear, _fastest, _load, _save,
     _scratch_pages, _verified, sm_competes, turns,
 )
 from kvoffload.errors import TransferError
-from kvoffload.records import Direction
+from kvoffload.records import Direction, TransferResult
 from kvoffload.cli._caches import build_cache
 
 
@@ -148,3 +152,124 @@ def test_a_calibration_without_a_correct_bulk_path_is_refused() -> None:
         _check_bulk({"sm": (9.0, 0.0, 0.0)}, "H200|x", Direction.STORE)
     with pytest.raises(TransferError, match=r"load bytes correctly \(paths that passed: none\)"):
         _check_bulk({}, "H200|x", Direction.LOAD)
+
+
+def test_a_bulk_bucket_keeps_the_path_whose_worse_ratio_alone_or_both_ways_is_highest() -> None:
+    """At 2 MiB pages on some H200 hosts: dma a few percent ahead alone, well behind both ways."""
+    alone: dict[str, tuple[float, ...]] = {"dma": (9.0, 50.0, 52.0), "staged": (8.0, 49.0, 50.0)}
+    both: dict[str, tuple[float, ...]] = {"dma": (0.0, 100.0, 81.0), "staged": (0.0, 99.0, 93.0)}
+    assert [_fastest(alone, i) for i in range(3)] == ["dma", "dma", "dma"]  # alone only (the control)
+    # bucket 0 was not timed both ways (a latency bucket); in bucket 1 dma is ahead both ways too
+    assert [_fastest(alone, i, both) for i in range(3)] == ["dma", "dma", "staged"]
+    # a path not timed both ways is scored on its figure alone
+    assert _fastest(alone, 2, {"staged": (0.0, 0.0, 93.0)}) == "dma"
+    assert _fastest({"dma": (0.0,), "staged": (0.0,)}, 0, {"dma": (1.0,)}) == "dma"  # nothing moved
+
+
+class _Link:
+    """A simulated clock and link: a job's time is its bytes times its path's seconds per byte,
+    alone or, where a job of the other direction is in flight at once, shared."""
+
+    def __init__(self, alone: dict[str, float], shared: dict[str, float]) -> None:
+        self.now = 0.0
+        self.alone, self.shared = alone, shared
+        #: (handler, job) -> (its start, whether it shared the link, its bytes)
+        self.flight: dict[tuple[int, int], tuple[float, bool, int]] = {}
+        self.pairs_timed: list[str] = []
+
+
+class _FakePath:
+    """A path handler that copies its pages at once (or, ``broken`` both ways, skips them while a
+    job of the other direction is in flight) and reports the simulated link's time."""
+
+    def __init__(self, link: _Link, path: str, plan: CopyPlan, scratch: torch.Tensor,
+                 records: torch.Tensor, broken: bool) -> None:
+        self.link, self.path, self.plan = link, path, plan
+        self.scratch, self.records, self.broken = scratch, records, broken
+
+    def submit(self, job_id: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> None:
+        others = [key for key in self.link.flight if key[0] != id(self)]
+        for key in others:
+            start, _, nbytes = self.link.flight[key]
+            self.link.flight[key] = (start, True, nbytes)
+        if others:
+            self.link.pairs_timed.append(self.path)
+        if not (self.broken and others):
+            _copy_pages(self.plan, self.scratch, self.records, src_blocks, dst_blocks)
+        nbytes = int(src_blocks.shape[0]) * self.plan.pages.block_bytes
+        self.link.flight[(id(self), job_id)] = (self.link.now, bool(others), nbytes)
+
+    def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
+        results = []
+        for job in job_ids:
+            start, shared, nbytes = self.link.flight.pop((id(self), job))
+            cost = (self.link.shared if shared else self.link.alone)[self.path]
+            self.link.now = max(self.link.now, start + cost * nbytes)
+            results.append(TransferResult(job, self.plan.direction, True, nbytes, 0.0, self.path))
+        return results
+
+
+def _calibrate_fakes(monkeypatch: pytest.MonkeyPatch, link: _Link, broken: str = "") -> AutoChoice:
+    """A whole calibration of dma and staged over :class:`_FakePath` on the CPU, on the link's
+    clock (scratch tensors on the CPU device, shaped by a per-layer cache of 64 KiB blocks)."""
+    tensors, block_dim = build_cache("per-layer", num_blocks=4, layers=2, kv_heads=2, head_dim=64,
+                                     block_size=64, dtype=torch.bfloat16, device=torch.device("cpu"))
+    pages = DeviceLayout.from_tensors(tensors, block_dim=block_dim).page_table
+    made: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def pool(num_records: int, record_bytes: int) -> Iterator[types.SimpleNamespace]:
+        records = torch.randint(0, 256, (num_records, record_bytes), dtype=torch.uint8)
+        made["records"] = records
+        yield types.SimpleNamespace(base_ptr=records.data_ptr(), chunk_records=num_records,
+                                    records=lambda: records)
+
+    real_scratch = calibration._scratch_pages
+
+    def scratch_pages(device: torch.device, table: PageTable, blocks: int) -> tuple[torch.Tensor, PageTable]:
+        scratch, made_table = real_scratch(device, table, blocks)
+        made["scratch"] = scratch
+        return scratch, made_table
+
+    @contextlib.contextmanager
+    def handler_for(path: str, plan: CopyPlan, blocks: int) -> Iterator[_FakePath]:
+        yield _FakePath(link, path, plan, made["scratch"], made["records"], broken == path)
+
+    monkeypatch.setattr(calibration, "_scratch_pages", scratch_pages)
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: link.now))
+    monkeypatch.setattr(calibration, "LARGE_JOB_BYTES", 24 * pages.block_bytes)  # 24 blocks
+    return calibration._measure(torch.device("cpu"), pages, "cpu|fake", ("dma", "staged"), pool,
+                                handler_for)
+
+
+def test_a_calibration_keeps_off_a_path_that_is_slow_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dma 5% faster alone, half the rate both ways (its two directions never overlap): the bulk
+    buckets take staged, the latency bucket (1 block, where sm would compete) stays on dma. The
+    control: the same figures alone choose dma everywhere."""
+    link = _Link(alone={"dma": 1.0, "staged": 1.05}, shared={"dma": 2.0, "staged": 1.1})
+    choice = _calibrate_fakes(monkeypatch, link)
+    assert choice.buckets == (1, 8, 24)
+    for direction in ("store", "load"):
+        assert choice.paths[direction] == ("dma", "staged", "staged")
+        assert tuple(_fastest(choice.gbps[direction], i) for i in range(3)) == ("dma", "dma", "dma")
+    both = choice.gbps[BOTH_WAYS]
+    assert both["dma"][0] == both["staged"][0] == 0.0  # 1 block of 2 MiB: a latency bucket
+    assert both["staged"][2] > 1.8 * both["dma"][2] > 0.0
+    assert set(link.pairs_timed) == {"dma", "staged"}
+
+
+def test_a_calibration_with_both_directions_at_full_rate_keeps_the_fastest_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    link = _Link(alone={"dma": 1.0, "staged": 1.05}, shared={"dma": 1.0, "staged": 1.05})
+    choice = _calibrate_fakes(monkeypatch, link)
+    assert choice.paths == {"store": ("dma", "dma", "dma"), "load": ("dma", "dma", "dma")}
+
+
+def test_a_path_that_moves_bytes_wrong_both_ways_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dma copies correctly alone and faster everywhere, but skips its pages when the other
+    direction runs at once: the verified pair of jobs catches it and neither direction takes it."""
+    link = _Link(alone={"dma": 1.0, "staged": 1.5}, shared={"dma": 1.0, "staged": 1.5})
+    choice = _calibrate_fakes(monkeypatch, link, broken="dma")
+    assert choice.paths == {"store": ("staged",) * 3, "load": ("staged",) * 3}
+    assert "dma" not in choice.gbps["store"] and "dma" not in choice.gbps[BOTH_WAYS]
