@@ -12,14 +12,18 @@ small (:func:`sm_competes`; and where the host can map the pool). The paths take
 every repeat (see :func:`turns`), so that a shared host's drift weighs on all of them alike. Each
 path's last job at each size writes into a cleared destination and every byte is checked; a path
 that fails its own check is never chosen. In the *bulk* buckets (those where ``sm`` does not
-compete) the bulk paths are timed a second way too, a store and a load of the bucket's size at once
-(:func:`_time_both_ways`): some hosts move a path fast one way and slowly both ways. Per size bucket
-the path kept is the fastest alone in a latency bucket, and in a bulk bucket the one whose worse
-ratio to the best figure, alone or both ways, is highest (:func:`_fastest`). ``sm`` is a latency path: one kernel launch and no DMA hand-off wins for jobs of a few
-small blocks, and such a job holds its few CTAs for tens of microseconds; bulk jobs never take it
-(it competes with compute for the SMs), whatever their block count (one block of 2 MiB pages is 32
-MiB in an 8-layer layout). The result is cached per process by (device, page geometry, whether ``sm`` was allowed) and can be
-persisted to a JSON file.
+compete) the bulk paths alive in both directions are timed a second way too, a store and a load of
+the bucket's size at once: some hosts move a path fast one way and slowly both ways. Per size
+bucket the path kept is the fastest alone in a latency bucket, and in a bulk bucket the one whose
+worse ratio to the best figure, alone or both ways, is highest (:func:`_fastest`). Each direction
+is chosen on its own: a bucket may take ``dma`` one way and ``staged`` the other, a pair not timed
+together.
+
+``sm`` is a latency path: one kernel launch and no DMA hand-off wins for jobs of a few small
+blocks, and such a job holds its few CTAs for tens of microseconds; bulk jobs never take it (it
+competes with compute for the SMs), whatever their block count (one block of 2 MiB pages is 32 MiB
+in an 8-layer layout). The result is cached per process by (device, page geometry, whether ``sm``
+was allowed) and can be persisted to a JSON file.
 """
 
 from __future__ import annotations
@@ -106,6 +110,11 @@ PoolFactory = Callable[[int, int], contextlib.AbstractContextManager[ScratchPool
 #: exits.
 HandlerFactory = Callable[[str, CopyPlan, int], contextlib.AbstractContextManager[PathHandler]]
 
+#: The jobs a path runs at once in one timing: each a handler and its plan (one: a direction alone;
+#: a store's and a load's: both ways at once).
+Lane = tuple[tuple[PathHandler, CopyPlan], ...]
+
+
 
 @attrs.frozen
 class AutoChoice:
@@ -160,7 +169,8 @@ def calibrate(
     ``persist_path``, a choice saved there for the same key is reused, and a new one is saved.
 
     Raises:
-        TransferError: no bulk path (``dma``, ``staged``) moved its bytes correctly.
+        TransferError: no bulk path (``dma``, ``staged``) moved its bytes correctly in a direction,
+            alone or with the other direction at once.
     """
     with _cache_lock:
         if key in _cache:
@@ -197,6 +207,13 @@ def _measure(
     device: torch.device, pages: PageTable, key: str, candidates: Sequence[str],
     scratch_pool: PoolFactory, handler_for: HandlerFactory,
 ) -> AutoChoice:
+    """Measure the choice for ``key``: each direction's paths alone, then the bulk paths that
+    passed both directions with a store and a load at once, then the path each bucket keeps
+    (:func:`_fastest`). Scratch device memory and the scratch pool live for this call only.
+
+    Raises:
+        TransferError: as :func:`calibrate`.
+    """
     blocks = max(SIZE_BUCKETS_BLOCKS[-1] + 1, LARGE_JOB_BYTES // max(1, pages.block_bytes))
     scratch, table = _scratch_pages(device, pages, 2 * blocks)
     sizes = (*SIZE_BUCKETS_BLOCKS, blocks)
@@ -204,29 +221,28 @@ def _measure(
     directions = (Direction.STORE, Direction.LOAD)
     try:
         with scratch_pool(2 * blocks, pages.record_bytes) as region:
+            region.records().copy_(  # never all zeros: a path that copies nothing cannot pass
+                torch.randint(0, 256, (2 * blocks, pages.record_bytes), dtype=torch.uint8))
             plans = {d: CopyPlan(table, region.base_ptr, region.chunk_records, d) for d in directions}
             for direction in directions:
                 with contextlib.ExitStack() as handlers:
-                    made = {
-                        path: handlers.enter_context(handler_for(path, plans[direction], 2 * blocks))
+                    lanes: dict[str, Lane] = {
+                        path: ((handlers.enter_context(handler_for(path, plans[direction], 2 * blocks)),
+                                plans[direction]),)
                         for path in candidates
                     }
-                    measured = _time_paths(device, plans[direction], made, sizes, blocks, scratch, region)
+                    measured = _time_lanes(device, lanes, sizes, blocks, scratch, region, _alone)
                 _check_bulk(measured, key, direction)
                 gbps[direction.value] = measured
             bulk = [p for p in candidates if p != "sm" and all(p in gbps[d.value] for d in directions)]
             with contextlib.ExitStack() as handlers:
-                pairs = {
-                    path: (handlers.enter_context(handler_for(path, plans[Direction.STORE], 2 * blocks)),
-                           handlers.enter_context(handler_for(path, plans[Direction.LOAD], 2 * blocks)))
+                lanes = {
+                    path: tuple((handlers.enter_context(handler_for(path, plans[d], 2 * blocks)), plans[d])
+                                for d in directions)
                     for path in bulk
                 }
-                both = _time_both_ways(device, plans, pairs, sizes, blocks, scratch, region)
-            failed = set(bulk) - set(both)  # a path that failed both ways is never chosen either way
-            for direction in directions:
-                measured = {p: g for p, g in gbps[direction.value].items() if p not in failed}
-                _check_bulk(measured, key, direction)
-                gbps[direction.value] = measured
+                both = _time_lanes(device, lanes, sizes, blocks, scratch, region, _both_ways)
+            _drop_failed(gbps, set(bulk) - set(both), key)
             gbps[BOTH_WAYS] = both
     finally:
         del scratch
@@ -236,18 +252,37 @@ def _measure(
     return choice
 
 
-def _check_bulk(measured: dict[str, tuple[float, ...]], key: str, direction: Direction) -> None:
+def _drop_failed(gbps: dict[str, dict[str, tuple[float, ...]]], failed: set[str], key: str) -> None:
+    """Leave the paths that ``failed`` both ways out of each direction's figures: they are never
+    chosen, either way.
+
+    Raises:
+        TransferError: a direction left with no bulk path.
+    """
+    for direction in (Direction.STORE, Direction.LOAD):
+        measured = {p: g for p, g in gbps[direction.value].items() if p not in failed}
+        _check_bulk(measured, key, direction, both_ways=sorted(failed))
+        gbps[direction.value] = measured
+
+
+def _check_bulk(
+    measured: dict[str, tuple[float, ...]], key: str, direction: Direction,
+    both_ways: Sequence[str] = (),
+) -> None:
     """Refuse a calibration in which no bulk path (``dma``, ``staged``) moved its bytes correctly:
-    ``auto`` would have to take a path that failed its own check.
+    ``auto`` would have to take a path that failed its own check. ``both_ways``: the paths that
+    passed alone and failed with both directions at once (the check after that timing).
 
     Raises:
         TransferError: naming the direction and the paths that passed.
     """
     if not any(p != "sm" for p in measured):
         passed = ", ".join(measured) or "none"
+        how = (f"with both directions at once ({', '.join(both_ways)} failed there)" if both_ways
+               else "correctly")
         raise TransferError(
             f"auto path calibration for {key}: no bulk path (dma, staged) moved its "
-            f"{direction.value} bytes correctly (paths that passed: {passed}); the device or its "
+            f"{direction.value} bytes {how} (paths that passed: {passed}); the device or its "
             "driver is at fault - see the log for each path's failure"
         )
 
@@ -266,11 +301,11 @@ def _fastest(
     """The path kept at size ``index`` (the first listed on a tie); ``sm`` only in the first
     :data:`SM_BUCKETS` buckets (where :func:`sm_competes` said no, its figure is 0.0).
 
-    Where no path has a both-ways figure at ``index`` (a latency bucket, or none given): the
-    highest figure alone. Where some do (a bulk bucket): the highest *score*, a path's figure alone
-    over the best alone or its figure both ways over the best both ways, whichever is lower — so a
-    path a few percent ahead alone but well behind both ways is not kept. A path not timed both
-    ways is scored on its figure alone.
+    Where no path has a both-ways figure at ``index`` (a latency bucket, or none given), or no path
+    moved anything alone: the highest figure alone. Where some do (a bulk bucket): the highest
+    *score*, a path's figure alone over the best alone or its figure both ways over the best both
+    ways, whichever is lower — so a path a few percent ahead alone but well behind both ways is not
+    kept. A path not timed both ways there (one that passed alone in one direction only) scores 0.
     """
     allowed = [p for p in measured if p != "sm" or index < SM_BUCKETS]
     best_alone = max(measured[p][index] for p in allowed)
@@ -280,8 +315,7 @@ def _fastest(
     best_both = max(timed.values())
 
     def score(path: str) -> float:
-        alone = measured[path][index] / best_alone
-        return min(alone, timed[path] / best_both) if path in timed else alone
+        return min(measured[path][index] / best_alone, timed[path] / best_both) if path in timed else 0.0
 
     return max(allowed, key=score)
 
@@ -294,40 +328,62 @@ def turns(paths: Sequence[str], repeats: int) -> list[str]:
     return [paths[(r + k) % n] for r in range(repeats) for k in range(n)]
 
 
-def _time_paths(
-    device: torch.device, plan: CopyPlan, handlers: dict[str, PathHandler],
-    sizes: Sequence[int], blocks: int, scratch: torch.Tensor, region: ScratchPool,
+def _alone(path: str, index: int, job_bytes: int) -> bool:
+    """Whether a direction alone times ``path`` at size ``index``: every path but ``sm``, which
+    only where :func:`sm_competes`."""
+    return path != "sm" or sm_competes(index, job_bytes)
+
+
+def _both_ways(path: str, index: int, job_bytes: int) -> bool:
+    """Whether both ways at once time a path at size ``index``: in the bulk buckets, where ``sm``
+    does not compete (the latency buckets' jobs are chosen on their time alone)."""
+    return not sm_competes(index, job_bytes)
+
+
+def _repeats(size: int) -> int:
+    """Repeats of a job of ``size`` blocks: the small buckets' jobs (tens of microseconds) need
+    more samples on a shared host."""
+    return REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS
+
+
+def _time_lanes(
+    device: torch.device, lanes: dict[str, Lane], sizes: Sequence[int], blocks: int,
+    scratch: torch.Tensor, region: ScratchPool, timed: Callable[[str, int, int], bool],
 ) -> dict[str, tuple[float, ...]]:
-    """GB/s of each path at each job size (``sm`` only where :func:`sm_competes`, 0.0 elsewhere),
-    the paths timed in :func:`turns`. A path that fails a job, or whose verified job — into
-    a destination cleared just before it — leaves a byte wrong, is left out."""
+    """GB/s of each path at each job size where ``timed(path, index, job_bytes)``, 0.0 elsewhere:
+    the bytes of its lane's jobs (each of the size, submitted together from ids ``0..size`` to
+    ``blocks..blocks+size``) over the time from the first submit to the last result, the paths
+    timed in :func:`turns`. Lanes of a store and a load never meet: the store reads device blocks
+    the load does not write and writes records the load does not read. A path that fails a job, or
+    whose verified jobs — into destinations cleared just before — leave a byte wrong, is left out.
+    The records hold random bytes (the caller's), so a path that copies nothing cannot pass."""
     records = region.records()
-    alive = list(handlers)
-    figures: dict[str, list[float]] = {path: [] for path in handlers}
+    alive = list(lanes)
+    figures: dict[str, list[float]] = {path: [0.0] * len(sizes) for path in lanes}
+    block_bytes = next(iter(lanes.values()))[0][1].pages.block_bytes if lanes else 0
     job = 0
 
     def run(path: str, ids: np.ndarray) -> float | None:
         nonlocal job
         _synchronize(device)
         start = time.perf_counter()
-        handlers[path].submit(job, ids, ids + blocks)
-        (result,) = handlers[path].wait([job], WAIT_S)
+        for handler, _ in lanes[path]:
+            handler.submit(job, ids, ids + blocks)
+        results = [handler.wait([job], WAIT_S)[0] for handler, _ in lanes[path]]
         job += 1
-        if result.ok:
+        failed = [r for r in results if not r.ok]
+        if not failed:
             return time.perf_counter() - start
-        _log.warning("auto calibration: path %s failed: %s", path, result.error)
+        _log.warning("auto calibration: path %s failed%s: %s", path, _way(lanes[path]), failed[0].error)
         alive.remove(path)
         return None
 
     try:
-        records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))  # never all zeros
         for index, size in enumerate(sizes):
             ids = np.arange(size, dtype=np.int64)
-            sm_here = sm_competes(index, size * plan.pages.block_bytes)
-            here = [p for p in alive if p != "sm" or sm_here]
+            here = [p for p in alive if timed(p, index, size * block_bytes)]
             times: dict[str, list[float]] = {path: [] for path in here}
-            repeats = REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS
-            for path in turns(here, repeats):
+            for path in turns(here, _repeats(size)):
                 if path in alive:
                     seconds = run(path, ids)
                     if seconds is not None:
@@ -335,14 +391,17 @@ def _time_paths(
             for path in here:
                 if path not in alive:
                     continue
-                _clear(plan, scratch, records, ids + blocks)
+                for _, plan in lanes[path]:
+                    _clear(plan, scratch, records, ids + blocks)
                 if run(path, ids) is None:
                     continue
-                if not _verified(plan, scratch, records, ids, ids + blocks, blocks):
-                    _log.warning("auto calibration: path %s moved bytes wrong; never chosen", path)
+                if not all(_verified(plan, scratch, records, ids, ids + blocks, blocks) for _, plan in lanes[path]):
+                    _log.warning("auto calibration: path %s moved bytes wrong%s; never chosen", path,
+                                 _way(lanes[path]))
                     alive.remove(path)
                     continue
-                figures[path].append(size * plan.pages.block_bytes / statistics.median(times[path]) / 1e9)
+                moved = len(lanes[path]) * size * block_bytes
+                figures[path][index] = moved / statistics.median(times[path]) / 1e9
     except BaseException as exc:
         # The traceback's frames (_clear's, _verified's) hold views of the pool: drop their locals
         # so that the region's cleanup can unmap it while the error propagates.
@@ -350,72 +409,12 @@ def _time_paths(
         raise
     finally:
         del records  # a view of the pool must not outlive its cleanup
-    return {path: tuple(figures[path]) + (0.0,) * (len(sizes) - len(figures[path]))
-            for path in alive}
-
-
-def _time_both_ways(
-    device: torch.device, plans: dict[Direction, CopyPlan],
-    pairs: dict[str, tuple[PathHandler, PathHandler]], sizes: Sequence[int], blocks: int,
-    scratch: torch.Tensor, region: ScratchPool,
-) -> dict[str, tuple[float, ...]]:
-    """GB/s of each bulk path of ``pairs`` (its store handler, its load handler) with a store and a
-    load of each bulk size (where :func:`sm_competes` says no) submitted together: the bytes of
-    both over the time from the first submit to the second result, the paths timed in
-    :func:`turns`; 0.0 in the latency buckets. The store reads device blocks the load does not
-    write and writes records the load does not read. A path that fails a job, or whose verified
-    pair of jobs — into destinations cleared just before — leaves a byte wrong, is left out."""
-    records = region.records()
-    alive = list(pairs)
-    figures: dict[str, list[float]] = {path: [0.0] * len(sizes) for path in pairs}
-    block_bytes = plans[Direction.STORE].pages.block_bytes
-    job = 0
-
-    def run(path: str, ids: np.ndarray) -> float | None:
-        nonlocal job
-        _synchronize(device)
-        start = time.perf_counter()
-        for handler in pairs[path]:
-            handler.submit(job, ids, ids + blocks)
-        results = [handler.wait([job], WAIT_S)[0] for handler in pairs[path]]
-        job += 1
-        failed = [r for r in results if not r.ok]
-        if not failed:
-            return time.perf_counter() - start
-        _log.warning("auto calibration: path %s failed both ways: %s", path, failed[0].error)
-        alive.remove(path)
-        return None
-
-    try:
-        for index, size in enumerate(sizes):
-            if sm_competes(index, size * block_bytes):
-                continue  # a latency bucket: its jobs are timed alone
-            ids = np.arange(size, dtype=np.int64)
-            times: dict[str, list[float]] = {path: [] for path in alive}
-            repeats = REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS
-            for path in turns(list(alive), repeats):
-                if path in alive:
-                    seconds = run(path, ids)
-                    if seconds is not None:
-                        times[path].append(seconds)
-            for path in list(alive):
-                if path not in alive:
-                    continue
-                for plan in plans.values():
-                    _clear(plan, scratch, records, ids + blocks)
-                if run(path, ids) is None:
-                    continue
-                if not all(_verified(plan, scratch, records, ids, ids + blocks, blocks) for plan in plans.values()):
-                    _log.warning("auto calibration: path %s moved bytes wrong both ways; never chosen", path)
-                    alive.remove(path)
-                    continue
-                figures[path][index] = 2 * size * block_bytes / statistics.median(times[path]) / 1e9
-    except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)  # as in _time_paths: no view of the pool held
-        raise
-    finally:
-        del records
     return {path: tuple(figures[path]) for path in alive}
+
+
+def _way(lane: Lane) -> str:
+    """How a lane's jobs ran, for the log: nothing for a direction alone."""
+    return " both ways at once" if len(lane) > 1 else ""
 
 
 def _synchronize(device: torch.device) -> None:

@@ -161,8 +161,8 @@ def test_a_bulk_bucket_keeps_the_path_whose_worse_ratio_alone_or_both_ways_is_hi
     assert [_fastest(alone, i) for i in range(3)] == ["dma", "dma", "dma"]  # alone only (the control)
     # bucket 0 was not timed both ways (a latency bucket); in bucket 1 dma is ahead both ways too
     assert [_fastest(alone, i, both) for i in range(3)] == ["dma", "dma", "staged"]
-    # a path not timed both ways is scored on its figure alone
-    assert _fastest(alone, 2, {"staged": (0.0, 0.0, 93.0)}) == "dma"
+    # a path not timed both ways in a bulk bucket (it passed alone one way only) is not kept there
+    assert _fastest(alone, 2, {"staged": (0.0, 0.0, 93.0)}) == "staged"
     assert _fastest({"dma": (0.0,), "staged": (0.0,)}, 0, {"dma": (1.0,)}) == "dma"  # nothing moved
 
 
@@ -173,45 +173,52 @@ class _Link:
     def __init__(self, alone: dict[str, float], shared: dict[str, float]) -> None:
         self.now = 0.0
         self.alone, self.shared = alone, shared
-        #: (handler, job) -> (its start, whether it shared the link, its bytes)
-        self.flight: dict[tuple[int, int], tuple[float, bool, int]] = {}
+        #: (handler, job) -> (its start, whether it shared the link, its ids)
+        self.flight: dict[tuple[int, int], tuple[float, bool, np.ndarray, np.ndarray]] = {}
         self.pairs_timed: list[str] = []
 
 
 class _FakePath:
-    """A path handler that copies its pages at once (or, ``broken`` both ways, skips them while a
-    job of the other direction is in flight) and reports the simulated link's time."""
+    """A path handler on the simulated link: a job's pages are copied when it is waited for,
+    except with ``fault`` in a job that shared the link with the other direction: ``"wrong"``
+    copies nothing, ``"fails"`` reports the job failed."""
 
     def __init__(self, link: _Link, path: str, plan: CopyPlan, scratch: torch.Tensor,
-                 records: torch.Tensor, broken: bool) -> None:
+                 records: torch.Tensor, fault: str | None) -> None:
         self.link, self.path, self.plan = link, path, plan
-        self.scratch, self.records, self.broken = scratch, records, broken
+        self.scratch, self.records, self.fault = scratch, records, fault
 
     def submit(self, job_id: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> None:
         others = [key for key in self.link.flight if key[0] != id(self)]
         for key in others:
-            start, _, nbytes = self.link.flight[key]
-            self.link.flight[key] = (start, True, nbytes)
+            start, _, src, dst = self.link.flight[key]
+            self.link.flight[key] = (start, True, src, dst)
         if others:
             self.link.pairs_timed.append(self.path)
-        if not (self.broken and others):
-            _copy_pages(self.plan, self.scratch, self.records, src_blocks, dst_blocks)
-        nbytes = int(src_blocks.shape[0]) * self.plan.pages.block_bytes
-        self.link.flight[(id(self), job_id)] = (self.link.now, bool(others), nbytes)
+        self.link.flight[(id(self), job_id)] = (self.link.now, bool(others), src_blocks, dst_blocks)
 
     def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
         results = []
         for job in job_ids:
-            start, shared, nbytes = self.link.flight.pop((id(self), job))
+            start, shared, src, dst = self.link.flight.pop((id(self), job))
+            nbytes = int(src.shape[0]) * self.plan.pages.block_bytes
             cost = (self.link.shared if shared else self.link.alone)[self.path]
             self.link.now = max(self.link.now, start + cost * nbytes)
-            results.append(TransferResult(job, self.plan.direction, True, nbytes, 0.0, self.path))
+            fault = self.fault if shared else None
+            if fault != "wrong" and fault != "fails":
+                _copy_pages(self.plan, self.scratch, self.records, src, dst)
+            error = TransferError("fake failure") if fault == "fails" else None
+            results.append(TransferResult(job, self.plan.direction, error is None, nbytes, 0.0, self.path,
+                                          error))
         return results
 
 
-def _calibrate_fakes(monkeypatch: pytest.MonkeyPatch, link: _Link, broken: str = "") -> AutoChoice:
+def _calibrate_fakes(
+    monkeypatch: pytest.MonkeyPatch, link: _Link, faults: dict[tuple[str, Direction], str] | None = None,
+) -> AutoChoice:
     """A whole calibration of dma and staged over :class:`_FakePath` on the CPU, on the link's
-    clock (scratch tensors on the CPU device, shaped by a per-layer cache of 64 KiB blocks)."""
+    clock (scratch tensors on the CPU device, shaped by a per-layer cache of 64 KiB blocks);
+    ``faults[(path, direction)]``: that handler's fault both ways."""
     tensors, block_dim = build_cache("per-layer", num_blocks=4, layers=2, kv_heads=2, head_dim=64,
                                      block_size=64, dtype=torch.bfloat16, device=torch.device("cpu"))
     pages = DeviceLayout.from_tensors(tensors, block_dim=block_dim).page_table
@@ -219,7 +226,7 @@ def _calibrate_fakes(monkeypatch: pytest.MonkeyPatch, link: _Link, broken: str =
 
     @contextlib.contextmanager
     def pool(num_records: int, record_bytes: int) -> Iterator[types.SimpleNamespace]:
-        records = torch.randint(0, 256, (num_records, record_bytes), dtype=torch.uint8)
+        records = torch.zeros((num_records, record_bytes), dtype=torch.uint8)
         made["records"] = records
         yield types.SimpleNamespace(base_ptr=records.data_ptr(), chunk_records=num_records,
                                     records=lambda: records)
@@ -233,7 +240,8 @@ def _calibrate_fakes(monkeypatch: pytest.MonkeyPatch, link: _Link, broken: str =
 
     @contextlib.contextmanager
     def handler_for(path: str, plan: CopyPlan, blocks: int) -> Iterator[_FakePath]:
-        yield _FakePath(link, path, plan, made["scratch"], made["records"], broken == path)
+        fault = (faults or {}).get((path, plan.direction))
+        yield _FakePath(link, path, plan, made["scratch"], made["records"], fault)
 
     monkeypatch.setattr(calibration, "_scratch_pages", scratch_pages)
     monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: link.now))
@@ -253,9 +261,19 @@ def test_a_calibration_keeps_off_a_path_that_is_slow_both_ways(monkeypatch: pyte
         assert choice.paths[direction] == ("dma", "staged", "staged")
         assert tuple(_fastest(choice.gbps[direction], i) for i in range(3)) == ("dma", "dma", "dma")
     both = choice.gbps[BOTH_WAYS]
-    assert both["dma"][0] == both["staged"][0] == 0.0  # 1 block of 2 MiB: a latency bucket
+    assert both["dma"][0] == both["staged"][0] == 0.0  # 1 block of 64 KiB: a latency bucket
     assert both["staged"][2] > 1.8 * both["dma"][2] > 0.0
     assert set(link.pairs_timed) == {"dma", "staged"}
+
+
+def test_a_bulk_first_bucket_is_timed_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 2 MiB pages one block is a bulk job (sm does not compete): the 1-block bucket is timed
+    both ways and chosen on both figures, as the larger ones."""
+    monkeypatch.setattr(calibration, "SM_MAX_JOB_BYTES", 1)
+    link = _Link(alone={"dma": 1.0, "staged": 1.05}, shared={"dma": 2.0, "staged": 1.1})
+    choice = _calibrate_fakes(monkeypatch, link)
+    assert choice.paths == {"store": ("staged",) * 3, "load": ("staged",) * 3}
+    assert min(choice.gbps[BOTH_WAYS]["dma"]) > 0.0
 
 
 def test_a_calibration_with_both_directions_at_full_rate_keeps_the_fastest_alone(
@@ -266,10 +284,26 @@ def test_a_calibration_with_both_directions_at_full_rate_keeps_the_fastest_alone
     assert choice.paths == {"store": ("dma", "dma", "dma"), "load": ("dma", "dma", "dma")}
 
 
-def test_a_path_that_moves_bytes_wrong_both_ways_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """dma copies correctly alone and faster everywhere, but skips its pages when the other
-    direction runs at once: the verified pair of jobs catches it and neither direction takes it."""
+@pytest.mark.parametrize("fault", ["wrong", "fails"])
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_path_that_fails_both_ways_is_never_chosen(
+    monkeypatch: pytest.MonkeyPatch, direction: Direction, fault: str,
+) -> None:
+    """dma is correct alone and faster everywhere, but one of its directions copies nothing (or
+    fails) while the other runs at once: the checked pair catches it and neither direction takes
+    dma. The control: without the fault dma is kept everywhere."""
     link = _Link(alone={"dma": 1.0, "staged": 1.5}, shared={"dma": 1.0, "staged": 1.5})
-    choice = _calibrate_fakes(monkeypatch, link, broken="dma")
+    choice = _calibrate_fakes(monkeypatch, link, {("dma", direction): fault})
     assert choice.paths == {"store": ("staged",) * 3, "load": ("staged",) * 3}
-    assert "dma" not in choice.gbps["store"] and "dma" not in choice.gbps[BOTH_WAYS]
+    assert "dma" not in choice.gbps["store"] and "dma" not in choice.gbps["load"]
+    assert "dma" not in choice.gbps[BOTH_WAYS]
+    control = _calibrate_fakes(monkeypatch, _Link(alone=link.alone, shared=link.shared))
+    assert control.paths == {"store": ("dma",) * 3, "load": ("dma",) * 3}
+
+
+def test_a_calibration_whose_bulk_paths_all_fail_both_ways_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    link = _Link(alone={"dma": 1.0, "staged": 1.5}, shared={"dma": 1.0, "staged": 1.5})
+    faults = {("dma", Direction.LOAD): "wrong", ("staged", Direction.STORE): "fails"}
+    with pytest.raises(TransferError, match=r"no bulk path .* store bytes with both directions at once "
+                                            r"\(dma, staged failed there\) \(paths that passed: none\)"):
+        _calibrate_fakes(monkeypatch, link, faults)
