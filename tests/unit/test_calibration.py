@@ -54,6 +54,21 @@ def test_a_saved_choice_is_read_back_for_its_key_only(tmp_path: pathlib.Path) ->
     assert set(json.loads(pathlib.Path(path).read_text())["choices"]) == {choice().key, "other|4096|4096"}
 
 
+def test_the_both_ways_figures_are_saved_and_a_file_of_the_version_before_is_measured_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "calibration.json"
+    c = choice()
+    with_both = AutoChoice(key=c.key, buckets=c.buckets, paths=c.paths,
+                           gbps={**c.gbps, BOTH_WAYS: {"dma": (0.0, 40.0, 60.0), "staged": (0.0, 45.0, 90.0)}})
+    _save(str(path), with_both)
+    assert _load(str(path), c.key) == with_both
+    data = json.loads(path.read_text())
+    data["version"] = 2  # chosen on figures alone
+    path.write_text(json.dumps(data))
+    assert _load(str(path), c.key) is None
+
+
 def test_a_damaged_or_foreign_file_is_ignored(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "calibration.json"
     path.write_text("{not json")
