@@ -50,7 +50,8 @@ from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
 __all__ = [
-    "BOTH_WAYS", "CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key", "sm_competes",
+    "BOTH_WAYS", "CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key",
+    "sm_competes",
 ]
 
 _log = logging.getLogger("kvoffload.calibration")
@@ -113,7 +114,6 @@ HandlerFactory = Callable[[str, CopyPlan, int], contextlib.AbstractContextManage
 #: The jobs a path runs at once in one timing: each a handler and its plan (one: a direction alone;
 #: a store's and a load's: both ways at once).
 Lane = tuple[tuple[PathHandler, CopyPlan], ...]
-
 
 
 @attrs.frozen
@@ -395,7 +395,8 @@ def _time_lanes(
                     _clear(plan, scratch, records, ids + blocks)
                 if run(path, ids) is None:
                     continue
-                if not all(_verified(plan, scratch, records, ids, ids + blocks, blocks) for _, plan in lanes[path]):
+                if not all(_verified(plan, scratch, records, ids, ids + blocks, blocks)
+                           for _, plan in lanes[path]):
                     _log.warning("auto calibration: path %s moved bytes wrong%s; never chosen", path,
                                  _way(lanes[path]))
                     alive.remove(path)

@@ -60,7 +60,8 @@ def test_the_both_ways_figures_are_saved_and_a_file_of_the_version_before_is_mea
     path = tmp_path / "calibration.json"
     c = choice()
     with_both = AutoChoice(key=c.key, buckets=c.buckets, paths=c.paths,
-                           gbps={**c.gbps, BOTH_WAYS: {"dma": (0.0, 40.0, 60.0), "staged": (0.0, 45.0, 90.0)}})
+                           gbps={**c.gbps,
+                                 BOTH_WAYS: {"dma": (0.0, 40.0, 60.0), "staged": (0.0, 45.0, 90.0)}})
     _save(str(path), with_both)
     assert _load(str(path), c.key) == with_both
     data = json.loads(path.read_text())
@@ -316,7 +317,9 @@ def test_a_path_that_fails_both_ways_is_never_chosen(
     assert control.paths == {"store": ("dma",) * 3, "load": ("dma",) * 3}
 
 
-def test_a_calibration_whose_bulk_paths_all_fail_both_ways_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_calibration_whose_bulk_paths_all_fail_both_ways_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     link = _Link(alone={"dma": 1.0, "staged": 1.5}, shared={"dma": 1.0, "staged": 1.5})
     faults = {("dma", Direction.LOAD): "wrong", ("staged", Direction.STORE): "fails"}
     with pytest.raises(TransferError, match=r"no bulk path .* store bytes with both directions at once "
