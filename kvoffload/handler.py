@@ -80,8 +80,9 @@ INLINE_ISSUE_MAX_DESCRIPTORS: Final = 256
 #: count until it fits; one pair at least), are issued on the caller's thread, so the link starts
 #: without waiting for the issuer thread to win the GIL from a caller that keeps submitting.
 INLINE_HEAD_MAX_DESCRIPTORS: Final = 128
-#: The issuer thread is joined for at least this long even when the deadline has passed: an idle
-#: thread stops within microseconds, and only a thread stuck in a copy should count as running.
+#: The issuer thread (the handler's, or the backend's own in its release) is waited for at least this
+#: long even when the deadline has passed: an idle thread stops within microseconds, and only a
+#: thread stuck in a copy should count as running.
 ISSUER_JOIN_MIN_S: Final = 0.05
 _EMPTY_PATH: Final = "none"
 #: The error of a job whose handler shut down before it was issued.
@@ -126,7 +127,19 @@ class Backend(Protocol):
         never raises: a failure is the ticket's ``error``."""
 
     def release(self) -> None:
-        """Drop streams and events; called once, after the last ticket completed or was abandoned."""
+        """Drop streams and events; called once, after the last ticket completed or was abandoned.
+        A backend with a thread of its own to stop may offer ``release_within(timeout)`` instead
+        (:class:`ReleasedWithin`), which the handler then calls with the shutdown's time left."""
+
+
+@runtime_checkable
+class ReleasedWithin(Protocol):
+    """A backend whose release waits for a thread of its own (the native issuer's): the handler
+    calls :meth:`release_within` in place of ``release``, so that a shutdown stays within its
+    deadline (docs/design.md §6)."""
+
+    def release_within(self, timeout: float) -> None:
+        """``release``, waiting at most ``timeout`` seconds for its thread to stop."""
 
 
 class LayeredBackend(Backend, Protocol):
@@ -877,7 +890,10 @@ class DirectionHandler:
         backend, self._backend = self._backend, None
         if backend is not None:
             try:
-                backend.release()
+                if isinstance(backend, ReleasedWithin):
+                    backend.release_within(max(ISSUER_JOIN_MIN_S, deadline - time.monotonic()))
+                else:
+                    backend.release()
             except Exception as exc:
                 failures.append(exc)
         self._queue.put(None)

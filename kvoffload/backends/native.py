@@ -90,8 +90,9 @@ IDLE_SPIN_S: Final = 0.0
 #: after its last job, then until woken; 0 (the default): it blocks until woken at once. A short
 #: timed sleep should keep its core out of a deep idle state (the likely reason why waking the
 #: thread took 20-45 us on the H200 hosts after it blocked for a millisecond, 5 us after tens of
-#: microseconds). Not measured yet on a GPU host, so off; on the 2-core CI machine naps that ended
-#: into the blocking wait delayed the next job by about 2 ms (docs/design.md §16).
+#: microseconds). Off: on the H200 50 us naps shortened that wake-up (17 to 9 us) but not a job's
+#: call -> result, and on the 2-core CI machine naps that ended into the blocking wait delayed the
+#: next job by about 2 ms (docs/design.md §16).
 IDLE_NAP_S: Final = 0.0
 IDLE_LIGHT_S: Final = 2e-3
 #: A job of at most this many pages handed to an issuer thread that is out of work and blocked is
@@ -135,7 +136,8 @@ STRIDED_MIN_ROWS: Final = 4
 #: about 60 for 64 MiB), so the chunk there is small and the chunks grow from it by 8 to whole
 #: slots; jobs behind others keep whole slots. 0: never (docs/design.md §7).
 STAGED_EDGE_BYTES: Final = 1 << 20
-#: How long :meth:`NativeBackend.release` waits for the thread to leave a driver call.
+#: How long :meth:`NativeBackend.release` waits at most for the thread to leave a driver call (a
+#: shutdown gives it the time it has left, if less).
 STOP_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
 #: except in a test whose control proves that a rule is needed.
@@ -894,9 +896,19 @@ class NativeBackend:
         )
 
     def release(self) -> None:
+        """:meth:`release_within` :data:`STOP_TIMEOUT_S`.
+
+        Raises:
+            TransferError: the thread did not stop in time.
+            CudaError: the driver refused to destroy a stream.
+        """
+        self.release_within(STOP_TIMEOUT_S)
+
+    def release_within(self, timeout: float) -> None:
         """Stop the thread (jobs not issued yet fail), free the plans and the issuer, then release
         the wrapped backend (its streams, ring and tables). Once; a thread still inside a driver call
-        after :data:`STOP_TIMEOUT_S` keeps everything it may use, and the call raises.
+        after ``timeout`` seconds (at most :data:`STOP_TIMEOUT_S`; a handler's shutdown gives its
+        time left) keeps everything it may use, and the call raises.
 
         Raises:
             TransferError: the thread did not stop in time.
@@ -906,10 +918,11 @@ class NativeBackend:
             if self._released:
                 return
             self._released = True
-        if self.lib.kvo_issuer_stop(self._issuer, _ns(STOP_TIMEOUT_S)):
-            _log.error("the native issuer thread did not stop within %s s", STOP_TIMEOUT_S)
+        seconds = min(STOP_TIMEOUT_S, max(0.0, timeout))
+        if self.lib.kvo_issuer_stop(self._issuer, _ns(seconds)):
+            _log.error("the native issuer thread did not stop within %.3f s", seconds)
             raise TransferError(
-                f"the native issuer thread did not stop within {STOP_TIMEOUT_S} s; its streams and "
+                f"the native issuer thread did not stop within {seconds:.3f} s; its streams and "
                 "buffers are left to the process"
             )
         plans, self._plans = self._plans, {}

@@ -41,7 +41,7 @@ from kvoffload import native
 from kvoffload._descriptors import CopyPlan, PageTable, kernel_segments, staged_chunk_rows
 from kvoffload.backends import native as native_backend
 from kvoffload.backends.native import NativeBackend, NativeLayerMarks
-from kvoffload.handler import DirectionHandler
+from kvoffload.handler import ISSUER_JOIN_MIN_S, DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
 from tests.unit.test_staged_plan import plan_for
@@ -1328,10 +1328,11 @@ def test_a_stop_that_comes_while_the_thread_queries_is_not_left_for_the_polling_
     stop = h.backend.lib.kvo_issuer_stop
 
     def announced_stop(issuer: int, timeout_ns: int) -> int:
+        # The stop waits 5 s (the shutdown's drain used up its own 0.2 s): long enough for the
+        # held query, far shorter than the 30 s polling sleep the thread must not take.
         stopping.set()
-        return int(stop(issuer, timeout_ns))
+        return int(stop(issuer, 5_000_000_000))
 
-    monkeypatch.setattr(native_backend, "STOP_TIMEOUT_S", 5.0)
     monkeypatch.setattr(h.backend.lib, "kvo_issuer_stop", announced_stop)
     h.fake.not_ready = 1 << 40
     try:
@@ -1494,6 +1495,49 @@ def test_release_is_bounded_while_the_thread_is_stuck_in_a_driver_call(
     assert h.inner.released == 0  # its streams are left to the thread
     gate.set()  # the driver call returns: the thread leaves
     assert h.backend.lib.kvo_issuer_stop(h.backend._issuer, 10**10) == 0
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_shutdown_stops_a_stuck_thread_within_its_own_deadline(
+    monkeypatch: pytest.MonkeyPatch, given: bool,
+) -> None:
+    """The stop waits for the shutdown's time left (at least ``ISSUER_JOIN_MIN_S``), not for
+    ``STOP_TIMEOUT_S``: with that set to an hour, the handler's shutdown of 0.2 s gives the stop
+    at most 0.2 s. The control, a release given no time (as before), waits the full bound."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, tune=THREAD_ISSUES)
+    gate, entered = threading.Event(), threading.Event()
+    h.fake.gate["cuLaunchKernel"] = gate
+    h.fake.entered["cuLaunchKernel"] = entered
+    stop = h.backend.lib.kvo_issuer_stop
+    asked: list[int] = []
+
+    def recorded_stop(issuer: int, timeout_ns: int) -> int:
+        asked.append(timeout_ns)
+        return int(stop(issuer, min(timeout_ns, 200_000_000)))  # never an hour in the control
+
+    monkeypatch.setattr(native_backend, "STOP_TIMEOUT_S", 3600.0)
+    monkeypatch.setattr(h.backend.lib, "kvo_issuer_stop", recorded_stop)
+    h.handler.submit(0, [1], [2])
+    assert entered.wait(TIMEOUT_S)
+    try:
+        if given:
+            with pytest.raises(ShutdownError) as raised:
+                h.handler.shutdown(0.2)
+            assert any(isinstance(e, TransferError) and "did not stop" in str(e)
+                       for e in raised.value.failures)
+            assert len(asked) == 1 and ISSUER_JOIN_MIN_S * 1e9 <= asked[0] <= 0.2e9
+        else:
+            with pytest.raises(TransferError, match="did not stop within 3600.000 s"):
+                h.backend.release()
+            assert asked == [3600 * 10**9]
+        assert h.inner.released == 0  # its streams are left to the thread
+    finally:
+        gate.set()  # the driver call returns: the thread leaves
+        assert stop(h.backend._issuer, 10**10) == 0
+        if not given:  # the job in flight when its backend was released fails the drain
+            with pytest.raises(TransferError, match="released while the job was in flight"):
+                h.handler.shutdown(TIMEOUT_S)
 
 
 def test_every_event_is_destroyed_once_the_issuer_stopped() -> None:
