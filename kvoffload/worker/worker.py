@@ -9,8 +9,9 @@ bookkeeping that spans directions. Borrows: the layout (and through it the engin
 which must outlive the worker).
 
 Every job method validates its arguments, books the job's blocks, reserves its id in the book and
-hands it to the component its direction routes to (a table, built once). ``store`` and ``load`` of a native
-issuer first try a fast front (:meth:`Worker._front`) that does the same for numpy ids in one pass
+hands it to the component its direction routes to (a table, built once). ``store``, ``load`` and
+``load_by_layer`` of a native issuer first try a fast front (:meth:`Worker._front`) that does the
+same for numpy ids in one pass
 and declines, changing nothing, any job that is not plainly valid. Rules it enforces before
 anything is submitted (typed errors; the worker is unchanged afterwards; docs/design.md §4):
 
@@ -270,7 +271,9 @@ class Worker:
                 microseconds, the link starts at once whatever the engine's Python does, and
                 completion is signalled: docs/design.md §16); built with the machine's C compiler
                 on first use. ``"python"``: the handler's issuer thread (and the caller's, for
-                small jobs). ``"auto"``: native where it builds, else python with a warning.
+                small jobs). ``"auto"``: native where it builds, else python with a warning
+                (python without one under ``copy_method="batch-bindings"``, a cross-check the native
+                issuer does not run).
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
@@ -687,7 +690,9 @@ class Worker:
     # --------------------------------------------------------------------------------- inspection
 
     def disk_valid_blocks(self) -> dict[int, DiskRecordInfo]:
-        """The disk records that hold verified data (the warm-restart index), by disk block.
+        """The disk records that may be read (the index), by disk block: after a warm restart the
+        records whose header verified (payloads are verified on every read; a block that fails a
+        read leaves the index), then every record whose write completed (docs/design.md §9.4).
 
         Raises:
             ClosedError: after shutdown.
