@@ -24,21 +24,15 @@ source while holding its own lock (sources call :meth:`finish` under theirs).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Final, Protocol
 
 import numpy as np
 
-from kvoffload.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    JobIdError,
-    UnknownJobError,
-    WaitTimeoutError,
-)
+from kvoffload._seconds import as_timeout
+from kvoffload.errors import ClosedError, JobIdError, UnknownJobError, WaitTimeoutError
 from kvoffload.records import TransferResult
 
 __all__ = ["FailedTicket", "JobBook", "JobSource", "Ticket", "as_job_id", "as_job_ids", "as_timeout"]
@@ -75,19 +69,9 @@ def as_job_ids(job_ids: Iterable[object]) -> list[int]:
     return ids
 
 
-def as_timeout(timeout: object, name: str = "timeout") -> float:
-    """Check a timeout in seconds: a finite, non-negative real number.
-
-    Raises:
-        InvalidArgumentError: negative, NaN or infinite (every wait has a deadline).
-        ArgumentTypeError: not a number (also a ``TypeError``).
-    """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
-    value = float(timeout)
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgumentError(f"{name} = {timeout!r} must be finite and >= 0 seconds")
-    return value
+#: A wait for a pulled source's job looks at the book again at least this often (seconds), so that
+#: the owner's shutdown ends it.
+WAIT_SLICE_S: Final = 0.1
 
 
 class JobSource(Protocol):
@@ -116,6 +100,7 @@ class JobBook:
         self._open: dict[int, JobSource] = {}
         self._done: dict[int, TransferResult] = {}  # insertion order is completion order
         self._waiters = 0
+        self._closed = False
 
     def attach(self, source: JobSource) -> None:
         """Add a source whose completions ``poll`` and ``wait`` look for."""
@@ -188,15 +173,21 @@ class JobBook:
         ``time.monotonic()`` ``deadline``; return their results in the order asked. ``timeout`` is
         only named in the error. Other jobs' results stay for the next ``poll``.
 
+        A wait for a pulled source's job looks at the book again at least every
+        :data:`WAIT_SLICE_S`, so that a shutdown meanwhile ends it (a job that never finishes
+        would otherwise hold it to its deadline).
+
         Raises:
             UnknownJobError: an id neither in flight nor finished-and-unreturned, or one that a
                 concurrent ``poll`` or ``wait`` returned meanwhile (the other jobs stay).
             WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
                 in flight (the finished ones stay available too).
+            ClosedError: the owner shut down (:meth:`clear`) before the jobs finished.
         """
         first_look = True
         while True:
             with self._lock:
+                self._check_open(ids)
                 if first_look:  # checked in the first look, which also finds the sources to advance
                     unknown = [j for j in ids if j not in self._open]
                     if unknown:
@@ -208,6 +199,7 @@ class JobBook:
             for source in sources.values():
                 source.advance()
             with self._lock:
+                self._check_open(ids)
                 gone = [j for j in ids if j not in self._open]
                 if gone:
                     raise UnknownJobError(f"job(s) {gone} were returned by a concurrent call")
@@ -233,11 +225,22 @@ class JobBook:
                     finally:
                         self._waiters -= 1
                     continue
-            source.wait_progress(first, remaining)
+            source.wait_progress(first, min(remaining, WAIT_SLICE_S))
+
+    def _check_open(self, ids: list[int]) -> None:
+        """Under the lock: refuse a wait once the owner shut down.
+
+        Raises:
+            ClosedError: the book was cleared.
+        """
+        if self._closed:
+            raise ClosedError(f"job(s) {ids}: shut down while waiting; their results are gone")
 
     def clear(self) -> None:
-        """Forget every job and result (the owner's shutdown)."""
+        """Forget every job and result, and end every wait with :class:`ClosedError` (the owner's
+        shutdown)."""
         with self._lock:
+            self._closed = True
             self._open.clear()
             self._done.clear()
             if self._waiters:

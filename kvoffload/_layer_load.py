@@ -15,12 +15,12 @@ result through ``poll``/``wait``.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Final, Protocol
 
+from kvoffload._seconds import as_timeout
 from kvoffload.errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -201,11 +201,7 @@ class LayerLoad:
             raise InvalidArgumentError(
                 f"layer = {layer} is out of range: job {self.job_id} loads {count} layers (0..{count - 1})"
             )
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise ArgumentTypeError(f"timeout must be a number of seconds, got {timeout!r}")
-        if not math.isfinite(timeout) or timeout < 0:
-            raise InvalidArgumentError(f"timeout = {timeout!r} must be finite and >= 0 seconds")
-        self._marks.wait(layer, stream, float(timeout))
+        self._marks.wait(layer, stream, as_timeout(timeout))
 
     def __repr__(self) -> str:
         """The job and its layer count."""

@@ -1,5 +1,5 @@
 """Argument checks shared by every job front (the worker, the handler, the disk tier): block ids and
-id pairs (job ids and timeouts are checked by the job book, :mod:`kvoffload._jobs`). Each raises a typed error whose message names the argument, the value and
+id pairs (job ids are checked by the job book, :mod:`kvoffload._jobs`, timeouts by :mod:`kvoffload._seconds`). Each raises a typed error whose message names the argument, the value and
 the rule, before anything is submitted.
 """
 
@@ -45,7 +45,7 @@ def as_block_ids(name: str, values: object, limit: int, *, ranged: bool = True) 
         # a huge unsigned value. Errors are named by the general path below.
         if not ranged or ids.size == 0 or int(ids.view(np.uint64).max()) < limit:
             return ids
-    if isinstance(values, (str, bytes)) or values is None:
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or values is None:
         raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     if isinstance(values, (set, frozenset, Mapping)) or (
         isinstance(values, Iterable) and not isinstance(values, (Sequence, np.ndarray))

@@ -32,7 +32,10 @@ import torch
 
 from kvoffload._descriptors import PageTable
 from kvoffload._layer_map import LayerGroups, LayerPart, TensorPieces, group_layers
-from kvoffload.errors import ArgumentTypeError, LayerError, LayoutError
+from kvoffload._validate import as_block_ids, find_duplicate
+from kvoffload.errors import (
+    ArgumentTypeError, InvalidArgumentError, InvalidBlockIdError, LayerError, LayoutError,
+)
 
 __all__ = ["PAGE_ALIGN_BYTES", "RECORD_ALIGN_BYTES", "DeviceLayout", "TensorGeometry"]
 
@@ -295,8 +298,11 @@ class DeviceLayout:
         A second, independent implementation of the record map (it uses neither copy descriptors
         nor addresses); tests and the demo check the copy paths against it. Runs on the layout's
         device; padding bytes are zero. Returns ``uint8 [len(blocks), record_bytes]``.
+
+        Raises:
+            BlockIdTypeError, InvalidBlockIdError: ``blocks`` not integers, or out of range.
         """
-        index = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        index = self._block_index(blocks)
         out = torch.zeros(
             (index.shape[0], self.record_bytes), dtype=torch.uint8, device=self.device
         )
@@ -308,8 +314,22 @@ class DeviceLayout:
     def scatter_records(self, blocks: BlockIndex, records: torch.Tensor) -> None:
         """Write host records into the given device blocks with torch indexing (the inverse of
         :meth:`gather_records`; for tests and the demo). ``records`` is ``uint8 [n, record_bytes]``.
+
+        Raises:
+            BlockIdTypeError, InvalidBlockIdError: ``blocks`` not integers, out of range, or a
+                block twice (which record it would hold is undefined).
+            ArgumentTypeError: ``records`` is not a ``uint8`` tensor.
+            InvalidArgumentError: ``records`` is not ``[len(blocks), record_bytes]``.
         """
-        index = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        index = self._block_index(blocks, distinct=True)
+        if not isinstance(records, torch.Tensor) or records.dtype != torch.uint8:
+            kind = f"a {records.dtype} tensor" if isinstance(records, torch.Tensor) else type(records).__name__
+            raise ArgumentTypeError(f"records must be a uint8 tensor, got {kind}")
+        if tuple(records.shape) != (index.shape[0], self.record_bytes):
+            raise InvalidArgumentError(
+                f"records has shape {tuple(records.shape)}; it must be [{index.shape[0]}, "
+                f"{self.record_bytes}] (one record of {self.record_bytes} bytes per block)"
+            )
         src = records.to(self.device)
         for geom in self.geometries:
             t = self.tensors[geom.name]
@@ -317,6 +337,22 @@ class DeviceLayout:
             rows = torch.stack([src[:, o : o + geom.page_bytes] for o in geom.host_offsets], dim=1)
             values = rows.contiguous().view(t.dtype).reshape(index.shape[0], *moved.shape[1:])
             moved.index_copy_(0, index, values)
+
+    def _block_index(self, blocks: BlockIndex, *, distinct: bool = False) -> torch.Tensor:
+        """``blocks`` checked (as a job's ids are) and on the layout's device as ``long``.
+
+        Raises:
+            BlockIdTypeError, InvalidBlockIdError: as :func:`~kvoffload._validate.as_block_ids`; a
+                block twice where ``distinct``.
+        """
+        if isinstance(blocks, torch.Tensor):
+            blocks = blocks.detach().cpu()
+        ids = as_block_ids("blocks", blocks, self.num_blocks)
+        if distinct:
+            twice = find_duplicate(ids)
+            if twice is not None:
+                raise InvalidBlockIdError(f"blocks[{twice}] = {ids[twice]} repeats an earlier block")
+        return torch.from_numpy(ids).to(self.device)
 
     def _tensor_rows(self, index: torch.Tensor) -> list[tuple[TensorGeometry, torch.Tensor]]:
         result = []

@@ -102,6 +102,9 @@ SUPPORTED_TRANSFORMERS: Final = surface.SUPPORTED_RANGE
 DEFAULT_LOAD_TIMEOUT_S: Final = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 _POLICIES: Final = ("lru", "arc")
+#: A timeout from this many seconds on (about 30 years; ``inf`` too) is refused as not finite: the
+#: worker's waits and its shutdown take only finite deadlines.
+_MAX_TIMEOUT_S: Final = 1e9
 
 
 class Offloader:
@@ -287,8 +290,12 @@ def _check_args(num_host_blocks: object, disk: object, load_timeout: object, shu
         if not isinstance(disk, DiskConfig):
             raise kvoffload.ArgumentTypeError(f"disk = {disk!r} must be a DiskConfig or None")
     for name, value in (("load_timeout", load_timeout), ("shutdown_timeout", shutdown_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise kvoffload.InvalidArgumentError(f"{name} = {value!r} must be a number of seconds > 0")
+        # finite too: the worker's waits and its shutdown refuse an infinite deadline
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                or not value < _MAX_TIMEOUT_S):
+            raise kvoffload.InvalidArgumentError(
+                f"{name} = {value!r} must be a finite number of seconds > 0"
+            )
     if make_worker is not None and not callable(make_worker):
         raise kvoffload.ArgumentTypeError(f"make_worker = {make_worker!r} must be callable or None")
 

@@ -14,6 +14,7 @@ inside that group's first chunk; :func:`job_records` skips the leading records a
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -60,6 +61,9 @@ RECORD_ALIGN_BYTES: Final = 4096
 _POLICIES: Final = ("lru", "arc")
 #: extra_config keys this adapter reads.
 _KNOWN_KEYS: Final = ("host_bytes", "eviction_policy", "transfer_retries", "wait_timeout_s", "attach_timeout_s")
+#: How close (difflib's ratio) an unknown key must be to one of the adapter's to be refused as a
+#: misspelling of it.
+_MISSPELLED_CUTOFF: Final = 0.8
 #: extra_config keys of vLLM's own CPU spec, or kvoffload features, that this adapter does not
 #: support yet, with the reason given to the user.
 _REFUSED_KEYS: Final = {
@@ -154,7 +158,7 @@ class AdapterOptions:
         Raises:
             VLLMConfigError: ``host_bytes`` missing or not a positive int; an unknown policy; a
                 negative or non-int ``transfer_retries``; a non-positive ``wait_timeout_s`` or
-                ``attach_timeout_s``.
+                ``attach_timeout_s``; a key close to one of the adapter's (a misspelling).
             UnsupportedVLLMFeatureError: a key this adapter refuses (``canonical_layout`` true,
                 ``cpu_bytes_to_use``, ``store_threshold`` >= 2, ``cache_policy_module_path``,
                 ``disk_path``, ``disk_bytes``), naming the key and why.
@@ -171,6 +175,7 @@ class AdapterOptions:
                 f"kv_connector_extra_config[{key!r}] = {value!r} is not supported by KVOffloadSpec: "
                 f"{reason}"
             )
+        _check_misspelled(extra_config)
         if extra_config.get("canonical_layout"):
             raise UnsupportedVLLMFeatureError(
                 "kv_connector_extra_config['canonical_layout'] = "
@@ -189,7 +194,7 @@ class AdapterOptions:
                 "(bytes)"
             )
         policy = extra_config.get("eviction_policy", "lru")
-        if policy not in _POLICIES:
+        if not isinstance(policy, str) or policy not in _POLICIES:
             raise VLLMConfigError(
                 f"kv_connector_extra_config['eviction_policy'] = {policy!r} is not one of "
                 f"{list(_POLICIES)}"
@@ -208,15 +213,43 @@ class AdapterOptions:
         )
 
 
+def _check_misspelled(extra_config: Mapping[str, object]) -> None:
+    """Refuse a key that is none of this adapter's but close to one (``evicton_policy``): read as
+    vLLM's own, it would leave the adapter's option at its default without a word. Keys far from
+    every option are left to vLLM (its own, e.g. ``block_size``, ``spec_name``).
+
+    Raises:
+        VLLMConfigError: naming the key and the option it is close to.
+    """
+    ours = (*_KNOWN_KEYS, *_REFUSED_KEYS, "canonical_layout")
+    for key in extra_config:
+        if not isinstance(key, str) or key in ours:
+            continue
+        close = difflib.get_close_matches(key, ours, n=1, cutoff=_MISSPELLED_CUTOFF)
+        if close:
+            raise VLLMConfigError(
+                f"kv_connector_extra_config[{key!r}] is not an option of KVOffloadSpec; did you mean "
+                f"{close[0]!r}? (keys far from every option are left to vLLM)"
+            )
+
+
 def _seconds(extra_config: Mapping[str, object], key: str, default: float) -> float:
     """``extra_config[key]`` (else ``default``) as a finite number of seconds > 0, or
     :class:`VLLMConfigError` naming the key."""
     value = extra_config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value <= 0:
         raise VLLMConfigError(
             f"kv_connector_extra_config[{key!r}] = {value!r} must be a finite number of seconds > 0"
         )
     return float(value)
+
+
+def _finite(value: float) -> bool:
+    """Whether ``value`` is a finite number (an int too large for a float is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _below_two(value: object) -> bool:

@@ -23,10 +23,10 @@ batched ``exists(keys, *, timeout)``, such as a remote store), its deadline, and
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from typing import Final, Protocol, cast
 
+from kvoffload._seconds import is_finite
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
 from kvoffload.manager.state import READY, Counts, Entry, Pool
 
@@ -104,7 +104,7 @@ class RemoteLink:
             )
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise ArgumentTypeError(f"remote_timeout_s = {timeout_s!r} must be a number of seconds")
-        if not math.isfinite(timeout_s) or timeout_s <= 0:
+        if not is_finite(timeout_s) or timeout_s <= 0:
             raise InvalidArgumentError(f"remote_timeout_s = {timeout_s!r} must be finite and > 0")
         return cls(cast(RemoteIndex, index), float(timeout_s), namespace)
 

@@ -8,12 +8,12 @@ rank (or built once and sent to the ranks); ``pool.rank(r)`` is what rank ``r`` 
 
 from __future__ import annotations
 
-import math
 import re
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
+from kvoffload._seconds import is_finite
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
 from kvoffload.pool.header import MAX_WORLD_SIZE
 
@@ -62,7 +62,7 @@ def _check_generation(_instance: object, _attribute: object, value: Any) -> None
 def _check_timeout(_instance: object, _attribute: object, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"attach_timeout_s = {value!r} must be a number of seconds")
-    if not math.isfinite(value) or value <= 0:
+    if not is_finite(value) or value <= 0:
         raise InvalidArgumentError(f"attach_timeout_s = {value!r} must be a finite number > 0")
 
 

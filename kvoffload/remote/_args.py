@@ -7,13 +7,13 @@ Each raises a typed error naming the argument, the value and the rule, before an
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload._seconds import as_timeout
 from kvoffload._record import MAX_FINGERPRINT_BYTES, MAX_KEY_BYTES, PAGE_BYTES
 from kvoffload.errors import (
     ArgumentTypeError,
@@ -47,20 +47,6 @@ DEFAULT_BATCH_RECORDS: Final = 32
 MAX_BATCH_RECORDS: Final = 4096
 DEFAULT_CHECKSUM_THREADS: Final = 2
 MAX_CHECKSUM_THREADS: Final = 64
-
-
-def as_timeout(value: object, name: str = "timeout") -> float:
-    """A finite, non-negative number of seconds (every wait has a deadline).
-
-    Raises:
-        ArgumentTypeError: not a number; InvalidArgumentError: negative, NaN or infinite.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{name} must be a number of seconds, got {value!r}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidArgumentError(f"{name} = {value!r} must be finite and >= 0 seconds")
-    return seconds
 
 
 def as_host_rows(rows: object) -> U8Array:

@@ -661,6 +661,8 @@ class Worker:
                 thread's ``poll``/``wait`` returned meanwhile (the other jobs stay available).
             WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
                 in flight, and every finished one stays available.
+            ClosedError: also when another thread's :meth:`shutdown` ended while waiting (within
+                about 0.1 s of it, whatever the wait's own deadline).
         """
         self._check_open()
         results = self._jobs.wait(job_ids, timeout)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvoffload import (
-    BlockConflictError, DeviceLayout, Direction, ShutdownError, TransferError, TransferResult,
-    UnknownJobError, Worker,
+    BlockConflictError, ClosedError, DeviceLayout, Direction, ShutdownError, TransferError,
+    TransferResult, UnknownJobError, Worker,
 )
 from kvoffload.backends.host import HostBackend
 from kvoffload.cli.demo import LAYOUTS, build_cache
@@ -211,6 +211,37 @@ def test_stuck_copy_shutdown_returns_and_leaves_the_region_mapped() -> None:
         assert "left mapped" in str(info.value)
     finally:
         StuckBackend.gate.set()
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_wait_ends_with_closed_error_when_another_thread_shuts_the_worker_down(stuck: bool) -> None:
+    """A waiter of a job that never finishes (a stuck copy), or of one queued behind it, is not
+    held to its own 300 s deadline by a shutdown of 0.2 s: it ends with ClosedError soon after the
+    shutdown (without the book's close it waited out its deadline; the 10 s join bounds it)."""
+    StuckBackend.gate.clear()
+    w = Worker.create(small_cache("per-layer"), HOST_BLOCKS, backend_factory=StuckBackend)
+    w.store(1, [0], [0])
+    w.store(2, [1], [1])
+    outcome: list[BaseException | list[TransferResult]] = []
+
+    def waiter() -> None:
+        try:
+            outcome.append(w.wait([1] if stuck else [2], 300.0))
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        with pytest.raises(ShutdownError):
+            w.shutdown(timeout=0.2)
+        thread.join(10.0)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], ClosedError)
+        assert "shut down while waiting" in str(outcome[0])
+    finally:
+        StuckBackend.gate.set()
+        thread.join(TIMEOUT_S)
 
 
 class GatedBackend(HostBackend):

@@ -363,6 +363,10 @@ def test_bad_wait_layer_arguments_are_refused() -> None:
             load.wait_layer(0, timeout=-1.0)
         with pytest.raises(InvalidArgumentError, match="timeout"):
             load.wait_layer(0, timeout=float("inf"))
+        with pytest.raises(InvalidArgumentError, match="timeout = 1000+ must be finite"):
+            load.wait_layer(0, timeout=10**400)
+        with pytest.raises(ArgumentTypeError, match="timeout must be a number"):
+            load.wait_layer(0, timeout="1")  # type: ignore[arg-type]
         with pytest.raises(DeviceMismatchError, match="takes no stream"):
             load.wait_layer(0, stream=object())
         assert all(r.ok for r in w.wait([1], TIMEOUT_S))

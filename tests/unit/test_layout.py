@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, LayoutError
+from kvoffload import (
+    ArgumentTypeError, BlockIdTypeError, DeviceLayout, InvalidArgumentError, InvalidBlockIdError, LayoutError,
+)
 from kvoffload.layout import PAGE_ALIGN_BYTES, RECORD_ALIGN_BYTES
 
 BF16 = 2  # bytes per bfloat16 element
@@ -332,6 +334,37 @@ def test_scatter_then_gather_returns_the_same_records(name: str) -> None:
     assert torch.equal(layout.gather_records(blocks), records)
     assert torch.equal(brute_force_records(layout, blocks), records)
     assert torch.equal(layout.gather_records(others), untouched)
+
+
+def test_gather_and_scatter_check_their_blocks_and_records() -> None:
+    """The reference map takes ids as a job does (floats and bools once read as blocks 2, 3, 1, 0)
+    and refuses records of the wrong kind or shape, changing nothing."""
+    layout = build("per-layer")
+    before = layout.gather_records(list(range(layout.num_blocks)))
+    good = torch.zeros((2, layout.record_bytes), dtype=torch.uint8)
+    for blocks, error, words in (
+        ([2.9, 3.2], BlockIdTypeError, r"blocks\[0\] = 2.9 is a float"),
+        ([True, False], BlockIdTypeError, r"blocks\[0\] = True is a bool"),
+        ([-1, 0], InvalidBlockIdError, r"blocks\[0\] = -1 is out of range"),
+        ([0, layout.num_blocks], InvalidBlockIdError, r"blocks\[1\] = \d+ is out of range"),
+        ([1, 1], InvalidBlockIdError, r"blocks\[1\] = 1 repeats an earlier block"),
+    ):
+        with pytest.raises(error, match=words):
+            layout.scatter_records(blocks, good)  # type: ignore[arg-type]
+        if words.endswith("earlier block"):
+            layout.gather_records(blocks)  # type: ignore[arg-type]  # a gather may read a block twice
+        else:
+            with pytest.raises(error, match=words):
+                layout.gather_records(blocks)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="records must be a uint8 tensor, got list"):
+        layout.scatter_records([0, 1], [good[0], good[1]])  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="got a torch.int32 tensor"):
+        layout.scatter_records([0, 1], good.to(torch.int32))
+    with pytest.raises(InvalidArgumentError, match=r"records has shape \(2, \d+\); it must be \[2, "):
+        layout.scatter_records([0, 1], torch.zeros((2, layout.record_bytes + 1), dtype=torch.uint8))
+    assert torch.equal(layout.gather_records(list(range(layout.num_blocks))), before)
+    layout.scatter_records(torch.tensor([0, 1]), good)  # ids as a tensor, as before
+    assert not bool(layout.gather_records([0, 1]).any())
 
 
 # ------------------------------------------------------------------------------- fingerprint

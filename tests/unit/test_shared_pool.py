@@ -279,6 +279,7 @@ def test_a_stride_shorter_than_a_record_is_refused() -> None:
         (lambda: SharedPool("x", 2, generation=-1), InvalidArgumentError, "generation = -1 must be"),
         (lambda: SharedPool("x", 2, attach_timeout_s=0), InvalidArgumentError, "attach_timeout_s = 0"),
         (lambda: SharedPool("x", 2, attach_timeout_s=float("nan")), InvalidArgumentError, "finite"),
+        (lambda: SharedPool("x", 2, attach_timeout_s=10**400), InvalidArgumentError, "finite"),
         (lambda: SharedPool("x", 2, attach_timeout_s="5"),  # type: ignore[arg-type]
          ArgumentTypeError, "number of seconds"),
         (lambda: SharedPool("x", 2).rank(2), InvalidArgumentError, "rank = 2 must be between 0 and 1"),

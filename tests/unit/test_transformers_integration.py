@@ -425,6 +425,10 @@ def test_each_session_gets_its_own_pool_and_the_previous_one_is_released(model: 
         ({"num_host_blocks": 8, "disk": "/tmp/x"}, kvoffload.ArgumentTypeError, "disk = '/tmp/x'"),
         ({"num_host_blocks": 8, "policy": "mru"}, kvoffload.UnknownPolicyError, "policy = 'mru'"),
         ({"num_host_blocks": 8, "load_timeout": 0}, kvoffload.InvalidArgumentError, "load_timeout = 0"),
+        ({"num_host_blocks": 8, "load_timeout": 10**400}, kvoffload.InvalidArgumentError, "finite number"),
+        # an infinite shutdown deadline was accepted here and refused by the worker at exit
+        ({"num_host_blocks": 8, "shutdown_timeout": float("inf")}, kvoffload.InvalidArgumentError,
+         "shutdown_timeout = inf must be a finite number of seconds > 0"),
         ({"num_host_blocks": 8, "make_worker": 3}, kvoffload.ArgumentTypeError, "make_worker = 3"),
         ({"num_host_blocks": 8, "overlap_loads": "yes"}, kvoffload.ArgumentTypeError, "overlap_loads = 'yes'"),
         ({"num_host_blocks": 8, "defer_loads": 1}, kvoffload.ArgumentTypeError, "defer_loads = 1"),

@@ -256,6 +256,14 @@ BAD_CALLS = {
         lambda w: w.store(1, _any("01"), [0, 1]), BlockIdTypeError, TYPE_AND_VALUE,
         r"device_blocks must be a sequence of ints, got str",
     ),
+    "store-bytearray-ids": BadCall(  # bytes of ids would read as ids 0..255
+        lambda w: w.store(1, _any(bytearray(b"\x01")), [0]), BlockIdTypeError, TYPE_AND_VALUE,
+        r"device_blocks must be a sequence of ints, got bytearray",
+    ),
+    "load-memoryview-ids": BadCall(
+        lambda w: w.load(1, _any(memoryview(b"\x01")), [0]), BlockIdTypeError, TYPE_AND_VALUE,
+        r"host_blocks must be a sequence of ints, got memoryview",
+    ),
     "store-string-id-element": BadCall(
         lambda w: w.store(1, [0], _any(["1"])), BlockIdTypeError, TYPE_AND_VALUE,
         r"host_blocks\[0\] = '1' is a str, not an int",
@@ -352,6 +360,10 @@ BAD_WAITS = {
     "infinite-timeout": BadCall(
         lambda w: w.wait([7], float("inf")), InvalidArgumentError, VALUE,
         r"timeout = inf must be finite and >= 0 seconds",
+    ),
+    "huge-int-timeout": BadCall(  # too large for a float: not an OverflowError
+        lambda w: w.wait([7], 10**400), InvalidArgumentError, VALUE,
+        r"timeout = 1000+ must be finite and >= 0 seconds",
     ),
     "string-timeout": BadCall(
         lambda w: w.wait([7], _any("1")), ArgumentTypeError, TYPE_AND_VALUE,

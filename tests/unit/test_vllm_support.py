@@ -68,6 +68,12 @@ def test_options_defaults_and_values() -> None:
         ({"cpu_bytes_to_use": 1}, UnsupportedVLLMFeatureError, "CPUOffloadingSpec"),
         ({"host_bytes": 1, "store_threshold": 3}, UnsupportedVLLMFeatureError, "store_threshold"),
         ({"host_bytes": 1, "cache_policy_module_path": "m"}, UnsupportedVLLMFeatureError, "module path"),
+        ({"host_bytes": 1, "evicton_policy": "arc"}, VLLMConfigError,
+         r"\['evicton_policy'\] is not an option of KVOffloadSpec; did you mean 'eviction_policy'"),
+        ({"host_byte": 1 << 30}, VLLMConfigError, "did you mean 'host_bytes'"),
+        ({"host_bytes": 1, "wait_timeout": 5}, VLLMConfigError, "did you mean 'wait_timeout_s'"),
+        ({"host_bytes": 1, "eviction_policy": ["lru"]}, VLLMConfigError, r"\['lru'\] is not one of"),
+        ({"host_bytes": 1, "wait_timeout_s": 10**400}, VLLMConfigError, "finite number of seconds"),
     ],
 )
 def test_bad_or_unsupported_options_are_refused_naming_the_key(
@@ -80,6 +86,10 @@ def test_bad_or_unsupported_options_are_refused_naming_the_key(
 
 def test_options_vllm_leaves_harmless_are_accepted() -> None:
     AdapterOptions.from_extra_config({"host_bytes": 1, "store_threshold": 1, "canonical_layout": False})
+    # vLLM's own keys, far from every option of the adapter, are left to vLLM
+    AdapterOptions.from_extra_config({"host_bytes": 1, "block_size": 64, "spec_name": "KVOffloadSpec",
+                                      "spec_module_path": "kvoffload.integrations.vllm",
+                                      "blocks_per_chunk": 4})
 
 
 def test_chunk_count_uses_padded_records_of_every_block_of_a_chunk() -> None:
