@@ -277,9 +277,21 @@ class UnknownPolicyError(InvalidArgumentError):
 
 
 class PolicyError(KVOffloadError):
-    """Raised when a pluggable eviction policy broke its contract: it proposed a victim that is not
-    evictable (pending, loading, protected by the request, unknown) or more victims than asked. This is
-    an "it broke" error of the policy; the manager refused the plan and changed nothing."""
+    """Raised when a pluggable eviction policy broke its contract. Two ways:
+
+    * it proposed a victim that is not evictable (pending, loading, protected by the request,
+      unknown) or more victims than asked: the manager refused the plan and changed nothing;
+    * it raised from a notification (``admit``, ``hit``, ``hold``, ``release``, ``evict``,
+      ``clear``): the manager's own change was made whole first (its other notifications were
+      still made) and stands; ``result`` is what the call returned (a plan to complete, or None),
+      and the exception is the ``__cause__``. The policy may have missed that notification.
+
+    This is an "it broke" error of the policy.
+    """
+
+    def __init__(self, message: str, result: object = None) -> None:
+        self.result = result
+        super().__init__(message)
 
 
 class DiskError(KVOffloadError):

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple
 
-from kvoffload.errors import ArgumentTypeError, InvalidArgumentError, KeyTypeError
+from kvoffload.errors import ArgumentTypeError, InvalidArgumentError, KeyTypeError, PolicyError
 from kvoffload.manager.policies import EvictionPolicy
 from kvoffload.manager.records import (
     BlockEvent,
@@ -116,12 +116,12 @@ class ManagerBase:
     @property
     def host_policy(self) -> EvictionPolicy:
         """The host tier's policy, for inspection: call only ``victims`` (it changes nothing)."""
-        return self._host.policy
+        return self._host.policy.policy
 
     @property
     def disk_policy(self) -> EvictionPolicy | None:
         """The disk tier's policy (for inspection, as :attr:`host_policy`), or None without a disk tier."""
-        return self._disk.policy if self._disk is not None else None
+        return self._disk.policy.policy if self._disk is not None else None
 
     def namespaced(self, key: bytes) -> bytes:
         """``namespaced_key(self.fingerprint, key)``: the name a persistent tier should store under."""
@@ -143,6 +143,7 @@ class ManagerBase:
 
         Raises:
             ArgumentTypeError: ``in_flight_done`` is not a bool.
+            PolicyError: a custom policy's ``clear`` raised (after the reset, which stands).
         """
         if not isinstance(in_flight_done, bool):
             raise ArgumentTypeError(f"in_flight_done = {in_flight_done!r} must be a bool")
@@ -194,6 +195,7 @@ class ManagerBase:
             self._remote.puts.clear()
         self._epoch += 1
         self._n.resets += 1
+        self._check_policies()
 
     # ----------------------------------------------------------------- helpers
 
@@ -209,6 +211,28 @@ class ManagerBase:
             raise InvalidArgumentError(f"plan {plan.plan_id} was prepared by another Manager")
         if not isinstance(ok, bool):
             raise ArgumentTypeError(f"ok = {ok!r} is a {type(ok).__name__}; it must be a bool")
+
+    def _check_policies(self, result: object = None) -> None:
+        """End a call whose policy notification raised (:class:`GuardedPolicy` kept it) with
+        :class:`PolicyError`; the call's own change was made whole and stands, and ``result``
+        (what it returns) rides on the error.
+
+        Raises:
+            PolicyError: from the first notification that raised in this call.
+        """
+        for pool in (self._host, self._disk):
+            if pool is None:
+                continue
+            failure = pool.policy.take_failure()
+            if failure is None:
+                continue
+            method, key, exc = failure
+            raise PolicyError(
+                f"{pool.policy.name}.{method}({'' if key is None else repr(key)}) raised {exc!r} "
+                f"({pool.tier.value} tier): the manager's change was made whole and stands (the "
+                "error's result is what the call returns); the policy may have missed this "
+                "notification", result,
+            ) from exc
 
     def _evict(self, pool: Pool, victims: list[bytes], found: list[Entry]) -> None:
         """Evict ``victims`` (checked, with their entries ``found``) from ``pool``: ``REMOVED`` events.

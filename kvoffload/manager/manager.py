@@ -86,8 +86,11 @@ class Manager(ManagerBase):
     Build it with ``Manager.create(num_host_blocks, fingerprint=..., ...)``.
 
     Owns Python state only (see the module docstring); nothing to close. Every method either does all
-    it says or raises before changing anything (state, policy order, counters, events). Not
-    thread-safe.
+    it says or raises before changing anything (state, policy order, counters, events) — but for a
+    custom policy that raises from a notification (``admit``, ``hit``, ``hold``, ``release``,
+    ``evict``, ``clear``): the call then completes whole, makes its other notifications, and raises
+    :class:`PolicyError` (its ``result`` is what the call returns), so the manager's state is never
+    left half-changed. Not thread-safe.
     """
 
     @classmethod
@@ -177,6 +180,7 @@ class Manager(ManagerBase):
 
         Raises:
             KeyTypeError: ``keys`` is not a sequence of bytes.
+            PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
         check_keys("keys", keys)
         entries = self._entries
@@ -190,6 +194,7 @@ class Manager(ManagerBase):
                 host_hit(key)
             if entry.disk_state is READY and disk_policy is not None:
                 disk_policy.hit(key)
+        self._check_policies()
 
     def events(self) -> list[BlockEvent]:
         """Return and forget the events recorded since the last call, oldest first."""
@@ -220,7 +225,8 @@ class Manager(ManagerBase):
         Raises:
             KeyTypeError: ``keys`` is not a sequence of bytes.
             DuplicateKeyError: a key appears twice (it would get two blocks).
-            PolicyError: a custom policy proposed a victim that is not evictable.
+            PolicyError: a custom policy proposed a victim that is not evictable (nothing changed),
+                or raised from a notification (the plan was made and is ``result``).
         """
         check_unique_keys("keys", keys)
         entries = self._entries
@@ -286,7 +292,7 @@ class Manager(ManagerBase):
         self._n.host_evictions += len(host_victims)
         self._n.disk_evictions += len(disk_victims)
         self._n.demotions_planned += len(demotions)
-        return StorePlan(
+        plan = StorePlan(
             owner=self._owner,
             plan_id=plan_id,
             epoch=self._epoch,
@@ -296,6 +302,8 @@ class Manager(ManagerBase):
             disk_evicted=tuple(disk_victims),
             demotions=plan_demotions,
         )
+        self._check_policies(plan)
+        return plan
 
     def complete_store(self, plan: StorePlan, ok: bool, keys: Sequence[bytes] | None = None) -> None:
         """Finish the store of ``keys`` (default: all of ``plan.keys``) of ``plan``.
@@ -310,6 +318,7 @@ class Manager(ManagerBase):
             KeyTypeError / DuplicateKeyError: bad ``keys``.
             UnknownKeyError: a key is not in ``plan.keys``.
             KeyStateError: a key's store from this plan was already completed.
+            PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
         self._check_plan(plan, StorePlan, ok)
         done = self._complete_copies(plan, ok, keys, plan.keys, FenceKind.STORE)
@@ -317,6 +326,7 @@ class Manager(ManagerBase):
             self._n.stores_completed += done
         else:
             self._n.stores_failed += done
+        self._check_policies()
 
     def complete_demote(self, plan: StorePlan, ok: bool, keys: Sequence[bytes] | None = None) -> None:
         """Finish the demotions of ``keys`` (default: every key of ``plan.demotions``).
@@ -333,6 +343,7 @@ class Manager(ManagerBase):
             self._n.demotions_completed += done
         else:
             self._n.demotions_failed += done
+        self._check_policies()
 
     def _complete_copies(
         self,
@@ -409,6 +420,8 @@ class Manager(ManagerBase):
                 complete).
             UnknownKeyError: a key is not held in any tier (and there is no remote index).
             KeyStateError: a key is held but not ready (its store or demotion is pending).
+            PolicyError: a custom policy proposed a victim that is not evictable (nothing changed),
+                or raised from a notification (the plan was made and is ``result``).
         """
         check_unique_keys("keys", keys)
         entries = self._entries
@@ -457,7 +470,9 @@ class Manager(ManagerBase):
             self._loads[plan_id] = outstanding
         self._n.loads_planned += len(tiers)
         self._n.remote_loads_planned += tiers.count(REMOTE)
-        return LoadPlan(self._owner, plan_id, self._epoch, tuple(keys[: len(tiers)]), tuple(tiers), tuple(blocks))
+        plan = LoadPlan(self._owner, plan_id, self._epoch, tuple(keys[: len(tiers)]), tuple(tiers), tuple(blocks))
+        self._check_policies(plan)
+        return plan
 
     def _remote_blocks(self, keys: Sequence[bytes], found: list[Entry | None]) -> list[int]:
         """Host blocks for the remote keys of a load (``found`` None), evicting ready host copies the
@@ -496,6 +511,7 @@ class Manager(ManagerBase):
             UnknownKeyError: a key is not in ``plan.keys``.
             KeyStateError: a key of this plan was already completed (no matching ``prepare_load``).
             ArgumentTypeError: ``ok`` is not a bool.
+            PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
         if not isinstance(ok, bool):
             raise ArgumentTypeError(f"ok = {ok!r} must be a bool")
@@ -544,6 +560,7 @@ class Manager(ManagerBase):
         self._n.loads_completed += len(keys)
         if not ok:
             self._n.loads_failed += len(keys)
+        self._check_policies()
 
     def _finish_remote_load(self, key: bytes, entry: Entry, ok: bool) -> None:
         """A remote key's read and load finished: its pending host copy becomes ready, or goes."""

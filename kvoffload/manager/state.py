@@ -7,7 +7,7 @@ Private to the manager package; not thread-safe (the manager is called from one 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from operator import attrgetter
 from typing import Any, Final, cast
@@ -123,8 +123,80 @@ class PlanCopies:
         self.disk_left = len(disk)
 
 
+class GuardedPolicy:
+    """A tier's policy as the manager calls it: a notification that raises is kept (the first of
+    them) and not propagated, so that the manager's own change always completes whole; the manager
+    raises :class:`PolicyError` once the call is done (:meth:`ManagerBase._check_policies`).
+    ``victims``, which the manager calls before it changes anything, passes its exceptions on."""
+
+    __slots__ = ("failure", "name", "policy")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.name = type(policy).__name__
+        #: (the method, the key or None, the exception) of the first notification that raised.
+        self.failure: tuple[str, bytes | None, Exception] | None = None
+
+    def _kept(self, method: str, key: bytes | None, exc: Exception) -> None:
+        if self.failure is None:
+            self.failure = (method, key, exc)
+
+    def admit(self, key: bytes) -> None:
+        """The policy's ``admit``, its exception kept."""
+        try:
+            self.policy.admit(key)
+        except Exception as exc:  # noqa: BLE001 - kept for the PolicyError after the call
+            self._kept("admit", key, exc)
+
+    def hit(self, key: bytes) -> None:
+        """The policy's ``hit``, its exception kept."""
+        try:
+            self.policy.hit(key)
+        except Exception as exc:  # noqa: BLE001 - kept for the PolicyError after the call
+            self._kept("hit", key, exc)
+
+    def hold(self, key: bytes) -> None:
+        """The policy's ``hold``, its exception kept."""
+        try:
+            self.policy.hold(key)
+        except Exception as exc:  # noqa: BLE001 - kept for the PolicyError after the call
+            self._kept("hold", key, exc)
+
+    def release(self, key: bytes) -> None:
+        """The policy's ``release``, its exception kept."""
+        try:
+            self.policy.release(key)
+        except Exception as exc:  # noqa: BLE001 - kept for the PolicyError after the call
+            self._kept("release", key, exc)
+
+    def evict(self, key: bytes) -> None:
+        """The policy's ``evict``, its exception kept."""
+        try:
+            self.policy.evict(key)
+        except Exception as exc:  # noqa: BLE001 - kept for the PolicyError after the call
+            self._kept("evict", key, exc)
+
+    def clear(self) -> None:
+        """The policy's ``clear``, its exception kept."""
+        try:
+            self.policy.clear()
+        except Exception as exc:  # noqa: BLE001 - kept for the PolicyError after the call
+            self._kept("clear", None, exc)
+
+    def victims(self, count: int, exclude: Container[bytes]) -> list[bytes]:
+        """The policy's ``victims`` (checked by the caller; its exceptions pass: nothing changed
+        yet)."""
+        return self.policy.victims(count, exclude)
+
+    def take_failure(self) -> tuple[str, bytes | None, Exception] | None:
+        """The kept failure, forgotten here."""
+        failure, self.failure = self.failure, None
+        return failure
+
+
 class Pool:
-    """The blocks of one tier: free list, counters, fenced blocks and the tier's policy."""
+    """The blocks of one tier: free list, counters, fenced blocks and the tier's policy (guarded:
+    :class:`GuardedPolicy`)."""
 
     def __init__(self, tier: Tier, capacity: int, policy: EvictionPolicy) -> None:
         self.tier = tier
@@ -134,7 +206,7 @@ class Pool:
         self.refs_of: Final[attrgetter[Any]] = attrgetter("host_refs" if on_host else "disk_refs")
         self.block_of: Final[attrgetter[Any]] = attrgetter("host" if on_host else "disk")
         self.capacity = capacity
-        self.policy = policy
+        self.policy = GuardedPolicy(policy)
         self.free: list[int] = list(range(capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self.pending = 0
         self.loading = 0
@@ -208,7 +280,7 @@ def victim_entries(
     """
     if len(victims) > count or len(set(victims)) != len(victims):
         raise PolicyError(
-            f"{type(pool.policy).__name__}.victims({count}) returned {len(victims)} keys "
+            f"{pool.policy.name}.victims({count}) returned {len(victims)} keys "
             f"({len(set(victims))} distinct); expected at most {count} distinct keys"
         )
     # One C pass per check: the cache misses of a batch's lookups overlap a little in C.
@@ -228,7 +300,7 @@ def victim_entries(
             or pool.refs_of(entry) != 0
         ):
             raise PolicyError(
-                f"{type(pool.policy).__name__} proposed {key!r} as a {pool.tier.value} victim, but "
+                f"{pool.policy.name} proposed {key!r} as a {pool.tier.value} victim, but "
                 "it is not evictable (unknown, pending, loading or protected by the request)"
             )
     raise AssertionError("unreachable: some victim failed a check above")

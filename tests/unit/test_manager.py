@@ -501,6 +501,134 @@ def test_custom_policy_proposing_a_protected_victim_raises_policy_error_and_chan
     assert m.stats().host_evictions == before[0].host_evictions
 
 
+class Faulty(LRUPolicy):
+    """LRU whose ``method`` raises on its ``nth`` call (1-based), after doing its work (so the
+    policy itself stays consistent and what is tested is the manager); every call is recorded."""
+
+    def __init__(self, capacity: int, method: str, nth: int = 1) -> None:
+        super().__init__(capacity)
+        self.method, self.nth, self.calls = method, nth, 0
+        self.seen: list[tuple[str, bytes | None]] = []
+
+    def _maybe_raise(self, method: str, key: bytes | None) -> None:
+        self.seen.append((method, key))
+        if method == self.method:
+            self.calls += 1
+            if self.calls == self.nth:
+                raise RuntimeError(f"{method} broke")
+
+    def admit(self, key: bytes) -> None:
+        super().admit(key)
+        self._maybe_raise("admit", key)
+
+    def hit(self, key: bytes) -> None:
+        super().hit(key)
+        self._maybe_raise("hit", key)
+
+    def hold(self, key: bytes) -> None:
+        super().hold(key)
+        self._maybe_raise("hold", key)
+
+    def release(self, key: bytes) -> None:
+        super().release(key)
+        self._maybe_raise("release", key)
+
+    def evict(self, key: bytes) -> None:
+        super().evict(key)
+        self._maybe_raise("evict", key)
+
+    def clear(self) -> None:
+        super().clear()
+        self._maybe_raise("clear", None)
+
+
+def faulty(method: str, nth: int = 1, host: int = 4) -> tuple[Manager, Faulty]:
+    made: list[Faulty] = []
+
+    def factory(capacity: int) -> Faulty:
+        made.append(Faulty(capacity, method, nth))
+        return made[-1]
+
+    return Manager.create(host, fingerprint="f", policy=factory), made[0]
+
+
+def test_a_policy_whose_admit_raises_leaves_the_store_whole_and_a_retry_refused() -> None:
+    """The store completes for every key (B's admit raised after A's was made), then PolicyError;
+    a second completion of the same plan is refused. Without the guard the exception left the
+    pool's pending count lowered with neither key offered, and the retry was taken: pending -2
+    (the control below)."""
+    m, policy = faulty("admit", nth=2)
+    plan = m.prepare_store([A, B])
+    assert plan is not None
+    with pytest.raises(PolicyError, match=r"Faulty\.admit\(.*\) raised RuntimeError\('admit broke'\)") as info:
+        m.complete_store(plan, True)
+    assert isinstance(info.value.__cause__, RuntimeError) and info.value.result is None
+    assert m.lookup([A, B]) == 2
+    stats = m.stats().host
+    assert (stats.pending, stats.ready, stats.free) == (0, 2, 2)
+    assert [k for what, k in policy.seen if what == "admit"] == [A, B]  # B's admit still made
+    with pytest.raises(KeyStateError):
+        m.complete_store(plan, True)
+    assert m.stats().host.pending == 0
+    assert stored(m, [C]).keys == (C,)  # the manager goes on
+
+
+def test_without_the_guard_a_raising_admit_corrupts_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: a guard that lets the exception through (as the manager did before)."""
+    from kvoffload.manager.state import GuardedPolicy
+
+    def through(self: GuardedPolicy, method: str, key: bytes | None, exc: Exception) -> None:
+        raise exc
+
+    monkeypatch.setattr(GuardedPolicy, "_kept", through)
+    m, _ = faulty("admit", nth=2)
+    plan = m.prepare_store([A, B])
+    assert plan is not None
+    with pytest.raises(RuntimeError):
+        m.complete_store(plan, True)
+    assert m.lookup([A, B]) == 0  # neither key offered, though A's admit went through
+    m.complete_store(plan, True)  # a retry is taken: the pool's counts go wrong
+    assert m.stats().host.pending < 0
+
+
+def test_a_policy_whose_hold_raises_still_gives_the_load_plan_to_complete() -> None:
+    m, policy = faulty("hold", nth=1)
+    stored(m, [A, B])
+    with pytest.raises(PolicyError, match="hold") as info:
+        m.prepare_load([A, B])
+    plan = info.value.result
+    assert isinstance(plan, LoadPlan) and plan.keys == (A, B)
+    assert m.stats().host.loading == 2  # both referenced, as the plan says
+    m.complete_load(plan)
+    assert m.stats().host.loading == 0
+    assert [k for what, k in policy.seen if what == "release"] == [A, B]
+
+
+def test_a_policy_whose_evict_raises_still_gives_the_store_plan() -> None:
+    m, _ = faulty("evict", nth=1, host=2)
+    stored(m, [A, B])
+    with pytest.raises(PolicyError, match="evict") as info:
+        m.prepare_store([C])
+    plan = info.value.result
+    assert isinstance(plan, StorePlan) and plan.keys == (C,) and len(plan.evicted) == 1
+    m.complete_store(plan, True)
+    assert m.lookup([C]) == 1 and m.stats().host.free == 0
+
+
+def test_a_policy_whose_hit_raises_still_hears_every_touch_and_a_failed_clear_still_resets() -> None:
+    m, policy = faulty("hit", nth=1)
+    stored(m, [A, B, C])
+    with pytest.raises(PolicyError, match=r"hit\(b'"):
+        m.touch([A, B, C])
+    assert [k for what, k in policy.seen if what == "hit"] == [A, B, C]
+    m.touch([A])  # one failure per call: the next call is clean
+    m2, _ = faulty("clear", nth=1)
+    stored(m2, [A])
+    with pytest.raises(PolicyError, match=r"clear\(\) raised"):
+        m2.reset(in_flight_done=True)
+    assert m2.lookup([A]) == 0 and m2.stats().host.free == 4 and m2.epoch == 1
+
+
 def test_create_accepts_a_policy_factory() -> None:
     policy: EvictionPolicy = LRUPolicy(4)
     m = Manager.create(4, fingerprint="f", policy=lambda cap: policy)
