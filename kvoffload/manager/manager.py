@@ -50,6 +50,7 @@ from kvoffload.manager.remote import (
     DEFAULT_REMOTE_TIMEOUT_S,
     RemoteIndex,
     RemoteLink,
+    check_remote_timeout,
     eligible_for_put,
     hold_for_put,
     release_put,
@@ -122,9 +123,10 @@ class Manager(ManagerBase):
 
         Raises:
             ArgumentTypeError: a size is not an int, ``record_events`` not a bool, a bad fingerprint,
-                or a ``remote`` without ``exists``.
+                a ``remote`` without ``exists``, ``remote_timeout_s`` not a number, or a policy
+                factory that returned something without an EvictionPolicy's methods.
             InvalidArgumentError: ``num_host_blocks < 1``, ``num_disk_blocks < 0``, empty fingerprint,
-                ``remote_timeout_s`` not > 0.
+                ``remote_timeout_s`` not a finite number > 0 (with or without ``remote``).
             UnknownPolicyError: ``policy`` is a name not in :data:`POLICY_NAMES`.
         """
         fp = fingerprint_bytes(fingerprint)
@@ -139,6 +141,7 @@ class Manager(ManagerBase):
         if not isinstance(record_events, bool):
             raise ArgumentTypeError(f"record_events = {record_events!r} must be a bool")
         factory, policy_name = resolve_policy(policy)
+        check_remote_timeout(remote_timeout_s)  # a bad one is refused with or without a remote index
         link = None if remote is None else RemoteLink.create(remote, remote_timeout_s, namespace_prefix(fp))
         host = Pool(Tier.HOST, num_host_blocks, factory(num_host_blocks))
         disk = Pool(Tier.DISK, num_disk_blocks, factory(num_disk_blocks)) if num_disk_blocks else None

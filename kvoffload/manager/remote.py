@@ -36,6 +36,7 @@ __all__ = [
     "ExistsAnswer",
     "RemoteIndex",
     "RemoteLink",
+    "check_remote_timeout",
     "eligible_for_put",
     "hold_for_put",
     "release_put",
@@ -74,6 +75,20 @@ class RemoteIndex(Protocol):
         ...
 
 
+def check_remote_timeout(timeout_s: object) -> float:
+    """A Manager's ``remote_timeout_s``, checked whether or not it has a remote index.
+
+    Raises:
+        ArgumentTypeError: not a number.
+        InvalidArgumentError: not a finite number > 0.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ArgumentTypeError(f"remote_timeout_s = {timeout_s!r} must be a number of seconds")
+    if not is_finite(timeout_s) or timeout_s <= 0:
+        raise InvalidArgumentError(f"remote_timeout_s = {timeout_s!r} must be finite and > 0")
+    return float(timeout_s)
+
+
 class RemoteLink:
     """A manager's remote index, its deadline and the namespace of its keys (owns nothing else)."""
 
@@ -102,11 +117,7 @@ class RemoteLink:
             raise ArgumentTypeError(
                 f"remote = {index!r:.80} must have a batched exists(keys, *, timeout) (a remote store)"
             )
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-            raise ArgumentTypeError(f"remote_timeout_s = {timeout_s!r} must be a number of seconds")
-        if not is_finite(timeout_s) or timeout_s <= 0:
-            raise InvalidArgumentError(f"remote_timeout_s = {timeout_s!r} must be finite and > 0")
-        return cls(cast(RemoteIndex, index), float(timeout_s), namespace)
+        return cls(cast(RemoteIndex, index), check_remote_timeout(timeout_s), namespace)
 
     def extend(self, keys: Sequence[bytes], start: int, entries: dict[bytes, Entry], n: Counts) -> int:
         """How many keys from ``keys[start]`` on the store holds, in order, among those the manager

@@ -14,7 +14,9 @@ from typing import Any, Final, cast
 
 import attrs
 
-from kvoffload.errors import DuplicateKeyError, KeyStateError, KeyTypeError, PolicyError, UnknownKeyError
+from kvoffload.errors import (
+    ArgumentTypeError, DuplicateKeyError, KeyStateError, KeyTypeError, PolicyError, UnknownKeyError,
+)
 from kvoffload.manager.policies import EvictionPolicy
 from kvoffload.manager.records import Demotion, EventKind, ManagerStats, Tier, TierStats
 
@@ -132,6 +134,18 @@ class GuardedPolicy:
     __slots__ = ("failure", "name", "policy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
+        """Guard ``policy`` (what a policy factory returned).
+
+        Raises:
+            ArgumentTypeError: ``policy`` lacks a method of :class:`EvictionPolicy`.
+        """
+        missing = [name for name in ("admit", "hit", "hold", "release", "victims", "evict", "clear")
+                   if not callable(getattr(policy, name, None))]
+        if missing:
+            raise ArgumentTypeError(
+                f"the policy factory returned {policy!r:.80}, which has no {', '.join(missing)}: it "
+                "must return an EvictionPolicy"
+            )
         self.policy = policy
         self.name = type(policy).__name__
         #: (the method, the key or None, the exception) of the first notification that raised.

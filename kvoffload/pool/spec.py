@@ -117,12 +117,17 @@ class SharedPool:
         ``writable`` its arrays are writable (tests fill other ranks' slices with a pattern).
 
         Raises:
-            InvalidArgumentError: a malformed name.
+            InvalidArgumentError: a malformed name, or a ``pid`` that is not a positive int.
+            ArgumentTypeError: ``pid`` not an int, ``writable`` not a bool.
             RegionError: no such pool (no file, no process holding one), or a file that is not a
                 kvoffload pool.
         """
         from kvoffload.pool.view import PoolView
 
+        if pid is not None:
+            _check_int("pid", pid, 1, 1 << 22)  # Linux's pid_max at most
+        if not isinstance(writable, bool):
+            raise ArgumentTypeError(f"writable = {writable!r} must be a bool")
         return PoolView.open(check_pool_name(name), pid=pid, writable=writable)
 
 

@@ -84,6 +84,14 @@ def open_remote_index(config: RemoteConfig, *, fingerprint: str) -> RemoteStore:
     which only asks which keys exist: it is built over one scratch host row of its own. The caller
     owns it and closes it (``close``) after the manager's last lookup.
 
-    Raises: as :func:`open_store`.
+    Raises: as :func:`open_store`; ``ArgumentTypeError`` / ``InvalidArgumentError`` for a
+    ``fingerprint`` that is not a non-empty str.
     """
+    if not isinstance(fingerprint, str):
+        raise ArgumentTypeError(
+            f"fingerprint = {fingerprint!r:.80} must be a str (the Manager's, as its stores use it), "
+            f"not a {type(fingerprint).__name__}"
+        )
+    if not fingerprint:
+        raise InvalidArgumentError("fingerprint = '' must not be empty")
     return open_store(config, host_rows=np.zeros((1, PAGE_BYTES), dtype=np.uint8), fingerprint=fingerprint)

@@ -19,6 +19,7 @@ import contextlib
 import enum
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -154,13 +155,26 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
     _check_issuer(o.issuer, chosen, o.copy_method)
     if o.disk is not None and not isinstance(o.disk, DiskConfig):
         raise ArgumentTypeError(f"disk must be a DiskConfig or None, got {type(o.disk).__name__}")
-    slots = _bounce_slots(o.bounce_slots, layout.record_bytes) if o.disk is not None else 0
+    slots = _bounce_slots(o.bounce_slots, layout.record_bytes)  # checked with or without a disk tier
+    if o.disk is None:
+        slots = 0
     if o.remote is not None and not isinstance(o.remote, RemoteConfig):
         raise ArgumentTypeError(f"remote must be a RemoteConfig or None, got {type(o.remote).__name__}")
     if not isinstance(o.check_memory, bool):
         raise ArgumentTypeError(f"check_memory = {o.check_memory!r} must be a bool")
     if o.backend_factory is not None and not callable(o.backend_factory):
         raise ArgumentTypeError(f"backend_factory = {o.backend_factory!r} must be callable or None")
+    if o.pinner is not None and not all(
+        callable(getattr(o.pinner, name, None)) for name in ("register", "unregister")
+    ):
+        raise ArgumentTypeError(
+            f"pinner = {o.pinner!r:.80} must have register(ptr, nbytes) and unregister(ptr) "
+            "(a HostPinner) or be None"
+        )
+    if o.calibration_path is not None and not isinstance(o.calibration_path, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"calibration_path = {o.calibration_path!r} must be a path (str or os.PathLike) or None"
+        )
     shared = _shared_rank(o.shared, o.shared_name)
     if o.remote is not None and shared is not None and shared.world_size > 1:
         raise InvalidArgumentError(
@@ -191,7 +205,7 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction,
                             host_stride=region.record_stride)
             if o.backend_factory is not None:
-                backend = o.backend_factory(direction)
+                backend = _made_backend(o.backend_factory, direction)
             elif cuda is not None:
                 backend = _issuing(_cuda_backend(direction, layout, region, cuda, o), cuda, o.issuer)
             else:
@@ -239,6 +253,8 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
 def _choose_backend(
     layout: DeviceLayout, backend: str, device: torch.device | str | None
 ) -> Literal["cuda", "host"]:
+    if not isinstance(backend, str):
+        raise ArgumentTypeError(f"backend = {backend!r} must be a str, not a {type(backend).__name__}")
     if backend not in _BACKENDS:
         raise InvalidArgumentError(f"backend = {backend!r} must be one of {', '.join(_BACKENDS)}")
     if device is not None:
@@ -306,9 +322,28 @@ def _issuing(inner: CudaBackend, cuda: _Cuda, issuer: str) -> Backend:
         return inner
 
 
+def _made_backend(factory: Callable[[Direction], Backend], direction: Direction) -> Backend:
+    """``factory(direction)``, checked to look like a :class:`Backend` before anything uses it.
+
+    Raises:
+        ArgumentTypeError: the factory returned something without the backend's methods.
+    """
+    backend = factory(direction)
+    missing = [name for name in ("fence", "release_fence", "issue", "issue_cost", "release")
+               if not callable(getattr(backend, name, None))]
+    if missing:
+        raise ArgumentTypeError(
+            f"backend_factory({direction.value!r}) returned {backend!r:.80}, which has no "
+            f"{', '.join(missing)}: it must return a Backend (kvoffload.handler.Backend)"
+        )
+    return backend
+
+
 def _check_path(
     path: str, backend: str, staging_bytes: int, staging_slots: int, kernel_ctas: int | None
 ) -> None:
+    if not isinstance(path, str):
+        raise ArgumentTypeError(f"path = {path!r} must be a str, not a {type(path).__name__}")
     if path not in _PATHS:
         raise InvalidArgumentError(f"path = {path!r} must be one of {', '.join(_PATHS)}")
     if backend != "cuda" and path != "auto":

@@ -629,6 +629,12 @@ def test_a_policy_whose_hit_raises_still_hears_every_touch_and_a_failed_clear_st
     assert m2.lookup([A]) == 0 and m2.stats().host.free == 4 and m2.epoch == 1
 
 
+def test_a_policy_factory_that_returns_no_policy_is_refused_at_create() -> None:
+    with pytest.raises(ArgumentTypeError, match=r"returned <object object at .*>, which has no admit, hit, "
+                                                r"hold, release, victims, evict, clear"):
+        Manager.create(4, fingerprint="f", policy=lambda cap: object())  # type: ignore[arg-type, return-value]
+
+
 def test_create_accepts_a_policy_factory() -> None:
     policy: EvictionPolicy = LRUPolicy(4)
     m = Manager.create(4, fingerprint="f", policy=lambda cap: policy)

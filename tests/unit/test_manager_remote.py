@@ -157,6 +157,22 @@ def test_without_a_remote_index_an_unknown_key_is_refused() -> None:
         Manager.create(4, fingerprint=FP, remote=object())  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="remote_timeout_s"):
         Manager.create(4, fingerprint=FP, remote=FakeIndex(), remote_timeout_s=0)
+    for bad in (float("nan"), 10**400):  # refused without a remote index too
+        with pytest.raises(InvalidArgumentError, match="remote_timeout_s = .* must be finite and > 0"):
+            Manager.create(4, fingerprint=FP, remote_timeout_s=bad)
+    with pytest.raises(ArgumentTypeError, match="remote_timeout_s = 'x' must be a number"):
+        Manager.create(4, fingerprint=FP, remote_timeout_s="x")  # type: ignore[arg-type]
+
+
+def test_open_remote_index_checks_its_fingerprint() -> None:
+    from kvoffload.remote import RemoteConfig
+    from kvoffload.remote.config import open_remote_index
+
+    config = RemoteConfig(store=lambda rows, fp: FakeIndex())  # type: ignore[arg-type, return-value]
+    with pytest.raises(ArgumentTypeError, match=r"fingerprint = b'f' must be a str"):
+        open_remote_index(config, fingerprint=b"f")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="fingerprint = '' must not be empty"):
+        open_remote_index(config, fingerprint="")
 
 
 def test_write_through_puts_hold_the_host_copies_and_remember_what_the_store_holds() -> None:

@@ -280,6 +280,12 @@ def test_a_stride_shorter_than_a_record_is_refused() -> None:
         (lambda: SharedPool("x", 2, attach_timeout_s=0), InvalidArgumentError, "attach_timeout_s = 0"),
         (lambda: SharedPool("x", 2, attach_timeout_s=float("nan")), InvalidArgumentError, "finite"),
         (lambda: SharedPool("x", 2, attach_timeout_s=10**400), InvalidArgumentError, "finite"),
+        (lambda: SharedPool.inspect("x", pid="1"),  # type: ignore[arg-type]
+         ArgumentTypeError, "pid = '1' must be an int"),
+        (lambda: SharedPool.inspect("x", pid=True), ArgumentTypeError, "pid = True must be an int"),
+        (lambda: SharedPool.inspect("x", pid=0), InvalidArgumentError, "pid = 0 must be between 1"),
+        (lambda: SharedPool.inspect("x", writable="yes"),  # type: ignore[arg-type]
+         ArgumentTypeError, "writable = 'yes' must be a bool"),
         (lambda: SharedPool("x", 2, attach_timeout_s="5"),  # type: ignore[arg-type]
          ArgumentTypeError, "number of seconds"),
         (lambda: SharedPool("x", 2).rank(2), InvalidArgumentError, "rank = 2 must be between 0 and 1"),

@@ -654,6 +654,31 @@ BAD_CREATES = {
         lambda lay: Worker.create(lay, 8, backend=_any("gpu")), InvalidArgumentError, VALUE,
         r"backend = 'gpu' must be one of auto, cuda, host",
     ),
+    "array-backend": BadCreate(  # numpy's "truth value is ambiguous" before
+        lambda lay: Worker.create(lay, 8, backend=_any(np.array(["host"]))), ArgumentTypeError,
+        TYPE_AND_VALUE, r"backend = array\(\['host'\].* must be a str, not a ndarray",
+    ),
+    "array-path": BadCreate(
+        lambda lay: Worker.create(lay, 8, path=_any(np.array(["auto"]))), ArgumentTypeError,
+        TYPE_AND_VALUE, r"path = array\(\['auto'\].* must be a str, not a ndarray",
+    ),
+    "int-calibration-path": BadCreate(  # open(5) would have opened (and closed) file descriptor 5
+        lambda lay: Worker.create(lay, 8, calibration_path=_any(5)), ArgumentTypeError,
+        TYPE_AND_VALUE, r"calibration_path = 5 must be a path \(str or os\.PathLike\) or None",
+    ),
+    "string-pinner": BadCreate(
+        lambda lay: Worker.create(lay, 8, pinner=_any("x")), ArgumentTypeError, TYPE_AND_VALUE,
+        r"pinner = 'x' must have register\(ptr, nbytes\) and unregister\(ptr\)",
+    ),
+    "factory-of-no-backend": BadCreate(
+        lambda lay: Worker.create(lay, 8, backend_factory=lambda d: _any(object())), ArgumentTypeError,
+        TYPE_AND_VALUE, r"backend_factory\('store'\) returned <object object at .*>, which has no fence, "
+                        r"release_fence, issue, issue_cost, release",
+    ),
+    "string-bounce-slots-without-disk": BadCreate(
+        lambda lay: Worker.create(lay, 8, bounce_slots=_any("x")), InvalidArgumentError, VALUE,
+        r"bounce_slots = 'x'",
+    ),
     "cuda-backend-for-cpu-tensors": BadCreate(
         lambda lay: Worker.create(lay, 8, backend="cuda"), DeviceMismatchError, VALUE,
         r"backend 'cuda' needs CUDA tensors; the layout is on cpu",
