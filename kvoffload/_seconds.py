@@ -1,34 +1,43 @@
-"""Timeouts: the one check every wait's deadline goes through (``as_timeout``), and the finiteness
-test under it. Imports nothing heavy: the scheduler-side Manager uses it without numpy or torch."""
+"""Timeouts: the one check every wait's deadline goes through (``as_timeout``), and the test under
+it. Imports nothing heavy: the scheduler-side Manager uses it without numpy or torch."""
 
 from __future__ import annotations
 
 import math
+import threading
+from typing import Final
 
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["as_timeout", "is_finite"]
+__all__ = ["MAX_TIMEOUT_S", "as_timeout", "is_finite_seconds"]
+
+#: The longest timeout a wait takes (``threading.TIMEOUT_MAX``, about 292 years): a lock's or a
+#: thread's wait raises ``OverflowError`` past it.
+MAX_TIMEOUT_S: Final = threading.TIMEOUT_MAX
 
 
 def as_timeout(timeout: object, name: str = "timeout") -> float:
-    """Check a timeout in seconds: a finite, non-negative real number.
+    """Check a timeout in seconds: a finite, non-negative real number a wait can take.
 
     Raises:
-        InvalidArgumentError: negative, NaN, infinite or too large for a float (every wait has a
-            deadline).
+        InvalidArgumentError: negative, NaN, infinite, or over :data:`MAX_TIMEOUT_S` (every wait
+            has a deadline).
         ArgumentTypeError: not a number (also a ``TypeError``).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
-    if not is_finite(timeout) or timeout < 0:
-        raise InvalidArgumentError(f"{name} = {timeout!r} must be finite and >= 0 seconds")
+    if not is_finite_seconds(timeout) or timeout < 0:
+        raise InvalidArgumentError(
+            f"{name} = {timeout!r} must be finite and >= 0 seconds (at most {MAX_TIMEOUT_S:.3g})"
+        )
     return float(timeout)
 
 
-def is_finite(value: float) -> bool:
-    """Whether ``value`` is a finite number: an int too large for a float is not (``math.isfinite``
-    raises ``OverflowError`` for it)."""
+def is_finite_seconds(value: float) -> bool:
+    """Whether ``value`` is a finite number of seconds a wait can take: not NaN or infinite, and at
+    most :data:`MAX_TIMEOUT_S` (an int too large for a float is not, where ``math.isfinite``
+    raises ``OverflowError``)."""
     try:
-        return math.isfinite(value)
+        return math.isfinite(value) and value <= MAX_TIMEOUT_S
     except OverflowError:
         return False

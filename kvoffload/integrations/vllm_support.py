@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -245,9 +246,10 @@ def _seconds(extra_config: Mapping[str, object], key: str, default: float) -> fl
 
 
 def _finite(value: float) -> bool:
-    """Whether ``value`` is a finite number (an int too large for a float is not)."""
+    """Whether ``value`` is a finite number of seconds a wait can take (an int too large for a
+    float is not, nor anything over ``threading.TIMEOUT_MAX``)."""
     try:
-        return math.isfinite(value)
+        return math.isfinite(value) and value <= threading.TIMEOUT_MAX
     except OverflowError:
         return False
 

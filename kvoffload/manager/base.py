@@ -220,19 +220,19 @@ class ManagerBase:
         Raises:
             PolicyError: from the first notification that raised in this call.
         """
-        for pool in (self._host, self._disk):
-            if pool is None:
-                continue
-            failure = pool.policy.take_failure()
-            if failure is None:
-                continue
-            method, key, exc = failure
-            raise PolicyError(
-                f"{pool.policy.name}.{method}({'' if key is None else repr(key)}) raised {exc!r} "
-                f"({pool.tier.value} tier): the manager's change was made whole and stands (the "
-                "error's result is what the call returns); the policy may have missed this "
-                "notification", result,
-            ) from exc
+        failures = [(pool, failure) for pool in (self._host, self._disk)
+                    if pool is not None and (failure := pool.policy.take_failure()) is not None]
+        if not failures:
+            return
+        described = [
+            f"{pool.policy.name}.{method}({'' if key is None else repr(key)}) raised {exc!r} "
+            f"({pool.tier.value} tier)"
+            for pool, (method, key, exc) in failures
+        ]
+        raise PolicyError(
+            f"{'; '.join(described)}: the manager's change was made whole and stands (the error's "
+            "result is what the call returns); the policy may have missed this notification", result,
+        ) from failures[0][1][2]
 
     def _evict(self, pool: Pool, victims: list[bytes], found: list[Entry]) -> None:
         """Evict ``victims`` (checked, with their entries ``found``) from ``pool``: ``REMOVED`` events.

@@ -597,6 +597,8 @@ class Manager(ManagerBase):
         Raises:
             InvalidArgumentError: the manager has no remote index.
             KeyTypeError / DuplicateKeyError: bad ``keys``.
+            PolicyError: a custom policy's notification raised (the plan was made and is
+                ``result``).
         """
         check_unique_keys("keys", keys)
         remote = self._require_remote()
@@ -607,10 +609,12 @@ class Manager(ManagerBase):
         if picked:
             remote.puts[plan_id] = [key for key, _ in picked]
         self._n.remote_puts_planned += len(picked)
-        return RemotePutPlan(
+        plan = RemotePutPlan(
             self._owner, plan_id, self._epoch, tuple(k for k, _ in picked),
             tuple(remote.namespace + k for k, _ in picked), tuple(e.host for _, e in picked),
         )
+        self._check_policies(plan)
+        return plan
 
     def complete_remote_put(self, plan: RemotePutPlan, ok: bool) -> None:
         """Release the host copies ``plan`` held; with ``ok`` the store holds its keys (this manager
@@ -620,6 +624,7 @@ class Manager(ManagerBase):
             ArgumentTypeError: ``plan`` is not a RemotePutPlan or ``ok`` not a bool.
             InvalidArgumentError: ``plan`` was prepared by another manager, or no remote index.
             KeyStateError: the plan was already completed.
+            PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
         self._check_plan(plan, RemotePutPlan, ok)
         remote = self._require_remote()
@@ -637,6 +642,7 @@ class Manager(ManagerBase):
             self._n.remote_puts_completed += len(keys)
         else:
             self._n.remote_puts_failed += len(keys)
+        self._check_policies()
 
     def _require_remote(self) -> RemoteLink:
         if self._remote is None:

@@ -662,7 +662,7 @@ class Worker:
             WaitTimeoutError: the deadline passed; ``pending`` names the unfinished jobs, which stay
                 in flight, and every finished one stays available.
             ClosedError: also when another thread's :meth:`shutdown` ended while waiting (within
-                about 0.1 s of it, whatever the wait's own deadline).
+                about 0.25 s of it, whatever the wait's own deadline).
         """
         self._check_open()
         results = self._jobs.wait(job_ids, timeout)

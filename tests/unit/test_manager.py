@@ -629,6 +629,25 @@ def test_a_policy_whose_hit_raises_still_hears_every_touch_and_a_failed_clear_st
     assert m2.lookup([A]) == 0 and m2.stats().host.free == 4 and m2.epoch == 1
 
 
+def test_failures_of_both_tiers_in_one_call_are_raised_by_that_call() -> None:
+    """A load of a disk key and a host key whose releases both raise: one PolicyError names both,
+    and nothing is kept for the next call."""
+    made: list[Faulty] = []
+
+    def factory(capacity: int) -> Faulty:
+        made.append(Faulty(capacity, "release", nth=1))
+        return made[-1]
+
+    m = Manager.create(1, fingerprint="f", num_disk_blocks=2, policy=factory)
+    stored(m, [A])
+    stored(m, [B])  # A is demoted to disk, B on host
+    plan = m.prepare_load([A, B])
+    assert plan.tiers == (Tier.DISK, Tier.HOST)
+    with pytest.raises(PolicyError, match=r"release\(b'\\x02.*host tier\); .*release\(b'\\x01.*disk tier\)"):
+        m.complete_load(plan)
+    m.touch([A, B])  # clean
+
+
 def test_a_policy_factory_that_returns_no_policy_is_refused_at_create() -> None:
     with pytest.raises(ArgumentTypeError, match=r"returned <object object at .*>, which has no admit, hit, "
                                                 r"hold, release, victims, evict, clear"):

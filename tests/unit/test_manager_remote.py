@@ -175,6 +175,25 @@ def test_open_remote_index_checks_its_fingerprint() -> None:
         open_remote_index(config, fingerprint="")
 
 
+def test_a_policy_that_raises_in_a_remote_put_raises_from_that_call_not_a_later_one() -> None:
+    from kvoffload import LRUPolicy, PolicyError, RemotePutPlan
+
+    class BadHold(LRUPolicy):
+        def hold(self, key: bytes) -> None:
+            super().hold(key)
+            raise RuntimeError("hold broke")
+
+    m = Manager.create(4, fingerprint=FP, remote=FakeIndex(), policy=BadHold)
+    store_keys(m, [b"a", b"b"])
+    with pytest.raises(PolicyError, match="hold") as info:
+        m.prepare_remote_put([b"a"])
+    put = info.value.result
+    assert isinstance(put, RemotePutPlan) and put.keys == (b"a",)
+    m.touch([b"b"])  # nothing kept for a later call
+    m.complete_remote_put(put, True)
+    assert m.prepare_remote_put([b"a"]).keys == ()  # the store holds it now
+
+
 def test_write_through_puts_hold_the_host_copies_and_remember_what_the_store_holds() -> None:
     m = Manager.create(2, fingerprint=FP, remote=FakeIndex())
     store_keys(m, [b"a", b"b"])

@@ -361,6 +361,10 @@ BAD_WAITS = {
         lambda w: w.wait([7], float("inf")), InvalidArgumentError, VALUE,
         r"timeout = inf must be finite and >= 0 seconds",
     ),
+    "timeout-over-threading-max": BadCall(  # a lock's wait would raise OverflowError
+        lambda w: w.wait([7], 1e10), InvalidArgumentError, VALUE,
+        r"timeout = 10000000000\.0 must be finite and >= 0 seconds \(at most 9\.22e\+09\)",
+    ),
     "huge-int-timeout": BadCall(  # too large for a float: not an OverflowError
         lambda w: w.wait([7], 10**400), InvalidArgumentError, VALUE,
         r"timeout = 1000+ must be finite and >= 0 seconds",
