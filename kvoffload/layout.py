@@ -34,7 +34,8 @@ from kvoffload._descriptors import PageTable
 from kvoffload._layer_map import LayerGroups, LayerPart, TensorPieces, group_layers
 from kvoffload._validate import as_block_ids, find_duplicate
 from kvoffload.errors import (
-    ArgumentTypeError, InvalidArgumentError, InvalidBlockIdError, LayerError, LayoutError,
+    ArgumentTypeError, BlockIdTypeError, InvalidArgumentError, InvalidBlockIdError, LayerError,
+    LayoutError,
 )
 
 __all__ = ["PAGE_ALIGN_BYTES", "RECORD_ALIGN_BYTES", "DeviceLayout", "TensorGeometry"]
@@ -300,7 +301,8 @@ class DeviceLayout:
         device; padding bytes are zero. Returns ``uint8 [len(blocks), record_bytes]``.
 
         Raises:
-            BlockIdTypeError, InvalidBlockIdError: ``blocks`` not integers, or out of range.
+            BlockIdTypeError, InvalidBlockIdError: ``blocks`` not integers, or out of range (ids
+                given as a GPU tensor: their dtype and shape only, so that the gather stays queued).
         """
         index = self._block_index(blocks)
         out = torch.zeros(
@@ -341,12 +343,21 @@ class DeviceLayout:
     def _block_index(self, blocks: BlockIndex, *, distinct: bool = False) -> torch.Tensor:
         """``blocks`` checked (as a job's ids are) and on the layout's device as ``long``.
 
+        Ids given as a tensor on a GPU are checked for their dtype and shape only: a range or
+        duplicate check would read them back and so wait for the work queued before them, and a
+        gather queued on a compute stream (as the ordering tests queue one behind a stall) must
+        stay queued.
+
         Raises:
             BlockIdTypeError, InvalidBlockIdError: as :func:`~kvoffload._validate.as_block_ids`; a
                 block twice where ``distinct``.
         """
-        if isinstance(blocks, torch.Tensor):
-            blocks = blocks.detach().cpu()
+        if isinstance(blocks, torch.Tensor) and blocks.device.type != "cpu":
+            if blocks.dtype.is_floating_point or blocks.dtype.is_complex or blocks.dtype == torch.bool:
+                raise BlockIdTypeError(f"blocks must hold integers, got dtype {blocks.dtype}")
+            if blocks.ndim != 1:
+                raise BlockIdTypeError(f"blocks must be one-dimensional, got shape {tuple(blocks.shape)}")
+            return blocks.to(device=self.device, dtype=torch.long, non_blocking=True)
         ids = as_block_ids("blocks", blocks, self.num_blocks)
         if distinct:
             twice = find_duplicate(ids)
