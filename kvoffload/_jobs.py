@@ -188,7 +188,8 @@ class JobBook:
         first_look = True
         while True:
             with self._lock:
-                self._check_open(ids)
+                if self._closed:  # an attribute test: this is every wait's path
+                    _raise_closed(ids)
                 if first_look:  # checked in the first look, which also finds the sources to advance
                     unknown = [j for j in ids if j not in self._open]
                     if unknown:
@@ -200,7 +201,8 @@ class JobBook:
             for source in sources.values():
                 source.advance()
             with self._lock:
-                self._check_open(ids)
+                if self._closed:  # an attribute test: this is every wait's path
+                    _raise_closed(ids)
                 gone = [j for j in ids if j not in self._open]
                 if gone:
                     raise UnknownJobError(f"job(s) {gone} were returned by a concurrent call")
@@ -228,15 +230,6 @@ class JobBook:
                     continue
             source.wait_progress(first, min(remaining, WAIT_SLICE_S))
 
-    def _check_open(self, ids: list[int]) -> None:
-        """Under the lock: refuse a wait once the owner shut down.
-
-        Raises:
-            ClosedError: the book was cleared.
-        """
-        if self._closed:
-            raise ClosedError(f"job(s) {ids}: shut down while waiting; their results are gone")
-
     def clear(self) -> None:
         """Forget every job and result, and end every wait with :class:`ClosedError` (the owner's
         shutdown)."""
@@ -246,6 +239,15 @@ class JobBook:
             self._done.clear()
             if self._waiters:
                 self._finished.notify_all()
+
+
+def _raise_closed(ids: list[int]) -> None:
+    """Refuse a wait on a book its owner shut down (:meth:`JobBook.clear`).
+
+    Raises:
+        ClosedError: always.
+    """
+    raise ClosedError(f"job(s) {ids}: shut down while waiting; their results are gone")
 
 
 class Ticket(Protocol):
