@@ -47,6 +47,11 @@ def as_block_ids(name: str, values: object, limit: int, *, ranged: bool = True) 
             return ids
     if isinstance(values, (str, bytes, bytearray, memoryview)) or values is None:
         raise BlockIdTypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    if isinstance(values, np.ma.MaskedArray):
+        raise BlockIdTypeError(
+            f"{name} is a masked array: its mask would be ignored (pass the ids to move, e.g. "
+            "values.compressed())"
+        )
     if isinstance(values, (set, frozenset, Mapping)) or (
         isinstance(values, Iterable) and not isinstance(values, (Sequence, np.ndarray))
         and not hasattr(values, "__array__")

@@ -260,6 +260,10 @@ BAD_CALLS = {
         lambda w: w.store(1, _any(bytearray(b"\x01")), [0]), BlockIdTypeError, TYPE_AND_VALUE,
         r"device_blocks must be a sequence of ints, got bytearray",
     ),
+    "store-masked-ids": BadCall(  # the mask was dropped: masked-out ids were moved
+        lambda w: w.store(1, np.ma.masked_array([0, 1], mask=[False, True]), [0, 1]), BlockIdTypeError,
+        TYPE_AND_VALUE, r"device_blocks is a masked array: its mask would be ignored",
+    ),
     "load-memoryview-ids": BadCall(
         lambda w: w.load(1, _any(memoryview(b"\x01")), [0]), BlockIdTypeError, TYPE_AND_VALUE,
         r"host_blocks must be a sequence of ints, got memoryview",
