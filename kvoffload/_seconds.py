@@ -1,15 +1,15 @@
-"""Timeouts: the one check every wait's deadline goes through (``as_timeout``), and the test under
-it. Imports nothing heavy: the scheduler-side Manager uses it without numpy or torch."""
+"""Timeouts: the one check every wait's deadline goes through (``as_timeout``) and the longest a
+wait takes (:data:`MAX_TIMEOUT_S`). Imports nothing heavy: the scheduler-side Manager uses it
+without numpy or torch."""
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Final
 
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["MAX_TIMEOUT_S", "as_timeout", "is_finite_seconds"]
+__all__ = ["MAX_TIMEOUT_S", "as_timeout"]
 
 #: The longest timeout a wait takes (``threading.TIMEOUT_MAX``, about 292 years): a lock's or a
 #: thread's wait raises ``OverflowError`` past it.
@@ -26,18 +26,8 @@ def as_timeout(timeout: object, name: str = "timeout") -> float:
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
-    if not is_finite_seconds(timeout) or timeout < 0:
+    if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN, inf and an int too large for a float fail it too
         raise InvalidArgumentError(
             f"{name} = {timeout!r} must be finite and >= 0 seconds (at most {MAX_TIMEOUT_S:.3g})"
         )
     return float(timeout)
-
-
-def is_finite_seconds(value: float) -> bool:
-    """Whether ``value`` is a finite number of seconds a wait can take: not NaN or infinite, and at
-    most :data:`MAX_TIMEOUT_S` (an int too large for a float is not, where ``math.isfinite``
-    raises ``OverflowError``)."""
-    try:
-        return math.isfinite(value) and value <= MAX_TIMEOUT_S
-    except OverflowError:
-        return False

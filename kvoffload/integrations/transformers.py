@@ -102,9 +102,6 @@ SUPPORTED_TRANSFORMERS: Final = surface.SUPPORTED_RANGE
 DEFAULT_LOAD_TIMEOUT_S: Final = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 _POLICIES: Final = ("lru", "arc")
-#: A timeout from this many seconds on (about 30 years; ``inf`` too) is refused as not finite: the
-#: worker's waits and its shutdown take only finite deadlines.
-_MAX_TIMEOUT_S: Final = 1e9
 
 
 class Offloader:
@@ -290,9 +287,10 @@ def _check_args(num_host_blocks: object, disk: object, load_timeout: object, shu
         if not isinstance(disk, DiskConfig):
             raise kvoffload.ArgumentTypeError(f"disk = {disk!r} must be a DiskConfig or None")
     for name, value in (("load_timeout", load_timeout), ("shutdown_timeout", shutdown_timeout)):
-        # finite too: the worker's waits and its shutdown refuse an infinite deadline
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-                or not value < _MAX_TIMEOUT_S):
+        # finite too (NaN, inf and an int too large for a float fail the comparison): the worker's
+        # waits and its shutdown take only deadlines a lock can wait for
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not 0 < value <= threading.TIMEOUT_MAX):
             raise kvoffload.InvalidArgumentError(
                 f"{name} = {value!r} must be a finite number of seconds > 0"
             )

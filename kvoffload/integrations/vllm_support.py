@@ -15,7 +15,6 @@ inside that group's first chunk; :func:`job_records` skips the leading records a
 from __future__ import annotations
 
 import difflib
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -238,20 +237,11 @@ def _seconds(extra_config: Mapping[str, object], key: str, default: float) -> fl
     """``extra_config[key]`` (else ``default``) as a finite number of seconds > 0, or
     :class:`VLLMConfigError` naming the key."""
     value = extra_config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= threading.TIMEOUT_MAX:
         raise VLLMConfigError(
             f"kv_connector_extra_config[{key!r}] = {value!r} must be a finite number of seconds > 0"
         )
     return float(value)
-
-
-def _finite(value: float) -> bool:
-    """Whether ``value`` is a finite number of seconds a wait can take (an int too large for a
-    float is not, nor anything over ``threading.TIMEOUT_MAX``)."""
-    try:
-        return math.isfinite(value) and value <= threading.TIMEOUT_MAX
-    except OverflowError:
-        return False
 
 
 def _below_two(value: object) -> bool:

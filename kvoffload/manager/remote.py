@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Final, Protocol, cast
 
-from kvoffload._seconds import is_finite_seconds
+from kvoffload._seconds import MAX_TIMEOUT_S
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
 from kvoffload.manager.state import READY, Counts, Entry, Pool
 
@@ -84,7 +84,7 @@ def check_remote_timeout(timeout_s: object) -> float:
     """
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise ArgumentTypeError(f"remote_timeout_s = {timeout_s!r} must be a number of seconds")
-    if not is_finite_seconds(timeout_s) or timeout_s <= 0:
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # NaN and inf fail it too
         raise InvalidArgumentError(f"remote_timeout_s = {timeout_s!r} must be finite and > 0")
     return float(timeout_s)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from kvoffload._seconds import is_finite_seconds
+from kvoffload._seconds import MAX_TIMEOUT_S
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
 from kvoffload.pool.header import MAX_WORLD_SIZE
 
@@ -62,7 +62,7 @@ def _check_generation(_instance: object, _attribute: object, value: Any) -> None
 def _check_timeout(_instance: object, _attribute: object, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"attach_timeout_s = {value!r} must be a number of seconds")
-    if not is_finite_seconds(value) or value <= 0:
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN and inf fail it too
         raise InvalidArgumentError(f"attach_timeout_s = {value!r} must be a finite number > 0")
 
 
