@@ -76,9 +76,15 @@ from kvoffload.manager.state import (
     victim_entries,
 )
 
-__all__ = ["Manager"]
+__all__ = ["MAX_TIER_BLOCKS", "Manager"]
 
 _PLAN_IDS: Final = itertools.count(1)  # process-wide, so a plan never matches another plan's copy
+
+#: The most blocks a tier may have. A tier's free list is a Python list of its block ids (about 40
+#: bytes a block), so 2**31 blocks already take 80 GiB of the scheduler's memory; a larger size is a
+#: mistake (bytes for blocks, a unit slip), refused before anything is built.
+MAX_TIER_BLOCKS: Final = 2**31
+_LIST_BYTES_PER_BLOCK: Final = 40
 
 
 class Manager(ManagerBase):
@@ -109,9 +115,11 @@ class Manager(ManagerBase):
         """Build a manager with every block free.
 
         Args:
-            num_host_blocks: host pool size, in blocks (>= 1); blocks are ``0 .. num_host_blocks - 1``.
+            num_host_blocks: host pool size, in blocks (1 .. :data:`MAX_TIER_BLOCKS`); blocks are
+                ``0 .. num_host_blocks - 1``.
             fingerprint: names the model and KV layout (non-empty bytes, or str encoded as UTF-8).
-            num_disk_blocks: disk pool size, in blocks (>= 0; 0 means no disk tier).
+            num_disk_blocks: disk pool size, in blocks (0 .. :data:`MAX_TIER_BLOCKS`; 0 means no disk
+                tier).
             policy: ``"lru"``, ``"arc"`` or a factory ``capacity -> EvictionPolicy`` (called once per
                 tier).
             record_events: keep events for :meth:`events`; with False nothing is recorded (an engine
@@ -125,7 +133,8 @@ class Manager(ManagerBase):
             ArgumentTypeError: a size is not an int, ``record_events`` not a bool, a bad fingerprint,
                 a ``remote`` without ``exists``, ``remote_timeout_s`` not a number, or a policy
                 factory that returned something without an EvictionPolicy's methods.
-            InvalidArgumentError: ``num_host_blocks < 1``, ``num_disk_blocks < 0``, empty fingerprint,
+            InvalidArgumentError: ``num_host_blocks < 1``, ``num_disk_blocks < 0``, a size over
+                :data:`MAX_TIER_BLOCKS` or one whose free list this process cannot hold, empty fingerprint,
                 ``remote_timeout_s`` not a finite number > 0 (with or without ``remote``).
             UnknownPolicyError: ``policy`` is a name not in :data:`POLICY_NAMES`.
         """
@@ -138,13 +147,24 @@ class Manager(ManagerBase):
                 )
             if value < low:
                 raise InvalidArgumentError(f"{name} = {value} must be >= {low}")
+            if value > MAX_TIER_BLOCKS:
+                raise InvalidArgumentError(
+                    f"{name} = {value} is over the most blocks a tier may have, {MAX_TIER_BLOCKS} "
+                    "(a size in blocks, not bytes)"
+                )
         if not isinstance(record_events, bool):
             raise ArgumentTypeError(f"record_events = {record_events!r} must be a bool")
         factory, policy_name = resolve_policy(policy)
         check_remote_timeout(remote_timeout_s)  # a bad one is refused with or without a remote index
         link = None if remote is None else RemoteLink.create(remote, remote_timeout_s, namespace_prefix(fp))
-        host = Pool(Tier.HOST, num_host_blocks, factory(num_host_blocks))
-        disk = Pool(Tier.DISK, num_disk_blocks, factory(num_disk_blocks)) if num_disk_blocks else None
+        try:
+            host = Pool(Tier.HOST, num_host_blocks, factory(num_host_blocks))
+            disk = Pool(Tier.DISK, num_disk_blocks, factory(num_disk_blocks)) if num_disk_blocks else None
+        except MemoryError:  # the free lists of a size under the bound, on a small machine
+            raise InvalidArgumentError(
+                f"num_host_blocks = {num_host_blocks} and num_disk_blocks = {num_disk_blocks}: this "
+                f"process cannot hold their free lists (about {_LIST_BYTES_PER_BLOCK} bytes a block)"
+            ) from None
         return cls(ManagerParts(fp, host, disk, policy_name, record_events, link))
 
 

@@ -87,6 +87,28 @@ def test_create_rejects_host_pool_without_blocks(n: int) -> None:
         Manager.create(n, fingerprint="f")
 
 
+@pytest.mark.parametrize("name", ["num_host_blocks", "num_disk_blocks"])
+def test_create_rejects_a_tier_over_the_most_blocks(name: str) -> None:
+    from kvoffload.manager.manager import MAX_TIER_BLOCKS
+    sizes = {"num_host_blocks": 4, "num_disk_blocks": 0, name: 10**12}
+    with pytest.raises(InvalidArgumentError, match=rf"{name} = {10**12} is over the most blocks a tier may have"):
+        Manager.create(sizes["num_host_blocks"], fingerprint="f", num_disk_blocks=sizes["num_disk_blocks"])
+    sizes[name] = MAX_TIER_BLOCKS + 1
+    with pytest.raises(InvalidArgumentError, match=rf"{name} = {MAX_TIER_BLOCKS + 1} is over"):
+        Manager.create(sizes["num_host_blocks"], fingerprint="f", num_disk_blocks=sizes["num_disk_blocks"])
+
+
+def test_create_refuses_free_lists_the_process_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvoffload.manager.manager as manager_module
+
+    def no_memory(*args: object) -> object:
+        raise MemoryError
+
+    monkeypatch.setattr(manager_module, "Pool", no_memory)
+    with pytest.raises(InvalidArgumentError, match=r"cannot hold their free lists"):
+        Manager.create(2**30, fingerprint="f")
+
+
 def test_create_rejects_negative_disk_pool() -> None:
     with pytest.raises(InvalidArgumentError, match=r"num_disk_blocks = -3 must be >= 0"):
         Manager.create(4, fingerprint="f", num_disk_blocks=-3)
