@@ -20,6 +20,7 @@ __all__ = [
     "DeviceMismatchError",
     "DiskError",
     "DiskFormatError",
+    "DiskInUseError",
     "DiskIOError",
     "DiskIntegrityError",
     "DiskPathError",
@@ -349,6 +350,14 @@ class DiskFormatError(DiskError):
     record size or block count (``"geometry_mismatch"``), or a damaged file header
     (``"header_invalid"``). With ``DiskConfig(recreate=True)`` a tier file of another version,
     fingerprint or geometry is recreated instead. Nothing is left open when it is raised.
+    """
+
+
+class DiskInUseError(DiskError):
+    """Raised by ``DiskTier.create`` (kind ``"in_use"``) when another open tier, in this process or
+    another, holds the file: two tiers on one file would write records the other's index then serves
+    as its own. The holder's lock goes when its tier shuts down or its process exits. Nothing is left
+    open when it is raised.
     """
 
 

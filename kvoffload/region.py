@@ -52,6 +52,9 @@ _log = logging.getLogger("kvoffload.region")
 
 #: Bytes before the block area of a shared pool's file: one OS page holding the header.
 SHARED_HEADER_BYTES: Final = HEADER_BYTES
+#: How long a rank's cleanup waits for its pool file's lock to mark itself as left (the mark is for
+#: inspection only: a lock held that long, by a rank stopped inside a header update, is logged).
+MARK_LEFT_WAIT_S: Final = 0.2
 #: ``madvise`` advice that gives a forked child zero pages in a range instead of the parent's
 #: (Linux 4.14; the kernel's value where ``mmap`` does not name it).
 _MADV_WIPEONFORK: Final = int(getattr(mmap, "MADV_WIPEONFORK", 18))
@@ -200,14 +203,14 @@ class RegionOwner:
             mapping = _map_shared(session, SHARED_HEADER_BYTES + pool_bytes)
             undo.callback(mapping.close)
             session.populate_share(mapping)
-            session.arrive(Flag.POPULATED)
+            session.arrive(Flag.POPULATED, deadline)
             session.wait_all(Flag.POPULATED, deadline)
             address = _mapping_address(mapping)
             block = record_bytes * world
             chunk = _record_aligned_chunk(chunk_bytes, block)
             chunks = pin_chunks(pinner, address + SHARED_HEADER_BYTES, pool_bytes, chunk)
             undo.callback(unpin_chunks, pinner, chunks)
-            session.arrive(Flag.MAPPED)
+            session.arrive(Flag.MAPPED, deadline)
             session.wait_all(Flag.MAPPED, deadline)
             offset = SHARED_HEADER_BYTES + rank.rank * record_bytes
             records = _records_view(mapping, offset, num_records, record_bytes, block)
@@ -313,8 +316,8 @@ class RegionOwner:
             fd, self._fd = self._fd, None
             if self.pool is not None:
                 try:
-                    mark_left(fd, self.pool.rank)
-                except OSError as exc:  # the header is for inspection only: worth a log line
+                    mark_left(fd, self.pool.rank, time.monotonic() + MARK_LEFT_WAIT_S)
+                except OSError as exc:  # LockTimeout among them; the header is for inspection only
                     _log.warning("shared pool %r: could not mark rank %d as left: %s",
                                  self.pool.name, self.pool.rank, exc)
             try:

@@ -56,6 +56,7 @@ class DiskErrorKind(str, enum.Enum):
     GEOMETRY_MISMATCH = "geometry_mismatch"
     NOT_A_TIER = "not_a_tier"
     DIRECT_REFUSED = "direct_refused"
+    IN_USE = "in_use"
 
 
 # ---------------------------------------------------------------------------------------- records
@@ -94,7 +95,10 @@ class DiskConfig:
             none are started with ``checksum=False``).
         direct: True: O_DIRECT or fail; False: buffered I/O; None: O_DIRECT when the file system
             accepts it, else buffered (``DiskTier.capabilities()`` says which and why).
-        checksum: write a CRC32 of every payload and verify it on every read.
+        checksum: write a CRC32 of every payload and verify it on every read; a warm restart then
+            lists no record written without one. With False, a warm restart lists the records
+            written without a CRC only from a file whose last tier shut down cleanly (a crash may
+            have cut one), and clears them otherwise (docs/design.md §9.4).
         io_bytes: payload bytes per system call (a multiple of 4096); a run of consecutive disk
             blocks is moved in calls of at most this (but at least one whole record).
         preallocate: reserve the file's blocks at creation (``posix_fallocate``), so that running out

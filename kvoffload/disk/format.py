@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as errno_codes
+import fcntl
 import logging
 import os
 import stat
@@ -45,6 +46,7 @@ from kvoffload.errors import (
     DiskError,
     DiskFormatError,
     DiskIntegrityError,
+    DiskInUseError,
     DiskIOError,
     DiskPathError,
     InvalidArgumentError,
@@ -63,8 +65,12 @@ __all__ = [
     "check_fingerprint",
     "check_keys",
     "check_path",
+    "clear_records",
     "close_quietly",
     "file_bytes",
+    "lock_file",
+    "mark_clean",
+    "move_lock",
     "open_io_fd",
     "os_kind",
     "prepare_file",
@@ -89,6 +95,9 @@ _FILE_MAGIC: Final = b"KVOFDISK"
 # magic, version, reserved, record_bytes, num_blocks, slot_bytes, data_offset, file_id, fingerprint len
 _FILE_HEADER: Final = struct.Struct("<8sIIQQQQQH")
 _CRC: Final = struct.Struct("<I")
+#: The file header's flags (its third field, zero in every file written before they existed).
+#: CLEAN: the tier that last had the file shut down with every write completed and none failed.
+_FILE_CLEAN: Final = 1
 
 
 @attrs.frozen
@@ -101,6 +110,8 @@ class FileState:
     note: str
     fingerprint_mismatch: bool
     found_bytes: int = 0  # the file's size when it was opened (a reused file may be extended)
+    cut_records: int = 0  # records the old end cut, whose headers were cleared before the extension
+    clean: bool = False  # reused: the last tier on the file shut down cleanly (the mark now cleared)
 
 
 @attrs.frozen
@@ -143,6 +154,10 @@ class RecordCodec:
         """Whether parsed header flags mark the record valid."""
         return bool(flags & record.FLAG_VALID)
 
+    def has_checksum(self, flags: int) -> bool:
+        """Whether parsed header flags say the record was written with its payload's CRC32."""
+        return bool(flags & record.FLAG_CHECKSUM)
+
     def has_magic(self, page: U8Array) -> bool:
         """Whether ``page`` starts like a record header (a damaged one counts as rejected)."""
         return record.has_magic(page)
@@ -152,7 +167,8 @@ class RecordCodec:
         check_payload: bool,
     ) -> DiskIntegrityError | None:
         """Check record ``i`` of a read against the index (:func:`kvoffload._record.verify_record`,
-        after the index's own VALID bit); None when it verified."""
+        after the index's own VALID bit); None when it verified. With ``check_payload`` a record
+        written without a checksum (by a tier with ``checksum=False``) does not verify."""
         where = f"disk block {block} of {self.path!r}"
         if not valid:
             return self._integrity(
@@ -162,7 +178,8 @@ class RecordCodec:
         verdict = record.verify_record(
             headers[i * PAGE_BYTES : (i + 1) * PAGE_BYTES], payload,
             record.Expected(payload_bytes=self.record_bytes, file_id=self.file_id, block=block,
-                            generation=expected, check_payload=check_payload),
+                            generation=expected, check_payload=check_payload,
+                            require_checksum=check_payload),
         )
         if verdict.fault is None:
             return None
@@ -294,13 +311,18 @@ def prepare_file(fd: int, config: DiskConfig, fingerprint: bytes, record_bytes: 
     problem = _header_problem(first, config, fingerprint, record_bytes)
     if problem is None and config.reuse:
         file_id = _FILE_HEADER.unpack_from(first, 0)[7]
+        clean = bool(_FILE_HEADER.unpack_from(first, 0)[2] & _FILE_CLEAN)
+        if clean:  # from here on writes may be cut by a crash: the mark goes first, durably
+            mark_clean(fd, config.path, False)
         note = ""
+        cut = 0
         if size < expected:
+            cut = _clear_cut_record(fd, config, record_bytes, size)
             _size_file(fd, config, expected)
             note = (f"the file was {size} bytes, {expected} expected: extended; records past the "
                     "old end are not valid")
         return FileState(file_id=file_id, reused=True, recreated=False, note=note,
-                          fingerprint_mismatch=False, found_bytes=size)
+                          fingerprint_mismatch=False, found_bytes=size, cut_records=cut, clean=clean)
     if problem is None:
         return _create_file(fd, config, fingerprint, record_bytes, recreated=True,
                             note="reuse=False: the existing tier file was recreated empty",
@@ -315,6 +337,94 @@ def prepare_file(fd: int, config: DiskConfig, fingerprint: bytes, record_bytes: 
     return _create_file(fd, config, fingerprint, record_bytes, recreated=True,
                         note=f"recreated: {message}",
                         mismatch=kind is DiskErrorKind.FINGERPRINT_MISMATCH)
+
+
+def mark_clean(fd: int, path: str, clean: bool) -> None:
+    """Set or clear the file header's CLEAN flag and make it durable (``fd`` may be an O_DIRECT
+    descriptor: the page goes through an aligned buffer).
+
+    A record written without a checksum cannot tell a write a crash cut short from a whole one, so
+    a warm restart lists such records only from a file whose last tier shut down cleanly
+    (docs/design.md §9.4): the flag is cleared when a tier opens the file, before any write, and set
+    by its shutdown once every write completed and none failed.
+
+    Raises:
+        DiskIOError: the header cannot be read or written.
+    """
+    page = aligned(PAGE_BYTES)
+    try:
+        got = os.preadv(fd, [buf(page)], 0)
+        if got != PAGE_BYTES:
+            raise DiskIOError(f"reading the header of {path!r} returned {got} of {PAGE_BYTES} bytes",
+                              kind=DiskErrorKind.SHORT_READ, path=path)
+        view = buf(page)
+        fields = list(_FILE_HEADER.unpack_from(view, 0))
+        fields[2] = (fields[2] | _FILE_CLEAN) if clean else (fields[2] & ~_FILE_CLEAN)
+        _FILE_HEADER.pack_into(view, 0, *fields)
+        _CRC.pack_into(view, _CRC_OFFSET, zlib.crc32(page[:_CRC_OFFSET].tobytes()))
+        written = os.pwritev(fd, [buf(page)], 0)
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise DiskIOError(f"cannot mark the header of {path!r}: {exc.strerror}",
+                          kind=os_kind(exc.errno), path=path, errno=exc.errno) from None
+    if written != PAGE_BYTES:
+        raise DiskIOError(f"marking the header of {path!r} wrote {written} of {PAGE_BYTES} bytes",
+                          kind=DiskErrorKind.SHORT_WRITE, path=path)
+
+
+def clear_records(fd: int, path: str, blocks: Sequence[int], slot_offset: Callable[[int], int]) -> None:
+    """Clear the header pages of ``blocks`` (at ``slot_offset(block)``) and make it durable, so that
+    no later warm restart lists them (``fd`` may be an O_DIRECT descriptor).
+
+    Raises:
+        DiskIOError: a header cannot be written.
+    """
+    zeros = aligned(PAGE_BYTES)
+    try:
+        for block in blocks:
+            written = os.pwritev(fd, [buf(zeros)], slot_offset(block))
+            if written != PAGE_BYTES:
+                raise DiskIOError(
+                    f"clearing the header of disk block {block} of {path!r} wrote {written} of "
+                    f"{PAGE_BYTES} bytes", kind=DiskErrorKind.SHORT_WRITE, path=path, blocks=(block,),
+                )
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise DiskIOError(f"cannot clear record headers of {path!r}: {exc.strerror}",
+                          kind=os_kind(exc.errno), path=path, errno=exc.errno) from None
+
+
+def _clear_cut_record(fd: int, config: DiskConfig, record_bytes: int, size: int) -> int:
+    """Before a cut-short file is extended: clear the header of the record whose slot its end falls
+    inside (its header whole, its payload cut), and make that durable before the extension. Returns
+    how many it cleared (0 or 1).
+
+    Why: the extension fills the cut payload's tail with zeros, and the slot, whole again, would be
+    listed by the next warm restart with a payload that is not the one written (read back as
+    ``checksum_mismatch``, or served with ``checksum=False``).
+
+    Raises:
+        DiskIOError: the header cannot be cleared.
+    """
+    slot = PAGE_BYTES + record_bytes
+    block = (size - PAGE_BYTES) // slot
+    start = PAGE_BYTES + block * slot
+    if size <= PAGE_BYTES or block >= config.num_blocks or not start + PAGE_BYTES <= size < start + slot:
+        return 0
+    try:
+        written = os.pwrite(fd, bytes(PAGE_BYTES), start)
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise DiskIOError(
+            f"cannot clear the header of disk block {block} of {config.path!r}, cut by the file's "
+            f"end: {exc.strerror}", kind=os_kind(exc.errno), path=config.path, errno=exc.errno,
+        ) from None
+    if written != PAGE_BYTES:
+        raise DiskIOError(
+            f"clearing the header of disk block {block} of {config.path!r} wrote {written} of "
+            f"{PAGE_BYTES} bytes", kind=DiskErrorKind.SHORT_WRITE, path=config.path,
+        )
+    return 1
 
 
 def _header_problem(
@@ -390,6 +500,43 @@ def _size_file(fd: int, config: DiskConfig, nbytes: int) -> None:
             f"cannot size {config.path!r} to {nbytes} bytes: {exc.strerror}{room}",
             kind=os_kind(exc.errno), path=config.path, errno=exc.errno,
         ) from None
+
+
+def lock_file(fd: int, path: str) -> str:
+    """Take the tier file's lock on ``fd`` (an exclusive ``flock``, without waiting): held by the
+    open file description until it is closed, so by the tier's descriptor for the tier's life, and
+    gone with its process. Returns "" when taken, or why the file system has no such lock (logged;
+    the tier then opens without one).
+
+    Raises:
+        DiskInUseError: another open tier, in this process or another, holds it.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise DiskInUseError(
+            f"{path!r} is in use by another open disk tier (in this process or another): two tiers "
+            "on one file would serve each other's records; give each worker a file of its own, or "
+            "shut the other down first",
+            kind=DiskErrorKind.IN_USE, path=path,
+        ) from None
+    except OSError as exc:  # ENOLCK, EOPNOTSUPP, EINVAL: a file system without flock
+        _log.warning("disk tier %s: the file cannot be locked (%s); a second tier on it is not refused",
+                     path, exc.strerror)
+        return f"not locked: {exc.strerror}"
+    return ""
+
+
+def move_lock(from_fd: int, to_fd: int, path: str) -> None:
+    """Move the tier file's lock (:func:`lock_file`) from ``from_fd`` to ``to_fd``, another open
+    file description of the file (the O_DIRECT descriptor the tier keeps): flock treats the two as
+    separate holders, so the first lets go before the second takes it.
+
+    Raises:
+        DiskInUseError: another opener took the lock in between.
+    """
+    fcntl.flock(from_fd, fcntl.LOCK_UN)
+    lock_file(to_fd, path)
 
 
 def open_io_fd(

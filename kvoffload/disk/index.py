@@ -117,14 +117,16 @@ class DiskIndex:
 def scan_headers(
     pread: Callable[[int, list[npt.NDArray[np.uint8]], int], int], fd: int, codec: RecordCodec,
     file_size: int, start: int, stop: int,
-) -> tuple[list[tuple[int, int, bytes]], int, int]:
-    """Read the record headers of blocks ``[start, stop)`` (a warm restart): the valid ones as
-    ``(block, generation, key)``, the count rejected (a damaged header, another block's, one not
-    marked valid, or a slot the file ends inside of — a cut payload), and the newest generation
-    seen in any header."""
+) -> tuple[list[tuple[int, int, bytes]], int, int, list[tuple[int, int, bytes]]]:
+    """Read the record headers of blocks ``[start, stop)`` (a warm restart): the valid ones written
+    with a checksum as ``(block, generation, key)``, the count rejected (a damaged header, another
+    block's, one not marked valid, or a slot the file ends inside of — a cut payload), the newest
+    generation seen in any header, and the valid ones written without a checksum (the tier decides
+    whether it may list them, docs/design.md §9.4)."""
     page = aligned(PAGE_BYTES)
     slot_bytes = PAGE_BYTES + codec.record_bytes
     found: list[tuple[int, int, bytes]] = []
+    unchecked: list[tuple[int, int, bytes]] = []
     rejected = 0
     newest = 0
     for block in range(start, stop):
@@ -148,5 +150,5 @@ def scan_headers(
         if hdr_block != block or not codec.header_is_valid(flags) or cut:
             rejected += 1
             continue
-        found.append((block, generation, key))
-    return found, rejected, newest
+        (found if codec.has_checksum(flags) else unchecked).append((block, generation, key))
+    return found, rejected, newest, unchecked

@@ -84,8 +84,12 @@ from kvoffload.disk.format import (
     check_fingerprint,
     check_keys,
     check_path,
+    clear_records,
     close_quietly,
     file_bytes,
+    lock_file,
+    mark_clean,
+    move_lock,
     open_io_fd,
     prepare_file,
     unlink_quietly,
@@ -97,6 +101,7 @@ from kvoffload.errors import (
     ArgumentTypeError,
     BlockConflictError,
     ClosedError,
+    DiskIOError,
     DiskPathError,
     DiskShutdownError,
     InvalidArgumentError,
@@ -208,6 +213,7 @@ class DiskTier:
                 records tensor (wrong dtype, device, shape, strides or alignment).
             DiskPathError: the path is a directory, its parent is missing, it is not a regular file,
                 or it cannot be opened.
+            DiskInUseError: another open tier (in this process or another) holds the file.
             DiskFormatError: an existing file that is not a tier file, or (with ``reuse`` and without
                 ``recreate``) a tier file of another version, fingerprint or geometry.
             DiskError: ``direct=True`` and the file system refuses O_DIRECT.
@@ -227,13 +233,16 @@ class DiskTier:
         with contextlib.ExitStack() as undo:
             existed = os.path.exists(path)
             setup_fd = cls._open_path(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
-            if not existed:
-                undo.callback(unlink_quietly, path)
             undo.callback(close_quietly, setup_fd)
+            locked = lock_file(setup_fd, path) == ""  # before the file is read or changed
+            if not existed:  # only once locked: a file another tier holds is never removed
+                undo.callback(unlink_quietly, path)
             state = prepare_file(setup_fd, config, fingerprint_bytes, record_bytes)
             fd, direct, reason = cls._open_io_fd(path, config.direct, setup_fd)
             if fd != setup_fd:
                 undo.callback(close_quietly, fd)
+                if locked:  # the lock goes with the descriptor the tier keeps
+                    move_lock(setup_fd, fd, path)
             tier = cls(
                 config=config, fd=fd, direct=direct, reason=reason, fingerprint=fingerprint,
                 record_bytes=record_bytes, records=records, host=host, state=state, book=book,
@@ -265,7 +274,10 @@ class DiskTier:
         return open_io_fd(path, direct, setup_fd, cls._open_file)
 
     def _rebuild_index(self) -> None:
-        """Read every record header (on ``io_threads`` helper threads) and index the valid ones."""
+        """Read every record header (on ``io_threads`` helper threads) and index the valid ones:
+        those written without a checksum only from a file its last tier shut down cleanly, and only
+        for a tier with ``checksum=False``; from any other file they are cleared (a crash may have
+        cut them, and no later restart may list them)."""
         fd = self._fd
         assert fd is not None
         chunk = max(1, -(-self.num_blocks // (self.config.io_threads * 4)))
@@ -277,8 +289,20 @@ class DiskTier:
                 lambda r: scan_headers(self._pread, fd, self._codec, self._state.found_bytes, r[0], r[1]),
                 ranges,
             ))
-        for found, rejected, newest in parts:
+        unchecked: list[tuple[int, int, bytes]] = []
+        for found, rejected, newest, without_checksum in parts:
             self._index.load(found, rejected, newest)
+            unchecked += without_checksum
+        self._index.load([], self._state.cut_records, 0)  # cleared when the file was extended
+        if not unchecked:
+            return
+        if not self._state.clean:  # a crash may have cut any of them: they go for good
+            clear_records(fd, self.path, [block for block, _, _ in unchecked], self._codec.slot_offset)
+            self._index.load([], len(unchecked), 0)
+        elif self._checksum:  # whole, but this tier verifies every read: not listed, left as they are
+            self._index.load([], len(unchecked), 0)
+        else:
+            self._index.load(unchecked, 0, 0)
 
     # -------------------------------------------------------------------------------- properties
 
@@ -604,6 +628,11 @@ class DiskTier:
             fd, self._fd = self._fd, None
             self._host = None
             self._records = None
+            if fd is not None and not failures and self._counts["write_failed"] == 0:
+                try:  # every write completed whole: a warm restart may list unverifiable records
+                    mark_clean(fd, self.path, True)
+                except DiskIOError as exc:  # the next restart then lists only verifiable records
+                    _log.warning("disk tier %s: not marked clean: %s", self.path, exc)
             if fd is not None:
                 try:
                     os.close(fd)

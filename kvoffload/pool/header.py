@@ -16,6 +16,7 @@ import enum
 import fcntl
 import os
 import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -27,6 +28,7 @@ __all__ = [
     "PROC_DIR",
     "MAX_WORLD_SIZE",
     "Failure",
+    "LockTimeout",
     "Flag",
     "Header",
     "Slot",
@@ -207,9 +209,13 @@ def write_header(fd: int, header: Header) -> None:
         raise OSError("short write of the shared pool header")
 
 
-def mark_left(fd: int, rank: int) -> None:
-    """Record in the header that ``rank`` released its mapping (for inspection only)."""
-    with locked(fd):
+def mark_left(fd: int, rank: int, deadline: float) -> None:
+    """Record in the header that ``rank`` released its mapping (for inspection only).
+
+    Raises:
+        LockTimeout: the lock was not taken by ``deadline`` (nothing written).
+    """
+    with locked(fd, deadline=deadline):
         header = read_header(fd)
         if header is None or not 0 <= rank < header.world_size:
             return
@@ -217,10 +223,38 @@ def mark_left(fd: int, rank: int) -> None:
         write_header(fd, header.with_slot(rank, attrs.evolve(slot, flags=slot.flags | Flag.LEFT)))
 
 
+class LockTimeout(TimeoutError):
+    """The header's lock was not taken before the deadline: another process holds it (a rank
+    stopped, e.g. by a debugger or SIGSTOP, inside a header update). Its callers turn it into their
+    own error or log it."""
+
+
+#: The first and the longest sleep between two tries of a held lock.
+LOCK_POLL_S: Final = 0.0002
+LOCK_MAX_POLL_S: Final = 0.01
+
+
 @contextmanager
-def locked(fd: int, *, shared: bool = False) -> Iterator[None]:
-    """Hold ``flock`` on ``fd`` (exclusive unless ``shared``) for the block."""
-    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+def locked(fd: int, *, deadline: float, shared: bool = False) -> Iterator[None]:
+    """Hold ``flock`` on ``fd`` (exclusive unless ``shared``) for the block, taken before the
+    ``time.monotonic()`` ``deadline`` (tried without blocking, with sleeps of
+    :data:`LOCK_POLL_S` doubling to :data:`LOCK_MAX_POLL_S`).
+
+    Raises:
+        LockTimeout: the deadline passed with the lock held elsewhere.
+    """
+    mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+    poll = LOCK_POLL_S
+    while True:
+        try:
+            fcntl.flock(fd, mode)
+            break
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LockTimeout("the shared pool file's lock is held by another process") from None
+            time.sleep(min(poll, left))
+            poll = min(LOCK_MAX_POLL_S, poll * 2)
     try:
         yield
     finally:

@@ -39,8 +39,9 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from kvoffload.errors import (
@@ -57,6 +58,7 @@ from kvoffload.pool.header import (
     Flag,
     Header,
     Slot,
+    LockTimeout,
     State,
     locked,
     new_header,
@@ -77,6 +79,12 @@ _FILE_MODE: Final = 0o600
 POLL_S: Final = 0.002
 MAX_POLL_S: Final = 0.02
 LIVENESS_EVERY_S: Final = 0.05
+#: How long past the attach's deadline (or past now, when that went) a rank waits for the pool
+#: file's lock; a lock held longer is a rank stopped inside a header update: the step then raises
+#: PoolTimeoutError, without marking the attach failed (it cannot write the header).
+LOCK_GRACE_S: Final = 0.1
+#: How long :meth:`PoolSession.fail` waits for the file's lock before it gives up marking.
+FAIL_LOCK_S: Final = 0.1
 #: ``madvise`` advice that faults pages in, readable / writable (Linux 5.14); older kernels refuse it.
 _MADV_POPULATE_READ: Final = int(getattr(mmap, "MADV_POPULATE_READ", 22))
 _MADV_POPULATE_WRITE: Final = int(getattr(mmap, "MADV_POPULATE_WRITE", 23))
@@ -126,7 +134,7 @@ class PoolSession:
                     f"deadline (a stale pool under the name was still being cleaned up)",
                     pool=spec.name, ranks=(spec.rank,),
                 )
-            session = cls._create(spec, path, me) or cls._join_existing(spec, path, me)
+            session = cls._create(spec, path, me) or cls._join_existing(spec, path, me, deadline)
             if session is not None:
                 break
             time.sleep(POLL_S)
@@ -161,9 +169,13 @@ class PoolSession:
         return cls(spec, _named(fd, path), path, header)
 
     @classmethod
-    def _join_existing(cls, spec: PoolRank, path: str, me: Slot) -> PoolSession | None:
+    def _join_existing(cls, spec: PoolRank, path: str, me: Slot, deadline: float) -> PoolSession | None:
         """Register in the file under the name; None when it vanished or was stale (then replaced
-        by the next round)."""
+        by the next round).
+
+        Raises:
+            PoolTimeoutError: the file's lock was held elsewhere until ``deadline``.
+        """
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -171,8 +183,11 @@ class PoolSession:
         except OSError as exc:
             raise RegionError(f"cannot open shared pool {path!r}: {exc.strerror}") from exc
         try:
-            with locked(fd):
+            with locked(fd, deadline=max(deadline, time.monotonic()) + LOCK_GRACE_S):
                 header = cls._register(spec, path, me, fd)
+        except LockTimeout:
+            os.close(fd)
+            raise _lock_timeout(spec, "register") from None
         except BaseException:
             os.close(fd)
             raise
@@ -189,9 +204,10 @@ class PoolSession:
         Raises:
             PoolCollisionError: the file is not a pool, another live pool, or this rank is taken.
         """
-        if os.fstat(fd).st_nlink == 0:  # unlinked since we opened it: look again
+        status = os.fstat(fd)
+        if status.st_nlink == 0:  # unlinked since we opened it: look again
             return None
-        header = read_header(fd)
+        header = read_header(fd) if stat.S_ISREG(status.st_mode) else None
         if header is None:
             raise PoolCollisionError(
                 f"{path!r} exists and is not a kvoffload shared pool; it is left alone (remove it, "
@@ -237,15 +253,16 @@ class PoolSession:
             populate(mapping, HEADER_BYTES + first * mmap.PAGESIZE, (last - first) * mmap.PAGESIZE,
                      fd=self._fd)
 
-    def arrive(self, flag: Flag) -> None:
+    def arrive(self, flag: Flag, deadline: float) -> None:
         """Mark this rank as having reached ``flag``; the rank that completes the ``MAPPED`` count
-        unlinks the name.
+        unlinks the name. ``deadline`` (``time.monotonic()``) bounds the wait for the file's lock.
 
         Raises:
             SharedPoolError: the attach failed meanwhile (the error every rank raises).
+            PoolTimeoutError: the file's lock was held elsewhere until ``deadline``.
         """
         fd = self._require_fd()
-        with locked(fd):
+        with self._locked(fd, deadline, flag):
             header = self._read(fd)
             if header.state is State.FAILED:
                 raise self._error(header)
@@ -271,7 +288,7 @@ class PoolSession:
         poll = POLL_S
         next_check = clock()
         while True:
-            with locked(fd, shared=True):
+            with self._locked(fd, deadline, flag, shared=True):
                 header = self._read(fd)
             if _done(header, flag):
                 self.header = header
@@ -283,7 +300,7 @@ class PoolSession:
             now = clock()
             if now >= next_check or now >= deadline:
                 next_check = now + LIVENESS_EVERY_S
-                with locked(fd):
+                with self._locked(fd, deadline, flag):
                     header = self._read(fd)
                     if _done(header, flag):
                         continue
@@ -298,6 +315,20 @@ class PoolSession:
                     raise self._error(header)
             time.sleep(min(poll, max(0.0, deadline - now)))
             poll = min(MAX_POLL_S, poll * 2)
+
+    @contextlib.contextmanager
+    def _locked(self, fd: int, deadline: float, flag: Flag, *, shared: bool = False) -> Iterator[None]:
+        """:func:`~kvoffload.pool.header.locked` for a barrier step, until :data:`LOCK_GRACE_S`
+        past ``deadline`` (or past now, once that went).
+
+        Raises:
+            PoolTimeoutError: the lock was held elsewhere until ``deadline``.
+        """
+        try:
+            with locked(fd, deadline=max(deadline, time.monotonic()) + LOCK_GRACE_S, shared=shared):
+                yield  # the steps' bodies take no lock: a LockTimeout is the one above
+        except LockTimeout:
+            raise _lock_timeout(self.spec, _STEP_NAMES.get(flag, "register at")) from None
 
     # ----------------------------------------------------------------------------- hand-over, end
 
@@ -323,7 +354,7 @@ class PoolSession:
         if fd is None:
             return
         try:
-            with locked(fd):
+            with locked(fd, deadline=time.monotonic() + FAIL_LOCK_S):
                 header = read_header(fd)
                 if header is not None and header.state is not State.FAILED and header.ranks_without(
                     Flag.MAPPED
@@ -331,7 +362,7 @@ class PoolSession:
                     self._declare(fd, header, Failure.RANK_FAILED, (self.spec.rank,), Flag.NONE)
                 else:
                     _unlink_if_same(self.path, fd)
-        except OSError as exc:
+        except OSError as exc:  # LockTimeout among them: the file is left as it is
             _log.error("shared pool %r: could not mark the attach failed: %s", self.spec.name, exc)
         finally:
             with contextlib.suppress(OSError):
@@ -487,6 +518,15 @@ def _unlink_if_same(path: str, fd: int) -> None:
     if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _lock_timeout(spec: PoolRank, step: str) -> PoolTimeoutError:
+    """The error of a rank whose step waited for the pool file's lock until its deadline."""
+    return PoolTimeoutError(
+        f"shared pool {spec.name!r}: rank {spec.rank} could not {step} the pool before its deadline: "
+        "the pool file's lock stayed held by another process (a rank stopped inside a header update?)",
+        pool=spec.name, ranks=(spec.rank,),
+    )
 
 
 def _stale_reason(header: Header) -> str:

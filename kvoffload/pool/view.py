@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 from typing import Final
 
 import attrs
@@ -92,12 +93,15 @@ class PoolView:
             RegionError: no such pool, or a file that is not a kvoffload pool.
         """
         path = _find(name, pid)
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+        # O_NONBLOCK: a FIFO under the name must not block the open (it is refused below).
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NONBLOCK
         try:
             fd = os.open(path, flags)
         except OSError as exc:
             raise RegionError(f"cannot open shared pool {name!r} at {path!r}: {exc.strerror}") from exc
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RegionError(f"{path!r} is not a kvoffload shared pool (not a regular file)")
             header = read_header(fd)
             if header is None:
                 raise RegionError(f"{path!r} is not a kvoffload shared pool")

@@ -13,6 +13,7 @@ import mmap
 import os
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -21,7 +22,9 @@ import torch
 from kvoffload.disk.config import PAGE_BYTES, DiskConfig, DiskErrorKind
 from kvoffload.disk.requests import DiskIO
 from kvoffload.disk.tier import DiskTier
-from kvoffload.errors import DiskError, DiskFormatError, DiskIntegrityError, DiskIOError
+from kvoffload.disk import format as disk_format
+from kvoffload.disk import tier as disk_tier
+from kvoffload.errors import DiskError, DiskFormatError, DiskInUseError, DiskIntegrityError, DiskIOError
 from kvoffload.records import Direction
 from kvoffload.region import RegionOwner
 from tests.unit.test_disk_support import (
@@ -517,6 +520,112 @@ def test_reuse_of_a_cut_short_file_extends_it_and_lists_only_whole_records(
     result = one(again, 3)
     assert not result.ok and isinstance(result.error, DiskIntegrityError)
     assert result.error.kind == DiskErrorKind.NOT_VALID and result.error.blocks == (5,)
+
+
+def test_a_cut_records_header_is_cleared_before_the_file_is_extended(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extension fills a cut payload's tail with zeros: the next restart must not list it."""
+    for clear in (True, False):  # the control leaves the cut record's header as it was
+        if not clear:
+            monkeypatch.setattr(disk_format, "_clear_cut_record", lambda *args: 0)
+        tier = make_tier(checksum=False)
+        write_ok(tier, 1, [0, 1], [4, 5])
+        tier.shutdown()
+        os.truncate(tier.path, slot_offset(5) + PAGE_BYTES + 100)  # block 5's payload cut
+        first = make_tier(reuse=True, checksum=False)
+        assert set(first.valid_blocks()) == {4}
+        first.shutdown()
+        second = make_tier(reuse=True, checksum=False)  # the file is whole again
+        assert (5 in second.valid_blocks()) is not clear, clear
+        second.shutdown()
+
+
+def test_a_tier_that_checks_checksums_does_not_list_records_written_without_one(
+    make_tier: MakeTier, region: RegionOwner,
+) -> None:
+    tier = make_tier(checksum=False)
+    write_ok(tier, 1, [0, 1], [4, 5])
+    tier.shutdown()
+    flip_byte(tier.path, slot_offset(4) + PAGE_BYTES + 7)  # a payload no checksum can catch
+    checked = make_tier(reuse=True, checksum=True)
+    assert checked.valid_blocks() == {} and checked.capabilities().rejected_records == 2
+    checked.read(2, [4], [10])
+    result = one(checked, 2)
+    assert not result.ok and isinstance(result.error, DiskIntegrityError)
+    checked.shutdown()
+    unchecked = make_tier(reuse=True, checksum=False)  # the control: the same file, no checks
+    assert set(unchecked.valid_blocks()) == {4, 5}
+
+
+def test_a_record_without_a_checksum_is_listed_only_after_a_clean_shutdown(
+    make_tier: MakeTier, region: RegionOwner,
+) -> None:
+    """A write a crash cut short looks whole without a checksum; a tier that did not shut down
+    cleanly (the file header's CLEAN flag, cleared at open, set by a clean shutdown) lists none."""
+    before = snapshot(region)
+    tier = faulty(make_tier, checksum=False)
+    write_ok(tier, 1, [0], [4])
+    tier.write_faults = [torn_payload]  # as a crash inside the write: header whole, payload half
+    write_ok(tier, 2, [1], [5])
+    tier.shutdown()  # clean: the tier did not see its write torn
+    # What a crash leaves: the flag cleared at open and never set again.
+    crashed = DiskTier.create(DiskConfig(tier.path, num_blocks=DISK_BLOCKS, reuse=True, checksum=False),
+                              fingerprint=FINGERPRINT, record_bytes=RECORD, records=region.records())
+    assert set(crashed.valid_blocks()) == {4, 5}  # the control: after a clean shutdown block 5 is served
+    crashed.read(3, [5], [10])
+    assert one(crashed, 3).ok and not torch.equal(region.records()[10], before[1])  # torn, ok=True
+    crashed._stages.abort()  # no shutdown: the file stays as a crash leaves it
+    assert crashed._stages.stop(time.monotonic() + 10)
+    assert crashed._fd is not None
+    os.close(crashed._fd)
+    crashed._fd, crashed._closed = None, True
+    again = make_tier(reuse=True, checksum=False)
+    assert again.valid_blocks() == {} and again.capabilities().rejected_records == 2  # cleared
+    again.write(4, [2], [6])
+    assert one(again, 4).ok
+    again.shutdown()
+    back = make_tier(reuse=True, checksum=False)  # clean again: its own write is listed
+    assert set(back.valid_blocks()) == {6}
+
+
+def test_a_failed_write_leaves_the_file_unclean(make_tier: MakeTier) -> None:
+    tier = faulty(make_tier, checksum=False)
+    write_ok(tier, 1, [0], [4])
+    tier.write_faults = [raise_errno(errno.EIO)]
+    tier.write(2, [1], [5])
+    assert not one(tier, 2).ok
+    tier.shutdown()
+    assert make_tier(reuse=True, checksum=False).valid_blocks() == {}
+
+
+def test_a_second_tier_on_an_open_file_is_refused(
+    make_tier: MakeTier, region: RegionOwner, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = snapshot(region)
+    first = make_tier()
+    write_ok(first, 1, [0], [3])
+    with pytest.raises(DiskInUseError, match="in use by another open disk tier") as info:
+        make_tier(reuse=True)
+    assert info.value.kind == DiskErrorKind.IN_USE
+    first.read(2, [3], [10])  # the first tier is unchanged
+    assert one(first, 2).ok and torch.equal(region.records()[10], before[0])
+    first.shutdown()
+    make_tier(reuse=True).shutdown()  # the lock went with the first tier's descriptor
+
+
+def test_without_the_lock_two_tiers_on_one_file_serve_each_others_records(
+    make_tier: MakeTier, region: RegionOwner, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control of the lock: the hazard it prevents (both tiers hand out the same generations)."""
+    monkeypatch.setattr(disk_tier, "lock_file", lambda fd, path: "not locked: control")
+    before = snapshot(region)
+    make_tier().shutdown()
+    a, b = make_tier(reuse=True), make_tier(reuse=True)
+    write_ok(a, 1, [0], [3])
+    write_ok(b, 1, [1], [3])
+    a.read(2, [3], [10])
+    assert one(a, 2).ok and torch.equal(region.records()[10], before[1])  # b's record, served as a's
 
 
 # ---------------------------------------------------------------------------- direct / buffered

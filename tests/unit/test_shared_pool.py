@@ -622,3 +622,84 @@ def test_inspect_shows_an_attach_in_progress_and_then_the_mapped_pool(name: str)
         w1.shutdown()
     with pytest.raises(RegionError, match="holds none"):
         SharedPool.inspect(name, pid=os.getpid())
+
+
+# ------------------------------------------------------------- the pool file's lock has a deadline
+
+
+@contextmanager
+def held_lock(path: str) -> Iterator[None]:
+    """The pool file's lock held by another open file description (as a rank stopped inside a
+    header update holds it)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_a_held_lock_ends_its_wait_at_the_deadline(name: str) -> None:
+    path = plant(name, generation=1, pid=os.getpid(), start=0, world=1)
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with held_lock(path):
+                began = time.monotonic()
+                with pytest.raises(pool_header.LockTimeout):
+                    with pool_header.locked(fd, deadline=began + 0.2):
+                        pass
+                assert 0.2 <= time.monotonic() - began < 5.0
+            with pool_header.locked(fd, deadline=time.monotonic()):  # free: taken at once
+                pass
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+
+
+def test_an_attach_whose_pool_file_lock_stays_held_times_out(name: str) -> None:
+    """A rank stopped inside a header update held the lock: the other ranks' attach ends at its
+    deadline (and the grace), with PoolTimeoutError, instead of waiting for the lock."""
+    pool = SharedPool(name, 2, attach_timeout_s=SHORT_S)
+    made, thread = attach_in_background(pool, 0)
+    path = os.path.join(SHM_DIR, name)
+    with held_lock(path):
+        began = time.monotonic()
+        thread.join(TIMEOUT_S)
+        took = time.monotonic() - began
+    assert not thread.is_alive()
+    error = made[0]
+    assert isinstance(error, PoolTimeoutError), error
+    assert "lock stayed held by another process" in str(error)
+    assert took < 5.0  # the deadline, not the lock's holder, ended it
+    os.unlink(path)  # left as it was: the rank could not write the header to mark it failed
+
+
+def test_a_shutdown_does_not_wait_for_a_held_pool_file_lock(name: str) -> None:
+    pool = SharedPool(name, 1, attach_timeout_s=TIMEOUT_S)
+    w = Worker.create(cache(0), HOST_BLOCKS, shared=pool.rank(0))
+    fd = w._region._fd  # the name is gone once every rank mapped the pool; the file is not
+    assert fd is not None
+    with held_lock(f"/proc/self/fd/{fd}"):
+        began = time.monotonic()
+        w.shutdown(timeout=2.0)
+        took = time.monotonic() - began
+    assert took < 2.0  # it waited MARK_LEFT_WAIT_S for the mark, then logged it
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_name_that_is_not_a_regular_file_is_refused_without_blocking(name: str, kind: str) -> None:
+    path = os.path.join(SHM_DIR, name)
+    if kind == "directory":
+        os.mkdir(path)
+    else:
+        os.mkfifo(path)
+    try:
+        with pytest.raises(RegionError, match="not a kvoffload shared pool|Is a directory"):
+            SharedPool.inspect(name)  # a FIFO's open blocked here, a directory raised IsADirectoryError
+        with pytest.raises(RegionError):  # PoolCollisionError for the FIFO (was ESPIPE's OSError)
+            Worker.create(cache(0), HOST_BLOCKS, shared=SharedPool(name, 1, attach_timeout_s=SHORT_S).rank(0))
+    finally:
+        (os.rmdir if kind == "directory" else os.unlink)(path)
