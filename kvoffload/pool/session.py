@@ -292,8 +292,8 @@ class PoolSession:
                 header = self._read(fd)
             if _done(header, flag):
                 self.header = header
-                if flag is Flag.MAPPED:
-                    _unlink_if_same(self.path, fd)  # in case the rank that completed it died first
+                if flag is Flag.MAPPED:  # in case the rank that completed it died first
+                    _unlink_if_same_locked(self.path, fd)
                 return header
             if header.state is State.FAILED:
                 raise self._error(header)
@@ -510,7 +510,11 @@ def _link(fd: int, path: str) -> None:
 
 
 def _unlink_if_same(path: str, fd: int) -> None:
-    """Unlink ``path`` if it is still the file ``fd`` (never a newer pool created under the name)."""
+    """Unlink ``path`` if it is still the file ``fd`` (never a newer pool created under the name).
+
+    The caller holds ``fd``'s exclusive lock: every unlink of a pool file's name is made under that
+    file's lock, so between the check and the unlink no other rank can remove the name (after which
+    a newer pool could be linked under it and be unlinked here)."""
     try:
         here, there = os.fstat(fd), os.stat(path)
     except FileNotFoundError:
@@ -518,6 +522,13 @@ def _unlink_if_same(path: str, fd: int) -> None:
     if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _unlink_if_same_locked(path: str, fd: int) -> None:
+    """:func:`_unlink_if_same` under ``fd``'s exclusive lock, taken within :data:`LOCK_GRACE_S`
+    (else left to the lock's holder, which unlinks the name itself)."""
+    with contextlib.suppress(LockTimeout), locked(fd, deadline=time.monotonic() + LOCK_GRACE_S):
+        _unlink_if_same(path, fd)
 
 
 def _lock_timeout(spec: PoolRank, step: str) -> PoolTimeoutError:

@@ -703,3 +703,46 @@ def test_a_name_that_is_not_a_regular_file_is_refused_without_blocking(name: str
             Worker.create(cache(0), HOST_BLOCKS, shared=SharedPool(name, 1, attach_timeout_s=SHORT_S).rank(0))
     finally:
         (os.rmdir if kind == "directory" else os.unlink)(path)
+
+
+@pytest.mark.parametrize("under_lock", [True, False], ids=["rule", "control-unlocked"])
+def test_an_unlink_never_removes_a_newer_pool_linked_under_the_name(
+    name: str, under_lock: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 3's "never a newer pool's": between a rank's inode check and its unlink, another rank
+    removes the name (under the old file's lock, as every unlinker does) and a new pool is linked.
+    Under the lock that cannot happen in between; the control (the check and unlink without the
+    lock) removes the new pool's name."""
+    import fcntl
+
+    from kvoffload.pool import session
+    old = plant(name, generation=1, pid=os.getpid(), start=0, world=1)
+    fd = os.open(old, os.O_RDWR)
+    real_unlink = os.unlink
+    replaced: list[int] = []
+
+    def unlink_after_a_pause(path: str) -> None:  # the pause between the check and the unlink
+        other = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other rank's lock of the old file
+            real_unlink(path)
+            replaced.append(os.stat(plant(name, generation=2, pid=os.getpid(), start=0, world=1)).st_ino)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(other)
+        real_unlink(path)
+
+    monkeypatch.setattr(session.os, "unlink", unlink_after_a_pause)
+    try:
+        if under_lock:
+            session._unlink_if_same_locked(old, fd)
+        else:
+            session._unlink_if_same(old, fd)
+    finally:
+        monkeypatch.setattr(session.os, "unlink", real_unlink)
+        os.close(fd)
+    if under_lock:
+        assert replaced == [] and not os.path.exists(old)  # the old name went, nothing else
+    else:
+        assert replaced and not os.path.exists(old)  # the newer pool's name was removed: the hazard
