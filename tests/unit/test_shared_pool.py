@@ -733,14 +733,14 @@ def test_an_unlink_never_removes_a_newer_pool_linked_under_the_name(
             os.close(other)
         real_unlink(path)
 
-    monkeypatch.setattr(session.os, "unlink", unlink_after_a_pause)
+    monkeypatch.setattr(os, "unlink", unlink_after_a_pause)
     try:
         if under_lock:
             session._unlink_if_same_locked(old, fd)
         else:
             session._unlink_if_same(old, fd)
     finally:
-        monkeypatch.setattr(session.os, "unlink", real_unlink)
+        monkeypatch.setattr(os, "unlink", real_unlink)
         os.close(fd)
     if under_lock:
         assert replaced == [] and not os.path.exists(old)  # the old name went, nothing else
