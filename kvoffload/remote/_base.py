@@ -192,8 +192,9 @@ class RemoteStoreBase:
         """Store the host rows ``rows[i]`` as records under ``keys[i]``, within ``timeout`` seconds.
 
         Each record gets a new generation (increasing in this process, from the wall clock). A key
-        that already holds a record keeps it (the first writer wins; the key still counts as
-        succeeded). The rows are only read; they must not change until the call returns (and, for
+        that already holds a value keeps it (the first writer wins; the key still counts as
+        succeeded, and the value is not read: one that is not a record of this layout fails the
+        ``get`` that verifies it). The rows are only read; they must not change until the call returns (and, for
         an unsettled result, until ``wait_idle`` or ``on_settled``). ``on_settled`` is called only
         for an unsettled result, on the lane thread, once the client returned the call (it must not
         block). Store failures are in the result, never raised.

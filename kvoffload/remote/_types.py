@@ -104,8 +104,9 @@ class RemoteResult:
 
     Attributes:
         op: the call.
-        succeeded: per key: ``put`` the store holds a record under the key (this one, or one that
-            was already there: a put never replaces a record); ``get`` the host row holds the
+        succeeded: per key: ``put`` the store holds a value under the key (this record, or the
+            value that was already there, which the put neither replaces nor reads: a value some
+            other client wrote is found out by the ``get`` that verifies it); ``get`` the host row holds the
             verified record; ``exists`` the key is present; ``remove`` the key is gone (removed, or
             absent already).
         errors: per key, the :class:`~kvoffload.errors.RemoteError` that failed it, or None. An

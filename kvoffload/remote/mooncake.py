@@ -20,6 +20,7 @@ trusted network (the tests and the bench run it inside a loopback-only network n
 from __future__ import annotations
 
 import importlib
+import socket
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -81,12 +82,34 @@ def _str(name: str, value: object, *, empty: bool = False) -> str:
     return value
 
 
+#: The transfer engine's protocols this tier is documented and tested with; another name made the
+#: client's set-up retry for minutes holding the GIL.
+PROTOCOLS: Final = ("tcp", "rdma")
+#: The largest size the client's set-up takes (a C ``size_t`` past which its binding raises an
+#: untyped ``TypeError``; any real size is far below).
+MAX_SIZE_BYTES: Final = (1 << 63) - 1
+
+
 def _size(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"MooncakeConfig.{name} must be an int number of bytes, got {value!r}")
-    if value < 0:
-        raise InvalidArgumentError(f"MooncakeConfig.{name} = {value} must be >= 0")
+    if not 0 <= value <= MAX_SIZE_BYTES:
+        raise InvalidArgumentError(f"MooncakeConfig.{name} = {value} must be in 0 .. {MAX_SIZE_BYTES} bytes")
     return value
+
+
+def _master(address: str) -> tuple[str, int]:
+    """``host:port`` (an IPv6 host in brackets) as ``(host, port)``.
+
+    Raises:
+        InvalidArgumentError: not ``host:port`` with a port in 1..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(
+            f"MooncakeConfig.master_address = {address!r} must be host:port (a port in 1..65535)")
+    return host, int(port)
 
 
 @attrs.frozen
@@ -97,14 +120,14 @@ class MooncakeConfig:
         master_address: the master's ``host:port``.
         metadata_server: the transfer engine's metadata service (``"P2PHANDSHAKE"``: none needed).
         local_hostname: the address other processes reach this one at.
-        protocol: the transfer engine's protocol (``"tcp"`` or ``"rdma"``).
+        protocol: the transfer engine's protocol (``"tcp"`` or ``"rdma"``, :data:`PROTOCOLS`).
         device_names: RDMA devices (empty for TCP).
         local_buffer_bytes: the client's own buffer (used only by non-zero-copy calls).
         global_segment_bytes: memory this process lends to the cluster (0: it only uses the store).
         key_prefix: prepended to every stored key (several tiers can share one cluster).
         batch_records: records per client call.
         checksum_threads: threads computing and verifying CRC32s beside the transfers.
-        setup_timeout_s: deadline of joining the cluster in ``create``.
+        setup_timeout_s: deadline of joining the cluster in ``create`` (> 0).
     """
 
     master_address: str = attrs.field()
@@ -123,13 +146,37 @@ class MooncakeConfig:
         _str("master_address", self.master_address)
         _str("metadata_server", self.metadata_server)
         _str("local_hostname", self.local_hostname)
-        _str("protocol", self.protocol)
+        _master(self.master_address)
+        if _str("protocol", self.protocol) not in PROTOCOLS:
+            raise InvalidArgumentError(f"MooncakeConfig.protocol = {self.protocol!r} must be one of {PROTOCOLS}")
         _str("device_names", self.device_names, empty=True)
         _str("key_prefix", self.key_prefix, empty=True)
         _size("local_buffer_bytes", self.local_buffer_bytes)
         _size("global_segment_bytes", self.global_segment_bytes)
         check_common(self.batch_records, self.checksum_threads)
-        as_timeout(self.setup_timeout_s, "MooncakeConfig.setup_timeout_s")
+        if as_timeout(self.setup_timeout_s, "MooncakeConfig.setup_timeout_s") <= 0:
+            raise InvalidArgumentError("MooncakeConfig.setup_timeout_s must be > 0 seconds")
+
+
+def _reach_master(config: MooncakeConfig) -> None:
+    """Open and close one TCP connection to the master within ``setup_timeout_s``.
+
+    The client's ``setup`` holds the GIL while it retries (about 90 s against a closed port), so
+    the lane's deadline cannot end it; a master that cannot be reached is found here instead. A
+    master that accepts connections and does not answer (stopped, overloaded) still holds the set-up
+    until it answers.
+
+    Raises:
+        RemoteUnavailableError: no connection within the deadline.
+    """
+    host, port = _master(config.master_address)
+    try:
+        socket.create_connection((host, port), timeout=config.setup_timeout_s).close()
+    except OSError as exc:
+        raise RemoteUnavailableError(
+            f"the Mooncake master at {config.master_address} cannot be reached within "
+            f"{config.setup_timeout_s:g} s: {exc.strerror or exc}", kind=RemoteErrorKind.UNAVAILABLE.value,
+        ) from exc
 
 
 class _MooncakeClient:
@@ -240,9 +287,11 @@ class MooncakeStore(RemoteStoreBase):
 
         Raises:
             ArgumentTypeError, InvalidArgumentError: a bad argument (nothing was started).
-            RemoteUnavailableError: the ``mooncake`` package is missing, or the cluster could not be
-                joined or the memory registered in ``setup_timeout_s`` (nothing is left open, except
-                a set-up thread that did not return in time, which is abandoned).
+            RemoteUnavailableError: the ``mooncake`` package is missing, the master cannot be
+                reached, or the cluster could not be joined or the memory registered in
+                ``setup_timeout_s`` (nothing is left open, except a set-up thread that did not return
+                in time, which is abandoned). The client's set-up holds the GIL, so a master that
+                accepts connections and does not answer holds this call until it answers.
         """
         if not isinstance(config, MooncakeConfig):
             raise ArgumentTypeError(f"config must be a MooncakeConfig, got {type(config).__name__}")
@@ -255,6 +304,7 @@ class MooncakeStore(RemoteStoreBase):
                 "MooncakeStore needs the 'mooncake' extra (pip install 'kvoffload[mooncake]'): "
                 f"{exc}", kind=RemoteErrorKind.UNAVAILABLE.value,
             ) from exc
+        _reach_master(config)  # the client's set-up holds the GIL: its lane's deadline cannot end it
         headers = _aligned(HEADER_SLOTS * config.batch_records * PAGE_BYTES).reshape(-1, PAGE_BYTES)
         lane = Lane("kvoffload-remote-mooncake")
 
@@ -290,6 +340,13 @@ class MooncakeStore(RemoteStoreBase):
             raise RemoteUnavailableError(
                 f"joining the Mooncake cluster at {config.master_address} did not finish within "
                 f"{config.setup_timeout_s:g} s", kind=RemoteErrorKind.UNAVAILABLE.value,
+            ) from exc
+        except RemoteUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the client's own errors, e.g. its binding's TypeError
+            raise RemoteUnavailableError(
+                f"joining the Mooncake cluster at {config.master_address} failed: "
+                f"{type(exc).__name__}: {exc}", kind=RemoteErrorKind.UNAVAILABLE.value,
             ) from exc
         client = _MooncakeClient(store, rows, headers, config.key_prefix)
         return cls(
