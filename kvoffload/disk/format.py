@@ -348,11 +348,16 @@ def mark_clean(fd: int, path: str, clean: bool) -> None:
     (docs/design.md §9.4): the flag is cleared when a tier opens the file, before any write, and set
     by its shutdown once every write completed and none failed.
 
+    Setting it syncs the file's data first, then the flag: the flag is never on the disk before
+    the records it vouches for.
+
     Raises:
         DiskIOError: the header cannot be read or written.
     """
     page = aligned(PAGE_BYTES)
     try:
+        if clean:
+            os.fdatasync(fd)
         got = os.preadv(fd, [buf(page)], 0)
         if got != PAGE_BYTES:
             raise DiskIOError(f"reading the header of {path!r} returned {got} of {PAGE_BYTES} bytes",
@@ -411,19 +416,7 @@ def _clear_cut_record(fd: int, config: DiskConfig, record_bytes: int, size: int)
     start = PAGE_BYTES + block * slot
     if size <= PAGE_BYTES or block >= config.num_blocks or not start + PAGE_BYTES <= size < start + slot:
         return 0
-    try:
-        written = os.pwrite(fd, bytes(PAGE_BYTES), start)
-        os.fdatasync(fd)
-    except OSError as exc:
-        raise DiskIOError(
-            f"cannot clear the header of disk block {block} of {config.path!r}, cut by the file's "
-            f"end: {exc.strerror}", kind=os_kind(exc.errno), path=config.path, errno=exc.errno,
-        ) from None
-    if written != PAGE_BYTES:
-        raise DiskIOError(
-            f"clearing the header of disk block {block} of {config.path!r} wrote {written} of "
-            f"{PAGE_BYTES} bytes", kind=DiskErrorKind.SHORT_WRITE, path=config.path,
-        )
+    clear_records(fd, config.path, [block], lambda b: PAGE_BYTES + b * slot)
     return 1
 
 

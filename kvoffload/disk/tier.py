@@ -624,15 +624,14 @@ class DiskTier:
                 f"disk thread(s) {alive} did not stop before the deadline (a system call on "
                 f"{self.path!r} may still be running)"
             ))
-        else:
+        elif not failures and self._counts["write_failed"] == 0 and not self._mark_clean(deadline):
+            stopped = False  # the mark's thread may still be in a system call on the file
+            failures.append(WaitTimeoutError(
+                f"marking {self.path!r} as shut down cleanly did not finish before the deadline"))
+        if stopped:
             fd, self._fd = self._fd, None
             self._host = None
             self._records = None
-            if fd is not None and not failures and self._counts["write_failed"] == 0:
-                try:  # every write completed whole: a warm restart may list unverifiable records
-                    mark_clean(fd, self.path, True)
-                except DiskIOError as exc:  # the next restart then lists only verifiable records
-                    _log.warning("disk tier %s: not marked clean: %s", self.path, exc)
             if fd is not None:
                 try:
                     os.close(fd)
@@ -644,6 +643,26 @@ class DiskTier:
             raise DiskShutdownError(
                 f"disk tier {self.path!r} shutdown failed", failures, fd_left_open=not stopped
             )
+
+    def _mark_clean(self, deadline: float) -> bool:
+        """Every write completed whole: mark the file clean (:func:`~kvoffload.disk.format.mark_clean`,
+        which syncs the file, so on a thread of its own joined by ``deadline``). False when the
+        thread is still running at the deadline (it then owns the descriptor's last use); a failed
+        mark is only logged (the next restart then lists only records it can verify)."""
+        fd = self._fd
+        if fd is None:
+            return True
+
+        def mark() -> None:
+            try:
+                mark_clean(fd, self.path, True)
+            except DiskIOError as exc:
+                _log.warning("disk tier %s: not marked clean: %s", self.path, exc)
+
+        thread = threading.Thread(target=mark, name="kvoffload-disk-mark", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        return not thread.is_alive()
 
     def _drain(self, deadline: float) -> None:
         while True:

@@ -24,7 +24,9 @@ from kvoffload.disk.requests import DiskIO
 from kvoffload.disk.tier import DiskTier
 from kvoffload.disk import format as disk_format
 from kvoffload.disk import tier as disk_tier
-from kvoffload.errors import DiskError, DiskFormatError, DiskInUseError, DiskIntegrityError, DiskIOError
+from kvoffload.errors import (
+    DiskError, DiskFormatError, DiskInUseError, DiskIntegrityError, DiskIOError, DiskShutdownError,
+)
 from kvoffload.records import Direction
 from kvoffload.region import RegionOwner
 from tests.unit.test_disk_support import (
@@ -597,6 +599,29 @@ def test_a_failed_write_leaves_the_file_unclean(make_tier: MakeTier) -> None:
     assert not one(tier, 2).ok
     tier.shutdown()
     assert make_tier(reuse=True, checksum=False).valid_blocks() == {}
+
+
+def test_a_clean_mark_that_does_not_return_keeps_the_shutdown_within_its_timeout(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The mark syncs the file: on a disk that does not answer it may not return. The shutdown
+    returns at its deadline, reporting the descriptor left open (the mark's thread may use it)."""
+    release = threading.Event()
+    real = disk_format.mark_clean
+
+    def stuck(fd: int, path: str, clean: bool) -> None:
+        release.wait(30)
+        real(fd, path, clean)
+
+    monkeypatch.setattr(disk_tier, "mark_clean", stuck)
+    tier = make_tier()
+    write_ok(tier, 1, [0], [4])
+    began = time.monotonic()
+    with pytest.raises(DiskShutdownError, match="shutdown failed") as info:
+        tier.shutdown(timeout=0.3)
+    assert time.monotonic() - began < 5.0 and info.value.fd_left_open
+    assert any("marking" in str(f) for f in info.value.failures)
+    release.set()
 
 
 def test_a_second_tier_on_an_open_file_is_refused(
