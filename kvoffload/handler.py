@@ -369,9 +369,7 @@ class DirectionHandler:
             ClosedError: after shutdown.
             DeviceMismatchError: the stream is not one of the backend's device.
         """
-        self._check_open()
-        backend = self._backend
-        assert backend is not None
+        backend = self._open_backend()
         return backend.fence(stream)
 
     def release_fence(self, fence: object) -> None:
@@ -406,9 +404,7 @@ class DirectionHandler:
         ``i``'s pages), issued here unless a job is queued for issue; returns the marks, which the
         handler owns until the result is published (docs/design.md §12). Raises as
         :meth:`submit_validated`."""
-        self._check_open()
-        backend = self._backend
-        assert backend is not None
+        backend = self._open_backend()
         make = getattr(backend, "layer_marks", None)
         marks: LayerMarks = make(len(tables)) if make is not None else WholeJobMarks(len(tables))
         self._enqueue(job_id, src, dst, stream, None, (self._layer_plans_for(tables), marks))
@@ -425,9 +421,7 @@ class DirectionHandler:
         self, job_id: int, src: I64Array, dst: I64Array, stream: object, fence: object,
         layered: tuple[tuple[CopyPlan, ...], LayerMarks] | None,
     ) -> None:
-        self._check_open()
-        backend = self._backend
-        assert backend is not None
+        backend = self._open_backend()
         nbytes = int(src.shape[0]) * self._page_bytes
         owns_fence = fence is None
         hands_off = getattr(backend, "hands_off", False)
@@ -487,11 +481,10 @@ class DirectionHandler:
         stream; :meth:`current_stream_reader` reads that without a call of this method).
 
         Raises:
+            ClosedError: after shutdown.
             DeviceMismatchError: the stream is not one of the backend's device.
         """
-        backend = self._backend
-        assert backend is not None
-        return cast(HandsOffBackend, backend).stream_handle(stream)
+        return cast(HandsOffBackend, self._open_backend()).stream_handle(stream)
 
     def current_stream_reader(self) -> Callable[[], int]:
         """The hands-off backend's reader of the calling thread's current stream (a call without
@@ -914,3 +907,15 @@ class DirectionHandler:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"the {self.direction.value} handler was shut down")
+
+    def _open_backend(self) -> Backend:
+        """The backend of an open handler (a shutdown meanwhile may have released it).
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        backend = self._backend
+        if backend is None:  # released by a shutdown that began after the check above
+            raise ClosedError(f"the {self.direction.value} handler was shut down")
+        return backend

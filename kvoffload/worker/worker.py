@@ -39,7 +39,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -484,8 +484,11 @@ class Worker:
         reads, writes = (rows, rows[:0]) if direction is Direction.PUT_REMOTE else (rows[:0], rows)
         check_pairs(writes, writes, "host_blocks", "host_blocks")
         with self._lock:
+            self._check_open()  # again: a shutdown may have begun since the first look
             self._drop_settled()
             self._book.check(job, direction, reads, writes, "host_blocks", "host_blocks")
+            if job in self._book.jobs:
+                self._refuse_booked(job, remote)
             self._jobs.reserve(job, remote)
             self._book.add(job, direction, reads, writes)
         try:
@@ -558,9 +561,10 @@ class Worker:
             except DeviceMismatchError:
                 return None  # raised by _submit, after the checks of the ids, as ever
         src, dst = src_blocks.copy(), dst_blocks.copy()  # the job's own: the caller may reuse its
-        book = self._book
         with self._lock:
-            if self._holds or job_id in book.jobs or not admit(job_id, src, dst):
+            book = self._book
+            if (self._closed or self._holds or job_id in book.jobs  # a shutdown since the first look
+                    or not admit(job_id, src, dst)):
                 return None
             try:
                 self._jobs.reserve(job_id, handler)
@@ -568,6 +572,23 @@ class Worker:
                 book.remove(job_id)
                 return None
         return job_id, handler, src, dst, handle
+
+    def _refuse_booked(self, job: int, source: JobSource) -> NoReturn:
+        """Under the lock: refuse a job whose id the bookkeeping still holds. In the job book it is
+        in flight or unreturned (the book's own error); else another thread's ``poll`` or ``wait``
+        took its result and has not freed its blocks yet, and until it has the id is not free
+        (a job admitted then would take the returning job's place in the bookkeeping: its blocks
+        never freed, or the new job's freed by the old one's return).
+
+        Raises:
+            JobIdError: always.
+        """
+        self._jobs.reserve(job, source)  # raises JobIdError while the id is in the job book
+        self._jobs.forget(job)
+        raise JobIdError(
+            f"job {job} is being returned by another thread's poll or wait (its blocks are not free "
+            "yet); submit it again once that call returned"
+        )
 
     def _front_forget(self, job_id: int) -> None:
         """Undo :meth:`_front_take`'s bookkeeping of a job its handler refused (it raised)."""
@@ -604,6 +625,7 @@ class Worker:
             fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError
         try:
             with self._lock:
+                self._check_open()  # again: a shutdown may have begun since the first look
                 self._drop_settled()
                 try:
                     if job in self._book.jobs:  # an id in flight: refused as ever, nothing counted
@@ -611,7 +633,7 @@ class Worker:
                         check_range(dst_name, dst, dst_limit)
                         check_pairs(src, dst, src_name, dst_name)
                         self._book.check(job, direction, src, dst, src_name, dst_name)
-                        self._jobs.reserve(job, source)  # raises JobIdError
+                        self._refuse_booked(job, source)
                     self._book.admit(job, direction, src, dst, src_name, dst_name,  # pairs, conflicts
                                      pairs_checked=ranged)
                 except InvalidBlockIdError:
@@ -680,7 +702,7 @@ class Worker:
                         settle = self._remote.take_unsettled(result.job_id)
                     if settle is None:
                         self._book.remove(result.job_id)
-                    else:
+                    elif result.job_id in self._book.jobs:  # not when a shutdown cleared the book
                         self._holds[self._book.hold(result.job_id)] = settle
 
     def _drop_settled(self) -> None:

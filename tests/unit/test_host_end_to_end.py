@@ -340,3 +340,66 @@ def test_a_wait_that_loses_a_job_to_a_concurrent_call_keeps_the_others(
         assert [r.job_id for r in w.wait([3], TIMEOUT_S)] == [3]
         w.store(4, [2], [1])  # job 3 released host block 1
         assert w.wait([4], TIMEOUT_S)[0].ok
+
+
+# ------------------------------------------------ an id returned by another thread, a shutdown racing
+
+
+@pytest.mark.parametrize("refuse", [True, False], ids=["rule", "control-book-only"])
+def test_an_id_whose_result_is_being_returned_is_not_free_until_its_blocks_are(
+    refuse: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread's ``wait`` took job 7's result from the job book and has not freed its blocks
+    yet (the two steps of Worker.wait): a submit of job 7 then is refused and changes nothing. The
+    control asks only the job book, as before: the submit is refused too, but it took the returning
+    job's place in the bookkeeping, so a job 7 never submitted stays in flight for ever and block 0
+    is never free again."""
+    from kvoffload import JobIdError, WaitTimeoutError
+    if not refuse:
+        monkeypatch.setattr(Worker, "_refuse_booked", lambda self, job, source: self._jobs.reserve(job, source))
+    w = Worker.create(small_cache("per-layer"), HOST_BLOCKS)
+    try:
+        w.store(7, [0], [0])
+        results = w._jobs.wait([7], TIMEOUT_S)  # the first step of another thread's wait
+        with pytest.raises(JobIdError, match="being returned by another thread" if refuse else None):
+            w.store(7, [1], [1])
+        w._release(results)  # its second step
+        if refuse:
+            with pytest.raises(UnknownJobError):
+                w.wait([7], 1.0)
+            w.store(7, [1], [1])
+            w.store(8, [2], [0])
+            assert all(r.ok for r in w.wait([7, 8], TIMEOUT_S))
+        else:
+            with pytest.raises(WaitTimeoutError):
+                w.wait([7], 0.3)
+            with pytest.raises(BlockConflictError):
+                w.store(8, [2], [0])
+    finally:
+        w.shutdown()
+
+
+def test_a_submit_overtaken_by_a_shutdown_gets_closed_error() -> None:
+    """A submit that passed its first closed check before another thread's shutdown: the shutdown
+    cleared the bookkeeping (a KeyError came out of its admission), or released the handler's
+    backend (an AssertionError). Now ClosedError, whatever the timing."""
+    w = Worker.create(small_cache("per-layer"), HOST_BLOCKS)
+    real = w._check_open
+    calls = [0]
+
+    def check_then_shut_down() -> None:
+        real()
+        calls[0] += 1
+        if calls[0] == 1:
+            w.shutdown(TIMEOUT_S)
+
+    w._check_open = check_then_shut_down  # type: ignore[method-assign]
+    with pytest.raises(ClosedError):
+        w.store(1, [0], [0])
+    handler = w._store
+    handler._closed = False  # a submit between the handler's closed check and its backend's release
+    try:
+        with pytest.raises(ClosedError, match="handler was shut down"):
+            handler.submit_validated(2, np.zeros(1, np.int64), np.zeros(1, np.int64))
+    finally:
+        handler._closed = True

@@ -365,3 +365,23 @@ def test_shutdown_drops_every_view_of_the_host_pool_so_the_region_is_unmapped(cl
         warnings.simplefilter("error", ResourceWarning)  # a view still referenced would warn
         w.shutdown(TIMEOUT_S)
     assert w._region.released
+
+
+def test_a_remote_job_id_being_returned_is_refused_and_its_blocks_stay_booked(worker: Worker) -> None:
+    """Another thread's ``wait`` took get 7's result from the job book and has not freed its host
+    block yet: a put of id 7 is refused, and a store into that block is still refused (before, the
+    put was accepted and took the get's place in the bookkeeping; the get's return then freed the
+    put's blocks while the put was in flight)."""
+    from kvoffload import JobIdError
+    worker.put_remote(1, [0], [b"k"])
+    assert one(worker, 1).ok
+    worker.get_remote(7, [b"k"], [1])
+    results = worker._jobs.wait([7], TIMEOUT_S)  # the first step of another thread's wait
+    with pytest.raises(JobIdError, match="being returned by another thread"):
+        worker.put_remote(7, [2], [b"other"])
+    with pytest.raises(BlockConflictError):
+        worker.store(8, [0], [1])  # the get's host block is not free until its return completed
+    worker._release(results)
+    worker.put_remote(7, [2], [b"other"])
+    worker.store(8, [0], [1])
+    assert all(r.ok for r in worker.wait([7, 8], TIMEOUT_S))
