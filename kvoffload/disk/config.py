@@ -98,7 +98,8 @@ class DiskConfig:
         checksum: write a CRC32 of every payload and verify it on every read; a warm restart then
             lists no record written without one. With False, a warm restart lists the records
             written without a CRC only from a file whose last tier shut down cleanly (a crash may
-            have cut one), and clears them otherwise (docs/design.md §9.4).
+            have cut one), and clears them otherwise; records written with a CRC (by a tier with
+            True) are still verified when read (docs/design.md §9.4).
         io_bytes: payload bytes per system call (a multiple of 4096); a run of consecutive disk
             blocks is moved in calls of at most this (but at least one whole record).
         preallocate: reserve the file's blocks at creation (``posix_fallocate``), so that running out

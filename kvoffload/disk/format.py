@@ -164,11 +164,13 @@ class RecordCodec:
 
     def verify(
         self, headers: U8Array, i: int, payload: U8Array, block: int, valid: bool, expected: int,
-        check_payload: bool,
+        require_checksum: bool,
     ) -> DiskIntegrityError | None:
         """Check record ``i`` of a read against the index (:func:`kvoffload._record.verify_record`,
-        after the index's own VALID bit); None when it verified. With ``check_payload`` a record
-        written without a checksum (by a tier with ``checksum=False``) does not verify."""
+        after the index's own VALID bit); None when it verified. A record written with a checksum
+        has it checked whatever the reading tier's setting (a tier with ``checksum=False`` may read
+        records a tier with ``checksum=True`` wrote, and a crash may have cut them); with
+        ``require_checksum`` one written without does not verify."""
         where = f"disk block {block} of {self.path!r}"
         if not valid:
             return self._integrity(
@@ -178,8 +180,8 @@ class RecordCodec:
         verdict = record.verify_record(
             headers[i * PAGE_BYTES : (i + 1) * PAGE_BYTES], payload,
             record.Expected(payload_bytes=self.record_bytes, file_id=self.file_id, block=block,
-                            generation=expected, check_payload=check_payload,
-                            require_checksum=check_payload),
+                            generation=expected, check_payload=True,
+                            require_checksum=require_checksum),
         )
         if verdict.fault is None:
             return None

@@ -560,6 +560,25 @@ def test_a_tier_that_checks_checksums_does_not_list_records_written_without_one(
     assert set(unchecked.valid_blocks()) == {4, 5}
 
 
+def test_a_tier_without_checksums_still_verifies_records_written_with_one(
+    make_tier: MakeTier, region: RegionOwner,
+) -> None:
+    """A tier with checksum=False reads records a checksum=True tier wrote (cut by a crash, or
+    flipped): their CRC is checked (it was skipped, and a damaged payload served with ok=True)."""
+    tier = make_tier(checksum=True)
+    write_ok(tier, 1, [0, 1], [4, 5])
+    tier.shutdown()
+    flip_byte(tier.path, slot_offset(4) + PAGE_BYTES + 7)
+    fast = make_tier(reuse=True, checksum=False)
+    assert set(fast.valid_blocks()) == {4, 5}
+    fast.read(2, [4], [10])
+    result = one(fast, 2)
+    assert not result.ok and isinstance(result.error, DiskIntegrityError)
+    assert result.error.kind == DiskErrorKind.CHECKSUM_MISMATCH
+    fast.read(3, [5], [11])
+    assert one(fast, 3).ok
+
+
 def test_a_record_without_a_checksum_is_listed_only_after_a_clean_shutdown(
     make_tier: MakeTier, region: RegionOwner,
 ) -> None:
