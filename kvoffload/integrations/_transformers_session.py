@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
@@ -27,6 +28,9 @@ __all__ = [
 _log = logging.getLogger("kvoffload.integrations.transformers")
 
 _KEY_BYTES: Final = 8  # the engine's block hashes are 64-bit
+#: How long past the exit's own deadline a step waits for the exit's shutdown to say whether copies
+#: stopped (the shutdown returns within about its timeout; this covers the "about").
+_SHUTDOWN_SLACK_S: Final = 1.0
 
 
 class UnsupportedEngineError(kvoffload.KVOffloadError, RuntimeError):
@@ -215,7 +219,13 @@ class _Session:
         self._layered: dict[int, _Layered] = {}
         self._defer_loads = defer_loads  # submit layered loads when the next forward starts
         self._landed: set[int] = set()  # layered loads found landed by close
+        self._unlanded: set[int] = set()  # layered loads close could not land: never read them
         self._closed = False
+        # The worker's shutdown: None until it returned; True when every copy stopped; False when
+        # copies may still write engine blocks (they are then never given back to the engine).
+        self._stopped: bool | None = None
+        self._stop_known = threading.Event()  # set with _stopped
+        self._close_deadline = 0.0  # when the exit's shutdown returns at the latest
 
     # ------------------------------------------------------------------ generation thread
 
@@ -231,22 +241,36 @@ class _Session:
 
     def before_schedule(self) -> bool:
         """Collect finished jobs and store the blocks completed since the last step. Returns False
-        once closed (after releasing the references stores in flight held at close)."""
+        once closed, after releasing the references stores in flight held at close, and giving
+        back the blocks of late and layer-by-layer loads once the worker's shutdown proved their
+        copies stopped (while the exit's shutdown runs, a step with such blocks waits for it: the
+        engine may need them; a shutdown that could not prove it keeps them out for good)."""
+        with self._lock:
+            closing = self._closed and self._stopped is None and bool(self._late_loads or self._layered)
+            deadline = self._close_deadline
+        if closing:  # the exit's shutdown runs, and copies may still land in engine blocks: the step
+            self._stop_known.wait(max(0.0, deadline - time.monotonic()))  # waits for it (bounded)
         with self._lock:
             cache = self._cache
-            if self._closed:  # the worker is shut down: no copy touches these blocks any more
+            if self._closed:
                 if cache is not None:
-                    for block in self._held:
+                    for block in self._held:  # stores only read them
                         cache.release(block)
-                    for _, _, blocks in self._late_loads.values():
-                        cache.return_blocks(blocks)
-                    for job, layered in self._layered.items():  # the shut-down worker copies no more
-                        for block in layered.registered:
-                            if job not in self._landed:  # its bytes are not known to be the record's
-                                cache.forget(block)
-                            cache.release(block)
-                        cache.return_blocks(layered.unregistered)
                     self._held.clear()
+                    if self._stopped is None:  # the worker's shutdown runs: copies may still land
+                        return False
+                    if self._stopped:  # every copy stopped: the blocks are the engine's again
+                        for _, _, blocks in self._late_loads.values():
+                            cache.return_blocks(blocks)
+                        for layered in self._layered.values():
+                            for block in layered.registered:
+                                cache.release(block)
+                            cache.return_blocks(layered.unregistered)
+                    elif self._late_loads or self._layered:  # a copy may still write them: never again
+                        _log.error("the worker's shutdown could not prove its copies stopped: %d engine "
+                                   "block(s) they may write are kept out of the engine's pool",
+                                   sum(len(b) for _, _, b in self._late_loads.values())
+                                   + sum(len(layered.device_blocks) for layered in self._layered.values()))
                     self._late_loads.clear()
                     self._layered.clear()
                     self._cache = None
@@ -344,8 +368,8 @@ class _Session:
     @property
     def layered_in_flight(self) -> bool:
         """Whether a layer-by-layer load is in flight (its result not collected yet); read without
-        the lock (see ``Offloader._layered_in_flight``)."""
-        return bool(self._layered)
+        the lock (see ``Offloader._layered_in_flight``); also once close could not land one."""
+        return bool(self._layered or self._unlanded)
 
     def before_layer(self, layer: int, stream: object) -> None:
         """Model layer ``layer``'s attention is about to run (in the forward, generation thread):
@@ -357,14 +381,22 @@ class _Session:
                 forward must not read it).
         """
         with self._lock:
-            if self._closed or not self._layered or self._layer_of is None:
-                return  # closed: the worker's shutdown drained every load
+            if self._layer_of is None:
+                return
             index = self._layer_of.get(layer)
             if index is None:
                 return
-            for layered in self._layered.values():
-                if layered.load is not None:  # a deferred one is submitted when the forward starts
-                    layered.load.wait_layer(index, stream)
+            if self._closed:  # close landed every load it could: a forward must not read the others
+                if self._unlanded:
+                    raise kvoffload.TransferError(
+                        f"{len(self._unlanded)} layer-by-layer load(s) did not land before the offloading "
+                        "context closed; the step fails instead of reading their blocks"
+                    )
+                return
+            # a deferred one (load None) is submitted when the forward starts
+            loads = [layered.load for layered in self._layered.values() if layered.load is not None]
+        for load in loads:  # outside the lock: a wait on the CPU blocks, and close needs the lock
+            load.wait_layer(index, stream)
 
     def flush_loads(self, stream: object) -> None:
         """A forward is about to start (generation thread): submit the deferred layer-by-layer loads,
@@ -420,7 +452,7 @@ class _Session:
                 self._counts.prompt_tokens_computed += sum(c.tokens for c in chunks if c.prompt)
             if not (chunks is None or starved):
                 return False
-            if self._closed or self._worker is None or not (self._stores or self._demotions or self._layered):
+            if self._closed or self._worker is None or not self._holding():
                 return False
             try:
                 self._drain(self._worker, self._owner.load_timeout)
@@ -479,7 +511,7 @@ class _Session:
             evicted = cache.evict_cached(wanted - room, keep=resident)
             self._counts.engine_blocks_evicted += evicted
             room += evicted
-            if room >= wanted or attempt or not (self._stores or self._demotions or self._layered):
+            if room >= wanted or attempt or not self._holding():
                 break
             try:
                 self._drain(worker, self._owner.load_timeout)
@@ -523,6 +555,7 @@ class _Session:
         job succeeded (None: a job did not finish in time; it completes later through
         :meth:`_collect`)."""
         jobs: list[tuple[int, list[int]]] = []
+        refused: list[int] = []
         for tier in (kvoffload.Tier.HOST, kvoffload.Tier.DISK):
             rows = [i for i, t in enumerate(plan.tiers) if t is tier and i not in skip]
             if not rows:
@@ -530,10 +563,15 @@ class _Session:
             job = next(self._jobs)
             src = [plan.blocks[i] for i in rows]
             dst = [blocks[i] for i in rows]
-            if tier is kvoffload.Tier.HOST:
-                worker.load(job, src, dst, stream=self._stream())
-            else:
-                worker.load_from_disk(job, src, dst, stream=self._stream())
+            try:
+                if tier is kvoffload.Tier.HOST:
+                    worker.load(job, src, dst, stream=self._stream())
+                else:
+                    worker.load_from_disk(job, src, dst, stream=self._stream())
+            except kvoffload.KVOffloadError as exc:  # nothing copies: failed rows, recomputed
+                _log.warning("a load of %d blocks was refused; their tokens are recomputed: %s", len(rows), exc)
+                refused += rows
+                continue
             jobs.append((job, rows))
         if not jobs:
             return [False] * len(blocks)
@@ -544,6 +582,11 @@ class _Session:
                          self._owner.load_timeout, exc)
             for job, rows in jobs:
                 self._late_loads[job] = (plan, [plan.keys[i] for i in rows], [blocks[i] for i in rows])
+            if refused:  # the late ones complete in _collect; these are done with now
+                assert self._cache is not None
+                self._manager.complete_load(plan, [plan.keys[i] for i in refused], ok=False)
+                self._counts.blocks_load_failed += len(refused)
+                self._cache.return_blocks([blocks[i] for i in refused])
             return None
         ok = [False] * len(blocks)
         for (_, rows), result in zip(jobs, results):
@@ -615,12 +658,17 @@ class _Session:
             if fine:
                 self._cache.release(block)
 
+    def _holding(self) -> bool:
+        """Whether jobs in flight hold engine blocks (:meth:`_drain` waits for them)."""
+        return bool(self._stores or self._demotions or self._layered or self._late_loads)
+
     def _drain(self, worker: WorkerLike, timeout: float) -> None:
-        """Wait for every demotion, store (and the stores that follow the demotions) and
-        layer-by-layer load: each holds engine blocks."""
+        """Wait for every demotion, store (and the stores that follow the demotions), layer-by-layer
+        load and late load: each holds engine blocks (a late load's go back to the pool when it
+        finished)."""
         self._flush(worker, self._stream())
-        while self._demotions or self._stores or self._layered:
-            jobs = list(self._demotions) + list(self._stores) + list(self._layered)
+        while self._holding():
+            jobs = list(self._demotions) + list(self._stores) + list(self._layered) + list(self._late_loads)
             self._collect(worker.wait(jobs, timeout=timeout))
 
     # ------------------------------------------------------------------ user thread
@@ -634,18 +682,35 @@ class _Session:
         Raises:
             ShutdownError: from the worker's shutdown, after everything was released.
         """
-        with self._lock:  # a forward's layer hooks wait here: they find every load landed after
+        deadline = time.monotonic() + timeout
+        with self._lock:  # a forward's layer hooks look here: they find every load landed or refused
             if self._closed:
                 return
+            self._close_deadline = deadline + _SHUTDOWN_SLACK_S
             if self._worker is not None and self._layered:
                 self._land_layered(self._worker, timeout)
+                self._unlanded = {job for job in self._layered if job not in self._landed}
+                if self._cache is not None:  # no later request may match blocks a copy may still write
+                    for job in self._unlanded:
+                        for block in self._layered[job].registered:
+                            self._cache.forget(block)
             self._closed = True
             worker, self._worker = self._worker, None
             cache = self._cache
         if cache is not None:
             cache.stop_intercepting()
-        if worker is not None:
-            worker.shutdown(timeout)
+        stopped = False
+        try:
+            if worker is not None:
+                worker.shutdown(max(0.0, deadline - time.monotonic()))
+            stopped = True
+        except kvoffload.ShutdownError as exc:
+            stopped = not exc.region_left_mapped  # the device was proven idle: no copy runs
+            raise
+        finally:
+            with self._lock:  # the generation thread's next step gives the blocks back, or keeps them
+                self._stopped = stopped
+            self._stop_known.set()
 
     def _land_layered(self, worker: WorkerLike, timeout: float) -> None:
         """At close (user thread, lock held): submit the deferred loads and wait for every layered

@@ -127,6 +127,9 @@ class Offloader:
         self._lock = threading.RLock()
         self._counts = _Counters()
         self._session: _Session | None = None
+        # The session the context's exit closes: the layer hooks still ask it while the exit runs
+        # (a forward then must not read a load the exit could not land).
+        self._closing: _Session | None = None
         self._last_manager: kvoffload.ManagerStats | None = None
         self._compute_stream: object = None
         self._closed = False
@@ -190,7 +193,7 @@ class Offloader:
         """Whether the current session has a layer-by-layer load in flight. Read without the lock
         by the layer hooks (generation thread, the only one that adds loads): every attention layer
         of every step asks, and most steps have none."""
-        session = self._session
+        session = self._session or self._closing
         return session is not None and session.layered_in_flight
 
     def _before_layer(self, layer: int, stream: object) -> None:
@@ -198,7 +201,7 @@ class Offloader:
         nothing in a forward being captured (see :meth:`_before_forward`)."""
         if _capturing(stream):
             return
-        session = self._session  # one read; the session takes the lock itself
+        session = self._session or self._closing  # one read; the session takes the lock itself
         if session is not None:
             session.before_layer(layer, stream)
 
@@ -211,6 +214,7 @@ class Offloader:
         with self._lock:
             self._closed = True
             session, self._session = self._session, None
+            self._closing = session
         if session is not None:
             with self._lock:
                 self._last_manager = session.manager_stats()
@@ -325,7 +329,8 @@ def offloading(
             disk=disk)``); the integration owns what it returns and shuts it down.
         load_timeout: seconds a scheduling step waits for a load (or, when the cache is full, for the
             stores in flight) before giving up on it: its tokens are then recomputed.
-        shutdown_timeout: seconds the exit gives each worker's shutdown.
+        shutdown_timeout: seconds the exit takes at most (landing the layer-by-layer loads in flight, then
+            the worker's shutdown, with what is left).
         overlap_loads: load host hits layer by layer without waiting (each attention layer waits
             on the device for its pages); False waits for every load before registering it.
         defer_loads: with ``overlap_loads``, submit a host hit's load when the next forward starts

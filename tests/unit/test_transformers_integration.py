@@ -13,6 +13,7 @@ import contextlib
 import os
 import pathlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -24,7 +25,8 @@ from tests.unit._cb_workload import require_transformers
 require_transformers()
 
 import kvoffload  # noqa: E402
-from kvoffload import DiskConfig  # noqa: E402
+from kvoffload import DiskConfig, Direction  # noqa: E402
+from kvoffload.backends.host import HostBackend  # noqa: E402
 from kvoffload.integrations import _transformers_surface as surface  # noqa: E402
 from kvoffload.integrations.transformers import (  # noqa: E402
     SUPPORTED_TRANSFORMERS,
@@ -42,6 +44,7 @@ from tests.unit._cb_workload import (  # noqa: E402
     PREFIX_BLOCKS,
     SMALL_CACHE_BLOCKS,
     SUFFIX_TOKENS_C,
+    NEW_TOKENS,
     FailingLoads,
     LateLoads,
     PhaseRun,
@@ -491,3 +494,175 @@ def test_a_missing_transformers_is_refused_naming_the_extra(model: Any, monkeypa
 def _no_leftover_registration() -> Iterator[None]:
     yield
     assert surface.mapping_is_original()
+
+
+# ------------------------------------------ copies slower than the waits: late loads, the exit
+
+
+class _Slow(HostBackend):
+    """The host backend with one load stalled: the next plain load copy after ``arm`` (``layers``
+    False), or the next layer-by-layer issue (True), sleeps ``seconds`` first."""
+
+    def __init__(self, direction: Direction, arm: threading.Event, seconds: float, layers: bool) -> None:
+        super().__init__(direction)
+        self._arm, self._seconds, self._layers = arm, seconds, layers
+
+    def _stall(self) -> None:
+        if self.direction is Direction.LOAD and self._arm.is_set():
+            self._arm.clear()
+            time.sleep(self._seconds)
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        if not self._layers:
+            self._stall()
+        super().copy_one(dst, src, size)
+
+    def issue_layers(self, plans: Any, src: Any, dst: Any, fence: Any, marks: Any, first: int = 0) -> Any:
+        if self._layers:
+            self._stall()
+        return super().issue_layers(plans, src, dst, fence, marks, first)
+
+
+def _slow_workers(arm: threading.Event, seconds: float, *, layers: bool = False) -> Callable[..., WorkerLike]:
+    def make(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        return kvoffload.Worker.create(layout, blocks, disk=disk,
+                                       backend_factory=lambda d: _Slow(d, arm, seconds, layers))
+    return make
+
+
+def _result(manager: Any, rid: Any) -> Any:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        result = manager.get_result(request_id=rid, timeout=1.0)
+        if result is not None and result.is_finished():
+            return result
+    raise AssertionError(f"request {rid} did not finish")
+
+
+def test_a_late_loads_blocks_come_back_when_it_finishes_so_a_small_cache_still_schedules(
+    model: Any, big_cache_run: PhaseRun,
+) -> None:
+    """A copy slower than load_timeout (a real one, not a reported timeout): its blocks stay out of
+    the engine's pool until it finished; a step short of blocks waits for it as for a store (they
+    were waited for by nothing, and with the small cache the engine's thread died: "No requests
+    can be scheduled")."""
+    arm = threading.Event()
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        with offloading(model, 64, overlap_loads=False, load_timeout=0.3,
+                        make_worker=_slow_workers(arm, 1.0)) as off:
+            for prompt in PHASES["A"] + PHASES["B"]:
+                assert serve(manager, prompt).error is None
+            arm.set()
+            result = serve(manager, PHASES["C"][0])
+            stats = off.stats()
+    assert result.error is None
+    assert (list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs["C0"]
+    assert stats.blocks_load_failed >= PREFIX_BLOCKS  # the late load (and one queued behind it)
+    assert stats.manager is not None and stats.manager.host.loading == 0
+
+
+def test_a_late_loads_blocks_go_back_to_the_engine_only_after_the_exit_stopped_its_copy(model: Any) -> None:
+    """The exit comes while a late load still copies: the engine, still running, gets its blocks
+    back only once the worker's shutdown stopped the copy (they were given back at once, and the
+    copy then overwrote the KV of the request that took them)."""
+    arm = threading.Event()
+    other = [(11 * i) % 250 + 3 for i in range(290)]
+    filler = [(7 * i) % 250 + 3 for i in range(290)]
+    gen, cb = cb_configs(24)
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        reference = serve(manager, other)
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        with offloading(model, 64, overlap_loads=False, load_timeout=0.3, make_worker=_slow_workers(arm, 3.0)):
+            for prompt in PHASES["A"] + [filler]:
+                assert serve(manager, prompt).error is None
+            arm.set()
+            assert serve(manager, PHASES["C"][0]).error is None  # its load is late: recomputed
+            rid: list[Any] = []
+
+            def add_while_the_exit_runs() -> None:
+                time.sleep(0.2)
+                rid.append(manager.add_request(list(other), max_new_tokens=NEW_TOKENS))
+
+            adder = threading.Thread(target=add_while_the_exit_runs)
+            adder.start()
+        adder.join()
+        during = _result(manager, rid[0])
+        time.sleep(3.0)  # the stalled copy is over by now
+        after = serve(manager, other)  # shares the cached blocks of `during`
+    want = (list(reference.generated_tokens), list(reference.logprobs))
+    assert during.error is None and (list(during.generated_tokens), list(during.logprobs)) == want
+    assert after.error is None and (list(after.generated_tokens), list(after.logprobs)) == want
+
+
+def test_an_exit_that_cannot_land_a_layer_by_layer_load_fails_the_step_that_reads_it(model: Any) -> None:
+    """The exit comes while a step's forward is about to read a layer-by-layer load whose copy
+    stalls past shutdown_timeout: the step fails (it completed with error=None and tokens computed
+    from blocks the load never wrote), and the exit keeps to its timeout though the forward waits
+    for a layer meanwhile (the forward held the lock the exit needs)."""
+    arm, at_forward, forward_armed = threading.Event(), threading.Event(), threading.Event()
+
+    def pause(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
+        if forward_armed.is_set():
+            forward_armed.clear()
+            at_forward.set()
+            time.sleep(0.3)  # the exit starts now
+
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    handle = model.register_forward_pre_hook(pause, prepend=True)
+    exit_error: list[BaseException] = []
+    try:
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       warmup=False) as manager:
+            try:
+                with offloading(model, 64, shutdown_timeout=1.0,
+                                make_worker=_slow_workers(arm, 4.0, layers=True)):
+                    for prompt in PHASES["A"] + PHASES["B"]:
+                        assert serve(manager, prompt).error is None
+                    arm.set()
+                    forward_armed.set()
+                    rid = manager.add_request(PHASES["C"][0], max_new_tokens=NEW_TOKENS)
+                    assert at_forward.wait(30)
+                    began = time.monotonic()
+            except kvoffload.ShutdownError as exc:  # the stalled copy: not proven stopped
+                exit_error.append(exc)
+            took = time.monotonic() - began
+            result = _result(manager, rid)
+    finally:
+        handle.remove()
+    assert took < 3.0, took
+    assert result.error is not None and "did not land before the offloading context closed" in str(result.error)
+    time.sleep(4.0)  # the stalled copy ends before the next test
+
+
+def test_a_plain_load_refused_at_submit_is_recomputed(model: Any, big_cache_run: PhaseRun) -> None:
+    """A load the worker refuses (a kvoffload error from ``load``) with overlap_loads=False: its
+    blocks are recomputed and its plan completed (the error escaped the scheduler and killed the
+    engine's thread, the plan left loading and the blocks out of the pool)."""
+    class RefusedOnce:
+        def __init__(self, worker: kvoffload.Worker) -> None:
+            self.worker, self.refused = worker, 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.worker, name)
+
+        def load(self, job_id: int, host_blocks: Any, device_blocks: Any, *, stream: object = None) -> None:
+            if not self.refused:
+                self.refused += 1
+                raise kvoffload.BlockConflictError(f"load job {job_id}: refused (injected)")
+            self.worker.load(job_id, host_blocks, device_blocks, stream=stream)
+
+    made: list[RefusedOnce] = []
+
+    def make(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(RefusedOnce(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    run, stats = _offloaded(model, make_worker=make, overlap_loads=False)
+    assert made[0].refused == 1
+    assert run.outputs == big_cache_run.outputs
+    assert stats.manager is not None and stats.manager.host.loading == 0
+    assert stats.blocks_load_failed >= PREFIX_BLOCKS
