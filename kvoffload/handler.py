@@ -448,6 +448,12 @@ class DirectionHandler:
         cost = 0 if layered is not None else backend.issue_cost(self._plan, pairs)
         # (a layered job is issued here whenever it may be: its layers are waited for right away)
         with self._lock:
+            if self._closed:  # a shutdown began after the first look: its drain may be over
+                if owns_fence:
+                    backend.release_fence(fence)
+                if layered is not None:
+                    layered[1].release()
+                self._check_open()
             self._advance()
             idle = not self._fifo  # no job in flight: nothing for this one to overlap with
             here = self._pending == 0 and backend.can_issue_here()
@@ -581,6 +587,12 @@ class DirectionHandler:
         """
         with self._issue_lock:
             with self._lock:
+                if self._closed:  # a shutdown began after the first look: its drain may be over
+                    if transfer.owns_fence:
+                        backend.release_fence(transfer.fence)
+                    if transfer.marks is not None:
+                        transfer.marks.release()
+                    self._check_open()
                 self._fifo.append(transfer)
                 self._submitted += 1
                 self._pending += 1

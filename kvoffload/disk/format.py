@@ -70,7 +70,6 @@ __all__ = [
     "file_bytes",
     "lock_file",
     "mark_clean",
-    "move_lock",
     "open_io_fd",
     "os_kind",
     "prepare_file",
@@ -499,8 +498,9 @@ def _size_file(fd: int, config: DiskConfig, nbytes: int) -> None:
 
 def lock_file(fd: int, path: str) -> str:
     """Take the tier file's lock on ``fd`` (an exclusive ``flock``, without waiting): held by the
-    open file description until it is closed, so by the tier's descriptor for the tier's life, and
-    gone with its process. Returns "" when taken, or why the file system has no such lock (logged;
+    open file description until it is closed, so by the set-up descriptor, which the tier keeps for
+    its life, and gone with its process (and every process that inherited the descriptor by a
+    ``fork`` without ``exec``). Returns "" when taken, or why the file system has no such lock (logged;
     the tier then opens without one).
 
     Raises:
@@ -520,18 +520,6 @@ def lock_file(fd: int, path: str) -> str:
                      path, exc.strerror)
         return f"not locked: {exc.strerror}"
     return ""
-
-
-def move_lock(from_fd: int, to_fd: int, path: str) -> None:
-    """Move the tier file's lock (:func:`lock_file`) from ``from_fd`` to ``to_fd``, another open
-    file description of the file (the O_DIRECT descriptor the tier keeps): flock treats the two as
-    separate holders, so the first lets go before the second takes it.
-
-    Raises:
-        DiskInUseError: another opener took the lock in between.
-    """
-    fcntl.flock(from_fd, fcntl.LOCK_UN)
-    lock_file(to_fd, path)
 
 
 def open_io_fd(

@@ -1,6 +1,7 @@
 """DiskTier: host records in a local file, the tier below the host pool.
 
-Owns: the file descriptor of the tier file, the I/O threads and the checksum threads, the per-record
+Owns: the file descriptors of the tier file (the I/O one; the set-up one, holding the file's lock,
+when O_DIRECT made them two), the I/O threads and the checksum threads, the per-record
 index (which disk records hold verified data, with their generation and key), the bookkeeping of
 requests in flight and the results not yet returned. Borrows: the host records tensor
 (``uint8 [n, record_bytes]``, rows 4096-aligned; bounce slots are simply more rows of it). It belongs
@@ -89,7 +90,6 @@ from kvoffload.disk.format import (
     file_bytes,
     lock_file,
     mark_clean,
-    move_lock,
     open_io_fd,
     prepare_file,
     unlink_quietly,
@@ -153,6 +153,9 @@ class DiskTier:
         self._fingerprint = fingerprint
         self._state = state
         self._fd: int | None = fd
+        # The set-up descriptor, kept open when the I/O one is another: it holds the file's lock
+        # (moving the lock to the I/O descriptor would leave a moment with none, docs/design.md §9.2).
+        self._lock_fd: int | None = None
         self._records: torch.Tensor | None = records
         self._host: U8Array | None = host
         self._checksum = config.checksum
@@ -241,8 +244,6 @@ class DiskTier:
             fd, direct, reason = cls._open_io_fd(path, config.direct, setup_fd)
             if fd != setup_fd:
                 undo.callback(close_quietly, fd)
-                if locked:  # the lock goes with the descriptor the tier keeps
-                    move_lock(setup_fd, fd, path)
             tier = cls(
                 config=config, fd=fd, direct=direct, reason=reason, fingerprint=fingerprint,
                 record_bytes=record_bytes, records=records, host=host, state=state, book=book,
@@ -253,7 +254,10 @@ class DiskTier:
             tier._stages.start(config.io_threads, tier.checksum_threads)
             undo.pop_all()
         if fd != setup_fd:
-            close_quietly(setup_fd)
+            if locked:  # the lock stays with the set-up descriptor, for the tier's life
+                tier._lock_fd = setup_fd
+            else:
+                close_quietly(setup_fd)
         return tier
 
     @classmethod
@@ -637,6 +641,9 @@ class DiskTier:
                     os.close(fd)
                 except OSError as exc:
                     failures.append(exc)
+            lock_fd, self._lock_fd = self._lock_fd, None
+            if lock_fd is not None:  # last: the file is another tier's to open from here on
+                close_quietly(lock_fd)
         if self._owns_book:
             self._book.clear()
         if failures:

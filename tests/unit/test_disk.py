@@ -599,8 +599,10 @@ def test_a_record_without_a_checksum_is_listed_only_after_a_clean_shutdown(
     crashed._stages.abort()  # no shutdown: the file stays as a crash leaves it
     assert crashed._stages.stop(time.monotonic() + 10)
     assert crashed._fd is not None
-    os.close(crashed._fd)
-    crashed._fd, crashed._closed = None, True
+    for fd in {crashed._fd, crashed._lock_fd} - {None}:  # as the process's exit closes them
+        assert fd is not None
+        os.close(fd)
+    crashed._fd, crashed._lock_fd, crashed._closed = None, None, True
     again = make_tier(reuse=True, checksum=False)
     assert again.valid_blocks() == {} and again.capabilities().rejected_records == 2  # cleared
     again.write(4, [2], [6])

@@ -10,6 +10,7 @@ import re
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -396,10 +397,26 @@ def test_a_submit_overtaken_by_a_shutdown_gets_closed_error() -> None:
     w._check_open = check_then_shut_down  # type: ignore[method-assign]
     with pytest.raises(ClosedError):
         w.store(1, [0], [0])
-    handler = w._store
-    handler._closed = False  # a submit between the handler's closed check and its backend's release
+
+
+
+def test_a_handler_submit_overtaken_by_its_shutdown_gets_closed_error_and_queues_nothing() -> None:
+    """The handler's whole shutdown (drain, release) runs between a submit's first look and its
+    queueing: the job was queued on a released backend and never completed (the caller got no
+    error). The queueing looks again under the handler's lock."""
+    w = Worker.create(small_cache("per-layer"), HOST_BLOCKS)
     try:
+        handler = w._store
+        real = handler._open_backend
+
+        def look_then_shut_down() -> Any:
+            backend = real()
+            handler.shutdown(TIMEOUT_S)
+            return backend
+
+        handler._open_backend = look_then_shut_down  # type: ignore[method-assign]
         with pytest.raises(ClosedError, match="handler was shut down"):
             handler.submit_validated(2, np.zeros(1, np.int64), np.zeros(1, np.int64))
+        assert not handler._fifo
     finally:
-        handler._closed = True
+        w.shutdown()
