@@ -9,7 +9,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
@@ -394,9 +394,19 @@ class _Session:
                     )
                 return
             # a deferred one (load None) is submitted when the forward starts
-            loads = [layered.load for layered in self._layered.values() if layered.load is not None]
-        for load in loads:  # outside the lock: a wait on the CPU blocks, and close needs the lock
+            loads = [(job, layered.load) for job, layered in self._layered.items() if layered.load is not None]
+        for _, load in loads:  # outside the lock: a wait on the CPU blocks, and close needs the lock
             load.wait_layer(index, stream)
+        with self._lock:  # a close meanwhile may have given up a load (its marks settle unwritten)
+            if self._given_up(job for job, _ in loads):
+                raise kvoffload.TransferError(
+                    "a layer-by-layer load did not land before the offloading context closed; the "
+                    "step fails instead of reading its blocks"
+                )
+
+    def _given_up(self, jobs: Iterable[int]) -> bool:
+        """Whether close gave up landing one of the layered loads ``jobs`` (lock held)."""
+        return self._closed and any(job in self._unlanded for job in jobs)
 
     def flush_loads(self, stream: object) -> None:
         """A forward is about to start (generation thread): submit the deferred layer-by-layer loads,
@@ -682,13 +692,13 @@ class _Session:
         Raises:
             ShutdownError: from the worker's shutdown, after everything was released.
         """
-        deadline = time.monotonic() + timeout
         with self._lock:  # a forward's layer hooks look here: they find every load landed or refused
             if self._closed:
                 return
+            deadline = time.monotonic() + timeout  # from here: a step may have held the lock a while
             self._close_deadline = deadline + _SHUTDOWN_SLACK_S
-            if self._worker is not None and self._layered:
-                self._land_layered(self._worker, timeout)
+            if self._worker is not None and self._layered:  # half the time: the worker's shutdown
+                self._land_layered(self._worker, timeout / 2)  # drains the stores with the rest
                 self._unlanded = {job for job in self._layered if job not in self._landed}
                 if self._cache is not None:  # no later request may match blocks a copy may still write
                     for job in self._unlanded:

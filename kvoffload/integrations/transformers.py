@@ -329,8 +329,8 @@ def offloading(
             disk=disk)``); the integration owns what it returns and shuts it down.
         load_timeout: seconds a scheduling step waits for a load (or, when the cache is full, for the
             stores in flight) before giving up on it: its tokens are then recomputed.
-        shutdown_timeout: seconds the exit takes at most (landing the layer-by-layer loads in flight, then
-            the worker's shutdown, with what is left).
+        shutdown_timeout: seconds the exit takes at most once it holds the session (landing the
+            layer-by-layer loads in flight, at most half of it, then the worker's shutdown).
         overlap_loads: load host hits layer by layer without waiting (each attention layer waits
             on the device for its pages); False waits for every load before registering it.
         defer_loads: with ``overlap_loads``, submit a host hit's load when the next forward starts
