@@ -34,11 +34,12 @@ import json
 import logging
 import os
 import statistics
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import attrs
 import numpy as np
@@ -175,7 +176,7 @@ def calibrate(
     with _cache_lock:
         if key in _cache:
             return _cache[key]
-    choice = _load(persist_path, key) if persist_path else None
+    choice = _load(persist_path, key, candidates) if persist_path else None
     if choice is None:
         choice = _measure(device, pages, key, candidates, scratch_pool, handler_for)
         if persist_path:
@@ -460,40 +461,61 @@ def _verified(
     return True
 
 
-def _load(path: str, key: str) -> AutoChoice | None:
+def _read(path: str) -> dict[str, Any]:
+    """The calibration file's contents when it is one of this version; {} for anything else (no
+    file, unreadable, not JSON, nested past the parser's depth, another shape or version)."""
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    entry = data.get("choices", {}).get(key) if data.get("version") == _FILE_VERSION else None
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != _FILE_VERSION:
+        return {}
+    if not isinstance(data.get("choices"), dict):
+        return {}
+    return data
+
+
+def _load(path: str, key: str, candidates: Sequence[str]) -> AutoChoice | None:
+    """The saved choice for ``key``, or None (then measured again) when there is none or it is not
+    one this worker can use: ascending positive block counts, and for each direction one of
+    ``candidates`` per bucket."""
+    data = _read(path)
+    entry = data["choices"].get(key) if data else None
     if not isinstance(entry, dict):
         return None
     try:
-        return AutoChoice(
-            key=key, buckets=tuple(int(b) for b in entry["buckets"]),
-            paths={d: tuple(str(p) for p in v) for d, v in entry["paths"].items()},
-            gbps={d: {p: tuple(float(x) for x in g) for p, g in v.items()}
-                  for d, v in entry["gbps"].items()},
-        )
-    except (KeyError, TypeError, ValueError):
+        buckets = tuple(int(b) for b in entry["buckets"])
+        paths = {d: tuple(str(p) for p in entry["paths"][d]) for d in (Direction.STORE.value, Direction.LOAD.value)}
+        raw = entry["gbps"]
+        gbps = {str(d): {str(p): tuple(float(x) for x in g) for p, g in v.items()} for d, v in raw.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
+    if (not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets))
+            or any(isinstance(entry["paths"][d], str) or len(p) != len(buckets) or not set(p) <= set(candidates)
+                   for d, p in paths.items())):
+        return None
+    return AutoChoice(key=key, buckets=buckets, paths=paths, gbps=gbps)
 
 
 def _save(path: str, choice: AutoChoice) -> None:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("version") != _FILE_VERSION:
-            data = {}
-    except (OSError, ValueError):
-        data = {}
-    data["version"] = _FILE_VERSION
-    data.setdefault("choices", {})[choice.key] = {
+    """Add ``choice`` to the calibration file (written whole under a name of its own, then renamed
+    over it, so a reader never sees a torn file). A file that cannot be written is logged: the
+    choice is still used by this process."""
+    data = _read(path) or {"version": _FILE_VERSION, "choices": {}}
+    data["choices"][choice.key] = {
         "buckets": list(choice.buckets), "paths": {d: list(p) for d, p in choice.paths.items()},
         "gbps": {d: {p: list(g) for p, g in v.items()} for d, v in choice.gbps.items()},
     }
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    tmp = ""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path) or ".")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _log.warning("the calibration could not be saved to %s (%s): it is measured again next time",
+                     path, exc)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

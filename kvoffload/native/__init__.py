@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sysconfig
 import tempfile
@@ -218,7 +219,7 @@ def _compiler() -> str:
     for candidate in (os.environ.get("CC"), "cc", "gcc"):
         if candidate and shutil.which(candidate):
             return candidate
-    raise NativeBuildError("no C compiler found ($CC, cc or gcc): the native issuer cannot be built")
+    raise NativeBuildError("no C compiler found ($CC, cc or gcc): the native library and the call front cannot be built")
 
 
 def _flags() -> tuple[str, ...]:
@@ -261,8 +262,15 @@ def _build(source_path: Path, flags: tuple[str, ...], stem: str, suffix: str, wh
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target_dir = directory if directory is not None else cache_dir()
     target = target_dir / f"{stem}-{digest}{suffix}"
-    if target.exists():
-        return target
+    try:
+        found = target.exists()
+    except OSError as exc:  # a directory on the way that cannot be searched
+        raise NativeBuildError(f"cannot look for {what} in {target_dir}: {exc}") from exc
+    if found:
+        problem = _incomplete(target)
+        if problem is None:
+            return target
+        _log.warning("%s at %s is not a whole shared library (%s): building it again", what, target, problem)
     compiler = _compiler()
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
@@ -280,6 +288,10 @@ def _build(source_path: Path, flags: tuple[str, ...], stem: str, suffix: str, wh
                 f"{compiler} could not build {what} (exit status {done.returncode}):\n"
                 f"{done.stderr.strip()}"
             )
+        problem = _incomplete(Path(partial))  # a full disk, or flags that make no library
+        if problem is not None:
+            raise NativeBuildError(f"{compiler} exited 0 but did not write a whole {what}: {problem}")
+        os.chmod(partial, 0o755)  # as a linker leaves it: other users of the cache may load it
         os.replace(partial, target)
     except subprocess.TimeoutExpired as exc:
         raise NativeBuildError(f"{compiler} did not finish within {BUILD_TIMEOUT_S} s") from exc
@@ -289,6 +301,32 @@ def _build(source_path: Path, flags: tuple[str, ...], stem: str, suffix: str, wh
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+_ELF_CLASSES: Final = {1: ("I", 0x20, 0x2E, 0x30), 2: ("Q", 0x28, 0x3A, 0x3C)}  # e_shoff, e_shentsize, e_shnum
+
+
+def _incomplete(path: Path) -> str | None:
+    """Why ``path`` is not a whole ELF file, or None: its header, and its section header table (the
+    end of what a linker writes) inside the file. Loading a file cut short (a full disk, a killed
+    copy) maps pages past its end, and the first touch of one kills the process with SIGBUS."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        return str(exc)
+    if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in _ELF_CLASSES or head[5] not in (1, 2):
+        return f"no ELF header ({size} bytes)"
+    word, at_shoff, at_entsize, at_count = _ELF_CLASSES[head[4]]
+    order = "<" if head[5] == 1 else ">"
+    (shoff,) = struct.unpack_from(order + word, head, at_shoff)
+    (entsize,) = struct.unpack_from(order + "H", head, at_entsize)
+    (count,) = struct.unpack_from(order + "H", head, at_count)
+    end = shoff + entsize * count
+    if count == 0 or end > size:
+        return f"cut short: {size} bytes, its section headers end at {end}"
+    return None
 
 
 @functools.cache
@@ -356,7 +394,10 @@ def library() -> ctypes.CDLL:
         "kvo_marks_release": ([p], None),
     }
     for name, (argtypes, restype) in signatures.items():
-        function = getattr(lib, name)
+        try:
+            function = getattr(lib, name)
+        except AttributeError as exc:  # another library under the name
+            raise NativeBuildError(f"the native issuer {path} lacks {name}: {exc}") from exc
         function.argtypes = argtypes
         function.restype = restype
     return lib

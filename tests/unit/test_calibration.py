@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import threading
 import types
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,8 +51,8 @@ def test_a_saved_choice_is_read_back_for_its_key_only(tmp_path: pathlib.Path) ->
     path = str(tmp_path / "calibration.json")
     _save(path, choice())
     _save(path, choice("other|4096|4096"))
-    assert _load(path, choice().key) == choice()
-    assert _load(path, "unknown|1|1") is None
+    assert _load(path, choice().key, PATHS) == choice()
+    assert _load(path, "unknown|1|1", PATHS) is None
     assert set(json.loads(pathlib.Path(path).read_text())["choices"]) == {choice().key, "other|4096|4096"}
 
 
@@ -63,21 +65,80 @@ def test_the_both_ways_figures_are_saved_and_a_file_of_the_version_before_is_mea
                            gbps={**c.gbps,
                                  BOTH_WAYS: {"dma": (0.0, 40.0, 60.0), "staged": (0.0, 45.0, 90.0)}})
     _save(str(path), with_both)
-    assert _load(str(path), c.key) == with_both
+    assert _load(str(path), c.key, PATHS) == with_both
     data = json.loads(path.read_text())
     data["version"] = 2  # chosen on figures alone
     path.write_text(json.dumps(data))
-    assert _load(str(path), c.key) is None
+    assert _load(str(path), c.key, PATHS) is None
+
+
+#: The candidates of the choices above.
+PATHS = ("dma", "staged")
+
+
+@pytest.mark.parametrize("text", [
+    "[]", "3", "null", '"x"', '{"version": 3, "choices": []}', "[" * 100_000 + "]" * 100_000,
+], ids=["list", "number", "null", "string", "choices-list", "deep"])
+def test_a_file_of_another_shape_is_measured_again(tmp_path: pathlib.Path, text: str) -> None:
+    """(AttributeError and RecursionError escaped the worker's creation.)"""
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    assert _load(str(path), choice().key, PATHS) is None
+    _save(str(path), choice())
+    assert _load(str(path), choice().key, PATHS) == choice()
+
+
+@pytest.mark.parametrize("damage", [
+    lambda e: e["paths"].pop("load"), lambda e: e["paths"].update(store=["dma", "bogus", "staged"]),
+    lambda e: e["paths"].update(store="dma"), lambda e: e["paths"].update(load=["dma", "dma"]),
+    lambda e: e["paths"].update(store=["sm", "dma", "dma"]), lambda e: e.update(buckets=[8, 1, 32]),
+    lambda e: e.update(paths=None), lambda e: e.update(buckets=[]),
+], ids=["no-load", "unknown-path", "a-string", "fewer-paths", "not-a-candidate", "unsorted", "null", "none"])
+def test_an_entry_this_worker_cannot_use_is_measured_again(tmp_path: pathlib.Path, damage: Any) -> None:
+    """(It was taken, and the path chooser then failed a job with KeyError or IndexError.)"""
+    path = tmp_path / "calibration.json"
+    _save(str(path), choice())
+    data = json.loads(path.read_text())
+    damage(data["choices"][choice().key])
+    path.write_text(json.dumps(data))
+    assert _load(str(path), choice().key, PATHS) is None
+
+
+def test_a_file_that_cannot_be_written_is_logged_and_the_choice_still_used(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """(IsADirectoryError, FileNotFoundError or PermissionError failed the worker's creation after
+    measuring, and a temporary file was left behind.)"""
+    for path in (tmp_path, tmp_path / "missing" / "calibration.json"):
+        _save(str(path), choice())
+    assert "could not be saved" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_writers_in_threads_never_leave_a_torn_file(tmp_path: pathlib.Path) -> None:
+    """(They shared one temporary name per process: a torn file was renamed into place.)"""
+    path = str(tmp_path / "calibration.json")
+    def writer(k: int) -> None:
+        for i in range(20):
+            _save(path, choice(f"k{k}|{i}"))
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(json.loads(pathlib.Path(path).read_text())["choices"], dict)
+    assert [p.name for p in tmp_path.iterdir()] == ["calibration.json"]
 
 
 def test_a_damaged_or_foreign_file_is_ignored(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "calibration.json"
     path.write_text("{not json")
-    assert _load(str(path), choice().key) is None
+    assert _load(str(path), choice().key, PATHS) is None
     path.write_text(json.dumps({"version": 99, "choices": {}}))
-    assert _load(str(path), choice().key) is None
+    assert _load(str(path), choice().key, PATHS) is None
     _save(str(path), choice())  # a damaged file is replaced, not fatal
-    assert _load(str(path), choice().key) == choice()
+    assert _load(str(path), choice().key, PATHS) == choice()
 
 
 def test_sm_competes_only_in_the_smallest_bucket() -> None:

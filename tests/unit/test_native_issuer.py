@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1591,6 +1594,60 @@ def test_a_failed_build_raises_with_the_compilers_word(tmp_path: Path, monkeypat
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(NativeBuildError, match="no C compiler"):
         native.build(tmp_path / "other")
+
+
+@pytest.mark.parametrize("cut", [0, 1000, 4096, -1], ids=["empty", "1000", "4096", "one-byte-short"])
+def test_a_library_cut_short_in_the_cache_is_built_again(tmp_path: Path, cut: int) -> None:
+    """(A truncated library under the cached name was loaded: the process died with SIGBUS.)"""
+    whole = native.build(tmp_path)
+    size = whole.stat().st_size
+    os.truncate(whole, cut if cut >= 0 else size - 1)
+    assert native.build(tmp_path) == whole and whole.stat().st_size == size
+    assert native._incomplete(whole) is None  # noqa: SLF001
+    probe = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(whole)!r}).kvo_issuer_new"],
+                           capture_output=True, check=False, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+
+
+def test_a_compiler_that_writes_no_library_is_refused_and_nothing_is_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(``CC=true`` or ``-fsyntax-only`` exited 0 and the empty file was cached under the final name:
+    the fallback stayed for good, whatever compiler came later.)"""
+    monkeypatch.setenv("CC", "true")
+    with pytest.raises(NativeBuildError, match="did not write a whole"):
+        native.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.delenv("CC")
+    assert native._incomplete(native.build(tmp_path)) is None  # noqa: SLF001
+
+
+def test_another_library_under_the_cached_name_is_a_build_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A whole shared object without the library's functions raised AttributeError.)"""
+    name = native.build(tmp_path).name
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.c").write_text("int x(void) { return 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(other / name), str(other / "x.c")], check=True, timeout=60)
+    monkeypatch.setattr(native, "build", lambda directory=None: other / name)
+    native.library.cache_clear()
+    try:
+        with pytest.raises(NativeBuildError, match="lacks kvo_issuer_new"):
+            native.library()
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_cache_directory_that_cannot_be_searched_is_a_build_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(PermissionError escaped Worker.create where the cache's parent could not be searched.)"""
+    def refuse(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "exists", refuse)
+    with pytest.raises(NativeBuildError, match="cannot look for the native issuer"):
+        native.build(tmp_path)
 
 
 def test_worker_issuer_argument_is_checked_before_anything_is_built() -> None:
