@@ -404,6 +404,12 @@ class _Session:
                     "step fails instead of reading its blocks"
                 )
 
+    @property
+    def gave_up_loads(self) -> bool:
+        """Whether close could not land a layer-by-layer load (the layer hooks then fail a step
+        that would read one)."""
+        return bool(self._unlanded)
+
     def _given_up(self, jobs: Iterable[int]) -> bool:
         """Whether close gave up landing one of the layered loads ``jobs`` (lock held)."""
         return self._closed and any(job in self._unlanded for job in jobs)

@@ -218,7 +218,11 @@ class Offloader:
         if session is not None:
             with self._lock:
                 self._last_manager = session.manager_stats()
-            session.close(timeout)
+            try:
+                session.close(timeout)
+            finally:
+                if not session.gave_up_loads:  # nothing for the layer hooks to refuse: let it go
+                    self._closing = None
 
 
 def _default_worker(layout: kvoffload.DeviceLayout, num_host_blocks: int,

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import socket
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -158,7 +160,7 @@ class MooncakeConfig:
             raise InvalidArgumentError("MooncakeConfig.setup_timeout_s must be > 0 seconds")
 
 
-def _reach_master(config: MooncakeConfig) -> None:
+def _reach_master(config: MooncakeConfig) -> float:
     """Open and close one TCP connection to the master within ``setup_timeout_s``.
 
     The client's ``setup`` holds the GIL while it retries (about 90 s against a closed port), so
@@ -166,17 +168,45 @@ def _reach_master(config: MooncakeConfig) -> None:
     master that accepts connections and does not answer (stopped, overloaded) still holds the set-up
     until it answers.
 
+    Every address of the name is tried in turn within the one deadline (the name resolved on a
+    thread, since resolution has no timeout of its own).
+
+    Returns the deadline (``time.monotonic()``), which the set-up keeps too.
+
     Raises:
         RemoteUnavailableError: no connection within the deadline.
     """
     host, port = _master(config.master_address)
-    try:
-        socket.create_connection((host, port), timeout=config.setup_timeout_s).close()
-    except OSError as exc:
-        raise RemoteUnavailableError(
-            f"the Mooncake master at {config.master_address} cannot be reached within "
-            f"{config.setup_timeout_s:g} s: {exc.strerror or exc}", kind=RemoteErrorKind.UNAVAILABLE.value,
-        ) from exc
+    deadline = time.monotonic() + config.setup_timeout_s
+    found: list[Any] = []
+    failure: list[BaseException] = []
+
+    def resolve() -> None:  # getaddrinfo has no timeout of its own: on a thread joined by the deadline
+        try:
+            found.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            failure.append(exc)
+
+    resolver = threading.Thread(target=resolve, name="kvoffload-mooncake-resolve", daemon=True)
+    resolver.start()
+    resolver.join(config.setup_timeout_s)
+    reason = "the name did not resolve in time" if resolver.is_alive() else (
+        str(failure[0]) if failure else "no address")
+    for family, kind, proto, _, address in found:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.settimeout(left)
+                probe.connect(address)
+            return deadline
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+    raise RemoteUnavailableError(
+        f"the Mooncake master at {config.master_address} cannot be reached within "
+        f"{config.setup_timeout_s:g} s: {reason}", kind=RemoteErrorKind.UNAVAILABLE.value,
+    )
 
 
 class _MooncakeClient:
@@ -304,7 +334,7 @@ class MooncakeStore(RemoteStoreBase):
                 "MooncakeStore needs the 'mooncake' extra (pip install 'kvoffload[mooncake]'): "
                 f"{exc}", kind=RemoteErrorKind.UNAVAILABLE.value,
             ) from exc
-        _reach_master(config)  # the client's set-up holds the GIL: its lane's deadline cannot end it
+        deadline = _reach_master(config)  # the client's set-up holds the GIL: its lane's deadline cannot end it
         headers = _aligned(HEADER_SLOTS * config.batch_records * PAGE_BYTES).reshape(-1, PAGE_BYTES)
         lane = Lane("kvoffload-remote-mooncake")
 
@@ -335,7 +365,7 @@ class MooncakeStore(RemoteStoreBase):
             return store
 
         try:
-            store = lane.call(setup, config.setup_timeout_s)
+            store = lane.call(setup, max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
             raise RemoteUnavailableError(
                 f"joining the Mooncake cluster at {config.master_address} did not finish within "
