@@ -47,8 +47,10 @@ __all__ = ["DiskPipeline"]
 _log = logging.getLogger("kvoffload.pipeline")
 
 I64Array = npt.NDArray[np.int64]
-#: How long the pipeline gives one step (a device copy, a disk request) before failing the job.
-STEP_TIMEOUT_S: Final = 120.0
+#: A step (a device copy, a disk request) is waited for until it ended, however long: a job whose
+#: request or copy still runs must not end, since its bounce slots and device blocks would be used
+#: again under it. The waits look for a shutdown that gave up this often (seconds).
+WAIT_SLICE_S: Final = 0.25
 #: The bounce slots form this many sets, each a round of records; reads (or writes) of every free
 #: set are in flight at once, so several disk requests overlap the device copies.
 SLOT_SETS: Final = 4
@@ -189,7 +191,7 @@ class DiskPipeline:
                     copying.append((index, part, copy))
                 if copying:
                     index, part, copy = copying.popleft()
-                    error = _copy_error(self._to_slots, copy)
+                    error = self._copy_error(self._to_slots, copy)
                     if error is None and first_error is None:
                         rows = self._sets[index][: part.stop - part.start]
                         writing.append((index, self._tier.write_records(rows, job.disk_blocks[part])))
@@ -199,15 +201,15 @@ class DiskPipeline:
                 # Reclaim sets whose write finished; block only when nothing else can move.
                 while writing and (writing[0][1].done() or (not copying and (not free or not rounds))):
                     index, io = writing.popleft()
-                    first_error = first_error or _io_error(io)
+                    first_error = first_error or self._io_error(io)
                     free.append(index)
                 if first_error is not None:
                     rounds.clear()
         finally:
             for _, pending in writing:  # drain: no write may still read a slot after the job ends
-                first_error = first_error or _io_error(pending)
+                first_error = first_error or self._io_error(pending)
             for _, _, copy in copying:
-                first_error = first_error or _copy_error(self._to_slots, copy)
+                first_error = first_error or self._copy_error(self._to_slots, copy)
         if first_error is not None:
             raise first_error
 
@@ -228,8 +230,8 @@ class DiskPipeline:
                 if reading:
                     index, part, io = reading.popleft()
                     rows = self._sets[index][: part.stop - part.start]
-                    if not io.wait(STEP_TIMEOUT_S):
-                        raise WaitTimeoutError(f"disk read of job {job.job_id} did not finish in time")
+                    if not self._ended(io):
+                        raise TransferError(f"the disk pipeline shut down while job {job.job_id}'s read ran")
                     keep = np.ones(rows.shape[0], dtype=bool)
                     if not io.ok:
                         first_error = first_error or io.error
@@ -242,7 +244,8 @@ class DiskPipeline:
                 while copying:
                     index, copy = copying[0]
                     must_wait = not reading and (not free or not rounds)
-                    result = _copy_result(self._from_slots, copy, STEP_TIMEOUT_S if must_wait else 0.0)
+                    result = (self._copy_outcome(self._from_slots, copy) if must_wait
+                              else _copy_result(self._from_slots, copy))
                     if result is None:
                         break
                     copying.popleft()
@@ -250,12 +253,42 @@ class DiskPipeline:
                         first_error = first_error or result
                     free.append(index)
         finally:
-            for _, _, pending_io in reading:
-                pending_io.wait(STEP_TIMEOUT_S)
+            for _, _, pending_io in reading:  # drain: no read may still write a slot after the job
+                self._ended(pending_io)
             for _, copy in copying:  # drain: the job ends only when no copy still reads a slot
-                first_error = first_error or _copy_error(self._from_slots, copy)
+                first_error = first_error or self._copy_error(self._from_slots, copy)
         if first_error is not None:
             raise first_error
+
+    def _ended(self, io: DiskIO) -> bool:
+        """Wait until the disk request ended; False when a shutdown gave up first (it then owns the
+        slots' fate: :meth:`shutdown` reports them in use)."""
+        while not io.wait(WAIT_SLICE_S):
+            if self._abort.is_set():
+                return False
+        return True
+
+    def _io_error(self, io: DiskIO) -> BaseException | None:
+        """The error of a disk request, once it ended (see :meth:`_ended`)."""
+        if not self._ended(io):
+            return TransferError("the disk pipeline shut down while a disk request ran")
+        return None if io.ok else io.error
+
+    def _copy_outcome(self, handler: DirectionHandler, copy: int) -> BaseException | Literal[False]:
+        """:func:`_copy_result` once the copy ended (see :meth:`_ended`)."""
+        while True:
+            try:
+                (result,) = handler.wait([copy], WAIT_SLICE_S)
+            except WaitTimeoutError:
+                if self._abort.is_set():
+                    return TransferError("the disk pipeline shut down while a bounce copy ran")
+                continue
+            return False if result.ok else (result.error or TransferError("a bounce copy failed"))
+
+    def _copy_error(self, handler: DirectionHandler, copy: int) -> BaseException | None:
+        """The error of a bounce copy, once it ended (see :meth:`_ended`)."""
+        result = self._copy_outcome(handler, copy)
+        return None if result is False else result
 
     def _finish(self, job: _Job, error: BaseException | None) -> None:
         nbytes = int(job.device_blocks.shape[0]) * self._block_bytes
@@ -299,25 +332,10 @@ class DiskPipeline:
                                 [WaitTimeoutError("a GPU <-> disk job is still running")])
 
 
-def _io_error(io: DiskIO) -> BaseException | None:
-    if not io.wait(STEP_TIMEOUT_S):
-        return WaitTimeoutError("a disk request did not finish in time")
-    return None if io.ok else io.error
-
-
-def _copy_result(
-    handler: DirectionHandler, copy: int, timeout: float
-) -> BaseException | Literal[False] | None:
+def _copy_result(handler: DirectionHandler, copy: int) -> BaseException | Literal[False] | None:
     """None while the copy runs; False when it finished well; its error when it failed."""
     try:
-        (result,) = handler.wait([copy], timeout)
+        (result,) = handler.wait([copy], 0.0)
     except WaitTimeoutError:
-        if timeout > 0:
-            return WaitTimeoutError("a bounce copy did not finish in time")
         return None
     return False if result.ok else (result.error or TransferError("a bounce copy failed"))
-
-
-def _copy_error(handler: DirectionHandler, copy: int) -> BaseException | None:
-    (result,) = handler.wait([copy], STEP_TIMEOUT_S)
-    return None if result.ok else (result.error or TransferError("a bounce copy failed"))

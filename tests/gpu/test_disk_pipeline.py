@@ -14,7 +14,7 @@ import torch
 from kvoffload import DeviceLayout, DiskConfig, SrcAccessOrder, Worker
 from kvoffload.backends.cuda import CudaBackend, DmaPath
 from kvoffload.handler import DirectionHandler
-from kvoffload.worker.pipeline import STEP_TIMEOUT_S, DiskPipeline
+from kvoffload.worker.pipeline import DiskPipeline
 from tests.gpu._helpers import TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
 
@@ -25,13 +25,17 @@ SOURCES = 40
 STALL_CYCLES = 10**8
 
 
+#: How long the controls' own waits wait for a disk request or a copy.
+CONTROL_WAIT_S = 120.0
+
+
 def load_without_rule_5(self: DiskPipeline, job: Any) -> None:
     """CONTROL ONLY: reads into a set while its last copy may still read it, and returns without
     draining the job's trailing copies."""
     for index, part in enumerate(self._rounds(job)):
         rows = self._sets[index % len(self._sets)][: part.stop - part.start]
         io = self._tier.read_records(job.disk_blocks[part], rows)
-        io.wait(STEP_TIMEOUT_S)
+        io.wait(CONTROL_WAIT_S)
         self._from_slots.submit(next(self._ids), rows, job.device_blocks[part], fence=job.fence)
 
 

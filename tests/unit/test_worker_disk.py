@@ -17,7 +17,8 @@ import torch
 
 from kvoffload import BlockConflictError, DeviceLayout, Direction, InvalidArgumentError, Worker
 from kvoffload.cli._caches import build_cache
-from kvoffload.worker.pipeline import STEP_TIMEOUT_S, DiskPipeline
+from kvoffload.disk.tier import DiskTier
+from kvoffload.worker.pipeline import DiskPipeline
 from kvoffload.backends.host import HostBackend
 from kvoffload import DiskConfig
 
@@ -25,6 +26,10 @@ TIMEOUT_S = 60.0
 NUM_BLOCKS = 64
 HOST_BLOCKS = 16
 DISK_BLOCKS = 128
+
+
+#: How long the controls' own waits wait for a disk request or a copy.
+CONTROL_WAIT_S = 120.0
 
 
 def make_layout(seed: int = 0) -> DeviceLayout:
@@ -159,11 +164,11 @@ def _load_without_waiting(self: DiskPipeline, job: Any) -> None:
     for index, part in enumerate(self._rounds(job)):
         rows = self._sets[index % len(self._sets)][: part.stop - part.start]
         io = self._tier.read_records(job.disk_blocks[part], rows)
-        io.wait(STEP_TIMEOUT_S)
+        io.wait(CONTROL_WAIT_S)
         copy = next(self._ids)
         self._from_slots.submit(copy, rows, job.device_blocks[part], fence=job.fence)
         copies.append(copy)
-    self._from_slots.wait(copies, STEP_TIMEOUT_S)
+    self._from_slots.wait(copies, CONTROL_WAIT_S)
 
 
 def corrupted_blocks_after_disk_loads(disk_path: str) -> int:
@@ -217,3 +222,79 @@ def test_shutdown_stops_pipeline_handlers_bounce_handlers_tier_then_region(disk_
     assert not threading.enumerate()[1:] or all(
         not t.name.startswith("kvoffload-disk-pipeline") for t in threading.enumerate()
     )
+
+
+# ------------------------------------------------- a step that takes long: the job waits for it
+
+
+class _StallingTier(DiskTier):
+    """The disk tier with the next read stalled (``stall_next`` seconds)."""
+
+    stall_next = 0.0
+
+    def _pread(self, fd: int, buffers: list[Any], offset: int) -> int:
+        stall, _StallingTier.stall_next = _StallingTier.stall_next, 0.0
+        time.sleep(stall)
+        return super()._pread(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("gives_up", [False, True], ids=["rule", "control-step-timeout"])
+def test_a_job_whose_read_takes_long_ends_only_after_it_and_the_next_job_reads_its_own_block(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gives_up: bool,
+) -> None:
+    """A disk read slower than the pipeline's old step timeout (120 s, here its control at 0.5 s):
+    the job failed while the read went on into its bounce slot, and the next job, reusing the slot,
+    came back ok with the first job's block (design §5 rule 5). Now a step is waited for until it
+    ended."""
+    from kvoffload.worker import assembly, pipeline
+    monkeypatch.setattr(assembly, "DiskTier", _StallingTier)
+    monkeypatch.setattr(pipeline, "WAIT_SLICE_S", 0.05)
+    if gives_up:
+        monkeypatch.setattr(DiskPipeline, "_ended", lambda self, io: io.wait(0.5))
+    slow_copies = threading.Event()
+
+    class SlowCopies(HostBackend):  # the next job's copy runs after the stalled read landed
+        def issue(self, plan: Any, src: Any, dst: Any, fence: Any) -> Any:
+            if self.direction is Direction.LOAD and slow_copies.is_set():
+                time.sleep(0.4)
+            return super().issue(plan, src, dst, fence)
+
+    layout = make_layout(seed=3)
+    original = layout.gather_records([0, 1]).clone()
+    with Worker.create(layout, 4, disk=DiskConfig(str(tmp_path / "kv.bin"), 8), bounce_slots=2,
+                       backend_factory=SlowCopies) as w:
+        w.store_to_disk(1, [0, 1], [0, 1])
+        assert w.wait([1], TIMEOUT_S)[0].ok
+        _StallingTier.stall_next = 0.8
+        w.load_from_disk(2, [0], [10])
+        (first,) = w.wait([2], TIMEOUT_S)
+        slow_copies.set()
+        w.load_from_disk(3, [1], [11])
+        (second,) = w.wait([3], TIMEOUT_S)
+        slow_copies.clear()
+        time.sleep(0.8)  # the stalled read, if it still ran, has landed
+        got = layout.gather_records([10, 11])
+    if gives_up:  # the hazard: the second job came back ok with the first job's block
+        assert not first.ok and second.ok and pages_equal(layout, got[1:], original[:1])
+    else:
+        assert first.ok and second.ok and pages_equal(layout, got, original)
+
+
+def test_a_shutdown_does_not_wait_for_a_read_that_takes_long(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvoffload import ShutdownError
+    from kvoffload.worker import assembly, pipeline
+    monkeypatch.setattr(assembly, "DiskTier", _StallingTier)
+    monkeypatch.setattr(pipeline, "WAIT_SLICE_S", 0.05)
+    w = Worker.create(make_layout(seed=3), 4, disk=DiskConfig(str(tmp_path / "kv.bin"), 8), bounce_slots=2)
+    w.store_to_disk(1, [0], [0])
+    assert w.wait([1], TIMEOUT_S)[0].ok
+    _StallingTier.stall_next = 3.0
+    w.load_from_disk(2, [0], [10])
+    time.sleep(0.1)
+    began = time.monotonic()
+    with pytest.raises(ShutdownError):
+        w.shutdown(0.5)
+    assert time.monotonic() - began < 2.5
+    time.sleep(3.0)  # the stalled read ends before the next test
