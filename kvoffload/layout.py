@@ -409,6 +409,14 @@ def _named_tensors(
             raise LayoutError(f"tensor names must be str, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise LayoutError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+            kind = "nested" if t.is_nested else "quantized" if t.is_quantized else str(t.layout)
+            raise LayoutError(f"tensor {name!r} is a {kind} tensor: a layout needs dense strided tensors "
+                              "whose pages are plain memory")
+        try:
+            t.untyped_storage().data_ptr()
+        except RuntimeError as exc:  # e.g. a zero tensor, which has no memory
+            raise LayoutError(f"tensor {name!r} has no storage of its own: {exc}") from None
     return named
 
 
@@ -513,6 +521,13 @@ def _tensor_pages(name: str, t: torch.Tensor, b: int, segment: int) -> _TensorPa
             f"{PAGE_ALIGN_BYTES}, so pages of later blocks are misaligned"
         )
     _check_self_disjoint(name, shape, strides, b, item, page_bytes)
+    storage = t.untyped_storage()
+    first, span = int(t.data_ptr()), sum((n - 1) * st for n, st in zip(shape, strides)) * item + item
+    if first < storage.data_ptr() or first + span > storage.data_ptr() + storage.nbytes():
+        raise LayoutError(
+            f"tensor {name!r} spans {span} bytes from offset {first - storage.data_ptr()} of a storage "
+            f"of {storage.nbytes()} bytes (a storage resized under it): its pages are not its memory"
+        )
     return _TensorPages(name, t, b, page_bytes, block_stride, addr0.astype(np.int64), segment)
 
 
@@ -580,12 +595,15 @@ def _check_pages_disjoint_or_equal(a: _TensorPages, b: _TensorPages, num_blocks:
     blocks = np.concatenate((ba, bb))
     order = np.argsort(starts, kind="stable")
     starts, sizes, blocks = starts[order], sizes[order], blocks[order]
-    # The same page of the same block in both tensors is fine (stored once); any other overlap,
-    # including the same bytes under two block ids, is not.
+    # The same page of the same block in both tensors is fine (stored once) where their blocks step
+    # alike; any other overlap, including the same bytes under two block ids, or one page shared at
+    # some blocks only (block strides that differ: the page would be stored twice and loaded from
+    # two records, the last one winning), is not.
     ends = starts + sizes
     overlap = ends[:-1] > starts[1:]
     identical = (
         (starts[:-1] == starts[1:]) & (sizes[:-1] == sizes[1:]) & (blocks[:-1] == blocks[1:])
+        & (a.stride == b.stride)
     )
     bad = np.flatnonzero(overlap & ~identical)
     if bad.size:

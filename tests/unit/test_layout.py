@@ -13,7 +13,9 @@ import torch
 
 from kvoffload import (
     ArgumentTypeError, BlockIdTypeError, DeviceLayout, InvalidArgumentError, InvalidBlockIdError, LayoutError,
+    Worker,
 )
+from kvoffload import layout as layout_module
 from kvoffload.layout import PAGE_ALIGN_BYTES, RECORD_ALIGN_BYTES
 
 BF16 = 2  # bytes per bfloat16 element
@@ -566,3 +568,58 @@ def test_block_dim_mapping_with_extra_names_is_refused_naming_all_of_them() -> N
     assert DeviceLayout.from_tensors({"a": t}, {"a": 0}).num_blocks == N
     with pytest.raises(LayoutError, match=r"\['b', 'c'\]"):
         DeviceLayout.from_tensors({"a": t}, cast(Mapping[str, int], {"a": 0, "c": 0, "b": 0}))
+
+
+# ------------------------------------------------------ tensors a layout cannot describe (a probe)
+
+
+def _aliased_at_block_0() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors whose block-0 pages are the same bytes, their later blocks apart (block strides
+    of 256 and 384 bytes)."""
+    raw = torch.zeros(4096 + 64, dtype=torch.uint8)
+    raw = raw[(-raw.data_ptr()) % 64 :][:4096]
+    a = raw[:1024].view(torch.float16).as_strided((2, 64), (128, 1))
+    b = raw[:1024].view(torch.float16).as_strided((2, 64), (192, 1))
+    return a, b
+
+
+def test_a_page_shared_at_some_blocks_only_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accepted before, and no record could land: a load of block 0 wrote the shared page from two
+    records, the last one winning. The control (the check skipped) shows it."""
+    a, b = _aliased_at_block_0()
+    with pytest.raises(LayoutError, match="tensors 'a' and 'b' partly overlap"):
+        DeviceLayout.from_tensors({"a": a, "b": b}, block_dim=0)
+    monkeypatch.setattr(layout_module, "_check_no_partial_overlap", lambda pages, num_blocks: None)
+    layout = DeviceLayout.from_tensors({"a": a, "b": b}, block_dim=0)
+    a[1].fill_(1.0)
+    b[1].fill_(2.0)
+    with Worker.create(layout, 1) as w:
+        w.store(1, [1], [0])
+        assert w.wait([1], 10)[0].ok
+        w.load(2, [0], [0])
+        assert w.wait([2], 10)[0].ok
+    assert not torch.equal(a[0], a[1])  # the hazard: block 0 of a holds b's bytes
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([[1, 2], [3, 4]], dtype=torch.float32).to_sparse(),
+    lambda: torch.quantize_per_tensor(torch.zeros(4, 64), 0.1, 0, torch.quint8),
+    lambda: torch._efficientzerotensor((4, 64), dtype=torch.float16),
+    lambda: torch.nested.nested_tensor([torch.zeros(64), torch.zeros(64)]),
+], ids=["sparse", "quantized", "zero", "nested"])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's own, on making such tensors
+def test_a_tensor_without_plain_strided_memory_is_refused(make: Any) -> None:
+    """(A quantized tensor was accepted and crashed gather_records; the others raised untyped
+    errors.)"""
+    with pytest.raises(LayoutError, match="tensor 't'"):
+        DeviceLayout.from_tensors({"t": make()}, block_dim=0)
+
+
+@pytest.mark.parametrize("size", [0, 256])
+def test_a_tensor_past_the_end_of_its_storage_is_refused(size: int) -> None:
+    """(A storage resized under its tensor was accepted: copies read and wrote memory past it, or
+    crashed.)"""
+    t = torch.zeros(6, 128, dtype=torch.float16)
+    t.untyped_storage().resize_(size)
+    with pytest.raises(LayoutError, match="tensor 't' spans .* a storage of"):
+        DeviceLayout.from_tensors({"t": t}, block_dim=0)
