@@ -448,12 +448,7 @@ class DirectionHandler:
         cost = 0 if layered is not None else backend.issue_cost(self._plan, pairs)
         # (a layered job is issued here whenever it may be: its layers are waited for right away)
         with self._lock:
-            if self._closed:  # a shutdown began after the first look: its drain may be over
-                if owns_fence:
-                    backend.release_fence(fence)
-                if layered is not None:
-                    layered[1].release()
-                self._check_open()
+            self._refuse_if_closed(backend, transfer)
             self._advance()
             idle = not self._fifo  # no job in flight: nothing for this one to overlap with
             here = self._pending == 0 and backend.can_issue_here()
@@ -587,12 +582,7 @@ class DirectionHandler:
         """
         with self._issue_lock:
             with self._lock:
-                if self._closed:  # a shutdown began after the first look: its drain may be over
-                    if transfer.owns_fence:
-                        backend.release_fence(transfer.fence)
-                    if transfer.marks is not None:
-                        transfer.marks.release()
-                    self._check_open()
+                self._refuse_if_closed(backend, transfer)
                 self._fifo.append(transfer)
                 self._submitted += 1
                 self._pending += 1
@@ -919,6 +909,21 @@ class DirectionHandler:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"the {self.direction.value} handler was shut down")
+
+    def _refuse_if_closed(self, backend: Backend, transfer: _Transfer) -> None:
+        """Under ``_lock``, before ``transfer`` is queued: a shutdown that began after the submit's
+        first look may have drained and released everything already, so the job is refused, its
+        fence and marks given back.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        if self._closed:
+            if transfer.owns_fence:
+                backend.release_fence(transfer.fence)
+            if transfer.marks is not None:
+                transfer.marks.release()
+            self._check_open()
 
     def _open_backend(self) -> Backend:
         """The backend of an open handler (a shutdown meanwhile may have released it).

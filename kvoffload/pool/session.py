@@ -183,7 +183,7 @@ class PoolSession:
         except OSError as exc:
             raise RegionError(f"cannot open shared pool {path!r}: {exc.strerror}") from exc
         try:
-            with locked(fd, deadline=max(deadline, time.monotonic()) + LOCK_GRACE_S):
+            with locked(fd, deadline=_lock_deadline(deadline)):
                 header = cls._register(spec, path, me, fd)
         except LockTimeout:
             os.close(fd)
@@ -325,7 +325,7 @@ class PoolSession:
             PoolTimeoutError: the lock was held elsewhere until ``deadline``.
         """
         try:
-            with locked(fd, deadline=max(deadline, time.monotonic()) + LOCK_GRACE_S, shared=shared):
+            with locked(fd, deadline=_lock_deadline(deadline), shared=shared):
                 yield  # the steps' bodies take no lock: a LockTimeout is the one above
         except LockTimeout:
             raise _lock_timeout(self.spec, _STEP_NAMES.get(flag, "register at")) from None
@@ -522,6 +522,12 @@ def _unlink_if_same(path: str, fd: int) -> None:
     if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _lock_deadline(deadline: float) -> float:
+    """Until when an attach step waits for the pool file's lock: :data:`LOCK_GRACE_S` past its
+    ``deadline``, or past now once that went."""
+    return max(deadline, time.monotonic()) + LOCK_GRACE_S
 
 
 def _unlink_if_same_locked(path: str, fd: int) -> None:
