@@ -334,11 +334,9 @@ class DeviceLayout:
             )
         src = records.to(self.device)
         for geom in self.geometries:
-            t = self.tensors[geom.name]
-            moved = t.movedim(geom.block_dim, 0)
+            moved = _byte_view(self.tensors[geom.name]).movedim(geom.block_dim, 0)
             rows = torch.stack([src[:, o : o + geom.page_bytes] for o in geom.host_offsets], dim=1)
-            values = rows.contiguous().view(t.dtype).reshape(index.shape[0], *moved.shape[1:])
-            moved.index_copy_(0, index, values)
+            moved.index_copy_(0, index, rows.reshape(index.shape[0], *moved.shape[1:]))
 
     def _block_index(self, blocks: BlockIndex, *, distinct: bool = False) -> torch.Tensor:
         """``blocks`` checked (as a job's ids are) and on the layout's device as ``long``.
@@ -368,11 +366,24 @@ class DeviceLayout:
     def _tensor_rows(self, index: torch.Tensor) -> list[tuple[TensorGeometry, torch.Tensor]]:
         result = []
         for geom in self.geometries:
-            t = self.tensors[geom.name]
+            t = _byte_view(self.tensors[geom.name])
             picked = t.index_select(geom.block_dim, index).movedim(geom.block_dim, 0).contiguous()
-            rows = picked.view(torch.uint8).reshape(index.shape[0], geom.outer_count, geom.page_bytes)
+            rows = picked.reshape(index.shape[0], geom.outer_count, geom.page_bytes)
             result.append((geom, rows))
         return result
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s elements as a ``uint8`` tensor of shape ``t.shape + (item,)``, read
+    from its storage as the copy paths read them: no conjugation, no bool normalisation, and
+    dtypes torch cannot index (int4, uint1) included."""
+    item = t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(),
+        t.storage_offset() * item,
+        (*t.shape, item),
+        (*(s * item for s in t.stride()), 1),
+    )
 
 
 def _layer_tables(table: PageTable, groups: LayerGroups) -> tuple[PageTable, ...]:
@@ -557,14 +568,97 @@ def _span(tp: _TensorPages, num_blocks: int) -> tuple[int, int]:
 
 
 def _check_no_partial_overlap(pages: list[_TensorPages], num_blocks: int) -> None:
-    """Refuse tensors whose pages overlap pages of another tensor without being the same pages."""
+    """Refuse tensors whose pages overlap pages of another tensor without being the same pages.
+
+    Tensors whose address spans overlap form groups (one sweep over the spans sorted by start);
+    each group's pages are checked in one sort, so many views of one storage cost ``n log n``, not
+    a check per pair of them.
+    """
     spans = [_span(tp, num_blocks) for tp in pages]
-    for i in range(len(pages)):
-        for j in range(i + 1, len(pages)):
-            (lo_i, hi_i), (lo_j, hi_j) = spans[i], spans[j]
-            if lo_i >= hi_j or lo_j >= hi_i:
-                continue
-            _check_pages_disjoint_or_equal(pages[i], pages[j], num_blocks)
+    order = sorted(range(len(pages)), key=lambda i: spans[i][0])
+    group: list[int] = []
+    reach = 0
+    for i in order:
+        lo, hi = spans[i]
+        if group and lo >= reach:
+            _check_group(group, pages, num_blocks)
+            group = []
+        group.append(i)
+        reach = hi if len(group) == 1 else max(reach, hi)
+    _check_group(group, pages, num_blocks)
+
+
+def _check_group(group: list[int], pages: list[_TensorPages], num_blocks: int) -> None:
+    """One group of tensors with overlapping spans, in layout order: the same pages, or disjoint."""
+    members: dict[tuple[int, int, frozenset[int]], _TensorPages] = {}
+    for i in sorted(group):
+        tp = pages[i]
+        members.setdefault((tp.stride, tp.page_bytes, frozenset(tp.addr0.tolist())), tp)
+    if len(members) < 2 or _disjoint_modulo_stride(list(members.values()), num_blocks):
+        return
+    _check_page_by_page(list(members.values()), num_blocks)
+
+
+def _disjoint_modulo_stride(members: list[_TensorPages], num_blocks: int) -> bool:
+    """Whether tensors whose blocks all step by one stride ``S`` have pages that are, taken modulo
+    ``S``, the same page or disjoint: then so are their pages at every block. Costs the pages of
+    one block, whatever the number of blocks; ``False`` says only that a page-by-page check is
+    needed (two pages far apart may meet modulo ``S`` and never in the blocks there are)."""
+    stride = members[0].stride
+    if num_blocks < 2 or stride <= 0 or any(m.stride != stride or m.page_bytes > stride for m in members):
+        return False
+    addr = np.concatenate([m.addr0 for m in members])
+    size = np.concatenate([np.full(m.addr0.shape, m.page_bytes, dtype=np.int64) for m in members])
+    rem = addr % stride
+    wraps = rem + size > stride  # such a page is two pieces on the circle: [rem, S) and [0, rest)
+    starts = np.concatenate((rem, np.zeros(int(wraps.sum()), dtype=np.int64)))
+    ends = np.concatenate((np.minimum(rem + size, stride), (rem + size - stride)[wraps]))
+    addr = np.concatenate((addr, addr[wraps]))
+    size = np.concatenate((size, size[wraps]))
+    order = np.lexsort((addr, starts))
+    starts, ends, addr, size = starts[order], ends[order], addr[order], size[order]
+    same = (starts[:-1] == starts[1:]) & (addr[:-1] == addr[1:]) & (size[:-1] == size[1:])
+    return not bool(((ends[:-1] > starts[1:]) & ~same).any())
+
+
+def _check_page_by_page(members: list[_TensorPages], num_blocks: int) -> None:
+    """Every page of every block of ``members`` (distinct tensors), sorted: the same page, or
+    disjoint."""
+    if sum(m.addr0.size for m in members) * num_blocks > _MAX_INTERLEAVE_CHECK_PAGES:
+        names = ", ".join(repr(m.name) for m in members[:4]) + (", ..." if len(members) > 4 else "")
+        raise LayoutError(
+            f"tensors {names} share an address range and are too large to verify page by page; "
+            "pass them as one tensor"
+        )
+    parts = [_page_intervals(m, num_blocks) for m in members]
+    starts = np.concatenate([p[0] for p in parts])
+    sizes = np.concatenate([p[1] for p in parts])
+    blocks = np.concatenate([p[2] for p in parts])
+    owner = np.concatenate([np.full(p[0].shape, k, dtype=np.int64) for k, p in enumerate(parts)])
+    strides = np.array([m.stride for m in members], dtype=np.int64)[owner]
+    order = np.argsort(starts, kind="stable")
+    starts, sizes, blocks, owner, strides = (
+        starts[order], sizes[order], blocks[order], owner[order], strides[order]
+    )
+    # Sorted by start, any overlap shows between neighbours. The same page of the same block in
+    # two tensors is fine (stored once) where their blocks step alike; any other overlap, including
+    # the same bytes under two block ids, or one page shared at some blocks only (block strides
+    # that differ: the page would be stored twice and loaded from two records, the last one
+    # winning), is not.
+    overlap = starts[:-1] + sizes[:-1] > starts[1:]
+    identical = (
+        (starts[:-1] == starts[1:]) & (sizes[:-1] == sizes[1:]) & (blocks[:-1] == blocks[1:])
+        & (strides[:-1] == strides[1:])
+    )
+    bad = np.flatnonzero(overlap & ~identical)
+    if bad.size:
+        k = int(bad[0])
+        a, b = sorted((int(owner[k]), int(owner[k + 1])))
+        at = int(starts[k + 1])
+        raise LayoutError(
+            f"tensors {members[a].name!r} and {members[b].name!r} partly overlap at address "
+            f"{at:#x}: pages must be either the same bytes (stored once) or disjoint"
+        )
 
 
 def _page_intervals(tp: _TensorPages, num_blocks: int) -> tuple[I64Array, I64Array, I64Array]:
@@ -573,45 +667,6 @@ def _page_intervals(tp: _TensorPages, num_blocks: int) -> tuple[I64Array, I64Arr
     starts = (tp.addr0[None, :] + block[:, None] * tp.stride).ravel()
     blocks = np.repeat(block, tp.addr0.size)
     return starts, np.full(starts.shape, tp.page_bytes, dtype=np.int64), blocks
-
-
-def _check_pages_disjoint_or_equal(a: _TensorPages, b: _TensorPages, num_blocks: int) -> None:
-    if (a.addr0.size + b.addr0.size) * num_blocks > _MAX_INTERLEAVE_CHECK_PAGES:
-        raise LayoutError(
-            f"tensors {a.name!r} and {b.name!r} share an address range and are too large to verify "
-            "page by page; pass them as one tensor"
-        )
-    same = (
-        a.stride == b.stride
-        and a.page_bytes == b.page_bytes
-        and set(a.addr0.tolist()) == set(b.addr0.tolist())
-    )
-    if same:
-        return
-    sa, na, ba = _page_intervals(a, num_blocks)
-    sb, nb, bb = _page_intervals(b, num_blocks)
-    starts = np.concatenate((sa, sb))
-    sizes = np.concatenate((na, nb))
-    blocks = np.concatenate((ba, bb))
-    order = np.argsort(starts, kind="stable")
-    starts, sizes, blocks = starts[order], sizes[order], blocks[order]
-    # The same page of the same block in both tensors is fine (stored once) where their blocks step
-    # alike; any other overlap, including the same bytes under two block ids, or one page shared at
-    # some blocks only (block strides that differ: the page would be stored twice and loaded from
-    # two records, the last one winning), is not.
-    ends = starts + sizes
-    overlap = ends[:-1] > starts[1:]
-    identical = (
-        (starts[:-1] == starts[1:]) & (sizes[:-1] == sizes[1:]) & (blocks[:-1] == blocks[1:])
-        & (a.stride == b.stride)
-    )
-    bad = np.flatnonzero(overlap & ~identical)
-    if bad.size:
-        at = int(starts[bad[0] + 1])
-        raise LayoutError(
-            f"tensors {a.name!r} and {b.name!r} partly overlap at address {at:#x}: pages must be "
-            "either the same bytes (stored once) or disjoint"
-        )
 
 
 #: Bumped whenever what the fingerprint covers changes.
