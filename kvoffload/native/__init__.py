@@ -7,7 +7,8 @@ ctypes' per-argument conversions (:func:`front`).
 Owns the build: the library is compiled once per source version into the cache directory
 (``KVOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoffload``, else ``~/.cache/kvoffload``) under a
 name that carries the source's hash, written to a temporary name and renamed, so that concurrent
-processes never load a half-written file. It needs a C compiler (``$CC``, else ``cc`` or ``gcc``)
+processes never load a half-written file (a build killed before its rename leaves its temporary
+file, which a later build removes once it is :data:`ABANDONED_AFTER_S` old). It needs a C compiler (``$CC``, else ``cc`` or ``gcc``)
 and POSIX threads, nothing of CUDA: the driver's entry points come from Python at run time
 (``KVOFFLOAD_NATIVE_CFLAGS``, whitespace-separated, adds compiler flags: the CI builds both under
 AddressSanitizer with it; the flags are part of the cached name). A machine
@@ -30,6 +31,7 @@ import struct
 import subprocess
 import sysconfig
 import tempfile
+import time
 from importlib import machinery, util
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +44,7 @@ from kvoffload.errors import NativeBuildError
 
 __all__ = [
     "ABANDONED",
+    "ABANDONED_AFTER_S",
     "BUILD_TIMEOUT_S",
     "CALL_KINDS",
     "CONTROL_NEVER_SIGNAL",
@@ -274,6 +277,7 @@ def _build(source_path: Path, flags: tuple[str, ...], stem: str, suffix: str, wh
     compiler = _compiler()
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(target_dir, stem, suffix)
         fd, partial = tempfile.mkstemp(prefix=f".{stem}-", suffix=suffix, dir=target_dir)
         os.close(fd)
     except OSError as exc:
@@ -301,6 +305,23 @@ def _build(source_path: Path, flags: tuple[str, ...], stem: str, suffix: str, wh
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+#: A temporary build file untouched for this long was left by a build that was killed (a build
+#: that runs is stopped after BUILD_TIMEOUT_S and removes its own): the next build removes it.
+ABANDONED_AFTER_S: Final = 2 * BUILD_TIMEOUT_S
+
+
+def _remove_abandoned(target_dir: Path, stem: str, suffix: str) -> None:
+    """Remove the temporary files of builds of ``stem`` killed before they could remove them; a
+    file another process removes first, or one that cannot be removed, is left to it."""
+    deadline = time.time() - ABANDONED_AFTER_S
+    for path in target_dir.glob(f".{stem}-*{suffix}"):
+        try:
+            if path.stat().st_mtime < deadline:
+                path.unlink()
+        except OSError:
+            continue
 
 
 _ELF_CLASSES: Final = {1: ("I", 0x20, 0x2E, 0x30), 2: ("Q", 0x28, 0x3A, 0x3C)}  # e_shoff, e_shentsize, e_shnum

@@ -1622,6 +1622,21 @@ def test_a_compiler_that_writes_no_library_is_refused_and_nothing_is_cached(
     assert native._incomplete(native.build(tmp_path)) is None  # noqa: SLF001
 
 
+def test_a_killed_builds_temporary_file_is_removed_by_the_next_build_once_abandoned(tmp_path: Path) -> None:
+    """(A build killed before its rename left its temporary file in the cache for good.) A recent
+    one may be a build running in another process: it stays."""
+    abandoned = tmp_path / ".kvoffload-issuer-killed.so"
+    running = tmp_path / ".kvoffload-issuer-running.so"
+    other = tmp_path / ".kvoffload-front-killed.so"
+    for path in (abandoned, running, other):
+        path.write_bytes(b"\x7fELF")
+    old = time.time() - native.ABANDONED_AFTER_S - 1
+    os.utime(abandoned, (old, old))
+    os.utime(other, (old, old))
+    built = native.build(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([built.name, running.name, other.name])
+
+
 def test_another_library_under_the_cached_name_is_a_build_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """(A whole shared object without the library's functions raised AttributeError.)"""
     name = native.build(tmp_path).name
