@@ -68,6 +68,7 @@ __all__ = [
     "clear_records",
     "close_quietly",
     "file_bytes",
+    "forget_lock",
     "lock_file",
     "mark_clean",
     "open_io_fd",
@@ -496,19 +497,28 @@ def _size_file(fd: int, config: DiskConfig, nbytes: int) -> None:
         ) from None
 
 
+#: The descriptors that hold a tier file's lock in this process, with the file's (device, inode):
+#: a child forked without ``exec`` lets go of its copies at once (:func:`_let_go_in_child`), so that
+#: the lock lives as long as the tier that took it, not as long as the longest-lived child.
+_LOCKED: dict[int, tuple[int, int]] = {}
+
+
 def lock_file(fd: int, path: str) -> str:
     """Take the tier file's lock on ``fd`` (an exclusive ``flock``, without waiting): held by the
     open file description until it is closed, so by the set-up descriptor, which the tier keeps for
-    its life, and gone with its process (and every process that inherited the descriptor by a
-    ``fork`` without ``exec``). Returns "" when taken, or why the file system has no such lock (logged;
-    the tier then opens without one).
+    its life (a child forked without ``exec`` lets go of its copy: :func:`_let_go_in_child`); gone
+    with its process. Returns "" when taken, or why the file system has no such lock (logged; the
+    tier then opens without one). The caller calls :func:`forget_lock` before it closes ``fd``.
 
     Raises:
         DiskInUseError: another open tier, in this process or another, holds it.
     """
+    st = os.fstat(fd)
+    _LOCKED[fd] = (st.st_dev, st.st_ino)  # before the lock: a fork in between is let go of too
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        _LOCKED.pop(fd, None)
         raise DiskInUseError(
             f"{path!r} is in use by another open disk tier (in this process or another): two tiers "
             "on one file would serve each other's records; give each worker a file of its own, or "
@@ -516,10 +526,40 @@ def lock_file(fd: int, path: str) -> str:
             kind=DiskErrorKind.IN_USE, path=path,
         ) from None
     except OSError as exc:  # ENOLCK, EOPNOTSUPP, EINVAL: a file system without flock
+        _LOCKED.pop(fd, None)
         _log.warning("disk tier %s: the file cannot be locked (%s); a second tier on it is not refused",
                      path, exc.strerror)
         return f"not locked: {exc.strerror}"
     return ""
+
+
+def forget_lock(fd: int) -> None:
+    """``fd`` is about to be closed: a child forked from here on has no lock of it to let go of."""
+    _LOCKED.pop(fd, None)
+
+
+def _let_go_in_child() -> None:
+    """In a child forked without ``exec``: point each descriptor that holds a tier file's lock at
+    ``/dev/null``, so that the parent's tier, and only it, holds the lock (the child cannot use the
+    tier: its threads did not come along). The number stays taken, so the child's copy of the tier
+    closes nothing else; a number that now names another file is left alone."""
+    held = list(_LOCKED.items())
+    _LOCKED.clear()
+    for fd, ident in held:
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != ident:
+                continue
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                os.dup2(null, fd, inheritable=False)
+            finally:
+                os.close(null)
+        except OSError:
+            continue
+
+
+os.register_at_fork(after_in_child=lambda: _let_go_in_child())  # looked up at each fork: tests replace it
 
 
 def open_io_fd(

@@ -88,6 +88,7 @@ from kvoffload.disk.format import (
     clear_records,
     close_quietly,
     file_bytes,
+    forget_lock,
     lock_file,
     mark_clean,
     open_io_fd,
@@ -238,6 +239,7 @@ class DiskTier:
             setup_fd = cls._open_path(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
             undo.callback(close_quietly, setup_fd)
             locked = lock_file(setup_fd, path) == ""  # before the file is read or changed
+            undo.callback(forget_lock, setup_fd)
             if not existed:  # only once locked: a file another tier holds is never removed
                 undo.callback(unlink_quietly, path)
             state = prepare_file(setup_fd, config, fingerprint_bytes, record_bytes)
@@ -637,12 +639,14 @@ class DiskTier:
             self._host = None
             self._records = None
             if fd is not None:
+                forget_lock(fd)  # the lock's descriptor where the tier reads through it
                 try:
                     os.close(fd)
                 except OSError as exc:
                     failures.append(exc)
             lock_fd, self._lock_fd = self._lock_fd, None
             if lock_fd is not None:  # last: the file is another tier's to open from here on
+                forget_lock(lock_fd)
                 close_quietly(lock_fd)
         if self._owns_book:
             self._book.clear()

@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -672,6 +673,43 @@ def test_without_the_lock_two_tiers_on_one_file_serve_each_others_records(
     write_ok(b, 1, [1], [3])
     a.read(2, [3], [10])
     assert one(a, 2).ok and torch.equal(region.records()[10], before[1])  # b's record, served as a's
+
+
+def _tier_outlived_by_a_forked_child(make_tier: MakeTier) -> None:
+    """Fork a child that outlives the tier (it waits on a pipe), shut the tier down, and open the
+    file again while the child lives."""
+    first = make_tier()
+    write_ok(first, 1, [0], [3])
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a process with threads
+        pid = os.fork()
+    if pid == 0:  # the child: wait for the parent's word, never return into pytest
+        os.close(write_end)
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    try:
+        first.shutdown()
+        make_tier(reuse=True).shutdown()
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)
+
+
+def test_a_forked_child_does_not_hold_the_tiers_lock(make_tier: MakeTier) -> None:
+    """(A child forked without exec inherited the lock's descriptor: the file stayed locked after
+    its tier shut down, until the child exited.)"""
+    _tier_outlived_by_a_forked_child(make_tier)
+
+
+def test_without_letting_go_in_the_child_the_lock_outlives_the_tier(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control: nothing to let go of in the child, and the child holds the lock."""
+    monkeypatch.setattr(disk_format, "_let_go_in_child", lambda: None)
+    with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
+        _tier_outlived_by_a_forked_child(make_tier)
 
 
 # ---------------------------------------------------------------------------- direct / buffered
