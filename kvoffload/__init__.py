@@ -95,7 +95,7 @@ from kvoffload.records import BlockIds, Direction, DriverCallStats, HandlerStats
 if TYPE_CHECKING:
     from kvoffload.layout import DeviceLayout, TensorGeometry
     from kvoffload.pool import PoolRank, PoolRankInfo, PoolView, SharedPool, SharedPoolInfo
-    from kvoffload.region import host_memory_available
+    from kvoffload._memory import host_memory_available
     from kvoffload.remote import (
         MooncakeConfig,
         MooncakeStore,
@@ -118,7 +118,7 @@ __version__ = "0.1.0.dev0"
 _LAZY: dict[str, str] = {
     "DeviceLayout": "kvoffload.layout",
     "TensorGeometry": "kvoffload.layout",
-    "host_memory_available": "kvoffload.region",
+    "host_memory_available": "kvoffload._memory",
     "PoolRank": "kvoffload.pool",
     "PoolRankInfo": "kvoffload.pool",
     "PoolView": "kvoffload.pool",

@@ -90,6 +90,7 @@ class ManagerBase:
         self._fences: dict[FenceKey, list[tuple[Pool, int]]] = {}
         self._events: list[BlockEvent] = []
         self._n = Counts()
+        self._calling: str | None = None  # the public call that runs (see _enter)
 
     # ----------------------------------------------------------------- read-only views
 
@@ -145,59 +146,82 @@ class ManagerBase:
             ArgumentTypeError: ``in_flight_done`` is not a bool.
             PolicyError: a custom policy's ``clear`` raised (after the reset, which stands).
         """
-        if not isinstance(in_flight_done, bool):
-            raise ArgumentTypeError(f"in_flight_done = {in_flight_done!r} must be a bool")
-        entries = self._entries
-        if self._record_events:
-            events = self._events
-            for key in self._ready:
-                entry = entries[key]
-                if entry.host_state is READY:
-                    events.append(BlockEvent(REMOVED, key, HOST))
-                if entry.disk_state is READY:
-                    events.append(BlockEvent(REMOVED, key, DISK))
-        host, disk = self._host, self._disk
-        if in_flight_done:
-            self._fences.clear()
-        else:
-            for plan_id, copies in self._stores.items():  # every pending copy is in its plan's record
-                for key, entry in zip(copies.keys, copies.host):
-                    if entry.host_state is PENDING and entry.host_plan == plan_id:
-                        self._fence((plan_id, FenceKind.STORE, key), [(host, entry.host)])
-                for demotion, entry in zip(copies.demotions, copies.disk):
-                    if entry.disk_state is PENDING and entry.disk_plan == plan_id:
-                        assert disk is not None  # a pending demotion exists only with a disk tier
-                        holds = [(disk, entry.disk), (host, entry.demote_src)]
-                        self._fence((plan_id, FenceKind.DEMOTE, demotion.key), holds)
-            for plan_id, outstanding in self._loads.items():
-                for key, tier in outstanding.items():  # a remote load writes its host block
+        self._enter("reset")
+        try:
+            if not isinstance(in_flight_done, bool):
+                raise ArgumentTypeError(f"in_flight_done = {in_flight_done!r} must be a bool")
+            entries = self._entries
+            if self._record_events:
+                events = self._events
+                for key in self._ready:
                     entry = entries[key]
-                    pool, block = (disk, entry.disk) if tier is DISK else (host, entry.host)
-                    assert pool is not None  # a disk load exists only with a disk tier
-                    self._fence((plan_id, FenceKind.LOAD, key), [(pool, block)])
-            for plan_id, put_keys in (self._remote.puts if self._remote is not None else {}).items():
-                for key in put_keys:
-                    self._fence((plan_id, FenceKind.PUT, key), [(host, entries[key].host)])
-        fenced: dict[Pool, dict[int, int]] = {host: {}}
-        if disk is not None:
-            fenced[disk] = {}
-        for holds in self._fences.values():
-            for pool, block in holds:
-                fenced[pool][block] = fenced[pool].get(block, 0) + 1
-        host.reset(fenced[host])
-        if disk is not None:
-            disk.reset(fenced[disk])
-        entries.clear()
-        self._ready.clear()
-        self._stores.clear()
-        self._loads.clear()
-        if self._remote is not None:
-            self._remote.puts.clear()
-        self._epoch += 1
-        self._n.resets += 1
-        self._check_policies()
+                    if entry.host_state is READY:
+                        events.append(BlockEvent(REMOVED, key, HOST))
+                    if entry.disk_state is READY:
+                        events.append(BlockEvent(REMOVED, key, DISK))
+            host, disk = self._host, self._disk
+            if in_flight_done:
+                self._fences.clear()
+            else:
+                for plan_id, copies in self._stores.items():  # every pending copy is in its plan's record
+                    for key, entry in zip(copies.keys, copies.host):
+                        if entry.host_state is PENDING and entry.host_plan == plan_id:
+                            self._fence((plan_id, FenceKind.STORE, key), [(host, entry.host)])
+                    for demotion, entry in zip(copies.demotions, copies.disk):
+                        if entry.disk_state is PENDING and entry.disk_plan == plan_id:
+                            assert disk is not None  # a pending demotion exists only with a disk tier
+                            holds = [(disk, entry.disk), (host, entry.demote_src)]
+                            self._fence((plan_id, FenceKind.DEMOTE, demotion.key), holds)
+                for plan_id, outstanding in self._loads.items():
+                    for key, tier in outstanding.items():  # a remote load writes its host block
+                        entry = entries[key]
+                        pool, block = (disk, entry.disk) if tier is DISK else (host, entry.host)
+                        assert pool is not None  # a disk load exists only with a disk tier
+                        self._fence((plan_id, FenceKind.LOAD, key), [(pool, block)])
+                for plan_id, put_keys in (self._remote.puts if self._remote is not None else {}).items():
+                    for key in put_keys:
+                        self._fence((plan_id, FenceKind.PUT, key), [(host, entries[key].host)])
+            fenced: dict[Pool, dict[int, int]] = {host: {}}
+            if disk is not None:
+                fenced[disk] = {}
+            for holds in self._fences.values():
+                for pool, block in holds:
+                    fenced[pool][block] = fenced[pool].get(block, 0) + 1
+            host.reset(fenced[host])
+            if disk is not None:
+                disk.reset(fenced[disk])
+            entries.clear()
+            self._ready.clear()
+            self._stores.clear()
+            self._loads.clear()
+            if self._remote is not None:
+                self._remote.puts.clear()
+            self._epoch += 1
+            self._n.resets += 1
+            self._check_policies()
+        finally:
+            self._calling = None
 
     # ----------------------------------------------------------------- helpers
+
+    def _enter(self, name: str) -> None:
+        """Start public call ``name``, which clears ``_calling`` when it returns or raises. A
+        manager takes one call at a time: a call made while another runs — from a policy's
+        notification or a remote index inside it, or from a second thread — would change the state
+        the running call is in the middle of changing (a policy's ``admit`` that prepared a store
+        evicted the key the running call then marked loadable: a lookup hit that ``prepare_load``
+        called unknown).
+
+        Raises:
+            PolicyError: another call of this manager runs; nothing is done.
+        """
+        if self._calling is not None:
+            raise PolicyError(
+                f"Manager.{name} was called while Manager.{self._calling} runs (from a policy's "
+                "notification, a remote index, or another thread): a manager takes one call at a "
+                "time; nothing was done"
+            )
+        self._calling = name
 
     def _check_plan(
         self, plan: object, kind: type[StorePlan] | type[LoadPlan] | type[RemotePutPlan], ok: object
@@ -210,7 +234,10 @@ class ManagerBase:
         if plan.owner != self._owner:
             raise InvalidArgumentError(f"plan {plan.plan_id} was prepared by another Manager")
         if not isinstance(ok, bool):
-            raise ArgumentTypeError(f"ok = {ok!r} is a {type(ok).__name__}; it must be a bool")
+            of = type(ok)
+            raise ArgumentTypeError(
+                f"ok = {ok!r} is a {of.__module__}.{of.__qualname__}; it must be a bool (True or False)"
+            )
 
     def _check_policies(self, result: object = None) -> None:
         """End a call whose policy notification raised (:class:`GuardedPolicy` kept it) with

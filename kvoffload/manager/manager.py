@@ -5,7 +5,9 @@ The :class:`Manager` decides *which* blocks move; a Worker moves the bytes. It o
 memory (the key → block map of each tier, free lists, eviction policies, the copies each outstanding
 plan still waits for, counters and undrained events), holds no OS or GPU resource and so has no
 close method (a remote index it is given is borrowed: its creator closes it), and imports neither
-torch, numpy nor CUDA. Not thread-safe: call it from the scheduler thread.
+torch, numpy nor CUDA. Not thread-safe: call it from the scheduler thread. It takes one call at a
+time: a call made while another runs (from a policy's notification or a remote index inside it, or
+from a second thread) raises :class:`~kvoffload.errors.PolicyError` and does nothing.
 
 A key's copy in a tier is *pending* (a copy into it is in flight: not loadable, not evictable),
 *ready* (loadable, evictable) or *loading* (ready, with loads holding it: not evictable). The engine's
@@ -25,14 +27,16 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from typing import Final
 
+from kvoffload._memory import host_memory_available
 from kvoffload.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     KeyStateError,
+    PolicyError,
     UnknownKeyError,
 )
 from kvoffload.manager.base import ManagerBase, ManagerParts
-from kvoffload.manager.policies import PolicyFactory, resolve_policy
+from kvoffload.manager.policies import EvictionPolicy, PolicyFactory, resolve_policy
 from kvoffload.manager.records import (
     BlockEvent,
     Demotion,
@@ -87,6 +91,23 @@ MAX_TIER_BLOCKS: Final = 2**31
 _LIST_BYTES_PER_BLOCK: Final = 40
 
 
+def _made(factory: PolicyFactory, name: str, capacity: int) -> EvictionPolicy:
+    """``factory(capacity)``, what it raises typed.
+
+    Raises:
+        PolicyError: the factory raised (a factory that takes no capacity raised ``TypeError``).
+    """
+    try:
+        return factory(capacity)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise PolicyError(
+            f"the policy factory {name}({capacity}) raised {exc!r}: a factory takes the tier's "
+            "capacity in blocks and returns an EvictionPolicy"
+        ) from exc
+
+
 class Manager(ManagerBase):
     """The host (and optional disk) block pool of one model/layout fingerprint.
 
@@ -97,7 +118,8 @@ class Manager(ManagerBase):
     custom policy that raises from a notification (``admit``, ``hit``, ``hold``, ``release``,
     ``evict``, ``clear``): the call then completes whole, makes its other notifications, and raises
     :class:`PolicyError` (its ``result`` is what the call returns), so the manager's state is never
-    left half-changed. Not thread-safe.
+    left half-changed. Not thread-safe; one call at a time (a policy that calls its manager from a
+    notification gets :class:`PolicyError` there, which the call it is in raises in turn).
     """
 
     @classmethod
@@ -137,6 +159,7 @@ class Manager(ManagerBase):
                 :data:`MAX_TIER_BLOCKS` or one whose free list this process cannot hold, empty fingerprint,
                 ``remote_timeout_s`` not a finite number > 0 (with or without ``remote``).
             UnknownPolicyError: ``policy`` is a name not in :data:`POLICY_NAMES`.
+            PolicyError: the policy factory raised.
         """
         fp = fingerprint_bytes(fingerprint)
         sizes = (("num_host_blocks", num_host_blocks, 1), ("num_disk_blocks", num_disk_blocks, 0))
@@ -152,14 +175,23 @@ class Manager(ManagerBase):
                     f"{name} = {value} is over the most blocks a tier may have, {MAX_TIER_BLOCKS} "
                     "(a size in blocks, not bytes)"
                 )
+        available = host_memory_available()
+        need = _LIST_BYTES_PER_BLOCK * (num_host_blocks + num_disk_blocks)
+        if available is not None and need > available[0]:  # overcommit: no MemoryError, a kill
+            raise InvalidArgumentError(
+                f"num_host_blocks = {num_host_blocks} and num_disk_blocks = {num_disk_blocks}: their "
+                f"free lists need about {need / 2**30:.1f} GiB ({_LIST_BYTES_PER_BLOCK} bytes a block), "
+                f"over the {available[0] / 2**30:.1f} GiB this process can populate ({available[1]})"
+            )
         if not isinstance(record_events, bool):
             raise ArgumentTypeError(f"record_events = {record_events!r} must be a bool")
         factory, policy_name = resolve_policy(policy)
         check_remote_timeout(remote_timeout_s)  # a bad one is refused with or without a remote index
         link = None if remote is None else RemoteLink.create(remote, remote_timeout_s, namespace_prefix(fp))
         try:
-            host = Pool(Tier.HOST, num_host_blocks, factory(num_host_blocks))
-            disk = Pool(Tier.DISK, num_disk_blocks, factory(num_disk_blocks)) if num_disk_blocks else None
+            host = Pool(Tier.HOST, num_host_blocks, _made(factory, policy_name, num_host_blocks))
+            disk = (Pool(Tier.DISK, num_disk_blocks, _made(factory, policy_name, num_disk_blocks))
+                    if num_disk_blocks else None)
         except MemoryError:  # the free lists of a size under the bound, on a small machine
             raise InvalidArgumentError(
                 f"num_host_blocks = {num_host_blocks} and num_disk_blocks = {num_disk_blocks}: this "
@@ -182,18 +214,22 @@ class Manager(ManagerBase):
             KeyTypeError: ``keys`` is not a sequence of bytes (checked for every key, not just the
                 prefix).
         """
-        check_keys("keys", keys)
-        ready = self._ready
-        if ready.issuperset(keys):  # one C loop when every key is ready
-            hits = len(keys)
-        else:  # the ready prefix, counted in C too
-            hits = len(list(itertools.takewhile(ready.__contains__, keys)))
-            if self._remote is not None:  # then the keys held nowhere here that the store holds
-                hits += self._remote.extend(keys, hits, self._entries, self._n)
-        self._n.lookups += 1
-        self._n.lookup_keys += len(keys)
-        self._n.lookup_hits += hits
-        return hits
+        self._enter("lookup")
+        try:
+            check_keys("keys", keys)
+            ready = self._ready
+            if ready.issuperset(keys):  # one C loop when every key is ready
+                hits = len(keys)
+            else:  # the ready prefix, counted in C too
+                hits = len(list(itertools.takewhile(ready.__contains__, keys)))
+                if self._remote is not None:  # then the keys held nowhere here that the store holds
+                    hits += self._remote.extend(keys, hits, self._entries, self._n)
+            self._n.lookups += 1
+            self._n.lookup_keys += len(keys)
+            self._n.lookup_hits += hits
+            return hits
+        finally:
+            self._calling = None
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Tell the policies that ``keys`` were used, in order.
@@ -205,24 +241,32 @@ class Manager(ManagerBase):
             KeyTypeError: ``keys`` is not a sequence of bytes.
             PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
-        check_keys("keys", keys)
-        entries = self._entries
-        host_hit = self._host.policy.hit
-        disk_policy = self._disk.policy if self._disk is not None else None
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None:
-                continue
-            if entry.host_state is READY:
-                host_hit(key)
-            if entry.disk_state is READY and disk_policy is not None:
-                disk_policy.hit(key)
-        self._check_policies()
+        self._enter("touch")
+        try:
+            check_keys("keys", keys)
+            entries = self._entries
+            host_hit = self._host.policy.hit
+            disk_policy = self._disk.policy if self._disk is not None else None
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None:
+                    continue
+                if entry.host_state is READY:
+                    host_hit(key)
+                if entry.disk_state is READY and disk_policy is not None:
+                    disk_policy.hit(key)
+            self._check_policies()
+        finally:
+            self._calling = None
 
     def events(self) -> list[BlockEvent]:
         """Return and forget the events recorded since the last call, oldest first."""
-        out, self._events = self._events, []
-        return out
+        self._enter("events")
+        try:
+            out, self._events = self._events, []
+            return out
+        finally:
+            self._calling = None
 
     def stats(self) -> ManagerStats:
         """A snapshot of block states and counters (O(1))."""
@@ -251,82 +295,86 @@ class Manager(ManagerBase):
             PolicyError: a custom policy proposed a victim that is not evictable (nothing changed),
                 or raised from a notification (the plan was made and is ``result``).
         """
-        check_unique_keys("keys", keys)
-        entries = self._entries
-        host = self._host
-        new = [key for key in keys if key not in entries]
-        protected: AbstractSet[bytes] = NO_KEYS
-        if len(new) != len(keys):
-            protected = {key for key in keys if key in entries}
-        need = len(new) - len(host.free)
-        host_victims: list[bytes] = []
-        host_entries: list[Entry] = []
-        if need > 0:
-            host_victims = host.policy.victims(need, protected)
-            host_entries = victim_entries(self._entries, host, host_victims, need, protected)
-            if len(host_victims) < need:
-                return None
-        disk = self._disk
-        demote_room = 0
-        demotable: list[bool] = []  # co-indexed with host_victims: no disk copy, may be demoted
-        disk_victims: list[bytes] = []
-        disk_entries: list[Entry] = []
-        if disk is not None and host_victims:  # dry run: room on disk for the victims without a copy
-            demotable = [entry.disk_state is None for entry in host_entries]
-            candidates = sum(demotable)
-            shortfall = candidates - len(disk.free)
-            if shortfall > 0:
-                disk_victims = disk.policy.victims(shortfall, protected)
-                disk_entries = victim_entries(self._entries, disk, disk_victims, shortfall, protected)
-            demote_room = min(candidates, len(disk.free) + len(disk_victims))
+        self._enter("prepare_store")
+        try:
+            check_unique_keys("keys", keys)
+            entries = self._entries
+            host = self._host
+            new = [key for key in keys if key not in entries]
+            protected: AbstractSet[bytes] = NO_KEYS
+            if len(new) != len(keys):
+                protected = {key for key in keys if key in entries}
+            need = len(new) - len(host.free)
+            host_victims: list[bytes] = []
+            host_entries: list[Entry] = []
+            if need > 0:
+                host_victims = host.policy.victims(need, protected)
+                host_entries = victim_entries(self._entries, host, host_victims, need, protected)
+                if len(host_victims) < need:
+                    return None
+            disk = self._disk
+            demote_room = 0
+            demotable: list[bool] = []  # co-indexed with host_victims: no disk copy, may be demoted
+            disk_victims: list[bytes] = []
+            disk_entries: list[Entry] = []
+            if disk is not None and host_victims:  # dry run: room on disk for the victims without a copy
+                demotable = [entry.disk_state is None for entry in host_entries]
+                candidates = sum(demotable)
+                shortfall = candidates - len(disk.free)
+                if shortfall > 0:
+                    disk_victims = disk.policy.victims(shortfall, protected)
+                    disk_entries = victim_entries(self._entries, disk, disk_victims, shortfall, protected)
+                demote_room = min(candidates, len(disk.free) + len(disk_victims))
 
-        plan_id = next(_PLAN_IDS)
-        if disk_victims:
-            assert disk is not None  # disk victims exist only with a disk tier
-            self._evict(disk, disk_victims, disk_entries)
-            self._forget(disk_victims, disk_entries)
-        demotions: list[Demotion] = []
-        demoted: list[Entry] = []
-        if host_victims:
-            self._evict(host, host_victims, host_entries)
-            if demote_room:
-                assert disk is not None  # room for demotions exists only with a disk tier
-                for key, entry, may_demote in zip(host_victims, host_entries, demotable):
-                    if may_demote:
-                        entry.disk = disk.free.pop()
-                        entry.disk_state = PENDING
-                        entry.disk_plan = plan_id
-                        entry.demote_src = entry.host
-                        demotions.append(Demotion(key, entry.host, entry.disk))
-                        demoted.append(entry)
-                        if len(demoted) == demote_room:
-                            break
-                disk.pending += len(demoted)
-            self._forget(host_victims, host_entries)
-        blocks = host.take(len(new))
-        created = [Entry(block, plan_id) for block in blocks]
-        entries.update(zip(new, created))
-        host.pending += len(new)
-        plan_keys = tuple(new)
-        plan_demotions = tuple(demotions)
-        if created or demoted:
-            self._stores[plan_id] = PlanCopies(plan_keys, created, plan_demotions, demoted)
-        self._n.stores_planned += len(new)
-        self._n.host_evictions += len(host_victims)
-        self._n.disk_evictions += len(disk_victims)
-        self._n.demotions_planned += len(demotions)
-        plan = StorePlan(
-            owner=self._owner,
-            plan_id=plan_id,
-            epoch=self._epoch,
-            keys=plan_keys,
-            host_blocks=tuple(blocks),
-            evicted=tuple(host_victims),
-            disk_evicted=tuple(disk_victims),
-            demotions=plan_demotions,
-        )
-        self._check_policies(plan)
-        return plan
+            plan_id = next(_PLAN_IDS)
+            if disk_victims:
+                assert disk is not None  # disk victims exist only with a disk tier
+                self._evict(disk, disk_victims, disk_entries)
+                self._forget(disk_victims, disk_entries)
+            demotions: list[Demotion] = []
+            demoted: list[Entry] = []
+            if host_victims:
+                self._evict(host, host_victims, host_entries)
+                if demote_room:
+                    assert disk is not None  # room for demotions exists only with a disk tier
+                    for key, entry, may_demote in zip(host_victims, host_entries, demotable):
+                        if may_demote:
+                            entry.disk = disk.free.pop()
+                            entry.disk_state = PENDING
+                            entry.disk_plan = plan_id
+                            entry.demote_src = entry.host
+                            demotions.append(Demotion(key, entry.host, entry.disk))
+                            demoted.append(entry)
+                            if len(demoted) == demote_room:
+                                break
+                    disk.pending += len(demoted)
+                self._forget(host_victims, host_entries)
+            blocks = host.take(len(new))
+            created = [Entry(block, plan_id) for block in blocks]
+            entries.update(zip(new, created))
+            host.pending += len(new)
+            plan_keys = tuple(new)
+            plan_demotions = tuple(demotions)
+            if created or demoted:
+                self._stores[plan_id] = PlanCopies(plan_keys, created, plan_demotions, demoted)
+            self._n.stores_planned += len(new)
+            self._n.host_evictions += len(host_victims)
+            self._n.disk_evictions += len(disk_victims)
+            self._n.demotions_planned += len(demotions)
+            plan = StorePlan(
+                owner=self._owner,
+                plan_id=plan_id,
+                epoch=self._epoch,
+                keys=plan_keys,
+                host_blocks=tuple(blocks),
+                evicted=tuple(host_victims),
+                disk_evicted=tuple(disk_victims),
+                demotions=plan_demotions,
+            )
+            self._check_policies(plan)
+            return plan
+        finally:
+            self._calling = None
 
     def complete_store(self, plan: StorePlan, ok: bool, keys: Sequence[bytes] | None = None) -> None:
         """Finish the store of ``keys`` (default: all of ``plan.keys``) of ``plan``.
@@ -343,13 +391,17 @@ class Manager(ManagerBase):
             KeyStateError: a key's store from this plan was already completed.
             PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
-        self._check_plan(plan, StorePlan, ok)
-        done = self._complete_copies(plan, ok, keys, plan.keys, FenceKind.STORE)
-        if ok:
-            self._n.stores_completed += done
-        else:
-            self._n.stores_failed += done
-        self._check_policies()
+        self._enter("complete_store")
+        try:
+            self._check_plan(plan, StorePlan, ok)
+            done = self._complete_copies(plan, ok, keys, plan.keys, FenceKind.STORE)
+            if ok:
+                self._n.stores_completed += done
+            else:
+                self._n.stores_failed += done
+            self._check_policies()
+        finally:
+            self._calling = None
 
     def complete_demote(self, plan: StorePlan, ok: bool, keys: Sequence[bytes] | None = None) -> None:
         """Finish the demotions of ``keys`` (default: every key of ``plan.demotions``).
@@ -360,13 +412,17 @@ class Manager(ManagerBase):
 
         Raises: as :meth:`complete_store`, for the demotion keys of ``plan``.
         """
-        self._check_plan(plan, StorePlan, ok)
-        done = self._complete_copies(plan, ok, keys, [d.key for d in plan.demotions], FenceKind.DEMOTE)
-        if ok:
-            self._n.demotions_completed += done
-        else:
-            self._n.demotions_failed += done
-        self._check_policies()
+        self._enter("complete_demote")
+        try:
+            self._check_plan(plan, StorePlan, ok)
+            done = self._complete_copies(plan, ok, keys, [d.key for d in plan.demotions], FenceKind.DEMOTE)
+            if ok:
+                self._n.demotions_completed += done
+            else:
+                self._n.demotions_failed += done
+            self._check_policies()
+        finally:
+            self._calling = None
 
     def _complete_copies(
         self,
@@ -446,56 +502,60 @@ class Manager(ManagerBase):
             PolicyError: a custom policy proposed a victim that is not evictable (nothing changed),
                 or raised from a notification (the plan was made and is ``result``).
         """
-        check_unique_keys("keys", keys)
-        entries = self._entries
-        ready = self._ready
-        found: list[Entry | None] = []
-        for i, key in enumerate(keys):
-            entry = entries.get(key)
-            if entry is None and self._remote is None:
-                raise UnknownKeyError(f"keys[{i}] = {key!r} is not held in any tier")
-            if entry is not None and key not in ready:
-                raise KeyStateError(f"keys[{i}] = {key!r} is not ready (its store or demotion is pending)")
-            found.append(entry)
-        plan_id = next(_PLAN_IDS)
-        fetched = self._remote_blocks(keys, found) if None in found else []
-        host, disk = self._host, self._disk
-        tiers: list[Tier] = []
-        blocks: list[int] = []
-        outstanding: dict[bytes, Tier] = {}
-        for key, entry in zip(keys, found):
-            if entry is None:  # from the remote store, into a pending host copy
-                if not fetched:
-                    break
-                entry = entries[key] = Entry(fetched.pop(), plan_id)
-                host.pending += 1
-                tiers.append(REMOTE)
-                blocks.append(entry.host)
-                outstanding[key] = REMOTE
-                continue
-            if entry.host_state is READY:
-                tier, pool, block = HOST, host, entry.host
-                entry.host_refs += 1
-                first = entry.host_refs == 1
-            else:
-                assert disk is not None  # ready and not on host: ready on disk
-                tier, pool, block = DISK, disk, entry.disk
-                entry.disk_refs += 1
-                first = entry.disk_refs == 1
-            pool.policy.hit(key)
-            if first:
-                pool.policy.hold(key)
-                pool.loading += 1
-            tiers.append(tier)
-            blocks.append(block)
-            outstanding[key] = tier
-        if outstanding:
-            self._loads[plan_id] = outstanding
-        self._n.loads_planned += len(tiers)
-        self._n.remote_loads_planned += tiers.count(REMOTE)
-        plan = LoadPlan(self._owner, plan_id, self._epoch, tuple(keys[: len(tiers)]), tuple(tiers), tuple(blocks))
-        self._check_policies(plan)
-        return plan
+        self._enter("prepare_load")
+        try:
+            check_unique_keys("keys", keys)
+            entries = self._entries
+            ready = self._ready
+            found: list[Entry | None] = []
+            for i, key in enumerate(keys):
+                entry = entries.get(key)
+                if entry is None and self._remote is None:
+                    raise UnknownKeyError(f"keys[{i}] = {key!r} is not held in any tier")
+                if entry is not None and key not in ready:
+                    raise KeyStateError(f"keys[{i}] = {key!r} is not ready (its store or demotion is pending)")
+                found.append(entry)
+            plan_id = next(_PLAN_IDS)
+            fetched = self._remote_blocks(keys, found) if None in found else []
+            host, disk = self._host, self._disk
+            tiers: list[Tier] = []
+            blocks: list[int] = []
+            outstanding: dict[bytes, Tier] = {}
+            for key, entry in zip(keys, found):
+                if entry is None:  # from the remote store, into a pending host copy
+                    if not fetched:
+                        break
+                    entry = entries[key] = Entry(fetched.pop(), plan_id)
+                    host.pending += 1
+                    tiers.append(REMOTE)
+                    blocks.append(entry.host)
+                    outstanding[key] = REMOTE
+                    continue
+                if entry.host_state is READY:
+                    tier, pool, block = HOST, host, entry.host
+                    entry.host_refs += 1
+                    first = entry.host_refs == 1
+                else:
+                    assert disk is not None  # ready and not on host: ready on disk
+                    tier, pool, block = DISK, disk, entry.disk
+                    entry.disk_refs += 1
+                    first = entry.disk_refs == 1
+                pool.policy.hit(key)
+                if first:
+                    pool.policy.hold(key)
+                    pool.loading += 1
+                tiers.append(tier)
+                blocks.append(block)
+                outstanding[key] = tier
+            if outstanding:
+                self._loads[plan_id] = outstanding
+            self._n.loads_planned += len(tiers)
+            self._n.remote_loads_planned += tiers.count(REMOTE)
+            plan = LoadPlan(self._owner, plan_id, self._epoch, tuple(keys[: len(tiers)]), tuple(tiers), tuple(blocks))
+            self._check_policies(plan)
+            return plan
+        finally:
+            self._calling = None
 
     def _remote_blocks(self, keys: Sequence[bytes], found: list[Entry | None]) -> list[int]:
         """Host blocks for the remote keys of a load (``found`` None), evicting ready host copies the
@@ -536,54 +596,58 @@ class Manager(ManagerBase):
             ArgumentTypeError: ``ok`` is not a bool.
             PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
-        if not isinstance(ok, bool):
-            raise ArgumentTypeError(f"ok = {ok!r} must be a bool")
-        self._check_plan(plan, LoadPlan, True)
-        if keys is None:
-            keys = plan.keys
-        else:
-            check_plan_keys(plan.plan_id, keys, plan.keys)
-        if plan.epoch != self._epoch:
-            self._complete_stale(plan.plan_id, FenceKind.LOAD, keys)
-            return
-        outstanding = self._loads.get(plan.plan_id, {})
-        for key in keys:
-            if key not in outstanding:
-                raise KeyStateError(
-                    f"key {key!r} of plan {plan.plan_id} has no outstanding prepare_load: it was "
-                    "already completed"
-                )
-        entries = self._entries
-        for key in keys:
-            tier = outstanding.pop(key)
-            entry = entries[key]
-            if tier is REMOTE:
-                self._finish_remote_load(key, entry, ok)
-                continue
-            if tier is HOST:
-                pool = self._host
-                entry.host_refs -= 1
-                last = entry.host_refs == 0
+        self._enter("complete_load")
+        try:
+            if not isinstance(ok, bool):
+                raise ArgumentTypeError(f"ok = {ok!r} must be a bool")
+            self._check_plan(plan, LoadPlan, True)
+            if keys is None:
+                keys = plan.keys
             else:
-                assert self._disk is not None  # a disk load exists only with a disk tier
-                pool = self._disk
-                entry.disk_refs -= 1
-                last = entry.disk_refs == 0
-                if not ok and entry.disk_state is READY:
-                    entry.disk_state = FAILED  # no longer offered
-                    if entry.host_state is not READY:
-                        self._ready.discard(key)
-            if last:
-                pool.policy.release(key)
-                pool.loading -= 1
-                if tier is DISK and entry.disk_state is FAILED:
-                    self._drop_failed_disk_copy(key, entry)
-        if not outstanding:
-            self._loads.pop(plan.plan_id, None)
-        self._n.loads_completed += len(keys)
-        if not ok:
-            self._n.loads_failed += len(keys)
-        self._check_policies()
+                check_plan_keys(plan.plan_id, keys, plan.keys)
+            if plan.epoch != self._epoch:
+                self._complete_stale(plan.plan_id, FenceKind.LOAD, keys)
+                return
+            outstanding = self._loads.get(plan.plan_id, {})
+            for key in keys:
+                if key not in outstanding:
+                    raise KeyStateError(
+                        f"key {key!r} of plan {plan.plan_id} has no outstanding prepare_load: it was "
+                        "already completed"
+                    )
+            entries = self._entries
+            for key in keys:
+                tier = outstanding.pop(key)
+                entry = entries[key]
+                if tier is REMOTE:
+                    self._finish_remote_load(key, entry, ok)
+                    continue
+                if tier is HOST:
+                    pool = self._host
+                    entry.host_refs -= 1
+                    last = entry.host_refs == 0
+                else:
+                    assert self._disk is not None  # a disk load exists only with a disk tier
+                    pool = self._disk
+                    entry.disk_refs -= 1
+                    last = entry.disk_refs == 0
+                    if not ok and entry.disk_state is READY:
+                        entry.disk_state = FAILED  # no longer offered
+                        if entry.host_state is not READY:
+                            self._ready.discard(key)
+                if last:
+                    pool.policy.release(key)
+                    pool.loading -= 1
+                    if tier is DISK and entry.disk_state is FAILED:
+                        self._drop_failed_disk_copy(key, entry)
+            if not outstanding:
+                self._loads.pop(plan.plan_id, None)
+            self._n.loads_completed += len(keys)
+            if not ok:
+                self._n.loads_failed += len(keys)
+            self._check_policies()
+        finally:
+            self._calling = None
 
     def _finish_remote_load(self, key: bytes, entry: Entry, ok: bool) -> None:
         """A remote key's read and load finished: its pending host copy becomes ready, or goes."""
@@ -620,21 +684,25 @@ class Manager(ManagerBase):
             PolicyError: a custom policy's notification raised (the plan was made and is
                 ``result``).
         """
-        check_unique_keys("keys", keys)
-        remote = self._require_remote()
-        picked = [(key, e) for key in keys if eligible_for_put(e := self._entries.get(key)) and e is not None]
-        for key, entry in picked:
-            hold_for_put(self._host, key, entry)
-        plan_id = next(_PLAN_IDS)
-        if picked:
-            remote.puts[plan_id] = [key for key, _ in picked]
-        self._n.remote_puts_planned += len(picked)
-        plan = RemotePutPlan(
-            self._owner, plan_id, self._epoch, tuple(k for k, _ in picked),
-            tuple(remote.namespace + k for k, _ in picked), tuple(e.host for _, e in picked),
-        )
-        self._check_policies(plan)
-        return plan
+        self._enter("prepare_remote_put")
+        try:
+            check_unique_keys("keys", keys)
+            remote = self._require_remote()
+            picked = [(key, e) for key in keys if eligible_for_put(e := self._entries.get(key)) and e is not None]
+            for key, entry in picked:
+                hold_for_put(self._host, key, entry)
+            plan_id = next(_PLAN_IDS)
+            if picked:
+                remote.puts[plan_id] = [key for key, _ in picked]
+            self._n.remote_puts_planned += len(picked)
+            plan = RemotePutPlan(
+                self._owner, plan_id, self._epoch, tuple(k for k, _ in picked),
+                tuple(remote.namespace + k for k, _ in picked), tuple(e.host for _, e in picked),
+            )
+            self._check_policies(plan)
+            return plan
+        finally:
+            self._calling = None
 
     def complete_remote_put(self, plan: RemotePutPlan, ok: bool) -> None:
         """Release the host copies ``plan`` held; with ``ok`` the store holds its keys (this manager
@@ -646,23 +714,27 @@ class Manager(ManagerBase):
             KeyStateError: the plan was already completed.
             PolicyError: a custom policy's notification raised (after the call's change, which stands).
         """
-        self._check_plan(plan, RemotePutPlan, ok)
-        remote = self._require_remote()
-        if plan.epoch != self._epoch:
-            self._complete_stale(plan.plan_id, FenceKind.PUT, plan.keys)
-            return
-        keys = remote.puts.pop(plan.plan_id, None)
-        if keys is None:
-            if plan.keys:
-                raise KeyStateError(f"remote put plan {plan.plan_id} was already completed")
-            return
-        for key in keys:
-            release_put(self._host, key, self._entries[key], ok)
-        if ok:
-            self._n.remote_puts_completed += len(keys)
-        else:
-            self._n.remote_puts_failed += len(keys)
-        self._check_policies()
+        self._enter("complete_remote_put")
+        try:
+            self._check_plan(plan, RemotePutPlan, ok)
+            remote = self._require_remote()
+            if plan.epoch != self._epoch:
+                self._complete_stale(plan.plan_id, FenceKind.PUT, plan.keys)
+                return
+            keys = remote.puts.pop(plan.plan_id, None)
+            if keys is None:
+                if plan.keys:
+                    raise KeyStateError(f"remote put plan {plan.plan_id} was already completed")
+                return
+            for key in keys:
+                release_put(self._host, key, self._entries[key], ok)
+            if ok:
+                self._n.remote_puts_completed += len(keys)
+            else:
+                self._n.remote_puts_failed += len(keys)
+            self._check_policies()
+        finally:
+            self._calling = None
 
     def _require_remote(self) -> RemoteLink:
         if self._remote is None:

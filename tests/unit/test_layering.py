@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     # pure helpers, the bindings, the scheduler side's own layers, the disk tier's configuration
     "_validate": 1,
     "_seconds": 1,
+    "_memory": 1,
     "_descriptors": 1,
     "_layer_map": 1,
     "_layer_load": 2,
@@ -114,7 +115,7 @@ LAYERS: dict[str, int] = {
 CUDA_PACKAGES = ("bindings.",)
 #: Modules that must not import torch at run time (the scheduler side and what it stands on).
 TORCH_FREE = {
-    "errors", "records", "_validate", "_seconds", "_jobs", "_layer_map", "_layer_load", "bindings.types", "bindings.driver", "bindings.pinning",
+    "errors", "records", "_validate", "_seconds", "_memory", "_jobs", "_layer_map", "_layer_load", "bindings.types", "bindings.driver", "bindings.pinning",
     "native.__init__",
     "bindings.copier", "bindings.kernel", "disk.config", "manager.policies", "manager.records",
     "manager.state", "manager.remote", "manager.base", "manager.manager", "worker.booking",

@@ -10,8 +10,10 @@ import pathlib
 import pickle
 import re
 from collections.abc import Callable, Container, Sequence
+from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 
 from kvoffload.errors import (
@@ -105,8 +107,36 @@ def test_create_refuses_free_lists_the_process_cannot_hold(monkeypatch: pytest.M
         raise MemoryError
 
     monkeypatch.setattr(manager_module, "Pool", no_memory)
+    monkeypatch.setattr(manager_module, "host_memory_available", lambda: None)  # not Linux
     with pytest.raises(InvalidArgumentError, match=r"cannot hold their free lists"):
         Manager.create(2**30, fingerprint="f")
+
+
+def test_create_refuses_free_lists_over_the_memory_available_before_building_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(2**31 blocks, under the bound, got no MemoryError on a machine that overcommits: the
+    kernel killed the process while the free list was built.)"""
+    import kvoffload.manager.manager as manager_module
+
+    built: list[object] = []
+    monkeypatch.setattr(manager_module, "Pool", lambda *args: built.append(args))
+    monkeypatch.setattr(manager_module, "host_memory_available", lambda: (2**30, "MemAvailable"))
+    with pytest.raises(InvalidArgumentError, match=r"num_host_blocks = 16777216 and num_disk_blocks = "
+                       r"16777216: their free lists need about 1\.2 GiB \(40 bytes a block\), over the "
+                       r"1\.0 GiB this process can populate \(MemAvailable\)"):
+        Manager.create(2**24, fingerprint="f", num_disk_blocks=2**24)
+    assert built == []
+    Manager.create(2**24, fingerprint="f")  # 0.6 GiB: built
+    assert len(built) == 1
+
+
+@pytest.mark.parametrize("factory", [lambda: LRUPolicy(4), lambda capacity: 1 / 0], ids=["no-capacity", "raises"])
+def test_a_policy_factory_that_raises_is_a_policy_error(factory: Any) -> None:
+    """(A factory that takes no capacity raised an untyped TypeError.)"""
+    with pytest.raises(PolicyError, match=r"the policy factory <lambda>\(4\) raised .*: a factory takes "
+                       r"the tier's capacity"):
+        Manager.create(4, fingerprint="f", policy=factory)
 
 
 def test_create_rejects_negative_disk_pool() -> None:
@@ -153,7 +183,7 @@ def test_manager_module_imports_neither_torch_nor_cuda() -> None:
     assert not {name for name in imported if name.split(".")[0] in {"torch", "cuda", "numpy"}}
     ours = {name for name in imported if name.startswith("kvoffload")}
     modules = ("base", "policies", "records", "remote", "state")
-    assert ours - {"kvoffload.errors", "kvoffload._seconds"} <= {f"kvoffload.manager.{m}" for m in modules}
+    assert ours - {"kvoffload.errors", "kvoffload._seconds", "kvoffload._memory"} <= {f"kvoffload.manager.{m}" for m in modules}
 
 
 # ---------------------------------------------------------------------------- namespacing
@@ -358,13 +388,15 @@ def test_a_copy_of_a_plan_completes_like_the_plan_itself() -> None:
     assert_unchanged(m, before)
 
 
-@pytest.mark.parametrize("ok", [1, None, "yes"])
+@pytest.mark.parametrize("ok", [1, None, "yes", np.bool_(True)])
 def test_complete_store_requires_ok_to_be_a_bool(ok: object) -> None:
     m = make()
     plan = m.prepare_store([A])
     assert plan is not None
     before = snapshot(m)
-    with pytest.raises(ArgumentTypeError, match=r"ok = .* must be a bool"):
+    kind = type(ok)  # named in full: numpy's bool was "a bool; it must be a bool"
+    with pytest.raises(ArgumentTypeError, match=rf"ok = .* is a {kind.__module__}\.{kind.__qualname__}; "
+                       r"it must be a bool \(True or False\)"):
         m.complete_store(plan, ok)  # type: ignore[arg-type]
     assert_unchanged(m, before)
 
@@ -611,6 +643,49 @@ def test_without_the_guard_a_raising_admit_corrupts_the_pool(monkeypatch: pytest
     assert m.lookup([A, B]) == 0  # neither key offered, though A's admit went through
     m.complete_store(plan, True)  # a retry is taken: the pool's counts go wrong
     assert m.stats().host.pending < 0
+
+
+def _reentrant_manager() -> tuple[Manager, StorePlan]:
+    """A manager of 2 host blocks whose policy's ``admit(A)`` prepares a store of C (which evicts A:
+    both blocks are taken), and a store plan of A and B to complete."""
+    inner: list[Manager] = []
+
+    class Reentrant(LRUPolicy):
+        def admit(self, key: bytes) -> None:
+            super().admit(key)
+            if key == A:
+                inner[0].prepare_store([C])
+
+    m = Manager.create(2, fingerprint="f", policy=Reentrant)
+    inner.append(m)
+    plan = m.prepare_store([A, B])
+    assert plan is not None
+    return m, plan
+
+
+def test_a_policy_that_calls_its_manager_from_a_notification_is_refused() -> None:
+    """The call inside is refused and changes nothing; the call it is in completes whole and raises
+    PolicyError (the control below: the call inside evicted A while the store then marked A
+    loadable)."""
+    m, plan = _reentrant_manager()
+    with pytest.raises(PolicyError, match=r"Reentrant\.admit.*Manager\.prepare_store was called while "
+                       r"Manager\.complete_store runs") as info:
+        m.complete_store(plan, True)
+    assert isinstance(info.value.__cause__, PolicyError)
+    assert m.lookup([A, B]) == 2 and m.prepare_load([A, B]).keys == (A, B)
+    assert [(e.kind, e.key) for e in m.events()] == [(EventKind.STORED, A), (EventKind.STORED, B)]
+
+
+def test_without_one_call_at_a_time_a_reentrant_policy_corrupts_the_manager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control: calls let in while another runs."""
+    monkeypatch.setattr(Manager, "_enter", lambda self, name: None)
+    m, plan = _reentrant_manager()
+    m.complete_store(plan, True)
+    assert m.lookup([A]) == 1  # A is offered as loadable ...
+    with pytest.raises(UnknownKeyError):
+        m.prepare_load([A])  # ... and unknown: its block went to C
 
 
 def test_a_policy_whose_hold_raises_still_gives_the_load_plan_to_complete() -> None:
