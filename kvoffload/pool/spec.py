@@ -31,8 +31,10 @@ _MAX_GENERATION: Final = (1 << 64) - 1
 
 def check_pool_name(name: object, argument: str = "name") -> str:
     """``name`` if it can name a file under ``/dev/shm``, else :class:`InvalidArgumentError`
-    naming ``argument``."""
-    if not isinstance(name, str) or not _NAME_PATTERN.fullmatch(name):
+    (:class:`ArgumentTypeError` for a name that is not a str) naming ``argument``."""
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"{argument} = {name!r} must be a str, not a {type(name).__name__}")
+    if not _NAME_PATTERN.fullmatch(name):
         raise InvalidArgumentError(
             f"{argument} = {name!r} must be 1-200 characters of letters, digits, '.', '_' or '-', "
             "not starting with '.', '_' or '-'"
@@ -103,7 +105,6 @@ class SharedPool:
         Raises:
             ArgumentTypeError, InvalidArgumentError: ``rank`` not an int in ``[0, world_size)``.
         """
-        _check_int("rank", rank, 0, self.world_size - 1)
         return PoolRank(self, rank)
 
     @staticmethod
@@ -138,6 +139,18 @@ class PoolRank:
 
     pool: SharedPool
     rank: int
+
+    def __attrs_post_init__(self) -> None:
+        """Checked here, so that a rank built by hand is refused before anything is attached (a
+        rank of -1 took the last rank's place in the pool's header).
+
+        Raises:
+            ArgumentTypeError: ``pool`` not a :class:`SharedPool`, ``rank`` not an int.
+            InvalidArgumentError: ``rank`` not in ``[0, world_size)``.
+        """
+        if not isinstance(self.pool, SharedPool):
+            raise ArgumentTypeError(f"pool must be a SharedPool, got {type(self.pool).__name__}")
+        _check_int("rank", self.rank, 0, self.pool.world_size - 1)
 
     @property
     def name(self) -> str:

@@ -35,6 +35,7 @@ from kvoffload import (
     PoolMismatchError,
     PoolRankFailedError,
     PoolTimeoutError,
+    PoolRank,
     RegionError,
     RemoteConfig,
     SharedPool,
@@ -292,6 +293,12 @@ def test_a_stride_shorter_than_a_record_is_refused() -> None:
         (lambda: SharedPool("x", 2).rank(-1), InvalidArgumentError, "rank = -1 must be between 0 and 1"),
         (lambda: SharedPool("x", 2).rank(1.0), ArgumentTypeError,  # type: ignore[arg-type]
          "rank = 1.0 must be an int"),
+        # a rank built by hand is checked too (-1 took the last rank's place in the pool's header)
+        (lambda: PoolRank(SharedPool("x", 2), -1), InvalidArgumentError, "rank = -1 must be between 0 and 1"),
+        (lambda: PoolRank(SharedPool("x", 2), 5), InvalidArgumentError, "rank = 5 must be between 0 and 1"),
+        (lambda: PoolRank(SharedPool("x", 2), "0"), ArgumentTypeError,  # type: ignore[arg-type]
+         "rank = '0' must be an int"),
+        (lambda: PoolRank("x", 0), ArgumentTypeError, "pool must be a SharedPool, got str"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_pool_arguments_are_refused(make: Callable[[], object], error: type[Exception], match: str) -> None:
