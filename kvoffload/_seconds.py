@@ -16,18 +16,20 @@ __all__ = ["MAX_TIMEOUT_S", "as_timeout"]
 MAX_TIMEOUT_S: Final = threading.TIMEOUT_MAX
 
 
-def as_timeout(timeout: object, name: str = "timeout") -> float:
-    """Check a timeout in seconds: a finite, non-negative real number a wait can take.
+def as_timeout(timeout: object, name: str = "timeout", *, positive: bool = False) -> float:
+    """Check a timeout in seconds: a finite, non-negative (``positive``: > 0) real number a wait
+    can take.
 
     Raises:
-        InvalidArgumentError: negative, NaN, infinite, or over :data:`MAX_TIMEOUT_S` (every wait
-            has a deadline).
+        InvalidArgumentError: negative (``positive``: or zero), NaN, infinite, or over
+            :data:`MAX_TIMEOUT_S` (every wait has a deadline).
         ArgumentTypeError: not a number (also a ``TypeError``).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ArgumentTypeError(f"{name} must be a number of seconds, got {timeout!r}")
-    if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN, inf and an int too large for a float fail it too
-        raise InvalidArgumentError(
-            f"{name} = {timeout!r} must be finite and >= 0 seconds (at most {MAX_TIMEOUT_S:.3g})"
+    if not 0 <= timeout <= MAX_TIMEOUT_S or (positive and timeout == 0):  # NaN, inf, an int too
+        raise InvalidArgumentError(  # large for a float fail it too
+            f"{name} = {timeout!r} must be finite and {'>' if positive else '>='} 0 seconds (at most "
+            f"{MAX_TIMEOUT_S:.3g})"
         )
     return float(timeout)

@@ -79,7 +79,7 @@ def as_block_ids(name: str, values: object, limit: int, *, ranged: bool = True) 
         return np.array(values, dtype=np.int64)  # every id is an int in range
     try:
         array = np.asarray(values)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: a tensor requiring grad
         raise BlockIdTypeError(f"{name} is not a sequence of ints: {exc}") from exc
     if array.ndim != 1:
         if array.ndim == 0:

@@ -173,6 +173,8 @@ class DeviceLayout:
             raise ArgumentTypeError(
                 f"num_blocks = {num_blocks!r} must be an int or None, not a {type(num_blocks).__name__}"
             )
+        if num_blocks is not None and num_blocks < 1:
+            raise LayoutError(f"num_blocks = {num_blocks} must be >= 1 (the blocks the engine allocated)")
         if not isinstance(model_id, str):
             raise ArgumentTypeError(f"model_id = {model_id!r} must be a str, not a {type(model_id).__name__}")
         named = _named_tensors(tensors)

@@ -42,8 +42,7 @@ def _check_store(_: RemoteConfig, __: attrs.Attribute[StoreChoice], store: Store
 
 
 def _check_seconds(_: RemoteConfig, attribute: attrs.Attribute[float], value: float) -> None:
-    if as_timeout(value, f"RemoteConfig.{attribute.name}") <= 0:
-        raise InvalidArgumentError(f"RemoteConfig.{attribute.name} = {value!r} must be > 0 seconds")
+    as_timeout(value, f"RemoteConfig.{attribute.name}", positive=True)
 
 
 @attrs.frozen

@@ -108,9 +108,11 @@ def _master(address: str) -> tuple[str, int]:
     """
     host, sep, port = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    plain = port.isascii() and port.isdigit() and host.isprintable() and not any(c.isspace() for c in host)
+    if not sep or not host or not plain or not 0 < int(port) < 65536:
         raise InvalidArgumentError(
-            f"MooncakeConfig.master_address = {address!r} must be host:port (a port in 1..65535)")
+            f"MooncakeConfig.master_address = {address!r} must be host:port (a host without spaces, "
+            "a port of ASCII digits in 1..65535)")
     return host, int(port)
 
 
@@ -156,8 +158,7 @@ class MooncakeConfig:
         _size("local_buffer_bytes", self.local_buffer_bytes)
         _size("global_segment_bytes", self.global_segment_bytes)
         check_common(self.batch_records, self.checksum_threads)
-        if as_timeout(self.setup_timeout_s, "MooncakeConfig.setup_timeout_s") <= 0:
-            raise InvalidArgumentError("MooncakeConfig.setup_timeout_s must be > 0 seconds")
+        as_timeout(self.setup_timeout_s, "MooncakeConfig.setup_timeout_s", positive=True)
 
 
 def _reach_master(config: MooncakeConfig) -> float:

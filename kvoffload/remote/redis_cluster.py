@@ -100,8 +100,7 @@ class RedisClusterConfig:
         if self.password is not None and not isinstance(self.password, str):
             raise ArgumentTypeError("RedisClusterConfig.password must be a str or None")
         for name in ("socket_timeout_s", "connect_timeout_s", "setup_timeout_s"):
-            if as_timeout(getattr(self, name), f"RedisClusterConfig.{name}") <= 0:
-                raise InvalidArgumentError(f"RedisClusterConfig.{name} must be > 0 seconds")
+            as_timeout(getattr(self, name), f"RedisClusterConfig.{name}", positive=True)
         check_common(self.batch_records, self.checksum_threads)
 
 

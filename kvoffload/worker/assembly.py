@@ -20,6 +20,7 @@ import enum
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -158,8 +159,20 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
     slots = _bounce_slots(o.bounce_slots, layout.record_bytes)  # checked with or without a disk tier
     if o.disk is None:
         slots = 0
+    if (num_host_blocks + slots) * layout.record_bytes > sys.maxsize:  # past what mmap can be asked
+        raise InvalidArgumentError(
+            f"num_host_blocks = {num_host_blocks}: a host pool of {num_host_blocks + slots} records of "
+            f"{layout.record_bytes} bytes is past the {sys.maxsize} bytes a mapping can have"
+        )
     if o.remote is not None and not isinstance(o.remote, RemoteConfig):
         raise ArgumentTypeError(f"remote must be a RemoteConfig or None, got {type(o.remote).__name__}")
+    if isinstance(o.pin_chunk_bytes, bool) or not isinstance(o.pin_chunk_bytes, int):
+        raise ArgumentTypeError(
+            f"pin_chunk_bytes = {o.pin_chunk_bytes!r} must be a positive int, not a "
+            f"{type(o.pin_chunk_bytes).__name__}"
+        )
+    if o.pin_chunk_bytes <= 0:
+        raise InvalidArgumentError(f"pin_chunk_bytes = {o.pin_chunk_bytes} must be a positive int")
     if not isinstance(o.check_memory, bool):
         raise ArgumentTypeError(f"check_memory = {o.check_memory!r} must be a bool")
     if o.backend_factory is not None and not callable(o.backend_factory):
@@ -377,7 +390,11 @@ def _bounce_slots(bounce_slots: int | None, record_bytes: int) -> int:
     if bounce_slots is None:
         default = max(MIN_BOUNCE_SLOTS, min(MAX_BOUNCE_SLOTS, DEFAULT_BOUNCE_BYTES // record_bytes))
         return default - default % 2
-    if isinstance(bounce_slots, bool) or not isinstance(bounce_slots, int) or bounce_slots < 2:
+    if isinstance(bounce_slots, bool) or not isinstance(bounce_slots, int):
+        raise ArgumentTypeError(
+            f"bounce_slots = {bounce_slots!r} must be an int >= 2, not a {type(bounce_slots).__name__}"
+        )
+    if bounce_slots < 2:
         raise InvalidArgumentError(f"bounce_slots = {bounce_slots!r} must be an int >= 2")
     return bounce_slots
 
@@ -438,7 +455,9 @@ def _copy_method(method: object, kinds: type[enum.Enum]) -> Any:
 
 def _check_copy_method_backend(copy_method: object, backend: str) -> None:
     if copy_method is not None and backend != "cuda":
-        raise InvalidArgumentError(f"copy_method applies to the cuda backend only (backend is {backend!r})")
+        raise InvalidArgumentError(
+            f"copy_method = {copy_method!r} applies to the cuda backend only (backend is {backend!r})"
+        )
 
 
 def _slot_bytes(options: WorkerOptions) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -23,11 +23,14 @@ from kvoffload.remote.mooncake import MAX_SIZE_BYTES, PROTOCOLS, MooncakeStore
     ("global_segment_bytes", 2**64, r"global_segment_bytes = .* must be in 0 \.\. "),
     ("global_segment_bytes", -1, r"global_segment_bytes = -1 must be in 0 \.\. "),
     ("protocol", "bogus", r"protocol = 'bogus' must be one of \('tcp', 'rdma'\)"),
-    ("setup_timeout_s", 0, r"setup_timeout_s must be > 0 seconds"),
+    ("setup_timeout_s", 0, r"setup_timeout_s = 0 must be finite and > 0 seconds"),
+    ("setup_timeout_s", -1, r"setup_timeout_s = -1 must be finite and > 0 seconds"),
     ("master_address", "10.0.0.5", r"master_address = '10.0.0.5' must be host:port"),
     ("master_address", "10.0.0.5:0", r"must be host:port"),
     ("master_address", "10.0.0.5:99999", r"must be host:port"),
     ("master_address", ":50051", r"must be host:port"),
+    ("master_address", " h :5", r"must be host:port \(a host without spaces"),  # accepted before
+    ("master_address", "h:\u0665", r"a port of ASCII digits"),  # an Arabic-Indic 5, accepted before
 ])
 def test_a_bad_field_is_refused_at_construction(field: str, value: Any, match: str) -> None:
     kwargs: dict[str, Any] = {"master_address": "127.0.0.1:50051", field: value}
@@ -60,3 +63,18 @@ def test_an_unreachable_master_is_refused_within_the_set_up_deadline(monkeypatch
         MooncakeStore.create(MooncakeConfig(f"127.0.0.1:{port}", setup_timeout_s=2.0),
                              host_rows=np.zeros((1, 4096), np.uint8), fingerprint="f")
     assert time.monotonic() - began < 2.5
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan")])
+def test_every_remote_deadline_says_it_must_be_over_zero(value: float) -> None:
+    """(A deadline of -1 was told it "must be >= 0" though 0 is refused too.)"""
+    from kvoffload.remote import RedisClusterConfig, RemoteConfig
+    from kvoffload.testing import MemoryCluster
+
+    with pytest.raises(InvalidArgumentError, match=rf"RemoteConfig\.job_timeout_s = {value!r} must be "
+                       r"finite and > 0 seconds"):
+        RemoteConfig(store=MemoryCluster().factory, job_timeout_s=value)
+    for name in ("socket_timeout_s", "connect_timeout_s", "setup_timeout_s"):
+        with pytest.raises(InvalidArgumentError, match=rf"RedisClusterConfig\.{name} = {value!r} must be "
+                           r"finite and > 0 seconds"):
+            RedisClusterConfig(nodes=[("127.0.0.1", 7000)], **cast(Any, {name: value}))

@@ -156,6 +156,9 @@ def test_num_blocks_catches_a_wrong_block_dim() -> None:
     assert DeviceLayout.from_tensors(tensors, block_dim=1, num_blocks=32).num_blocks == 32
     with pytest.raises(ArgumentTypeError):
         DeviceLayout.from_tensors(tensors, block_dim=1, num_blocks="32")  # type: ignore[arg-type]
+    for bad in (0, -1):  # blamed block_dim before
+        with pytest.raises(LayoutError, match=rf"num_blocks = {bad} must be >= 1"):
+            DeviceLayout.from_tensors(tensors, block_dim=1, num_blocks=bad)
 
 
 def test_the_layout_repr_is_a_one_line_summary() -> None:

@@ -183,6 +183,10 @@ VALUE = (ValueError,)
 TYPE_AND_VALUE = (TypeError, ValueError)
 
 BAD_CALLS = {
+    "store-float-tensor-requiring-grad": BadCall(  # an untyped RuntimeError from numpy before
+        lambda w: w.store(1, torch.zeros(2, requires_grad=True), [0, 1]), BlockIdTypeError, TYPE_AND_VALUE,
+        r"device_blocks is not a sequence of ints: .*requires grad",
+    ),
     "store-unequal-lengths": BadCall(
         lambda w: w.store(1, [0, 1], [0]), InvalidBlockIdError, VALUE,
         r"device_blocks has 2 ids but host_blocks has 1: they pair up and must have equal lengths",
@@ -658,6 +662,11 @@ BAD_CREATES = {
         lambda lay: Worker.create(lay, _any(1.5)), ArgumentTypeError, TYPE_AND_VALUE,
         r"num_host_blocks = 1\.5 must be a positive int",
     ),
+    "host-pool-past-a-mapping": BadCreate(  # an untyped OverflowError with check_memory=False before
+        lambda lay: Worker.create(lay, 2**63, check_memory=False), InvalidArgumentError, VALUE,
+        r"num_host_blocks = 9223372036854775808: a host pool of 9223372036854775808 records of \d+ "
+        r"bytes is past the 9223372036854775807 bytes a mapping can have",
+    ),
     "unknown-backend": BadCreate(
         lambda lay: Worker.create(lay, 8, backend=_any("gpu")), InvalidArgumentError, VALUE,
         r"backend = 'gpu' must be one of auto, cuda, host",
@@ -684,8 +693,20 @@ BAD_CREATES = {
                         r"release_fence, issue, issue_cost, release",
     ),
     "string-bounce-slots-without-disk": BadCreate(
-        lambda lay: Worker.create(lay, 8, bounce_slots=_any("x")), InvalidArgumentError, VALUE,
-        r"bounce_slots = 'x'",
+        lambda lay: Worker.create(lay, 8, bounce_slots=_any("x")), ArgumentTypeError, TYPE_AND_VALUE,
+        r"bounce_slots = 'x' must be an int >= 2, not a str",
+    ),
+    "string-pin-chunk-bytes": BadCreate(  # was InvalidArgumentError naming "chunk_bytes"
+        lambda lay: Worker.create(lay, 8, pin_chunk_bytes=_any("x")), ArgumentTypeError, TYPE_AND_VALUE,
+        r"pin_chunk_bytes = 'x' must be a positive int, not a str",
+    ),
+    "zero-pin-chunk-bytes": BadCreate(
+        lambda lay: Worker.create(lay, 8, pin_chunk_bytes=0), InvalidArgumentError, VALUE,
+        r"pin_chunk_bytes = 0 must be a positive int",
+    ),
+    "int-shared-name": BadCreate(
+        lambda lay: Worker.create(lay, 8, shared_name=_any(5)), ArgumentTypeError, TYPE_AND_VALUE,
+        r"shared_name = 5 must be a str, not a int",
     ),
     "cuda-backend-for-cpu-tensors": BadCreate(
         lambda lay: Worker.create(lay, 8, backend="cuda"), DeviceMismatchError, VALUE,
@@ -693,7 +714,7 @@ BAD_CREATES = {
     ),
     "copy-method-on-host-backend": BadCreate(
         lambda lay: Worker.create(lay, 8, copy_method="per-copy"), InvalidArgumentError, VALUE,
-        r"copy_method applies to the cuda backend only \(backend is 'host'\)",
+        r"copy_method = .per-copy. applies to the cuda backend only \(backend is 'host'\)",
     ),
     "shared-name-with-parent-dir": BadCreate(
         lambda lay: Worker.create(lay, 8, shared_name="../x"), InvalidArgumentError, VALUE,
