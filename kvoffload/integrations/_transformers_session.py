@@ -697,6 +697,8 @@ class _Session:
 
         Raises:
             ShutdownError: from the worker's shutdown, after everything was released.
+            TransferError: the worker shut down, but a layer-by-layer load did not land within half
+                of ``timeout`` (a request in flight may read its blocks after the exit).
         """
         with self._lock:  # a forward's layer hooks look here: they find every load landed or refused
             if self._closed:
@@ -727,6 +729,14 @@ class _Session:
             with self._lock:  # the generation thread's next step gives the blocks back, or keeps them
                 self._stopped = stopped
             self._stop_known.set()
+        if self._unlanded:  # the copies stopped, but whether they wrote their blocks is not known
+            raise kvoffload.TransferError(
+                f"{len(self._unlanded)} layer-by-layer load(s) did not land within half the exit's "
+                f"shutdown_timeout ({timeout / 2:.3g} s): the steps that ran during the exit failed, "
+                "but a request that matched their blocks and runs a step after the exit reads blocks "
+                "the load may not have written (forwards after the exit run no hooks); abort the "
+                "requests in flight, or give the exit a longer shutdown_timeout"
+            )
 
     def _land_layered(self, worker: WorkerLike, timeout: float) -> None:
         """At close (user thread, lock held): submit the deferred loads and wait for every layered

@@ -352,6 +352,10 @@ def offloading(
         ArgumentTypeError, InvalidArgumentError: a bad argument (named in the message), or the model
             is inside another ``offloading`` context already.
         ShutdownError: on exit, from a worker's shutdown (after everything else was released).
+        TransferError: on exit, after a worker shut down, when a layer-by-layer load did not land
+            within half of ``shutdown_timeout``: the steps that ran during the exit failed, but a
+            request that matched its blocks may run a step after the exit, which runs no hooks and
+            would read them unchecked (abort the requests in flight).
     """
     _check_engine()
     text_config = _check_model(model)

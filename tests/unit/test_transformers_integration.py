@@ -598,6 +598,42 @@ def test_a_late_loads_blocks_go_back_to_the_engine_only_after_the_exit_stopped_i
     assert after.error is None and (list(after.generated_tokens), list(after.logprobs)) == want
 
 
+def test_an_exit_that_gave_up_a_layer_by_layer_load_raises_though_its_copy_then_stopped(model: Any) -> None:
+    """The copy outlasts the exit's half for landing but ends within its shutdown: the exit
+    returned without a word, and a request in flight could run a step after it, with no hooks,
+    over blocks whose load may have failed. Now the exit raises TransferError (run against the
+    code before, this test fails: the exit returned quietly)."""
+    arm, at_forward, forward_armed = threading.Event(), threading.Event(), threading.Event()
+
+    def pause(module: torch.nn.Module, args: Any) -> None:
+        if forward_armed.is_set():
+            forward_armed.clear()
+            at_forward.set()
+
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    handle = model.register_forward_pre_hook(pause, prepend=True)
+    exit_error: list[BaseException] = []
+    try:
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       warmup=False) as manager:
+            try:
+                with offloading(model, 64, shutdown_timeout=4.0,
+                                make_worker=_slow_workers(arm, 3.0, layers=True)):
+                    for prompt in PHASES["A"] + PHASES["B"]:
+                        assert serve(manager, prompt).error is None
+                    arm.set()
+                    forward_armed.set()
+                    rid = manager.add_request(PHASES["C"][0], max_new_tokens=NEW_TOKENS)
+                    assert at_forward.wait(30)
+            except kvoffload.KVOffloadError as exc:
+                exit_error.append(exc)
+            _result(manager, rid)
+    finally:
+        handle.remove()
+    assert len(exit_error) == 1 and isinstance(exit_error[0], kvoffload.TransferError), exit_error
+    assert "did not land within half the exit's shutdown_timeout (2 s)" in str(exit_error[0])
+
+
 def test_an_exit_that_cannot_land_a_layer_by_layer_load_fails_the_step_that_reads_it(model: Any) -> None:
     """The exit comes while a step's forward is about to read a layer-by-layer load whose copy
     stalls past shutdown_timeout: the step fails (it completed with error=None and tokens computed
