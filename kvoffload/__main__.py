@@ -47,9 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch to a command; returns its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: python -m kvoffload <command> [options]\n\ncommands:")
+        out = sys.stdout if args else sys.stderr  # no command is a usage error
+        print("usage: python -m kvoffload <command> [options]\n\ncommands:", file=out)
         for name, (_, summary) in _COMMANDS.items():
-            print(f"  {name:<14} {summary}")
+            print(f"  {name:<14} {summary}", file=out)
         return 0 if args else 2
     command = _COMMANDS.get(args[0])
     if command is None:

@@ -11,7 +11,7 @@ import torch
 
 from kvoffload import InvalidArgumentError
 
-__all__ = ["LAYOUTS", "MLA_WIDTH", "build_cache"]
+__all__ = ["LAYOUTS", "MLA_WIDTH", "block_bytes", "build_cache"]
 
 #: The cache layouts: per-layer ``[2, N, bs, heads, dim]`` (block dim 1), block-major
 #: ``[N, 2, bs, heads, dim]``, MLA ``[N, bs, 576]``, one cross-layer tensor
@@ -19,6 +19,16 @@ __all__ = ["LAYOUTS", "MLA_WIDTH", "build_cache"]
 LAYOUTS: Final = ("per-layer", "block-major", "mla", "cross-layer", "kv-separate")
 #: Width of an MLA latent cache row (512 latent + 64 rope dims, as in DeepSeek-V3).
 MLA_WIDTH: Final = 576
+
+
+def block_bytes(layout_kind: str, *, layers: int, kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype) -> int:
+    """Bytes one block of a :func:`build_cache` cache holds, all its tensors together (what the
+    tools check against the memory before they allocate)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if layout_kind == "mla":
+        return layers * block_size * MLA_WIDTH * itemsize
+    return layers * 2 * block_size * kv_heads * head_dim * itemsize
 
 
 def build_cache(

@@ -21,13 +21,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Final, TextIO
+from typing import Final, TextIO, get_args
 
 import attrs
 import numpy as np
 import torch
 
-from kvoffload import DeviceLayout, Worker
+from kvoffload import DeviceLayout, IssuerName, Worker
+from kvoffload.cli._args import check_device_memory, check_memory, int_in, int_list, names, writable_file
 from kvoffload.cli._torch import new_event, new_stream
 
 __all__ = ["BenchRow", "main"]
@@ -55,6 +56,10 @@ GEMM_JOBS_IN_FLIGHT: Final = 4
 #: Rounds of (GEMM alone, GEMM beside transfers, GEMM alone) per figure; the median is reported.
 GEMM_ROUNDS: Final = 5
 SMALL_JOB_REPEATS: Final = 20
+#: Bytes of each pinned copy that measures the link limit.
+LINK_PROBE_BYTES: Final = 1 << 30
+#: Largest ``--pages`` entry, KiB: a block is about :data:`BLOCK_BYTES` whatever the page size.
+MAX_PAGE_KIB: Final = BLOCK_BYTES // KIB
 
 
 @attrs.frozen
@@ -327,16 +332,18 @@ def small_job_ratio(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The bench's command-line options."""
+    """The bench's command-line options (each value checked as it is parsed; a flag left out is None)."""
     parser.add_argument("--quick", action="store_true",
                         help="fewer page sizes and bytes, the copy loop 256 MiB (< 1 min)")
-    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths")
-    parser.add_argument("--pages", default=None, help="comma-separated page sizes in KiB")
-    parser.add_argument("--total-mib", type=int, default=None, help="bytes moved per measurement")
+    parser.add_argument("--paths", type=names(PATHS), default=None,
+                        help=f"comma-separated paths (default {','.join(PATHS)})")
+    parser.add_argument("--pages", type=int_list(1, MAX_PAGE_KIB), default=None,
+                        help="comma-separated page sizes in KiB")
+    parser.add_argument("--total-mib", type=int_in(1), default=None, help="bytes moved per measurement")
     parser.add_argument("--gemm", action="store_true", help="also measure beside a bf16 GEMM stream")
-    parser.add_argument("--kernel-ctas", type=int, default=None,
+    parser.add_argument("--kernel-ctas", type=int_in(1), default=None,
                         help="CTAs of the copy kernel (default: the worker's, every SM for staged, 8 for sm)")
-    parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument("--json", type=writable_file, default=None, help="write every figure to this file")
     parser.add_argument("--disk", default=None, metavar="DIR",
                         help="instead: the disk tier against raw O_DIRECT on DIR, and disk -> GPU")
     parser.add_argument("--latency", action="store_true",
@@ -344,16 +351,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the caller's time per call, each next to one pinned copy")
     parser.add_argument("--layerwise", action="store_true",
                         help="instead: a synthetic L-layer prefill, load then compute vs load_by_layer")
-    parser.add_argument("--layers", type=int, default=0, help="layers of the --layerwise prefill (16)")
-    parser.add_argument("--issuers", default="native,python",
+    parser.add_argument("--layers", type=int_in(1), default=None, help="layers of the --layerwise prefill (16)")
+    parser.add_argument("--issuers", type=names(get_args(IssuerName)), default=None,
                         help="--latency and --layerwise: comma-separated issuers, each path measured "
-                             "with each (native, python, auto)")
+                             "with each (native, python, auto; default native,python)")
     parser.add_argument("--ranks", type=int, default=None, metavar="N",
                         help="instead: a host pool shared by N rank processes (attach time, and "
                              "throughput of ranks at once); --ranks N --help lists its options")
     parser.add_argument("--remote", choices=("mooncake", "redis"), default=None,
                         help="instead: the remote tier's put/get against the store's own client "
                              "(python -m kvoffload bench --remote X --help for its options)")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flags the chosen mode would ignore (``parser.error``), before the GPU check."""
+    given = {flag for flag, value in (
+        ("--paths", args.paths), ("--pages", args.pages), ("--total-mib", args.total_mib),
+        ("--gemm", args.gemm or None), ("--kernel-ctas", args.kernel_ctas), ("--json", args.json),
+        ("--latency", args.latency or None), ("--layerwise", args.layerwise or None),
+        ("--layers", args.layers), ("--issuers", args.issuers),
+    ) if value is not None}
+    if args.disk is not None:
+        mode, takes = "--disk", {"--total-mib", "--json"}
+        if not os.path.isdir(args.disk):
+            parser.error(f"--disk {args.disk!r} is not a directory")
+    elif args.latency or args.layerwise:
+        mode = "--latency/--layerwise"
+        takes = {"--paths", "--issuers", "--latency", "--layerwise"}
+        takes |= {"--pages"} if args.latency else set()
+        takes |= {"--layers"} if args.layerwise else set()
+        if args.paths is not None and not set(args.paths) - {"loop"}:
+            parser.error("argument --paths: --latency/--layerwise measure the worker's paths, not loop")
+    else:
+        mode, takes = "the transfer bench", {"--paths", "--pages", "--total-mib", "--gemm", "--kernel-ctas", "--json"}
+    ignored = sorted(given - takes)
+    if ignored:
+        parser.error(f"{', '.join(ignored)} cannot be combined with {mode}: it would be ignored")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -370,11 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvoffload bench", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(arguments)
+    check_arguments(parser, args)
     if args.disk is not None:
         from kvoffload.cli import disk_bench
 
-        if not os.path.isdir(args.disk):
-            parser.error(f"--disk {args.disk!r} is not a directory")
         extra = ["--quick"] if args.quick else []
         if args.json:
             extra += ["--json", args.json]
@@ -390,27 +422,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.latency or args.layerwise:
         from kvoffload.cli import latency_bench
 
-        chosen = tuple(p for p in args.paths.split(",") if p and p != "loop") if args.paths != ",".join(PATHS) \
-            else ("auto", "staged", "dma", "sm")
-        issuers = tuple(i for i in args.issuers.split(",") if i)
-        unknown = [i for i in issuers if i not in ("auto", "native", "python")]
-        if unknown or not issuers:
-            parser.error(f"--issuers {args.issuers!r}: each must be auto, native or python")
+        chosen = (tuple(p for p in args.paths if p != "loop") if args.paths is not None
+                  else ("auto", "staged", "dma", "sm"))
+        issuers = args.issuers or ("native", "python")
         status = 0
         if args.latency:
-            wanted = tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages else None
+            wanted = tuple(p * KIB for p in args.pages) if args.pages else None
             status |= latency_bench.latency_main(device, chosen, wanted, args.quick, progress, issuers)
         if args.layerwise:
-            status |= latency_bench.layerwise_main(device, chosen, args.layers, progress, issuers)
+            status |= latency_bench.layerwise_main(device, chosen, args.layers or 0, progress, issuers)
         return status
-    pages = (tuple(int(p) * KIB for p in args.pages.split(",")) if args.pages
+    pages = (tuple(p * KIB for p in args.pages) if args.pages
              else QUICK_PAGE_SIZES if args.quick else PAGE_SIZES)
-    paths = tuple(p for p in args.paths.split(",") if p)
+    paths = args.paths or PATHS
     total = (args.total_mib * MIB if args.total_mib
              else QUICK_TOTAL_BYTES if args.quick else TOTAL_BYTES)
+    # a cache and a host pool of twice the bytes moved, beside the link probe's two 1 GiB pairs
+    needed = 2 * max(total, 4 * BLOCK_BYTES) + 2 * LINK_PROBE_BYTES
+    check_memory(parser, needed, f"--total-mib {total // MIB}", "--total-mib")
+    check_device_memory(parser, device, needed, f"--total-mib {total // MIB}", "--total-mib")
     began = time.perf_counter()
     _log(progress, "measuring the link limit")
-    d2h, h2d, both = link_limits(device, 1 << 30)
+    d2h, h2d, both = link_limits(device, LINK_PROBE_BYTES)
     gemm = GemmLoad(device) if args.gemm else None
     rows = []
     for page in pages:

@@ -15,13 +15,14 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from typing import Final, TextIO
+from typing import Final, TextIO, get_args
 
 import attrs
 import torch
 
-from kvoffload import DeviceLayout, TransferResult, Worker
-from kvoffload.cli._caches import LAYOUTS, build_cache
+from kvoffload import DeviceLayout, PathName, TransferResult, Worker
+from kvoffload.cli._args import check_device_memory, check_memory, int_in
+from kvoffload.cli._caches import LAYOUTS, block_bytes, build_cache
 from kvoffload.cli._torch import new_event, new_stream
 
 __all__ = ["LAYOUTS", "DemoReport", "build_cache", "main", "measure_link", "run_demo"]
@@ -36,6 +37,8 @@ WAIT_TIMEOUT_S: Final = 120.0
 POISON_BYTE: Final = 0xA5
 _GB: Final = 1e9
 _VERIFY_CHUNK_BLOCKS: Final = 256
+#: The seeds ``torch.Generator.manual_seed`` takes.
+SEED_RANGE: Final = (-(1 << 63), (1 << 64) - 1)
 
 
 @attrs.frozen
@@ -112,7 +115,7 @@ def run_demo(args: argparse.Namespace, progress: TextIO | None = None) -> DemoRe
         print(
             "kvoffload demo: no CUDA device in use - running the host backend (CPU tensors, copies by "
             "memmove on a worker thread); figures are host memory speeds, not a host link",
-            flush=True,
+            file=sys.stderr, flush=True,
         )
     gen = torch.Generator().manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
@@ -220,26 +223,53 @@ def _verify_reload(layout: DeviceLayout, src: torch.Tensor, dst: torch.Tensor) -
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's command-line options."""
+    """The demo's command-line options (each value checked as it is parsed)."""
     gpu = torch.cuda.is_available()
+    positive = int_in(1)
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    parser.add_argument("--path", choices=("auto", "dma", "staged", "sm"), default="auto",
+    parser.add_argument("--path", choices=get_args(PathName), default="auto",
                         help="transfer path of the cuda backend")
     parser.add_argument("--layout", choices=LAYOUTS, default="per-layer")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=positive, default=32)
+    parser.add_argument("--kv-heads", type=positive, default=8)
+    parser.add_argument("--head-dim", type=positive, default=128)
+    parser.add_argument("--block-size", type=positive, default=16)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
-    parser.add_argument("--device-blocks", type=int, default=4096 if gpu else 256,
+    parser.add_argument("--device-blocks", type=positive, default=4096 if gpu else 256,
                         help="blocks in the device cache (default 4096 with a GPU, 256 without)")
-    parser.add_argument("--host-blocks", type=int, default=2048 if gpu else 128,
+    parser.add_argument("--host-blocks", type=positive, default=2048 if gpu else 128,
                         help="records in the host pool (default 2048 with a GPU, 128 without)")
-    parser.add_argument("--blocks-per-job", type=int, default=256 if gpu else 32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--link-bytes", type=int, default=LINK_PROBE_BYTES,
+    parser.add_argument("--blocks-per-job", type=positive, default=256 if gpu else 32)
+    parser.add_argument("--seed", type=int_in(*SEED_RANGE), default=0)
+    parser.add_argument("--link-bytes", type=positive, default=LINK_PROBE_BYTES,
                         help="size of the copy that measures the link limit")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks across flags, run before anything is allocated (``parser.error`` on the first)."""
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --backend: 'cuda' but torch sees no CUDA device (use auto or host)")
+    use_cuda = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
+    if not use_cuda and args.path != "auto":
+        parser.error(f"argument --path: {args.path!r} applies to the cuda backend only (this run uses the "
+                     "host backend)")
+    if min(args.host_blocks, args.device_blocks // 2) < args.blocks_per_job:
+        parser.error(f"too few blocks for one job: min(--host-blocks {args.host_blocks}, --device-blocks "
+                     f"{args.device_blocks} / 2) < --blocks-per-job {args.blocks_per_job}; raise "
+                     "--host-blocks/--device-blocks or lower --blocks-per-job")
+    block = block_bytes(args.layout, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        block_size=args.block_size, dtype=DTYPES[args.dtype])
+    cache, pool = args.device_blocks * block, args.host_blocks * block
+    lower = "--host-blocks, --device-blocks, --link-bytes or the block's geometry"
+    if use_cuda:
+        check_memory(parser, pool + args.link_bytes, "the host pool and the link probe", lower)
+        device = torch.device("cuda", torch.cuda.current_device())
+        check_device_memory(parser, device, cache + args.link_bytes, "the device cache and the link probe",
+                            lower)
+    else:
+        check_memory(parser, cache + pool + 2 * args.link_bytes,
+                     "the cache, the host pool and the memcpy probe", lower)
 
 
 def print_report(report: DemoReport, out: TextIO | None = None) -> None:
@@ -269,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvoffload demo", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    check_arguments(parser, args)
     report = run_demo(args)
     print_report(report)
     return 0 if report.ok else 1

@@ -48,6 +48,7 @@ import torch
 from typing_extensions import Buffer
 
 from kvoffload import DeviceLayout, DiskConfig, Worker, host_memory_available
+from kvoffload.cli._args import finite_float, int_in, writable_file
 
 __all__ = ["main"]
 
@@ -64,6 +65,9 @@ FINGERPRINT: Final = "kvoffload.disk_bench"
 #: Share of the available memory the benchmark may use (the rest stays for the page cache and
 #: everything else on the machine).
 MEMORY_SHARE: Final = 0.5
+#: The disk tier's limits (``DiskConfig``): I/O and checksum threads, MiB per system call.
+MAX_THREADS: Final = 64
+MAX_IO_MIB: Final = 1024
 _FILE_PATTERN: Final = re.compile(r"kvoffload-bench-[a-z]+-(\d+)\.bin")
 
 U8Array = npt.NDArray[np.uint8]
@@ -313,18 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvoffload.disk_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", required=True, help="a directory on the file system to measure")
-    parser.add_argument("--gib", type=float, default=None,
+    parser.add_argument("--gib", type=finite_float(0, low_open=True), default=None,
                         help=f"GiB moved per pass (default {DEFAULT_DATA_GIB}, quick {QUICK_DATA_GIB})")
-    parser.add_argument("--pool-gib", type=float, default=DEFAULT_POOL_GIB, help="host pool size")
-    parser.add_argument("--record-kib", type=int, default=DEFAULT_RECORD_KIB, help="bytes per record")
-    parser.add_argument("--io-mib", type=int, default=8, help="payload bytes per system call")
-    parser.add_argument("--threads", type=int, default=4, help="I/O threads (raw and tier)")
-    parser.add_argument("--checksum-threads", type=int, default=None,
+    parser.add_argument("--pool-gib", type=finite_float(0, low_open=True), default=DEFAULT_POOL_GIB, help="host pool size")
+    parser.add_argument("--record-kib", type=int_in(1), default=DEFAULT_RECORD_KIB, help="bytes per record")
+    parser.add_argument("--io-mib", type=int_in(1, MAX_IO_MIB), default=8, help="payload bytes per system call")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), default=4, help="I/O threads (raw and tier)")
+    parser.add_argument("--checksum-threads", type=int_in(1, MAX_THREADS), default=None,
                         help="the tier's CRC threads, beside its I/O threads (default: --threads)")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeats", type=int_in(1), default=None,
                         help="repeats of every row (default 3, quick 1)")
     parser.add_argument("--quick", action="store_true", help="1 GiB per pass, one repeat")
-    parser.add_argument("--json", default=None, metavar="FILE",
+    parser.add_argument("--json", type=writable_file, default=None, metavar="FILE",
                         help="also write every figure to FILE as JSON")
     parser.add_argument("--pipeline", action="store_true",
                         help="also time disk -> device loads through a Worker's bounce slots")
@@ -332,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.path):
         parser.error(f"{args.path!r} is not a directory")
     if (args.record_kib * KIB) % PAGE_BYTES or (args.io_mib * MIB) % (args.record_kib * KIB):
-        parser.error("--record-kib must be a multiple of 4 and divide --io-mib")
+        parser.error(f"--record-kib {args.record_kib} must be a multiple of 4 and divide --io-mib "
+                     f"{args.io_mib} (in KiB)")
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return _run(args)

@@ -14,7 +14,7 @@ an old key from each (the tables keep the pool's size). The floor's ratio is wha
 that many entries cost in CPython on this machine (cache and TLB misses), with no manager around
 them; each manager row shows it next to its own ratio.
 
-Run: ``python3 -m kvoffload.manager_bench [--quick]``.
+Run: ``python -m kvoffload manager-bench [--quick]``.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def format_table(rows: Sequence[Row], small: int, large: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table and the lookup rate; returns the exit status (0)."""
-    parser = argparse.ArgumentParser(prog="kvoffload.manager_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvoffload manager-bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="pools of 10k and 100k blocks, fewer ops")
     args = parser.parse_args(argv)
     pools = QUICK_POOL_BLOCKS if args.quick else POOL_BLOCKS

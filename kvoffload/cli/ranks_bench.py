@@ -12,23 +12,31 @@ Two figures, each measured side by side in one run, every rank a real process (s
   one shared pool, each with its own cache, against one rank alone; every byte checked. On one
   GPU the ranks share the host link: the figures say what share each gets. Without a GPU it is the
   host backend (``memmove``), which says nothing about a link, and is labelled so.
+
+The memory both figures need is checked before any rank starts. Stopped by SIGINT, SIGTERM or SIGHUP,
+it kills its rank processes and removes the pool files they were attaching
+(``/dev/shm/kvoffload-bench-<pid>-*``) before it exits with status 128 + the signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
+import os
+import signal
 import sys
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, get_args
 
 import numpy as np
 import torch
 
-from kvoffload import DeviceLayout, SharedPool, Worker
+from kvoffload import DeviceLayout, PathName, SharedPool, Worker
+from kvoffload.cli._args import GIB, check_memory, finite_float, int_in, writable_file
 
 __all__ = ["main"]
 
@@ -41,6 +49,25 @@ TRAFFIC_BLOCK_BYTES: Final = 2 * MIB
 JOB_BLOCKS: Final = 32
 #: Bounds every wait of the bench (spawning, CUDA start-up, attaching, moving the bytes).
 TIMEOUT_S: Final = 600.0
+#: How long a rank process stopped by an interrupted run may take to exit after SIGKILL.
+STOP_WAIT_S: Final = 10.0
+#: Where a pool's file lives while its ranks attach.
+SHM_DIR: Final = "/dev/shm"
+MAX_RANKS: Final = 64
+
+
+STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by one of :data:`STOP_SIGNALS`, so that every ``finally`` stops
+    its ranks and removes its pool's file."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    for sig in STOP_SIGNALS:  # a second signal must not cut the clean-up short
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Terminated(signum)
 
 
 class Barrier(Protocol):
@@ -146,20 +173,37 @@ def _mismatches(layout: DeviceLayout, a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _spawn(target: Any, jobs: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Run ``target(*job, barrier, results)`` in one process per job; their results by rank."""
+    """Run ``target(*job, barrier, results)`` in one process per job; their results by rank.
+
+    However it ends (a rank's error, a signal), every rank process has exited and the file of each
+    job's pool is gone when it returns or raises: an interrupted run kills its ranks at once.
+    """
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(len(jobs))
     results = context.Queue()
     procs = [context.Process(target=target, args=(*job, barrier, results), daemon=True) for job in jobs]
-    for p in procs:
-        p.start()
+    finished = False
     try:
+        for p in procs:
+            p.start()
         got = [results.get(timeout=TIMEOUT_S) for _ in jobs]
+        finished = True
     finally:
         for p in procs:
-            p.join(TIMEOUT_S)
+            if p.pid is None:
+                continue
+            if not finished:
+                p.kill()
+            p.join(TIMEOUT_S if finished else STOP_WAIT_S)
             if p.is_alive():
                 p.kill()
+                p.join(STOP_WAIT_S)
+        results.close()
+        results.join_thread()
+        for job in jobs:  # gone once every rank mapped it; left when a rank died attaching
+            if isinstance(job[0], SharedPool):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, job[0].name))
     errors = [g for g in got if g[1] is None]
     if errors:
         raise RuntimeError(f"rank {errors[0][0]}: {errors[0][2]}")
@@ -167,12 +211,21 @@ def _spawn(target: Any, jobs: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 def _name() -> str:
-    return f"kvoffload-bench-{uuid.uuid4().hex[:12]}"
+    return f"kvoffload-bench-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _attach_record_bytes(ranks: int, pool_bytes: int) -> int:
+    """Bytes of each rank's slice of a block of the attach figure's pool."""
+    return max(4096, pool_bytes // (ATTACH_BLOCKS * ranks) // 4096 * 4096)
+
+
+def _traffic_blocks(traffic_bytes: int) -> int:
+    return max(JOB_BLOCKS, traffic_bytes // TRAFFIC_BLOCK_BYTES)
 
 
 def measure_attach(ranks: int, pool_bytes: int) -> dict[str, float]:
     """Seconds to attach a pool of ``pool_bytes`` by ``ranks`` processes, and by one alone."""
-    record = max(4096, pool_bytes // (ATTACH_BLOCKS * ranks) // 4096 * 4096)
+    record = _attach_record_bytes(ranks, pool_bytes)
     alone_private = _spawn(attach_rank, [(None, 0, record * ranks, ATTACH_BLOCKS)])
     alone_shared = _spawn(attach_rank, [(SharedPool(_name(), 1, attach_timeout_s=TIMEOUT_S), 0,
                                          record * ranks, ATTACH_BLOCKS)])
@@ -192,7 +245,7 @@ def measure_attach(ranks: int, pool_bytes: int) -> dict[str, float]:
 
 def measure_traffic(ranks: int, traffic_bytes: int, page_bytes: int, path: str) -> dict[str, Any]:
     """Store and load GB/s of one rank alone, then of ``ranks`` ranks at once (each ``traffic_bytes``)."""
-    blocks = max(JOB_BLOCKS, traffic_bytes // TRAFFIC_BLOCK_BYTES)
+    blocks = _traffic_blocks(traffic_bytes)
     alone = _spawn(traffic_rank, [(SharedPool(_name(), 1, attach_timeout_s=TIMEOUT_S), 0,
                                    page_bytes, blocks, path)])
     pool = SharedPool(_name(), ranks, attach_timeout_s=TIMEOUT_S)
@@ -209,19 +262,66 @@ def measure_traffic(ranks: int, traffic_bytes: int, page_bytes: int, path: str) 
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m kvoffload bench --ranks N``; returns the exit status."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvoffload bench --ranks N", description=__doc__)
-    parser.add_argument("--ranks", type=int, required=True, help="rank processes that attach the pool")
-    parser.add_argument("--pool-gib", type=float, default=8.0, help="size of the pool to attach")
-    parser.add_argument("--traffic-ranks", type=int, default=2, help="ranks moving data at once (0: skip)")
-    parser.add_argument("--traffic-mib", type=int, default=4096, help="bytes each rank stores and loads")
-    parser.add_argument("--page-kib", type=int, default=32, help="page size of the throughput cache")
-    parser.add_argument("--path", default="staged", help="transfer path of the throughput figure (GPU)")
-    parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument("--ranks", type=int_in(1, MAX_RANKS), required=True,
+                        help="rank processes that attach the pool")
+    parser.add_argument("--pool-gib", type=finite_float(0, low_open=True), default=8.0,
+                        help="size of the pool to attach")
+    parser.add_argument("--traffic-ranks", type=int_in(0, MAX_RANKS), default=2,
+                        help="ranks moving data at once (0: skip)")
+    parser.add_argument("--traffic-mib", type=int_in(1), default=4096, help="bytes each rank stores and loads")
+    parser.add_argument("--page-kib", type=_page_kib, default=32,
+                        help=f"page size of the throughput cache (divides {TRAFFIC_BLOCK_BYTES >> 10})")
+    parser.add_argument("--path", choices=get_args(PathName), default="staged",
+                        help="transfer path of the throughput figure (GPU)")
+    parser.add_argument("--json", type=writable_file, default=None, help="write every figure to this file")
+    return parser
+
+
+def _page_kib(text: str) -> int:
+    value = int_in(1, TRAFFIC_BLOCK_BYTES >> 10)(text)
+    if TRAFFIC_BLOCK_BYTES % (value << 10):
+        raise argparse.ArgumentTypeError(f"{value} must divide a block of {TRAFFIC_BLOCK_BYTES >> 10} KiB")
+    return value
+
+
+def _check_memory(parser: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool) -> None:
+    """Refuse a run whose pool or traffic does not fit the host memory (the figures are run one
+    after the other: each is checked alone)."""
+    pool = _attach_record_bytes(args.ranks, int(args.pool_gib * GIB)) * args.ranks * ATTACH_BLOCKS
+    check_memory(parser, pool, f"--pool-gib {args.pool_gib:g}", "--pool-gib")
+    if args.traffic_ranks:
+        per_rank = _traffic_blocks(args.traffic_mib * MIB) * TRAFFIC_BLOCK_BYTES
+        # its pool share, plus (without a GPU) its cache of twice as many blocks in host memory
+        check_memory(parser, args.traffic_ranks * per_rank * (1 if cuda else 3),
+                     f"--traffic-mib {args.traffic_mib} on {args.traffic_ranks} ranks",
+                     "--traffic-mib (or --traffic-ranks)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m kvoffload bench --ranks N``; returns the exit status (128 + the
+    signal when stopped by one, after its ranks were stopped and their pool files removed)."""
+    parser = _parser()
     args = parser.parse_args(argv)
-    if not 1 <= args.ranks <= 64 or not 0 <= args.traffic_ranks <= 64:
-        parser.error("--ranks must be 1-64 and --traffic-ranks 0-64")
+    _check_memory(parser, args, torch.cuda.is_available())
+    handlers = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
+    try:
+        return _bench(args)
+    except _Terminated as stop:
+        signum = int(stop.args[0])
+        print(f"kvoffload bench --ranks: stopped by signal {signum}; rank processes stopped, pool files "
+              "removed", file=sys.stderr, flush=True)
+        return 128 + signum
+    except RuntimeError as exc:  # a rank failed (its error, one line); the others were stopped
+        print(f"kvoffload bench --ranks: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
+
+
+def _bench(args: argparse.Namespace) -> int:
     device = _device()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, host backend (no GPU)"
     print(f"kvoffload bench --ranks {args.ranks} on {where}")

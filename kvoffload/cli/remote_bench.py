@@ -38,27 +38,52 @@ from kvoffload import (
     RemoteConfig,
     Worker,
 )
+from kvoffload.cli._args import check_memory, finite_float, host_port, host_ports, int_in, writable_file
 from kvoffload.testing import MooncakeServices, RedisClusterServices, enter_loopback_namespace
 
 __all__ = ["main"]
 
 U8Array = npt.NDArray[np.uint8]
 HEADER_BYTES: Final = 4096
+#: The remote tier's limits (``MooncakeConfig``/``RedisClusterConfig``).
+MAX_BATCH_RECORDS: Final = 4096
+MAX_CHECKSUM_THREADS: Final = 64
 CALL_TIMEOUT_S: Final = 300.0
 SETUP_TIMEOUT_S: Final = 60.0
+
+
+def _record_mib(text: str) -> float:
+    value = finite_float(0, low_open=True)(text)
+    if int(value * (1 << 20)) < HEADER_BYTES:
+        raise argparse.ArgumentTypeError(f"{text} must be at least {HEADER_BYTES / (1 << 20):g} (one page)")
+    return value
+
+
+def _address(text: str) -> str:
+    host_port(text)
+    return text
+
+
+def _addresses(text: str) -> str:
+    host_ports(text)
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvoffload bench --remote", description=__doc__.splitlines()[0])
     p.add_argument("--remote", choices=("mooncake", "redis"), required=True)
-    p.add_argument("--records", type=int, default=256, help="records per round (default 256)")
-    p.add_argument("--record-mib", type=float, default=2.0, help="host record size in MiB (default 2)")
-    p.add_argument("--batch", type=int, default=32, help="records per client call (default 32)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
-    p.add_argument("--checksum-threads", type=int, default=2)
-    p.add_argument("--master", help="use this running Mooncake master (HOST:PORT) instead of starting one")
-    p.add_argument("--nodes", help="use this running Redis cluster (HOST:PORT,...) instead of starting one")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--records", type=int_in(1), default=256, help="records per round (default 256)")
+    p.add_argument("--record-mib", type=_record_mib, default=2.0, help="host record size in MiB (default 2)")
+    p.add_argument("--batch", type=int_in(1, MAX_BATCH_RECORDS), default=32,
+                   help="records per client call (default 32)")
+    p.add_argument("--rounds", type=int_in(1), default=3, help="rounds; figures are medians (default 3)")
+    p.add_argument("--checksum-threads", type=int_in(1, MAX_CHECKSUM_THREADS), default=2)
+    p.add_argument("--master", type=_address, default=None,
+                   help="use this running Mooncake master (HOST:PORT) instead of starting one")
+    p.add_argument("--nodes", type=_addresses, default=None,
+                   help="use this running Redis cluster (HOST:PORT,...) instead of starting one")
+    p.add_argument("--json", type=writable_file, default=None, metavar="PATH",
+                   help="also write the figures as JSON")
     return p
 
 
@@ -184,12 +209,18 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the remote bench; returns 0, 1 when a record read back differs, 2 on a usage or set-up error."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.master is not None and args.remote != "mooncake":
+        parser.error(f"argument --master: {args.master!r} names a Mooncake master; --remote {args.remote} "
+                     "takes --nodes")
+    if args.nodes is not None and args.remote != "redis":
+        parser.error(f"argument --nodes: {args.nodes!r} names Redis nodes; --remote {args.remote} takes --master")
     record_bytes = int(args.record_mib * (1 << 20)) // HEADER_BYTES * HEADER_BYTES
     n, batch = args.records, args.batch
-    if record_bytes <= 0 or n <= 0 or batch <= 0 or args.rounds <= 0:
-        print("records, record size, batch and rounds must be positive", file=sys.stderr)
-        return 2
+    # the host pool (2n records), the raw client's copy, and a store started here of about 3x the records
+    check_memory(parser, 3 * n * record_bytes + 3 * (HEADER_BYTES + record_bytes) * n,
+                 f"--records {n} of --record-mib {args.record_mib:g}", "--records or --record-mib")
     services: MooncakeServices | RedisClusterServices | None = None
     worker: Worker | None = None
     raw: _RawMooncake | _RawRedis | None = None
@@ -215,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nodes: tuple[tuple[str, int], ...] = services.nodes
                 where = "3 Redis nodes in cluster mode on 127.0.0.1"
             else:
-                nodes = tuple((h, int(p)) for h, p in (x.rsplit(":", 1) for x in args.nodes.split(",")))
+                nodes = host_ports(args.nodes)
                 where = f"cluster {args.nodes}"
             store = RedisClusterConfig(nodes=nodes, batch_records=batch, checksum_threads=args.checksum_threads)
         worker = Worker.create(layout, 2 * n, backend="host",

@@ -81,9 +81,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any, Final, TextIO, get_args
 
 import attrs
 import torch
@@ -98,6 +100,7 @@ from kvoffload import (
     KVOffloadError,
     Manager,
     MooncakeConfig,
+    PathName,
     RedisClusterConfig,
     RemoteConfig,
     RemoteTierStats,
@@ -105,7 +108,17 @@ from kvoffload import (
     open_remote_index,
 )
 from kvoffload import DeviceLayout
-from kvoffload.cli._caches import LAYOUTS, build_cache
+from kvoffload.cli._args import (
+    GIB,
+    check_device_memory,
+    check_memory,
+    finite_float,
+    host_port,
+    host_ports,
+    int_in,
+    writable_file,
+)
+from kvoffload.cli._caches import LAYOUTS, block_bytes, build_cache
 from kvoffload.cli._torch import new_stream
 from kvoffload.cli._replay_model import (
     DISK_DIRECT,
@@ -133,6 +146,9 @@ __all__ = [
     "print_report",
     "run_replay",
 ]
+
+#: The most ``torch.cuda._sleep`` cycles per computed block (minutes of stall: more is a typo).
+MAX_STALL_CYCLES_PER_BLOCK: Final = 10**12
 
 def run_replay(
     config: ReplayConfig, progress: TextIO | None = None, *,
@@ -291,60 +307,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The replay's command-line options (defaults: the GPU's sizes with a GPU, small ones without)."""
     gpu = torch.cuda.is_available()
     d = ReplayConfig()
+    positive, natural = int_in(1), int_in(0)
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    parser.add_argument("--path", choices=("auto", "dma", "staged", "sm"), default="auto",
+    parser.add_argument("--path", choices=get_args(PathName), default="auto",
                         help="transfer path of the cuda backend")
     geometry = parser.add_argument_group("KV cache geometry")
     geometry.add_argument("--layout", choices=LAYOUTS, default=d.layout)
-    geometry.add_argument("--layers", type=int, default=d.layers)
-    geometry.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    geometry.add_argument("--head-dim", type=int, default=d.head_dim)
-    geometry.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
+    geometry.add_argument("--layers", type=positive, default=d.layers)
+    geometry.add_argument("--kv-heads", type=positive, default=d.kv_heads)
+    geometry.add_argument("--head-dim", type=positive, default=d.head_dim)
+    geometry.add_argument("--block-size", type=positive, default=d.block_size, help="tokens per block")
     geometry.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
-    geometry.add_argument("--device-blocks", type=int, default=8192 if gpu else d.device_blocks,
+    geometry.add_argument("--device-blocks", type=positive, default=8192 if gpu else d.device_blocks,
                           help=f"blocks in the device cache (default 8192 with a GPU, {d.device_blocks} without)")
-    geometry.add_argument("--host-blocks", type=int, default=16384 if gpu else d.host_blocks,
+    geometry.add_argument("--host-blocks", type=positive, default=16384 if gpu else d.host_blocks,
                           help=f"records in the host pool (default 16384 with a GPU, {d.host_blocks} without)")
     geometry.add_argument("--policy", choices=sorted(POLICY_NAMES), default=d.policy,
                           help="host pool eviction policy")
     size = parser.add_argument_group("run length (the first limit reached ends admission)")
-    size.add_argument("--requests", type=int, default=d.requests, help="requests to run (0: no limit)")
-    size.add_argument("--blocks-to-load", type=int, default=100_000 if gpu else d.blocks_to_load,
+    size.add_argument("--requests", type=natural, default=d.requests, help="requests to run (0: no limit)")
+    size.add_argument("--blocks-to-load", type=natural, default=100_000 if gpu else d.blocks_to_load,
                       help="stop admitting once this many block loads were submitted (0: no target; "
                            f"default 100000 with a GPU, {d.blocks_to_load} without)")
-    size.add_argument("--max-seconds", type=float, default=d.max_seconds, help="time limit (0: none)")
+    size.add_argument("--max-seconds", type=finite_float(0), default=d.max_seconds, help="time limit (0: none)")
     work = parser.add_argument_group("workload")
-    work.add_argument("--documents", type=int, default=1000 if gpu else d.documents,
+    work.add_argument("--documents", type=positive, default=1000 if gpu else d.documents,
                       help="shared prefix documents")
-    work.add_argument("--zipf", type=float, default=d.zipf, help="skew s of document popularity (0: uniform)")
-    work.add_argument("--system-blocks", type=int, default=d.system_blocks,
+    work.add_argument("--zipf", type=finite_float(0), default=d.zipf, help="skew s of document popularity (0: uniform)")
+    work.add_argument("--system-blocks", type=natural, default=d.system_blocks,
                       help="system-prompt blocks shared by every request")
-    work.add_argument("--doc-blocks-min", type=int, default=d.doc_blocks_min)
-    work.add_argument("--doc-blocks-max", type=int, default=d.doc_blocks_max)
-    work.add_argument("--suffix-blocks-min", type=int, default=d.suffix_blocks_min,
+    work.add_argument("--doc-blocks-min", type=positive, default=d.doc_blocks_min)
+    work.add_argument("--doc-blocks-max", type=positive, default=d.doc_blocks_max)
+    work.add_argument("--suffix-blocks-min", type=positive, default=d.suffix_blocks_min,
                       help="unique blocks a turn adds")
-    work.add_argument("--suffix-blocks-max", type=int, default=d.suffix_blocks_max)
-    work.add_argument("--continue-prob", type=float, default=d.continue_prob,
+    work.add_argument("--suffix-blocks-max", type=positive, default=d.suffix_blocks_max)
+    work.add_argument("--continue-prob", type=finite_float(0, 1), default=d.continue_prob,
                       help="probability that a request continues an active conversation")
-    work.add_argument("--max-conversations", type=int, default=d.max_conversations,
+    work.add_argument("--max-conversations", type=positive, default=d.max_conversations,
                       help="active conversations remembered (oldest dropped)")
-    work.add_argument("--max-request-blocks", type=int, default=d.max_request_blocks,
+    work.add_argument("--max-request-blocks", type=positive, default=d.max_request_blocks,
                       help="longest request chain; a conversation that would exceed it ends")
-    work.add_argument("--inflight-requests", type=int, default=d.inflight_requests,
+    work.add_argument("--inflight-requests", type=positive, default=d.inflight_requests,
                       help="requests waiting for their loads at once")
     work.add_argument("--settle", action="store_true",
                       help="one request at a time, each finished before the next: reproducible "
                            "hit rates (not representative throughput)")
-    work.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s,
+    work.add_argument("--prefill-tokens-per-s", type=finite_float(0, low_open=True), default=d.prefill_tokens_per_s,
                       help="prefill rate of the simulated model, for the time-saved estimate")
-    work.add_argument("--stall-cycles-per-block", type=int, default=d.stall_cycles_per_block,
+    work.add_argument("--stall-cycles-per-block", type=int_in(0, MAX_STALL_CYCLES_PER_BLOCK), default=d.stall_cycles_per_block,
                       help="cuda only: torch.cuda._sleep cycles per computed block, queued on the "
                            "compute stream before each compute batch (heavier compute)")
     tier = parser.add_argument_group("disk tier (below the host pool; none without --disk-path)")
     tier.add_argument("--disk-path", metavar="PATH", default=d.disk_path,
                       help="the tier file (its directory must exist); created, or recreated empty, and "
                            "left in place")
-    tier.add_argument("--disk-blocks", type=int, default=d.disk_blocks,
+    tier.add_argument("--disk-blocks", type=natural, default=d.disk_blocks,
                       help="records in the disk pool (required with --disk-path)")
     tier.add_argument("--disk-direct", choices=tuple(DISK_DIRECT), default=d.disk_direct,
                       help="O_DIRECT: on (or fail), off (buffered), auto (where the file system takes it)")
@@ -355,13 +372,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     remote.add_argument("--remote-address", default="", metavar="ADDRESS",
                         help="use this running store (mooncake: master HOST:PORT; redis: HOST:PORT,...) "
                              "instead of starting one on this machine")
-    remote.add_argument("--remote-mib", type=int, default=2048,
+    remote.add_argument("--remote-mib", type=positive, default=2048,
                         help="memory the store started here holds, MiB (a full store evicts; default 2048)")
     remote.add_argument("--instance-only", action="store_true",
                         help="run one instance against --remote-address (what the second instance runs)")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    parser.add_argument("--seed", type=natural, default=d.seed)
+    parser.add_argument("--json", metavar="PATH", type=writable_file, default=None, help="also write the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks across flags that :meth:`ReplayConfig.check` leaves to the command line (the
+    backend this machine has, the store's address, the memory the run needs), then the notice of
+    the host backend; ``parser.error`` on the first that fails."""
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --backend: 'cuda' but torch sees no CUDA device (use auto or host)")
+    use_cuda = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
+    if not use_cuda and args.path != "auto":
+        parser.error(f"argument --path: {args.path!r} applies to the cuda backend only (this run uses the "
+                     "host backend)")
+    if not use_cuda and args.stall_cycles_per_block:
+        parser.error(f"argument --stall-cycles-per-block: {args.stall_cycles_per_block} applies to the cuda "
+                     "backend only (this run uses the host backend)")
+    if args.remote is not None and args.remote_address:
+        try:
+            (host_port if args.remote == "mooncake" else host_ports)(args.remote_address)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"argument --remote-address: {exc}")
+    block = block_bytes(args.layout, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        block_size=args.block_size, dtype=DTYPES[args.dtype])
+    lower = "--host-blocks, --device-blocks or the block's geometry"
+    if use_cuda:
+        check_memory(parser, args.host_blocks * block, "the host pool", lower)
+        check_device_memory(parser, torch.device("cuda", torch.cuda.current_device()),
+                            args.device_blocks * block, "the device cache", lower)
+    else:
+        check_memory(parser, (args.host_blocks + args.device_blocks) * block, "the cache and the host pool",
+                     lower)
+    if args.disk_path is not None:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(args.disk_path))).free
+        if args.disk_blocks * block > free:
+            parser.error(f"argument --disk-blocks: {args.disk_blocks} blocks need {args.disk_blocks * block / GIB:.2f} "
+                         f"GiB, the file system of --disk-path has {free / GIB:.2f} GiB free")
+    if not use_cuda:
+        print("kvoffload replay: no CUDA device in use - running the host backend (CPU tensors, copies "
+              "by memmove on worker threads, compute in program order); figures are host memory speeds",
+              flush=True)
 
 
 def config_from_args(args: argparse.Namespace) -> ReplayConfig:
@@ -460,12 +516,7 @@ def main(
         parser.error(str(exc))
     if args.instance_only and config.remote is None:
         parser.error("--instance-only needs --remote and --remote-address")
-    if not (args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())):
-        print("kvoffload replay: no CUDA device in use - running the host backend (CPU tensors, copies "
-              "by memmove on worker threads, compute in program order); figures are host memory speeds",
-              flush=True)
-    if args.remote_mib < 1:
-        parser.error(f"--remote-mib {args.remote_mib} must be >= 1")
+    check_arguments(parser, args)
     if two:
         return two_instances(args, args_list, config, lambda c, progress: run_replay(
             c, progress, backend_factory=backend_factory), print_report)
@@ -474,6 +525,9 @@ def main(
                             backend_factory=backend_factory)
     except DiskError as exc:  # the tier file could not be created or opened: nothing ran
         print(f"kvoffload replay: the disk tier could not be created: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except KVOffloadError as exc:  # set-up failed (e.g. the remote store is unreachable): nothing ran
+        print(f"kvoffload replay: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     print_report(report)
     if args.json:
