@@ -227,6 +227,7 @@ class _Transfer:
     head: bool = False  # the first part of a split job: its outcome rides with the next transfer
     carried: TransferResult | None = None  # the outcome of this job's head part
     first_layer: int = 0  # the layer ``layers[0]`` moves
+    wait_failure: BaseException | None = None  # its ticket's wait raised: the job fails with it
 
 
 class DirectionHandler:
@@ -704,8 +705,10 @@ class DirectionHandler:
         assert ticket is not None
         try:
             ticket.wait(timeout)
-        except Exception:  # _advance records the failure as the job's result
-            pass
+        except Exception as exc:  # _advance fails the job with it (a waiter looked again at once)
+            with self._lock:
+                if head.wait_failure is None:
+                    head.wait_failure = exc
 
     def _wait_issued(self, transfer: _Transfer, timeout: float) -> bool:
         """Wait (holding the lock, which the wait releases) until ``transfer`` was issued; True
@@ -725,6 +728,8 @@ class DirectionHandler:
             ticket = head.ticket
             assert ticket is not None
             try:
+                if head.wait_failure is not None:
+                    raise head.wait_failure
                 if not ticket.done():
                     return
             except Exception as exc:  # completion failed: the job fails, the queue moves on

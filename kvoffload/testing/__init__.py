@@ -13,16 +13,25 @@ The contract suite:
 
 It runs the behaviour every :class:`~kvoffload.Worker` promises against a worker the integrator
 builds (any backend, any path, their own layout), and raises ``AssertionError`` naming the clause
-that failed. The suite owns nothing: each clause builds a worker with ``make_worker`` and shuts it
-down. It writes the device blocks it uses (pick a layout whose contents the test owns).
+that failed (an unexpected exception, or a clause that outlives its deadline, is reported the same
+way). The suite owns nothing: each clause builds a worker with ``make_worker`` and shuts it down.
+It writes every device block and host record of the workers it builds (pick a layout whose contents
+the test owns), and needs at least 16 device blocks and 8 host blocks.
 
-Clauses: bit-exact round trips with random block ids; FIFO results per direction; empty jobs;
-validation before submit (typed errors, the worker unchanged); in-flight conflicts refused;
-``wait`` with a deadline; idempotent shutdown and ``ClosedError`` after it.
+Clauses (:data:`CLAUSES`): bit-exact round trips of jobs of several sizes, every result ``ok`` with
+its own job id, size and direction, no byte outside a job's blocks changed, and the counters of
+what moved; results once each, in submission order per direction, ``wait`` returning exactly the
+jobs asked for and by its deadline; empty jobs; validation before submit (typed errors for bad ids,
+destinations and job ids, the worker unchanged and a valid job accepted after); a job id unique
+across directions until its result came back; in-flight conflicts on host and device blocks refused
+with ``BlockConflictError``; layer-by-layer loads, each layer's pages landed by its ``wait_layer``
+(when the layout says its layers); shutdown draining, idempotent, ``ClosedError`` after it, and no
+thread of the worker left.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Final
@@ -30,11 +39,21 @@ from typing import Final
 import numpy as np
 import torch
 
+from kvoffload._descriptors import PageTable
+from kvoffload._seconds import as_timeout
 from kvoffload.backends.host import HostBackend
-from kvoffload.errors import BlockConflictError, ClosedError, InvalidBlockIdError, JobIdError, UnknownJobError
+from kvoffload.errors import (
+    BlockConflictError,
+    ClosedError,
+    InvalidArgumentError,
+    InvalidBlockIdError,
+    JobIdError,
+    UnknownJobError,
+    WaitTimeoutError,
+)
 from kvoffload.handler import Backend, Ticket
 from kvoffload.layout import DeviceLayout
-from kvoffload.records import Direction
+from kvoffload.records import Direction, TransferResult
 from kvoffload.testing.fake import FakeBackend, FakeTicket
 from kvoffload.testing.memory_store import MemoryClient, MemoryCluster
 from kvoffload.testing.services import (
@@ -63,125 +82,272 @@ __all__ = [
     "loopback_only",
 ]
 
+
+#: The deadline of each of the suite's waits, unless ``check_worker_contract`` is given another.
 WAIT_S: Final = 60.0
 POLL_INTERVAL_S: Final = 0.001
+#: The fewest device blocks and host blocks the suite's jobs need.
+MIN_DEVICE_BLOCKS: Final = 16
+MIN_HOST_BLOCKS: Final = 8
 WorkerFactory = Callable[[], Worker]
 
 
-def _round_trip(make: WorkerFactory) -> None:
-    with make() as w:
-        layout = w.layout
-        n = min(layout.num_blocks // 2, w.num_host_blocks, 48)
+class _Run:
+    """One clause's worker factory and deadline."""
+
+    def __init__(self, make: WorkerFactory, wait_s: float) -> None:
+        self.make = make
+        self.wait_s = wait_s
+
+    def worker(self) -> Worker:
+        w = self.make()
+        if w.layout.num_blocks < MIN_DEVICE_BLOCKS or w.num_host_blocks < MIN_HOST_BLOCKS:
+            w.shutdown(self.wait_s)
+            raise _TooSmall(
+                f"the worker has {w.layout.num_blocks} device blocks and {w.num_host_blocks} host "
+                f"blocks; the contract suite needs at least {MIN_DEVICE_BLOCKS} and {MIN_HOST_BLOCKS}"
+            )
+        return w
+
+
+class _TooSmall(InvalidArgumentError):
+    """The worker is too small for the suite (raised as it is, not as a broken clause)."""
+
+
+def _check_result(result: TransferResult, job_id: int, direction: Direction, nbytes: int) -> None:
+    assert result.job_id == job_id, f"a result for job {job_id} came back as job {result.job_id}"
+    assert result.ok, f"job {job_id} failed: {result}"
+    assert result.direction is direction, f"job {job_id} came back as a {result.direction.value}"
+    assert result.nbytes == nbytes, f"job {job_id} reports {result.nbytes} bytes, not {nbytes}"
+
+
+def _round_trip(run: _Run) -> None:
+    with run.worker() as w:
+        layout, hosts = w.layout, w.num_host_blocks
         rng = np.random.default_rng(7)
-        src = rng.choice(layout.num_blocks // 2, n, replace=False)
-        dst = layout.num_blocks // 2 + rng.choice(layout.num_blocks // 2, n, replace=False)
-        host = rng.choice(w.num_host_blocks, n, replace=False)
-        layout.scatter_records(src, _random_records(layout, n))
-        original = layout.gather_records(src)
-        layout.scatter_records(dst, torch.zeros_like(original))
-        w.store(1, src, host)
-        (stored,) = w.wait([1], WAIT_S)
-        assert stored.ok and stored.direction is Direction.STORE, f"store failed: {stored}"
-        got = w.host_records()[torch.as_tensor(host)].to(layout.device)
-        assert _pages_equal(layout, got, original), "host records differ from the stored blocks"
-        w.load(2, host, dst)
-        (loaded,) = w.wait([2], WAIT_S)
-        assert loaded.ok and loaded.direction is Direction.LOAD, f"load failed: {loaded}"
-        assert _pages_equal(layout, layout.gather_records(dst), original), "loaded blocks differ"
-        assert stored.nbytes == loaded.nbytes == n * layout.block_bytes, "nbytes is not the job's"
+        half = layout.num_blocks // 2
+        sizes = [1, 2, 3]
+        sizes.append(max(1, min(hosts - sum(sizes), half - sum(sizes), 48)))
+        every = list(range(layout.num_blocks))
+        layout.scatter_records(every, _random_records(layout, layout.num_blocks))
+        device_before = layout.gather_records(every)
+        host = w.host_records()
+        host.copy_(torch.randint(0, 256, tuple(host.shape), dtype=torch.uint8))
+        host_before = host.clone()
+        stats_before = w.stats()
+        host_ids = rng.permutation(hosts)[: sum(sizes)]
+        dst_ids = half + rng.permutation(layout.num_blocks - half)[: sum(sizes)]
+        jobs, start = [], 0
+        for job, size in enumerate(sizes, start=1):
+            src = rng.choice(half, size, replace=False)
+            part = slice(start, start + size)
+            jobs.append((job, src, host_ids[part], dst_ids[part]))
+            start += size
+        for job, src, hst, _ in jobs:
+            w.store(job, src, hst)
+        for (job, src, hst, _), stored in zip(jobs, w.wait([j for j, *_ in jobs], run.wait_s)):
+            _check_result(stored, job, Direction.STORE, len(src) * layout.block_bytes)
+            got = w.host_records()[torch.as_tensor(hst)].to(layout.device)
+            assert _pages_equal(layout, got, device_before[torch.as_tensor(src)]), \
+                f"store job {job}: host records differ from the stored blocks"
+        touched = np.sort(host_ids)
+        untouched = np.setdiff1d(np.arange(hosts), touched)
+        assert torch.equal(w.host_records()[torch.as_tensor(untouched)], host_before[torch.as_tensor(untouched)]), \
+            "a store changed a host record outside its job"
+        for job, _, hst, dst in jobs:
+            w.load(job + len(jobs), hst, dst)
+        loads = [j + len(jobs) for j, *_ in jobs]
+        for (job, src, _, dst), loaded in zip(jobs, w.wait(loads, run.wait_s)):
+            _check_result(loaded, job + len(jobs), Direction.LOAD, len(src) * layout.block_bytes)
+            got = layout.gather_records(dst)
+            assert _pages_equal(layout, got, device_before[torch.as_tensor(src)]), \
+                f"load job {job + len(jobs)}: loaded blocks differ from the stored ones"
+        others = np.setdiff1d(np.arange(layout.num_blocks), dst_ids)
+        assert torch.equal(layout.gather_records(others), device_before[torch.as_tensor(others)]), \
+            "a load changed a device block outside its job"
+        moved = sum(sizes) * layout.block_bytes
+        stats = w.stats()
+        for name in ("store", "load"):
+            now, then = getattr(stats, name), getattr(stats_before, name)
+            counted = (now.completed - then.completed, now.failed - then.failed, now.in_flight,
+                       now.bytes_done - then.bytes_done)
+            assert counted == (len(jobs), 0, 0, moved), \
+                f"stats().{name} counted (completed, failed, in flight, bytes) = {counted}, not " \
+                f"{(len(jobs), 0, 0, moved)}"
 
 
-def _fifo(make: WorkerFactory) -> None:
-    with make() as w:
+def _order(run: _Run) -> None:
+    with run.worker() as w:
         count = min(8, w.num_host_blocks, w.layout.num_blocks)
         for job in range(count):
             w.store(job, [job], [job])
-        results = w.wait(list(range(count)), WAIT_S)
+        results = w.wait(list(range(count)), run.wait_s)
         assert [r.job_id for r in results] == list(range(count)), "wait returned another order"
+        assert all(r.ok for r in results), f"a store failed: {results}"
         assert w.poll() == [], "poll returned results wait already returned"
         for job in range(count, 2 * count):
-            w.store(job, [job - count], [job - count])
-        deadline = time.monotonic() + WAIT_S
-        seen: list[int] = []
+            w.load(job, [job - count], [job - count])
+        deadline = time.monotonic() + run.wait_s
+        seen: list[TransferResult] = []
         while len(seen) < count and time.monotonic() < deadline:
-            seen += [r.job_id for r in w.poll()]
+            seen += w.poll()
             time.sleep(POLL_INTERVAL_S)
-        assert seen == list(range(count, 2 * count)), f"poll returned {seen}"
+        assert [r.job_id for r in seen] == list(range(count, 2 * count)), \
+            f"poll returned the loads {[r.job_id for r in seen]}"
+        assert all(r.ok and r.direction is Direction.LOAD for r in seen), f"a load failed: {seen}"
+        jobs = [100, 101, 102, 103]
+        for job in jobs:
+            w.store(job, [job % count], [job % count])
+        picked = w.wait([102], run.wait_s)
+        assert [r.job_id for r in picked] == [102], f"wait([102]) returned {[r.job_id for r in picked]}"
+        rest = w.wait([100, 101, 103], run.wait_s)
+        assert [r.job_id for r in rest] == [100, 101, 103], \
+            f"wait([100, 101, 103]) returned {[r.job_id for r in rest]}"
+        assert w.poll() == [], "poll returned results wait already returned"
+        w.store(200, [0], [0])
+        began = time.monotonic()
+        try:
+            w.wait([200], 0.0)
+        except WaitTimeoutError:
+            w.wait([200], run.wait_s)
+        took = time.monotonic() - began
+        assert took < min(5.0, run.wait_s), f"wait(..., timeout=0) took {took:.1f} s"
 
 
-def _empty_jobs(make: WorkerFactory) -> None:
-    with make() as w:
+def _empty_jobs(run: _Run) -> None:
+    with run.worker() as w:
         w.store(1, [], [])
         w.load(2, [], [])
-        results = {r.job_id: r for r in w.wait([1, 2], WAIT_S)}
+        results = {r.job_id: r for r in w.wait([1, 2], run.wait_s)}
+        assert set(results) == {1, 2}, f"empty jobs came back as {sorted(results)}"
         assert all(r.ok and r.nbytes == 0 for r in results.values()), f"empty jobs: {results}"
 
 
-def _validation(make: WorkerFactory) -> None:
-    with make() as w:
+def _refused(call: Callable[[], object], kind: type[Exception], what: str) -> None:
+    try:
+        call()
+    except kind:
+        return
+    except Exception as exc:
+        raise AssertionError(f"{what}: raised {type(exc).__name__} ({exc}), not {kind.__name__}") from exc
+    raise AssertionError(f"{what} was accepted; expected {kind.__name__}")
+
+
+def _validation(run: _Run) -> None:
+    with run.worker() as w:
+        blocks, hosts = w.layout.num_blocks, w.num_host_blocks
         before = w.stats()
-        bad: list[tuple[Callable[[], object], type[Exception]]] = [
-            (lambda: w.store(1, [0, 1], [0]), InvalidBlockIdError),
-            (lambda: w.store(1, [-1], [0]), InvalidBlockIdError),
-            (lambda: w.store(1, [w.layout.num_blocks], [0]), InvalidBlockIdError),
-            (lambda: w.load(1, [w.num_host_blocks], [0]), InvalidBlockIdError),
-            (lambda: w.load(1, [0, 1], [2, 2]), InvalidBlockIdError),
-            (lambda: w.store(1.5, [0], [0]), JobIdError),  # type: ignore[arg-type]
-            (lambda: w.wait([12345], 1.0), UnknownJobError),
+        bad: list[tuple[Callable[[], object], type[Exception], str]] = [
+            (lambda: w.store(1, [0, 1], [0]), InvalidBlockIdError, "a store of unequal lengths"),
+            (lambda: w.store(1, [-1], [0]), InvalidBlockIdError, "a store of device block -1"),
+            (lambda: w.store(1, [blocks], [0]), InvalidBlockIdError, "a store of a device block past the end"),
+            (lambda: w.store(1, [0], [hosts]), InvalidBlockIdError, "a store into a host block past the end"),
+            (lambda: w.store(1, [0, 1], [2, 2]), InvalidBlockIdError, "a store into one host block twice"),
+            (lambda: w.load(1, [hosts], [0]), InvalidBlockIdError, "a load of a host block past the end"),
+            (lambda: w.load(1, [0], [blocks]), InvalidBlockIdError, "a load into a device block past the end"),
+            (lambda: w.load(1, [0, 1], [2, 2]), InvalidBlockIdError, "a load into one device block twice"),
+            (lambda: w.store(1.5, [0], [0]), JobIdError, "a job id of 1.5"),  # type: ignore[arg-type]
+            (lambda: w.store(True, [0], [0]), JobIdError, "a job id of True"),
+            (lambda: w.wait([12345], 1.0), UnknownJobError, "a wait for a job never submitted"),
         ]
-        for call, kind in bad:
-            try:
-                call()
-            except kind:
-                pass
-            else:
-                raise AssertionError(f"{kind.__name__} was not raised")
+        for call, kind, what in bad:
+            _refused(call, kind, what)
         assert w.stats() == before, "a refused call changed the worker"
         assert w.poll() == [], "a refused call produced a result"
+        w.store(1, [0, 1], [0, 1])  # every refused call left the blocks and the id free
+        (stored,) = w.wait([1], run.wait_s)
+        _check_result(stored, 1, Direction.STORE, 2 * w.layout.block_bytes)
 
 
-def _conflicts(make: WorkerFactory) -> None:
-    with make() as w:
+def _job_ids(run: _Run) -> None:
+    with run.worker() as w:
         w.store(1, [0], [0])
-        calls: list[Callable[[], None]] = [
-            lambda: w.load(2, [0], [1]), lambda: w.store(2, [1], [0]), lambda: w.store(1, [2], [2]),
-        ]
-        for call in calls:
-            try:
-                call()
-            except (BlockConflictError, JobIdError):
-                pass
+        _refused(lambda: w.load(1, [1], [1]), JobIdError, "a load with the id of a store not returned")
+        _refused(lambda: w.store(1, [2], [2]), JobIdError, "a store with the id of a store not returned")
+        (stored,) = w.wait([1], run.wait_s)
+        _check_result(stored, 1, Direction.STORE, w.layout.block_bytes)
+        w.load(1, [0], [1])  # free once its result came back
+        (loaded,) = w.wait([1], run.wait_s)
+        _check_result(loaded, 1, Direction.LOAD, w.layout.block_bytes)
+
+
+def _conflicts(run: _Run) -> None:
+    with run.worker() as w:
+        w.store(1, [0], [0])  # reads device 0, writes host 0
+        _refused(lambda: w.load(2, [0], [1]), BlockConflictError, "a load of a host block a store writes")
+        _refused(lambda: w.store(2, [1], [0]), BlockConflictError, "a store into a host block a store writes")
+        _refused(lambda: w.load(2, [5], [0]), BlockConflictError, "a load into a device block a store reads")
+        w.load(3, [4], [6])  # reads host 4, writes device 6
+        _refused(lambda: w.load(4, [5], [6]), BlockConflictError, "a load into a device block a load writes")
+        _refused(lambda: w.store(4, [6], [5]), BlockConflictError, "a store of a device block a load writes")
+        _refused(lambda: w.store(4, [7], [4]), BlockConflictError, "a store into a host block a load reads")
+        results = w.wait([1, 3], run.wait_s)
+        assert [r.job_id for r in results] == [1, 3] and all(r.ok for r in results), f"jobs: {results}"
+        w.load(2, [0], [1])  # accepted once the results came back
+        w.store(4, [6], [5])
+        assert all(r.ok for r in w.wait([2, 4], run.wait_s)), "a job after the conflicts failed"
+
+
+def _layers(run: _Run) -> None:
+    with run.worker() as w:
+        layout = w.layout
+        if layout.layers is None:  # the layout does not say its layers: nothing to check
+            return
+        n = min(4, w.num_host_blocks)
+        src, hosts = list(range(n)), list(range(n))
+        dst = list(range(layout.num_blocks - n, layout.num_blocks))
+        layout.scatter_records(src, _random_records(layout, n))
+        original = layout.gather_records(src)
+        w.store(1, src, hosts)
+        _check_result(w.wait([1], run.wait_s)[0], 1, Direction.STORE, n * layout.block_bytes)
+        layout.scatter_records(dst, torch.zeros_like(original))
+        stream = None
+        if layout.device.type == "cuda":  # the load follows ``stream``, not the stream that zeroed
+            torch.cuda.synchronize(layout.device)
+            stream = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+        load = w.load_by_layer(2, hosts, dst, stream=stream)
+        for i, table in enumerate(layout.layer_tables):
+            load.wait_layer(i, stream, timeout=run.wait_s)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    got = layout.gather_records(dst)
+                stream.synchronize()
             else:
-                raise AssertionError("a job conflicting with an in-flight job was accepted")
-        w.wait([1], WAIT_S)
-        w.load(2, [0], [1])  # accepted once the store's result came back
-        w.wait([2], WAIT_S)
+                got = layout.gather_records(dst)
+            assert _pages_equal(layout, got, original, table), f"layer {i} had not landed by its wait_layer"
+        _check_result(w.wait([2], run.wait_s)[0], 2, Direction.LOAD, n * layout.block_bytes)
 
 
-def _closed(make: WorkerFactory) -> None:
-    w = make()
-    w.store(1, [0], [0])
-    w.shutdown(WAIT_S)
-    w.shutdown(WAIT_S)
-    after: list[Callable[[], object]] = [
-        lambda: w.store(2, [0], [0]), w.poll, lambda: w.wait([1], 1.0), w.host_records,
+def _closed(run: _Run) -> None:
+    before = set(threading.enumerate())
+    w = run.worker()
+    try:
+        w.store(1, [0], [0])
+    finally:
+        w.shutdown(run.wait_s)
+    w.shutdown(run.wait_s)
+    after: list[tuple[Callable[[], object], str]] = [
+        (lambda: w.store(2, [0], [0]), "store"), (lambda: w.load(2, [0], [0]), "load"), (w.poll, "poll"),
+        (lambda: w.wait([1], 1.0), "wait"), (w.host_records, "host_records"),
     ]
-    for call in after:
-        try:
-            call()
-        except ClosedError:
-            pass
-        else:
-            raise AssertionError("a call after shutdown did not raise ClosedError")
-    assert w.stats().store.completed == 1, "shutdown did not drain the in-flight job"
+    for call, name in after:
+        _refused(call, ClosedError, f"{name} after shutdown")
+    stats = w.stats()
+    assert (stats.store.completed, stats.store.in_flight) == (1, 0), "shutdown did not drain the in-flight job"
+    deadline = time.monotonic() + min(5.0, run.wait_s)
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = [t for t in left if t.is_alive()]
+    assert not left, f"threads left running after shutdown: {[t.name for t in left]}"
 
 
 def _random_records(layout: DeviceLayout, n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8, device=layout.device)
 
 
-def _pages_equal(layout: DeviceLayout, a: torch.Tensor, b: torch.Tensor) -> bool:
-    table = layout.page_table
+def _pages_equal(layout: DeviceLayout, a: torch.Tensor, b: torch.Tensor, table: PageTable | None = None) -> bool:
+    table = layout.page_table if table is None else table
     return all(
         torch.equal(a[:, o : o + n], b[:, o : o + n])
         for o, n in zip(table.host_offset.tolist(), table.nbytes.tolist())
@@ -189,26 +355,53 @@ def _pages_equal(layout: DeviceLayout, a: torch.Tensor, b: torch.Tensor) -> bool
 
 
 #: Every clause, by name, in the order :func:`check_worker_contract` runs them.
-CLAUSES: Final[dict[str, Callable[[WorkerFactory], None]]] = {
-    "round trip is bit-exact": _round_trip,
-    "results come in order": _fifo,
+CLAUSES: Final[dict[str, Callable[[_Run], None]]] = {
+    "round trips are bit-exact and touch only their blocks": _round_trip,
+    "results come back once, in order, as asked": _order,
     "empty jobs complete": _empty_jobs,
     "bad input is refused before submit": _validation,
+    "a job id is unique until its result came back": _job_ids,
     "in-flight conflicts are refused": _conflicts,
+    "each layer has landed by its wait_layer": _layers,
     "shutdown drains, is idempotent, then ClosedError": _closed,
 }
 
 
-def check_worker_contract(make_worker: WorkerFactory) -> None:
+def check_worker_contract(make_worker: WorkerFactory, *, timeout_s: float = WAIT_S) -> None:
     """Run every clause against fresh workers from ``make_worker`` (a zero-argument callable).
 
-    The worker's layout needs at least 16 device blocks and 8 host blocks.
+    The worker's layout needs at least :data:`MIN_DEVICE_BLOCKS` device blocks and the worker
+    :data:`MIN_HOST_BLOCKS` host blocks. ``timeout_s`` is the deadline of each wait the suite makes;
+    a clause still running after a few of them is reported as hung (its thread is left behind).
 
     Raises:
-        AssertionError: naming the clause and what broke.
+        AssertionError: naming the clause and what broke (an exception the clause did not expect,
+            or a clause past its deadline, included).
+        InvalidArgumentError: ``timeout_s`` is not a finite number > 0, or the worker is too small.
     """
+    wait_s = as_timeout(timeout_s, "timeout_s", positive=True)
+    run = _Run(make_worker, wait_s)
     for name, clause in CLAUSES.items():
-        try:
-            clause(make_worker)
-        except AssertionError as exc:
+        failure: list[BaseException] = []
+
+        def body(clause: Callable[[_Run], None] = clause) -> None:
+            try:
+                clause(run)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+                failure.append(exc)
+
+        thread = threading.Thread(target=body, name=f"kvoffload-contract-{name}", daemon=True)
+        thread.start()
+        limit = 8 * wait_s + 10.0  # a clause makes a few waits, each with its deadline
+        thread.join(limit)
+        if thread.is_alive():
+            raise AssertionError(f"worker contract, {name!r}: did not finish within {limit:.0f} s (a call "
+                                 "blocked past its deadline?)")
+        if not failure:
+            continue
+        exc = failure[0]
+        if isinstance(exc, _TooSmall):
+            raise InvalidArgumentError(str(exc)) from None
+        if isinstance(exc, AssertionError):
             raise AssertionError(f"worker contract, {name!r}: {exc}") from exc
+        raise AssertionError(f"worker contract, {name!r}: raised {type(exc).__name__}: {exc}") from exc

@@ -3,8 +3,8 @@
 It satisfies the backend protocol (:class:`kvoffload.testing.Backend`) without copying a byte: each
 issue builds the job's descriptors (so a test sees what would move) and returns a :class:`FakeTicket`
 that completes at once (``auto_finish``) or when the test calls ``finish()``. Failures on demand:
-``issue_error`` fails the next jobs, ``release_error`` the release, a ticket's ``wait_error`` and
-``done_error`` its completion. Owns nothing.
+``issue_error`` fails the next jobs, ``release_error`` the release, a ticket's ``wait_error`` (its
+``wait`` raises) and ``done_error`` (its ``done`` raises) fail its job with that error. Owns nothing.
 """
 
 from __future__ import annotations

@@ -1,41 +1,220 @@
 """The reusable worker contract (kvoffload.testing) holds for the host backend, and it catches a
-worker that breaks a clause."""
+worker that breaks a clause: one defect per broken worker, each once passed by the suite (found by
+mutation testing of the suite) unless noted."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
+import numpy as np
 import pytest
 import torch
 
-from kvoffload import DeviceLayout, Direction, Worker
-from kvoffload.cli._caches import build_cache
+from kvoffload import DeviceLayout, Direction, InvalidArgumentError, TransferResult, Worker
+from kvoffload._layer_load import HostLayerMarks
 from kvoffload.backends.host import HostBackend
+from kvoffload.cli._caches import build_cache
 from kvoffload.testing import check_worker_contract
 
 
-def make(backend: Callable[[Direction], HostBackend] = HostBackend) -> Worker:
-    tensors, block_dim = build_cache("per-layer", num_blocks=64, layers=2, kv_heads=2, head_dim=32,
+def layout(num_blocks: int = 64) -> DeviceLayout:
+    tensors, block_dim = build_cache("per-layer", num_blocks=num_blocks, layers=2, kv_heads=2, head_dim=32,
                                      block_size=4, dtype=torch.bfloat16, device=torch.device("cpu"))
-    return Worker.create(DeviceLayout.from_tensors(tensors, block_dim=block_dim), 32,
-                         backend_factory=backend)
+    return DeviceLayout.from_tensors(tensors, block_dim=block_dim)
+
+
+def make(backend: Callable[[Direction], HostBackend] = HostBackend, num_blocks: int = 64,
+         host_blocks: int = 32) -> Worker:
+    return Worker.create(layout(num_blocks), host_blocks, backend_factory=backend)
 
 
 def test_the_host_backend_keeps_the_worker_contract() -> None:
+    assert layout().layers is not None  # the layer clause runs
     check_worker_contract(make)
 
 
-class DroppingBackend(HostBackend):
-    """Broken on purpose: skips every other page."""
+def test_the_smallest_worker_the_suite_takes_keeps_it_and_a_smaller_one_is_refused() -> None:
+    check_worker_contract(lambda: make(num_blocks=16, host_blocks=8))
+    with pytest.raises(InvalidArgumentError, match="8 device blocks and 4 host blocks; the contract suite "
+                       "needs at least 16 and 8"):
+        check_worker_contract(lambda: make(num_blocks=8, host_blocks=4))
 
-    count = 0
+
+# ----------------------------------------------------------------------- broken backends
+
+
+class DroppingBackend(HostBackend):
+    """Skips every other page (the suite caught this one before)."""
+
+    def __init__(self, direction: Direction) -> None:
+        super().__init__(direction)
+        self.count = 0
 
     def copy_one(self, dst: int, src: int, size: int) -> None:
-        DroppingBackend.count += 1
-        if DroppingBackend.count % 2:
+        self.count += 1
+        if self.count % 2:
             super().copy_one(dst, src, size)
 
 
-def test_the_contract_catches_a_worker_that_drops_pages() -> None:
-    with pytest.raises(AssertionError, match="round trip is bit-exact"):
-        check_worker_contract(lambda: make(DroppingBackend))
+class OnlyFirstJobCopies(HostBackend):
+    """Every job after a direction's first reports ok and copies nothing (stale descriptors)."""
+
+    def __init__(self, direction: Direction) -> None:
+        super().__init__(direction)
+        self.jobs = 0
+
+    def _copy(self, plan: Any, src: Any, dst: Any) -> None:
+        self.jobs += 1
+        if self.jobs == 1:
+            super()._copy(plan, src, dst)
+
+
+class LoadWritesAnExtraBlock(HostBackend):
+    """A load also writes its first record into a device block the job does not name."""
+
+    def _copy(self, plan: Any, src: Any, dst: Any) -> None:
+        super()._copy(plan, src, dst)
+        if self.direction is Direction.LOAD and len(dst):
+            extra = next(b for b in range(64) if b not in set(dst.tolist()))
+            super()._copy(plan, src[:1], np.array([extra], dtype=np.int64))
+
+
+class LayersMarkedBeforeTheCopy(HostBackend):
+    """A layer-by-layer load marks every layer landed before it copies."""
+
+    def issue_layers(self, plans: Any, src: Any, dst: Any, fence: Any, marks: Any, first: int = 0) -> Any:
+        for layer in range(first, first + len(plans)):
+            marks.mark(layer)
+        time.sleep(0.2)
+        return super().issue_layers(plans, src, dst, fence, HostLayerMarks(first + len(plans)), first)
+
+
+@pytest.mark.parametrize(("backend", "clause", "what"), [
+    (DroppingBackend, "round trips are bit-exact", "host records differ"),
+    (OnlyFirstJobCopies, "round trips are bit-exact", "store job 2: host records differ"),
+    (LoadWritesAnExtraBlock, "round trips are bit-exact", "a load changed a device block outside its job"),
+    (LayersMarkedBeforeTheCopy, "each layer has landed by its wait_layer", "layer 0 had not landed"),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_the_contract_catches_a_broken_backend(backend: Callable[[Direction], HostBackend], clause: str,
+                                               what: str) -> None:
+    with pytest.raises(AssertionError, match=rf"worker contract, '{clause}.*': .*{what}"):
+        check_worker_contract(lambda: make(backend))
+
+
+# ----------------------------------------------------------------------- broken wrappers
+
+
+class Wrapper:
+    """An engine's wrapper over a real worker, delegating everything (the broken ones override)."""
+
+    def __init__(self, inner: Worker) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __enter__(self) -> Wrapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.shutdown()
+
+
+class WaitReturnsWhatIsDone(Wrapper):
+    """``wait(ids)`` returns whichever results came first."""
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[TransferResult]:
+        done: list[TransferResult] = []
+        while len(done) < len(job_ids):
+            done += self.inner.poll()
+        return done[: len(job_ids)]
+
+
+class IdsUniquePerDirection(Wrapper):
+    """A load may take the id of a store in flight (the wrapper books load ids apart)."""
+
+    SHIFT = 10_000
+
+    def __init__(self, inner: Worker) -> None:
+        super().__init__(inner)
+        self.loads: set[int] = set()
+
+    def load(self, job_id: int, host_blocks: Any, device_blocks: Any, **kwargs: Any) -> None:
+        self.inner.load(job_id + self.SHIFT, host_blocks, device_blocks, **kwargs)
+        self.loads.add(job_id)
+
+    def _back(self, results: list[TransferResult]) -> list[TransferResult]:
+        import attrs
+        out = []
+        for r in results:
+            if r.job_id >= self.SHIFT:
+                self.loads.discard(r.job_id - self.SHIFT)
+                r = attrs.evolve(r, job_id=r.job_id - self.SHIFT)
+            out.append(r)
+        return out
+
+    def poll(self) -> list[TransferResult]:
+        return self._back(self.inner.poll())
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[TransferResult]:
+        inner = [j + self.SHIFT if j in self.loads else j for j in job_ids]
+        return self._back(self.inner.wait(inner, timeout))
+
+
+class ConflictsAsJobIdErrors(Wrapper):
+    """A block conflict comes back as a JobIdError."""
+
+    def load(self, job_id: int, host_blocks: Any, device_blocks: Any, **kwargs: Any) -> None:
+        from kvoffload import BlockConflictError, JobIdError
+        try:
+            self.inner.load(job_id, host_blocks, device_blocks, **kwargs)
+        except BlockConflictError as exc:
+            raise JobIdError(str(exc)) from exc
+
+
+class FailuresCountedAsBytes(Wrapper):
+    """stats() counts each job's bytes twice."""
+
+    def stats(self) -> Any:
+        import attrs
+        s = self.inner.stats()
+        return attrs.evolve(s, store=attrs.evolve(s.store, bytes_done=2 * s.store.bytes_done))
+
+
+class WaitNeverReturns(Wrapper):
+    """``wait`` ignores its deadline (a lost result hangs it)."""
+
+    def wait(self, job_ids: Sequence[int], timeout: float) -> list[TransferResult]:
+        threading.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(("wrapper", "clause", "what"), [
+    (WaitReturnsWhatIsDone, "results come back once", r"wait\(\[102\]\) returned \[100\]"),
+    (IdsUniquePerDirection, "a job id is unique", "a load with the id of a store not returned was accepted"),
+    (ConflictsAsJobIdErrors, "in-flight conflicts", "raised JobIdError .*, not BlockConflictError"),
+    (FailuresCountedAsBytes, "round trips", r"stats\(\)\.store counted"),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_the_contract_catches_a_broken_wrapper(wrapper: type[Wrapper], clause: str, what: str) -> None:
+    with pytest.raises(AssertionError, match=rf"worker contract, '{clause}.*': .*{what}"):
+        check_worker_contract(lambda: cast(Worker, wrapper(make())))
+
+
+def test_a_clause_past_its_deadline_is_reported_not_waited_for_ever() -> None:
+    """(A wait that ignored its deadline hung the suite.) The clause's thread is left behind."""
+    began = time.monotonic()
+    with pytest.raises(AssertionError, match="'round trips.*': did not finish within 12 s"):
+        check_worker_contract(lambda: cast(Worker, WaitNeverReturns(make())), timeout_s=0.25)
+    assert time.monotonic() - began < 60
+
+
+def test_an_unexpected_exception_is_reported_with_its_clause() -> None:
+    class Raising(Wrapper):
+        def poll(self) -> list[TransferResult]:
+            raise RuntimeError("poll broke")
+
+    with pytest.raises(AssertionError, match="'results come back once.*': raised RuntimeError: poll broke"):
+        check_worker_contract(lambda: cast(Worker, Raising(make())))

@@ -208,6 +208,27 @@ def test_drain_whose_wait_raises_clears_queue_releases_and_reraises() -> None:
         handler.poll()
 
 
+def test_a_job_whose_tickets_wait_raises_fails_with_that_error_without_spinning() -> None:
+    """(A waiter's wait on such a ticket returned at once, again and again, until its deadline — a
+    core spent — and the job then came back ok once ``done`` said so: the failure was lost.)"""
+    backend = FakeBackend(auto_finish=False)
+    handler = make_handler(backend)
+    handler.submit(1, [1], [1])
+    handler.submit(2, [2], [2])
+    wait_until_issued(backend, 2)
+    fault = CudaError("cuEventSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "injected")
+    backend.tickets[0].wait_error = fault
+    began = time.monotonic()
+    (first,) = handler.wait([1], HANG_GUARD_S)
+    assert time.monotonic() - began < HANG_GUARD_S / 2
+    assert not first.ok and first.error is fault
+    backend.tickets[0].finish()  # done() says True now: the job stays failed
+    backend.tickets[1].finish()
+    (second,) = handler.wait([2], HANG_GUARD_S)
+    assert second.ok and handler.stats().failed == 1
+    handler.shutdown(timeout=HANG_GUARD_S)
+
+
 def test_drain_past_its_deadline_raises_and_still_releases() -> None:
     backend = FakeBackend(auto_finish=False)  # the job never finishes
     handler = make_handler(backend)
