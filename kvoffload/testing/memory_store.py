@@ -5,7 +5,10 @@
 factory, :meth:`MemoryCluster.index` a store for a Manager's lookups. Each store is a real
 :class:`~kvoffload.remote.RemoteStoreBase` (lane, checksum threads, record verification, deadlines,
 close contract) over a :class:`MemoryClient`, which injects faults on demand: ``gate`` (when set)
-holds every call until it is opened, ``down`` fails every call as a refused connection. It is
+holds every call until it is opened, ``down`` fails every call as a refused connection, and the
+cluster's ``faults`` (key -> :class:`~kvoffload.remote.RemoteErrorKind`) fail the puts and gets of
+those keys alone with that kind, as a store reports a key it could not take (``store_full``,
+``rejected``, ``transfer_failed``, ...), every other key of the call going through. It is
 for tests of an engine's use of the remote tier on one machine; Mooncake and Redis Cluster are
 tested against real services (tests/remote).
 """
@@ -39,9 +42,11 @@ class MemoryClient:
 
     backend = "memory"
 
-    def __init__(self, rows: U8, data: dict[bytes, bytes] | None = None) -> None:
+    def __init__(self, rows: U8, data: dict[bytes, bytes] | None = None,
+                 faults: dict[bytes, RemoteErrorKind] | None = None) -> None:
         self.rows = rows
         self.data: dict[bytes, bytes] = {} if data is None else data
+        self.faults: dict[bytes, RemoteErrorKind] = {} if faults is None else faults
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
         self.down = False
@@ -59,17 +64,29 @@ class MemoryClient:
         """Nothing to stage: a put copies the header page and the row into the dict."""
 
     def put_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64, slot: int) -> list[ChunkStatus]:
-        """Keep each record under its key (a key that holds one keeps it: the first writer wins)."""
-        self._hold()
-        for j, key in enumerate(keys):
-            self.data.setdefault(key, headers[j].tobytes() + self.rows[int(rows[j])].tobytes())
-        return [OK] * len(keys)
-
-    def get_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64) -> list[ChunkStatus]:
-        """Copy each key's record into its header page and host row (``not_found`` if absent)."""
+        """Keep each record under its key (a key that holds one keeps it: the first writer wins);
+        a key in ``faults`` fails with its kind and keeps nothing."""
         self._hold()
         out = []
         for j, key in enumerate(keys):
+            fault = self.faults.get(key)
+            if fault is not None:
+                out.append(ChunkStatus(fault, "injected by the memory store's faults"))
+                continue
+            self.data.setdefault(key, headers[j].tobytes() + self.rows[int(rows[j])].tobytes())
+            out.append(OK)
+        return out
+
+    def get_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64) -> list[ChunkStatus]:
+        """Copy each key's record into its header page and host row (``not_found`` if absent; a key
+        in ``faults`` fails with its kind and copies nothing)."""
+        self._hold()
+        out = []
+        for j, key in enumerate(keys):
+            fault = self.faults.get(key)
+            if fault is not None:
+                out.append(ChunkStatus(fault, "injected by the memory store's faults"))
+                continue
             value = self.data.get(key)
             if value is None:
                 out.append(ChunkStatus(RemoteErrorKind.NOT_FOUND, "no such key"))
@@ -108,6 +125,9 @@ class MemoryCluster:
     def __init__(self, batch: int = 4) -> None:
         """``batch``: records per client call of the stores built here."""
         self.data: dict[bytes, bytes] = {}
+        #: Keys whose puts and gets fail with the given kind, in every store of the cluster (keys
+        #: as the store sees them: a Worker's remote tier namespaces the engine's keys).
+        self.faults: dict[bytes, RemoteErrorKind] = {}
         self.clients: list[MemoryClient] = []
         self.batch = batch
 
@@ -115,7 +135,7 @@ class MemoryCluster:
         """A ``RemoteConfig.store`` factory: a store over ``host_rows`` (borrowed) on this cluster.
         The caller (a Worker's remote tier) closes it."""
         rows = as_host_rows(host_rows)
-        client = MemoryClient(rows, self.data)
+        client = MemoryClient(rows, self.data, self.faults)
         self.clients.append(client)
         return RemoteStoreBase(
             client=client, host_rows=rows,

@@ -120,6 +120,30 @@ def test_a_miss_fails_the_job_with_every_failed_key_and_zero_fills_its_rows(work
     assert stats is not None and stats.failures["not_found"] == 2 and stats.failed_get_jobs == 1
 
 
+@pytest.mark.parametrize("kind", ["store_full", "rejected", "transfer_failed"])
+def test_one_keys_failure_fails_the_job_naming_that_key_and_the_others_go_through(
+    worker: Worker, cluster: Cluster, kind: str,
+) -> None:
+    """The memory store's per-key faults, as a store reports a key it could not take."""
+    from kvoffload import RemoteErrorKind, RemoteStoreError
+
+    worker.store(1, [0, 1, 2], [0, 1, 2])
+    one(worker, 1)
+    cluster.faults[b"bad"] = RemoteErrorKind(kind)
+    worker.put_remote(2, [0, 1, 2], [b"a", b"bad", b"c"])
+    put = one(worker, 2)
+    assert not put.ok and isinstance(put.error, RemoteStoreError) and put.error.kind == kind
+    assert put.error.keys == (b"bad",) and sorted(cluster.data) == [b"a", b"c"]
+    records = worker.host_records()
+    worker.get_remote(3, [b"a", b"bad", b"c"], [5, 6, 7])
+    got = one(worker, 3)
+    assert not got.ok and isinstance(got.error, RemoteStoreError) and got.error.keys == (b"bad",)
+    assert torch.equal(records[5], records[0]) and torch.equal(records[7], records[2])
+    assert not records[6].any(), "the failed key's row is zero-filled"
+    stats = worker.remote_stats()
+    assert stats is not None and stats.failures[kind] == 2
+
+
 def test_a_flipped_byte_or_another_key_is_never_served(worker: Worker, cluster: Cluster) -> None:
     worker.store(1, [0, 1], [0, 1])
     one(worker, 1)
