@@ -601,11 +601,17 @@ def _check_group(group: list[int], pages: list[_TensorPages], num_blocks: int) -
     _check_page_by_page(list(members.values()), num_blocks)
 
 
+#: Distinct pages that meet modulo the stride, in one cluster, that the quick check compares pair by
+#: pair; a larger cluster goes to the page-by-page check.
+_MAX_CLUSTER_PAGES: Final = 64
+
+
 def _disjoint_modulo_stride(members: list[_TensorPages], num_blocks: int) -> bool:
-    """Whether tensors whose blocks all step by one stride ``S`` have pages that are, taken modulo
-    ``S``, the same page or disjoint: then so are their pages at every block. Costs the pages of
-    one block, whatever the number of blocks; ``False`` says only that a page-by-page check is
-    needed (two pages far apart may meet modulo ``S`` and never in the blocks there are)."""
+    """Whether tensors whose blocks all step by one stride ``S`` have pages that are the same page
+    or never meet in the blocks there are, decided from one block's pages whatever the number of
+    blocks: pages disjoint modulo ``S`` are disjoint at every block, and the few that meet modulo
+    ``S`` (say K and V halves of one view, ``num_blocks * S`` apart) are compared exactly
+    (:func:`_pages_meet`). ``False`` says only that the page-by-page check is to decide."""
     stride = members[0].stride
     if num_blocks < 2 or stride <= 0 or any(m.stride != stride or m.page_bytes > stride for m in members):
         return False
@@ -617,15 +623,45 @@ def _disjoint_modulo_stride(members: list[_TensorPages], num_blocks: int) -> boo
     ends = np.concatenate((np.minimum(rem + size, stride), (rem + size - stride)[wraps]))
     addr = np.concatenate((addr, addr[wraps]))
     size = np.concatenate((size, size[wraps]))
-    order = np.lexsort((addr, starts))
+    order = np.argsort(starts, kind="stable")
     starts, ends, addr, size = starts[order], ends[order], addr[order], size[order]
-    same = (starts[:-1] == starts[1:]) & (addr[:-1] == addr[1:]) & (size[:-1] == size[1:])
-    return not bool(((ends[:-1] > starts[1:]) & ~same).any())
+    reach = np.maximum.accumulate(ends)
+    first = np.flatnonzero(np.concatenate(([True], starts[1:] >= reach[:-1])))  # where clusters start
+    bounds = np.append(first, starts.size)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        if hi - lo < 2:
+            continue
+        pages = sorted(set(zip(addr[lo:hi].tolist(), size[lo:hi].tolist())))  # the same page once
+        if len(pages) > _MAX_CLUSTER_PAGES:
+            return False
+        for i, (a_p, n_p) in enumerate(pages):
+            for a_q, n_q in pages[i + 1:]:
+                if _pages_meet(a_p, n_p, a_q, n_q, stride, num_blocks):
+                    return False
+    return True
+
+
+def _pages_meet(a_p: int, n_p: int, a_q: int, n_q: int, stride: int, num_blocks: int) -> bool:
+    """Whether page ``p`` of some block and page ``q`` of some block overlap, both stepping by
+    ``stride`` over ``num_blocks`` blocks: block ``i`` of ``p`` and ``j`` of ``q`` overlap when
+    ``d - n_p < (i - j) * stride < d + n_q`` (``d = a_q - a_p``)."""
+    d = a_q - a_p
+    low = (d - n_p) // stride + 1  # the least k with k * stride > d - n_p
+    high = -(-(d + n_q) // stride) - 1  # the greatest k with k * stride < d + n_q
+    return max(low, 1 - num_blocks) <= min(high, num_blocks - 1)
 
 
 def _check_page_by_page(members: list[_TensorPages], num_blocks: int) -> None:
     """Every page of every block of ``members`` (distinct tensors), sorted: the same page, or
-    disjoint."""
+    disjoint. A group too large for one sort is checked pair by pair (the bound is a pair's)."""
+    if len(members) > 2 and sum(m.addr0.size for m in members) * num_blocks > _MAX_INTERLEAVE_CHECK_PAGES:
+        spans = [_span(m, num_blocks) for m in members]
+        for i in range(len(members)):
+            for j in range(i + 1, len(members)):
+                (lo_i, hi_i), (lo_j, hi_j) = spans[i], spans[j]
+                if lo_i < hi_j and lo_j < hi_i:
+                    _check_page_by_page([members[i], members[j]], num_blocks)
+        return
     if sum(m.addr0.size for m in members) * num_blocks > _MAX_INTERLEAVE_CHECK_PAGES:
         names = ", ".join(repr(m.name) for m in members[:4]) + (", ..." if len(members) > 4 else "")
         raise LayoutError(

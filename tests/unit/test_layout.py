@@ -680,9 +680,27 @@ def _strided(buf: torch.Tensor, offset: int, blocks: int, stride: int) -> torch.
     return buf.as_strided((blocks, 16), (stride, 1), offset)
 
 
-def test_pages_that_meet_only_modulo_the_block_stride_are_accepted() -> None:
+def test_pages_that_meet_only_modulo_the_block_stride_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     """``b``'s page lies where ``a``'s page of block 4 would be; with 4 blocks they never meet.
-    ``a``'s second page keeps the spans overlapping, so the page-by-page check decides."""
+    ``a``'s second page keeps the spans overlapping; the quick check decides it exactly, and so
+    does the page-by-page check (run below with the quick one off)."""
+    calls: list[int] = []
+    real = layout_module._check_page_by_page
+
+    def counted(members: Any, n: int) -> None:
+        calls.append(len(members))
+        real(members, n)
+
+    monkeypatch.setattr(layout_module, "_check_page_by_page", counted)
+    for quick in (True, False):
+        if not quick:
+            monkeypatch.setattr(layout_module, "_disjoint_modulo_stride", lambda members, n: False)
+        _round_trip_of_pages_meeting_modulo_the_stride()
+        assert (calls == []) == quick
+        calls.clear()
+
+
+def _round_trip_of_pages_meeting_modulo_the_stride() -> None:
     buf = torch.zeros(4096, dtype=torch.uint8)
     base = (-buf.data_ptr()) % 16
     a = buf.as_strided((2, 4, 16), (1024, 64, 1), base)
@@ -700,6 +718,33 @@ def test_pages_that_meet_only_modulo_the_block_stride_are_accepted() -> None:
         w.load(2, [0, 1, 2, 3], [0, 1, 2, 3])
         assert w.wait([2], 10)[0].ok
     assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+
+
+def test_k_and_v_halves_of_per_layer_views_are_checked_from_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Views ``buf[:, :, layer]`` of a ``[2, blocks, layers, page]`` buffer: each view's K and V
+    pages meet modulo the block stride (``blocks`` strides apart). With many blocks the
+    page-by-page check of all views at once was over its bound and refused the layout."""
+    monkeypatch.setattr(layout_module, "_MAX_INTERLEAVE_CHECK_PAGES", 1000)
+    calls: list[int] = []
+    monkeypatch.setattr(layout_module, "_check_page_by_page", lambda members, n: calls.append(len(members)))
+    buf = torch.zeros(2, 600, 8, 16, dtype=torch.float16)
+    layout = DeviceLayout.from_tensors({f"l{i}": buf[:, :, i] for i in range(8)}, block_dim=1)
+    assert layout.pages_per_block == 16 and calls == []
+
+
+def test_a_group_over_the_bound_of_one_sort_is_checked_pair_by_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a pair of views may hold is the bound; a group of views over it in all is still
+    checked (pair by pair, as before the groups), and a bad pair still refused."""
+    monkeypatch.setattr(layout_module, "_disjoint_modulo_stride", lambda members, n: False)
+    monkeypatch.setattr(layout_module, "_MAX_INTERLEAVE_CHECK_PAGES", 2 * 2 * 600)
+    buf = torch.zeros(2, 600, 8, 16, dtype=torch.float16)
+    layout = DeviceLayout.from_tensors({f"l{i}": buf[:, :, i] for i in range(8)}, block_dim=1)
+    assert layout.pages_per_block == 16
+    raw = torch.zeros(600 * 8 * 16 + 64, dtype=torch.float16)
+    bad = {f"l{i}": raw[: 600 * 8 * 16].view(600, 8, 16)[:, i] for i in range(7)}
+    bad["shifted"] = raw[8 : 600 * 8 * 16 + 8].view(600, 8, 16)[:, 0]  # half over l0, half over l1
+    with pytest.raises(LayoutError, match="partly overlap"):
+        DeviceLayout.from_tensors(bad, block_dim=0)
 
 
 def test_the_same_bytes_under_two_block_ids_are_refused() -> None:
