@@ -121,6 +121,34 @@ def _check_result(result: TransferResult, job_id: int, direction: Direction, nby
     assert result.nbytes == nbytes, f"job {job_id} reports {result.nbytes} bytes, not {nbytes}"
 
 
+#: Bytes of records the suite reads at once to take their digests (it never holds a copy of a
+#: whole cache or pool: an engine-sized one would not fit beside it).
+DIGEST_CHUNK_BYTES: Final = 64 << 20
+
+
+def _digests(rows: Callable[[list[int]], torch.Tensor], count: int, record_bytes: int,
+             weights: torch.Tensor) -> torch.Tensor:
+    """A digest per record ``0 .. count-1`` (``rows(ids)`` reads them, ``uint8 [len(ids),
+    record_bytes]``): their bytes weighted by odd ``weights``, so any one changed byte changes it.
+    Read in chunks of :data:`DIGEST_CHUNK_BYTES`; returned on the CPU."""
+    step = max(1, DIGEST_CHUNK_BYTES // (8 * record_bytes))
+    out = []
+    for start in range(0, count, step):
+        chunk = rows(list(range(start, min(count, start + step))))
+        out.append((chunk.to(torch.int64) * weights.to(chunk.device)).sum(dim=1).cpu())
+    return torch.cat(out)
+
+
+def _fill(layout: DeviceLayout, host: torch.Tensor) -> None:
+    """Random bytes in every device block and host record, a chunk at a time."""
+    step = max(1, DIGEST_CHUNK_BYTES // layout.record_bytes)
+    for start in range(0, layout.num_blocks, step):
+        ids = list(range(start, min(layout.num_blocks, start + step)))
+        layout.scatter_records(ids, _random_records(layout, len(ids)))
+    for start in range(0, host.shape[0], step):
+        host[start : start + step].random_(0, 256)
+
+
 def _round_trip(run: _Run) -> None:
     with run.worker() as w:
         layout, hosts = w.layout, w.num_host_blocks
@@ -128,12 +156,17 @@ def _round_trip(run: _Run) -> None:
         half = layout.num_blocks // 2
         sizes = [1, 2, 3]
         sizes.append(max(1, min(hosts - sum(sizes), half - sum(sizes), 48)))
-        every = list(range(layout.num_blocks))
-        layout.scatter_records(every, _random_records(layout, layout.num_blocks))
-        device_before = layout.gather_records(every)
-        host = w.host_records()
-        host.copy_(torch.randint(0, 256, tuple(host.shape), dtype=torch.uint8))
-        host_before = host.clone()
+        _fill(layout, w.host_records())
+        weights = torch.randint(0, 1 << 30, (layout.record_bytes,), dtype=torch.int64) * 2 + 1
+
+        def device_digests() -> torch.Tensor:
+            return _digests(layout.gather_records, layout.num_blocks, layout.record_bytes, weights)
+
+        def host_digests() -> torch.Tensor:
+            records = w.host_records()
+            return _digests(lambda ids: records[ids], hosts, layout.record_bytes, weights)
+
+        device_before, host_before = device_digests(), host_digests()
         stats_before = w.stats()
         host_ids = rng.permutation(hosts)[: sum(sizes)]
         dst_ids = half + rng.permutation(layout.num_blocks - half)[: sum(sizes)]
@@ -141,29 +174,26 @@ def _round_trip(run: _Run) -> None:
         for job, size in enumerate(sizes, start=1):
             src = rng.choice(half, size, replace=False)
             part = slice(start, start + size)
-            jobs.append((job, src, host_ids[part], dst_ids[part]))
+            jobs.append((job, src, host_ids[part], dst_ids[part], layout.gather_records(src)))
             start += size
-        for job, src, hst, _ in jobs:
+        for job, src, hst, _, _ in jobs:
             w.store(job, src, hst)
-        for (job, src, hst, _), stored in zip(jobs, w.wait([j for j, *_ in jobs], run.wait_s)):
+        for (job, src, hst, _, original), stored in zip(jobs, w.wait([j for j, *_ in jobs], run.wait_s)):
             _check_result(stored, job, Direction.STORE, len(src) * layout.block_bytes)
             got = w.host_records()[torch.as_tensor(hst)].to(layout.device)
-            assert _pages_equal(layout, got, device_before[torch.as_tensor(src)]), \
-                f"store job {job}: host records differ from the stored blocks"
-        touched = np.sort(host_ids)
-        untouched = np.setdiff1d(np.arange(hosts), touched)
-        assert torch.equal(w.host_records()[torch.as_tensor(untouched)], host_before[torch.as_tensor(untouched)]), \
+            assert _pages_equal(layout, got, original), f"store job {job}: host records differ from the stored blocks"
+        untouched = torch.as_tensor(np.setdiff1d(np.arange(hosts), host_ids))
+        assert torch.equal(host_digests()[untouched], host_before[untouched]), \
             "a store changed a host record outside its job"
-        for job, _, hst, dst in jobs:
+        for job, _, hst, dst, _ in jobs:
             w.load(job + len(jobs), hst, dst)
         loads = [j + len(jobs) for j, *_ in jobs]
-        for (job, src, _, dst), loaded in zip(jobs, w.wait(loads, run.wait_s)):
+        for (job, src, _, dst, original), loaded in zip(jobs, w.wait(loads, run.wait_s)):
             _check_result(loaded, job + len(jobs), Direction.LOAD, len(src) * layout.block_bytes)
-            got = layout.gather_records(dst)
-            assert _pages_equal(layout, got, device_before[torch.as_tensor(src)]), \
+            assert _pages_equal(layout, layout.gather_records(dst), original), \
                 f"load job {job + len(jobs)}: loaded blocks differ from the stored ones"
-        others = np.setdiff1d(np.arange(layout.num_blocks), dst_ids)
-        assert torch.equal(layout.gather_records(others), device_before[torch.as_tensor(others)]), \
+        others = torch.as_tensor(np.setdiff1d(np.arange(layout.num_blocks), dst_ids))
+        assert torch.equal(device_digests()[others], device_before[others]), \
             "a load changed a device block outside its job"
         moved = sum(sizes) * layout.block_bytes
         stats = w.stats()
@@ -373,6 +403,10 @@ def check_worker_contract(make_worker: WorkerFactory, *, timeout_s: float = WAIT
     The worker's layout needs at least :data:`MIN_DEVICE_BLOCKS` device blocks and the worker
     :data:`MIN_HOST_BLOCKS` host blocks. ``timeout_s`` is the deadline of each wait the suite makes;
     a clause still running after a few of them is reported as hung (its thread is left behind).
+    Each clause runs on a thread of its own, which takes the caller's CUDA device and stream and
+    its grad and inference modes; anything else thread-local that ``make_worker`` relies on is
+    not there. The suite reads the workers' blocks and records in chunks of
+    :data:`DIGEST_CHUNK_BYTES` and keeps digests of them, never a copy of a whole cache or pool.
 
     Raises:
         AssertionError: naming the clause and what broke (an exception the clause did not expect,
@@ -381,12 +415,22 @@ def check_worker_contract(make_worker: WorkerFactory, *, timeout_s: float = WAIT
     """
     wait_s = as_timeout(timeout_s, "timeout_s", positive=True)
     run = _Run(make_worker, wait_s)
+    # what of the caller's thread a factory may rely on, given to each clause's thread
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    device = torch.cuda.current_device() if cuda else None
+    stream = torch.cuda.current_stream() if cuda else None
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     for name, clause in CLAUSES.items():
         failure: list[BaseException] = []
 
         def body(clause: Callable[[_Run], None] = clause) -> None:
             try:
-                clause(run)
+                if device is not None and stream is not None:
+                    torch.cuda.set_device(device)
+                    torch.cuda.set_stream(stream)
+                # in this order: entering inference_mode(False) turns grad on
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    clause(run)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
                 failure.append(exc)
 
@@ -402,6 +446,8 @@ def check_worker_contract(make_worker: WorkerFactory, *, timeout_s: float = WAIT
         exc = failure[0]
         if isinstance(exc, _TooSmall):
             raise InvalidArgumentError(str(exc)) from None
+        if not isinstance(exc, Exception):  # a test's skip or exit, a KeyboardInterrupt: as it is
+            raise exc
         if isinstance(exc, AssertionError):
             raise AssertionError(f"worker contract, {name!r}: {exc}") from exc
         raise AssertionError(f"worker contract, {name!r}: raised {type(exc).__name__}: {exc}") from exc

@@ -218,3 +218,19 @@ def test_an_unexpected_exception_is_reported_with_its_clause() -> None:
 
     with pytest.raises(AssertionError, match="'results come back once.*': raised RuntimeError: poll broke"):
         check_worker_contract(lambda: cast(Worker, Raising(make())))
+
+
+def test_each_clause_runs_with_the_callers_grad_mode_and_a_skip_stays_a_skip() -> None:
+    """(Clauses run on threads of their own: the factory saw grad on under ``no_grad``, and a
+    ``pytest.skip`` in it came back as the clause's failure.)"""
+    seen: list[bool] = []
+
+    def recording() -> Worker:
+        seen.append(torch.is_grad_enabled())
+        return make()
+
+    with torch.no_grad():
+        check_worker_contract(recording)
+    assert seen and not any(seen)
+    with pytest.raises(pytest.skip.Exception):
+        check_worker_contract(lambda: pytest.skip("no device here"))
