@@ -206,11 +206,12 @@ class ManagerBase:
 
     def _enter(self, name: str) -> None:
         """Start public call ``name``, which clears ``_calling`` when it returns or raises. A
-        manager takes one call at a time: a call made while another runs — from a policy's
-        notification or a remote index inside it, or from a second thread — would change the state
-        the running call is in the middle of changing (a policy's ``admit`` that prepared a store
-        evicted the key the running call then marked loadable: a lookup hit that ``prepare_load``
-        called unknown).
+        manager takes one call at a time: a call made inside another — from a policy's notification
+        or a remote index — would change the state the running call is in the middle of changing
+        (a policy's ``admit`` that prepared a store evicted the key the running call then marked
+        loadable: a lookup hit that ``prepare_load`` called unknown). The check also refuses most
+        calls that overlap from two threads, but it is not a lock (the manager is not
+        thread-safe; a lock cost about three times as much a call).
 
         Raises:
             PolicyError: another call of this manager runs; nothing is done.
@@ -218,8 +219,8 @@ class ManagerBase:
         if self._calling is not None:
             raise PolicyError(
                 f"Manager.{name} was called while Manager.{self._calling} runs (from a policy's "
-                "notification, a remote index, or another thread): a manager takes one call at a "
-                "time; nothing was done"
+                "notification or a remote index inside it, or from another thread): a manager takes "
+                "one call at a time; nothing was done"
             )
         self._calling = name
 

@@ -6,8 +6,9 @@ memory (the key → block map of each tier, free lists, eviction policies, the c
 plan still waits for, counters and undrained events), holds no OS or GPU resource and so has no
 close method (a remote index it is given is borrowed: its creator closes it), and imports neither
 torch, numpy nor CUDA. Not thread-safe: call it from the scheduler thread. It takes one call at a
-time: a call made while another runs (from a policy's notification or a remote index inside it, or
-from a second thread) raises :class:`~kvoffload.errors.PolicyError` and does nothing.
+time: a call made inside another (from a policy's notification or a remote index) raises
+:class:`~kvoffload.errors.PolicyError` and does nothing (so do most calls that overlap from two
+threads, but that check is not a lock).
 
 A key's copy in a tier is *pending* (a copy into it is in flight: not loadable, not evictable),
 *ready* (loadable, evictable) or *loading* (ready, with loads holding it: not evictable). The engine's
