@@ -206,9 +206,15 @@ class Offloader:
             session.before_layer(layer, stream)
 
     def _retire(self, session: _Session) -> None:
+        """Close the session a new one of the model replaces (generation thread, building the new
+        session's scheduler). A load that close gave up is logged, not raised: the requests that
+        could read its blocks belonged to the session that ended."""
         with self._lock:
             self._last_manager = session.manager_stats()
-        session.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
+        try:
+            session.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
+        except kvoffload.TransferError as exc:
+            _log.error("closing the previous session: %s", exc)
 
     def _close(self, timeout: float) -> None:
         with self._lock:
