@@ -411,6 +411,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                      lower)
     if args.disk_path is not None:
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(args.disk_path))).free
+        with contextlib.suppress(OSError):  # a tier file there is sized again: its space comes back
+            if os.path.isfile(args.disk_path):
+                free += os.path.getsize(args.disk_path)
         if args.disk_blocks * block > free:
             parser.error(f"argument --disk-blocks: {args.disk_blocks} blocks need {args.disk_blocks * block / GIB:.2f} "
                          f"GiB, the file system of --disk-path has {free / GIB:.2f} GiB free")

@@ -8,6 +8,7 @@ import argparse
 import io
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import torch
 
 import kvoffload.__main__ as command_table
 from kvoffload.cli import _args, bench, demo, manager_bench, replay
+from kvoffload.cli._caches import block_bytes
+from kvoffload.cli._replay_model import DTYPES
 from kvoffload.integrations import transformers_demo
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -256,3 +259,23 @@ def test_ranks_bench_stopped_by_sigterm_while_ranks_attach_leaves_no_pool_file()
     while any(_running(child) for child in ranks):
         assert time.monotonic() < deadline, [child for child in ranks if _running(child)]
         time.sleep(0.1)
+
+
+def test_replay_counts_the_space_of_a_tier_file_it_will_size_again(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """(A rerun on the file of an earlier run was refused: the file's own space was not counted.)"""
+    parser = argparse.ArgumentParser(prog="replay")
+    replay.add_arguments(parser)
+    path = tmp_path / "tier"
+    args = parser.parse_args([*REPLAY, "--disk-path", str(path), "--disk-blocks", "64"])
+    block = block_bytes(args.layout, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        block_size=args.block_size, dtype=DTYPES[args.dtype])
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=32 * block))
+    with pytest.raises(SystemExit):
+        replay.check_arguments(parser, args)
+    assert "--disk-blocks" in capsys.readouterr().err
+    with open(path, "wb") as f:
+        f.truncate(40 * block)  # sparse: the earlier run's file
+    replay.check_arguments(parser, args)  # 32 + 40 blocks of room
