@@ -13,7 +13,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from kvoffload import host_memory_available
 
 __all__ = [
     "GIB",
+    "check_backend",
     "check_device_memory",
     "check_memory",
     "finite_float",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 GIB: Final = 1 << 30
+T = TypeVar("T")
 
 
 def _rule(low: float | None, high: float | None, *, low_open: bool = False) -> str:
@@ -91,20 +93,22 @@ def names(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def _each(text: str, one: Callable[[str], T], what: str) -> tuple[T, ...]:
+    """``one`` of every item of the comma-separated, non-empty list ``text`` (``what`` says what it
+    must be when it is empty)."""
+    items = [t for t in text.split(",") if t]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+    try:
+        return tuple(one(t) for t in items)
+    except argparse.ArgumentTypeError as exc:  # names the item; the list too when it is longer
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}" if len(items) > 1 else str(exc)) from None
+
+
 def int_list(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
     """A ``type=`` for a comma-separated, non-empty list of ints, each in ``[low, high]``."""
     one = int_in(low, high)
-
-    def parse(text: str) -> tuple[int, ...]:
-        items = [t for t in text.split(",") if t]
-        if not items:
-            raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of integers")
-        try:
-            return tuple(one(t) for t in items)
-        except argparse.ArgumentTypeError as exc:  # names the item; the list too when it is longer
-            raise argparse.ArgumentTypeError(f"{text!r}: {exc}" if len(items) > 1 else str(exc)) from None
-
-    return parse
+    return lambda text: _each(text, one, "a comma-separated list of integers")
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -119,13 +123,7 @@ def host_port(text: str) -> tuple[str, int]:
 
 def host_ports(text: str) -> tuple[tuple[str, int], ...]:
     """A ``type=`` for ``HOST:PORT,...`` (at least one)."""
-    items = [t for t in text.split(",") if t]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{text!r} must be HOST:PORT,... (at least one address)")
-    try:
-        return tuple(host_port(t) for t in items)
-    except argparse.ArgumentTypeError as exc:  # names the item; the list too when it is longer
-        raise argparse.ArgumentTypeError(f"{text!r}: {exc}" if len(items) > 1 else str(exc)) from None
+    return _each(text, host_port, "HOST:PORT,... (at least one address)")
 
 
 def writable_file(text: str) -> str:
@@ -140,6 +138,18 @@ def writable_file(text: str) -> str:
     if not os.access(target, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written (no permission on {target!r})")
     return text
+
+
+def check_backend(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Refuse ``--backend cuda`` where torch sees no CUDA device, and a ``--path`` other than
+    ``auto`` on the host backend; whether the run uses CUDA."""
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --backend: 'cuda' but torch sees no CUDA device (use auto or host)")
+    use_cuda: bool = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
+    if not use_cuda and args.path != "auto":
+        parser.error(f"argument --path: {args.path!r} applies to the cuda backend only (this run uses the "
+                     "host backend)")
+    return use_cuda
 
 
 def check_memory(parser: argparse.ArgumentParser, needed_bytes: int, what: str, lower: str) -> None:

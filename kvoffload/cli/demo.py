@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from kvoffload import DeviceLayout, PathName, TransferResult, Worker
-from kvoffload.cli._args import check_device_memory, check_memory, int_in
+from kvoffload.cli._args import check_backend, check_device_memory, check_memory, int_in
 from kvoffload.cli._caches import LAYOUTS, block_bytes, build_cache
 from kvoffload.cli._torch import new_event, new_stream
 
@@ -248,12 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The checks across flags, run before anything is allocated (``parser.error`` on the first)."""
-    if args.backend == "cuda" and not torch.cuda.is_available():
-        parser.error("argument --backend: 'cuda' but torch sees no CUDA device (use auto or host)")
-    use_cuda = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
-    if not use_cuda and args.path != "auto":
-        parser.error(f"argument --path: {args.path!r} applies to the cuda backend only (this run uses the "
-                     "host backend)")
+    use_cuda = check_backend(parser, args)
     if min(args.host_blocks, args.device_blocks // 2) < args.blocks_per_job:
         parser.error(f"too few blocks for one job: min(--host-blocks {args.host_blocks}, --device-blocks "
                      f"{args.device_blocks} / 2) < --blocks-per-job {args.blocks_per_job}; raise "

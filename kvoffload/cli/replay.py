@@ -110,6 +110,7 @@ from kvoffload import (
 from kvoffload import DeviceLayout
 from kvoffload.cli._args import (
     GIB,
+    check_backend,
     check_device_memory,
     check_memory,
     finite_float,
@@ -385,12 +386,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     """The checks across flags that :meth:`ReplayConfig.check` leaves to the command line (the
     backend this machine has, the store's address, the memory the run needs), then the notice of
     the host backend; ``parser.error`` on the first that fails."""
-    if args.backend == "cuda" and not torch.cuda.is_available():
-        parser.error("argument --backend: 'cuda' but torch sees no CUDA device (use auto or host)")
-    use_cuda = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
-    if not use_cuda and args.path != "auto":
-        parser.error(f"argument --path: {args.path!r} applies to the cuda backend only (this run uses the "
-                     "host backend)")
+    use_cuda = check_backend(parser, args)
     if not use_cuda and args.stall_cycles_per_block:
         parser.error(f"argument --stall-cycles-per-block: {args.stall_cycles_per_block} applies to the cuda "
                      "backend only (this run uses the host backend)")

@@ -598,38 +598,52 @@ def test_a_late_loads_blocks_go_back_to_the_engine_only_after_the_exit_stopped_i
     assert after.error is None and (list(after.generated_tokens), list(after.logprobs)) == want
 
 
-def test_an_exit_that_gave_up_a_layer_by_layer_load_raises_though_its_copy_then_stopped(model: Any) -> None:
-    """The copy outlasts the exit's half for landing but ends within its shutdown: the exit
-    returned without a word, and a request in flight could run a step after it, with no hooks,
-    over blocks whose load may have failed. Now the exit raises TransferError (run against the
-    code before, this test fails: the exit returned quietly)."""
+def _exit_during_a_stalled_layered_load(
+    model: Any, *, shutdown_timeout: float, stall_s: float, pause_s: float,
+) -> tuple[list[kvoffload.KVOffloadError], Any, float]:
+    """Serve phases A and B, then exit the offloading context while a step's forward is about to
+    read a layer-by-layer load whose copy stalls ``stall_s`` (the forward pauses ``pause_s`` before
+    the offloader's hooks, the exit starting meanwhile). The exit's errors, the step's request's
+    result and the exit's seconds."""
     arm, at_forward, forward_armed = threading.Event(), threading.Event(), threading.Event()
 
-    def pause(module: torch.nn.Module, args: Any) -> None:
+    def pause(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
         if forward_armed.is_set():
             forward_armed.clear()
             at_forward.set()
+            time.sleep(pause_s)
 
     gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
     handle = model.register_forward_pre_hook(pause, prepend=True)
-    exit_error: list[BaseException] = []
+    exit_error: list[kvoffload.KVOffloadError] = []
     try:
         with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                        warmup=False) as manager:
             try:
-                with offloading(model, 64, shutdown_timeout=4.0,
-                                make_worker=_slow_workers(arm, 3.0, layers=True)):
+                with offloading(model, 64, shutdown_timeout=shutdown_timeout,
+                                make_worker=_slow_workers(arm, stall_s, layers=True)):
                     for prompt in PHASES["A"] + PHASES["B"]:
                         assert serve(manager, prompt).error is None
                     arm.set()
                     forward_armed.set()
                     rid = manager.add_request(PHASES["C"][0], max_new_tokens=NEW_TOKENS)
                     assert at_forward.wait(30)
+                    began = time.monotonic()
             except kvoffload.KVOffloadError as exc:
                 exit_error.append(exc)
-            _result(manager, rid)
+            took = time.monotonic() - began
+            result = _result(manager, rid)
     finally:
         handle.remove()
+    return exit_error, result, took
+
+
+def test_an_exit_that_gave_up_a_layer_by_layer_load_raises_though_its_copy_then_stopped(model: Any) -> None:
+    """The copy outlasts the exit's half for landing but ends within its shutdown: the exit
+    returned without a word, and a request in flight could run a step after it, with no hooks,
+    over blocks whose load may have failed. Now the exit raises TransferError (run against the
+    code before, this test fails: the exit returned quietly)."""
+    exit_error, _, _ = _exit_during_a_stalled_layered_load(model, shutdown_timeout=4.0, stall_s=3.0, pause_s=0.0)
     assert len(exit_error) == 1 and isinstance(exit_error[0], kvoffload.TransferError), exit_error
     assert "did not land within half the exit's shutdown_timeout (2 s)" in str(exit_error[0])
 
@@ -639,36 +653,9 @@ def test_an_exit_that_cannot_land_a_layer_by_layer_load_fails_the_step_that_read
     stalls past shutdown_timeout: the step fails (it completed with error=None and tokens computed
     from blocks the load never wrote), and the exit keeps to its timeout though the forward waits
     for a layer meanwhile (the forward held the lock the exit needs)."""
-    arm, at_forward, forward_armed = threading.Event(), threading.Event(), threading.Event()
-
-    def pause(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
-        if forward_armed.is_set():
-            forward_armed.clear()
-            at_forward.set()
-            time.sleep(0.3)  # the exit starts now
-
-    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
-    handle = model.register_forward_pre_hook(pause, prepend=True)
-    exit_error: list[BaseException] = []
-    try:
-        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                       warmup=False) as manager:
-            try:
-                with offloading(model, 64, shutdown_timeout=1.0,
-                                make_worker=_slow_workers(arm, 4.0, layers=True)):
-                    for prompt in PHASES["A"] + PHASES["B"]:
-                        assert serve(manager, prompt).error is None
-                    arm.set()
-                    forward_armed.set()
-                    rid = manager.add_request(PHASES["C"][0], max_new_tokens=NEW_TOKENS)
-                    assert at_forward.wait(30)
-                    began = time.monotonic()
-            except kvoffload.ShutdownError as exc:  # the stalled copy: not proven stopped
-                exit_error.append(exc)
-            took = time.monotonic() - began
-            result = _result(manager, rid)
-    finally:
-        handle.remove()
+    exit_error, result, took = _exit_during_a_stalled_layered_load(model, shutdown_timeout=1.0, stall_s=4.0,
+                                                                   pause_s=0.3)
+    assert all(isinstance(e, kvoffload.ShutdownError) for e in exit_error), exit_error  # copy not proven stopped
     assert took < 3.0, took
     assert result.error is not None and "did not land before the offloading context closed" in str(result.error)
     time.sleep(4.0)  # the stalled copy ends before the next test
