@@ -28,6 +28,7 @@ from kvoffload.manager.records import (
 from kvoffload.manager.remote import RemoteLink
 from kvoffload.manager.state import (
     DISK,
+    FAILED,
     HOST,
     PENDING,
     READY,
@@ -135,7 +136,8 @@ class ManagerBase:
     def reset(self, *, in_flight_done: bool = False) -> None:
         """Forget every key and start a new epoch; plans prepared before are fenced.
 
-        Emits ``REMOVED`` for every loadable copy. Completions of earlier plans become no-ops. By
+        Emits ``REMOVED`` for every loadable copy, and for every disk copy a failed load left to the
+        loads still holding it (whose ``REMOVED`` waited for them). Completions of earlier plans become no-ops. By
         default, blocks that earlier plans copy into or out of (pending stores and demotions, loads
         not completed) stay *fenced* (not free) until their stale completion arrives, so no new plan
         gets a block an old DMA may still touch; the engine must keep calling ``complete_*`` for those
@@ -153,12 +155,11 @@ class ManagerBase:
             entries = self._entries
             if self._record_events:
                 events = self._events
-                for key in self._ready:
-                    entry = entries[key]
+                for key, entry in entries.items():
                     if entry.host_state is READY:
                         events.append(BlockEvent(REMOVED, key, HOST))
-                    if entry.disk_state is READY:
-                        events.append(BlockEvent(REMOVED, key, DISK))
+                    if entry.disk_state is READY or entry.disk_state is FAILED:  # FAILED: REMOVED
+                        events.append(BlockEvent(REMOVED, key, DISK))  # held back for its loads
             host, disk = self._host, self._disk
             if in_flight_done:
                 self._fences.clear()

@@ -11,7 +11,8 @@ batched ``exists(keys, *, timeout)``, such as a remote store), its deadline, and
   every key as a miss — a remote lookup never fails a request and never hangs it;
 * **loads** from the remote store: ``prepare_load`` gives each key not held locally a host block
   (free, or evicted by the host policy; evicted copies are dropped, not demoted: the write-through
-  policy means the store has them) as a pending host copy of tier ``REMOTE``; the engine reads the
+  policy means the store has them, but for a key whose put was refused, which is then lost here:
+  docs/design.md §14) as a pending host copy of tier ``REMOTE``; the engine reads the
   record into it (``Worker.get_remote``) and loads it from there; ``complete_load`` makes it a ready
   host copy, or frees the block when the read or the load failed — and the manager no longer offers
   that key from the store (a damaged record stays there: the first writer wins);

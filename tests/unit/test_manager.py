@@ -688,6 +688,28 @@ def test_without_one_call_at_a_time_a_reentrant_policy_corrupts_the_manager(
         m.prepare_load([A])  # ... and unknown: its block went to C
 
 
+@pytest.mark.parametrize("in_flight_done", [False, True])
+def test_reset_removes_a_disk_copy_a_failed_load_left_to_the_loads_holding_it(in_flight_done: bool) -> None:
+    """(Its REMOVED waits for the last load holding it; reset cleared the entry without it, so a
+    router kept the copy for good. Found by a model-based test.)"""
+    m = Manager.create(1, fingerprint="f", num_disk_blocks=2)
+    stored(m, [A])
+    plan = m.prepare_store([B])  # demotes A to disk
+    assert plan is not None
+    m.complete_demote(plan, True)
+    m.complete_store(plan, True)
+    first, second = m.prepare_load([A]), m.prepare_load([A])
+    assert first.tiers == (Tier.DISK,)
+    m.complete_load(first, ok=False)  # the disk copy failed its check; second still holds it
+    m.reset(in_flight_done=in_flight_done)
+    m.complete_load(second)  # stale: a no-op
+    live: dict[tuple[bytes, Tier], int] = {}
+    for event in m.events():
+        step = {EventKind.STORED: 1, EventKind.REMOVED: -1}.get(event.kind, 0)
+        live[(event.key, event.tier)] = live.get((event.key, event.tier), 0) + step
+    assert {k: n for k, n in live.items() if n} == {}
+
+
 def test_a_policy_whose_hold_raises_still_gives_the_load_plan_to_complete() -> None:
     m, policy = faulty("hold", nth=1)
     stored(m, [A, B])
