@@ -52,3 +52,12 @@ def test_replay_remote_runs_two_instances_that_share_hits(cluster: Cluster, tmp_
     assert b["hits_by_tier"]["remote"] > 0 and b["corrupted_blocks"] == 0 and a["corrupted_blocks"] == 0
     assert a["remote_put_blocks"] > 0
     assert "two instances: B read" in done.stdout
+
+
+def test_replay_reports_an_unreachable_store_in_one_line() -> None:
+    """(Four chained tracebacks before.) Nothing listens on port 1; in this suite, where the Redis
+    client is installed."""
+    done = run("-m", "kvoffload", "replay", "--quiet", "--requests", "5", "--layers", "2", "--remote", "redis",
+               "--remote-address", "127.0.0.1:1", "--instance-only")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "RemoteUnavailableError" in lines[0], done.stderr

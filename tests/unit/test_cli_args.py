@@ -100,14 +100,6 @@ def test_replay_json_path_is_checked_before_the_run(tmp_path: pathlib.Path,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_replay_reports_an_unreachable_store_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("redis")
-    status = replay.main([*REPLAY, "--remote", "redis", "--remote-address", "127.0.0.1:1", "--instance-only"])
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert status == 1 and len(lines) == 1 and "RemoteUnavailableError" in lines[0], err
-
-
 BENCH_CASES = [
     (["--pages", "abc"], "--pages"), (["--pages", "-4"], "--pages"), (["--pages", "4,0"], "--pages"),
     (["--paths", "auto,bogus"], "--paths"), (["--paths", ""], "--paths"), (["--total-mib", "-1"], "--total-mib"),
