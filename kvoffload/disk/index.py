@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -23,9 +24,14 @@ import numpy.typing as npt
 from kvoffload.disk.config import PAGE_BYTES, DiskRecordInfo
 from kvoffload.disk.format import RecordCodec, aligned
 
-__all__ = ["DiskIndex", "scan_headers"]
+__all__ = ["MAX_GENERATION", "DiskIndex", "scan_headers"]
 
 _log = logging.getLogger("kvoffload.disk")
+
+#: The highest generation a record header may carry: a tier hands out one per record written, so
+#: none reaches it (2**62 writes), and the generations handed out after the newest a warm restart saw
+#: stay inside the header's 64-bit field. A header above it is rejected, not taken as the newest.
+MAX_GENERATION: Final = 1 << 62
 
 BoolArray = npt.NDArray[np.bool_]
 U64Array = npt.NDArray[np.uint64]
@@ -145,6 +151,9 @@ def scan_headers(
                 rejected += 1
             continue
         flags, hdr_block, generation, _crc, key = header
+        if generation > MAX_GENERATION:  # no tier writes one: a forged or damaged header
+            rejected += 1
+            continue
         newest = max(newest, generation)
         cut = codec.slot_offset(block) + slot_bytes > file_size
         if hdr_block != block or not codec.header_is_valid(flags) or cut:

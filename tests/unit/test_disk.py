@@ -12,15 +12,19 @@ import errno
 import mmap
 import os
 import random
+import struct
 import threading
 import time
 import warnings
+import zlib
 from typing import Any
 
 import pytest
 import torch
 
 from kvoffload.disk.config import PAGE_BYTES, DiskConfig, DiskErrorKind
+from kvoffload._record import HEADER_CRC_OFFSET, RECORD_HEADER
+from kvoffload.disk.index import MAX_GENERATION
 from kvoffload.disk.requests import DiskIO
 from kvoffload.disk.tier import DiskTier
 from kvoffload.disk import format as disk_format
@@ -424,6 +428,31 @@ def test_warm_restart_does_not_index_damaged_headers(make_tier: MakeTier) -> Non
     again = make_tier(reuse=True)
     assert set(again.valid_blocks()) == {7, 9}
     assert again.capabilities().rejected_records == 1
+
+
+@pytest.mark.parametrize("generation", [2**64 - 1, 2**63, MAX_GENERATION + 1])
+def test_a_header_past_the_highest_generation_is_rejected_and_writes_go_on(
+    make_tier: MakeTier, generation: int,
+) -> None:
+    """(One header with a generation near 2**64 and a valid CRC — forged, or a fault no check could
+    see — was taken as the newest: every later write of every restart failed with an untyped
+    struct.error. Found by fuzzing the format.)"""
+    tier = make_tier()
+    write_ok(tier, 1, [0, 1], [7, 8])
+    tier.shutdown()
+    with open(tier.path, "r+b") as f:
+        f.seek(slot_offset(8))
+        page = bytearray(f.read(PAGE_BYTES))
+        fields = list(RECORD_HEADER.unpack_from(page, 0))
+        fields[5] = generation
+        RECORD_HEADER.pack_into(page, 0, *fields)
+        struct.pack_into("<I", page, HEADER_CRC_OFFSET, zlib.crc32(bytes(page[:HEADER_CRC_OFFSET])))
+        f.seek(slot_offset(8))
+        f.write(page)
+    again = make_tier(reuse=True)
+    assert set(again.valid_blocks()) == {7} and again.capabilities().rejected_records == 1
+    write_ok(again, 2, [2], [9])
+    assert again.valid_blocks()[9].generation < MAX_GENERATION
 
 
 def test_warm_restart_indexes_by_header_and_verifies_payloads_on_read(
