@@ -15,7 +15,8 @@ Flags: VALID (the record was written whole), CHECKSUM (the payload CRC is meanin
 (the header carries the layout fingerprint). A disk record names its tier file (file id) and disk
 block and leaves the fingerprint to the file header; a remote record has file id and block 0 and
 carries the fingerprint, since nothing else on the store says which layout wrote it. Every byte of
-the page that is not a field is zero.
+the page that is not a field is written as zero and not read (the header's CRC covers it); a flag
+bit the version does not define makes the header invalid.
 
 Version 1 is the disk tier's format as first released: the fingerprint field lies in bytes that a
 version-1 disk record always wrote as zero and never read, so adding it changed no byte of a disk
@@ -82,6 +83,7 @@ HEADER_CRC_OFFSET: Final = PAGE_BYTES - 4
 FLAG_VALID: Final = 1
 FLAG_CHECKSUM: Final = 2
 FLAG_FINGERPRINT: Final = 4
+_KNOWN_FLAGS: Final = FLAG_VALID | FLAG_CHECKSUM | FLAG_FINGERPRINT
 _U16: Final = struct.Struct("<H")
 _U32: Final = struct.Struct("<I")
 
@@ -182,6 +184,8 @@ def parse_header(page: U8Array) -> Header | str:
         return "the record header's CRC32 does not match (torn or damaged header)"
     if version != FORMAT_VERSION:
         return f"record format version {version}, this library reads {FORMAT_VERSION}"
+    if flags & ~_KNOWN_FLAGS:
+        return f"the header's flags {flags:#x} hold bits version {FORMAT_VERSION} does not define"
     if key_len > MAX_KEY_BYTES:
         return f"the header's key length {key_len} exceeds {MAX_KEY_BYTES}"
     fingerprint: bytes | None = None

@@ -115,6 +115,18 @@ def test_damage_is_detected(damage: Any, fault: RecordFault) -> None:
     assert remote_check(page, payload) is fault
 
 
+@pytest.mark.parametrize("bit", [8, 1 << 31])
+def test_a_flag_the_version_does_not_define_makes_the_header_invalid(bit: int) -> None:
+    """(A header with such a bit and a resealed CRC was read as a record; found by fuzzing.)"""
+    page, payload = remote()
+    flags_offset = 12  # after the magic and the version
+    (flags,) = struct.unpack_from("<I", page.data, flags_offset)
+    struct.pack_into("<I", page.data, flags_offset, flags | bit)
+    reseal(page)
+    assert remote_check(page, payload) is RecordFault.HEADER_INVALID
+    assert "does not define" in str(record.parse_header(page))
+
+
 def test_another_version_a_disk_record_or_a_record_without_checksum_is_not_a_remote_record() -> None:
     page, payload = remote()
     struct.pack_into("<I", page.data, 8, 2)
