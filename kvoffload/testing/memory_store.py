@@ -78,8 +78,9 @@ class MemoryClient:
         return out
 
     def get_chunk(self, keys: Sequence[bytes], headers: U8, rows: I64) -> list[ChunkStatus]:
-        """Copy each key's record into its header page and host row (``not_found`` if absent; a key
-        in ``faults`` fails with its kind and copies nothing)."""
+        """Copy each key's record into its header page and host row (``not_found`` if absent,
+        ``size_mismatch`` for a value of another size; a key in ``faults`` fails with its kind and
+        copies nothing)."""
         self._hold()
         out = []
         for j, key in enumerate(keys):
@@ -90,6 +91,10 @@ class MemoryClient:
             value = self.data.get(key)
             if value is None:
                 out.append(ChunkStatus(RemoteErrorKind.NOT_FOUND, "no such key"))
+                continue
+            want = PAGE_BYTES + self.rows.shape[1]
+            if len(value) != want:  # as a real store's client reports a value of another size
+                out.append(ChunkStatus(RemoteErrorKind.SIZE_MISMATCH, f"value of {len(value)} bytes, not {want}"))
                 continue
             data = np.frombuffer(value, dtype=np.uint8)
             headers[j] = data[:PAGE_BYTES]

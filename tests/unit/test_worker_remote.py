@@ -144,6 +144,21 @@ def test_one_keys_failure_fails_the_job_naming_that_key_and_the_others_go_throug
     assert stats is not None and stats.failures[kind] == 2
 
 
+@pytest.mark.parametrize("cut", [PAGE_BYTES + 1, PAGE_BYTES - 1, None], ids=["short", "no-payload", "long"])
+def test_a_value_of_another_size_fails_its_key_alone(worker: Worker, cluster: Cluster, cut: int | None) -> None:
+    """(The memory store copied a 1-byte payload across the whole row by broadcasting — a uniform
+    record then passed its checksum — and any other wrong size failed every key of the call.)"""
+    worker.host_records()[0:3] = 0  # uniform records: a payload broadcast from one byte passes its CRC
+    worker.put_remote(1, [0, 1, 2], [b"a", b"b", b"c"])
+    assert one(worker, 1).ok
+    value = cluster.data[b"b"]
+    cluster.data[b"b"] = value[:cut] if cut is not None else value + b"\0"
+    worker.get_remote(2, [b"a", b"b", b"c"], [5, 6, 7])
+    got = one(worker, 2)
+    assert not got.ok and isinstance(got.error, RemoteIntegrityError)
+    assert got.error.keys == (b"b",) and got.error.kinds == {"size_mismatch": 1}
+
+
 def test_a_flipped_byte_or_another_key_is_never_served(worker: Worker, cluster: Cluster) -> None:
     worker.store(1, [0, 1], [0, 1])
     one(worker, 1)
