@@ -632,6 +632,11 @@ def _disjoint_modulo_stride(members: list[_TensorPages], num_blocks: int) -> boo
         if hi - lo < 2:
             continue
         pages = sorted(set(zip(addr[lo:hi].tolist(), size[lo:hi].tolist())))  # the same page once
+        if len({(a % stride, n) for a, n in pages}) == 1:  # one residue and size: pages a multiple of
+            starts_here = [a for a, _ in pages]  # S apart meet exactly when closer than nb * S
+            if all(b - a >= num_blocks * stride for a, b in zip(starts_here, starts_here[1:])):
+                continue
+            return False
         if len(pages) > _MAX_CLUSTER_PAGES:
             return False
         for i, (a_p, n_p) in enumerate(pages):
@@ -659,8 +664,9 @@ def _check_page_by_page(members: list[_TensorPages], num_blocks: int) -> None:
         for i in range(len(members)):
             for j in range(i + 1, len(members)):
                 (lo_i, hi_i), (lo_j, hi_j) = spans[i], spans[j]
-                if lo_i < hi_j and lo_j < hi_i:
-                    _check_page_by_page([members[i], members[j]], num_blocks)
+                pair = [members[i], members[j]]
+                if lo_i < hi_j and lo_j < hi_i and not _disjoint_modulo_stride(pair, num_blocks):
+                    _check_page_by_page(pair, num_blocks)
         return
     if sum(m.addr0.size for m in members) * num_blocks > _MAX_INTERLEAVE_CHECK_PAGES:
         names = ", ".join(repr(m.name) for m in members[:4]) + (", ..." if len(members) > 4 else "")

@@ -408,8 +408,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.disk_path is not None:
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(args.disk_path))).free
         with contextlib.suppress(OSError):  # a tier file there is sized again: its space comes back
-            if os.path.isfile(args.disk_path):
-                free += os.path.getsize(args.disk_path)
+            if os.path.isfile(args.disk_path):  # what it holds, not its length (it may be sparse)
+                free += os.stat(args.disk_path).st_blocks * 512
         if args.disk_blocks * block > free:
             parser.error(f"argument --disk-blocks: {args.disk_blocks} blocks need {args.disk_blocks * block / GIB:.2f} "
                          f"GiB, the file system of --disk-path has {free / GIB:.2f} GiB free")

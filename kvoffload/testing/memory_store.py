@@ -131,8 +131,9 @@ class MemoryCluster:
         """``batch``: records per client call of the stores built here."""
         self.data: dict[bytes, bytes] = {}
         #: Keys whose puts and gets fail with the given kind, in every store of the cluster (keys
-        #: as the store sees them: a Worker's remote tier namespaces the engine's keys).
-        self.faults: dict[bytes, RemoteErrorKind] = {}
+        #: as the store sees them: a Worker's remote tier namespaces the engine's keys). Change it
+        #: in place: the stores hold this dict.
+        self.faults: Final[dict[bytes, RemoteErrorKind]] = {}
         self.clients: list[MemoryClient] = []
         self.batch = batch
 

@@ -269,5 +269,10 @@ def test_replay_counts_the_space_of_a_tier_file_it_will_size_again(
         replay.check_arguments(parser, args)
     assert "--disk-blocks" in capsys.readouterr().err
     with open(path, "wb") as f:
-        f.truncate(40 * block)  # sparse: the earlier run's file
+        f.truncate(40 * block)  # sparse: no space comes back
+    with pytest.raises(SystemExit):
+        replay.check_arguments(parser, args)
+    capsys.readouterr()
+    with open(path, "wb") as f:
+        f.write(bytes(40 * block))  # the earlier run's file, written
     replay.check_arguments(parser, args)  # 32 + 40 blocks of room

@@ -732,6 +732,19 @@ def test_k_and_v_halves_of_per_layer_views_are_checked_from_one_block(monkeypatc
     assert layout.pages_per_block == 16 and calls == []
 
 
+def test_many_pages_that_meet_modulo_the_stride_are_checked_by_their_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Views ``buf[:, layer]`` of a ``[2, layers, blocks, page]`` buffer: all 2 * layers pages share
+    one residue modulo the block stride, more than the quick check compares pair by pair; they are
+    ``blocks`` strides apart or more, so they never meet (a page-by-page sort of every page before,
+    and pair by pair past its bound)."""
+    monkeypatch.setattr(layout_module, "_MAX_INTERLEAVE_CHECK_PAGES", 1000)
+    calls: list[int] = []
+    monkeypatch.setattr(layout_module, "_check_page_by_page", lambda members, n: calls.append(len(members)))
+    buf = torch.zeros(2, 40, 300, 8, dtype=torch.float16)
+    layout = DeviceLayout.from_tensors({f"l{i}": buf[:, i] for i in range(40)}, block_dim=1)
+    assert layout.pages_per_block == 80 and calls == []
+
+
 def test_a_group_over_the_bound_of_one_sort_is_checked_pair_by_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a pair of views may hold is the bound; a group of views over it in all is still
     checked (pair by pair, as before the groups), and a bad pair still refused."""
