@@ -16,7 +16,10 @@ release call, so a failing release is never retried. It never unmaps memory that
 registered: when an unpin fails the mapping is left in place (and reported). A view still referenced
 by the caller at cleanup never becomes a tensor over unmapped memory: the unmap is then deferred to
 the moment the last view is dropped (CPython refuses to unmap a buffer that is still exported), and
-a ``ResourceWarning`` says so.
+a ``ResourceWarning`` says so. Nor is memory unmapped by anything but ``cleanup``: a region dropped
+without one (its worker never shut down, a copy perhaps still running) stays mapped and pinned for
+the rest of the process (the module keeps its mapping referenced, :data:`_MAPPED`), rather than the
+mapping object's own finalizer unmapping it under the copies.
 
 A shared region (:meth:`RegionOwner.attach_shared`) is one rank's mapping of a pool every rank of
 an engine maps (docs/design.md §13): the attach itself (join, agree, populate, unlink once all
@@ -59,8 +62,12 @@ MARK_LEFT_WAIT_S: Final = 0.2
 #: ``madvise`` advice that gives a forked child zero pages in a range instead of the parent's
 #: (Linux 4.14; the kernel's value where ``mmap`` does not name it).
 _MADV_WIPEONFORK: Final = int(getattr(mmap, "MADV_WIPEONFORK", 18))
-#: Mappings that must never be unmapped (an unpin failed); kept referenced for the process lifetime.
-_LEFT_MAPPED: list[mmap.mmap] = []
+#: Every region's mapping, by ``id``, from its creation until its cleanup unmaps it: a region
+#: dropped without a cleanup (its worker never shut down, a copy thread perhaps still running) then
+#: keeps its memory mapped and pinned for the rest of the process, as its warning says, instead of
+#: the mapping's own finalizer unmapping it under the copies. A region abandoned, or whose unpin
+#: failed, stays here for good too.
+_MAPPED: dict[int, mmap.mmap] = {}
 
 
 def _mapping_address(mm: mmap.mmap) -> int:
@@ -106,6 +113,7 @@ class RegionOwner:
         self.pool = pool
         self.shared_path = shared_path
         self._mapping: mmap.mmap | None = mapping
+        _MAPPED[id(mapping)] = mapping
         self._pinner = pinner
         self._chunks = chunks
         self._fd = fd
@@ -271,10 +279,10 @@ class RegionOwner:
         left_mapped = bool(failures)
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
-            if left_mapped:
-                _LEFT_MAPPED.append(mapping)
+            if left_mapped:  # it stays in _MAPPED
                 _log.error("host region kept mapped: %d chunk(s) failed to unpin", len(failures))
             else:
+                del _MAPPED[id(mapping)]
                 self._unmap(mapping)
         self._close_file(failures)
         if failures:
@@ -291,9 +299,7 @@ class RegionOwner:
             return
         self._released = True
         self._records = None
-        if self._mapping is not None:
-            _LEFT_MAPPED.append(self._mapping)
-            self._mapping = None
+        self._mapping = None  # it stays in _MAPPED
         failures: list[BaseException] = []
         self._close_file(failures, keep_fd=True)
         for failure in failures:

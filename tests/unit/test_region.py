@@ -136,6 +136,47 @@ def test_abandon_leaves_memory_pinned_and_mapped() -> None:
     assert [op for op, _, _ in pinner.log] == ["register"]
 
 
+_DROPPED_WORKER = """
+import gc, sys, threading, time, warnings
+import torch, kvoffload
+from kvoffload import region
+from kvoffload.backends.host import HostBackend
+
+started = threading.Event()
+
+class Slow(HostBackend):
+    def copy_one(self, dst, src, size):
+        started.set()
+        time.sleep(0.3)  # the worker is dropped meanwhile
+        super().copy_one(dst, src, size)
+
+warnings.simplefilter("ignore", ResourceWarning)
+layout = kvoffload.DeviceLayout.from_tensors({"kv": torch.zeros(2, 8, 16, 64)}, block_dim=1)
+w = kvoffload.Worker.create(layout, 8, backend_factory=Slow)
+w.load(1, list(range(8)), list(range(8)))  # writes the device from the host pool
+started.wait(10)
+if sys.argv[1] == "control":
+    region._MAPPED.clear()  # as before: the mapping's finalizer unmaps it with the worker
+del w
+gc.collect()
+time.sleep(3)  # the copies end, reading the pool
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["kept", "control"])
+def test_a_worker_dropped_with_copies_running_keeps_its_pool_mapped(control: bool) -> None:
+    """(A worker dropped without shutdown, its copy thread still running: the mapping's finalizer
+    unmapped the pool under the copies and the process died with SIGSEGV, though the warning said
+    the memory stays until the process exits.) The control drops the registry's reference."""
+    done = subprocess.run([sys.executable, "-c", _DROPPED_WORKER, "control" if control else "kept"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    if control:
+        assert done.returncode == -11, (done.returncode, done.stderr[-2000:])
+    else:
+        assert done.returncode == 0 and "survived" in done.stdout, done.stderr[-2000:]
+
+
 def test_a_forked_child_sees_zero_pages_where_the_anonymous_pool_is() -> None:
     """A fork must neither copy the pinned pool nor share its pages copy-on-write (the parent's later
     writes would then land on new pages while the device reads the old ones): the child gets zero
