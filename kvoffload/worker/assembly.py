@@ -21,7 +21,9 @@ import functools
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
@@ -209,6 +211,7 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
                 pinner=pinner, chunk_bytes=o.pin_chunk_bytes, check_memory=o.check_memory,
             )
         undo.callback(region.cleanup)
+        undo.push(_drop_failed_frames)  # runs first: the region's views in them are not the caller's
         book = JobBook()
         handlers = []
         for direction, num_src, num_dst in (
@@ -371,6 +374,16 @@ def _check_path(
             raise ArgumentTypeError(f"kernel_ctas = {kernel_ctas!r} must be an int or None")
         if kernel_ctas <= 0:
             raise InvalidArgumentError(f"kernel_ctas = {kernel_ctas} must be positive")
+
+
+def _drop_failed_frames(exc_type: object, exc: object, tb: TracebackType | None) -> bool:
+    """On a failed ``create``, clear the locals of the finished frames the exception passes through
+    (a part that failed while building held the region's record view there), so that the region's
+    cleanup finds no view of ours left and unmaps at once, without a warning about the caller's
+    views. The traceback keeps its lines; the exception goes on."""
+    if tb is not None:
+        traceback.clear_frames(tb)
+    return False
 
 
 def _shared_rank(shared: object, shared_name: str | None) -> PoolRank | None:

@@ -298,3 +298,20 @@ def test_a_shutdown_does_not_wait_for_a_read_that_takes_long(
         w.shutdown(0.5)
     assert time.monotonic() - began < 2.5
     time.sleep(3.0)  # the stalled read ends before the next test
+
+
+def test_a_create_refused_by_its_disk_tier_unmaps_its_pool_without_a_warning(tmp_path: pathlib.Path) -> None:
+    """(The refusal's traceback held the tier's view of the host records: the region's cleanup
+    warned that a view of the caller's was still referenced, and unmapped only later.)"""
+    import warnings
+
+    from kvoffload import DiskFormatError
+
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a tier")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(DiskFormatError):
+            Worker.create(make_layout(), 8, disk=DiskConfig(str(junk), num_blocks=4))
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert junk.read_bytes() == b"not a tier"
