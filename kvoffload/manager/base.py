@@ -231,7 +231,8 @@ class ManagerBase:
         """Validate a completion's plan and ``ok`` (before its keys)."""
         if not isinstance(plan, kind):
             raise ArgumentTypeError(
-                f"plan = {plan!r:.80} is a {type(plan).__name__}; expected a {kind.__name__}"
+                f"plan is a {type(plan).__name__}; expected a {kind.__name__} (from the matching "
+                f"prepare_{'store' if kind is StorePlan else 'load' if kind is LoadPlan else 'remote_put'})"
             )
         if plan.owner != self._owner:
             raise InvalidArgumentError(f"plan {plan.plan_id} was prepared by another Manager")

@@ -405,7 +405,7 @@ def test_complete_store_requires_a_store_plan() -> None:
     m = make()
     stored(m, [A])
     load = m.prepare_load([A])
-    with pytest.raises(ArgumentTypeError, match="expected a StorePlan"):
+    with pytest.raises(ArgumentTypeError, match=r"plan is a \w+; expected a StorePlan \(from the matching prepare_store\)"):
         m.complete_store(load, True)  # type: ignore[arg-type]
 
 
