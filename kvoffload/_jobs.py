@@ -215,7 +215,9 @@ class JobBook:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise WaitTimeoutError(
-                        f"job(s) {missing} did not finish within {timeout} s", pending=missing
+                        f"job(s) {missing} did not finish within {timeout} s; they are still in "
+                        "flight: wait or poll for them again (their blocks stay booked until then)",
+                        pending=missing,
                     )
                 first = missing[0]
                 source = self._open[first]

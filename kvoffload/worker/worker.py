@@ -829,7 +829,7 @@ class Worker:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError("the worker was shut down")
+            raise ClosedError("the worker was shut down: build another with Worker.create")
 
     def __enter__(self) -> Worker:
         return self

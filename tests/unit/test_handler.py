@@ -126,7 +126,7 @@ def test_wait_timeout_keeps_the_job_in_flight() -> None:
     handler = make_handler(backend)
     try:
         handler.submit(5, [1], [1])
-        with pytest.raises(WaitTimeoutError) as info:
+        with pytest.raises(WaitTimeoutError, match=r"still in flight: wait or poll for them again") as info:
             handler.wait([5], timeout=0.01)
         assert info.value.pending == (5,)
         wait_until_issued(backend, 1)

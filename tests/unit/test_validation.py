@@ -621,7 +621,7 @@ def test_calls_after_shutdown_raise_closed_error(
 ) -> None:
     worker.store(1, [3], [2])  # shutdown drains it
     worker.shutdown()
-    with pytest.raises(ClosedError, match=r"^the worker was shut down$") as info:
+    with pytest.raises(ClosedError, match=r"^the worker was shut down: build another with Worker.create$") as info:
         call(worker)
     assert_error(info, ClosedError, ())
     assert not isinstance(info.value, ValueError)  # "you closed it" is not "bad argument"
