@@ -117,6 +117,12 @@ WAIT_QUERY_S: Final = 1e-6
 #: the H200 a 64 MiB store at 4 KiB pages began 12.2 us after its hand-off with it, 46.2 us without
 #: (docs/design.md §16).
 EXPECT_SPIN_S: Final = 200e-6
+#: The same call tells a thread with work (issuing or polling) that the caller's hand-off is coming:
+#: the thread gives way before each of its driver calls until the caller's fence is recorded, for
+#: this long at most (an announced caller that does not come costs the issue that much once), so
+#: the record finds no call of the thread's in progress to wait for. 0: the thread is not told.
+#: Measured on the H200 in docs/design.md §16 (*A caller announced to a busy thread*).
+CALLER_COMING_S: Final = 50e-6
 #: The issuer thread polls a job without sleeps from this long before the end it predicts for it
 #: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
 #: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
@@ -170,9 +176,10 @@ def _ns(seconds: float) -> int:
 
 def tune(c: native.Config) -> None:
     """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
-    the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead and
-    early wake, the caller's-issue limit, the staged rows' strided copies and edge chunks, and the
-    controls. ``ctx_get_current``, which the caller's issue needs, is the caller's to resolve."""
+    the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead,
+    early wake and announced callers, the caller's-issue limit, the staged rows' strided copies
+    and edge chunks, and the controls. ``ctx_get_current``, which the caller's issue needs, is the
+    caller's to resolve."""
     c.poll_min_ns = _ns(POLL_MIN_S)
     c.poll_max_ns = _ns(POLL_MAX_S)
     c.controls = CONTROLS
@@ -187,6 +194,7 @@ def tune(c: native.Config) -> None:
     c.caller_issue_max = max(0, int(CALLER_ISSUE_MAX))
     c.strided_min_rows = max(0, int(STRIDED_MIN_ROWS))
     c.edge_bytes = max(0, int(STAGED_EDGE_BYTES))
+    c.caller_coming_ns = _ns(CALLER_COMING_S)
 
 
 class NativeTicket:
@@ -523,7 +531,7 @@ class NativeBackend:
         self._caller_issue_max = int(config.caller_issue_max)
         self._expect: Callable[[object], object] | None = None
         self._expect_arg: object = None
-        if config.expect_spin_ns > 0:  # through the call front where it is built
+        if config.expect_spin_ns > 0 or config.caller_coming_ns > 0:  # through the call front where it is built
             self._expect, self._expect_arg = ((front.expect, self._front_at) if front is not None
                                               else (lib.kvo_issuer_expect, self._issuer_arg))
 
@@ -696,8 +704,9 @@ class NativeBackend:
     def early_wake(self, pages: int) -> tuple[int, Callable[[], object]] | None:
         """For the worker's fast front, whose jobs copy ``pages`` pages per pair: the fewest pairs
         of a job its caller does not issue, and a call that wakes the thread when it is out of work
-        and blocked, to be made as soon as such a job is taken, before its checks and its hand-off
-        (:data:`EXPECT_SPIN_S`; kvo_issuer_expect); None when the early wake is off."""
+        and blocked, or tells it that the caller is coming when it has work, to be made as soon as
+        such a job is taken, before its checks and its hand-off (:data:`EXPECT_SPIN_S`,
+        :data:`CALLER_COMING_S`; kvo_issuer_expect); None when both are off."""
         if self._expect is None or pages <= 0:
             return None
         return self._caller_issue_max // pages + 1, self._wake_early

@@ -150,6 +150,8 @@ struct kvo_config {
                                * as one strided copy per run (0: never); see staged_plan */
     int64_t edge_bytes;       /* bytes of a staged job's edge chunk (0: every chunk a whole slot);
                                * see staged_chunks */
+    int64_t caller_coming_ns; /* a busy thread told by kvo_issuer_expect that a caller's hand-off
+                               * is coming gives way for at most this long (0: never); see give_way */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -229,6 +231,10 @@ struct kvo_issuer {
                            * hand-off kvo_issuer_expect announced (0: none) */
     int64_t expects;      /* the calls of kvo_issuer_expect that woke the thread (kvo_issuer_counts) */
     atomic_int callers; /* callers' threads inside a driver call of theirs (see give_way) */
+    int64_t coming_until; /* CLOCK_MONOTONIC ns until which the thread gives way to a caller whose
+                           * hand-off kvo_issuer_expect announced (0: none; atomics) */
+    int64_t comings;      /* the calls of kvo_issuer_expect that announced one (kvo_issuer_counts) */
+    int thread_issues;    /* the thread is issuing a job it took off the queue (under the mutex) */
     /* Diagnostics (kvo_issuer_call_stats): the issuing side's driver call in progress (CALL_*),
      * its longest call of each kind, and the callers' calls: how many, the longest, and those
      * slower than SLOW_CALLER_CALL_NS by the issuing side's call in progress when they began. */
@@ -278,9 +284,16 @@ static void cond_init(pthread_cond_t *cond) {
  * after call would keep the caller's thread (the engine's) waiting behind several of them. The wait
  * is bounded: a caller stalled inside its call delays the issue by the config's give_way_ns at most. */
 static void give_way(struct kvo_issuer *is) {
-    if (!atomic_load_explicit(&is->callers, memory_order_acquire)) return;
-    int64_t until = now_ns() + is->c.give_way_ns;
-    while (atomic_load_explicit(&is->callers, memory_order_acquire) && now_ns() < until) cpu_relax();
+    int64_t coming = __atomic_load_n(&is->coming_until, __ATOMIC_ACQUIRE);
+    if (!atomic_load_explicit(&is->callers, memory_order_acquire) && !coming) return;
+    int64_t now = now_ns(), until = now + is->c.give_way_ns;
+    /* Also while a caller announced by kvo_issuer_expect is on its way to its record (until its
+     * record, or until the announcement lapses): its record then finds no call of ours to wait for. */
+    while (now < until && (atomic_load_explicit(&is->callers, memory_order_acquire) ||
+                           now < __atomic_load_n(&is->coming_until, __ATOMIC_ACQUIRE))) {
+        cpu_relax();
+        now = now_ns();
+    }
 }
 
 /* A caller's thread enters (1) or leaves (-1) a driver call of its own. */
@@ -1068,11 +1081,13 @@ static void *run(void *arg) {
                 finish(is, job);
                 continue;
             }
+            is->thread_issues = 1;
             pthread_mutex_unlock(&is->mu);
             if (!job->begun) __atomic_store_n(&job->times[1], now_ns(), __ATOMIC_RELAXED); /* kvo_job_times may read */
             issue_job(is, job);
             __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
             pthread_mutex_lock(&is->mu);
+            is->thread_issues = 0;
             if (issued(is, job)) sleep_ns = is->c.poll_min_ns;
             continue;
         }
@@ -1271,6 +1286,7 @@ struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *e
         caller_call(is, 1);
         r = CALLER_CALL(is, ((fn_event_record)is->c.event_record)(fence->event, stream));
         if (context_restored(is, r)) r = ((fn_event_record)is->c.event_record)(fence->event, stream);
+        __atomic_store_n(&is->coming_until, 0, __ATOMIC_RELEASE); /* the announced caller came */
         caller_call(is, -1);
         if (r) { pthread_mutex_lock(&is->mu); pool_give(is, &is->plain, fence->event); pthread_mutex_unlock(&is->mu); }
     }
@@ -1552,7 +1568,7 @@ int64_t kvo_job_take(struct kvo_job *job, int64_t release, int64_t *out, double 
 /* out[0]: how many hand-offs found the thread blocked and signalled it (the idle spin's measure);
  * out[1]: how many idle naps it took; out[2]: how many jobs their callers issued; out[3]: how
  * many jobs their waiters found done (waiter_query); out[4]: how many kvo_issuer_expect calls woke
- * the thread. */
+ * the thread; out[5]: how many told it a caller was coming. */
 void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     pthread_mutex_lock(&is->mu);
     out[0] = is->signals;
@@ -1560,6 +1576,7 @@ void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     out[2] = is->caller_issued;
     out[3] = is->waiter_found;
     out[4] = is->expects;
+    out[5] = is->comings;
     pthread_mutex_unlock(&is->mu);
 }
 
@@ -1582,20 +1599,29 @@ void kvo_issuer_call_stats(struct kvo_issuer *is, int64_t *out) {
  * that is out of work and blocked is woken now, and looks for the hand-off for expect_spin_ns
  * before it blocks again, so that its wake-up (tens of microseconds on the H200 hosts after a
  * millisecond blocked) overlaps the caller's work before the hand-off instead of following it.
- * 1 when it woke the thread; 0 (nothing done) when it is off, or the thread has work, a caller
- * issues, or it is not blocked. */
+ * A thread with work (issuing or polling jobs) is told instead that the caller is coming: it gives
+ * way before each of its driver calls until the caller's record (kvo_fence_take) or for
+ * caller_coming_ns at most, so that the caller's record, the hand-off's one driver call, does not
+ * wait behind a call the thread is in (see give_way). 1 when it woke the thread, 2 when it told
+ * it; 0 (nothing done) when that is off, or the thread is stopping, a caller issues, or it is out
+ * of work and not blocked. */
 int64_t kvo_issuer_expect(struct kvo_issuer *is) {
-    if (is->c.expect_spin_ns <= 0) return 0;
+    if (is->c.expect_spin_ns <= 0 && is->c.caller_coming_ns <= 0) return 0;
     pthread_mutex_lock(&is->mu);
-    int wake = is->sleeping && !is->queue_head && !is->flight_head && !is->issuing && !is->stop &&
-               !(is->c.controls & CONTROL_NEVER_SIGNAL);
+    int busy = !is->stop && !is->issuing && (is->thread_issues || is->queue_head || is->flight_head);
+    int wake = is->c.expect_spin_ns > 0 && is->sleeping && !is->queue_head && !is->flight_head &&
+               !is->issuing && !is->stop && !(is->c.controls & CONTROL_NEVER_SIGNAL);
+    int told = busy && is->c.caller_coming_ns > 0;
     if (wake) {
         is->expect_until = now_ns() + is->c.expect_spin_ns;
         is->expects++;
+    } else if (told) {
+        __atomic_store_n(&is->coming_until, now_ns() + is->c.caller_coming_ns, __ATOMIC_RELEASE);
+        is->comings++;
     }
     pthread_mutex_unlock(&is->mu);
     if (wake) pthread_cond_signal(&is->work);
-    return wake;
+    return wake ? 1 : told ? 2 : 0;
 }
 
 /* The job's predicted end (CLOCK_MONOTONIC ns; 0 until it is in flight, or with nothing to predict

@@ -505,8 +505,9 @@ class Worker:
         issuer's direction with an ``int`` id and one-dimensional ``int64`` numpy ids, submitted in
         one pass (the ids copied, admitted and counted in one call into the library, the id
         reserved, the job handed over), with an issuer thread that is out of work woken first
-        for a job its caller will not issue. True when the job was submitted. False, with nothing
-        changed (but a thread perhaps woken), for any other job or any failed check:
+        for a job its caller will not issue (one with work told that the caller is coming). True
+        when the job was submitted. False, with nothing changed (but a thread perhaps woken or
+        told), for any other job or any failed check:
         :meth:`_submit` then validates it from the start and submits it or raises its precise
         error, so the two doors differ only in speed.
         """
@@ -543,7 +544,7 @@ class Worker:
         """The fast front's checks and bookkeeping: for a job it takes, its id, its handler, its
         own copies of the ids (admitted and counted, the id reserved) and its stream's handle, for
         the handler to hand over (or :meth:`_front_forget` to undo); None, with nothing changed
-        (but a thread perhaps woken, with ``wake``), for any other job."""
+        (but a thread perhaps woken or told, with ``wake``), for any other job."""
         lane = self._fronts.get(direction)
         if (lane is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
                 or type(dst_blocks) is not np.ndarray or src_blocks.dtype is not _I64

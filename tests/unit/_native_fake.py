@@ -193,10 +193,11 @@ class FakeDriver:
                idle_spin_ns: int = 0, end_lead_ns: int = 50_000,
                caller_issue_max: int = native_backend.CALLER_ISSUE_MAX,
                wait_query_ns: int = round(native_backend.WAIT_QUERY_S * 1e9),
-               expect_spin_ns: int = round(native_backend.EXPECT_SPIN_S * 1e9)) -> native.Config:
+               expect_spin_ns: int = round(native_backend.EXPECT_SPIN_S * 1e9),
+               caller_coming_ns: int = round(native_backend.CALLER_COMING_S * 1e9)) -> native.Config:
         """An issuer config over this driver: copy stream COPY, kernel stream KERNEL; the rest as
         the library's defaults (small jobs handed to an idle thread issued by their callers,
-        spinning waiters querying, the early wake, staged rows of consecutive records as strided
+        spinning waiters querying, the early wake and announced callers, staged rows of consecutive records as strided
         copies) but for staged chunks: every one a whole slot (``edge_bytes`` 0; a test tunes it)."""
         c = native.Config()
         for name in ("ctx_set_current", "ctx_get_current", "event_create", "event_destroy", "event_record",
@@ -226,6 +227,7 @@ class FakeDriver:
         c.caller_issue_max = caller_issue_max
         c.wait_query_ns = wait_query_ns
         c.expect_spin_ns = expect_spin_ns
+        c.caller_coming_ns = caller_coming_ns
         c.memcpy_2d = self.address("memcpy_2d")
         c.strided_min_rows = strided_min_rows
         c.edge_bytes = 0

@@ -610,7 +610,7 @@ def early_wakes(expect_spin_ns: int) -> list[int]:
             time.sleep(0.05)  # the thread is out of work and blocked
             w.store(job, _i(*range(pairs)), _i(*range(pairs)))
             assert w.wait([job], TIMEOUT_S)[0].ok
-            out = (ctypes.c_int64 * 5)()
+            out = (ctypes.c_int64 * 6)()
             backend.lib.kvo_issuer_counts(backend._issuer, out)  # noqa: SLF001
             wakes.append(int(out[4]))
     finally:

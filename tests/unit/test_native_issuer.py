@@ -714,8 +714,9 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
 
 def counts(h: Harness) -> tuple[int, ...]:
     """The issuer's counts so far: hand-offs that signalled the thread, idle naps, jobs their
-    callers issued, jobs their waiters found done, early wakes (kvo_issuer_counts)."""
-    out = (ctypes.c_int64 * 5)()
+    callers issued, jobs their waiters found done, early wakes, callers announced to a busy
+    thread (kvo_issuer_counts)."""
+    out = (ctypes.c_int64 * 6)()
     h.backend.lib.kvo_issuer_counts(h.backend._issuer, out)  # noqa: SLF001
     return tuple(int(v) for v in out)
 
@@ -1054,23 +1055,74 @@ def test_an_early_wake_after_the_backend_was_released_calls_nothing(monkeypatch:
 
 
 def test_a_thread_with_work_or_an_early_wake_off_is_not_woken() -> None:
+    # A thread with work is told that a caller is coming (2) unless that is off too (0); never woken.
     h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune=THREAD_ISSUES)
-    off = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune={"expect_spin_ns": 0})
+    quiet = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]),
+                    tune={**THREAD_ISSUES, "caller_coming_ns": 0})
+    off = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]),
+                  tune={"expect_spin_ns": 0, "caller_coming_ns": 0})
     try:
         time.sleep(0.05)
         assert off.backend.lib.kvo_issuer_expect(off.backend._issuer) == 0  # noqa: SLF001
         assert off.backend.early_wake(4) is None
-        h.fake.not_ready = 1 << 40
-        ticket = _issue(h, 1)
-        assert wait_until(lambda: ticket.times()[2] != 0)  # in flight
-        assert h.backend.lib.kvo_issuer_expect(h.backend._issuer) == 0  # noqa: SLF001
-        h.fake.not_ready = 0
-        assert ticket.wait(TIMEOUT_S)
-        ticket.release()
+        tickets = []
+        for harness, answer in ((h, 2), (quiet, 0)):
+            harness.fake.not_ready = 1 << 40
+            ticket = _issue(harness, 1)
+            assert wait_until(lambda: ticket.times()[2] != 0)  # in flight
+            assert harness.backend.lib.kvo_issuer_expect(harness.backend._issuer) == answer  # noqa: SLF001
+            assert counts(harness)[4:] == (0, answer // 2)  # woken by none; told by the one that said so
+            tickets.append((harness, ticket))
+        for harness, ticket in tickets:
+            harness.fake.not_ready = 0
+            assert ticket.wait(TIMEOUT_S)
+            ticket.release()
     finally:
-        h.fake.not_ready = 0
-        h.close()
+        for harness in (h, quiet):
+            harness.fake.not_ready = 0
+            harness.close()
         off.close()
+
+
+def thread_calls_while_an_announced_caller_comes(coming_ns: int) -> tuple[int, int]:
+    """A thread held mid-issue of a job of many copies is told that a caller is coming, then let
+    go: kvo_issuer_expect's answer, and the thread's driver calls in the 0.3 s that follow while
+    the caller has not come. The caller's record then comes, and the job must complete whole."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan, batch=False, give_way_ns=30 * 10**9,
+                tune={**THREAD_ISSUES, "caller_coming_ns": coming_ns})
+    gate, inside = threading.Event(), threading.Event()
+    device, host = list(range(0, 16, 2)), list(range(1, 17, 2))
+    try:
+        h.fake.gate["cuMemcpyAsync"] = gate
+        h.fake.entered["cuMemcpyAsync"] = inside
+        h.handler.submit(0, device, host)  # 8 unmerged copies
+        assert inside.wait(TIMEOUT_S)  # the thread is inside its first copy
+        told = int(h.backend.lib.kvo_issuer_expect(h.backend._issuer))  # noqa: SLF001
+        seen = len(h.fake.snapshot())
+        del h.fake.gate["cuMemcpyAsync"]
+        gate.set()  # the thread leaves its copy; the caller is still on its way
+        wait_until(lambda: len(h.fake.snapshot()) > seen + 2, timeout_s=0.3)
+        during = len(h.fake.snapshot()) - seen
+        h.backend.release_fence(h.backend.fence(None))  # the caller's record ends the announcement
+        (result,) = h.handler.wait([0], TIMEOUT_S)  # (a give-way of 30 s would outlast this wait)
+        assert result.ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        return told, during
+    finally:
+        gate.set()
+        h.close()
+
+
+def test_a_busy_thread_told_a_caller_is_coming_gives_way_until_its_record_or_for_a_bounded_time() -> None:
+    # Control: a thread not told goes on issuing while the caller is on its way to its record.
+    told, during = thread_calls_while_an_announced_caller_comes(0)
+    assert (told, during > 2) == (0, True), "the control did not issue: the test proves nothing"
+    # Told (for 30 s at most): no driver call until the caller's record, then the job goes on.
+    assert thread_calls_while_an_announced_caller_comes(30 * 10**9) == (2, 0)
+    # An announcement that lapses (1 ms) lets the thread go on though the caller never came.
+    told, during = thread_calls_while_an_announced_caller_comes(1_000_000)
+    assert (told, during > 2) == (2, True)
 
 
 def issued_after_the_spin(controls: int) -> bool:
