@@ -414,10 +414,12 @@ class DiskTier:
         check_pairs(blocks, rows, "disk_blocks", "host_blocks")
         self._reserved_submit(Direction.PROMOTE, job, blocks, rows, None)
 
-    def write_validated(self, job_id: int, host_rows: I64Array, disk_blocks: I64Array) -> None:
-        """:meth:`write` of ids the caller validated, with the id already reserved in the book (the
-        Worker's call). Raises ``ClosedError`` and ``BlockConflictError`` only."""
-        self._submit(Direction.DEMOTE, job_id, disk_blocks, host_rows, None)
+    def write_validated(self, job_id: int, host_rows: I64Array, disk_blocks: I64Array, *,
+                        keys: list[bytes] | None = None) -> None:
+        """:meth:`write` of ids and keys the caller validated (:func:`check_keys`), with the id
+        already reserved in the book (the Worker's call). Raises ``ClosedError`` and
+        ``BlockConflictError`` only."""
+        self._submit(Direction.DEMOTE, job_id, disk_blocks, host_rows, keys)
 
     def read_validated(self, job_id: int, disk_blocks: I64Array, host_rows: I64Array) -> None:
         """:meth:`read` of ids the caller validated, with the id already reserved in the book (the

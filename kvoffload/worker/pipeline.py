@@ -64,6 +64,7 @@ class _Job:
     device_blocks: I64Array
     disk_blocks: I64Array
     fence: object
+    keys: list[bytes] | None = None  # a store's record keys, by position (None: no keys)
     submitted: float = attrs.field(factory=time.perf_counter)
 
 
@@ -137,17 +138,17 @@ class DiskPipeline:
 
     def submit(
         self, job_id: int, direction: Direction, device_blocks: I64Array, disk_blocks: I64Array,
-        fence: object,
+        fence: object, *, keys: list[bytes] | None = None,
     ) -> None:
-        """Queue a validated job (its id reserved in the book, which gets its result). The job owns
-        ``fence`` from here on.
+        """Queue a validated job (its id reserved in the book, which gets its result; ``keys``: a
+        store's record keys, validated). The job owns ``fence`` from here on.
 
         Raises:
             ClosedError: after shutdown.
         """
         if self._closed:
             raise ClosedError("the disk pipeline was shut down")
-        self._queue.put(_Job(job_id, direction, device_blocks, disk_blocks, fence))
+        self._queue.put(_Job(job_id, direction, device_blocks, disk_blocks, fence, keys))
 
     # --------------------------------------------------------------------------------- the thread
 
@@ -194,7 +195,8 @@ class DiskPipeline:
                     error = self._copy_error(self._to_slots, copy)
                     if error is None and first_error is None:
                         rows = self._sets[index][: part.stop - part.start]
-                        writing.append((index, self._tier.write_records(rows, job.disk_blocks[part])))
+                        keys = job.keys[part] if job.keys is not None else None
+                        writing.append((index, self._tier.write_records(rows, job.disk_blocks[part], keys=keys)))
                     else:
                         first_error = first_error or error
                         free.append(index)

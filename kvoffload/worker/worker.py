@@ -51,6 +51,7 @@ from kvoffload._layer_load import LayerLoad, LayerMarks
 from kvoffload._validate import as_block_ids, check_pairs, check_range
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner
 from kvoffload.disk.config import DiskCapabilities, DiskConfig, DiskRecordInfo, DiskStats
+from kvoffload.disk.format import check_keys as check_disk_keys
 from kvoffload.errors import (
     ArgumentTypeError,
     ClosedError,
@@ -100,8 +101,9 @@ I64Array = npt.NDArray[np.int64]
 _PIPELINE_DIRECTIONS: Final = (Direction.STORE_TO_DISK, Direction.LOAD_FROM_DISK)
 _REMOTE_DIRECTIONS: Final = (Direction.PUT_REMOTE, Direction.GET_REMOTE)
 _I64: Final = np.dtype(np.int64)
-#: ``(job, src, dst, stream, fence)``: hands a validated, booked, reserved job to its component.
-_Submit = Callable[[int, I64Array, I64Array, object, object], None]
+#: ``(job, src, dst, stream, fence, keys)``: hands a validated, booked, reserved job to its
+#: component (``keys``: the disk records' keys of a demote or store_to_disk, else None).
+_Submit = Callable[[int, I64Array, I64Array, object, object, "list[bytes] | None"], None]
 
 
 class Worker:
@@ -176,17 +178,18 @@ class Worker:
         """Where each direction's jobs go: the component that completes them and its submit call."""
         store, load = self._store, self._load
         routes: dict[Direction, tuple[JobSource, _Submit]] = {
-            Direction.STORE: (store, lambda j, s, d, stream, _f: store.submit_validated(j, s, d, stream=stream)),
-            Direction.LOAD: (load, lambda j, s, d, stream, _f: load.submit_validated(j, s, d, stream=stream)),
+            Direction.STORE: (store, lambda j, s, d, stream, _f, _k: store.submit_validated(j, s, d, stream=stream)),
+            Direction.LOAD: (load, lambda j, s, d, stream, _f, _k: load.submit_validated(j, s, d, stream=stream)),
         }
         tier, pipeline = self._tier, self._pipeline
         if tier is not None and pipeline is not None:
-            routes[Direction.DEMOTE] = (tier, lambda j, s, d, _s, _f: tier.write_validated(j, s, d))
-            routes[Direction.PROMOTE] = (tier, lambda j, s, d, _s, _f: tier.read_validated(j, s, d))
+            routes[Direction.DEMOTE] = (tier, lambda j, s, d, _s, _f, k: tier.write_validated(j, s, d, keys=k))
+            routes[Direction.PROMOTE] = (tier, lambda j, s, d, _s, _f, _k: tier.read_validated(j, s, d))
             routes[Direction.STORE_TO_DISK] = (
-                pipeline, lambda j, s, d, _s, fence: pipeline.submit(j, Direction.STORE_TO_DISK, s, d, fence))
+                pipeline,
+                lambda j, s, d, _s, fence, k: pipeline.submit(j, Direction.STORE_TO_DISK, s, d, fence, keys=k))
             routes[Direction.LOAD_FROM_DISK] = (
-                pipeline, lambda j, s, d, _s, fence: pipeline.submit(j, Direction.LOAD_FROM_DISK, d, s, fence))
+                pipeline, lambda j, s, d, _s, fence, _k: pipeline.submit(j, Direction.LOAD_FROM_DISK, d, s, fence))
         if self._remote is not None:  # remote jobs are submitted by _submit_remote (they carry keys)
             for direction in _REMOTE_DIRECTIONS:
                 routes[direction] = (self._remote, _no_submit)
@@ -374,25 +377,31 @@ class Worker:
         handler = self._load
         made: list[LayerMarks] = []
 
-        def submit(j: int, s: I64Array, d: I64Array, on: object, _f: object) -> None:
+        def submit(j: int, s: I64Array, d: I64Array, on: object, _f: object, _k: list[bytes] | None) -> None:
             made.append(handler.submit_layered(j, s, d, tables, stream=on))
 
         job = self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
                            "host_blocks", "device_blocks", submit)
         return LayerLoad(job, made[0], self._check_open)
 
-    def demote(self, job_id: int, host_blocks: BlockIds, disk_blocks: BlockIds) -> None:
+    def demote(self, job_id: int, host_blocks: BlockIds, disk_blocks: BlockIds, *,
+               keys: Sequence[bytes] | None = None) -> None:
         """Write host records ``host_blocks[i]`` to disk records ``disk_blocks[i]`` (checksummed).
 
         The host records must not be changed until the result came back; on ``ok`` the disk records
-        are valid (and survive a restart with ``DiskConfig(reuse=True)``).
+        are valid (and survive a restart with ``DiskConfig(reuse=True)``). ``keys[i]`` (optional,
+        at most 1024 bytes, ``b""`` for none) is stored in record ``disk_blocks[i]``'s header: after
+        a warm restart :meth:`disk_valid_blocks` names each record's key, so an engine can find
+        its cache again (docs/design.md §9.4).
 
         Raises (before anything is submitted; the worker is unchanged): ``ClosedError``,
         ``InvalidArgumentError`` without a disk tier, and the id and conflict errors of :meth:`store`
-        (a host record an in-flight job writes; a disk record an in-flight job reads or writes).
+        (a host record an in-flight job writes; a disk record an in-flight job reads or writes);
+        ``KeyTypeError`` for keys that are not a sequence of bytes, ``InvalidArgumentError`` for
+        keys of another count than the disk blocks or a key too long.
         """
         self._submit(Direction.DEMOTE, job_id, host_blocks, disk_blocks, None,
-                     "host_blocks", "disk_blocks")
+                     "host_blocks", "disk_blocks", keys=keys)
 
     def promote(self, job_id: int, disk_blocks: BlockIds, host_blocks: BlockIds) -> None:
         """Read disk records ``disk_blocks[i]`` into host records ``host_blocks[i]``, verifying each.
@@ -406,17 +415,19 @@ class Worker:
                      "disk_blocks", "host_blocks")
 
     def store_to_disk(
-        self, job_id: int, device_blocks: BlockIds, disk_blocks: BlockIds, *, stream: object = None
+        self, job_id: int, device_blocks: BlockIds, disk_blocks: BlockIds, *, stream: object = None,
+        keys: Sequence[bytes] | None = None,
     ) -> None:
         """Copy device blocks to disk records through the bounce slots, after queued compute.
 
         Ordered like :meth:`store` (after the work queued on ``stream`` before this call). The
-        result comes back once every disk write finished.
+        result comes back once every disk write finished. ``keys`` as :meth:`demote`'s.
 
-        Raises: as :meth:`store`, with disk blocks in place of host blocks.
+        Raises: as :meth:`store`, with disk blocks in place of host blocks, and the keys' errors of
+        :meth:`demote`.
         """
         self._submit(Direction.STORE_TO_DISK, job_id, device_blocks, disk_blocks, stream,
-                     "device_blocks", "disk_blocks")
+                     "device_blocks", "disk_blocks", keys=keys)
 
     def load_from_disk(
         self, job_id: int, disk_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
@@ -599,10 +610,11 @@ class Worker:
 
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
-        stream: object, src_name: str, dst_name: str, submit_as: _Submit | None = None,
+        stream: object, src_name: str, dst_name: str, submit_as: _Submit | None = None, *,
+        keys: Sequence[bytes] | None = None,
     ) -> int:
         """Validate, book, reserve and hand over one job (``submit_as`` in place of the route's
-        submit call); returns the job id."""
+        submit call; ``keys``: a disk write's record keys, checked here); returns the job id."""
         self._check_open()
         route = self._routes.get(direction)
         if route is None:
@@ -621,6 +633,7 @@ class Worker:
         dst = as_block_ids(dst_name, dst_blocks, dst_limit, ranged=ranged)
         if ranged:
             check_pairs(src, dst, src_name, dst_name)
+        key_list = check_disk_keys(keys, int(dst.shape[0]))
         fence: object = None
         if self._pipeline is not None and direction in _PIPELINE_DIRECTIONS:
             fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError
@@ -652,7 +665,7 @@ class Worker:
                 self._pipeline.release_fence(direction, fence)  # type: ignore[union-attr]
             raise
         try:
-            submit(job, src, dst, stream, fence)
+            submit(job, src, dst, stream, fence, key_list)
         except BaseException:
             with self._lock:
                 self._book.remove(job)
@@ -855,7 +868,9 @@ class Worker:
     )
 
 
-def _no_submit(job: int, src: I64Array, dst: I64Array, stream: object, fence: object) -> None:
+def _no_submit(
+    job: int, src: I64Array, dst: I64Array, stream: object, fence: object, keys: list[bytes] | None,
+) -> None:
     """The route of a direction submitted by its own method (remote jobs carry keys, not ids)."""
     raise AssertionError("remote jobs are submitted by Worker._submit_remote")
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import BlockConflictError, DeviceLayout, Direction, InvalidArgumentError, Worker
+from kvoffload import BlockConflictError, DeviceLayout, Direction, InvalidArgumentError, KeyTypeError, Worker
 from kvoffload.cli._caches import build_cache
 from kvoffload.disk.tier import DiskTier
 from kvoffload.worker.pipeline import DiskPipeline
@@ -145,6 +145,48 @@ def test_warm_restart_serves_what_an_earlier_worker_demoted(disk_path: str) -> N
         second.load_from_disk(1, [60, 61], [30, 31])
         assert second.wait([1], TIMEOUT_S)[0].ok
     assert pages_equal(layout, layout.gather_records([30, 31]), original)
+
+
+def test_the_keys_a_worker_wrote_with_its_disk_records_are_named_after_a_warm_restart(disk_path: str) -> None:
+    layout = make_layout(seed=4)
+    with Worker.create(layout, HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS), bounce_slots=4) as first:
+        first.store(1, [1, 2], [0, 1])
+        assert first.wait([1], TIMEOUT_S)[0].ok
+        first.demote(2, [0, 1], [20, 21], keys=[b"prefix/a", b""])
+        first.store_to_disk(3, [5, 6, 7, 8, 9, 10], [30, 31, 32, 33, 34, 35],  # more than the slots
+                            keys=[b"k%d" % i for i in range(6)])
+        first.demote(4, [0], [40])  # no keys: b""
+        assert all(r.ok for r in first.wait([2, 3, 4], TIMEOUT_S))
+    with Worker.create(layout, HOST_BLOCKS,
+                       disk=DiskConfig(disk_path, DISK_BLOCKS, reuse=True)) as second:
+        named = {b: info.key for b, info in second.disk_valid_blocks().items()}
+        assert named == {20: b"prefix/a", 21: b"", **{30 + i: b"k%d" % i for i in range(6)}, 40: b""}
+        second.load_from_disk(5, [20, 35], [40, 41])
+        assert second.wait([5], TIMEOUT_S)[0].ok
+    assert pages_equal(layout, layout.gather_records([40, 41]), layout.gather_records([1, 10]))
+
+
+def test_bad_disk_keys_are_refused_before_anything_is_submitted(worker: Worker) -> None:
+    before = worker.disk_stats()
+
+    def demote(keys: Any) -> None:
+        worker.demote(1, [0, 1], [2, 3], keys=keys)
+
+    def store_to_disk(keys: Any) -> None:
+        worker.store_to_disk(1, [0, 1], [2, 3], keys=keys)
+
+    for call in (demote, store_to_disk):
+        with pytest.raises(KeyTypeError, match="keys must be a sequence of bytes"):
+            call(b"ab")
+        with pytest.raises(KeyTypeError, match=r"keys\[1\] = 'b' is a str, not bytes"):
+            call([b"a", "b"])
+        with pytest.raises(InvalidArgumentError, match="keys has 1 entries but disk_blocks has 2"):
+            call([b"a"])
+        with pytest.raises(InvalidArgumentError, match=r"keys\[0\] has 1025 bytes; at most 1024"):
+            call([b"x" * 1025, b"y"])
+    assert worker.disk_stats() == before
+    worker.demote(1, [0, 1], [2, 3], keys=[b"a", b"b"])  # the id and the blocks are free: nothing was booked
+    assert worker.wait([1], TIMEOUT_S)[0].ok
 
 
 class SlowHostBackend(HostBackend):
