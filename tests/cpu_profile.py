@@ -3,7 +3,7 @@
 The native issuer runs over a no-op driver compiled here (every driver call returns at once; an
 event completes ``DEVICE_US`` after its record), so what is timed is the library's and Python's own
 work on the caller's thread (``NAME=VALUE`` arguments set constants of
-:mod:`kvoffload.backends.native` first, e.g. ``EXPECT_SPIN_S=0``): the call of a 256-block store in bursts of 4 (the first after a wait,
+:mod:`kvoffload.backends.native` first, e.g. ``EXPECT_SPIN_S=0 CALLER_COMING_S=0``): the call of a 256-block store in bursts of 4 (the first after a wait,
 and jobs 2-4), a 1-block store's call -> result, the wait of a job already done, the 256-block
 store's first call and later ones through the worker, one flat function of the same steps and the
 library's calls alone (``profile_submit``'s ``floor``); then the Python functions those calls run

@@ -42,6 +42,7 @@ from kvoffload.errors import CudaError, TransferError, WaitTimeoutError
 from kvoffload.records import Direction, DriverCallStats
 
 __all__ = [
+    "CALLER_COMING_S",
     "CALLER_ISSUE_MAX",
     "CONTROLS",
     "END_LEAD_S",

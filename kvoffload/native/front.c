@@ -223,8 +223,8 @@ static PyObject *front_job_release(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
-/* expect(spec) -> bool: kvo_issuer_expect of the spec's issuer (True when it woke the thread),
- * with the GIL released (it takes the issuer's lock). */
+/* expect(spec) -> bool: kvo_issuer_expect of the spec's issuer (True when it woke the thread or
+ * told it that a caller is coming), with the GIL released (it takes the issuer's lock). */
 static PyObject *front_expect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     struct kvo_front_spec *s = spec_arg(args, nargs, 1, "expect(spec)");

@@ -799,7 +799,7 @@ def layered(device: torch.device) -> None:
 #: The builds ``ab`` compares: the native backend's module constants each overrides.
 AB_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
     ("as is", {}),
-    ("no early wake", {"EXPECT_SPIN_S": 0.0}),
+    ("no early wake", {"EXPECT_SPIN_S": 0.0, "CALLER_COMING_S": 0.0}),
     ("no waiter queries", {"WAIT_QUERY_S": 0.0}),
     ("thread issues all", {"CALLER_ISSUE_MAX": 0}),
 )

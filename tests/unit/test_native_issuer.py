@@ -1105,7 +1105,7 @@ def thread_calls_while_an_announced_caller_comes(coming_ns: int) -> tuple[int, i
         wait_until(lambda: len(h.fake.snapshot()) > seen + 2, timeout_s=0.3)
         during = len(h.fake.snapshot()) - seen
         h.backend.release_fence(h.backend.fence(None))  # the caller's record ends the announcement
-        (result,) = h.handler.wait([0], TIMEOUT_S)  # (a give-way of 30 s would outlast this wait)
+        (result,) = h.handler.wait([0], 5.0)  # not the 30 s each call would give way without it
         assert result.ok
         assert moved(h.fake, expected(plan, device, host)) == 0
         return told, during
@@ -1791,4 +1791,5 @@ def test_tune_sets_the_issuers_fields_from_the_module_constants_read_at_the_call
     native_backend.tune(c)
     assert (c.wait_query_ns, c.caller_issue_max, c.strided_min_rows) == (3000, 7, 9)
     assert c.expect_spin_ns == round(native_backend.EXPECT_SPIN_S * 1e9)
+    assert c.caller_coming_ns == round(native_backend.CALLER_COMING_S * 1e9)
     assert c.poll_max_ns == round(native_backend.POLL_MAX_S * 1e9)
