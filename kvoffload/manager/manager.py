@@ -109,6 +109,33 @@ def _made(factory: PolicyFactory, name: str, capacity: int) -> EvictionPolicy:
         ) from exc
 
 
+def _check_blocks(name: str, blocks: object, count: int, capacity: int) -> list[int]:
+    """``blocks`` as a list of ``count`` distinct block ids in ``[0, capacity)``.
+
+    Raises:
+        ArgumentTypeError: not a sequence of ints.
+        InvalidArgumentError: another length, an id out of range, or one id twice.
+    """
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
+        raise ArgumentTypeError(f"{name} = {blocks!r:.80} must be a sequence of ints")
+    out: list[int] = []
+    seen: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise ArgumentTypeError(
+                f"{name}[{i}] = {block!r:.80} is a {type(block).__name__}; block ids are ints"
+            )
+        if not 0 <= block < capacity:
+            raise InvalidArgumentError(f"{name}[{i}] = {block} is out of range [0, {capacity})")
+        if block in seen:
+            raise InvalidArgumentError(f"{name}[{i}] = {block} repeats {name}[{seen[block]}]")
+        seen[block] = i
+        out.append(block)
+    if len(out) != count:
+        raise InvalidArgumentError(f"{name} has {len(out)} blocks but names has {count}")
+    return out
+
+
 class Manager(ManagerBase):
     """The host (and optional disk) block pool of one model/layout fingerprint.
 
@@ -273,6 +300,74 @@ class Manager(ManagerBase):
         """A snapshot of block states and counters (O(1))."""
         disk = self._disk.stats() if self._disk is not None else TierStats(Tier.DISK, 0, 0, 0, 0, 0, 0)
         return self._n.snapshot(self._policy_name, self._epoch, self._host.stats(), disk)
+
+    # ----------------------------------------------------------------- warm restart
+
+    def adopt_disk(self, names: Sequence[bytes], disk_blocks: Sequence[int]) -> list[bytes]:
+        """Take the records a disk tier already holds under this manager's names as ready disk
+        copies: ``names[i]`` in disk block ``disk_blocks[i]``, after a warm restart from
+        ``Worker.disk_valid_blocks()`` (the names ``Worker.demote(..., keys=...)`` wrote, each
+        :meth:`namespaced` of its key, so that no other model's record of the same block hash is
+        ever taken). A name of another fingerprint (or none) is left alone: its block stays free,
+        and later demotions overwrite it. The keys taken become loadable from the disk tier
+        (``STORED`` events on it), admitted to its policy in the order given (the first is the
+        first victim under LRU); their blocks are no longer free. The manager trusts that each
+        block holds its name's record; the Worker verifies every record when it reads it.
+
+        Returns: the keys taken (names without this manager's prefix), in the order given.
+
+        Raises (nothing changed):
+            InvalidArgumentError: the manager has no disk tier; ``disk_blocks`` of another length
+                than ``names``, a block out of range, one block twice, or the block of a name to
+                take that is not free.
+            ArgumentTypeError: ``disk_blocks`` not a sequence of ints.
+            KeyTypeError, DuplicateKeyError: ``names`` not a sequence of distinct bytes.
+            KeyStateError: a key to take that the manager already holds.
+        """
+        self._enter("adopt_disk")
+        try:
+            pool = self._disk
+            if pool is None:
+                raise InvalidArgumentError(
+                    "adopt_disk needs a disk tier: Manager.create(..., num_disk_blocks=...)"
+                )
+            check_unique_keys("names", names)
+            blocks = _check_blocks("disk_blocks", disk_blocks, len(names), pool.capacity)
+            prefix, entries = self._namespace, self._entries
+            free = set(pool.free)
+            keys: list[bytes] = []
+            taken: list[int] = []
+            for i, (name, block) in enumerate(zip(names, blocks)):
+                if not name.startswith(prefix):
+                    continue  # another model's record, or one without a name
+                key = name[len(prefix):]
+                if key in entries:
+                    raise KeyStateError(
+                        f"names[{i}] = {name!r} is key {key!r}, which the manager already holds"
+                    )
+                if block not in free:
+                    raise InvalidArgumentError(
+                        f"disk_blocks[{i}] = {block} is not free (a copy or a plan holds it)"
+                    )
+                keys.append(key)
+                taken.append(block)
+            gone = set(taken)
+            pool.free = [b for b in pool.free if b not in gone]
+            admit = pool.policy.admit
+            for key, block in zip(keys, taken):
+                entry = Entry(-1, 0)
+                entry.host_state = None
+                entry.disk = block
+                entry.disk_state = READY
+                entries[key] = entry
+                admit(key)
+            self._ready.update(keys)
+            if self._record_events:
+                self._events += events_of(STORED, keys, DISK)
+            self._check_policies(keys)
+            return keys
+        finally:
+            self._calling = None
 
     # ----------------------------------------------------------------- stores
 

@@ -1174,3 +1174,57 @@ def test_complete_load_refuses_an_ok_that_is_not_a_bool() -> None:
     with pytest.raises(ArgumentTypeError, match="ok"):
         manager.complete_load(load, ok=1)  # type: ignore[arg-type]
     manager.complete_load(load)
+
+
+def test_adopted_disk_records_are_loadable_from_the_disk_tier_and_their_blocks_are_taken() -> None:
+    m = make(host=2, disk=4)
+    other = namespaced_key("model-b/layout-1", C)  # another model's record of the same block hash
+    taken = m.adopt_disk([m.namespaced(A), other, b"", m.namespaced(B)], [3, 0, 2, 1])
+    assert taken == [A, B]
+    assert m.events() == [BlockEvent(EventKind.STORED, A, Tier.DISK),
+                          BlockEvent(EventKind.STORED, B, Tier.DISK)]
+    assert m.lookup([A, B]) == 2 and m.lookup([C]) == 0
+    plan = m.prepare_load([B, A])
+    assert (plan.tiers, plan.blocks) == ((Tier.DISK, Tier.DISK), (1, 3))
+    m.complete_load(plan)
+    assert m.stats().disk.ready == 2 and m.stats().disk.free == 2  # blocks 0 and 2 were left free
+    # Demotions take the free blocks, then evict by the policy.
+    stored(m, [C, D])  # host full
+    demoted = []
+    for key in (E, b"f" * 8, b"g" * 8):
+        store = m.prepare_store([key])
+        assert store is not None
+        demoted += [(d.key, d.disk_block) for d in store.demotions]
+        m.complete_demote(store, True)
+        m.complete_store(store, True)
+    # the free blocks first, then B's: the load used B, then A, so B is the least recently used
+    assert [block for _, block in demoted] == [0, 2, 1]
+    assert m.lookup([B]) == 0 and m.lookup([A]) == 1
+
+
+def test_adopt_disk_refuses_bad_input_and_changes_nothing() -> None:
+    m = make(host=2, disk=4)
+    stored(m, [A, B])
+    plan = m.prepare_store([C])  # C's store demotes A to a disk block: pending there
+    assert plan is not None and len(plan.demotions) == 1
+    busy = plan.demotions[0].disk_block
+    before = snapshot(m)
+    d, e = m.namespaced(D), m.namespaced(E)
+    cases: list[tuple[Any, Any, type[Exception], str]] = [
+        ([d], [busy], InvalidArgumentError, rf"disk_blocks\[0\] = {busy} is not free"),
+        ([m.namespaced(A)], [busy ^ 1], KeyStateError, r"names\[0\] = .* which the manager already holds"),
+        ([d, d], [0, 1], DuplicateKeyError, r"names\[1\] = .* repeats names\[0\]"),
+        ([d, "e"], [0, 1], KeyTypeError, r"names\[1\] = 'e' is a str"),
+        ([d, e], [2], InvalidArgumentError, "disk_blocks has 1 blocks but names has 2"),
+        ([d, e], [2, 2], InvalidArgumentError, r"disk_blocks\[1\] = 2 repeats disk_blocks\[0\]"),
+        ([d], [4], InvalidArgumentError, r"disk_blocks\[0\] = 4 is out of range \[0, 4\)"),
+        ([d], [True], ArgumentTypeError, r"disk_blocks\[0\] = True is a bool"),
+        ([d], "0", ArgumentTypeError, "disk_blocks = '0' must be a sequence of ints"),
+    ]
+    for names, blocks, error, message in cases:
+        with pytest.raises(error, match=message):
+            m.adopt_disk(names, blocks)
+    assert_unchanged(m, before)
+    assert m.adopt_disk([namespaced_key("model-b", D)], [busy]) == []  # another model's: left alone
+    with pytest.raises(InvalidArgumentError, match="adopt_disk needs a disk tier"):
+        make(host=2).adopt_disk([A], [0])

@@ -20,7 +20,7 @@ from kvoffload.cli._caches import build_cache
 from kvoffload.disk.tier import DiskTier
 from kvoffload.worker.pipeline import DiskPipeline
 from kvoffload.backends.host import HostBackend
-from kvoffload import DiskConfig
+from kvoffload import DiskConfig, Manager, Tier, namespaced_key
 
 TIMEOUT_S = 60.0
 NUM_BLOCKS = 64
@@ -164,6 +164,34 @@ def test_the_keys_a_worker_wrote_with_its_disk_records_are_named_after_a_warm_re
         second.load_from_disk(5, [20, 35], [40, 41])
         assert second.wait([5], TIMEOUT_S)[0].ok
     assert pages_equal(layout, layout.gather_records([40, 41]), layout.gather_records([1, 10]))
+
+
+def test_a_manager_adopts_a_warm_restarted_disk_tier_and_loads_what_an_earlier_worker_demoted(
+    disk_path: str,
+) -> None:
+    layout = make_layout(seed=5)
+    keys = [b"prefix-%d" % i for i in range(3)]
+    before = Manager.create(HOST_BLOCKS, fingerprint="model-a", num_disk_blocks=DISK_BLOCKS)
+    with Worker.create(layout, HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS)) as first:
+        first.store(1, [7, 8, 9, 10], [0, 1, 2, 3])
+        assert first.wait([1], TIMEOUT_S)[0].ok
+        names = [before.namespaced(k) for k in keys] + [namespaced_key("model-b", keys[0])]
+        first.demote(2, [0, 1, 2, 3], [12, 5, 40, 41], keys=names)
+        assert first.wait([2], TIMEOUT_S)[0].ok
+    with Worker.create(layout, HOST_BLOCKS,
+                       disk=DiskConfig(disk_path, DISK_BLOCKS, reuse=True)) as second:
+        manager = Manager.create(HOST_BLOCKS, fingerprint="model-a", num_disk_blocks=DISK_BLOCKS)
+        found = second.disk_valid_blocks()
+        taken = manager.adopt_disk([info.key for info in found.values()], list(found))
+        assert sorted(taken) == keys  # model-b's record of keys[0] is not taken
+        assert manager.lookup(keys) == 3
+        plan = manager.prepare_load(keys)
+        assert plan.tiers == (Tier.DISK,) * 3 and plan.blocks == (12, 5, 40)
+        second.load_from_disk(3, list(plan.blocks), [20, 21, 22])
+        (loaded,) = second.wait([3], TIMEOUT_S)
+        manager.complete_load(plan, ok=loaded.ok)
+        assert loaded.ok
+    assert pages_equal(layout, layout.gather_records([20, 21, 22]), layout.gather_records([7, 8, 9]))
 
 
 def test_bad_disk_keys_are_refused_before_anything_is_submitted(worker: Worker) -> None:
