@@ -24,7 +24,7 @@ anything.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Final
 
@@ -33,6 +33,7 @@ from kvoffload.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     KeyStateError,
+    KeyTypeError,
     PolicyError,
     UnknownKeyError,
 )
@@ -41,6 +42,7 @@ from kvoffload.manager.policies import EvictionPolicy, PolicyFactory, resolve_po
 from kvoffload.manager.records import (
     BlockEvent,
     Demotion,
+    DiskRecord,
     LoadPlan,
     ManagerStats,
     RemotePutPlan,
@@ -109,30 +111,31 @@ def _made(factory: PolicyFactory, name: str, capacity: int) -> EvictionPolicy:
         ) from exc
 
 
-def _check_blocks(name: str, blocks: object, count: int, capacity: int) -> list[int]:
-    """``blocks`` as a list of ``count`` distinct block ids in ``[0, capacity)``.
+def _disk_records(records: object) -> list[tuple[int, int, bytes]]:
+    """``(block, generation, name)`` of each of ``records`` (:class:`DiskRecord`).
 
     Raises:
-        ArgumentTypeError: not a sequence of ints.
-        InvalidArgumentError: another length, an id out of range, or one id twice.
+        ArgumentTypeError: not iterable, or a record whose block or generation is not an int.
+        KeyTypeError: a record whose name is not bytes.
     """
-    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
-        raise ArgumentTypeError(f"{name} = {blocks!r:.80} must be a sequence of ints")
-    out: list[int] = []
-    seen: dict[int, int] = {}
-    for i, block in enumerate(blocks):
-        if isinstance(block, bool) or not isinstance(block, int):
-            raise ArgumentTypeError(
-                f"{name}[{i}] = {block!r:.80} is a {type(block).__name__}; block ids are ints"
-            )
-        if not 0 <= block < capacity:
-            raise InvalidArgumentError(f"{name}[{i}] = {block} is out of range [0, {capacity})")
-        if block in seen:
-            raise InvalidArgumentError(f"{name}[{i}] = {block} repeats {name}[{seen[block]}]")
-        seen[block] = i
-        out.append(block)
-    if len(out) != count:
-        raise InvalidArgumentError(f"{name} has {len(out)} blocks but names has {count}")
+    if isinstance(records, (str, bytes)) or not isinstance(records, Iterable):
+        raise ArgumentTypeError(
+            f"records = {records!r:.80} must be an iterable of disk records "
+            "(Worker.disk_valid_blocks().values())"
+        )
+    out: list[tuple[int, int, bytes]] = []
+    for i, record in enumerate(records):
+        block, generation, name = (getattr(record, f, None) for f in ("block", "generation", "key"))
+        for field, value in (("block", block), ("generation", generation)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ArgumentTypeError(
+                    f"records[{i}] = {record!r:.80} has {field} {value!r:.40}; a disk record's "
+                    "block and generation are ints (kvoffload.DiskRecordInfo)"
+                )
+        if not isinstance(name, bytes):
+            raise KeyTypeError(f"records[{i}] = {record!r:.80} has key {name!r:.40}; names are bytes")
+        assert isinstance(block, int) and isinstance(generation, int)
+        out.append((block, generation, name))
     return out
 
 
@@ -303,26 +306,34 @@ class Manager(ManagerBase):
 
     # ----------------------------------------------------------------- warm restart
 
-    def adopt_disk(self, names: Sequence[bytes], disk_blocks: Sequence[int]) -> list[bytes]:
-        """Take the records a disk tier already holds under this manager's names as ready disk
-        copies: ``names[i]`` in disk block ``disk_blocks[i]``, after a warm restart from
-        ``Worker.disk_valid_blocks()`` (the names ``Worker.demote(..., keys=...)`` wrote, each
-        :meth:`namespaced` of its key, so that no other model's record of the same block hash is
-        ever taken). A name of another fingerprint (or none) is left alone: its block stays free,
-        and later demotions overwrite it. The keys taken become loadable from the disk tier
-        (``STORED`` events on it), admitted to its policy in the order given (the first is the
-        first victim under LRU); their blocks are no longer free. The manager trusts that each
-        block holds its name's record; the Worker verifies every record when it reads it.
+    def adopt_disk(self, records: Iterable[DiskRecord]) -> list[bytes]:
+        """Take the records a warm-restarted disk tier holds under this manager's names as ready
+        disk copies: ``records`` as ``Worker.disk_valid_blocks().values()`` lists them
+        (:class:`DiskRecord`), each named :meth:`namespaced` of its key by
+        ``Worker.demote(..., keys=...)``, so that no other model's record of the same block hash is
+        ever taken. Call it before this manager plans its first demotion (then its own writes may
+        have replaced what the list says), with a list read from the tier after the Worker opened
+        it and before any job wrote to it.
 
-        Returns: the keys taken (names without this manager's prefix), in the order given.
+        A record of another fingerprint, or without a name, is left alone: its block stays free and
+        later demotions overwrite it. Of records with the same name, the newest write (the highest
+        generation) is taken and the others are left alone. The keys taken become loadable from
+        the disk tier (``STORED`` events on it) and are admitted to its policy oldest write first
+        (the first victim under LRU); their blocks are no longer free. The manager trusts that each
+        block holds its name's record; the Worker verifies every record's checksum when it reads it.
+
+        Returns: the keys taken (names without this manager's prefix), oldest write first.
 
         Raises (nothing changed):
-            InvalidArgumentError: the manager has no disk tier; ``disk_blocks`` of another length
-                than ``names``, a block out of range, one block twice, or the block of a name to
-                take that is not free.
-            ArgumentTypeError: ``disk_blocks`` not a sequence of ints.
-            KeyTypeError, DuplicateKeyError: ``names`` not a sequence of distinct bytes.
+            InvalidArgumentError: no disk tier; this manager already planned a demotion; a record
+                to take whose block is out of this manager's range, not free, or that of another
+                record to take.
+            ArgumentTypeError: ``records`` not iterable, or a record whose block or generation is
+                not an int.
+            KeyTypeError: a record whose name is not bytes.
             KeyStateError: a key to take that the manager already holds.
+            PolicyError: the disk policy's ``admit`` raised (after the call's change, which stands;
+                the error's ``result`` is what the call returns).
         """
         self._enter("adopt_disk")
         try:
@@ -331,30 +342,49 @@ class Manager(ManagerBase):
                 raise InvalidArgumentError(
                     "adopt_disk needs a disk tier: Manager.create(..., num_disk_blocks=...)"
                 )
-            check_unique_keys("names", names)
-            blocks = _check_blocks("disk_blocks", disk_blocks, len(names), pool.capacity)
-            prefix, entries = self._namespace, self._entries
-            free = set(pool.free)
-            keys: list[bytes] = []
-            taken: list[int] = []
-            for i, (name, block) in enumerate(zip(names, blocks)):
+            if self._n.demotions_planned:
+                raise InvalidArgumentError(
+                    "adopt_disk must come before the manager's first demotion: its own writes may "
+                    "have replaced the records listed; adopt with a new manager right after the "
+                    "Worker opened its disk tier"
+                )
+            listed = _disk_records(records)
+            prefix, entries, capacity = self._namespace, self._entries, pool.capacity
+            newest: dict[bytes, tuple[int, int, int]] = {}  # key -> (generation, block, position)
+            for i, (block, generation, name) in enumerate(listed):
                 if not name.startswith(prefix):
                     continue  # another model's record, or one without a name
                 key = name[len(prefix):]
+                if not 0 <= block < capacity:
+                    raise InvalidArgumentError(
+                        f"records[{i}] (block {block}) is out of this manager's disk blocks [0, "
+                        f"{capacity}): create it with the tier's num_disk_blocks"
+                    )
                 if key in entries:
                     raise KeyStateError(
-                        f"names[{i}] = {name!r} is key {key!r}, which the manager already holds"
+                        f"records[{i}] names key {key!r}, which the manager already holds"
                     )
+                kept = newest.get(key)
+                if kept is None or generation > kept[0]:
+                    newest[key] = (generation, block, i)
+            free = set(pool.free)
+            owner: dict[int, int] = {}
+            for generation, block, i in newest.values():
                 if block not in free:
                     raise InvalidArgumentError(
-                        f"disk_blocks[{i}] = {block} is not free (a copy or a plan holds it)"
+                        f"records[{i}] (block {block}) is not a free block (a copy or a plan holds it)"
                     )
-                keys.append(key)
-                taken.append(block)
-            gone = set(taken)
-            pool.free = [b for b in pool.free if b not in gone]
+                if block in owner:
+                    raise InvalidArgumentError(
+                        f"records[{i}] and records[{owner[block]}] are both in block {block}"
+                    )
+                owner[block] = i
+            order = sorted(newest.items(), key=lambda item: item[1])  # oldest write first
+            keys = [key for key, _ in order]
+            taken = set(owner)
+            pool.free = [b for b in pool.free if b not in taken]
             admit = pool.policy.admit
-            for key, block in zip(keys, taken):
+            for key, (_, block, _) in order:
                 entry = Entry(-1, 0)
                 entry.host_state = None
                 entry.disk = block

@@ -10,7 +10,7 @@ import enum
 import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, Protocol
 
 import attrs
 
@@ -20,6 +20,7 @@ __all__ = [
     "NAMESPACE_PREFIX_BYTES",
     "BlockEvent",
     "Demotion",
+    "DiskRecord",
     "EventKind",
     "LoadPlan",
     "ManagerStats",
@@ -67,6 +68,24 @@ def namespace_prefix(fingerprint: bytes) -> bytes:
     return hashlib.blake2b(
         fingerprint, digest_size=NAMESPACE_PREFIX_BYTES, person=_NAMESPACE_PERSON
     ).digest()
+
+
+class DiskRecord(Protocol):
+    """One record a disk tier holds, as ``Worker.disk_valid_blocks()`` lists it
+    (``kvoffload.DiskRecordInfo``): its disk block, the generation of its write (later writes have
+    higher ones) and the name in its header. What :meth:`Manager.adopt_disk` reads."""
+
+    @property
+    def block(self) -> int:
+        """The disk block."""
+
+    @property
+    def generation(self) -> int:
+        """The write's generation."""
+
+    @property
+    def key(self) -> bytes:
+        """The name in the record's header (``b""``: none)."""
 
 
 class Tier(enum.Enum):

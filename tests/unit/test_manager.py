@@ -29,6 +29,7 @@ from kvoffload.errors import (
 )
 from kvoffload import (
     ARCPolicy,
+    DiskRecordInfo,
     BlockEvent,
     EventKind,
     EvictionPolicy,
@@ -1176,55 +1177,57 @@ def test_complete_load_refuses_an_ok_that_is_not_a_bool() -> None:
     manager.complete_load(load)
 
 
+def rec(block: int, generation: int, name: bytes) -> DiskRecordInfo:
+    return DiskRecordInfo(block=block, generation=generation, key=name)
+
+
 def test_adopted_disk_records_are_loadable_from_the_disk_tier_and_their_blocks_are_taken() -> None:
-    m = make(host=2, disk=4)
+    m = make(host=2, disk=6)
     other = namespaced_key("model-b/layout-1", C)  # another model's record of the same block hash
-    taken = m.adopt_disk([m.namespaced(A), other, b"", m.namespaced(B)], [3, 0, 2, 1])
-    assert taken == [A, B]
-    assert m.events() == [BlockEvent(EventKind.STORED, A, Tier.DISK),
-                          BlockEvent(EventKind.STORED, B, Tier.DISK)]
+    records = [rec(3, 5, m.namespaced(A)), rec(0, 9, other), rec(2, 1, b""), rec(4, 3, b""),
+               rec(1, 2, m.namespaced(B)), rec(5, 7, m.namespaced(A)),  # A's newest write: block 5
+               rec(70, 6, other)]  # past this manager's blocks, but not its record: left alone
+    assert m.adopt_disk(records) == [B, A]  # oldest write first
+    assert m.events() == [BlockEvent(EventKind.STORED, B, Tier.DISK),
+                          BlockEvent(EventKind.STORED, A, Tier.DISK)]
     assert m.lookup([A, B]) == 2 and m.lookup([C]) == 0
-    plan = m.prepare_load([B, A])
-    assert (plan.tiers, plan.blocks) == ((Tier.DISK, Tier.DISK), (1, 3))
+    plan = m.prepare_load([A, B])
+    assert (plan.tiers, plan.blocks) == ((Tier.DISK, Tier.DISK), (5, 1))
     m.complete_load(plan)
-    assert m.stats().disk.ready == 2 and m.stats().disk.free == 2  # blocks 0 and 2 were left free
+    assert m.stats().disk.ready == 2 and m.stats().disk.free == 4  # 0, 2, 3, 4 left free
     # Demotions take the free blocks, then evict by the policy.
     stored(m, [C, D])  # host full
     demoted = []
-    for key in (E, b"f" * 8, b"g" * 8):
+    for key in (E, b"f" * 8, b"g" * 8, b"h" * 8, b"i" * 8):
         store = m.prepare_store([key])
         assert store is not None
         demoted += [(d.key, d.disk_block) for d in store.demotions]
         m.complete_demote(store, True)
         m.complete_store(store, True)
-    # the free blocks first, then B's: the load used B, then A, so B is the least recently used
-    assert [block for _, block in demoted] == [0, 2, 1]
-    assert m.lookup([B]) == 0 and m.lookup([A]) == 1
+    # the free blocks first, then B's: the load used A, then B, so A is the least recently used
+    assert [block for _, block in demoted] == [0, 2, 3, 4, 5]
+    assert m.lookup([A]) == 0 and m.lookup([B]) == 1
+    with pytest.raises(InvalidArgumentError, match="must come before the manager's first demotion"):
+        m.adopt_disk([rec(1, 1, m.namespaced(b"x"))])
 
 
 def test_adopt_disk_refuses_bad_input_and_changes_nothing() -> None:
     m = make(host=2, disk=4)
-    stored(m, [A, B])
-    plan = m.prepare_store([C])  # C's store demotes A to a disk block: pending there
-    assert plan is not None and len(plan.demotions) == 1
-    busy = plan.demotions[0].disk_block
+    stored(m, [A, B])  # no demotion yet: adoption is still allowed
     before = snapshot(m)
     d, e = m.namespaced(D), m.namespaced(E)
-    cases: list[tuple[Any, Any, type[Exception], str]] = [
-        ([d], [busy], InvalidArgumentError, rf"disk_blocks\[0\] = {busy} is not free"),
-        ([m.namespaced(A)], [busy ^ 1], KeyStateError, r"names\[0\] = .* which the manager already holds"),
-        ([d, d], [0, 1], DuplicateKeyError, r"names\[1\] = .* repeats names\[0\]"),
-        ([d, "e"], [0, 1], KeyTypeError, r"names\[1\] = 'e' is a str"),
-        ([d, e], [2], InvalidArgumentError, "disk_blocks has 1 blocks but names has 2"),
-        ([d, e], [2, 2], InvalidArgumentError, r"disk_blocks\[1\] = 2 repeats disk_blocks\[0\]"),
-        ([d], [4], InvalidArgumentError, r"disk_blocks\[0\] = 4 is out of range \[0, 4\)"),
-        ([d], [True], ArgumentTypeError, r"disk_blocks\[0\] = True is a bool"),
-        ([d], "0", ArgumentTypeError, "disk_blocks = '0' must be a sequence of ints"),
+    cases: list[tuple[Any, type[Exception], str]] = [
+        ([rec(0, 1, m.namespaced(A))], KeyStateError, r"records\[0\] names key .* which the manager already holds"),
+        ([rec(1, 1, d), rec(1, 2, e)], InvalidArgumentError, r"records\[1\] and records\[0\] are both in block 1"),
+        ([rec(0, 1, d), rec(4, 1, e)], InvalidArgumentError, r"records\[1\] \(block 4\) is out of this manager's disk blocks \[0, 4\)"),
+        ([rec(0, 1, d), rec(True, 1, e)], ArgumentTypeError, r"records\[1\] = .* has block True"),
+        ([rec(0, 1, d), (1, 2, e)], ArgumentTypeError, r"records\[1\] = .* has block None"),
+        ([rec(0, 1, "e")], KeyTypeError, r"records\[0\] = .* has key 'e'; names are bytes"),  # type: ignore[arg-type]
+        (b"records", ArgumentTypeError, "must be an iterable of disk records"),
     ]
-    for names, blocks, error, message in cases:
+    for records, error, message in cases:
         with pytest.raises(error, match=message):
-            m.adopt_disk(names, blocks)
+            m.adopt_disk(records)
     assert_unchanged(m, before)
-    assert m.adopt_disk([namespaced_key("model-b", D)], [busy]) == []  # another model's: left alone
     with pytest.raises(InvalidArgumentError, match="adopt_disk needs a disk tier"):
-        make(host=2).adopt_disk([A], [0])
+        make(host=2).adopt_disk([rec(0, 1, m.namespaced(A))])

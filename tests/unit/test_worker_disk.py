@@ -181,8 +181,7 @@ def test_a_manager_adopts_a_warm_restarted_disk_tier_and_loads_what_an_earlier_w
     with Worker.create(layout, HOST_BLOCKS,
                        disk=DiskConfig(disk_path, DISK_BLOCKS, reuse=True)) as second:
         manager = Manager.create(HOST_BLOCKS, fingerprint="model-a", num_disk_blocks=DISK_BLOCKS)
-        found = second.disk_valid_blocks()
-        taken = manager.adopt_disk([info.key for info in found.values()], list(found))
+        taken = manager.adopt_disk(second.disk_valid_blocks().values())
         assert sorted(taken) == keys  # model-b's record of keys[0] is not taken
         assert manager.lookup(keys) == 3
         plan = manager.prepare_load(keys)
