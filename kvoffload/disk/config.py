@@ -51,6 +51,7 @@ class DiskErrorKind(str, enum.Enum):
     BLOCK_MISMATCH = "block_mismatch"
     GENERATION_MISMATCH = "generation_mismatch"
     NOT_VALID = "not_valid"
+    KEY_MISMATCH = "key_mismatch"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
     VERSION_MISMATCH = "version_mismatch"
     GEOMETRY_MISMATCH = "geometry_mismatch"

@@ -164,13 +164,14 @@ class RecordCodec:
 
     def verify(
         self, headers: U8Array, i: int, payload: U8Array, block: int, valid: bool, expected: int,
-        require_checksum: bool,
+        require_checksum: bool, key: bytes | None = None,
     ) -> DiskIntegrityError | None:
         """Check record ``i`` of a read against the index (:func:`kvoffload._record.verify_record`,
         after the index's own VALID bit); None when it verified. A record written with a checksum
         has it checked whatever the reading tier's setting (a tier with ``checksum=False`` may read
         records a tier with ``checksum=True`` wrote, and a crash may have cut them); with
-        ``require_checksum`` one written without does not verify."""
+        ``require_checksum`` one written without does not verify; with ``key``, one whose header
+        names another key does not either (``KEY_MISMATCH``: a valid record, of another key)."""
         where = f"disk block {block} of {self.path!r}"
         if not valid:
             return self._integrity(
@@ -181,7 +182,7 @@ class RecordCodec:
             headers[i * PAGE_BYTES : (i + 1) * PAGE_BYTES], payload,
             record.Expected(payload_bytes=self.record_bytes, file_id=self.file_id, block=block,
                             generation=expected, check_payload=True,
-                            require_checksum=require_checksum),
+                            require_checksum=require_checksum, key=key),
         )
         if verdict.fault is None:
             return None
@@ -198,6 +199,7 @@ _DISK_KINDS: Final = {
     record.RecordFault.BLOCK_MISMATCH: DiskErrorKind.BLOCK_MISMATCH,
     record.RecordFault.GENERATION_MISMATCH: DiskErrorKind.GENERATION_MISMATCH,
     record.RecordFault.CHECKSUM_MISMATCH: DiskErrorKind.CHECKSUM_MISMATCH,
+    record.RecordFault.KEY_MISMATCH: DiskErrorKind.KEY_MISMATCH,
 }
 
 

@@ -306,7 +306,7 @@ class DiskStages:
         for i in range(int(piece.rows.shape[0])):
             row = host[int(piece.rows[i])]
             failure = self._codec.verify(headers, i, row, first + i, bool(valid[i]), int(expected[i]),
-                                         self.checksum)
+                                         self.checksum, piece.keys[i] if piece.keys is not None else None)
             if failure is None:
                 outcome.records_ok += 1
                 continue
@@ -314,8 +314,8 @@ class DiskStages:
             outcome.kinds.append(DiskErrorKind(failure.kind))
             outcome.errors.append((int(piece.positions[i]), failure))
             outcome.failed.append(int(piece.positions[i]))
-            if failure.kind != DiskErrorKind.NOT_VALID:
-                dropped.append((first + i, int(expected[i])))
+            if failure.kind not in (DiskErrorKind.NOT_VALID, DiskErrorKind.KEY_MISMATCH):
+                dropped.append((first + i, int(expected[i])))  # (another key's record stays listed)
         if dropped:
             self._index.unlist(dropped)
 

@@ -421,10 +421,13 @@ class DiskTier:
         ``BlockConflictError`` only."""
         self._submit(Direction.DEMOTE, job_id, disk_blocks, host_rows, keys)
 
-    def read_validated(self, job_id: int, disk_blocks: I64Array, host_rows: I64Array) -> None:
+    def read_validated(self, job_id: int, disk_blocks: I64Array, host_rows: I64Array, *,
+                       keys: list[bytes] | None = None) -> None:
         """:meth:`read` of ids the caller validated, with the id already reserved in the book (the
-        Worker's call). Raises ``ClosedError`` and ``BlockConflictError`` only."""
-        self._submit(Direction.PROMOTE, job_id, disk_blocks, host_rows, None)
+        Worker's call); with ``keys`` (validated), a record whose header names another key fails
+        (``KEY_MISMATCH``) as one that fails its checksum does. Raises ``ClosedError`` and
+        ``BlockConflictError`` only."""
+        self._submit(Direction.PROMOTE, job_id, disk_blocks, host_rows, keys)
 
     def _reserved_submit(
         self, direction: Direction, job_id: int, blocks: I64Array, rows: I64Array,
@@ -450,14 +453,17 @@ class DiskTier:
         key_list = check_keys(keys, int(blocks.shape[0]))
         return self._submit(Direction.DEMOTE, None, blocks, rows, key_list)
 
-    def read_records(self, disk_blocks: BlockIds, host_rows: BlockIds) -> DiskIO:
+    def read_records(self, disk_blocks: BlockIds, host_rows: BlockIds, *,
+                     keys: Sequence[bytes] | None = None) -> DiskIO:
         """As :meth:`read`, for the Worker's pipeline: returns a :class:`DiskIO` handle instead of a
-        polled result. Same validation and errors, without the job id."""
+        polled result. Same validation and errors, without the job id; ``keys`` as
+        :meth:`read_validated`'s."""
         self._check_open()
         blocks = as_block_ids("disk_blocks", disk_blocks, self.num_blocks)
         rows = as_block_ids("host_rows", host_rows, self.num_host_rows)
         check_pairs(blocks, rows, "disk_blocks", "host_rows")
-        return self._submit(Direction.PROMOTE, None, blocks, rows, None)
+        key_list = check_keys(keys, int(blocks.shape[0]))
+        return self._submit(Direction.PROMOTE, None, blocks, rows, key_list)
 
     def _submit(
         self, direction: Direction, job_id: int | None, blocks: I64Array, rows: I64Array,

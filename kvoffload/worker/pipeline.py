@@ -64,7 +64,7 @@ class _Job:
     device_blocks: I64Array
     disk_blocks: I64Array
     fence: object
-    keys: list[bytes] | None = None  # a store's record keys, by position (None: no keys)
+    keys: list[bytes] | None = None  # the records' keys, by position (None: no keys)
     submitted: float = attrs.field(factory=time.perf_counter)
 
 
@@ -140,8 +140,9 @@ class DiskPipeline:
         self, job_id: int, direction: Direction, device_blocks: I64Array, disk_blocks: I64Array,
         fence: object, *, keys: list[bytes] | None = None,
     ) -> None:
-        """Queue a validated job (its id reserved in the book, which gets its result; ``keys``: a
-        store's record keys, validated). The job owns ``fence`` from here on.
+        """Queue a validated job (its id reserved in the book, which gets its result; ``keys``: the
+        records' keys, validated: written by a store, checked by a load). The job owns ``fence``
+        from here on.
 
         Raises:
             ClosedError: after shutdown.
@@ -228,7 +229,8 @@ class DiskPipeline:
                 while rounds and free:
                     index, part = free.popleft(), rounds.popleft()
                     rows = self._sets[index][: part.stop - part.start]
-                    reading.append((index, part, self._tier.read_records(job.disk_blocks[part], rows)))
+                    keys = job.keys[part] if job.keys is not None else None
+                    reading.append((index, part, self._tier.read_records(job.disk_blocks[part], rows, keys=keys)))
                 if reading:
                     index, part, io = reading.popleft()
                     rows = self._sets[index][: part.stop - part.start]

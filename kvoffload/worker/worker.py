@@ -102,7 +102,7 @@ _PIPELINE_DIRECTIONS: Final = (Direction.STORE_TO_DISK, Direction.LOAD_FROM_DISK
 _REMOTE_DIRECTIONS: Final = (Direction.PUT_REMOTE, Direction.GET_REMOTE)
 _I64: Final = np.dtype(np.int64)
 #: ``(job, src, dst, stream, fence, keys)``: hands a validated, booked, reserved job to its
-#: component (``keys``: the disk records' keys of a demote or store_to_disk, else None).
+#: component (``keys``: the disk records' keys of a disk job that names them, else None).
 _Submit = Callable[[int, I64Array, I64Array, object, object, "list[bytes] | None"], None]
 
 
@@ -184,12 +184,13 @@ class Worker:
         tier, pipeline = self._tier, self._pipeline
         if tier is not None and pipeline is not None:
             routes[Direction.DEMOTE] = (tier, lambda j, s, d, _s, _f, k: tier.write_validated(j, s, d, keys=k))
-            routes[Direction.PROMOTE] = (tier, lambda j, s, d, _s, _f, _k: tier.read_validated(j, s, d))
+            routes[Direction.PROMOTE] = (tier, lambda j, s, d, _s, _f, k: tier.read_validated(j, s, d, keys=k))
             routes[Direction.STORE_TO_DISK] = (
                 pipeline,
                 lambda j, s, d, _s, fence, k: pipeline.submit(j, Direction.STORE_TO_DISK, s, d, fence, keys=k))
             routes[Direction.LOAD_FROM_DISK] = (
-                pipeline, lambda j, s, d, _s, fence, _k: pipeline.submit(j, Direction.LOAD_FROM_DISK, d, s, fence))
+                pipeline,
+                lambda j, s, d, _s, fence, k: pipeline.submit(j, Direction.LOAD_FROM_DISK, d, s, fence, keys=k))
         if self._remote is not None:  # remote jobs are submitted by _submit_remote (they carry keys)
             for direction in _REMOTE_DIRECTIONS:
                 routes[direction] = (self._remote, _no_submit)
@@ -403,16 +404,19 @@ class Worker:
         self._submit(Direction.DEMOTE, job_id, host_blocks, disk_blocks, None,
                      "host_blocks", "disk_blocks", keys=keys)
 
-    def promote(self, job_id: int, disk_blocks: BlockIds, host_blocks: BlockIds) -> None:
+    def promote(self, job_id: int, disk_blocks: BlockIds, host_blocks: BlockIds, *,
+                keys: Sequence[bytes] | None = None) -> None:
         """Read disk records ``disk_blocks[i]`` into host records ``host_blocks[i]``, verifying each.
 
         A record that fails its check (checksum, generation, I/O error) fails the job; its host
-        record is zero-filled, never given another block's bytes.
+        record is zero-filled, never given another block's bytes. With ``keys``, a record whose
+        header names another key than ``keys[i]`` fails too (``DiskErrorKind.KEY_MISMATCH``; it
+        stays listed: it is a valid record of that other key).
 
         Raises: as :meth:`demote`, mirrored.
         """
         self._submit(Direction.PROMOTE, job_id, disk_blocks, host_blocks, None,
-                     "disk_blocks", "host_blocks")
+                     "disk_blocks", "host_blocks", keys=keys)
 
     def store_to_disk(
         self, job_id: int, device_blocks: BlockIds, disk_blocks: BlockIds, *, stream: object = None,
@@ -430,18 +434,21 @@ class Worker:
                      "device_blocks", "disk_blocks", keys=keys)
 
     def load_from_disk(
-        self, job_id: int, disk_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+        self, job_id: int, disk_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None,
+        keys: Sequence[bytes] | None = None,
     ) -> None:
         """Copy disk records to device blocks through the bounce slots, after queued compute.
 
         Ordered like :meth:`load`. The result comes back only when no copy of the job still uses a
         bounce slot. A record that fails its check is not copied: its device block keeps its previous
-        contents and the job is ``ok=False``.
+        contents and the job is ``ok=False``. ``keys`` as :meth:`promote`'s: a record whose header
+        names another key fails so.
 
-        Raises: as :meth:`load`, with disk blocks in place of host blocks.
+        Raises: as :meth:`load`, with disk blocks in place of host blocks, and the keys' errors of
+        :meth:`demote`.
         """
         self._submit(Direction.LOAD_FROM_DISK, job_id, disk_blocks, device_blocks, stream,
-                     "disk_blocks", "device_blocks")
+                     "disk_blocks", "device_blocks", keys=keys)
 
     def put_remote(self, job_id: int, host_blocks: BlockIds, keys: Sequence[bytes]) -> None:
         """Store host records ``host_blocks[i]`` in the remote store under ``keys[i]``.
@@ -614,7 +621,7 @@ class Worker:
         keys: Sequence[bytes] | None = None,
     ) -> int:
         """Validate, book, reserve and hand over one job (``submit_as`` in place of the route's
-        submit call; ``keys``: a disk write's record keys, checked here); returns the job id."""
+        submit call; ``keys``: a disk job's record keys, checked here); returns the job id."""
         self._check_open()
         route = self._routes.get(direction)
         if route is None:

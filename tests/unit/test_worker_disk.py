@@ -20,7 +20,7 @@ from kvoffload.cli._caches import build_cache
 from kvoffload.disk.tier import DiskTier
 from kvoffload.worker.pipeline import DiskPipeline
 from kvoffload.backends.host import HostBackend
-from kvoffload import DiskConfig, Manager, Tier, namespaced_key
+from kvoffload import DiskConfig, DiskError, DiskErrorKind, Manager, Tier, namespaced_key
 
 TIMEOUT_S = 60.0
 NUM_BLOCKS = 64
@@ -193,6 +193,31 @@ def test_a_manager_adopts_a_warm_restarted_disk_tier_and_loads_what_an_earlier_w
     assert pages_equal(layout, layout.gather_records([20, 21, 22]), layout.gather_records([7, 8, 9]))
 
 
+def test_a_read_given_keys_refuses_a_record_of_another_key_and_keeps_it_listed(worker: Worker) -> None:
+    layout = worker.layout
+    worker.store(1, [3, 4], [0, 1])
+    assert worker.wait([1], TIMEOUT_S)[0].ok
+    worker.demote(2, [0, 1], [10, 11], keys=[b"old", b"y"])
+    assert worker.wait([2], TIMEOUT_S)[0].ok
+    worker.demote(3, [1], [10], keys=[b"new"])  # block 10 rewritten: a list saying b"old" is stale
+    assert worker.wait([3], TIMEOUT_S)[0].ok
+    before = layout.gather_records([30, 31])
+    worker.load_from_disk(4, [10, 11], [30, 31], keys=[b"old", b"y"])  # 10 expected to hold b"old"
+    (stale,) = worker.wait([4], TIMEOUT_S)
+    assert not stale.ok and isinstance(stale.error, DiskError) and stale.error.kind == DiskErrorKind.KEY_MISMATCH
+    after = layout.gather_records([30, 31])
+    assert torch.equal(after[0], before[0])  # the other key's record never reached the device
+    assert pages_equal(layout, after[[1]], layout.gather_records([4]))
+    worker.promote(5, [10, 11], [5, 6], keys=[b"old", b"y"])
+    (promoted,) = worker.wait([5], TIMEOUT_S)
+    assert not promoted.ok and promoted.error is not None
+    assert not worker.host_records()[5].any()  # zero-filled, never another key's bytes
+    assert worker.disk_valid_blocks()[10].key == b"new"  # a valid record of its own key: still listed
+    worker.load_from_disk(6, [10], [32], keys=[b"new"])
+    assert worker.wait([6], TIMEOUT_S)[0].ok
+    assert pages_equal(layout, layout.gather_records([32]), layout.gather_records([4]))
+
+
 def test_bad_disk_keys_are_refused_before_anything_is_submitted(worker: Worker) -> None:
     before = worker.disk_stats()
 
@@ -202,7 +227,13 @@ def test_bad_disk_keys_are_refused_before_anything_is_submitted(worker: Worker) 
     def store_to_disk(keys: Any) -> None:
         worker.store_to_disk(1, [0, 1], [2, 3], keys=keys)
 
-    for call in (demote, store_to_disk):
+    def promote(keys: Any) -> None:
+        worker.promote(1, [2, 3], [0, 1], keys=keys)
+
+    def load_from_disk(keys: Any) -> None:
+        worker.load_from_disk(1, [2, 3], [0, 1], keys=keys)
+
+    for call in (demote, store_to_disk, promote, load_from_disk):
         with pytest.raises(KeyTypeError, match="keys must be a sequence of bytes"):
             call(b"ab")
         with pytest.raises(KeyTypeError, match=r"keys\[1\] = 'b' is a str, not bytes"):
