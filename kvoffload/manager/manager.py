@@ -320,7 +320,8 @@ class Manager(ManagerBase):
         generation) is taken and the others are left alone. The keys taken become loadable from
         the disk tier (``STORED`` events on it) and are admitted to its policy oldest write first
         (the first victim under LRU); their blocks are no longer free. The manager trusts that each
-        block holds its name's record; the Worker verifies every record's checksum when it reads it.
+        block holds its name's record; the Worker verifies every record's checksum when it reads
+        it, and its name when the read is given ``keys=[namespaced(key)]``.
 
         Returns: the keys taken (names without this manager's prefix), oldest write first.
 
