@@ -1,7 +1,10 @@
 """Eviction policies: the seam (:class:`EvictionPolicy`) and the two the Manager ships, LRU and ARC.
 
 A policy orders the *evictable* keys of one tier; the manager decides what is evictable. Each holds
-only Python containers of keys, O(1) amortised per operation.
+only Python containers of keys, O(1) amortised per operation. The two shipped policies check the
+protocol's guarantees on every call, so an engine that drives one directly gets a typed error
+(:class:`~kvoffload.errors.UnknownKeyError` for a key that is not resident,
+:class:`~kvoffload.errors.KeyStateError` for one in the wrong state) and the policy unchanged.
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 from typing import Final, Protocol
 
-from kvoffload.errors import ArgumentTypeError, InvalidArgumentError, UnknownPolicyError
+from kvoffload.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    KeyStateError,
+    UnknownKeyError,
+    UnknownPolicyError,
+)
 
 __all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "PolicyFactory", "resolve_policy"]
 
@@ -64,6 +73,20 @@ def _check_capacity(capacity: object) -> int:
     return capacity
 
 
+def _not_resident(policy: str, method: str, key: bytes) -> UnknownKeyError:
+    return UnknownKeyError(f"{policy}.{method}({key!r}): the key is not resident (never admitted, or evicted)")
+
+
+def _wrong_state(policy: str, method: str, key: bytes, why: str) -> KeyStateError:
+    return KeyStateError(f"{policy}.{method}({key!r}): {why}; nothing changed")
+
+
+def _check_room(policy: str, key: bytes, resident: int, capacity: int) -> None:
+    if resident >= capacity:
+        raise _wrong_state(policy, "admit", key, f"the policy already holds its capacity of {capacity} "
+                                                 "resident keys; evict one first")
+
+
 class LRUPolicy:
     """Least recently used first. Admission, hits, holds and evictions are O(1).
 
@@ -81,21 +104,52 @@ class LRUPolicy:
         return len(self._order) + len(self._held)
 
     def admit(self, key: bytes) -> None:
-        """Insert ``key`` (not resident, as the protocol guarantees) as the most recent."""
+        """Insert ``key`` as the most recent.
+
+        Raises:
+            KeyStateError: ``key`` is already resident, or ``capacity`` keys are.
+        """
+        if key in self._order or key in self._held:
+            raise _wrong_state("LRUPolicy", "admit", key, "the key is already resident")
+        _check_room("LRUPolicy", key, len(self), self.capacity)
         self._order[key] = None
 
     def hit(self, key: bytes) -> None:
-        """Make ``key`` the most recent (a held key becomes it at release)."""
+        """Make ``key`` the most recent (a held key becomes it at release).
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+        """
         if key in self._order:
             self._order.move_to_end(key)
+        elif key not in self._held:
+            raise _not_resident("LRUPolicy", "hit", key)
 
     def hold(self, key: bytes) -> None:
-        """Take ``key`` out of the eviction order."""
+        """Take ``key`` out of the eviction order.
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+            KeyStateError: ``key`` is already held.
+        """
+        if key not in self._order:
+            if key in self._held:
+                raise _wrong_state("LRUPolicy", "hold", key, "the key is already held")
+            raise _not_resident("LRUPolicy", "hold", key)
         del self._order[key]
         self._held.add(key)
 
     def release(self, key: bytes) -> None:
-        """Put ``key`` back as the most recent."""
+        """Put ``key`` back as the most recent.
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+            KeyStateError: ``key`` is resident but not held.
+        """
+        if key not in self._held:
+            if key in self._order:
+                raise _wrong_state("LRUPolicy", "release", key, "the key is not held")
+            raise _not_resident("LRUPolicy", "release", key)
         self._held.remove(key)
         self._order[key] = None
 
@@ -114,7 +168,16 @@ class LRUPolicy:
         return out
 
     def evict(self, key: bytes) -> None:
-        """Forget ``key``."""
+        """Forget ``key``.
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+            KeyStateError: ``key`` is held (loading); release it first.
+        """
+        if key not in self._order:
+            if key in self._held:
+                raise _wrong_state("LRUPolicy", "evict", key, "the key is held (loading); release it first")
+            raise _not_resident("LRUPolicy", "evict", key)
         del self._order[key]
 
     def clear(self) -> None:
@@ -165,7 +228,14 @@ class ARCPolicy:
         return len(self._t1) + self._held_t1, len(self._t2) + held_t2
 
     def admit(self, key: bytes) -> None:
-        """Insert ``key``: into T1, or into T2 with adaptation when it is a ghost."""
+        """Insert ``key``: into T1, or into T2 with adaptation when it is a ghost.
+
+        Raises:
+            KeyStateError: ``key`` is already resident, or ``capacity`` keys are.
+        """
+        if key in self._t1 or key in self._t2 or key in self._held:
+            raise _wrong_state("ARCPolicy", "admit", key, "the key is already resident")
+        _check_room("ARCPolicy", key, len(self), self.capacity)
         b1, b2 = self._b1, self._b2
         if key in b1:
             self._p = min(float(self.capacity), self._p + max(1.0, len(b2) / len(b1)))
@@ -180,28 +250,53 @@ class ARCPolicy:
         self._trim_ghosts()
 
     def hit(self, key: bytes) -> None:
-        """Move ``key`` to the most recent end of T2."""
+        """Move ``key`` to the most recent end of T2 (a held key joins T2 at release).
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+        """
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
         elif key in self._t2:
             self._t2.move_to_end(key)
-        elif key in self._held and not self._held[key]:
-            self._held[key] = True
-            self._held_t1 -= 1
+        elif key in self._held:
+            if not self._held[key]:
+                self._held[key] = True
+                self._held_t1 -= 1
+        else:
+            raise _not_resident("ARCPolicy", "hit", key)
 
     def hold(self, key: bytes) -> None:
-        """Take ``key`` out of the eviction order, remembering its list."""
+        """Take ``key`` out of the eviction order, remembering its list.
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+            KeyStateError: ``key`` is already held.
+        """
         if key in self._t1:
             del self._t1[key]
             self._held[key] = False
             self._held_t1 += 1
-        else:
+        elif key in self._t2:
             del self._t2[key]
             self._held[key] = True
+        elif key in self._held:
+            raise _wrong_state("ARCPolicy", "hold", key, "the key is already held")
+        else:
+            raise _not_resident("ARCPolicy", "hold", key)
 
     def release(self, key: bytes) -> None:
-        """Put ``key`` back at the most recent end of its list."""
+        """Put ``key`` back at the most recent end of its list.
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+            KeyStateError: ``key`` is resident but not held.
+        """
+        if key not in self._held:
+            if key in self._t1 or key in self._t2:
+                raise _wrong_state("ARCPolicy", "release", key, "the key is not held")
+            raise _not_resident("ARCPolicy", "release", key)
         if self._held.pop(key):
             self._t2[key] = None
         else:
@@ -229,13 +324,22 @@ class ARCPolicy:
         return out
 
     def evict(self, key: bytes) -> None:
-        """Move ``key`` from T1 to B1 or from T2 to B2, then trim the ghosts."""
+        """Move ``key`` from T1 to B1 or from T2 to B2, then trim the ghosts.
+
+        Raises:
+            UnknownKeyError: ``key`` is not resident.
+            KeyStateError: ``key`` is held (loading); release it first.
+        """
         if key in self._t1:
             del self._t1[key]
             self._b1[key] = None
-        else:
+        elif key in self._t2:
             del self._t2[key]
             self._b2[key] = None
+        elif key in self._held:
+            raise _wrong_state("ARCPolicy", "evict", key, "the key is held (loading); release it first")
+        else:
+            raise _not_resident("ARCPolicy", "evict", key)
         self._trim_ghosts()
 
     def clear(self) -> None:
