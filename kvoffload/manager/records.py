@@ -223,6 +223,9 @@ class ManagerStats:
     prefixes (``remote_lookup_hits`` of them found in the remote store; ``remote_lookup_errors``
     counts existence checks that failed or passed their deadline, whose keys counted as misses).
     Store, load, eviction, demotion and remote counters count keys (blocks), not calls.
+    ``stale_completions`` counts calls: each ``complete_*`` given a plan from before the last
+    ``reset`` (a no-op but for the blocks it unfences). A duplicated call counts again, as the
+    manager keeps nothing of an old plan but the blocks it fences.
     """
 
     policy: str
