@@ -7,6 +7,11 @@ checksum threads ahead of the sends) and sends them with
 value as ``bytes`` and copies it into the header page and the host row. Keys are stored as
 ``key_prefix + key`` and spread over the cluster's slots.
 
+A node that refuses connections (it died) fails only its own keys of a chunk: the chunk runs again
+node by node (:meth:`_RedisClient._execute`); whether the other nodes still serve their slots is
+the cluster's setting ``cluster-require-full-coverage`` (with ``yes``, the default, they refuse
+every key once the cluster has marked the node failed).
+
 The store's rules: with ``maxmemory`` and an eviction policy such as ``allkeys-lru`` a full node
 evicts (an evicted key is a clean miss later); under ``noeviction`` it refuses writes with an OOM
 error (``store_full``). Errors map to kinds: a refused or dropped connection, a cluster that is down
@@ -17,7 +22,7 @@ any other error reply -> ``rejected``.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -50,6 +55,11 @@ _UNAVAILABLE: Final = (
     "SlotNotCoveredError", "RedisClusterException", "MasterDownError", "BusyLoadingError",
     "TryAgainError",
 )
+
+
+def _refused(exc: BaseException) -> bool:
+    """A connection to a node was refused or dropped (not a timeout): redis-py's ``ConnectionError``."""
+    return any(type(e).__name__ == "ConnectionError" for e in (exc, exc.__cause__) if e is not None)
 
 
 def _as_nodes(nodes: object) -> tuple[tuple[str, int], ...]:
@@ -117,9 +127,42 @@ class _RedisClient:
         self._staging = np.empty((HEADER_SLOTS, batch, PAGE_BYTES + self._record_bytes), dtype=np.uint8)
 
     def _pipeline(self, keys: Sequence[bytes], command: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._execute(keys, lambda pipe, j, key: getattr(pipe, command)(key, *args, **kwargs))
+
+    def _execute(self, keys: Sequence[bytes], queue: Callable[[Any, int, bytes], object]) -> list[Any]:
+        """One reply (or the exception that failed it) per key: ``queue(pipe, j, stored key)``
+        queues key ``j``'s command; the chunk runs as one pipeline.
+
+        A pipeline fails whole when one node refuses its connection (a node that died). Then each
+        node's keys run again as a pipeline of their own, so only the dead node's keys fail. Every
+        command here is safe to run twice (``SET NX``, ``GET``, ``EXISTS``, ``DEL``). A node that
+        does not answer (a timeout) fails the chunk: running the others again would wait for it a
+        second time."""
+        stored = [self._prefix + key for key in keys]
+        try:
+            return self._run(stored, range(len(keys)), queue)
+        except Exception as exc:  # noqa: BLE001 - mapped per key by the caller
+            if not _refused(exc):
+                raise
+            by_node: dict[str, list[int]] = {}
+            for j, key in enumerate(stored):
+                by_node.setdefault(self._cluster.get_node_from_key(key).name, []).append(j)
+            if len(by_node) < 2:
+                raise
+        replies: list[Any] = [None] * len(keys)
+        for indices in by_node.values():
+            try:
+                for j, reply in zip(indices, self._run(stored, indices, queue)):
+                    replies[j] = reply
+            except Exception as exc:  # noqa: BLE001 - that node's keys fail, the others stand
+                for j in indices:
+                    replies[j] = exc
+        return replies
+
+    def _run(self, stored: Sequence[bytes], indices: Iterable[int], queue: Callable[[Any, int, bytes], object]) -> list[Any]:
         pipe = self._cluster.pipeline(transaction=False)
-        for key in keys:
-            getattr(pipe, command)(self._prefix + key, *args, **kwargs)
+        for j in indices:
+            queue(pipe, j, stored[j])
         return list(pipe.execute(raise_on_error=False))
 
     def prepare_put(self, slot: int, headers: U8Array, rows: I64Array) -> None:
@@ -130,10 +173,8 @@ class _RedisClient:
             staging[j, PAGE_BYTES:] = self._rows[int(row)]
 
     def put_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array, slot: int) -> list[ChunkStatus]:
-        pipe = self._cluster.pipeline(transaction=False)
-        for j, key in enumerate(keys):
-            pipe.set(self._prefix + key, memoryview(self._staging[slot, j]), nx=True)
-        replies = pipe.execute(raise_on_error=False)
+        staging = self._staging[slot]
+        replies = self._execute(keys, lambda pipe, j, key: pipe.set(key, memoryview(staging[j]), nx=True))
         return [self.failure(r) if isinstance(r, Exception) else OK for r in replies]
 
     def get_chunk(self, keys: Sequence[bytes], headers: U8Array, rows: I64Array) -> list[ChunkStatus]:

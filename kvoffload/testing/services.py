@@ -325,8 +325,12 @@ class RedisClusterServices(_ServiceGroup):
         maxmemory_bytes: int = 256 << 20,
         policy: str = "allkeys-lru",
         timeout: float = 30.0,
+        require_full_coverage: bool = True,
     ) -> RedisClusterServices:
         """Start the servers, join them into one cluster and wait until it reports ``ok``.
+
+        ``require_full_coverage=False`` starts them with ``cluster-require-full-coverage no``: the
+        live nodes keep serving their slots once a node has failed.
 
         Raises:
             ServiceError: ``redis-server``/``redis-cli`` missing, a server that did not listen, or a
@@ -349,6 +353,7 @@ class RedisClusterServices(_ServiceGroup):
                      "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "2000",
                      "--dir", str(procs.dir), "--save", "", "--appendonly", "no",
                      "--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", policy,
+                     "--cluster-require-full-coverage", "yes" if require_full_coverage else "no",
                      "--daemonize", "no"],
                     f"redis-{port}.log",
                 )
@@ -386,6 +391,13 @@ class RedisClusterServices(_ServiceGroup):
                 time.sleep(_POLL_S)
         if pending:
             raise ServiceError(f"the Redis cluster did not report cluster_state:ok on port {pending[0]} in time")
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL the server of ``nodes[index]`` by its pid (its files stay until ``stop``)."""
+        proc = self._procs.procs[index]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(_STOP_GRACE_S)
 
     @property
     def nodes(self) -> tuple[tuple[str, int], ...]:

@@ -25,6 +25,7 @@ from kvoffload.errors import (
 )
 from kvoffload.remote import RemoteOp, RemoteResult
 from kvoffload._record import PAGE_BYTES
+from kvoffload.testing import RedisClusterServices
 from tests.remote.conftest import BACKENDS, Cluster, random_rows
 
 RECORD = 64 << 10
@@ -268,6 +269,44 @@ def test_server_killed_mid_traffic_fails_every_call_within_its_deadline_and_clos
     store.close(timeout=30)
     stats = store.stats()
     assert stats.closed and stats.busy == 0
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["at-once", "after-the-cluster-marked-it-failed"])
+def test_a_dead_redis_node_fails_only_its_own_keys_of_a_chunk(
+    failed: bool, fresh_cluster: Callable[..., Cluster], prefix: str
+) -> None:
+    """One of three nodes killed: every chunk spans all three, and the keys of the live nodes are
+    still put and served bit-exact; the dead node's keys fail as ``unavailable``, their rows zero.
+    (A chunk used to fail whole: the cluster pipeline raised for the one refused connection.)"""
+    c = fresh_cluster("redis", require_full_coverage=False)
+    assert isinstance(c.services, RedisClusterServices)
+    n = 48
+    rows = random_rows(2 * n, RECORD)
+    expected = rows[:n].copy()
+    store = c.store(rows, prefix=prefix, batch_records=n)
+    keys = keys_for(n)
+    assert store.put(keys, list(range(n)), timeout=30).ok
+    dead_port = c.services.ports[1]
+    on_dead = [c.raw().get_node_from_key(prefix.encode() + key).port == dead_port for key in keys]
+    assert 0 < sum(on_dead) < n, "the keys span the killed node and the others"
+    c.services.kill_node(1)
+    if failed:  # past the cluster's node timeout (2 s): the live nodes have marked it failed
+        time.sleep(4.0)
+    got = store.get(keys, list(range(n, 2 * n)), timeout=30)
+    assert list(got.succeeded) == [not dead for dead in on_dead]
+    for i, dead in enumerate(on_dead):
+        if dead:
+            error = got.errors[i]
+            assert error is not None and error.kind == "unavailable", error
+        else:
+            assert np.array_equal(rows[n + i], expected[i]), f"key {i} served wrong bytes"
+    assert_zero_rows(rows, [n + i for i, dead in enumerate(on_dead) if dead])
+    assert list(store.exists(keys, timeout=30).succeeded) == [not dead for dead in on_dead]
+    fresh = keys_for(n, "new")
+    on_dead = [c.raw().get_node_from_key(prefix.encode() + key).port == dead_port for key in fresh]
+    put = store.put(fresh, list(range(n)), timeout=30)
+    assert list(put.succeeded) == [not dead for dead in on_dead]
+    store.close(timeout=30)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
