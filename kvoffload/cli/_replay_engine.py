@@ -276,7 +276,8 @@ class _Replay:
                 if tier is Tier.HOST:
                     self.worker.load(job, source, target, stream=self.compute)
                 elif tier is Tier.DISK:
-                    self.worker.load_from_disk(job, source, target, stream=self.compute)
+                    names = [self.manager.namespaced(request.keys[i]) for i in positions]
+                    self.worker.load_from_disk(job, source, target, stream=self.compute, keys=names)
                 else:  # read into host blocks first; the load follows in _fetch_done
                     names = [self.manager.namespaced(request.keys[i]) for i in positions]
                     self.worker.get_remote(job, names, source)
@@ -451,7 +452,8 @@ class _Replay:
         host blocks the demotions read, so it may start only once their result came back)."""
         demotions = store.plan.demotions
         job = self._job_id()
-        self.worker.demote(job, [d.host_block for d in demotions], [d.disk_block for d in demotions])
+        self.worker.demote(job, [d.host_block for d in demotions], [d.disk_block for d in demotions],
+                           keys=[self.manager.namespaced(d.key) for d in demotions])
         self.jobs[job] = _DemoteJob(store)
         self.demote_jobs += 1
 

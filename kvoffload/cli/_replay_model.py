@@ -88,7 +88,9 @@ class ReplayConfig:
     the run then stops once ``blocks_to_load`` block loads were submitted (or after that many
     requests, for a workload that loads less than one block per request). ``max_seconds == 0``: no
     time limit. ``disk_path`` None: no disk tier (``disk_blocks`` must then be 0); else the tier file
-    (its directory must exist) with ``disk_blocks`` records, opened with ``DISK_DIRECT[disk_direct]``.
+    (its directory must exist) with ``disk_blocks`` records, opened with ``DISK_DIRECT[disk_direct]``,
+    and with ``disk_reuse`` opened warm: the manager adopts the records an earlier run of the same
+    layout demoted (``Manager.adopt_disk``), and they are served and verified as disk hits.
     ``settle``: one request at a time, its loads, compute, stores and demotions all finished before
     the next is admitted — the manager then sees the same sequence on every run, so hit rates are
     reproducible (throughput is not representative). ``remote`` (``"mooncake"`` or ``"redis"``): a
@@ -129,6 +131,7 @@ class ReplayConfig:
     disk_path: str | None = None
     disk_blocks: int = 0
     disk_direct: str = "auto"
+    disk_reuse: bool = False
     remote: str | None = None
     remote_address: str = ""
 
@@ -190,10 +193,10 @@ class ReplayConfig:
                 f"disk_direct = {self.disk_direct!r} must be one of {', '.join(DISK_DIRECT)}"
             )
         if self.disk_path is None:
-            if self.disk_blocks or self.disk_direct != "auto":
+            if self.disk_blocks or self.disk_direct != "auto" or self.disk_reuse:
                 raise InvalidArgumentError(
-                    f"disk_blocks = {self.disk_blocks}, disk_direct = {self.disk_direct!r} need "
-                    "disk_path (the disk tier's file)"
+                    f"disk_blocks = {self.disk_blocks}, disk_direct = {self.disk_direct!r}, disk_reuse = "
+                    f"{self.disk_reuse} need disk_path (the disk tier's file)"
                 )
             return
         if self.disk_blocks < 1:
@@ -439,6 +442,8 @@ class ReplayReport:
     failed_store_jobs: int
     disk_path: str
     disk_blocks: int
+    disk_reuse: bool
+    disk_adopted_blocks: int
     disk_io: str
     disk_evictions: int
     demote_jobs: int

@@ -31,7 +31,10 @@ stream is a real side stream and every kernel of the replay (poison, pattern, ve
 on the host backend it is the program order of the main thread while the Worker copies on its threads.
 
 Disk tier (``--disk-path``, ``--disk-blocks``). The manager gets a disk pool and the Worker a disk tier
-(:class:`~kvoffload.disk.DiskConfig`; the file is created, or recreated empty, and left in place).
+(:class:`~kvoffload.disk.DiskConfig`; the file is created, or recreated empty, and left in place; with
+``--disk-reuse`` it is opened warm and the manager adopts the records an earlier run of the same
+layout demoted, which are then served and verified as disk hits: a restart that keeps its cache).
+Each record is written under its key's name (``Manager.namespaced``) and every disk load checks it.
 Host eviction then demotes to disk as the manager's sequence says: each ``StorePlan.demotions`` is one
 ``Worker.demote`` job, and the store into those host blocks is submitted only once the demotion's
 result came back (it read them), after ``complete_demote(plan, ok)``; a failed demotion is never
@@ -180,7 +183,8 @@ def run_replay(
     )
     layout = DeviceLayout.from_tensors(tensors, block_dim=block_dim)
     disk = (None if config.disk_path is None else
-            DiskConfig(config.disk_path, config.disk_blocks, direct=DISK_DIRECT[config.disk_direct]))
+            DiskConfig(config.disk_path, config.disk_blocks, direct=DISK_DIRECT[config.disk_direct],
+                       reuse=config.disk_reuse))
     remote = remote_config(config)
     index = open_remote_index(remote, fingerprint=layout.fingerprint) if remote is not None else None
     manager = Manager.create(config.host_blocks, fingerprint=layout.fingerprint, policy=config.policy,
@@ -204,6 +208,7 @@ def run_replay(
             index.close()
         raise
     try:
+        adopted = len(manager.adopt_disk(worker.disk_valid_blocks().values())) if config.disk_reuse else 0
         replay = _Replay(config, layout, manager, worker, compute, progress)
         path = worker.stats().path
         if use_cuda:
@@ -228,7 +233,8 @@ def run_replay(
     replay.errors.extend(shutdown_errors)
     if use_cuda:
         torch.cuda.synchronize(device)
-    return _report(config, replay, layout, device, path, wall, worker.disk_stats(), worker.remote_stats())
+    return _report(config, replay, layout, device, path, wall, worker.disk_stats(), worker.remote_stats(),
+                   adopted=adopted)
 
 
 def remote_config(config: ReplayConfig) -> RemoteConfig | None:
@@ -243,7 +249,7 @@ def remote_config(config: ReplayConfig) -> RemoteConfig | None:
 
 def _report(
     config: ReplayConfig, r: _Replay, layout: DeviceLayout, device: torch.device, path: str, wall: float,
-    disk: DiskStats | None, remote: RemoteTierStats | None = None,
+    disk: DiskStats | None, remote: RemoteTierStats | None = None, *, adopted: int = 0,
 ) -> ReplayReport:
     stats = r.manager.stats()
     hit_tokens = r.verified * config.block_size
@@ -281,6 +287,7 @@ def _report(
         corrupted_blocks=r.corrupted, unverified_blocks=_unverified(r), failed_load_jobs=r.failed_loads,
         failed_store_jobs=r.failed_stores,
         disk_path=config.disk_path or "", disk_blocks=config.disk_blocks if disk is not None else 0,
+        disk_reuse=config.disk_reuse, disk_adopted_blocks=adopted,
         disk_io=r.disk_io, disk_evictions=stats.disk_evictions, demote_jobs=r.demote_jobs,
         demoted_blocks=r.demoted_blocks, bytes_demoted=r.bytes_demoted, demote_busy_s=r.demote_busy_s,
         demote_failed_blocks=r.demote_failed_blocks, failed_demote_jobs=r.failed_demotes,
@@ -360,12 +367,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "compute stream before each compute batch (heavier compute)")
     tier = parser.add_argument_group("disk tier (below the host pool; none without --disk-path)")
     tier.add_argument("--disk-path", metavar="PATH", default=d.disk_path,
-                      help="the tier file (its directory must exist); created, or recreated empty, and "
-                           "left in place")
+                      help="the tier file (its directory must exist); created, or recreated empty (but "
+                           "with --disk-reuse), and left in place")
     tier.add_argument("--disk-blocks", type=natural, default=d.disk_blocks,
                       help="records in the disk pool (required with --disk-path)")
     tier.add_argument("--disk-direct", choices=tuple(DISK_DIRECT), default=d.disk_direct,
                       help="O_DIRECT: on (or fail), off (buffered), auto (where the file system takes it)")
+    tier.add_argument("--disk-reuse", action="store_true", default=d.disk_reuse,
+                      help="open the tier file warm: adopt the records an earlier run of the same layout "
+                           "demoted (a restart that keeps its disk cache) and verify them as disk hits")
     remote = parser.add_argument_group("remote tier: two engine instances sharing hits (none without --remote)")
     remote.add_argument("--remote", choices=REMOTES, default=None,
                         help="write every store through to this store; then run a second instance (another "
@@ -454,7 +464,8 @@ def print_report(report: ReplayReport, out: TextIO | None = None) -> None:
     row("host evictions", f"{report.host_evictions}")
     if report.disk_blocks:
         disk_failed = {name: n for name, n in report.disk_failures.items() if n}
-        row("disk tier", f"{report.disk_blocks} blocks", f"{report.disk_path} ({report.disk_io or 'no I/O'})")
+        row("disk tier", f"{report.disk_blocks} blocks", f"{report.disk_path} ({report.disk_io or 'no I/O'})"
+            + (f"; opened warm, {report.disk_adopted_blocks} records adopted" if report.disk_reuse else ""))
         row("demotions", f"{report.demoted_blocks} blocks",
             f"{report.demote_jobs} jobs, {report.bytes_demoted / _GB:.3f} GB; failed "
             f"{report.failed_demote_jobs} jobs, {report.demote_failed_blocks} blocks")

@@ -9,7 +9,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
@@ -59,9 +59,12 @@ class WorkerLike(Protocol):
                       stream: object = None) -> LayerWaiter: ...
 
     def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
-                       stream: object = None) -> None: ...
+                       stream: object = None, keys: Sequence[bytes] | None = None) -> None: ...
 
-    def demote(self, job_id: int, host_blocks: Sequence[int], disk_blocks: Sequence[int]) -> None: ...
+    def demote(self, job_id: int, host_blocks: Sequence[int], disk_blocks: Sequence[int], *,
+               keys: Sequence[bytes] | None = None) -> None: ...
+
+    def disk_valid_blocks(self) -> Mapping[int, kvoffload.DiskRecord]: ...
 
     def poll(self) -> list[kvoffload.TransferResult]: ...
 
@@ -88,6 +91,9 @@ class OffloadStats:
         blocks_store_failed: blocks whose store job failed (never loadable).
         blocks_not_stored: complete blocks not stored because every host record was busy.
         blocks_loaded_host / blocks_loaded_disk: blocks loaded into the engine's cache and registered.
+        blocks_adopted_disk: disk records a session took over when it opened a tier file warm
+            (``DiskConfig(reuse=True)``): the blocks an earlier session or process demoted there,
+            under the same model, cache geometry and layout.
         blocks_load_failed: blocks of failed or late loads (recomputed instead; a layer-by-layer load
             that fails after the engine read its blocks fails the engine's step instead).
         prompt_tokens_engine_cache: prompt tokens the engine found in its own cache.
@@ -107,6 +113,7 @@ class OffloadStats:
     blocks_not_stored: int
     blocks_loaded_host: int
     blocks_loaded_disk: int
+    blocks_adopted_disk: int
     blocks_load_failed: int
     prompt_tokens_engine_cache: int
     prompt_tokens_host: int
@@ -125,6 +132,7 @@ class _Counters:
     blocks_not_stored: int = 0
     blocks_loaded_host: int = 0
     blocks_loaded_disk: int = 0
+    blocks_adopted_disk: int = 0
     blocks_load_failed: int = 0
     prompt_tokens_engine_cache: int = 0
     prompt_tokens_host: int = 0
@@ -510,7 +518,8 @@ class _Session:
         self._held.update(store.device_blocks)
         if plan.demotions:
             job = next(self._jobs)
-            worker.demote(job, [d.host_block for d in plan.demotions], [d.disk_block for d in plan.demotions])
+            worker.demote(job, [d.host_block for d in plan.demotions], [d.disk_block for d in plan.demotions],
+                          keys=[self._manager.namespaced(d.key) for d in plan.demotions])
             self._demotions[job] = store
         else:
             self._submit_store(worker, store)
@@ -583,7 +592,8 @@ class _Session:
                 if tier is kvoffload.Tier.HOST:
                     worker.load(job, src, dst, stream=self._stream())
                 else:
-                    worker.load_from_disk(job, src, dst, stream=self._stream())
+                    worker.load_from_disk(job, src, dst, stream=self._stream(),
+                                          keys=[self._manager.namespaced(plan.keys[i]) for i in rows])
             except kvoffload.KVOffloadError as exc:  # nothing copies: failed rows, recomputed
                 _log.warning("a load of %d blocks was refused; their tokens are recomputed: %s", len(rows), exc)
                 refused += rows

@@ -45,6 +45,12 @@ What happens in a session (all of it in the engine's generation thread):
   step in which nothing fit, the step is scheduled again. These are the only cases where the
   scheduler waits for a store.
 
+Disk records are demoted under the engine's block hashes, named in their headers and checked on
+every disk load. With ``DiskConfig(reuse=True)`` a session opens the tier file warm and takes the
+records an earlier session or process demoted for the same model, dtype, block size and layout
+(``OffloadStats.blocks_adopted_disk``): a prefix computed before a restart is a disk hit after
+it. Without ``reuse`` each session recreates the file empty.
+
 Host records live as long as the engine's cache: one session (one ``generate_batch`` call, or a
 persistent manager's life). A later session of the same model in the same ``offloading`` context
 gets a fresh pool: the previous one is drained and released when the new session builds its
@@ -166,12 +172,27 @@ class Offloader:
             policy=self.policy,
         )
         worker = self._make_worker(layout, self.num_host_blocks, self.disk)
+        adopted = self._adopt(manager, worker)
         session = _Session(self, cache, manager, worker, layer_of, defer_loads=self._defer_loads)
         cache.intercept_new_hashes(session.on_new_hash)
         with self._lock:
             self._session = session
             self._counts.sessions += 1
+            self._counts.blocks_adopted_disk += adopted
         return session
+
+    def _adopt(self, manager: kvoffload.Manager, worker: WorkerLike) -> int:
+        """With a tier file opened warm (``DiskConfig(reuse=True)``), the new manager takes the
+        records an earlier session or process demoted under its fingerprint (the others are left
+        alone, and the manager writes over them as it needs their blocks). Returns how many; a
+        refusal is logged and the session starts cold."""
+        if self.disk is None or not self.disk.reuse:
+            return 0
+        try:
+            return len(manager.adopt_disk(worker.disk_valid_blocks().values()))
+        except kvoffload.KVOffloadError as exc:
+            _log.warning("the disk tier's records could not be adopted; this session starts cold: %s", exc)
+            return 0
 
     def _before_forward(self, stream: object) -> None:
         """The model's forward pre-hook (generation thread): submit the deferred loads. A forward
@@ -333,7 +354,9 @@ def offloading(
             all full attention, on the CPU or one CUDA device.
         num_host_blocks: host records in each session's pool; one record holds one engine block (every
             layer's K and V of ``page_size`` tokens).
-        disk: a disk tier below the host pool (``kvoffload.DiskConfig``), or None.
+        disk: a disk tier below the host pool (``kvoffload.DiskConfig``), or None. With
+            ``reuse=True`` each session opens the file warm and adopts what earlier sessions (or
+            processes) of the same model and cache geometry demoted there.
         policy: the manager's eviction policy (``"lru"``, ``"arc"``).
         make_worker: builds each session's worker (default ``Worker.create(layout, num_host_blocks,
             disk=disk)``); the integration owns what it returns and shuts it down.

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -122,8 +122,8 @@ def serve(manager: Any, prompt: Sequence[int]) -> Any:
 
 
 def run_phases(model: Any, num_blocks: int, offloader: Offloader | None = None,
-               allow_block_sharing: bool = True) -> PhaseRun:
-    """Serve phases A, B, C one request at a time in one engine session."""
+               allow_block_sharing: bool = True, phases: Sequence[str] = tuple(PHASES)) -> PhaseRun:
+    """Serve ``phases`` (default A, B, C) one request at a time in one engine session."""
     gen, cb = cb_configs(num_blocks, allow_block_sharing)
     outputs: dict[str, tuple[list[int], list[float]]] = {}
     forward: dict[str, int] = {}
@@ -131,7 +131,8 @@ def run_phases(model: Any, num_blocks: int, offloader: Offloader | None = None,
     errors: list[str] = []
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                    warmup=False) as manager:
-        for phase, prompts in PHASES.items():
+        for phase in phases:
+            prompts = PHASES[phase]
             with count_forward_tokens(model) as count:
                 for i, prompt in enumerate(prompts):
                     result = serve(manager, prompt)
@@ -183,11 +184,15 @@ class FailingLoads:
         return self.worker.load_by_layer(job_id, host_blocks, device_blocks, stream=stream)
 
     def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
-                       stream: object = None) -> None:
-        self.worker.load_from_disk(job_id, disk_blocks, device_blocks, stream=stream)
+                       stream: object = None, keys: Sequence[bytes] | None = None) -> None:
+        self.worker.load_from_disk(job_id, disk_blocks, device_blocks, stream=stream, keys=keys)
 
-    def demote(self, job_id: int, host_blocks: Sequence[int], disk_blocks: Sequence[int]) -> None:
-        self.worker.demote(job_id, host_blocks, disk_blocks)
+    def demote(self, job_id: int, host_blocks: Sequence[int], disk_blocks: Sequence[int], *,
+               keys: Sequence[bytes] | None = None) -> None:
+        self.worker.demote(job_id, host_blocks, disk_blocks, keys=keys)
+
+    def disk_valid_blocks(self) -> Mapping[int, kvoffload.DiskRecord]:
+        return self.worker.disk_valid_blocks()
 
     def poll(self) -> list[kvoffload.TransferResult]:
         return self.worker.poll()
@@ -257,8 +262,8 @@ class LateLoads(FailingLoads):
             self.late = job_id
 
     def load_from_disk(self, job_id: int, disk_blocks: Sequence[int], device_blocks: Sequence[int], *,
-                       stream: object = None) -> None:
-        self.worker.load_from_disk(job_id, disk_blocks, device_blocks, stream=stream)
+                       stream: object = None, keys: Sequence[bytes] | None = None) -> None:
+        self.worker.load_from_disk(job_id, disk_blocks, device_blocks, stream=stream, keys=keys)
         if self.late is None and self.from_disk:
             self.late = job_id
 

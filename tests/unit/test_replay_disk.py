@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import pathlib
+import re
 import threading
 from collections.abc import Callable
 
@@ -140,11 +141,48 @@ def test_main_with_a_disk_tier_prints_each_tier_and_writes_json(
     assert report["disk_failures"] == {name: 0 for name in DISK_FAILURE_COUNTERS}
 
 
+@pytest.mark.parametrize("reuse", [True, False], ids=["warm", "cold-control"])
+def test_a_second_run_opened_warm_serves_and_verifies_the_records_the_first_run_demoted(
+    tmp_path: pathlib.Path, reuse: bool
+) -> None:
+    """A restart that keeps its disk cache: the second run (the same workload, one request at a time
+    so that both runs see the same sequence) adopts the first run's records and serves more of its
+    requests from disk, every block verified against its key's pattern. The control recreates the
+    file and repeats the first run exactly."""
+    config = attrs.evolve(with_disk(tmp_path), settle=True, blocks_to_load=600)
+    first = run_replay(config)
+    assert first.ok and first.demoted_blocks > 0 and first.disk_adopted_blocks == 0
+    second = run_replay(attrs.evolve(config, disk_reuse=reuse))
+    assert second.ok, second.failures()
+    assert_every_served_block_verified(second)
+    if reuse:
+        assert second.disk_reuse and 0 < second.disk_adopted_blocks <= config.disk_blocks
+        assert second.hits_by_tier["disk"] > first.hits_by_tier["disk"]
+        assert second.computed_blocks < first.computed_blocks
+    else:
+        assert second.disk_adopted_blocks == 0
+        assert (second.hits_by_tier, second.computed_blocks) == (first.hits_by_tier, first.computed_blocks)
+
+
+def test_main_with_disk_reuse_says_how_many_records_it_adopted(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*SMALL_DISK_ARGS, "--blocks-to-load", "300", "--disk-path", str(tmp_path / "kv.bin"),
+            "--disk-blocks", "1024", "--disk-direct", "off"]
+    assert main(args) == EXIT_OK
+    capsys.readouterr()
+    assert main([*args, "--disk-reuse"]) == EXIT_OK
+    text = capsys.readouterr().out
+    adopted = re.search(r"opened warm, (\d+) records adopted", text)
+    assert adopted is not None and int(adopted.group(1)) > 0, text
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--disk-blocks", "64"], "need disk_path"),
         (["--disk-direct", "on"], "need disk_path"),
+        (["--disk-reuse"], "need disk_path"),
         (["--disk-path", "{tmp}/kv.bin"], "disk_blocks = 0 must be >= 1"),
         (["--disk-path", "{tmp}/missing/kv.bin", "--disk-blocks", "64"], "does not exist"),
         (["--disk-path", "{tmp}", "--disk-blocks", "64"], "not a directory"),

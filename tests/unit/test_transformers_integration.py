@@ -10,11 +10,12 @@ so a missing transformers fails there instead of skipping.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import pytest
@@ -318,6 +319,55 @@ def test_disk_tier_serves_blocks_demoted_from_a_small_host_pool(
     assert stats.blocks_loaded_disk > 0 and stats.prompt_tokens_disk == 16 * stats.blocks_loaded_disk
     assert stats.blocks_loaded_host + stats.blocks_loaded_disk == PREFIX_BLOCKS
     assert run.prompt_tokens("C") == SUFFIX_TOKENS_C
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["warm", "cold-control"])
+def test_a_restart_with_a_warm_disk_tier_serves_the_prefix_an_earlier_context_demoted(
+    model: Any, big_cache_run: PhaseRun, tmp_path: pathlib.Path, reuse: bool
+) -> None:
+    """A second ``offloading`` context (a restart: a new engine session, an empty host pool) on the
+    same tier file serves phase C's prefix from the records the first one demoted, bit-exact; the
+    control without ``reuse`` recreates the file and computes it."""
+    path = str(tmp_path / "tier")
+    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=True)) as off:
+        first = run_phases(model, SMALL_CACHE_BLOCKS, off)
+    assert not first.errors
+    before = off.stats()
+    assert before.blocks_adopted_disk == 0, "a new file has nothing to adopt"
+    assert before.manager is not None and before.manager.demotions_completed > 0
+    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=reuse)) as off:
+        run = run_phases(model, SMALL_CACHE_BLOCKS, off, phases="C")
+    stats = off.stats()
+    assert not run.errors
+    for name in ("C0", "C1"):
+        assert run.outputs[name] == big_cache_run.outputs[name], name
+    computed = sum(len(p) for p in PHASES["C"])
+    if reuse:
+        assert stats.blocks_adopted_disk == before.manager.demotions_completed
+        assert stats.blocks_loaded_disk == PREFIX_BLOCKS and stats.blocks_load_failed == 0
+        assert run.prompt_tokens("C") == SUFFIX_TOKENS_C  # the whole prefix came from the disk
+    else:
+        assert stats.blocks_adopted_disk == 0 and stats.blocks_loaded_disk == 0
+        assert run.prompt_tokens("C") == computed - 16 * PREFIX_BLOCKS  # C1 shares C0's blocks in the engine
+
+
+def test_records_that_cannot_be_adopted_start_the_session_cold_with_a_warning(
+    model: Any, big_cache_run: PhaseRun, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Garbled(FailingLoads):
+        def disk_valid_blocks(self) -> Mapping[int, kvoffload.DiskRecord]:
+            return {0: "not a record"}  # type: ignore[dict-item]
+
+    def garbled(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        return Garbled(kvoffload.Worker.create(layout, blocks, disk=disk), count=0)
+
+    disk = DiskConfig(str(tmp_path / "tier"), num_blocks=64, preallocate=False, reuse=True)
+    with caplog.at_level(logging.WARNING, "kvoffload.integrations.transformers"):
+        with offloading(model, 8, disk, make_worker=garbled) as off:
+            run = run_phases(model, SMALL_CACHE_BLOCKS, off)
+    assert not run.errors and run.outputs == big_cache_run.outputs
+    assert off.stats().blocks_adopted_disk == 0
+    assert any("could not be adopted; this session starts cold" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("defer_loads", [False, True], ids=["submitted-at-the-match", "deferred-to-the-forward"])
