@@ -278,14 +278,16 @@ def _unshared_and_shared(disk: int) -> tuple[Manager, FakeIndex]:
     return m, index
 
 
-def test_with_a_disk_tier_a_remote_load_never_evicts_a_copy_held_nowhere_else() -> None:
+@pytest.mark.parametrize(("disk", "evicted"), [(2, b"b"), (0, b"a")], ids=["disk-tier", "no-disk-control"])
+def test_with_a_disk_tier_a_remote_load_never_evicts_a_copy_held_nowhere_else(disk: int, evicted: bytes) -> None:
     """``a``'s put was refused and it has no disk copy: evicting it would lose it (a load demotes
-    nothing). The load evicts ``b``, which the store holds, though ``a`` is the policy's first victim."""
-    m, _ = _unshared_and_shared(disk=2)
+    nothing). With a disk tier the load evicts ``b``, which the store holds, though ``a`` is the
+    policy's first victim. The control: with no disk tier it drops ``a``, as a store would."""
+    m, _ = _unshared_and_shared(disk=disk)
     plan = m.prepare_load([b"r"])
     assert plan.keys == (b"r",)
-    assert [e.key for e in m.events() if e.kind is EventKind.REMOVED] == [b"b"]
-    assert m.lookup([b"a"]) == 1
+    assert [e.key for e in m.events() if e.kind is EventKind.REMOVED] == [evicted]
+    assert m.lookup([b"a"]) == (1 if disk else 0)
     m.complete_load(plan, ok=True)
 
 
@@ -328,13 +330,3 @@ def test_a_copy_with_a_ready_disk_copy_is_evicted_by_a_remote_load() -> None:
     assert load.keys == (b"r",)
     assert [e.key for e in m.events() if e.kind is EventKind.REMOVED] == [b"b"]
     m.complete_load(load, ok=True)
-
-
-def test_without_a_disk_tier_a_remote_load_evicts_by_the_policy_order_as_a_store_does() -> None:
-    """The control: the same state with no disk tier drops ``a``, the policy's first victim."""
-    m, _ = _unshared_and_shared(disk=0)
-    plan = m.prepare_load([b"r"])
-    assert plan.keys == (b"r",)
-    assert [e.key for e in m.events() if e.kind is EventKind.REMOVED] == [b"a"]
-    assert m.lookup([b"a"]) == 0
-    m.complete_load(plan, ok=True)
