@@ -24,7 +24,7 @@ anything.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Final
 
@@ -55,7 +55,6 @@ from kvoffload.manager.records import (
 )
 from kvoffload.manager.remote import (
     DEFAULT_REMOTE_TIMEOUT_S,
-    KeptElsewhere,
     RemoteIndex,
     RemoteLink,
     check_remote_timeout,
@@ -618,10 +617,9 @@ class Manager(ManagerBase):
         Each key is loaded from the host when its host copy is ready, else from disk. Its reference
         count in that tier grows by one, and the load counts as a use for the policy. With a remote
         index, a key held in no local tier comes from the remote store (``Tier.REMOTE``): it gets a
-        host block (free, or evicted by the host policy, never one of ``keys``, and with a disk
-        tier only a copy held elsewhere: on disk or in the store) as a pending host copy, which the
-        engine reads the record into and loads from; when no more host blocks can be had, the plan
-        stops before that key (``plan.keys`` is then a prefix of ``keys``).
+        host block (free, or evicted by the host policy, never one of ``keys``) as a pending host
+        copy, which the engine reads the record into and loads from; when no more host blocks can
+        be had, the plan stops before that key (``plan.keys`` is then a prefix of ``keys``).
 
         Raises:
             KeyTypeError / DuplicateKeyError: bad ``keys`` (one key twice would be ambiguous to
@@ -688,26 +686,13 @@ class Manager(ManagerBase):
 
     def _remote_blocks(self, keys: Sequence[bytes], found: list[Entry | None]) -> list[int]:
         """Host blocks for the remote keys of a load (``found`` None), evicting ready host copies the
-        load does not reference; fewer when the host cannot give them. Popped from the end.
-
-        With a disk tier, a victim must be held elsewhere (a ready disk copy, or the remote store
-        holds it): a load plans no demotion, so evicting a copy held nowhere else (a key whose put
-        was refused, or not made yet) would lose it where a store would have demoted it. Without
-        a disk tier a store drops its victims too, and so does this."""
+        load does not reference; fewer when the host cannot give them. Popped from the end."""
         host = self._host
         need = found.count(None) - len(host.free)
         if need > 0:
             protected = {key for key, entry in zip(keys, found) if entry is not None}
-            exclude: Container[bytes] = protected
-            if self._disk is not None:
-                exclude = KeptElsewhere(protected, self._entries)
-            victims = host.policy.victims(need, exclude)
+            victims = host.policy.victims(need, protected)
             victim_found = victim_entries(self._entries, host, victims, need, protected)
-            if exclude is not protected and any(map(exclude.__contains__, victims)):
-                raise PolicyError(
-                    f"{host.policy.name} proposed a host victim for a remote load that is held in no "
-                    f"other tier (of {victims!r:.200}); it was asked to skip those"
-                )
             self._evict(host, victims, victim_found)
             self._forget(victims, victim_found)
             self._n.host_evictions += len(victims)

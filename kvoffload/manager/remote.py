@@ -10,8 +10,8 @@ batched ``exists(keys, *, timeout)``, such as a remote store), its deadline, and
   names; the leading present ones are hits. A call that raises, fails or passes its deadline counts
   every key as a miss — a remote lookup never fails a request and never hangs it;
 * **loads** from the remote store: ``prepare_load`` gives each key not held locally a host block
-  (free, or evicted by the host policy; evicted copies are dropped, not demoted, so with a disk
-  tier only a copy held elsewhere — on disk, or in the store — is evicted: :class:`KeptElsewhere`,
+  (free, or evicted by the host policy; evicted copies are dropped, not demoted: the write-through
+  policy means the store has them, but for a key whose put was refused, which is then lost here:
   docs/design.md §14) as a pending host copy of tier ``REMOTE``; the engine reads the
   record into it (``Worker.get_remote``) and loads it from there; ``complete_load`` makes it a ready
   host copy, or frees the block when the read or the load failed — and the manager no longer offers
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
 from typing import Final, Protocol, cast
 
 from kvoffload._seconds import MAX_TIMEOUT_S
@@ -36,7 +35,6 @@ __all__ = [
     "DEFAULT_REMOTE_TIMEOUT_S",
     "FAILED_KEYS_MAX",
     "ExistsAnswer",
-    "KeptElsewhere",
     "RemoteIndex",
     "RemoteLink",
     "check_remote_timeout",
@@ -142,24 +140,6 @@ class RemoteLink:
         hits = len(list(itertools.takewhile(bool, present)))
         n.remote_lookup_hits += hits
         return hits
-
-
-class KeptElsewhere:
-    """The keys a remote load must not evict from the host when there is a disk tier: the load's own
-    (``protected``), and those whose host copy is their only one (no ready disk copy, and the store
-    is not known to hold them). A policy's ``victims`` skips them."""
-
-    __slots__ = ("entries", "protected")
-
-    def __init__(self, protected: AbstractSet[bytes], entries: dict[bytes, Entry]) -> None:
-        self.protected = protected
-        self.entries = entries
-
-    def __contains__(self, key: object) -> bool:
-        if key in self.protected:
-            return True
-        entry = self.entries.get(key) if isinstance(key, bytes) else None
-        return entry is None or not (entry.remote or entry.disk_state is READY)
 
 
 def hold_for_put(host: Pool, key: bytes, entry: Entry) -> None:

@@ -4,7 +4,7 @@ error), loads from the remote store into host blocks, write-through puts, and fe
 from __future__ import annotations
 
 import threading
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -260,73 +260,3 @@ def test_the_keys_whose_remote_load_failed_are_remembered_up_to_a_bound(monkeypa
         m.complete_load(m.prepare_load([key]), ok=False)
     assert m.lookup([b"y"]) == 0 and m.lookup([b"z"]) == 0
     assert m.lookup([b"x"]) == 1, "the oldest failure was forgotten: x is offered again"
-
-
-def _unshared_and_shared(disk: int) -> tuple[Manager, FakeIndex]:
-    """Two host blocks: ``a`` (least recent) whose put was refused, ``b`` the store holds."""
-    index = FakeIndex([b"r"])
-    m = Manager.create(2, fingerprint=FP, num_disk_blocks=disk, remote=index)
-    store_keys(m, [b"a", b"b"])
-    refused = m.prepare_remote_put([b"a"])
-    m.complete_remote_put(refused, ok=False)
-    put = m.prepare_remote_put([b"b"])
-    m.complete_remote_put(put, ok=True)
-    m.touch([b"b"])
-    m.touch([b"a"])
-    m.touch([b"b"])  # LRU order: a, then b
-    m.events()
-    return m, index
-
-
-@pytest.mark.parametrize(("disk", "evicted"), [(2, b"b"), (0, b"a")], ids=["disk-tier", "no-disk-control"])
-def test_with_a_disk_tier_a_remote_load_never_evicts_a_copy_held_nowhere_else(disk: int, evicted: bytes) -> None:
-    """``a``'s put was refused and it has no disk copy: evicting it would lose it (a load demotes
-    nothing). With a disk tier the load evicts ``b``, which the store holds, though ``a`` is the
-    policy's first victim. The control: with no disk tier it drops ``a``, as a store would."""
-    m, _ = _unshared_and_shared(disk=disk)
-    plan = m.prepare_load([b"r"])
-    assert plan.keys == (b"r",)
-    assert [e.key for e in m.events() if e.kind is EventKind.REMOVED] == [evicted]
-    assert m.lookup([b"a"]) == (1 if disk else 0)
-    m.complete_load(plan, ok=True)
-
-
-def test_with_a_disk_tier_a_remote_load_stops_when_only_unshared_copies_are_left() -> None:
-    m, index = _unshared_and_shared(disk=2)
-    index.held.add(namespaced_key(FP, b"s"))
-    first = m.prepare_load([b"r"])  # evicts b
-    second = m.prepare_load([b"s"])  # r is loading, a is held nowhere else
-    assert second.keys == (), "no block held elsewhere to evict: the plan stops before the key"
-    assert m.lookup([b"a"]) == 1
-    m.complete_load(first, ok=True)
-    m.complete_load(second)
-
-
-def test_a_policy_that_proposes_an_unshared_copy_for_a_remote_load_is_refused() -> None:
-    from kvoffload import LRUPolicy, PolicyError
-
-    class Blind(LRUPolicy):
-        def victims(self, count: int, exclude: Container[bytes]) -> list[bytes]:
-            return super().victims(count, ())
-
-    index = FakeIndex([b"r"])
-    m = Manager.create(1, fingerprint=FP, num_disk_blocks=2, remote=index, policy=Blind)
-    store_keys(m, [b"a"])
-    before = m.stats()
-    with pytest.raises(PolicyError, match="held in no other tier"):
-        m.prepare_load([b"r"])
-    assert m.stats() == before and m.lookup([b"a"]) == 1
-
-
-def test_a_copy_with_a_ready_disk_copy_is_evicted_by_a_remote_load() -> None:
-    m, _ = _unshared_and_shared(disk=2)
-    plan = m.prepare_store([b"c"])  # evicts a (least recent), demoting it to disk
-    assert plan is not None and [d.key for d in plan.demotions] == [b"a"]
-    m.complete_demote(plan, True)
-    m.complete_store(plan, True)
-    m.touch([b"c"])  # LRU: b, then c
-    m.events()
-    load = m.prepare_load([b"r"])
-    assert load.keys == (b"r",)
-    assert [e.key for e in m.events() if e.kind is EventKind.REMOVED] == [b"b"]
-    m.complete_load(load, ok=True)
