@@ -49,7 +49,8 @@ Disk records are demoted under the engine's block hashes, named in their headers
 every disk load. With ``DiskConfig(reuse=True)`` a session opens the tier file warm and takes the
 records an earlier session or process demoted for the same model, dtype, block size and layout
 (``OffloadStats.blocks_adopted_disk``): a prefix computed before a restart is a disk hit after
-it. Without ``reuse`` each session recreates the file empty.
+it. ``model_id=`` (required then) names the weights, since the config does not. Without ``reuse``
+each session recreates the file empty.
 
 Host records live as long as the engine's cache: one session (one ``generate_batch`` call, or a
 persistent manager's life). A later session of the same model in the same ``offloading`` context
@@ -172,8 +173,12 @@ class Offloader:
             policy=self.policy,
         )
         worker = self._make_worker(layout, self.num_host_blocks, self.disk)
-        adopted = self._adopt(manager, worker)
-        session = _Session(self, cache, manager, worker, layer_of, defer_loads=self._defer_loads)
+        try:
+            adopted = self._adopt(manager, worker)
+            session = _Session(self, cache, manager, worker, layer_of, defer_loads=self._defer_loads)
+        except BaseException:  # the session never owned the worker: release it here, once
+            worker.shutdown()
+            raise
         cache.intercept_new_hashes(session.on_new_hash)
         with self._lock:
             self._session = session
@@ -277,11 +282,24 @@ def _check_engine() -> None:
         ) from exc
 
 
-def _identity(model: Any) -> str:
-    """Names the model for the manager's fingerprint: class, config digest and dtype."""
+def _identity(model: Any, model_id: str | None) -> str:
+    """Names the model for the manager's fingerprint: class, config digest, dtype and the engine's
+    name of its weights."""
     config_json = model.config.to_json_string(use_diff=False)
     digest = hashlib.blake2b(config_json.encode("utf-8"), digest_size=16).hexdigest()
-    return f"transformers-cb|{type(model).__name__}|config={digest}|dtype={model.dtype}"
+    weights = "" if model_id is None else f"|weights={model_id}"
+    return f"transformers-cb|{type(model).__name__}|config={digest}|dtype={model.dtype}{weights}"
+
+
+def _check_model_id(model_id: object, disk: DiskConfig | None) -> None:
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise kvoffload.ArgumentTypeError(f"model_id = {model_id!r} must be a non-empty str or None")
+    if model_id is None and disk is not None and disk.reuse:
+        raise kvoffload.InvalidArgumentError(
+            "disk = DiskConfig(reuse=True) needs model_id= naming the model's weights (a checkpoint and "
+            "its revision): a warm tier file holds records of earlier processes, and the model's config "
+            "and dtype alone do not tell two checkpoints of one architecture apart"
+        )
 
 
 def _check_model(model: object) -> Any:
@@ -345,6 +363,7 @@ def offloading(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     overlap_loads: bool = True,
     defer_loads: bool | None = None,
+    model_id: str | None = None,
 ) -> Iterator[Offloader]:
     """Offload the KV cache of ``model``'s continuous batching sessions through kvoffload while the
     context is open (see the module docstring for what happens in a session).
@@ -356,7 +375,8 @@ def offloading(
             layer's K and V of ``page_size`` tokens).
         disk: a disk tier below the host pool (``kvoffload.DiskConfig``), or None. With
             ``reuse=True`` each session opens the file warm and adopts what earlier sessions (or
-            processes) of the same model and cache geometry demoted there.
+            processes) of the same ``model_id``, model config, dtype and cache geometry demoted
+            there.
         policy: the manager's eviction policy (``"lru"``, ``"arc"``).
         make_worker: builds each session's worker (default ``Worker.create(layout, num_host_blocks,
             disk=disk)``); the integration owns what it returns and shuts it down.
@@ -370,6 +390,11 @@ def offloading(
             rather than at the prefix match (None: on CUDA, where the engine's input copies would
             otherwise queue behind it). A deferred load that the worker refuses fails the step
             (its blocks are registered already); one submitted at once is recomputed instead.
+        model_id: names the model's weights (a checkpoint path or hub name with its revision, or a
+            digest of the weights); part of every record's name. Required with
+            ``DiskConfig(reuse=True)``: records outlive the process, and the config and dtype alone
+            do not tell two checkpoints of one architecture apart (a fine-tune, a retrained model
+            saved over the old one), whose records would verify and serve the other's KV.
 
     Yields the :class:`Offloader` (``stats()``). On exit the model's sessions are built with the
     engine's own scheduler again, the hook on the model is removed and every worker is shut down.
@@ -389,6 +414,7 @@ def offloading(
     _check_engine()
     text_config = _check_model(model)
     _check_args(num_host_blocks, disk, load_timeout, shutdown_timeout, make_worker)
+    _check_model_id(model_id, disk)
     if not isinstance(overlap_loads, bool):
         raise kvoffload.ArgumentTypeError(f"overlap_loads = {overlap_loads!r} must be a bool")
     if defer_loads is not None and not isinstance(defer_loads, bool):
@@ -403,7 +429,7 @@ def offloading(
         raise kvoffload.UnknownPolicyError(f"policy = {policy!r} is not one of {list(_POLICIES)}")
     device = torch.device(model.device)
     offloader = Offloader(model, num_host_blocks, disk, policy, make_worker or _default_worker,
-                          float(load_timeout), _identity(model), overlap_loads,
+                          float(load_timeout), _identity(model, model_id), overlap_loads,
                           overlap_loads and (defer_loads if defer_loads is not None else device.type == "cuda"))
     try:
         surface.register_model(text_config, offloader._bind)

@@ -321,6 +321,55 @@ def test_disk_tier_serves_blocks_demoted_from_a_small_host_pool(
     assert run.prompt_tokens("C") == SUFFIX_TOKENS_C
 
 
+def test_a_warm_tier_file_of_other_weights_is_left_alone(model: Any, tmp_path: pathlib.Path) -> None:
+    """The same architecture and config under another ``model_id`` (other weights): nothing is
+    adopted, and phase C's prefix is computed, not served from the other model's records."""
+    path = str(tmp_path / "tier")
+    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=True),
+                    model_id="tiny-llama@seed0") as off:
+        assert not run_phases(model, SMALL_CACHE_BLOCKS, off).errors
+    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=True),
+                    model_id="tiny-llama@fine-tuned") as off:
+        run = run_phases(model, SMALL_CACHE_BLOCKS, off, phases="C")
+    stats = off.stats()
+    assert not run.errors
+    assert stats.blocks_adopted_disk == 0 and stats.blocks_loaded_disk == 0
+
+
+def test_a_worker_that_cannot_list_its_records_is_shut_down_when_the_session_is_refused(
+    model: Any, tmp_path: pathlib.Path
+) -> None:
+    """A ``make_worker`` wrapper written before ``disk_valid_blocks``: the session is refused and
+    the worker it made is shut down, once (nothing leaks)."""
+    made: list[Unlisted] = []
+
+    class Unlisted(FailingLoads):
+        shutdowns = 0
+
+        def disk_valid_blocks(self) -> Mapping[int, kvoffload.DiskRecord]:
+            raise AttributeError("'Unlisted' object has no attribute 'disk_valid_blocks'")
+
+        def shutdown(self, timeout: float = 30.0) -> None:
+            self.shutdowns += 1
+            super().shutdown(timeout)
+
+    def unlisted(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(Unlisted(kvoffload.Worker.create(layout, blocks, disk=disk), count=0))
+        return made[-1]
+
+    disk = DiskConfig(str(tmp_path / "tier"), num_blocks=64, preallocate=False, reuse=True)
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    with offloading(model, 8, disk, make_worker=unlisted, model_id="tiny-llama@seed0"):
+        with contextlib.suppress(Exception):  # how the engine reports a failed set-up is its own
+            with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                           warmup=False):
+                deadline = time.monotonic() + 30
+                while not (made and made[0].shutdowns) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+    assert made and all(w.shutdowns == 1 for w in made)
+    assert all(w.worker.closed for w in made)
+
+
 @pytest.mark.parametrize("reuse", [True, False], ids=["warm", "cold-control"])
 def test_a_restart_with_a_warm_disk_tier_serves_the_prefix_an_earlier_context_demoted(
     model: Any, big_cache_run: PhaseRun, tmp_path: pathlib.Path, reuse: bool
@@ -329,13 +378,15 @@ def test_a_restart_with_a_warm_disk_tier_serves_the_prefix_an_earlier_context_de
     same tier file serves phase C's prefix from the records the first one demoted, bit-exact; the
     control without ``reuse`` recreates the file and computes it."""
     path = str(tmp_path / "tier")
-    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=True)) as off:
+    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=True),
+                    model_id="tiny-llama@seed0") as off:
         first = run_phases(model, SMALL_CACHE_BLOCKS, off)
     assert not first.errors
     before = off.stats()
     assert before.blocks_adopted_disk == 0, "a new file has nothing to adopt"
     assert before.manager is not None and before.manager.demotions_completed > 0
-    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=reuse)) as off:
+    with offloading(model, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=reuse),
+                    model_id="tiny-llama@seed0") as off:
         run = run_phases(model, SMALL_CACHE_BLOCKS, off, phases="C")
     stats = off.stats()
     assert not run.errors
@@ -363,7 +414,7 @@ def test_records_that_cannot_be_adopted_start_the_session_cold_with_a_warning(
 
     disk = DiskConfig(str(tmp_path / "tier"), num_blocks=64, preallocate=False, reuse=True)
     with caplog.at_level(logging.WARNING, "kvoffload.integrations.transformers"):
-        with offloading(model, 8, disk, make_worker=garbled) as off:
+        with offloading(model, 8, disk, make_worker=garbled, model_id="tiny-llama@seed0") as off:
             run = run_phases(model, SMALL_CACHE_BLOCKS, off)
     assert not run.errors and run.outputs == big_cache_run.outputs
     assert off.stats().blocks_adopted_disk == 0
@@ -485,6 +536,10 @@ def test_each_session_gets_its_own_pool_and_the_previous_one_is_released(model: 
         ({"num_host_blocks": 8, "make_worker": 3}, kvoffload.ArgumentTypeError, "make_worker = 3"),
         ({"num_host_blocks": 8, "overlap_loads": "yes"}, kvoffload.ArgumentTypeError, "overlap_loads = 'yes'"),
         ({"num_host_blocks": 8, "defer_loads": 1}, kvoffload.ArgumentTypeError, "defer_loads = 1"),
+        ({"num_host_blocks": 8, "model_id": ""}, kvoffload.ArgumentTypeError, "model_id = ''"),
+        ({"num_host_blocks": 8, "model_id": 7}, kvoffload.ArgumentTypeError, "model_id = 7"),
+        ({"num_host_blocks": 8, "disk": DiskConfig("/nonexistent/tier", 8, reuse=True)},
+         kvoffload.InvalidArgumentError, r"DiskConfig\(reuse=True\) needs model_id="),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_hooked(
