@@ -180,6 +180,11 @@ class ReplayConfig:
             raise InvalidArgumentError(f"policy = {self.policy!r} must be one of {sorted(POLICY_NAMES)}")
         self._check_disk()
         if self.remote is not None:
+            if self.disk_reuse:
+                raise InvalidArgumentError(
+                    "disk_reuse with remote: instance B would open instance A's tier file warm and read "
+                    "A's blocks from it, not from the store"
+                )
             if self.remote not in REMOTES:
                 raise InvalidArgumentError(f"remote = {self.remote!r} must be one of {', '.join(REMOTES)}")
             if not self.remote_address:

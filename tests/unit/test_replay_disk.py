@@ -183,6 +183,8 @@ def test_main_with_disk_reuse_says_how_many_records_it_adopted(
         (["--disk-blocks", "64"], "need disk_path"),
         (["--disk-direct", "on"], "need disk_path"),
         (["--disk-reuse"], "need disk_path"),
+        (["--disk-path", "{tmp}/kv.bin", "--disk-blocks", "64", "--disk-reuse", "--remote", "redis"],
+         "disk_reuse with remote"),
         (["--disk-path", "{tmp}/kv.bin"], "disk_blocks = 0 must be >= 1"),
         (["--disk-path", "{tmp}/missing/kv.bin", "--disk-blocks", "64"], "does not exist"),
         (["--disk-path", "{tmp}", "--disk-blocks", "64"], "not a directory"),
