@@ -67,21 +67,6 @@ def test_a_call_outside_the_protocol_is_refused_and_changes_nothing(
 
 
 @pytest.mark.parametrize("factory", FACTORIES, ids=["lru", "arc"])
-def test_admitting_past_the_capacity_is_refused(factory: Callable[[int], Policy]) -> None:
-    policy = factory(2)
-    policy.admit(A)
-    policy.admit(B)
-    policy.hold(B)
-    before = snapshot(policy)
-    with pytest.raises(KeyStateError, match="capacity of 2 resident keys; evict one first"):
-        policy.admit(C)
-    assert snapshot(policy) == before
-    policy.evict(A)
-    policy.admit(C)  # room again
-    assert len(policy) == 2
-
-
-@pytest.mark.parametrize("factory", FACTORIES, ids=["lru", "arc"])
 def test_a_held_key_may_be_hit_and_joins_the_order_at_release(factory: Callable[[int], Policy]) -> None:
     """Hitting a held key is inside the protocol (``prepare_load`` of a loading key): no error."""
     policy = factory(3)
@@ -100,3 +85,21 @@ def test_the_errors_are_the_manager_key_errors() -> None:
     policy = LRUPolicy(1)
     with pytest.raises(KeyError):
         policy.evict(A)
+
+
+@pytest.mark.parametrize(("name", "cls"), [("lru", LRUPolicy), ("arc", ARCPolicy)])
+def test_a_manager_built_by_name_uses_the_shipped_policy_and_keeps_its_protocol(
+    name: str, cls: type[Policy]
+) -> None:
+    """The Manager's own policy (built by name) skips ``admit``'s checks, as the Manager admits only
+    keys that are not resident; it is still the shipped class, and its other calls still check."""
+    from kvoffload import Manager
+
+    m = Manager.create(2, fingerprint="f", num_disk_blocks=2, policy=name)
+    assert isinstance(m.host_policy, cls) and isinstance(m.disk_policy, cls)
+    plan = m.prepare_store([A, B])
+    assert plan is not None
+    m.complete_store(plan, True)
+    assert sorted(m.host_policy.victims(2, ())) == [A, B]
+    with pytest.raises(UnknownKeyError):
+        m.host_policy.evict(C)
