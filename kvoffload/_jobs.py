@@ -59,8 +59,13 @@ def as_job_ids(job_ids: Iterable[object]) -> list[int]:
         return [job_ids[0]]
     if type(job_ids) is list and all(type(j) is int for j in job_ids):
         ids: list[int] = list(job_ids)
-    elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
-        raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}")
+    elif (isinstance(job_ids, (str, bytes, bytearray, memoryview))
+          or not isinstance(job_ids, Iterable) or getattr(job_ids, "ndim", 1) != 1):
+        # bytes-like: a buffer of bytes is not a list of job ids (block ids refuse it too); a 0-d
+        # or n-d array is not a sequence of ids either (iterating a 0-d one raises TypeError)
+        dims = getattr(job_ids, "ndim", 1)
+        raise JobIdError(f"job_ids must be a sequence of ints, got {type(job_ids).__name__}"
+                         + (f" of {dims} dimensions" if dims != 1 else ""))
     else:
         ids = [as_job_id(j) for j in job_ids]
     if len(set(ids)) != len(ids):

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Final, Protocol
 
+from kvoffload._jobs import WAIT_SLICE_S
 from kvoffload._seconds import as_timeout
 from kvoffload.errors import (
     ArgumentTypeError,
@@ -183,10 +184,12 @@ class LayerLoad:
         queued behind earlier jobs for issue). On the host backend (no streams: ``stream`` must be
         None) the call returns once the layer was copied. Layers may be waited for in any order,
         and again. After the job's result was returned the call does nothing (everything landed).
-        A failed job's layers hold undefined bytes: its result says so.
+        A failed job's layers hold undefined bytes: its result says so. A wait longer than
+        :data:`~kvoffload._jobs.WAIT_SLICE_S` looks at the worker again every slice, so that a
+        shutdown meanwhile (which may give the job up) ends it with ``ClosedError``.
 
         Raises (before anything is enqueued):
-            ClosedError: the worker was shut down.
+            ClosedError: the worker was shut down (before the call, or while it waited).
             ArgumentTypeError: ``layer`` not an int, or ``timeout`` not a number.
             InvalidArgumentError: ``layer`` out of range, or ``timeout`` negative or not finite.
             DeviceMismatchError: a stream of another device (any stream on the host backend).
@@ -201,7 +204,22 @@ class LayerLoad:
             raise InvalidArgumentError(
                 f"layer = {layer} is out of range: job {self.job_id} loads {count} layers (0..{count - 1})"
             )
-        self._marks.wait(layer, stream, as_timeout(timeout))
+        seconds = as_timeout(timeout)
+        if seconds <= WAIT_SLICE_S:
+            self._marks.wait(layer, stream, seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while True:
+            slice_s = max(0.0, min(deadline - time.monotonic(), WAIT_SLICE_S))
+            try:
+                self._marks.wait(layer, stream, slice_s)
+                return
+            except WaitTimeoutError as exc:
+                self._check_open()  # a shutdown meanwhile: its jobs' layers will not come
+                if time.monotonic() >= deadline:
+                    raise WaitTimeoutError(
+                        str(exc).replace(f"within {slice_s} s", f"within {seconds} s")
+                    ) from None
 
     def __repr__(self) -> str:
         """The job and its layer count."""

@@ -406,7 +406,9 @@ class Manager(ManagerBase):
         """Allocate host blocks for the ``keys`` not held yet, evicting ready blocks if needed.
 
         Keys already held in any tier and any state (pending, ready, loading) are skipped; they are
-        also protected: neither their host nor their disk copy is evicted by this plan. Only ready,
+        also protected: neither their host nor their disk copy is evicted by this plan. A key whose
+        only copy is a disk copy a load found damaged (no longer offered, dropped when the loads
+        holding it end) is not held: it is stored again. Only ready,
         non-loading blocks are evicted, in the policy's order. With a disk tier, evicted host copies
         that have no disk copy are demoted while the disk pool has room, evicting ready disk blocks
         by the disk policy for it; the rest are dropped.
@@ -429,8 +431,13 @@ class Manager(ManagerBase):
             host = self._host
             new = [key for key in keys if key not in entries]
             protected: AbstractSet[bytes] = NO_KEYS
+            revived: dict[bytes, Entry] = {}
             if len(new) != len(keys):
                 protected = {key for key in keys if key in entries}
+                revived = {key: e for key in protected if (e := entries[key]).host_state is None
+                           and e.disk_state is FAILED}
+                if revived:  # their damaged disk copies are not offered: store the keys again
+                    new = [key for key in keys if key not in entries or key in revived]
             need = len(new) - len(host.free)
             host_victims: list[bytes] = []
             host_entries: list[Entry] = []
@@ -478,6 +485,11 @@ class Manager(ManagerBase):
                 self._forget(host_victims, host_entries)
             blocks = host.take(len(new))
             created = [Entry(block, plan_id) for block in blocks]
+            for i, key in enumerate(new):
+                if key in revived:  # the entry keeps its failed disk copy until its loads end
+                    entry = created[i] = revived[key]
+                    entry.host, entry.host_state, entry.host_plan = blocks[i], PENDING, plan_id
+                    entry.host_refs = 0
             entries.update(zip(new, created))
             host.pending += len(new)
             plan_keys = tuple(new)
@@ -640,7 +652,10 @@ class Manager(ManagerBase):
                 if entry is None and self._remote is None:
                     raise UnknownKeyError(f"keys[{i}] = {key!r} is not held in any tier")
                 if entry is not None and key not in ready:
-                    raise KeyStateError(f"keys[{i}] = {key!r} is not ready (its store or demotion is pending)")
+                    why = ("its only copy, on disk, failed a load's check (it is dropped when the loads "
+                           "holding it end): store it again" if entry.host_state is None
+                           and entry.disk_state is FAILED else "its store or demotion is pending")
+                    raise KeyStateError(f"keys[{i}] = {key!r} is not ready ({why})")
                 found.append(entry)
             plan_id = next(_PLAN_IDS)
             fetched = self._remote_blocks(keys, found) if None in found else []

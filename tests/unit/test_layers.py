@@ -9,7 +9,9 @@ arguments are refused before anything is submitted.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,6 +26,7 @@ from kvoffload import (
     DeviceLayout,
     DeviceMismatchError,
     InvalidArgumentError,
+    KVOffloadError,
     LayerError,
     LayerLoad,
     LayoutError,
@@ -407,6 +410,52 @@ def test_a_backend_that_cannot_mark_layers_makes_every_layer_wait_for_the_whole_
         loads.tickets[0].finish()
         load.wait_layer(0, timeout=TIMEOUT_S)
         assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+
+
+def test_a_shutdown_that_gives_a_layered_load_up_ends_a_wait_layer_with_closed_error() -> None:
+    """The job never finishes, so the shutdown gives it up; a ``wait_layer`` of 30 s in another
+    thread ends with ``ClosedError`` within a slice of the shutdown, as ``Worker.wait`` does (it ran
+    to its 30 s timeout: found by an API audit)."""
+    def make(direction: Direction) -> FakeBackend:
+        return FakeBackend(direction, auto_finish=direction is Direction.STORE)
+
+    w = Worker.create(cache("per-layer"), HOST_BLOCKS, backend_factory=make)
+    load = w.load_by_layer(1, [0, 1], [2, 3])
+    ended: list[tuple[str, float]] = []
+
+    def waiter() -> None:
+        start = time.monotonic()
+        try:
+            load.wait_layer(0, timeout=30.0)
+            ended.append(("returned", time.monotonic() - start))
+        except KVOffloadError as exc:
+            ended.append((type(exc).__name__, time.monotonic() - start))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.1)
+    with pytest.raises(KVOffloadError, match="did not finish before the shutdown deadline"):
+        w.shutdown(timeout=0.2)
+    thread.join(30.0)
+    assert not thread.is_alive()
+    assert ended and ended[0][0] == "ClosedError", ended
+    assert ended[0][1] < 5.0, ended
+    with pytest.raises(ClosedError):
+        load.wait_layer(1)
+
+
+def test_a_long_wait_layer_still_times_out_at_its_deadline_naming_it() -> None:
+    def make(direction: Direction) -> FakeBackend:
+        return FakeBackend(direction, auto_finish=False)
+
+    with Worker.create(cache("per-layer"), HOST_BLOCKS, backend_factory=make) as w:
+        load = w.load_by_layer(1, [0, 1], [2, 3])
+        start = time.monotonic()
+        with pytest.raises(WaitTimeoutError, match=r"did not finish within 0\.6 s"):
+            load.wait_layer(0, timeout=0.6)
+        assert time.monotonic() - start >= 0.6
+        with contextlib.suppress(KVOffloadError):
+            w.shutdown(timeout=0.1)
 
 
 def test_waits_racing_the_jobs_completion_all_return() -> None:

@@ -1157,6 +1157,30 @@ def test_a_failed_disk_load_drops_the_disk_copy_once_no_load_holds_it() -> None:
     assert manager.stats().loads_failed == 1
 
 
+def test_a_key_whose_only_copy_failed_a_disk_load_is_stored_again_while_a_load_still_holds_it() -> None:
+    """(It was skipped as held: the store the engine asked for never happened and nothing said
+    so, and the key was forgotten when the last load ended. Found by an API audit.)"""
+    manager = Manager.create(1, fingerprint=b"fp", num_disk_blocks=4)
+    _disk_only_key(manager, b"a", b"b")
+    first, second = manager.prepare_load([b"a"]), manager.prepare_load([b"a"])
+    manager.complete_load(first, ok=False)
+    with pytest.raises(KeyStateError, match="failed a load's check .* store it again"):
+        manager.prepare_load([b"a"])
+    plan = manager.prepare_store([b"a"])
+    assert plan is not None and plan.keys == (b"a",)
+    manager.complete_load(second)  # the damaged disk copy goes; the new host copy stays
+    assert manager.lookup([b"a"]) == 0  # its store is pending
+    manager.complete_demote(plan, True)
+    manager.complete_store(plan, True)
+    assert manager.lookup([b"a"]) == 1
+    load = manager.prepare_load([b"a"])
+    assert load.tiers == (Tier.HOST,) and load.blocks == plan.host_blocks
+    manager.complete_load(load)
+    stats = manager.stats()
+    assert stats.disk_copies_dropped == 1 and stats.disk.loading == 0 and stats.host.loading == 0
+    assert stats.host.ready + stats.host.free + stats.host.pending == stats.host.capacity
+
+
 def test_a_failed_host_load_keeps_the_host_copy() -> None:
     manager = Manager.create(2, fingerprint=b"fp")
     plan = manager.prepare_store([b"a"])

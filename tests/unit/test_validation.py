@@ -392,6 +392,28 @@ BAD_WAITS = {
         lambda w: w.wait(_any([7.0]), WAIT_S), JobIdError, VALUE,
         r"job_id must be an int, got float 7\.0",
     ),
+    # a plain TypeError from iterating it (found by an API audit)
+    "0-d-array-ids": BadCall(
+        lambda w: w.wait(_any(np.asarray(7)), WAIT_S), JobIdError, VALUE,
+        r"job_ids must be a sequence of ints, got ndarray of 0 dimensions",
+    ),
+    "0-d-tensor-ids": BadCall(
+        lambda w: w.wait(_any(torch.tensor(7)), WAIT_S), JobIdError, VALUE,
+        r"job_ids must be a sequence of ints, got Tensor of 0 dimensions",
+    ),
+    "2-d-array-ids": BadCall(
+        lambda w: w.wait(_any(np.asarray([[7]])), WAIT_S), JobIdError, VALUE,
+        r"job_ids must be a sequence of ints, got ndarray of 2 dimensions",
+    ),
+    # read as job 7 (found by an API audit); block ids refuse bytes-like objects too
+    "bytearray-ids": BadCall(
+        lambda w: w.wait(_any(bytearray(b"\x07")), WAIT_S), JobIdError, VALUE,
+        r"job_ids must be a sequence of ints, got bytearray$",
+    ),
+    "memoryview-ids": BadCall(
+        lambda w: w.wait(_any(memoryview(b"\x07")), WAIT_S), JobIdError, VALUE,
+        r"job_ids must be a sequence of ints, got memoryview$",
+    ),
 }
 
 
