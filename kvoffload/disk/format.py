@@ -70,6 +70,7 @@ __all__ = [
     "file_bytes",
     "forget_lock",
     "lock_file",
+    "keep_from_children",
     "mark_clean",
     "open_io_fd",
     "os_kind",
@@ -499,9 +500,11 @@ def _size_file(fd: int, config: DiskConfig, nbytes: int) -> None:
         ) from None
 
 
-#: The descriptors that hold a tier file's lock in this process, with the file's (device, inode):
-#: a child forked without ``exec`` lets go of its copies at once (:func:`_let_go_in_child`), so that
-#: the lock lives as long as the tier that took it, not as long as the longest-lived child.
+#: The descriptors of tier files in this process (the one that holds the lock, and the O_DIRECT one
+#: beside it), with the file's (device, inode): a child forked without ``exec`` lets go of its
+#: copies at once (:func:`_let_go_in_child`), so that the lock lives as long as the tier that took
+#: it, not as long as the longest-lived child, and the child cannot write to the file (its copy of
+#: the tier, shut down there, would otherwise mark the file clean while the parent writes).
 _LOCKED: dict[int, tuple[int, int]] = {}
 
 
@@ -535,15 +538,23 @@ def lock_file(fd: int, path: str) -> str:
     return ""
 
 
+def keep_from_children(fd: int) -> None:
+    """A tier's descriptor of its file besides the lock's (the O_DIRECT one): a child forked without
+    ``exec`` points its copy at ``/dev/null`` too. The caller calls :func:`forget_lock` before it
+    closes ``fd``."""
+    st = os.fstat(fd)
+    _LOCKED[fd] = (st.st_dev, st.st_ino)
+
+
 def forget_lock(fd: int) -> None:
     """``fd`` is about to be closed: a child forked from here on has no lock of it to let go of."""
     _LOCKED.pop(fd, None)
 
 
 def _let_go_in_child() -> None:
-    """In a child forked without ``exec``: point each descriptor that holds a tier file's lock at
-    ``/dev/null``, so that the parent's tier, and only it, holds the lock (the child cannot use the
-    tier: its threads did not come along). The number stays taken, so the child's copy of the tier
+    """In a child forked without ``exec``: point each descriptor of a tier file (the lock's, and the
+    O_DIRECT one) at ``/dev/null``, so that the parent's tier, and only it, holds the lock and
+    writes the file (the child cannot use the tier: its threads did not come along). The number stays taken, so the child's copy of the tier
     closes nothing else; a number that now names another file is left alone."""
     held = list(_LOCKED.items())
     _LOCKED.clear()

@@ -89,6 +89,7 @@ from kvoffload.disk.format import (
     close_quietly,
     file_bytes,
     forget_lock,
+    keep_from_children,
     lock_file,
     mark_clean,
     open_io_fd,
@@ -154,6 +155,7 @@ class DiskTier:
         self._fingerprint = fingerprint
         self._state = state
         self._fd: int | None = fd
+        self._pid = os.getpid()  # a copy in a child forked without exec never marks the file
         # The set-up descriptor, kept open when the I/O one is another: it holds the file's lock
         # (moving the lock to the I/O descriptor would leave a moment with none, docs/design.md §9.2).
         self._lock_fd: int | None = None
@@ -246,6 +248,8 @@ class DiskTier:
             fd, direct, reason = cls._open_io_fd(path, config.direct, setup_fd)
             if fd != setup_fd:
                 undo.callback(close_quietly, fd)
+                keep_from_children(fd)
+                undo.callback(forget_lock, fd)
             tier = cls(
                 config=config, fd=fd, direct=direct, reason=reason, fingerprint=fingerprint,
                 record_bytes=record_bytes, records=records, host=host, state=state, book=book,
@@ -669,7 +673,7 @@ class DiskTier:
         thread is still running at the deadline (it then owns the descriptor's last use); a failed
         mark is only logged (the next restart then lists only records it can verify)."""
         fd = self._fd
-        if fd is None:
+        if fd is None or os.getpid() != self._pid:  # a forked child's copy: the file is the parent's
             return True
 
         def mark() -> None:

@@ -356,11 +356,6 @@ class Manager(ManagerBase):
                 if not name.startswith(prefix):
                     continue  # another model's record, or one without a name
                 key = name[len(prefix):]
-                if not 0 <= block < capacity:
-                    raise InvalidArgumentError(
-                        f"records[{i}] (block {block}) is out of this manager's disk blocks [0, "
-                        f"{capacity}): create it with the tier's num_disk_blocks"
-                    )
                 if key in entries:
                     raise KeyStateError(
                         f"records[{i}] names key {key!r}, which the manager already holds"
@@ -370,7 +365,12 @@ class Manager(ManagerBase):
                     newest[key] = (generation, block, i)
             free = set(pool.free)
             owner: dict[int, int] = {}
-            for generation, block, i in newest.values():
+            for generation, block, i in newest.values():  # the records to take
+                if not 0 <= block < capacity:
+                    raise InvalidArgumentError(
+                        f"records[{i}] (block {block}) is out of this manager's disk blocks [0, "
+                        f"{capacity}): create it with the tier's num_disk_blocks"
+                    )
                 if block not in free:
                     raise InvalidArgumentError(
                         f"records[{i}] (block {block}) is not a free block (a copy or a plan holds it)"

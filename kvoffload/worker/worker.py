@@ -640,7 +640,10 @@ class Worker:
         dst = as_block_ids(dst_name, dst_blocks, dst_limit, ranged=ranged)
         if ranged:
             check_pairs(src, dst, src_name, dst_name)
-        key_list = check_disk_keys(keys, int(dst.shape[0]))
+        elif keys is not None and src.shape[0] != dst.shape[0]:  # before the keys are counted
+            check_pairs(src, dst, src_name, dst_name)
+        disk_ids = src if from_memory is Memory.DISK else dst
+        key_list = check_disk_keys(keys, int(disk_ids.shape[0]))
         fence: object = None
         if self._pipeline is not None and direction in _PIPELINE_DIRECTIONS:
             fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError

@@ -741,6 +741,51 @@ def test_without_letting_go_in_the_child_the_lock_outlives_the_tier(
         _tier_outlived_by_a_forked_child(make_tier)
 
 
+def _clean_flag(path: str) -> bool:
+    with open(path, "rb") as f:
+        first = f.read(disk_format._FILE_HEADER.size)
+    return bool(disk_format._FILE_HEADER.unpack_from(first, 0)[2] & disk_format._FILE_CLEAN)
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "control"])
+def test_a_forked_child_that_shuts_its_copy_down_does_not_mark_the_parents_file_clean(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch, guarded: bool,
+) -> None:
+    """A child forked without exec (here inside the tier's life) that shuts its copy of the tier
+    down (a ``with Worker`` it unwinds) marked the file clean through the I/O descriptor while the
+    parent still wrote: a crash of the parent then left a file that claimed a clean shutdown, whose
+    records without a checksum a restart would serve unverified (found by an audit). The I/O
+    descriptor here is a second one, as with O_DIRECT. The control drops both guards: the child's
+    descriptor of the file, and the owner's process id."""
+    def second_descriptor(path: str, direct: bool | None, setup_fd: int) -> tuple[int, bool, str]:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC), False, "a second descriptor (test)"
+
+    monkeypatch.setattr(DiskTier, "_open_io_fd", staticmethod(second_descriptor))
+    if not guarded:
+        monkeypatch.setattr(disk_format, "_let_go_in_child", lambda: None)
+    tier = make_tier(checksum=False, reuse=True)
+    write_ok(tier, 1, [0], [4])
+    assert tier._fd != tier._lock_fd and not _clean_flag(tier.path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a process with threads
+        pid = os.fork()
+    if pid == 0:  # the child: shut its copy down, never return into pytest
+        code = 0
+        try:
+            if not guarded:
+                tier._pid = os.getpid()
+            tier.shutdown(timeout=5)
+        except BaseException:  # noqa: BLE001 - reported by the exit code
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _clean_flag(tier.path) is not guarded  # the parent's tier is open and writes on
+    write_ok(tier, 2, [1], [5])
+    tier.shutdown()
+    assert _clean_flag(tier.path)  # its own clean shutdown
+
+
 # ---------------------------------------------------------------------------- direct / buffered
 
 

@@ -1211,7 +1211,8 @@ def test_adopted_disk_records_are_loadable_from_the_disk_tier_and_their_blocks_a
     other = namespaced_key("model-b/layout-1", C)  # another model's record of the same block hash
     records = [rec(3, 5, m.namespaced(A)), rec(0, 9, other), rec(2, 1, b""), rec(4, 3, b""),
                rec(1, 2, m.namespaced(B)), rec(5, 7, m.namespaced(A)),  # A's newest write: block 5
-               rec(70, 6, other)]  # past this manager's blocks, but not its record: left alone
+               rec(70, 6, other),  # past this manager's blocks, but not its record: left alone
+               rec(90, 1, m.namespaced(B))]  # B's older write past its blocks: not taken, no error
     assert m.adopt_disk(records) == [B, A]  # oldest write first
     assert m.events() == [BlockEvent(EventKind.STORED, B, Tier.DISK),
                           BlockEvent(EventKind.STORED, A, Tier.DISK)]

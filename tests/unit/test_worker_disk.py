@@ -8,14 +8,14 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from kvoffload import BlockConflictError, DeviceLayout, Direction, InvalidArgumentError, KeyTypeError, Worker
+from kvoffload import BlockConflictError, DeviceLayout, Direction, InvalidArgumentError, InvalidBlockIdError, KeyTypeError, Worker
 from kvoffload.cli._caches import build_cache
 from kvoffload.disk.tier import DiskTier
 from kvoffload.worker.pipeline import DiskPipeline
@@ -242,6 +242,15 @@ def test_bad_disk_keys_are_refused_before_anything_is_submitted(worker: Worker) 
             call([b"a"])
         with pytest.raises(InvalidArgumentError, match=r"keys\[0\] has 1025 bytes; at most 1024"):
             call([b"x" * 1025, b"y"])
+    # unequal ids: named as such, not as a key count against the wrong side (found by an audit)
+    unequal: list[Callable[[], None]] = [
+        lambda: worker.promote(1, [2, 3], [0], keys=[b"a", b"b"]),
+        lambda: worker.load_from_disk(1, [2, 3], [0], keys=[b"a", b"b"]),
+        lambda: worker.demote(1, [0], [2, 3], keys=[b"a", b"b"]),
+    ]
+    for call_ids in unequal:
+        with pytest.raises(InvalidBlockIdError, match="they pair up and must have equal lengths"):
+            call_ids()
     assert worker.disk_stats() == before
     worker.demote(1, [0, 1], [2, 3], keys=[b"a", b"b"])  # the id and the blocks are free: nothing was booked
     assert worker.wait([1], TIMEOUT_S)[0].ok
