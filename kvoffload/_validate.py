@@ -85,8 +85,8 @@ def as_block_ids(name: str, values: object, limit: int, *, ranged: bool = True) 
         if array.ndim == 0:
             raise BlockIdTypeError(f"{name} must be a sequence of ints, got a scalar {values!r}")
         raise BlockIdTypeError(f"{name} must be one-dimensional, got shape {array.shape}")
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
+    if array.size == 0 and (array.dtype.kind in "iu" or not hasattr(values, "dtype")):
+        return np.zeros(0, dtype=np.int64)  # an empty sequence without a dtype of its own is fine
     if array.dtype.kind not in "iu":
         raise BlockIdTypeError(f"{name} must hold integers, got dtype {array.dtype}")
     if array.min() < 0 or array.max() >= limit:  # compared in the ids' own dtype

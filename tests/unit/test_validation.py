@@ -292,6 +292,15 @@ BAD_CALLS = {
         lambda w: w.load(1, _any(torch.tensor([0.0])), [0]), BlockIdTypeError, TYPE_AND_VALUE,
         r"host_blocks must hold integers, got dtype float32",
     ),
+    # an empty array of another dtype was an empty job (found by an API audit)
+    "store-empty-float-array": BadCall(
+        lambda w: w.store(1, _any(np.zeros(0)), []), BlockIdTypeError, TYPE_AND_VALUE,
+        r"device_blocks must hold integers, got dtype float64",
+    ),
+    "load-empty-bool-tensor": BadCall(
+        lambda w: w.load(1, [], _any(torch.zeros(0, dtype=torch.bool))), BlockIdTypeError, TYPE_AND_VALUE,
+        r"device_blocks must hold integers, got dtype bool",
+    ),
     "store-none": BadCall(
         lambda w: w.store(1, _any(None), [0]), BlockIdTypeError, TYPE_AND_VALUE,
         r"device_blocks must be a sequence of ints, got NoneType",
