@@ -38,7 +38,7 @@ from kvoffload.bindings import driver
 from kvoffload.bindings.copier import Copier
 from kvoffload.bindings.kernel import COPY_KERNEL_THREADS, LAUNCH_ABI_VERSION
 from kvoffload.bindings.types import CopyMethod
-from kvoffload.errors import CudaError, TransferError, WaitTimeoutError
+from kvoffload.errors import ClosedError, CudaError, TransferError, WaitTimeoutError
 from kvoffload.records import Direction, DriverCallStats
 
 __all__ = [
@@ -650,14 +650,18 @@ class NativeBackend:
         Raises:
             DeviceMismatchError: a stream of another device, or not a stream.
             CudaError: the driver refused the record.
+            ClosedError: the backend was released (the issuer is gone).
         """
         handle = self.stream_handle(stream)
         error = ctypes.c_int64(0)
-        if not self.switches_device():
-            pointer = self._fence_take(self._issuer_arg, handle, ctypes.byref(error))
-        else:
-            with torch.cuda.device(self.index):
+        with self._lock:  # as a hand-off: release_within frees the issuer only after it
+            if self._released:
+                raise ClosedError(f"the native {self.direction.value} backend was released")
+            if not self.switches_device():
                 pointer = self._fence_take(self._issuer_arg, handle, ctypes.byref(error))
+            else:
+                with torch.cuda.device(self.index):
+                    pointer = self._fence_take(self._issuer_arg, handle, ctypes.byref(error))
         if not pointer:
             raise native_error(int(error.value), "cuEventRecord")
         return NativeFence(int(pointer))
@@ -685,7 +689,9 @@ class NativeBackend:
         :meth:`position`, which the job took)."""
         if isinstance(fence, NativeFence) and fence.pointer and not fence._released:  # noqa: SLF001 - its owner
             fence._released = True  # noqa: SLF001
-            self.lib.kvo_fence_release(self._issuer, fence.pointer)
+            with self._lock:  # the issuer is freed after release_within set _released under it
+                if not self._released:  # else the issuer, and its fences' pool, are gone
+                    self.lib.kvo_fence_release(self._issuer, fence.pointer)
 
     def start_thread(self) -> None:
         """Nothing: the handler's own thread only hands jobs over, which needs no context."""

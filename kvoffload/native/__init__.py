@@ -47,6 +47,7 @@ __all__ = [
     "ABANDONED_AFTER_S",
     "BUILD_TIMEOUT_S",
     "CALL_KINDS",
+    "CONTROL_COMING_ALWAYS",
     "CONTROL_NEVER_SIGNAL",
     "CONTROL_SKIP_SLOT_WAIT",
     "FAIL_COMPLETION",
@@ -111,6 +112,10 @@ CONTROL_SKIP_SLOT_WAIT: Final = 1
 #: CONTROL ONLY: a hand-off never signals the thread, even when it is blocked (the idle spin's
 #: wake-up rule broken on purpose).
 CONTROL_NEVER_SIGNAL: Final = 2
+#: CONTROL ONLY: each announcement of a caller (kvo_issuer_expect) extends the one in force, and is
+#: given way to even after one lapsed with no record (the bound on a caller that announces and
+#: never records, lifted).
+CONTROL_COMING_ALWAYS: Final = 4
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64

@@ -56,7 +56,7 @@ enum {
 };
 enum { PATH_DMA = 0, PATH_SM = 1, PATH_STAGED = 2 };
 /* A test's control breaks rule 5 on purpose: a slot is rewritten without waiting for its last read. */
-enum { CONTROL_SKIP_SLOT_WAIT = 1, CONTROL_NEVER_SIGNAL = 2 };
+enum { CONTROL_SKIP_SLOT_WAIT = 1, CONTROL_NEVER_SIGNAL = 2, CONTROL_COMING_ALWAYS = 4 };
 enum { JOB_QUEUED = 0, JOB_ISSUED = 1, JOB_DONE = 2 };
 /* kind of failure, as the Python ticket reports it */
 enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
@@ -234,6 +234,8 @@ struct kvo_issuer {
     int64_t coming_until; /* CLOCK_MONOTONIC ns until which the thread gives way to a caller whose
                            * hand-off kvo_issuer_expect announced (0: none; atomics) */
     int64_t comings;      /* the calls of kvo_issuer_expect that announced one (kvo_issuer_counts) */
+    int coming_lapsed;    /* an announcement lapsed with no caller's record: announcements are
+                           * ignored until the next record (atomics; see give_way) */
     int thread_issues;    /* the thread is issuing a job it took off the queue (under the mutex) */
     /* Diagnostics (kvo_issuer_call_stats): the issuing side's driver call in progress (CALL_*),
      * its longest call of each kind, and the callers' calls: how many, the longest, and those
@@ -294,6 +296,14 @@ static void give_way(struct kvo_issuer *is) {
         cpu_relax();
         now = now_ns();
     }
+    /* An announcement that lapsed with no record (a caller whose job was then declined, or that
+     * never came) ends here, and further ones are ignored until a caller's record: a caller that
+     * announces again and again without recording delays the issue by one caller_coming_ns at
+     * most between two records, never for as long as it keeps announcing. */
+    coming = __atomic_load_n(&is->coming_until, __ATOMIC_ACQUIRE);
+    if (coming && now >= coming && !(is->c.controls & CONTROL_COMING_ALWAYS) &&
+        __atomic_compare_exchange_n(&is->coming_until, &coming, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        __atomic_store_n(&is->coming_lapsed, 1, __ATOMIC_RELEASE);
 }
 
 /* A caller's thread enters (1) or leaves (-1) a driver call of its own. */
@@ -1287,6 +1297,7 @@ struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *e
         r = CALLER_CALL(is, ((fn_event_record)is->c.event_record)(fence->event, stream));
         if (context_restored(is, r)) r = ((fn_event_record)is->c.event_record)(fence->event, stream);
         __atomic_store_n(&is->coming_until, 0, __ATOMIC_RELEASE); /* the announced caller came */
+        __atomic_store_n(&is->coming_lapsed, 0, __ATOMIC_RELEASE); /* announcements count again */
         caller_call(is, -1);
         if (r) { pthread_mutex_lock(&is->mu); pool_give(is, &is->plain, fence->event); pthread_mutex_unlock(&is->mu); }
     }
@@ -1602,21 +1613,31 @@ void kvo_issuer_call_stats(struct kvo_issuer *is, int64_t *out) {
  * A thread with work (issuing or polling jobs) is told instead that the caller is coming: it gives
  * way before each of its driver calls until the caller's record (kvo_fence_take) or for
  * caller_coming_ns at most, so that the caller's record, the hand-off's one driver call, does not
- * wait behind a call the thread is in (see give_way). 1 when it woke the thread, 2 when it told
- * it; 0 (nothing done) when that is off, or the thread is stopping, a caller issues, or it is out
- * of work and not blocked. */
+ * wait behind a call the thread is in (see give_way). An announcement in force is not extended by
+ * another, and one that lapsed with no record makes the thread ignore further ones until the next
+ * record: a caller announcing again and again without recording holds the thread for one
+ * caller_coming_ns between two records at most. 1 when it woke the thread, 2 when it
+ * told it; 0 (nothing done) when that is off, or the thread is stopping, a caller issues, it is
+ * out of work and not blocked, or an announcement lapsed since the last record. */
 int64_t kvo_issuer_expect(struct kvo_issuer *is) {
     if (is->c.expect_spin_ns <= 0 && is->c.caller_coming_ns <= 0) return 0;
     pthread_mutex_lock(&is->mu);
     int busy = !is->stop && !is->issuing && (is->thread_issues || is->queue_head || is->flight_head);
     int wake = is->c.expect_spin_ns > 0 && is->sleeping && !is->queue_head && !is->flight_head &&
                !is->issuing && !is->stop && !(is->c.controls & CONTROL_NEVER_SIGNAL);
-    int told = busy && is->c.caller_coming_ns > 0;
+    int told = busy && is->c.caller_coming_ns > 0 && !__atomic_load_n(&is->coming_lapsed, __ATOMIC_ACQUIRE);
     if (wake) {
         is->expect_until = now_ns() + is->c.expect_spin_ns;
         is->expects++;
     } else if (told) {
-        __atomic_store_n(&is->coming_until, now_ns() + is->c.caller_coming_ns, __ATOMIC_RELEASE);
+        /* An announcement in force is not extended (CONTROL_COMING_ALWAYS: it is): so one lapses
+         * caller_coming_ns after it was made, however often callers announce meanwhile. */
+        int64_t none = 0, until = now_ns() + is->c.caller_coming_ns;
+        if (is->c.controls & CONTROL_COMING_ALWAYS)
+            __atomic_store_n(&is->coming_until, until, __ATOMIC_RELEASE);
+        else
+            __atomic_compare_exchange_n(&is->coming_until, &none, until, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE);
         is->comings++;
     }
     pthread_mutex_unlock(&is->mu);

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from kvoffload import (
     ArgumentTypeError,
     BlockConflictError,
+    ClosedError,
     InvalidBlockIdError,
     CudaError,
     DeviceLayout,
@@ -1123,6 +1124,69 @@ def test_a_busy_thread_told_a_caller_is_coming_gives_way_until_its_record_or_for
     # An announcement that lapses (1 ms) lets the thread go on though the caller never came.
     told, during = thread_calls_while_an_announced_caller_comes(1_000_000)
     assert (told, during > 2) == (2, True)
+
+
+def thread_calls_while_a_caller_keeps_announcing(controls: int) -> int:
+    """A thread mid-issue of a job of 8 copies, while a caller announces itself every ~20 us (its
+    jobs declined, say) and never records: the thread's driver calls in the 0.3 s that follow.
+    Each announcement holds the thread 20 ms (give_way_ns 30 s). The caller then stops and the job
+    must complete whole (found by a review: the announcements kept the thread for as long as they
+    came)."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "dma", plan, batch=False, give_way_ns=30 * 10**9, controls=controls,
+                tune={**THREAD_ISSUES, "caller_coming_ns": 20_000_000})
+    gate, inside, stop = threading.Event(), threading.Event(), threading.Event()
+    device, host = list(range(0, 16, 2)), list(range(1, 17, 2))
+    lib, issuer = h.backend.lib, h.backend._issuer  # noqa: SLF001
+
+    def announce() -> None:
+        while not stop.is_set():
+            lib.kvo_issuer_expect(issuer)
+            time.sleep(20e-6)
+
+    announcer = threading.Thread(target=announce)
+    try:
+        h.fake.gate["cuMemcpyAsync"] = gate
+        h.fake.entered["cuMemcpyAsync"] = inside
+        h.handler.submit(0, device, host)
+        assert inside.wait(TIMEOUT_S)  # the thread is inside its first copy
+        announcer.start()
+        time.sleep(0.01)
+        seen = len(h.fake.snapshot())
+        del h.fake.gate["cuMemcpyAsync"]
+        gate.set()
+        wait_until(lambda: len(h.fake.snapshot()) > seen + 2, timeout_s=0.3)
+        during = len(h.fake.snapshot()) - seen
+        stop.set()
+        announcer.join(TIMEOUT_S)
+        (result,) = h.handler.wait([0], 5.0)  # the last announcement lapses 20 ms after it
+        assert result.ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        return during
+    finally:
+        stop.set()
+        gate.set()
+        if announcer.is_alive():
+            announcer.join(TIMEOUT_S)
+        h.close()
+
+
+def test_fences_after_the_backend_was_released_never_reach_the_freed_issuer() -> None:
+    """(Both called into the library with the issuer freed: a heap use-after-free under
+    AddressSanitizer, found by a review. The sanitized run of these tests is the proof.)"""
+    h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [512, 256]))
+    fence = h.backend.fence(None)  # taken before the shutdown
+    h.handler.shutdown(10)  # releases the backend: the issuer is stopped and freed
+    h.backend.release_fence(fence)  # gives nothing back to the freed issuer
+    with pytest.raises(ClosedError, match="backend was released"):
+        h.backend.fence(None)
+
+
+def test_a_caller_that_keeps_announcing_without_recording_holds_the_thread_one_announcement_at_most() -> None:
+    # Control: announcements that extend each other, honoured after a lapse: the thread stands still.
+    assert thread_calls_while_a_caller_keeps_announcing(native.CONTROL_COMING_ALWAYS) <= 2, \
+        "the control issued: the test proves nothing"
+    assert thread_calls_while_a_caller_keeps_announcing(0) > 2
 
 
 def issued_after_the_spin(controls: int) -> bool:
