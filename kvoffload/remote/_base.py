@@ -569,8 +569,11 @@ class RemoteStoreBase:
                     op.fail(i, status.kind, status.message, status.code)
 
     def _zero_failed(self, op: Op) -> None:
+        """Zero-fill the host rows of a get's failed keys (never partial or foreign bytes). A
+        put's rows are its source: never touched (a put that failed or never started leaves the
+        host copy it was to write as it was)."""
         rows = self._rows
-        if rows is None or op.rows is None:
+        if op.kind is not RemoteOp.GET or rows is None or op.rows is None:
             return
         for i, ok in enumerate(op.succeeded):
             if not ok:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -19,6 +20,7 @@ from kvoffload.errors import (
     InvalidArgumentError,
     InvalidBlockIdError,
     KeyTypeError,
+    KVOffloadError,
     RemoteIntegrityError,
     RemoteMissError,
     RemoteTimeoutError,
@@ -327,14 +329,54 @@ def test_a_paused_server_times_out_unsettled_and_the_rows_are_zero_once_idle(
         queued = store.get([b"a"], [6], timeout=0.2)  # behind the stuck call: never started
         assert queued.settled and isinstance(queued.error, RemoteTimeoutError)
         assert_zero_rows(rows, [6])
+        # A put that never started leaves its source row as it was (it was zero-filled, a host
+        # copy the Manager still offered: found by an audit). Row 7 is not a get's row.
+        source = rows[7].copy()
+        queued_put = store.put([b"c"], [7], timeout=0.2)
+        assert queued_put.settled and isinstance(queued_put.error, RemoteTimeoutError)
+        assert np.array_equal(rows[7], source), "a put that never ran changed its source row"
         if not result.settled:
             assert store.stats().busy == 1
     finally:
         c.services.resume()
     assert store.wait_idle(60)
     assert_zero_rows(rows, [4, 5])
+    assert np.array_equal(rows[7], source)
     assert store.stats().busy == 0
     store.close(timeout=30)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_close_that_cancels_a_queued_put_leaves_its_source_row(
+    backend: str, fresh_cluster: Callable[..., Cluster], prefix: str
+) -> None:
+    """(A put cancelled by ``close`` zero-filled the rows it was to read: found by an audit.)"""
+    c = fresh_cluster(backend)
+    rows = random_rows(4, RECORD)
+    config: dict[str, Any] = {"socket_timeout_s": 3.0} if backend == "redis" else {}
+    store = c.store(rows, prefix=prefix, **config)
+    assert store.put([b"warm"], [3], timeout=30).ok
+    source = rows[:2].copy()
+    c.services.pause()
+    results: list[RemoteResult] = []
+    try:
+        stuck = threading.Thread(target=lambda: results.append(store.get([b"warm"], [2], timeout=30)))
+        stuck.start()
+        wait_busy = time.monotonic() + 10
+        while store.stats().busy == 0 and time.monotonic() < wait_busy:
+            time.sleep(0.01)
+        queued = threading.Thread(target=lambda: results.append(store.put([b"a", b"b"], [0, 1], timeout=30)))
+        queued.start()
+        time.sleep(0.2)  # the put waits behind the stuck get
+        with contextlib.suppress(KVOffloadError):
+            store.close(timeout=0.3)
+        queued.join(30)
+        assert not queued.is_alive()
+        assert np.array_equal(rows[:2], source), "a cancelled put changed its source rows"
+    finally:
+        c.services.resume()
+    stuck.join(60)
+    assert not stuck.is_alive()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
