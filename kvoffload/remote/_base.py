@@ -395,12 +395,14 @@ class RemoteStoreBase:
     def _fail_all(self, op: Op, *, settled: bool) -> None:
         where = "before the store client started it" if settled else "while the store client was running it"
         what = "the store's close deadline" if time.monotonic() < op.deadline else f"the {op.kind.value} deadline"
-        for i, key in enumerate(op.keys):
-            op.succeeded[i] = False
-            op.generations[i] = 0
-            op.errors[i] = RemoteTimeoutError(
-                f"key {key!r}: {what} passed {where}", keys=(key,), settled=settled
-            )
+        n = len(op.keys)
+        named = f"key {op.keys[0]!r}" if n == 1 else f"{n} keys ({op.keys[0]!r}, ...)"
+        # One error for every key, naming them all: an error object per key cost about 10 us each
+        # under the lock, so a call of 200,000 keys returned 2 s past its deadline (an audit).
+        error = RemoteTimeoutError(f"{named}: {what} passed {where}", keys=tuple(op.keys), settled=settled)
+        op.succeeded[:] = [False] * n
+        op.generations[:] = [0] * n
+        op.errors[:] = [error] * n
         op.nbytes = 0
         op.settled = settled
 
