@@ -21,6 +21,7 @@ from kvoffload.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     KeyStateError,
+    KVOffloadError,
     UnknownKeyError,
     UnknownPolicyError,
 )
@@ -84,6 +85,12 @@ def _wrong_state(policy: str, method: str, key: bytes, why: str) -> KeyStateErro
     return KeyStateError(f"{policy}.{method}({key!r}): {why}; nothing changed")
 
 
+def _refused(policy: str, method: str, key: bytes, resident: bool, why: str) -> KVOffloadError:
+    """The error of a call on a key in the wrong state (``why``) when ``resident``, else on a key
+    that is not resident."""
+    return _wrong_state(policy, method, key, why) if resident else _not_resident(policy, method, key)
+
+
 def _refuse_admit(policy: str, key: bytes) -> NoReturn:
     raise _wrong_state(policy, "admit", key, "the key is already resident")
 
@@ -144,9 +151,8 @@ class LRUPolicy:
         try:
             del self._order[key]
         except KeyError:
-            if key in self._held:
-                raise _wrong_state("LRUPolicy", "hold", key, "the key is already held") from None
-            raise _not_resident("LRUPolicy", "hold", key) from None
+            raise _refused("LRUPolicy", "hold", key, key in self._held,
+                           "the key is already held") from None
         self._held.add(key)
 
     def release(self, key: bytes) -> None:
@@ -159,9 +165,8 @@ class LRUPolicy:
         try:
             self._held.remove(key)
         except KeyError:
-            if key in self._order:
-                raise _wrong_state("LRUPolicy", "release", key, "the key is not held") from None
-            raise _not_resident("LRUPolicy", "release", key) from None
+            raise _refused("LRUPolicy", "release", key, key in self._order,
+                           "the key is not held") from None
         self._order[key] = None
 
     def victims(self, count: int, exclude: Container[bytes]) -> list[bytes]:
@@ -188,10 +193,8 @@ class LRUPolicy:
         try:
             del self._order[key]
         except KeyError:
-            if key in self._held:
-                raise _wrong_state("LRUPolicy", "evict", key,
-                                   "the key is held (loading); release it first") from None
-            raise _not_resident("LRUPolicy", "evict", key) from None
+            raise _refused("LRUPolicy", "evict", key, key in self._held,
+                           "the key is held (loading); release it first") from None
 
     def clear(self) -> None:
         """Forget every key."""
@@ -299,9 +302,8 @@ class ARCPolicy:
         try:
             del self._t2[key]
         except KeyError:
-            if key in self._held:
-                raise _wrong_state("ARCPolicy", "hold", key, "the key is already held") from None
-            raise _not_resident("ARCPolicy", "hold", key) from None
+            raise _refused("ARCPolicy", "hold", key, key in self._held,
+                           "the key is already held") from None
         self._held[key] = True
 
     def release(self, key: bytes) -> None:
@@ -314,9 +316,8 @@ class ARCPolicy:
         try:
             in_t2 = self._held.pop(key)
         except KeyError:
-            if key in self._t1 or key in self._t2:
-                raise _wrong_state("ARCPolicy", "release", key, "the key is not held") from None
-            raise _not_resident("ARCPolicy", "release", key) from None
+            raise _refused("ARCPolicy", "release", key, key in self._t1 or key in self._t2,
+                           "the key is not held") from None
         if in_t2:
             self._t2[key] = None
         else:
@@ -357,10 +358,8 @@ class ARCPolicy:
             try:
                 del self._t2[key]
             except KeyError:
-                if key in self._held:
-                    raise _wrong_state("ARCPolicy", "evict", key,
-                                       "the key is held (loading); release it first") from None
-                raise _not_resident("ARCPolicy", "evict", key) from None
+                raise _refused("ARCPolicy", "evict", key, key in self._held,
+                               "the key is held (loading); release it first") from None
             self._b2[key] = None
         self._trim_ghosts()
 
