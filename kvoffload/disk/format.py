@@ -69,8 +69,8 @@ __all__ = [
     "close_quietly",
     "file_bytes",
     "forget_lock",
-    "lock_file",
     "keep_from_children",
+    "lock_file",
     "mark_clean",
     "open_io_fd",
     "os_kind",
@@ -554,8 +554,9 @@ def forget_lock(fd: int) -> None:
 def _let_go_in_child() -> None:
     """In a child forked without ``exec``: point each descriptor of a tier file (the lock's, and the
     O_DIRECT one) at ``/dev/null``, so that the parent's tier, and only it, holds the lock and
-    writes the file (the child cannot use the tier: its threads did not come along). The number stays taken, so the child's copy of the tier
-    closes nothing else; a number that now names another file is left alone."""
+    writes the file (the child cannot use the tier: its threads did not come along). The number
+    stays taken, so the child's copy of the tier closes nothing else; a number that now names
+    another file is left alone."""
     held = list(_LOCKED.items())
     _LOCKED.clear()
     for fd, ident in held:

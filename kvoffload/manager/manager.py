@@ -408,10 +408,10 @@ class Manager(ManagerBase):
         Keys already held in any tier and any state (pending, ready, loading) are skipped; they are
         also protected: neither their host nor their disk copy is evicted by this plan. A key whose
         only copy is a disk copy a load found damaged (no longer offered, dropped when the loads
-        holding it end) is not held: it is stored again. Only ready,
-        non-loading blocks are evicted, in the policy's order. With a disk tier, evicted host copies
-        that have no disk copy are demoted while the disk pool has room, evicting ready disk blocks
-        by the disk policy for it; the rest are dropped.
+        holding it end) is not held: it is stored again. Only ready, non-loading blocks are
+        evicted, in the policy's order. With a disk tier, evicted host copies that have no disk
+        copy are demoted while the disk pool has room, evicting ready disk blocks by the disk
+        policy for it; the rest are dropped.
 
         Returns the plan (possibly with no keys, when all are held), or None when the free and
         evictable host blocks cannot take every new key; then nothing changed. The engine must run
