@@ -31,7 +31,7 @@ from typing import Final, Protocol
 
 import numpy as np
 
-from kvoffload._seconds import as_timeout
+from kvoffload._seconds import WAIT_SLICE_S, as_timeout
 from kvoffload.errors import ClosedError, JobIdError, UnknownJobError, WaitTimeoutError
 from kvoffload.records import TransferResult
 
@@ -73,11 +73,6 @@ def as_job_ids(job_ids: Iterable[object]) -> list[int]:
         raise JobIdError(f"job_ids lists job {dup} more than once")
     return ids
 
-
-#: A wait for a pulled source's job looks at the book again at least this often (seconds), so that
-#: the owner's shutdown ends it. Each slice starts the ticket's wait again, spin included (2 ms on the
-#: native issuer, 5 ms on the Python one): about 1% and 2% of a core over a long wait.
-WAIT_SLICE_S: Final = 0.25
 
 
 class JobSource(Protocol):

@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Final, Protocol
 
-from kvoffload._jobs import WAIT_SLICE_S
-from kvoffload._seconds import as_timeout
+from kvoffload._seconds import WAIT_SLICE_S, as_timeout
 from kvoffload.errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -185,7 +184,7 @@ class LayerLoad:
         None) the call returns once the layer was copied. Layers may be waited for in any order,
         and again. After the job's result was returned the call does nothing (everything landed).
         A failed job's layers hold undefined bytes: its result says so. A wait longer than
-        :data:`~kvoffload._jobs.WAIT_SLICE_S` looks at the worker again every slice, so that a
+        :data:`~kvoffload._seconds.WAIT_SLICE_S` looks at the worker again every slice, so that a
         shutdown meanwhile (which may give the job up) ends it with ``ClosedError``.
 
         Raises (before anything is enqueued):

@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload._jobs import JobBook, as_timeout
+from kvoffload._seconds import WAIT_SLICE_S
 from kvoffload.disk.requests import DiskIO
 from kvoffload.disk.tier import DiskTier
 from kvoffload.errors import ClosedError, ShutdownError, TransferError, WaitTimeoutError
@@ -47,10 +48,10 @@ __all__ = ["DiskPipeline"]
 _log = logging.getLogger("kvoffload.pipeline")
 
 I64Array = npt.NDArray[np.int64]
-#: A step (a device copy, a disk request) is waited for until it ended, however long: a job whose
-#: request or copy still runs must not end, since its bounce slots and device blocks would be used
-#: again under it. The waits look for a shutdown that gave up this often (seconds).
-WAIT_SLICE_S: Final = 0.25
+# A step (a device copy, a disk request) is waited for until it ended, however long: a job whose
+# request or copy still runs must not end, since its bounce slots and device blocks would be used
+# again under it. The waits look for a shutdown that gave up every WAIT_SLICE_S.
+
 #: The bounce slots form this many sets, each a round of records; reads (or writes) of every free
 #: set are in flight at once, so several disk requests overlap the device copies.
 SLOT_SETS: Final = 4
