@@ -220,6 +220,7 @@ struct kvo_issuer {
     pthread_cond_t work, done;
     struct kvo_job *queue_head, *queue_tail, *flight_head, *flight_tail;
     int64_t stop, exited, started, refs, ctx_error;
+    int64_t pools_closed; /* the exiting thread took the pools' events to destroy them unlocked */
     int64_t sleeping; /* the thread waits on `work` (under mu): a hand-off must signal it */
     int64_t signals;  /* hand-offs that signalled it (kvo_issuer_counts) */
     int64_t naps;     /* idle naps the thread took (kvo_issuer_counts) */
@@ -381,18 +382,37 @@ static int64_t *copy_i64(const int64_t *src, int64_t n) {
     return out;
 }
 
-/* Take an event from a pool (created when none is free). Caller holds the mutex or is the thread. */
-static CUresult pool_take(struct kvo_issuer *is, struct pool *p, CUevent *out) {
-    if (p->count > 0) { *out = p->free[--p->count]; return 0; }
+/* A new event of a pool's kind (a driver call: made without the mutex but at the thread's start). */
+static CUresult create_event(struct kvo_issuer *is, const struct pool *p, CUevent *out) {
     CUresult r = ((fn_event_create)is->c.event_create)(out, p->flags);
     if (context_restored(is, r)) r = ((fn_event_create)is->c.event_create)(out, p->flags);
     return r;
 }
 
+/* Take an event from a pool (created when none is free). Only at the thread's start, under the
+ * mutex; every other taker uses take_event. */
+static CUresult pool_take(struct kvo_issuer *is, struct pool *p, CUevent *out) {
+    if (p->count > 0) { *out = p->free[--p->count]; return 0; }
+    return create_event(is, p, out);
+}
+
+/* Take an event from a pool, or create one when none is free: the creation, a driver call, is made
+ * without the mutex, so that no wait on the mutex (a stop's, a waiter's) waits for the driver.
+ * KVO_RELEASED once the pools closed (the thread is exiting). The caller does not hold the mutex. */
+static CUresult take_event(struct kvo_issuer *is, struct pool *p, CUevent *out) {
+    pthread_mutex_lock(&is->mu);
+    int closed = is->pools_closed, free_one = !closed && p->count > 0;
+    if (free_one) *out = p->free[--p->count];
+    pthread_mutex_unlock(&is->mu);
+    if (closed) return KVO_RELEASED;
+    return free_one ? 0 : create_event(is, p, out);
+}
+
 /* Give an event back (its last record may still be pending: a later record replaces it). An event
- * returned after the thread exited is left to the process: it may still be in use on the device. */
+ * returned after the pools closed (the thread is exiting) is left to the process: it may still be in
+ * use on the device. */
 static void pool_give(struct kvo_issuer *is, struct pool *p, CUevent ev) {
-    if (!ev || is->exited) return;
+    if (!ev || is->exited || is->pools_closed) return;
     if (p->count == p->cap) {
         int64_t cap = p->cap ? 2 * p->cap : 64;
         CUevent *grown = realloc(p->free, (size_t)cap * sizeof(CUevent));
@@ -639,9 +659,7 @@ static int at_edge(const struct kvo_issuer *is, const struct kvo_job *job, int64
 
 /* A plain event from the pool, recorded on `stream` (given back if the record fails). */
 static CUresult take_recorded(struct kvo_issuer *is, CUstream stream, CUevent *out) {
-    pthread_mutex_lock(&is->mu);
-    CUresult r = pool_take(is, &is->plain, out);
-    pthread_mutex_unlock(&is->mu);
+    CUresult r = take_event(is, &is->plain, out);
     if (r) return r;
     r = record_on(is, *out, stream);
     if (r) {
@@ -857,10 +875,8 @@ static int issue_begin(struct kvo_issuer *is, struct kvo_job *job) {
     CUstream own = own_stream(is, path), other = path == PATH_DMA ? is->c.kernel_stream : is->c.copy_stream;
     int store = (int)is->c.store;
     if (is->ctx_error) { job->error = is->ctx_error; job->error_call = "cuCtxSetCurrent"; job->fail = FAIL_NOTHING; return 1; }
-    pthread_mutex_lock(&is->mu);
-    r = pool_take(is, &is->timing, &job->start);
-    if (!r) r = pool_take(is, &is->timing, &job->end);
-    pthread_mutex_unlock(&is->mu);
+    r = take_event(is, &is->timing, &job->start);
+    if (!r) r = take_event(is, &is->timing, &job->end);
     if (r) { job->error = r; job->error_call = "cuEventCreate"; job->fail = FAIL_NOTHING; return 1; }
     /* Jobs of one direction finish in submission order: a job on one stream first waits for the
      * other when the previous job ended there. */
@@ -1164,8 +1180,16 @@ static void *run(void *arg) {
         pool_give(is, &is->plain, is->filled[s]);
         pool_give(is, &is->plain, is->drained[s]);
     }
-    pool_destroy(is, &is->plain);
-    pool_destroy(is, &is->timing);
+    /* The pools close (no event is taken from or given back to them from here on) and their events
+     * are destroyed without the mutex: a driver call that does not return then holds no stop or
+     * waiter past its deadline (the stop times out waiting for `exited`, set after it). */
+    is->pools_closed = 1;
+    struct pool plain = is->plain, timing = is->timing;
+    pthread_mutex_unlock(&is->mu);
+    pool_destroy(is, &plain);
+    pool_destroy(is, &timing);
+    pthread_mutex_lock(&is->mu);
+    is->plain.count = is->timing.count = 0;
     is->exited = 1;
     pthread_cond_broadcast(&is->done);
     pthread_mutex_unlock(&is->mu);
@@ -1289,9 +1313,7 @@ struct kvo_fence *kvo_fence_take(struct kvo_issuer *is, void *stream, int64_t *e
     struct kvo_fence *fence = calloc(1, sizeof(*fence));
     *error = KVO_NO_MEMORY;
     if (!fence) return 0;
-    pthread_mutex_lock(&is->mu);
-    CUresult r = is->exited ? KVO_RELEASED : pool_take(is, &is->plain, &fence->event);
-    pthread_mutex_unlock(&is->mu);
+    CUresult r = take_event(is, &is->plain, &fence->event); /* KVO_RELEASED once the thread exits */
     if (!r) {
         caller_call(is, 1);
         r = CALLER_CALL(is, ((fn_event_record)is->c.event_record)(fence->event, stream));
@@ -1670,8 +1692,10 @@ void kvo_job_release(struct kvo_job *job) {
 }
 
 /* Make `stream` wait for layer `layer`'s mark: wait (up to timeout_ns, without the GIL) until the
- * thread recorded it, then enqueue the stream wait under the issuer's lock, so that the event cannot
- * go back to the pool in between. 0, KVO_TIMEOUT, or the driver's code. */
+ * thread recorded it, then enqueue the stream wait, without the lock (a driver call). The event
+ * cannot go back to the pool meanwhile: the marks hold a reference to the job, and the caller's
+ * side releases them (kvo_marks_release) only once no waiter is inside this call. 0, KVO_TIMEOUT,
+ * or the driver's code. */
 int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t timeout_ns) {
     struct kvo_issuer *is = job->issuer;
     struct timespec until;
@@ -1680,15 +1704,19 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
     int64_t code = 0;
     while (job->marked <= layer && !job->marks_released)
         if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
+    CUevent ev = 0;
     if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
-    else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) {
+    else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) ev = job->marks[layer];
+    pthread_mutex_unlock(&is->mu);
+    /* The stream wait, a driver call, is made without the mutex: the event stays the job's, since
+     * its marks are released (kvo_marks_release) only once no waiter is inside this call (the
+     * caller's side counts them: NativeLayerMarks). */
+    if (ev) {
         caller_call(is, 1);
-        code = CALLER_CALL(is, ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0));
-        if (context_restored(is, code))
-            code = ((fn_stream_wait)is->c.stream_wait_event)(stream, job->marks[layer], 0);
+        code = CALLER_CALL(is, ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0));
+        if (context_restored(is, code)) code = ((fn_stream_wait)is->c.stream_wait_event)(stream, ev, 0);
         caller_call(is, -1);
     }
-    pthread_mutex_unlock(&is->mu);
     return code;
 }
 

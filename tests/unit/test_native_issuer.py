@@ -35,6 +35,7 @@ from kvoffload import (
     CudaError,
     DeviceLayout,
     InvalidArgumentError,
+    KVOffloadError,
     NativeBuildError,
     ShutdownError,
     TransferError,
@@ -1169,6 +1170,47 @@ def thread_calls_while_a_caller_keeps_announcing(controls: int) -> int:
         if announcer.is_alive():
             announcer.join(TIMEOUT_S)
         h.close()
+
+
+def _held_in_event_create(h: Harness) -> tuple[native_backend.NativeTicket, threading.Event]:
+    """Hand a job over whose issue begins with the thread's first timing events, and hold that
+    driver call (cuEventCreate) until the returned event is set."""
+    fence = h.backend.fence(None)  # its event is created now, before the driver holds the call
+    gate, entered = threading.Event(), threading.Event()
+    h.fake.gate["cuEventCreate"] = gate
+    h.fake.entered["cuEventCreate"] = entered
+    ids = np.arange(1, dtype=np.int64)
+    ticket = h.backend.issue(h.plan, ids, ids, fence)
+    h.backend.release_fence(fence)
+    assert isinstance(ticket, native_backend.NativeTicket)
+    assert entered.wait(TIMEOUT_S), "the thread never created an event"
+    return ticket, gate
+
+
+def test_a_driver_call_that_does_not_return_holds_no_wait_or_shutdown_past_its_deadline() -> None:
+    """The driver holds the thread's event creation: a ticket's wait given 0.2 s, and a shutdown
+    given 0.2 s, return at their deadlines (the shutdown saying the thread did not stop). The
+    thread made that call under the issuer's lock, which both take: each returned only when the
+    driver did (found by a review: 5 s for 5 s)."""
+    h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune=THREAD_ISSUES)
+    ticket, gate = _held_in_event_create(h)
+    try:
+        began = time.monotonic()
+        assert not ticket.wait(0.2)
+        assert time.monotonic() - began < 2.0
+    finally:
+        gate.set()
+    assert ticket.wait(TIMEOUT_S)
+    h.close()
+    h = Harness(Direction.STORE, "sm", make_plan(Direction.STORE, [256]), tune=THREAD_ISSUES)
+    ticket, gate = _held_in_event_create(h)
+    try:
+        began = time.monotonic()
+        with pytest.raises(KVOffloadError, match="did not stop|before the shutdown deadline"):
+            h.handler.shutdown(0.2)
+        assert time.monotonic() - began < 2.0
+    finally:
+        gate.set()  # the thread then sees the stop and exits; what it holds is left to the process
 
 
 def test_fences_after_the_backend_was_released_never_reach_the_freed_issuer() -> None:
