@@ -34,6 +34,7 @@ from kvoffload.manager.state import READY, Counts, Entry, Pool
 __all__ = [
     "DEFAULT_REMOTE_TIMEOUT_S",
     "FAILED_KEYS_MAX",
+    "REMOTE_NAME_MAX_BYTES",
     "ExistsAnswer",
     "RemoteIndex",
     "RemoteLink",
@@ -48,6 +49,11 @@ DEFAULT_REMOTE_TIMEOUT_S: Final = 0.5
 #: Keys whose remote load failed that a manager remembers, newest first, so as not to offer them
 #: again (a damaged record stays on the store: the first writer wins).
 FAILED_KEYS_MAX: Final = 4096
+#: The longest name a remote record has (``kvoffload._record.MAX_KEY_BYTES``, not imported here: that
+#: module imports numpy, which the Manager is used without). A key whose namespaced name is longer
+#: cannot be in the store: it ends a lookup's run there, and is never asked (the store would refuse
+#: the whole batch, and every key of the lookup would count as a miss).
+REMOTE_NAME_MAX_BYTES: Final = 1024
 
 
 class ExistsAnswer(Protocol):
@@ -125,7 +131,9 @@ class RemoteLink:
         holds in no tier (the first held key ends the run: its local copy is pending) and whose
         remote load never failed. A miss on any error (module docstring)."""
         failed = self.failed
-        candidates = list(itertools.takewhile(lambda key: key not in entries and key not in failed, keys[start:]))
+        longest = REMOTE_NAME_MAX_BYTES - len(self.namespace)
+        candidates = list(itertools.takewhile(
+            lambda key: key not in entries and key not in failed and len(key) <= longest, keys[start:]))
         if not candidates:
             return 0
         n.remote_lookup_keys += len(candidates)

@@ -260,3 +260,18 @@ def test_the_keys_whose_remote_load_failed_are_remembered_up_to_a_bound(monkeypa
         m.complete_load(m.prepare_load([key]), ok=False)
     assert m.lookup([b"y"]) == 0 and m.lookup([b"z"]) == 0
     assert m.lookup([b"x"]) == 1, "the oldest failure was forgotten: x is offered again"
+
+
+def test_a_key_too_long_for_a_remote_name_ends_the_lookup_run_and_is_never_asked() -> None:
+    """(The store refused the whole batch for it, so the hits before it counted as misses too:
+    found by an audit.)"""
+    from kvoffload._record import MAX_KEY_BYTES
+    from kvoffload.manager.remote import REMOTE_NAME_MAX_BYTES
+
+    assert REMOTE_NAME_MAX_BYTES == MAX_KEY_BYTES
+    long_key = b"x" * REMOTE_NAME_MAX_BYTES
+    index = FakeIndex([b"r1", b"r2", long_key])
+    m = Manager.create(8, fingerprint=FP, remote=index)
+    assert m.lookup([b"r1", b"r2", long_key, b"r3"]) == 2
+    assert index.calls[-1][0] == [namespaced_key(FP, b"r1"), namespaced_key(FP, b"r2")]
+    assert all(len(name) <= REMOTE_NAME_MAX_BYTES for call, _ in index.calls for name in call)
