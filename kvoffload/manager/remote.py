@@ -143,7 +143,10 @@ class RemoteLink:
         except Exception:  # noqa: BLE001 - a remote lookup is advisory: any failure is a miss
             n.remote_lookup_errors += 1
             return 0
-        if len(present) != len(candidates) or any(e is not None for e in answer.errors):
+        if len(present) != len(candidates):  # an answer of another length: which key is which?
+            n.remote_lookup_errors += 1
+            return 0
+        if any(e is not None for e in answer.errors):
             n.remote_lookup_errors += 1
         hits = len(list(itertools.takewhile(bool, present)))
         n.remote_lookup_hits += hits

@@ -275,3 +275,17 @@ def test_a_key_too_long_for_a_remote_name_ends_the_lookup_run_and_is_never_asked
     assert m.lookup([b"r1", b"r2", long_key, b"r3"]) == 2
     assert index.calls[-1][0] == [namespaced_key(FP, b"r1"), namespaced_key(FP, b"r2")]
     assert all(len(name) <= REMOTE_NAME_MAX_BYTES for call, _ in index.calls for name in call)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 4], ids=["none", "fewer", "more"])
+def test_an_answer_of_another_length_than_the_keys_asked_is_a_miss(rows: int) -> None:
+    """(An answer with more rows than keys made a lookup of one key count 4 hits: found by an
+    audit.)"""
+    class Garbled(FakeIndex):
+        def exists(self, keys: Sequence[bytes], *, timeout: float) -> Answer:
+            return Answer((True,) * rows, (None,) * rows)
+
+    m = Manager.create(8, fingerprint=FP, remote=Garbled())
+    assert m.lookup([b"a", b"b"]) == 0
+    stats = m.stats()
+    assert (stats.lookup_hits, stats.remote_lookup_hits, stats.remote_lookup_errors) == (0, 0, 1)
