@@ -54,6 +54,7 @@ __all__ = [
     "POLL_MAX_S",
     "POLL_MIN_S",
     "STAGED_EDGE_BYTES",
+    "START_TIMEOUT_S",
     "STOP_TIMEOUT_S",
     "WAIT_QUERY_S",
     "WAIT_SPIN_S",
@@ -146,6 +147,10 @@ STAGED_EDGE_BYTES: Final = 1 << 20
 #: How long :meth:`NativeBackend.release` waits at most for the thread to leave a driver call (a
 #: shutdown gives it the time it has left, if less).
 STOP_TIMEOUT_S: Final = 10.0
+#: How long :meth:`NativeBackend.start` waits at most for the thread to make the device's context
+#: current and create its slots' events (driver calls); past it the start fails and the thread lets
+#: go of the library's memory when the driver returns.
+START_TIMEOUT_S: Final = 10.0
 #: CONTROL ONLY: the rules :meth:`NativeBackend.over` breaks on purpose (``native.CONTROL_*``): 0
 #: except in a test whose control proves that a rule is needed.
 CONTROLS = 0
@@ -179,7 +184,7 @@ def tune(c: native.Config) -> None:
     """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
     the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead,
     early wake and announced callers, the caller's-issue limit, the staged rows' strided copies
-    and edge chunks, and the controls. ``ctx_get_current``, which the caller's issue needs, is the
+    and edge chunks, the start's deadline, and the controls. ``ctx_get_current``, which the caller's issue needs, is the
     caller's to resolve."""
     c.poll_min_ns = _ns(POLL_MIN_S)
     c.poll_max_ns = _ns(POLL_MAX_S)
@@ -196,6 +201,7 @@ def tune(c: native.Config) -> None:
     c.strided_min_rows = max(0, int(STRIDED_MIN_ROWS))
     c.edge_bytes = max(0, int(STAGED_EDGE_BYTES))
     c.caller_coming_ns = _ns(CALLER_COMING_S)
+    c.start_timeout_ns = _ns(START_TIMEOUT_S)
 
 
 class NativeTicket:
@@ -550,12 +556,17 @@ class NativeBackend:
 
         Raises:
             NativeBuildError: the library could not be built or loaded.
-            TransferError: the thread could not be started.
+            TransferError: the thread could not be started, or did not start within its deadline.
             CudaError: the thread could not make the device's context current or create its events.
         """
         lib = native.library()
         error = ctypes.c_int64(0)
         issuer = lib.kvo_issuer_new(ctypes.byref(config), ctypes.byref(error))
+        if not issuer and error.value == native.TIMEOUT:
+            raise TransferError(
+                f"the native issuer's thread did not start within {config.start_timeout_ns / 1e9:g} s "
+                "(still inside cuCtxSetCurrent or cuEventCreate; it lets go of its memory when the "
+                "driver returns)")
         if not issuer:
             raise TransferError(f"the native issuer could not start (code {error.value})")
         if error.value:

@@ -45,6 +45,7 @@ from kvoffload.errors import NativeBuildError
 __all__ = [
     "ABANDONED",
     "ABANDONED_AFTER_S",
+    "BAD_ARGUMENT",
     "BUILD_TIMEOUT_S",
     "CALL_KINDS",
     "CONTROL_COMING_ALWAYS",
@@ -106,6 +107,7 @@ RELEASED: Final = -3
 ABANDONED: Final = -4
 RECORD_TOO_BIG: Final = -5
 TIMEOUT: Final = -6
+BAD_ARGUMENT: Final = -7  # kvo_wait_layer: not a layered job, or no such layer
 #: CONTROL ONLY: a staging slot is rewritten without waiting for its last read (rule 5 broken on
 #: purpose, for the tests that prove the rule).
 CONTROL_SKIP_SLOT_WAIT: Final = 1
@@ -138,7 +140,7 @@ class Config(ctypes.Structure):
         ("end_lead_ns", _i64), ("idle_nap_ns", _i64), ("idle_light_ns", _i64),
         ("caller_issue_max", _i64), ("ctx_get_current", _p), ("wait_query_ns", _i64),
         ("expect_spin_ns", _i64), ("memcpy_2d", _p), ("strided_min_rows", _i64), ("edge_bytes", _i64),
-        ("caller_coming_ns", _i64),
+        ("caller_coming_ns", _i64), ("start_timeout_ns", _i64),
     ]
 
 

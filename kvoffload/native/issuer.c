@@ -53,6 +53,7 @@ enum {
     KVO_ABANDONED = -4,      /* the issuer stopped while the job was in flight */
     KVO_RECORD_TOO_BIG = -5, /* a staged row does not fit a slot */
     KVO_TIMEOUT = -6,        /* a wait passed its deadline */
+    KVO_BAD_ARGUMENT = -7,   /* an argument out of its range (kvo_wait_layer's layer) */
 };
 enum { PATH_DMA = 0, PATH_SM = 1, PATH_STAGED = 2 };
 /* A test's control breaks rule 5 on purpose: a slot is rewritten without waiting for its last read. */
@@ -152,6 +153,7 @@ struct kvo_config {
                                * see staged_chunks */
     int64_t caller_coming_ns; /* a busy thread told by kvo_issuer_expect that a caller's hand-off
                                * is coming gives way for at most this long (0: never); see give_way */
+    int64_t start_timeout_ns; /* kvo_issuer_new waits this long for the thread's start (<= 0: 0) */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -220,6 +222,7 @@ struct kvo_issuer {
     pthread_cond_t work, done;
     struct kvo_job *queue_head, *queue_tail, *flight_head, *flight_tail;
     int64_t stop, exited, started, refs, ctx_error;
+    int64_t orphaned; /* kvo_issuer_new gave up waiting for the start: the thread owns the issuer */
     int64_t pools_closed; /* the exiting thread took the pools' events to destroy them unlocked */
     int64_t sleeping; /* the thread waits on `work` (under mu): a hand-off must signal it */
     int64_t signals;  /* hand-offs that signalled it (kvo_issuer_counts) */
@@ -268,6 +271,7 @@ static int64_t now_ns(void) {
 }
 
 static void deadline_after(struct timespec *out, int64_t ns) {
+    if (ns < 0) ns = 0; /* a negative remainder would make the timespec invalid: EINVAL, not a timeout */
     clock_gettime(CLOCK_MONOTONIC, out);
     out->tv_sec += ns / 1000000000LL;
     out->tv_nsec += ns % 1000000000LL;
@@ -382,18 +386,11 @@ static int64_t *copy_i64(const int64_t *src, int64_t n) {
     return out;
 }
 
-/* A new event of a pool's kind (a driver call: made without the mutex but at the thread's start). */
+/* A new event of a pool's kind (a driver call, made without the mutex). */
 static CUresult create_event(struct kvo_issuer *is, const struct pool *p, CUevent *out) {
     CUresult r = ((fn_event_create)is->c.event_create)(out, p->flags);
     if (context_restored(is, r)) r = ((fn_event_create)is->c.event_create)(out, p->flags);
     return r;
-}
-
-/* Take an event from a pool (created when none is free). Only at the thread's start, under the
- * mutex; every other taker uses take_event. */
-static CUresult pool_take(struct kvo_issuer *is, struct pool *p, CUevent *out) {
-    if (p->count > 0) { *out = p->free[--p->count]; return 0; }
-    return create_event(is, p, out);
 }
 
 /* Take an event from a pool, or create one when none is free: the creation, a driver call, is made
@@ -1072,16 +1069,25 @@ static void nap(struct kvo_issuer *is, int64_t ns) {
 static void *run(void *arg) {
     struct kvo_issuer *is = arg;
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* short polling sleeps wake on time */
-    CUresult ctx = ((fn_ctx_set)is->c.ctx_set_current)(is->c.context);
-    pthread_mutex_lock(&is->mu);
-    is->ctx_error = ctx;
-    if (!ctx) {
-        for (int64_t s = 0; s < is->c.slots && !is->ctx_error; s++) {
-            CUresult r = pool_take(is, &is->plain, &is->filled[s]);
-            if (!r) r = pool_take(is, &is->plain, &is->drained[s]);
-            if (r) is->ctx_error = r;
-        }
+    /* The context and the slots' events are made before the thread takes the mutex (driver calls:
+     * kvo_issuer_new's start wait, which holds it, keeps its deadline; no one else has the issuer). */
+    CUresult made = ((fn_ctx_set)is->c.ctx_set_current)(is->c.context);
+    for (int64_t s = 0; s < is->c.slots && !made; s++) {
+        made = create_event(is, &is->plain, &is->filled[s]);
+        if (!made) made = create_event(is, &is->plain, &is->drained[s]);
     }
+    pthread_mutex_lock(&is->mu);
+    if (is->orphaned) { /* its creator gave up on the start and returned: nobody else has the issuer */
+        pthread_mutex_unlock(&is->mu);
+        for (int64_t s = 0; s < is->c.slots; s++) {
+            if (is->filled[s]) ((fn_event_destroy)is->c.event_destroy)(is->filled[s]);
+            if (is->drained[s]) ((fn_event_destroy)is->c.event_destroy)(is->drained[s]);
+        }
+        pthread_mutex_lock(&is->mu);
+        issuer_unref(is); /* the creator's reference, handed over: frees and unlocks */
+        return 0;
+    }
+    is->ctx_error = made;
     is->started = 1;
     pthread_cond_broadcast(&is->done);
     int64_t sleep_ns = is->c.poll_min_ns;
@@ -1198,7 +1204,9 @@ static void *run(void *arg) {
 
 /* ----------------------------------------------------------------------------------- the API */
 
-/* A new issuer with its thread started, or NULL (no memory, or no thread: *error says which). */
+/* A new issuer with its thread started, or NULL (no memory, no thread, or a thread that did not start
+ * within start_timeout_ns: *error says which; that thread frees the issuer when its driver call
+ * returns, and the caller keeps whatever `config` points into until the process ends). */
 struct kvo_issuer *kvo_issuer_new(const struct kvo_config *config, int64_t *error) {
     struct kvo_issuer *is = calloc(1, sizeof(*is));
     *error = KVO_NO_MEMORY;
@@ -1231,8 +1239,18 @@ struct kvo_issuer *kvo_issuer_new(const struct kvo_config *config, int64_t *erro
         free(is->slot_bases); free(is->filled); free(is->drained); free(is);
         return 0;
     }
+    struct timespec until;
+    deadline_after(&until, is->c.start_timeout_ns);
     pthread_mutex_lock(&is->mu);
-    while (!is->started) pthread_cond_wait(&is->done, &is->mu);
+    while (!is->started)
+        if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
+    if (!is->started) { /* still inside a driver call: the thread frees the issuer when it returns */
+        is->orphaned = 1;
+        pthread_detach(is->thread);
+        pthread_mutex_unlock(&is->mu);
+        *error = KVO_TIMEOUT;
+        return 0;
+    }
     *error = is->ctx_error;
     pthread_mutex_unlock(&is->mu);
     return is;
@@ -1691,13 +1709,15 @@ void kvo_job_release(struct kvo_job *job) {
     release_and_unlock(job);
 }
 
-/* Make `stream` wait for layer `layer`'s mark: wait (up to timeout_ns, without the GIL) until the
+/* Make `stream` wait for layer `layer`'s mark (KVO_BAD_ARGUMENT: not a layered job, or no such
+ * layer): wait (up to timeout_ns, without the GIL) until the
  * thread recorded it, then enqueue the stream wait, without the lock (a driver call). The event
  * cannot go back to the pool meanwhile: the marks hold a reference to the job, and the caller's
  * side releases them (kvo_marks_release) only once no waiter is inside this call. 0, KVO_TIMEOUT,
  * or the driver's code. */
 int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t timeout_ns) {
     struct kvo_issuer *is = job->issuer;
+    if (!job->layered || layer < 0 || layer >= job->first + job->nplans) return KVO_BAD_ARGUMENT;
     struct timespec until;
     deadline_after(&until, timeout_ns);
     pthread_mutex_lock(&is->mu);

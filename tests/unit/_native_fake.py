@@ -194,7 +194,8 @@ class FakeDriver:
                caller_issue_max: int = native_backend.CALLER_ISSUE_MAX,
                wait_query_ns: int = round(native_backend.WAIT_QUERY_S * 1e9),
                expect_spin_ns: int = round(native_backend.EXPECT_SPIN_S * 1e9),
-               caller_coming_ns: int = round(native_backend.CALLER_COMING_S * 1e9)) -> native.Config:
+               caller_coming_ns: int = round(native_backend.CALLER_COMING_S * 1e9),
+               start_timeout_ns: int = round(native_backend.START_TIMEOUT_S * 1e9)) -> native.Config:
         """An issuer config over this driver: copy stream COPY, kernel stream KERNEL; the rest as
         the library's defaults (small jobs handed to an idle thread issued by their callers,
         spinning waiters querying, the early wake and announced callers, staged rows of consecutive records as strided
@@ -228,6 +229,7 @@ class FakeDriver:
         c.wait_query_ns = wait_query_ns
         c.expect_spin_ns = expect_spin_ns
         c.caller_coming_ns = caller_coming_ns
+        c.start_timeout_ns = start_timeout_ns
         c.memcpy_2d = self.address("memcpy_2d")
         c.strided_min_rows = strided_min_rows
         c.edge_bytes = 0

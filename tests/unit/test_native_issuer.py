@@ -1714,6 +1714,93 @@ def test_every_event_is_destroyed_once_the_issuer_stopped() -> None:
     assert h.inner.released == 1
 
 
+@pytest.mark.parametrize("call", ["cuCtxSetCurrent", "cuEventCreate"])
+def test_a_thread_that_does_not_start_within_its_deadline_fails_the_start_and_frees_the_issuer_itself(
+    call: str,
+) -> None:
+    """The driver holds the new thread's start (its context, or its slots' events): the start
+    returns at its deadline with a TransferError and the caller still owns what it passed; once the
+    driver returns, the thread destroys what it created and frees the library's memory (the
+    sanitized run of this test is the proof that nothing is touched after). Control: the same
+    start given 30 s is still waiting after 0.5 s (the start waited untimed for the thread before)."""
+    fake, keep = FakeDriver(), list[object]()
+    gate = threading.Event()
+    fake.gate[call] = gate
+    config = fake.config(store=True, slots=SLOT_BASES, slot_bytes=4096, keep=keep,
+                         start_timeout_ns=200_000_000)
+    inner = Inner(Direction.STORE)
+    began = time.monotonic()
+    try:
+        with pytest.raises(TransferError, match="did not start within 0.2 s"):
+            NativeBackend.start(inner, config, index=0, choose=lambda _n: "sm", path_names={"sm": "sm"},
+                                tables=None, keep=keep)
+        assert time.monotonic() - began < 2.0
+        assert inner.released == 0  # the caller still owns it
+    finally:
+        gate.set()
+    assert wait_until(lambda: fake.events_created == 2 * len(SLOT_BASES)
+                      and fake.events_destroyed == fake.events_created), "the orphaned thread kept its events"
+    # Control: a start given 30 s waits for the driver as long as it holds the call.
+    fake, keep = FakeDriver(), list[object]()
+    gate = threading.Event()
+    fake.gate[call] = gate
+    config = fake.config(store=True, slots=SLOT_BASES, slot_bytes=4096, keep=keep,
+                         start_timeout_ns=30 * 10**9)
+    lib, error, out = native.library(), ctypes.c_int64(0), []
+    starter = threading.Thread(target=lambda: out.append(lib.kvo_issuer_new(ctypes.byref(config),
+                                                                            ctypes.byref(error))))
+    starter.start()
+    starter.join(0.5)
+    still_waiting = starter.is_alive()
+    gate.set()
+    starter.join(TIMEOUT_S)
+    assert still_waiting, "the control's start returned while the driver held its thread"
+    assert out and out[0] and error.value == 0
+    assert lib.kvo_issuer_stop(out[0], 10**10) == 0
+    lib.kvo_issuer_free(out[0])
+
+
+def test_the_librarys_layer_wait_refuses_what_is_not_a_layer_and_takes_a_negative_timeout_as_none() -> None:
+    """``kvo_wait_layer`` called directly (the Python side checks first): a layer out of range, or a
+    job that is not layered, is BAD_ARGUMENT without touching the marks; a negative timeout on a
+    layer not marked yet is a TIMEOUT at once (a negative deadline made the wait's timespec invalid,
+    and the wait looped on EINVAL)."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])  # three layers of two pages
+    h = Harness(Direction.LOAD, "sm", plan, tune=THREAD_ISSUES)
+    lib = native.library()
+    try:
+        held = threading.Event()  # the thread is held before it marks anything
+        h.fake.gate["cuStreamWaitEvent"] = held
+        h.handler._book.reserve(0, h.handler)
+        marks = h.handler.submit_layered(0, np.array([1, 2], dtype=np.int64), np.array([3, 4], dtype=np.int64),
+                                         layer_tables(plan))
+        assert isinstance(marks, NativeLayerMarks)
+        assert wait_until(lambda: marks._job is not None)
+        job = marks._job
+        for layer in (-1, 3, 1 << 40):
+            assert lib.kvo_wait_layer(job, layer, IDLE, 10**9) == native.BAD_ARGUMENT
+        ids = np.arange(1, dtype=np.int64)
+        fence = h.backend.fence(None)
+        ticket = h.backend.issue(plan, ids + 5, ids + 5, fence)  # queued behind the held load
+        h.backend.release_fence(fence)
+        assert isinstance(ticket, native_backend.NativeTicket) and not ticket.done()
+        assert lib.kvo_wait_layer(ticket._job, 0, IDLE, 10**9) == native.BAD_ARGUMENT
+        result: list[int] = []
+        waiter = threading.Thread(target=lambda: result.append(lib.kvo_wait_layer(job, 0, IDLE, -5)))
+        waiter.start()
+        waiter.join(2.0)
+        alive = waiter.is_alive()
+        held.set()
+        waiter.join(TIMEOUT_S)
+        assert not alive and result == [native.TIMEOUT]
+        del h.fake.gate["cuStreamWaitEvent"]
+        (done,) = h.handler.wait([0], TIMEOUT_S)
+        assert done.ok, done.error
+        assert ticket.wait(TIMEOUT_S) and ticket.error is None
+    finally:
+        h.close()
+
+
 def test_a_job_handed_over_after_release_fails_and_nothing_is_enqueued() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan)
