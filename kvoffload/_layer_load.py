@@ -185,7 +185,9 @@ class LayerLoad:
         and again. After the job's result was returned the call does nothing (everything landed).
         A failed job's layers hold undefined bytes: its result says so. A wait longer than
         :data:`~kvoffload._seconds.WAIT_SLICE_S` looks at the worker again every slice, so that a
-        shutdown meanwhile (which may give the job up) ends it with ``ClosedError``.
+        shutdown meanwhile (which may give the job up) ends it with ``ClosedError``; a wait that
+        returns looks again as well, since a shutdown that gives the job up ends its layers' waits
+        without their pages.
 
         Raises (before anything is enqueued):
             ClosedError: the worker was shut down (before the call, or while it waited).
@@ -206,12 +208,14 @@ class LayerLoad:
         seconds = as_timeout(timeout)
         if seconds <= WAIT_SLICE_S:
             self._marks.wait(layer, stream, seconds)
+            self._check_open()  # a shutdown that gave the job up settled its marks: not landed
             return
         deadline = time.monotonic() + seconds
         while True:
             slice_s = max(0.0, min(deadline - time.monotonic(), WAIT_SLICE_S))
             try:
                 self._marks.wait(layer, stream, slice_s)
+                self._check_open()  # (as above)
                 return
             except WaitTimeoutError as exc:
                 self._check_open()  # a shutdown meanwhile: its jobs' layers will not come

@@ -516,8 +516,8 @@ class DirectionHandler:
             ClosedError: after shutdown.
         """
         hand_off = self._hand_off_call
-        if hand_off is None:
-            backend = cast(HandsOffBackend, self._backend)
+        if hand_off is None:  # (a shutdown since the worker's look may have released the backend)
+            backend = cast(HandsOffBackend, self._open_backend())
             hand_off = self._hand_off_call = backend.hand_off_call(self._plan)
         transfer = _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False)
         with self._issue_lock:  # as _hand_over's
@@ -539,7 +539,7 @@ class DirectionHandler:
         Raises:
             ClosedError: after shutdown.
         """
-        backend = cast(HandsOffBackend, self._backend)
+        backend = cast(HandsOffBackend, self._open_backend())  # a shutdown since the worker's look
         cached = self._layered_hand_off
         if cached is None or cached[0] is not tables:
             plans = self._layer_plans_for(tables)

@@ -173,6 +173,8 @@ class Worker:
             stop_order.append(("remote tier", parts.remote))
         self._teardown = Teardown(stop_order, parts.region, parts.device_sync)
         self._closed = False
+        self._closing = threading.Lock()  # makes one shutdown the one that tears down
+        self._torn_down = threading.Event()  # set once that shutdown's teardown ended
 
     def _route_table(self) -> dict[Direction, tuple[JobSource, _Submit]]:
         """Where each direction's jobs go: the component that completes them and its submit call."""
@@ -832,17 +834,26 @@ class Worker:
     def shutdown(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         """Drain both directions and release everything, with the contract of the module docstring.
 
-        Idempotent. Returns within about ``timeout`` seconds whatever the device does.
+        Idempotent. Returns within about ``timeout`` seconds whatever the device does. A call while
+        another thread's shutdown is still tearing down waits for it (up to ``timeout``) and returns
+        once it ended: the worker's copies have stopped and its memory is released, or the first
+        call's ``ShutdownError`` says why not.
 
         Raises:
             InvalidArgumentError: a malformed timeout (nothing is done then).
             ShutdownError: after all cleanup, carrying every failure; ``region_left_mapped`` when the
-                region was abandoned because the device could not be proven idle.
+                region was abandoned because the device could not be proven idle. Also when another
+                thread's shutdown was still tearing down after ``timeout``.
         """
         seconds = as_timeout(timeout)
-        if self._closed:
+        with self._closing:
+            first, self._closed = not self._closed, True
+        if not first:
+            if not self._torn_down.wait(seconds):
+                raise ShutdownError(
+                    f"another thread's shutdown of this worker was still tearing it down after {seconds} s"
+                )
             return
-        self._closed = True
         try:
             self._teardown.run(seconds)
         finally:
@@ -850,6 +861,7 @@ class Worker:
             with self._lock:
                 self._book = Bookkeeping({})
                 self._holds = {}
+            self._torn_down.set()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -304,6 +304,36 @@ def test_a_layered_hand_off_that_raises_is_the_jobs_failed_result_and_its_layers
         w.shutdown(TIMEOUT_S)
 
 
+@pytest.mark.parametrize("call", ["store", "load_by_layer"])
+def test_a_shutdown_between_the_fronts_checks_and_its_hand_off_is_a_closed_error(
+    call: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread's shutdown runs right after the front took the job (as a switch of the GIL
+    there lets it): the submit raises ``ClosedError`` (an ``AttributeError`` on the released
+    backend before: the store direction's first job, or any layered load; found by a lifecycle
+    fuzz), and nothing is left behind."""
+    keep: list[object] = []
+    w = make_worker(keep, layer_dim=1)
+    take = Worker._front_take
+
+    def then_shut_down(self: Worker, *args: Any, **kwargs: Any) -> Any:
+        taken = take(self, *args, **kwargs)
+        if taken is not None:
+            other = threading.Thread(target=self.shutdown, args=(TIMEOUT_S,))
+            other.start()
+            other.join(TIMEOUT_S)
+        return taken
+
+    monkeypatch.setattr(Worker, "_front_take", then_shut_down)
+    try:
+        with pytest.raises(ClosedError):
+            getattr(w, call)(1, _i(3, 4), _i(5, 6))
+        assert w.closed
+    finally:
+        w.shutdown(TIMEOUT_S)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload")]
+
+
 def test_an_unreturned_job_keeps_its_id_through_the_front(worker: Worker) -> None:
     worker.store(1, _i(0), _i(0))
     with pytest.raises(JobIdError, match="already in flight or waiting to be polled"):

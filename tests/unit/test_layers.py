@@ -30,6 +30,7 @@ from kvoffload import (
     LayerError,
     LayerLoad,
     LayoutError,
+    ShutdownError,
     WaitTimeoutError,
     Worker,
 )
@@ -442,6 +443,41 @@ def test_a_shutdown_that_gives_a_layered_load_up_ends_a_wait_layer_with_closed_e
     assert ended[0][1] < 5.0, ended
     with pytest.raises(ClosedError):
         load.wait_layer(1)
+
+
+@pytest.mark.parametrize("timeout", [0.2, 5.0])
+def test_a_wait_layer_ended_by_a_shutdown_that_gave_its_job_up_raises_closed_error(timeout: float) -> None:
+    """Host backend, slow copies: a shutdown with no time to drain gives the layered load up,
+    which settles its marks and ends the layer's wait; that wait raises ``ClosedError`` (it
+    returned as if layer 3 had landed, in a short and a sliced wait alike: found by a lifecycle
+    fuzz), and the layer's pages indeed never came."""
+    class SlowCopies(HostBackend):
+        def copy_one(self, dst: int, src: int, size: int) -> None:
+            time.sleep(0.1)
+            super().copy_one(dst, src, size)
+
+    tensor = torch.zeros(4, 4, 64, dtype=torch.uint8)
+    w = Worker.create(DeviceLayout.from_tensors([tensor], block_dim=0, layer_dim=1), 4,
+                      backend_factory=SlowCopies)
+    w.host_records()[2].fill_(0xAB)
+    load = w.load_by_layer(1, [2], [0])
+    ended: list[str] = []
+
+    def waiter() -> None:
+        try:
+            load.wait_layer(3, timeout=timeout)
+            ended.append("returned")
+        except KVOffloadError as exc:
+            ended.append(type(exc).__name__)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.02)
+    with pytest.raises(ShutdownError):
+        w.shutdown(0.0)
+    thread.join(30.0)
+    assert ended == ["ClosedError"], ended
+    assert not bool((tensor[0, 3] == 0xAB).all()), "layer 3 landed: the test proves nothing"
 
 
 def test_a_long_wait_layer_still_times_out_at_its_deadline_naming_it() -> None:

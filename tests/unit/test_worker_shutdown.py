@@ -8,6 +8,7 @@ The worker is built with ``Worker.__new__`` and given mock collaborators that re
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -80,6 +81,8 @@ def make_worker(
     worker._jobs = JobBook()
     worker._fronts = {}  # no fast front: every call takes the validating path
     worker._closed = False
+    worker._closing = threading.Lock()
+    worker._torn_down = threading.Event()
     return worker, store, load
 
 
@@ -181,6 +184,53 @@ def test_failed_shutdown_is_not_retried_by_a_second_call() -> None:
         worker.shutdown(timeout=5.0)
     worker.shutdown(timeout=5.0)
     assert calls == ["store", "load", "sync", "region"]
+
+
+class HeldHandler(FakeHandler):
+    """A handler whose shutdown (its drain) goes on until ``release`` is set."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        super().__init__(name, calls)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def shutdown(self, timeout: float) -> None:
+        self.entered.set()
+        self.release.wait(30.0)
+        super().shutdown(timeout)
+
+
+@pytest.mark.parametrize("second_timeout", [5.0, 0.2])
+def test_a_shutdown_while_another_threads_tears_down_waits_for_it_or_says_it_did_not_end(
+    second_timeout: float,
+) -> None:
+    """A second shutdown while the first still drains returns only once the teardown ended (the
+    engine may free its cache then), or raises ``ShutdownError`` at its own timeout; it never tears
+    down twice (it returned at once while a copy went on: found by a lifecycle fuzz)."""
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls)
+    held = HeldHandler("store", calls)
+    worker._teardown = Teardown([("store handler", held)], FakeRegion(calls), lambda _t: True)  # type: ignore[arg-type]
+    first = threading.Thread(target=worker.shutdown, args=(30.0,))
+    first.start()
+    assert held.entered.wait(10.0)
+    timer = threading.Timer(0.5, held.release.set)
+    timer.start()
+    began = time.monotonic()
+    try:
+        if second_timeout < 0.5:
+            with pytest.raises(ShutdownError, match="still tearing it down after 0.2 s"):
+                worker.shutdown(second_timeout)
+            assert "region" not in calls
+        else:
+            worker.shutdown(second_timeout)
+            assert calls == ["store", "region"], "the second call returned before the teardown ended"
+            assert time.monotonic() - began >= 0.4
+    finally:
+        held.release.set()
+        first.join(10.0)
+        timer.cancel()
+    assert calls == ["store", "region"]
 
 
 def test_every_call_after_shutdown_raises_closed_error() -> None:
