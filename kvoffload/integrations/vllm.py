@@ -30,7 +30,8 @@ Worker side, :class:`KVOffloadWorker` runs a :class:`kvoffload.Worker` over a
 page)`` view per KV tensor; aliased layers share a tensor, so their pages are copied once). A chunk of
 ``blocks_per_chunk`` GPU blocks is ``blocks_per_chunk`` consecutive host records, and transfers that
 start inside a chunk (vLLM's ``block_indices``) skip its leading records. Expedited loads share the
-load direction's queue.
+load direction's queue, so one waits for the loads handed over before it (vLLM asks that it not; a
+second load queue is not built).
 
 Failed jobs: vLLM 0.33's connector asserts that every submit and every job succeeds. The adapter
 resubmits a failed store or load up to ``transfer_retries`` times (a store's GPU blocks and a load's
@@ -255,8 +256,13 @@ class KVOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         """Allocate chunks for the keys not held yet (evicting ready chunks, never the request's own
-        keys); None when the pool cannot take them (nothing changed)."""
+        keys); None when the pool cannot take them (nothing changed but the held keys' recency:
+        they are used again, the head of the request's keys the most recent)."""
         ordered = list(dict.fromkeys(keys))  # vLLM may name a key twice across groups: store it once
+        # The keys the request holds already are used again: the most recent, the head last, so
+        # that a prefix's head outlives its tail (vLLM's own LRU ranks a request's chunks so, and
+        # never calls touch; a prefix without its head can never be hit again).
+        self._manager.touch(ordered[::-1])
         plan = self._manager.prepare_store(ordered)
         if plan is None:
             return None
@@ -273,8 +279,9 @@ class KVOffloadManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """Finish the stores of ``keys``: loadable with ``success``, freed (never loadable) without.
-        Keys with no pending store (completed already, or cleared by a reset) are ignored."""
+        """Finish the stores of ``keys``: loadable with ``success``, freed (never loadable) without,
+        in the order their plan named them from its tail (so its head is the most recent). Keys
+        with no pending store (completed already, or cleared by a reset) are ignored."""
         by_plan: dict[int, list[bytes]] = {}
         for key in keys:
             plan = self._store_plan.pop(key, None)
@@ -282,6 +289,11 @@ class KVOffloadManager(OffloadingManager):
                 by_plan.setdefault(plan.plan_id, []).append(key)
         for plan_id, plan_keys in by_plan.items():
             plan, left = self._store_left[plan_id]
+            # vLLM passes a job's keys as a set: admitted in the plan's order from the tail, the
+            # head is the most recent (as vLLM's own LRU ranks a request's chunks), whatever the
+            # set's order (in hash order an eviction took a prefix's head and stranded its tail).
+            rank = {key: i for i, key in enumerate(plan.keys)}
+            plan_keys.sort(key=rank.__getitem__, reverse=True)
             self._manager.complete_store(plan, bool(success), plan_keys)
             left.difference_update(plan_keys)
             if not left:

@@ -1,9 +1,10 @@
 """An engine loop around vLLM's real ``Scheduler`` and both ``OffloadingConnector`` roles, on CPU.
 
 The runner plays vLLM's model runner: each step it calls the worker-side connector in the order
-vLLM's GPU model runner does (``handle_preemptions``, ``bind_connector_metadata``,
-``start_load_kv``, the forward pass, ``wait_for_save``, ``get_finished``,
-``build_connector_worker_meta``, ``clear_connector_metadata``) and hands the scheduler a
+vLLM 0.33's model runner does (``handle_preemptions``, ``bind_connector_metadata``, the forward
+pass with ``start_load_kv`` before it when the step has loads it waits for and after it otherwise,
+``wait_for_save`` on every step, ``get_finished``, ``build_connector_worker_meta``,
+``clear_connector_metadata``) and hands the scheduler a
 ``ModelRunnerOutput`` carrying the connector's output. The scheduler, its KV cache manager, both
 connector roles and the offloading spec are vLLM's and kvoffload's own, unmodified.
 
@@ -272,10 +273,18 @@ class EngineRunner:
         worker = self.worker_connector
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
-        worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
+        # As vLLM's model runner: a step's loads start after its forward pass unless the step has
+        # loads it waits for (they feed this forward), and wait_for_save runs on every step, one
+        # that schedules no token too (skipping it there dropped that step's stores: found by an
+        # audit of this runner against vLLM's own).
+        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        loads_after = not output.has_sync_kv_loads
+        if not loads_after:
+            worker.start_load_kv(context)
         sampled = self._forward(output)
-        if output.total_num_scheduled_tokens > 0:
-            worker.wait_for_save()
+        if loads_after:
+            worker.start_load_kv(context)
+        worker.wait_for_save()
         finished_sending, finished_recving = worker.get_finished(output.finished_req_ids)
         worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()

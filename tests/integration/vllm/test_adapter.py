@@ -124,12 +124,38 @@ def test_lookup_is_miss_then_hit_pending_then_hit(manager: KVOffloadManager) -> 
 def test_prepare_store_skips_held_keys_and_evicts_lru_never_the_requests_own(
     manager: KVOffloadManager,
 ) -> None:
-    stored(manager, [key(i) for i in range(4)])
-    manager.touch([key(0)], CTX)  # key 1 is now the least recently used
-    out = manager.prepare_store([key(2), key(9)], CTX)  # key 2 is held: skipped and protected
+    stored(manager, [key(i) for i in range(4)])  # one job: admitted from its tail, key 3 first
+    manager.touch([key(3)], CTX)  # key 2 is now the least recently used
+    out = manager.prepare_store([key(1), key(9)], CTX)  # key 1 is held: skipped and protected
     assert out is not None
-    assert out.keys_to_store == [key(9)] and out.evicted_keys == [key(1)]
-    assert manager.lookup(key(1), CTX) is LookupResult.MISS
+    assert out.keys_to_store == [key(9)] and out.evicted_keys == [key(2)]
+    assert manager.lookup(key(2), CTX) is LookupResult.MISS
+
+
+def test_a_jobs_keys_completed_in_any_order_leave_its_head_evicted_last(manager: KVOffloadManager) -> None:
+    """vLLM completes a job's keys as a set: admitted from the plan's tail whatever that order, the
+    first eviction takes the tail, never the head a lookup starts from (in the set's order it took
+    any of them, the head too: found by an audit)."""
+    chain = [key(i) for i in range(4)]
+    out = manager.prepare_store(chain, CTX)
+    assert out is not None and out.keys_to_store == chain
+    manager.complete_store([chain[0], chain[2], chain[1], chain[3]], CTX)
+    out = manager.prepare_store([key(9)], CTX)
+    assert out is not None and out.evicted_keys == [chain[3]]
+    assert [manager.lookup(k, CTX) for k in chain[:3]] == [LookupResult.HIT] * 3
+
+
+def test_held_keys_offered_again_are_used_again(manager: KVOffloadManager) -> None:
+    """A request that offers a key the pool holds (a prefix it reused) makes it the most recent, as
+    vLLM's own manager does (vLLM never calls touch): the next eviction takes another (it took the
+    reused key: found by an audit)."""
+    for i in range(4):
+        stored(manager, [key(i)])  # key 0 is the least recently used
+    out = manager.prepare_store([key(0)], CTX)  # held: nothing to store, used again
+    assert out is not None and out.keys_to_store == [] and out.evicted_keys == []
+    out = manager.prepare_store([key(9)], CTX)
+    assert out is not None and out.evicted_keys == [key(1)]
+    assert manager.lookup(key(0), CTX) is LookupResult.HIT
 
 
 def test_prepare_store_returns_none_when_nothing_is_evictable(manager: KVOffloadManager) -> None:
