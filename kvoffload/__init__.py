@@ -67,7 +67,7 @@ from kvoffload.disk.config import (
     DiskRecordInfo,
     DiskStats,
 )
-from kvoffload.manager.manager import Manager
+from kvoffload.manager.manager import MAX_TIER_BLOCKS, Manager
 from kvoffload.manager.remote import RemoteIndex
 from kvoffload.manager.policies import (
     POLICY_NAMES,
@@ -202,6 +202,7 @@ __all__ = [
     "LayerLoad",
     "LayoutError",
     "LoadPlan",
+    "MAX_TIER_BLOCKS",
     "Manager",
     "MissingDependencyError",
     "NativeBuildError",

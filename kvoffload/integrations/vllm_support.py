@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload import InvalidArgumentError, KVOffloadError, TransferError
+from kvoffload import MAX_TIER_BLOCKS, InvalidArgumentError, KVOffloadError, TransferError
 
 __all__ = [
     "DEFAULT_ATTACH_TIMEOUT_S",
@@ -260,7 +260,8 @@ def num_host_chunks(host_bytes: int, kv_bytes_per_block: int, blocks_per_chunk: 
     """How many chunks a pool of ``host_bytes`` holds: ``host_bytes`` over the chunk's records.
 
     The scheduler and every worker compute it from the same config, so they agree on the chunk
-    ids. Raises :class:`VLLMConfigError` when the budget holds no chunk, or
+    ids. Raises :class:`VLLMConfigError` when the budget holds no chunk or more chunks than a pool
+    may have (``MAX_TIER_BLOCKS``), or
     :class:`UnsupportedVLLMFeatureError` when vLLM reports no KV bytes per block (a layout with no
     offloadable KV).
     """
@@ -275,6 +276,12 @@ def num_host_chunks(host_bytes: int, kv_bytes_per_block: int, blocks_per_chunk: 
         raise VLLMConfigError(
             f"kv_connector_extra_config['host_bytes'] = {host_bytes} holds no chunk: one chunk of "
             f"{blocks_per_chunk} block(s) takes {chunk_bytes} bytes of host records"
+        )
+    if chunks > MAX_TIER_BLOCKS:
+        raise VLLMConfigError(
+            f"kv_connector_extra_config['host_bytes'] = {host_bytes} makes {chunks} chunks of "
+            f"{chunk_bytes} bytes, over the most a pool may have ({MAX_TIER_BLOCKS}): is it a size "
+            "in bytes with extra digits?"
         )
     return chunks
 

@@ -99,6 +99,11 @@ def test_chunk_count_uses_padded_records_of_every_block_of_a_chunk() -> None:
         num_host_chunks(8191, 5000, 2)
     with pytest.raises(UnsupportedVLLMFeatureError, match="no offloadable bytes"):
         num_host_chunks(1 << 20, 0, 1)
+    assert num_host_chunks(4096 << 31, 4096, 1) == 1 << 31  # the most a pool may have
+    # 10 PiB (extra digits) named as host_bytes (kvoffload's Manager refused the block count,
+    # naming no key of the config: found by an audit)
+    with pytest.raises(VLLMConfigError, match=r"\['host_bytes'\] = 11258999068426240 makes"):
+        num_host_chunks(10 << 50, 4096, 1)
 
 
 def test_tensor_parallelism_alone_is_accepted_and_other_parallel_layouts_are_refused() -> None:
