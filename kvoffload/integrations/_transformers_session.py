@@ -157,6 +157,8 @@ class _Match:
     resident_blocks: int
     registered: list[int] = attrs.Factory(list)  # device blocks held until the match is over
     tiers: list[kvoffload.Tier] = attrs.Factory(list)
+    layered: _Layered | None = None  # its layer-by-layer load, and that load's rows of the match
+    layered_rows: list[int] = attrs.Factory(list)
 
 
 @attrs.define
@@ -173,6 +175,8 @@ class _Layered:
     device_blocks: list[int]
     registered: list[int] = attrs.Factory(list)
     unregistered: list[int] = attrs.Factory(list)
+    prompt_tokens_host: int = 0  # the prompt tokens counted as served by it (taken back if it fails)
+    dropped: bool = False
 
     def submit(self, worker: WorkerLike, job: int, stream: object) -> None:
         """Submit the load (layer by layer, after the work queued on ``stream``).
@@ -329,12 +333,13 @@ class _Session:
             match.registered = [b for i, b in enumerate(blocks[:registered]) if i not in in_flight]
             match.tiers = list(plan.tiers[:registered])
             if layered_job is not None:
-                self._layered[layered_job] = _Layered(
+                match.layered = self._layered[layered_job] = _Layered(
                     layered_load, plan, [plan.keys[i] for i in layered_rows],
                     [plan.blocks[i] for i in layered_rows], [blocks[i] for i in layered_rows],
                     registered=[blocks[i] for i in layered_rows if i < registered],
                     unregistered=[blocks[i] for i in layered_rows if i >= registered],
                 )
+                match.layered_rows = list(layered_rows)
             waited = [i for i in range(count) if i not in in_flight]
             failed = [plan.keys[i] for i in waited if not ok[i]]
             if failed:
@@ -367,7 +372,13 @@ class _Session:
             matched_blocks = matched_tokens // size
             engine = min(matched_blocks, token.resident_blocks)
             self._counts.prompt_tokens_engine_cache += engine * size
-            for tier in token.tiers[:max(0, matched_blocks - engine)]:
+            counted = max(0, matched_blocks - engine)
+            layered = token.layered
+            for row, tier in enumerate(token.tiers[:counted]):
+                if layered is not None and row in token.layered_rows:
+                    if layered.dropped:  # failed already: served nothing
+                        continue
+                    layered.prompt_tokens_host += size
                 if tier is kvoffload.Tier.HOST:
                     self._counts.prompt_tokens_host += size
                 else:
@@ -462,6 +473,8 @@ class _Session:
         self._manager.complete_load(layered.plan, layered.keys, ok=False)
         self._counts.blocks_load_failed += len(layered.keys)
         self._counts.blocks_loaded_host -= len(layered.registered)
+        self._counts.prompt_tokens_host -= layered.prompt_tokens_host  # nor its prompt tokens
+        layered.prompt_tokens_host, layered.dropped = 0, True
         for block in layered.registered:
             self._cache.forget(block)
             self._cache.release(block)

@@ -58,7 +58,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import re
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
@@ -442,23 +444,40 @@ class SchedulerHooks(Protocol):
         the cache they need). True asks for one more scheduling attempt (only after None)."""
 
 
+_log = logging.getLogger(__name__)
+
+
 class _Registry:
-    """Models (by text config) whose sessions get hooked schedulers, and the wrapped mapping."""
+    """Models whose sessions get hooked schedulers (by the model object: models built from one
+    config object share it), and the wrapped mapping."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.hooks: dict[int, tuple[object, Callable[[EngineCache], SchedulerHooks | None]]] = {}
         self.originals: dict[str, Any] = {}
+        self.unknown_builder_logged = False
 
-    def resolve(self, cache: Any) -> Callable[[EngineCache], SchedulerHooks | None] | None:
+    def resolve(self, model: object) -> Callable[[EngineCache], SchedulerHooks | None] | None:
         with self.lock:
-            entry = self.hooks.get(id(cache.config))
-        if entry is None or entry[0] is not cache.config:
+            entry = self.hooks.get(id(model))
+        if entry is None or entry[0] is not model:
             return None
         return entry[1]
 
 
 _REGISTRY: Final = _Registry()
+
+
+def _building_model() -> object | None:
+    """The model whose continuous-batching manager builds the scheduler being made: the ``model``
+    of the ``self`` of the function that called the scheduler class (transformers 5.24 builds it in
+    ``ContinuousBatchingManager._create_batch_processor``). None when the caller has none. The
+    cache alone does not tell: it holds the model's text config, which models built from one
+    config object share (keyed by it, a context of one model hooked another's sessions, whose
+    layers it does not hook: their deferred loads were never waited for)."""
+    caller = sys._getframe(2)  # _building_model <- _SchedulerFactory.__call__ <- the builder
+    owner = caller.f_locals.get("self")
+    return getattr(owner, "model", None) if owner is not None else None
 
 
 class _SchedulerFactory:
@@ -471,7 +490,12 @@ class _SchedulerFactory:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", args[0] if args else None)
-        bind = _REGISTRY.resolve(cache) if cache is not None else None
+        model = _building_model()
+        if model is None and _REGISTRY.hooks and not _REGISTRY.unknown_builder_logged:
+            _REGISTRY.unknown_builder_logged = True
+            _log.warning("a %s was built by code that names no model: its sessions are not offloaded",
+                         self.original.__name__)
+        bind = _REGISTRY.resolve(model) if cache is not None and model is not None else None
         if bind is None:
             return self.original(*args, **kwargs)
         hooks = bind(EngineCache(cache))
@@ -547,20 +571,21 @@ def _chunks(scheduled: Any) -> list[ScheduledChunk] | None:
     ]
 
 
-def register_model(config: object, bind: Callable[[EngineCache], SchedulerHooks | None]) -> None:
-    """Hook the schedulers of every session built for ``config`` (a model's text config) from now on:
-    ``bind(cache)`` is called when such a session builds its scheduler (in its generation thread) and
-    returns the hooks, or None for a plain scheduler. The first registration wraps every entry of
+def register_model(model: object, bind: Callable[[EngineCache], SchedulerHooks | None]) -> None:
+    """Hook the schedulers of every session ``model``'s continuous-batching manager builds from now
+    on (another model's, of the same config object or not, are left alone): ``bind(cache)`` is
+    called when such a session builds its scheduler (in its generation thread) and returns the
+    hooks, or None for a plain scheduler. The first registration wraps every entry of
     ``SCHEDULER_MAPPING``.
 
     Raises:
-        SurfaceError: ``config`` is registered already.
+        SurfaceError: ``model`` is registered already.
     """
     mapping = _module("scheduler").SCHEDULER_MAPPING
     with _REGISTRY.lock:
-        if id(config) in _REGISTRY.hooks:
-            raise SurfaceError("this model's config is registered already")
-        _REGISTRY.hooks[id(config)] = (config, bind)
+        if id(model) in _REGISTRY.hooks:
+            raise SurfaceError("this model is registered already")
+        _REGISTRY.hooks[id(model)] = (model, bind)
         if len(_REGISTRY.hooks) == 1:
             for name, cls in list(mapping.items()):
                 if isinstance(cls, type):
@@ -568,16 +593,16 @@ def register_model(config: object, bind: Callable[[EngineCache], SchedulerHooks 
                     mapping[name] = _SchedulerFactory(cls)
 
 
-def unregister_model(config: object) -> None:
+def unregister_model(model: object) -> None:
     """Undo :func:`register_model`; the last one puts back every mapping entry it replaced (an entry
     replaced by someone else meanwhile is left alone). Sessions already built keep their scheduler.
     Idempotent."""
     mapping = _module("scheduler").SCHEDULER_MAPPING
     with _REGISTRY.lock:
-        entry = _REGISTRY.hooks.get(id(config))
-        if entry is None or entry[0] is not config:
+        entry = _REGISTRY.hooks.get(id(model))
+        if entry is None or entry[0] is not model:
             return
-        del _REGISTRY.hooks[id(config)]
+        del _REGISTRY.hooks[id(model)]
         if _REGISTRY.hooks:
             return
         for name, cls in _REGISTRY.originals.items():

@@ -119,7 +119,7 @@ class Offloader:
     """
 
     def __init__(self, model: Any, num_host_blocks: int, disk: DiskConfig | None, policy: str,
-                 make_worker: WorkerFactory, load_timeout: float, identity: str, overlap_loads: bool,
+                 make_worker: WorkerFactory, load_timeout: float, model_id: str | None, overlap_loads: bool,
                  defer_loads: bool) -> None:
         self.model = model
         self.num_host_blocks = num_host_blocks
@@ -127,7 +127,7 @@ class Offloader:
         self.policy = policy
         self.load_timeout = load_timeout
         self._make_worker = make_worker
-        self._identity = identity
+        self._model_id = model_id
         self._overlap_loads = overlap_loads
         self._defer_loads = defer_loads
         self._graphs_seen = False
@@ -166,9 +166,11 @@ class Offloader:
         layout = kvoffload.DeviceLayout.from_tensors({"kv_cache": cache.layer_block_view()}, block_dim=0,
                                                      layer_dim=1)
         layer_of = {layer: i for i, layer in enumerate(order)} if self._overlap_loads else None
+        # The model as it is now (its dtype or attention may have changed since the context began)
+        identity = _identity(self.model, self._model_id)
         manager = kvoffload.Manager.create(
             self.num_host_blocks,
-            fingerprint=f"{self._identity}|tokens_per_block={cache.tokens_per_block}|{layout.fingerprint}",
+            fingerprint=f"{identity}|tokens_per_block={cache.tokens_per_block}|{layout.fingerprint}",
             num_disk_blocks=self.disk.num_blocks if self.disk is not None else 0,
             policy=self.policy,
         )
@@ -283,12 +285,15 @@ def _check_engine() -> None:
 
 
 def _identity(model: Any, model_id: str | None) -> str:
-    """Names the model for the manager's fingerprint: class, config digest, dtype and the engine's
-    name of its weights."""
+    """Names the model for the manager's fingerprint, as it is when a session binds: class, config
+    digest, dtype, attention implementation (its kernels round differently: KV written under
+    ``sdpa`` read under ``eager`` was not bit-exact in bf16) and the engine's name of its weights."""
     config_json = model.config.to_json_string(use_diff=False)
     digest = hashlib.blake2b(config_json.encode("utf-8"), digest_size=16).hexdigest()
     weights = "" if model_id is None else f"|weights={model_id}"
-    return f"transformers-cb|{type(model).__name__}|config={digest}|dtype={model.dtype}{weights}"
+    attention = getattr(model.config.get_text_config(), "_attn_implementation", None)
+    return (f"transformers-cb|{type(model).__name__}|config={digest}|dtype={model.dtype}"
+            f"|attn={attention}{weights}")
 
 
 def _check_model_id(model_id: object, disk: DiskConfig | None) -> None:
@@ -429,10 +434,10 @@ def offloading(
         raise kvoffload.UnknownPolicyError(f"policy = {policy!r} is not one of {list(_POLICIES)}")
     device = torch.device(model.device)
     offloader = Offloader(model, num_host_blocks, disk, policy, make_worker or _default_worker,
-                          float(load_timeout), _identity(model, model_id), overlap_loads,
+                          float(load_timeout), model_id, overlap_loads,
                           overlap_loads and (defer_loads if defer_loads is not None else device.type == "cuda"))
     try:
-        surface.register_model(text_config, offloader._bind)
+        surface.register_model(model, offloader._bind)
     except surface.SurfaceError as exc:
         raise kvoffload.InvalidArgumentError(
             f"model = {type(model).__name__} is inside another offloading() context already"
@@ -450,7 +455,7 @@ def offloading(
     try:
         yield offloader
     finally:
-        surface.unregister_model(text_config)
+        surface.unregister_model(model)
         try:
             offloader._close(float(shutdown_timeout))  # lands every load first: the hooks may go then
         finally:

@@ -262,6 +262,45 @@ def test_a_layer_by_layer_load_failing_after_registration_fails_the_step_never_s
     assert made[0].failed is not None
     assert result.error is not None and "layer-by-layer load" in str(result.error), result.error
     assert stats.blocks_load_failed == PREFIX_BLOCKS and stats.blocks_loaded_host == 0
+    # nor were its prompt tokens served (they stayed counted: found by an audit)
+    assert stats.prompt_tokens_host == 0
+
+
+def test_a_context_leaves_another_model_of_the_same_config_object_alone(big_cache_run: PhaseRun) -> None:
+    """Two models built from one config object: a context of one binds no session of the other
+    (keyed by the config, it bound them, and their deferred loads were never waited for by layers
+    it did not hook: wrong tokens; found by an audit). The other model runs as without kvoffload."""
+    other = tiny_llama(CPU, torch.float32)
+    mine = type(other)(other.config).eval()  # another model, the same config object
+    assert mine.config is other.config
+    with offloading(mine, 64, defer_loads=True) as off:
+        run = run_phases(other, SMALL_CACHE_BLOCKS, off)
+    assert off.stats().sessions == 0
+    assert not run.errors and run.outputs == big_cache_run.outputs
+
+
+@pytest.mark.parametrize("change", ["attention", "none"])
+def test_a_session_names_its_records_by_the_model_as_it_is_when_the_session_binds(
+    change: str, tmp_path: pathlib.Path
+) -> None:
+    """The model's attention (or dtype) changed inside the context: the next session's records are
+    named anew, so it adopts none of the earlier session's from the warm tier (the name was fixed
+    when the context began: a bf16 session served fp16 KV; found by an audit). The control, with
+    nothing changed, adopts them."""
+    path = str(tmp_path / "tier")
+    local = tiny_llama(CPU, torch.float32)
+    with offloading(local, 8, DiskConfig(path, num_blocks=64, preallocate=False, reuse=True),
+                    model_id="tiny-llama@seed0") as off:
+        assert not run_phases(local, SMALL_CACHE_BLOCKS, off).errors  # demotes the prefixes
+        if change == "attention":
+            local.set_attn_implementation("eager")
+        run = run_phases(local, BIG_CACHE_BLOCKS, off, phases="C")  # a new session, nothing evicted
+    stats = off.stats()
+    assert not run.errors and stats.sessions == 2
+    if change == "none":
+        assert stats.blocks_adopted_disk > 0, "the control adopted nothing: the test proves nothing"
+    else:
+        assert stats.blocks_adopted_disk == 0
 
 
 def test_closing_in_the_middle_of_a_step_lands_the_loads_that_step_reads(

@@ -76,13 +76,12 @@ def model() -> Any:
 def served(model: Any) -> surface.EngineCache:
     """The engine cache of a finished session that served ``PREFIX + [200, 201]``."""
     capture = _Capture()
-    config = model.config.get_text_config()
-    surface.register_model(config, capture.bind)
+    surface.register_model(model, capture.bind)
     try:
         gen, cb = cb_configs(16)
         model.generate_batch([PREFIX + [200, 201]], generation_config=gen, continuous_batching_config=cb)
     finally:
-        surface.unregister_model(config)
+        surface.unregister_model(model)
     assert len(capture.caches) == 1
     return capture.caches[0]
 
@@ -257,17 +256,17 @@ def test_interception_reports_new_complete_blocks_and_is_removed(served: surface
 def test_the_scheduler_mapping_is_wrapped_while_registered_and_restored() -> None:
     from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 
-    config_a, config_b = object(), object()
-    surface.register_model(config_a, lambda cache: None)
-    surface.register_model(config_b, lambda cache: None)
+    model_a, model_b = object(), object()
+    surface.register_model(model_a, lambda cache: None)
+    surface.register_model(model_b, lambda cache: None)
     with pytest.raises(surface.SurfaceError, match="registered already"):
-        surface.register_model(config_a, lambda cache: None)
+        surface.register_model(model_a, lambda cache: None)
     assert SCHEDULER_MAPPING["fifo"] is not FIFOScheduler
-    surface.unregister_model(config_a)
+    surface.unregister_model(model_a)
     assert not surface.mapping_is_original()
-    surface.unregister_model(config_b)
+    surface.unregister_model(model_b)
     assert SCHEDULER_MAPPING["fifo"] is FIFOScheduler and surface.mapping_is_original()
-    surface.unregister_model(config_b)  # idempotent
+    surface.unregister_model(model_b)  # idempotent
 
 
 def test_an_entry_replaced_by_someone_else_is_left_alone() -> None:
@@ -296,8 +295,7 @@ def test_a_hooked_scheduler_is_a_subclass_of_the_one_it_replaces(model: Any) -> 
     from transformers.generation.continuous_batching.scheduler import PrefillFirstScheduler
 
     capture = _Capture()
-    config = model.config.get_text_config()
-    surface.register_model(config, capture.bind)
+    surface.register_model(model, capture.bind)
     try:
         gen, cb = cb_configs(16)
         cb.scheduler_type = "prefill_first"
@@ -307,5 +305,5 @@ def test_a_hooked_scheduler_is_a_subclass_of_the_one_it_replaces(model: Any) -> 
             scheduler = manager.batch_processor.scheduler
             assert isinstance(scheduler, PrefillFirstScheduler) and type(scheduler) is not PrefillFirstScheduler
     finally:
-        surface.unregister_model(config)
+        surface.unregister_model(model)
     assert len(capture.caches) == 1
