@@ -70,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Final
@@ -341,9 +342,21 @@ def _check_args(num_host_blocks: object, disk: object, load_timeout: object, shu
         )
     if num_host_blocks < 1:
         raise kvoffload.InvalidArgumentError(f"num_host_blocks = {num_host_blocks} must be >= 1")
+    # What a session would refuse only once it binds, in the engine's generation thread (which
+    # then dies, dropping its requests), is refused here where it can be told already.
+    if num_host_blocks > kvoffload.MAX_TIER_BLOCKS:
+        raise kvoffload.InvalidArgumentError(
+            f"num_host_blocks = {num_host_blocks} is over the most blocks a pool may have, "
+            f"{kvoffload.MAX_TIER_BLOCKS} (a size in blocks, not bytes)"
+        )
     if disk is not None:
         if not isinstance(disk, DiskConfig):
             raise kvoffload.ArgumentTypeError(f"disk = {disk!r} must be a DiskConfig or None")
+        parent = os.path.dirname(os.path.abspath(disk.path))
+        if not os.path.isdir(parent):
+            raise kvoffload.DiskPathError(
+                f"the parent directory {parent!r} of DiskConfig.path = {disk.path!r} does not exist"
+            )
     for name, value in (("load_timeout", load_timeout), ("shutdown_timeout", shutdown_timeout)):
         # finite too (NaN, inf and an int too large for a float fail the comparison): the worker's
         # waits and its shutdown take only deadlines a lock can wait for
@@ -409,7 +422,10 @@ def offloading(
         UnsupportedEngineError: transformers missing or not in :data:`SUPPORTED_TRANSFORMERS`, its
             internals moved, or an unsupported model (see the class).
         ArgumentTypeError, InvalidArgumentError: a bad argument (named in the message), or the model
-            is inside another ``offloading`` context already.
+            is inside another ``offloading`` context already; ``DiskPathError`` for a tier file
+            whose directory does not exist. What depends on the engine's cache (the host pool's
+            memory, a warm tier file of another geometry) is refused when a session binds, in the
+            engine's generation thread.
         ShutdownError: on exit, from a worker's shutdown (after everything else was released).
         TransferError: on exit, after a worker shut down, when a layer-by-layer load did not land
             within half of ``shutdown_timeout``: the steps that ran during the exit failed, but a

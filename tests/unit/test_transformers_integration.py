@@ -577,8 +577,12 @@ def test_each_session_gets_its_own_pool_and_the_previous_one_is_released(model: 
         ({"num_host_blocks": 8, "defer_loads": 1}, kvoffload.ArgumentTypeError, "defer_loads = 1"),
         ({"num_host_blocks": 8, "model_id": ""}, kvoffload.ArgumentTypeError, "model_id = ''"),
         ({"num_host_blocks": 8, "model_id": 7}, kvoffload.ArgumentTypeError, "model_id = 7"),
-        ({"num_host_blocks": 8, "disk": DiskConfig("/nonexistent/tier", 8, reuse=True)},
+        ({"num_host_blocks": 8, "disk": DiskConfig("tier", 8, reuse=True)},
          kvoffload.InvalidArgumentError, r"DiskConfig\(reuse=True\) needs model_id="),
+        # refused only when a session bound, in the engine's thread, before (found by an audit)
+        ({"num_host_blocks": 2**31 + 1}, kvoffload.InvalidArgumentError, "over the most blocks a pool may have"),
+        ({"num_host_blocks": 8, "disk": DiskConfig("/nonexistent/tier", 8)}, kvoffload.DiskPathError,
+         "parent directory '/nonexistent' of DiskConfig.path = '/nonexistent/tier' does not exist"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_hooked(
