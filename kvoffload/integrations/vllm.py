@@ -173,6 +173,22 @@ _INFO_KEYS: Final = (
 # ------------------------------------------------------------------------------------ manager
 
 
+class _RequestKeys:
+    """The keys one request offered to store, in its chunks' order (kept in vLLM's ``ReqContext``,
+    which lives as long as the request)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, None] = {}
+
+
+def _request_keys(req_context: ReqContext) -> dict[bytes, None]:
+    state: _RequestKeys | None = req_context.get_state(_RequestKeys)
+    if state is None:
+        state = _RequestKeys()
+        req_context.set_state(state)
+    return state.keys
+
+
 class KVOffloadManager(OffloadingManager):
     """vLLM's scheduler-side manager backed by a :class:`kvoffload.Manager` (see the module docstring).
 
@@ -263,6 +279,7 @@ class KVOffloadManager(OffloadingManager):
         # that a prefix's head outlives its tail (vLLM's own LRU ranks a request's chunks so, and
         # never calls touch; a prefix without its head can never be hit again).
         self._manager.touch(ordered[::-1])
+        _request_keys(req_context).update(dict.fromkeys(ordered))
         plan = self._manager.prepare_store(ordered)
         if plan is None:
             return None
@@ -280,8 +297,9 @@ class KVOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         """Finish the stores of ``keys``: loadable with ``success``, freed (never loadable) without,
-        in the order their plan named them from its tail (so its head is the most recent). Keys
-        with no pending store (completed already, or cleared by a reset) are ignored."""
+        in the order their plan named them from its tail; then every chunk the request stored is
+        used again from its tail, so its head is the most recent. Keys with no pending store
+        (completed already, or cleared by a reset) are ignored."""
         by_plan: dict[int, list[bytes]] = {}
         for key in keys:
             plan = self._store_plan.pop(key, None)
@@ -298,6 +316,21 @@ class KVOffloadManager(OffloadingManager):
             left.difference_update(plan_keys)
             if not left:
                 del self._store_left[plan_id]
+        if by_plan:  # the request's earlier chunks are ranked again over these: its head the newest
+            self._touch_request(req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Rank the request's chunks once more, its tail the first to go and its head the last
+        (vLLM's own LRU does so when a request finishes)."""
+        self._touch_request(req_context)
+
+    def _touch_request(self, req_context: ReqContext) -> None:
+        """Use the request's chunks from its tail to its head (only ready ones count), so that
+        chunks it stored in a later step go before its head (vLLM offers only each step's new
+        chunks: without this a later step's tail outlived the head an earlier step stored)."""
+        keys = _request_keys(req_context)
+        if keys:
+            self._manager.touch(list(keys)[::-1])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Every request offloads its new chunks (vLLM's chunk-level policy)."""

@@ -95,9 +95,11 @@ def key(i: int) -> bytes:
 
 
 def stored(manager: KVOffloadManager, keys: list[bytes]) -> list[int]:
-    out = manager.prepare_store(keys, CTX)
+    """Store ``keys`` as one request's one job (a request of its own)."""
+    ctx = ReqContext(req_id=f"stored-{uuid.uuid4()}")
+    out = manager.prepare_store(keys, ctx)
     assert out is not None
-    manager.complete_store(out.keys_to_store, CTX)
+    manager.complete_store(out.keys_to_store, ctx)
     assert isinstance(out.store_spec, HostChunkSpec)
     return [int(chunk) for chunk in out.store_spec.chunk_ids]
 
@@ -136,13 +138,34 @@ def test_a_jobs_keys_completed_in_any_order_leave_its_head_evicted_last(manager:
     """vLLM completes a job's keys as a set: admitted from the plan's tail whatever that order, the
     first eviction takes the tail, never the head a lookup starts from (in the set's order it took
     any of them, the head too: found by an audit)."""
-    chain = [key(i) for i in range(4)]
-    out = manager.prepare_store(chain, CTX)
+    chain, ctx = [key(i) for i in range(4)], ReqContext(req_id="chain")
+    out = manager.prepare_store(chain, ctx)
     assert out is not None and out.keys_to_store == chain
-    manager.complete_store([chain[0], chain[2], chain[1], chain[3]], CTX)
+    manager.complete_store([chain[0], chain[2], chain[1], chain[3]], ctx)
     out = manager.prepare_store([key(9)], CTX)
     assert out is not None and out.evicted_keys == [chain[3]]
     assert [manager.lookup(k, CTX) for k in chain[:3]] == [LookupResult.HIT] * 3
+
+
+def test_a_requests_later_chunks_go_before_the_head_an_earlier_step_stored(manager: KVOffloadManager) -> None:
+    """vLLM offers each step's new chunks only: a request's chunks 0-1 stored in one step, 2-3 in
+    the next; the first evictions take its tail, 3 then 2, never its head (chunks of a later step
+    were newer than the head, and chunk 1 went first: found by a review)."""
+    big = KVOffloadSpec(offloading_config(host_chunks=6)).get_manager()
+    ctx = ReqContext(req_id="long")
+    for step in ([key(0), key(1)], [key(2), key(3)]):
+        out = big.prepare_store(step, ctx)
+        assert out is not None and out.keys_to_store == step
+        big.complete_store(step, ctx)
+    stored(big, [key(7), key(8)])  # another request, after: the pool is full
+    out = big.prepare_store([key(9)], CTX)
+    assert out is not None and out.evicted_keys == [key(3)]
+    out = big.prepare_store([key(10)], CTX)
+    assert out is not None and out.evicted_keys == [key(2)]
+    assert [big.lookup(key(i), CTX) for i in (0, 1)] == [LookupResult.HIT] * 2
+    big.on_request_finished(ctx)  # ranks the request's chunks once more: its head the newest
+    out = big.prepare_store([key(11)], CTX)
+    assert out is not None and out.evicted_keys == [key(8)]
 
 
 def test_held_keys_offered_again_are_used_again(manager: KVOffloadManager) -> None:
