@@ -48,10 +48,12 @@ class LayerMarks(Protocol):
     def count(self) -> int:
         """Layers of the job."""
 
-    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> bool:
         """Order ``stream`` after layer ``layer`` of the job (on the device where the backend has
         one; on the host otherwise), waiting at most ``timeout_s`` on the host for the layer to be
-        marked.
+        marked. True when the layer landed (or ``stream`` is ordered after it, or the job's result
+        was published); False when the job ended without it (an issue that failed or was given
+        up: nothing more will land).
 
         Raises:
             DeviceMismatchError: a stream the backend does not take.
@@ -75,6 +77,7 @@ class HostLayerMarks:
     def __init__(self, count: int) -> None:
         self._count = count
         self._landed = 0
+        self._short: int | None = None  # the first layer never copied, once settled short of all
         self._cond = threading.Condition()
 
     @property
@@ -89,16 +92,20 @@ class HostLayerMarks:
             self._cond.notify_all()
 
     def settle(self) -> None:
-        """Nothing more will be copied: every wait returns."""
-        self.mark(self._count - 1)
+        """Nothing more will be copied: every wait returns (for a layer not copied, False)."""
+        with self._cond:
+            if self._landed < self._count and self._short is None:
+                self._short = self._landed
+            self._landed = self._count
+            self._cond.notify_all()
 
     def release(self) -> None:
         """As :meth:`settle`."""
         self.settle()
 
-    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> bool:
         """Block until layer ``layer`` was copied (``stream`` must be None: the host has no
-        streams)."""
+        streams); False when the job ended without copying it."""
         if stream is not None:
             raise DeviceMismatchError(
                 f"the host backend takes no stream (got {type(stream).__name__}): CPU tensors have "
@@ -107,6 +114,7 @@ class HostLayerMarks:
         with self._cond:
             if not self._cond.wait_for(lambda: self._landed > layer, timeout_s):
                 raise WaitTimeoutError(f"layer {layer} did not land within {timeout_s} s")
+            return self._short is None or layer < self._short
 
 
 class WholeJobMarks:
@@ -139,21 +147,23 @@ class WholeJobMarks:
             self._released = True
             self._cond.notify_all()
 
-    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
-        """Block until the whole job finished (any stream is then ordered after it)."""
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> bool:
+        """Block until the whole job finished (any stream is then ordered after it); False when
+        it failed."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if not self._cond.wait_for(lambda: self._ticket is not None or self._released, timeout_s):
                 raise WaitTimeoutError(f"layer {layer}: the job was not issued within {timeout_s} s")
             ticket, released = self._ticket, self._released
         if released or ticket is None:
-            return
+            return True
         try:
             finished = ticket.wait(max(0.0, deadline - time.monotonic()))
         except Exception:  # the job failed: its result says so, and nothing more will land
-            return
+            return False
         if not finished:
             raise WaitTimeoutError(f"layer {layer}: the job did not finish within {timeout_s} s")
+        return True
 
 
 class LayerLoad:
@@ -185,9 +195,9 @@ class LayerLoad:
         and again. After the job's result was returned the call does nothing (everything landed).
         A failed job's layers hold undefined bytes: its result says so. A wait longer than
         :data:`~kvoffload._seconds.WAIT_SLICE_S` looks at the worker again every slice, so that a
-        shutdown meanwhile (which may give the job up) ends it with ``ClosedError``; a wait that
-        returns looks again as well, since a shutdown that gives the job up ends its layers' waits
-        without their pages.
+        shutdown meanwhile (which may give the job up) ends it with ``ClosedError``, and so does a
+        wait that a shutdown ended by giving the job up before the layer landed (a layer that
+        landed returns, a shutdown meanwhile or not).
 
         Raises (before anything is enqueued):
             ClosedError: the worker was shut down (before the call, or while it waited).
@@ -207,15 +217,15 @@ class LayerLoad:
             )
         seconds = as_timeout(timeout)
         if seconds <= WAIT_SLICE_S:
-            self._marks.wait(layer, stream, seconds)
-            self._check_open()  # a shutdown that gave the job up settled its marks: not landed
+            if not self._marks.wait(layer, stream, seconds):
+                self._check_open()  # ended without the layer: a shutdown that gave the job up
             return
         deadline = time.monotonic() + seconds
         while True:
             slice_s = max(0.0, min(deadline - time.monotonic(), WAIT_SLICE_S))
             try:
-                self._marks.wait(layer, stream, slice_s)
-                self._check_open()  # (as above)
+                if not self._marks.wait(layer, stream, slice_s):
+                    self._check_open()  # (as above)
                 return
             except WaitTimeoutError as exc:
                 self._check_open()  # a shutdown meanwhile: its jobs' layers will not come

@@ -251,9 +251,10 @@ class CudaLayerMarks:
             self._marked = self._count
             self._cond.notify_all()
 
-    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> bool:
         """Enqueue on ``stream`` (default: the device's current stream) a wait for layer
-        ``layer``'s event; waits on the host only until the event is recorded.
+        ``layer``'s event; waits on the host only until the event is recorded. False when the
+        issue ended without recording it (nothing to wait for: the layer will not land).
 
         Raises:
             DeviceMismatchError: a stream of another device, or not a stream.
@@ -267,14 +268,17 @@ class CudaLayerMarks:
                     f"layer {layer} was not handed to the device within {timeout_s} s (earlier jobs "
                     "were still being issued)"
                 )
-            event = None if self._released else self._events[layer]
-            if event is None:  # finished (released), or never recorded: nothing to wait for
-                return
+            if self._released:  # finished: its result was published, nothing to wait for
+                return True
+            event = self._events[layer]
+            if event is None:  # never recorded: the issue ended without the layer
+                return False
             if current_device_index() == self._index:
                 event.wait_on(handle)
             else:
                 with torch.cuda.device(self._index):
                     event.wait_on(handle)
+            return True
 
     def release(self) -> None:
         """Give every event back (the job finished: nothing will wait on them). Idempotent."""

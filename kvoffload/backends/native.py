@@ -397,9 +397,10 @@ class NativeLayerMarks:
             self._settled = True
             self._cond.notify_all()
 
-    def wait(self, layer: int, stream: object | None, timeout_s: float) -> None:
+    def wait(self, layer: int, stream: object | None, timeout_s: float) -> bool:
         """Make ``stream`` (default: the device's current stream) wait on the device for layer
-        ``layer``; blocks the host only until the thread marked it.
+        ``layer``; blocks the host only until the thread marked it. False when the job ended
+        without the layer (never handed over, or failed or given up before the wait).
 
         Raises:
             DeviceMismatchError: a stream of another device, or not a stream.
@@ -413,8 +414,10 @@ class NativeLayerMarks:
                                        timeout_s):
                 raise WaitTimeoutError(f"layer {layer} was not handed to the issuer within {timeout_s} s")
             job = self._job
-            if job is None or self._released:
-                return
+            if self._released:  # its result was published: everything landed or it says why not
+                return True
+            if job is None:  # settled without a hand-off: nothing was issued
+                return False
             self._waiters += 1
         try:
             if not backend.switches_device():
@@ -433,7 +436,10 @@ class NativeLayerMarks:
                 f"layer {layer} was not handed to the device within {timeout_s} s (earlier jobs "
                 "were still being issued)"
             )
+        if code == native.JOB_FAILED:
+            return False
         driver.checked_code("cuStreamWaitEvent", int(code))
+        return True
 
     def _last_out(self) -> bool:
         """Whether the marks were released and no wait is inside the library any more: then the

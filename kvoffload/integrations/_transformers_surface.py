@@ -457,6 +457,17 @@ class _Registry:
         self.originals: dict[str, Any] = {}
         self.unknown_builder_logged = False
 
+    def shares_config(self, cache: Any) -> bool:
+        """Whether a registered model's text config is the one ``cache`` was built for."""
+        with self.lock:
+            models = [entry[0] for entry in self.hooks.values()]
+        for registered in models:
+            config = getattr(registered, "config", None)
+            text = getattr(config, "get_text_config", None)
+            if text is not None and text() is getattr(cache, "config", None):
+                return True
+        return False
+
     def resolve(self, model: object) -> Callable[[EngineCache], SchedulerHooks | None] | None:
         with self.lock:
             entry = self.hooks.get(id(model))
@@ -497,6 +508,10 @@ class _SchedulerFactory:
                          self.original.__name__)
         bind = _REGISTRY.resolve(model) if cache is not None and model is not None else None
         if bind is None:
+            if model is not None and cache is not None and _REGISTRY.shares_config(cache):
+                _log.warning("a session of a %s whose config is a registered model's is not offloaded: "
+                             "only the model given to offloading() is (a wrapper of it, or another "
+                             "model built from its config object, is another model)", type(model).__name__)
             return self.original(*args, **kwargs)
         hooks = bind(EngineCache(cache))
         if hooks is None:

@@ -46,6 +46,7 @@ __all__ = [
     "ABANDONED",
     "ABANDONED_AFTER_S",
     "BAD_ARGUMENT",
+    "JOB_FAILED",
     "BUILD_TIMEOUT_S",
     "CALL_KINDS",
     "CONTROL_COMING_ALWAYS",
@@ -108,6 +109,7 @@ ABANDONED: Final = -4
 RECORD_TOO_BIG: Final = -5
 TIMEOUT: Final = -6
 BAD_ARGUMENT: Final = -7  # kvo_wait_layer: not a layered job, or no such layer
+JOB_FAILED: Final = -8  # kvo_wait_layer: the job ended with an error (failed or given up)
 #: CONTROL ONLY: a staging slot is rewritten without waiting for its last read (rule 5 broken on
 #: purpose, for the tests that prove the rule).
 CONTROL_SKIP_SLOT_WAIT: Final = 1

@@ -54,6 +54,7 @@ enum {
     KVO_RECORD_TOO_BIG = -5, /* a staged row does not fit a slot */
     KVO_TIMEOUT = -6,        /* a wait passed its deadline */
     KVO_BAD_ARGUMENT = -7,   /* an argument out of its range (kvo_wait_layer's layer) */
+    KVO_JOB_FAILED = -8,     /* kvo_wait_layer: the job ended with an error (failed or given up) */
 };
 enum { PATH_DMA = 0, PATH_SM = 1, PATH_STAGED = 2 };
 /* A test's control breaks rule 5 on purpose: a slot is rewritten without waiting for its last read. */
@@ -1710,7 +1711,7 @@ void kvo_job_release(struct kvo_job *job) {
 }
 
 /* Make `stream` wait for layer `layer`'s mark (KVO_BAD_ARGUMENT: not a layered job, or no such
- * layer): wait (up to timeout_ns, without the GIL) until the
+ * layer; KVO_JOB_FAILED: the job ended with an error, nothing to wait for): wait (up to timeout_ns, without the GIL) until the
  * thread recorded it, then enqueue the stream wait, without the lock (a driver call). The event
  * cannot go back to the pool meanwhile: the marks hold a reference to the job, and the caller's
  * side releases them (kvo_marks_release) only once no waiter is inside this call. 0, KVO_TIMEOUT,
@@ -1726,6 +1727,7 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
         if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
     CUevent ev = 0;
     if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
+    else if (!job->marks_released && job->state == JOB_DONE && job->error) code = KVO_JOB_FAILED;
     else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) ev = job->marks[layer];
     pthread_mutex_unlock(&is->mu);
     /* The stream wait, a driver call, is made without the mutex: the event stays the job's, since

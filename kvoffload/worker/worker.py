@@ -175,6 +175,7 @@ class Worker:
         self._closed = False
         self._closing = threading.Lock()  # makes one shutdown the one that tears down
         self._torn_down = threading.Event()  # set once that shutdown's teardown ended
+        self._teardown_error: ShutdownError | None = None  # what that teardown raised
 
     def _route_table(self) -> dict[Direction, tuple[JobSource, _Submit]]:
         """Where each direction's jobs go: the component that completes them and its submit call."""
@@ -835,27 +836,37 @@ class Worker:
         """Drain both directions and release everything, with the contract of the module docstring.
 
         Idempotent. Returns within about ``timeout`` seconds whatever the device does. A call while
-        another thread's shutdown is still tearing down waits for it (up to ``timeout``) and returns
-        once it ended: the worker's copies have stopped and its memory is released, or the first
-        call's ``ShutdownError`` says why not.
+        another thread's shutdown is still tearing down waits for it (up to ``timeout``) and ends as
+        it ended: it returns once the worker's copies stopped and its memory was released, or
+        raises the failures that teardown met. A call after a shutdown ended returns.
 
         Raises:
             InvalidArgumentError: a malformed timeout (nothing is done then).
             ShutdownError: after all cleanup, carrying every failure; ``region_left_mapped`` when the
                 region was abandoned because the device could not be proven idle. Also when another
-                thread's shutdown was still tearing down after ``timeout``.
+                thread's shutdown was still tearing down after ``timeout`` (``region_left_mapped``:
+                the copies are not known to have stopped).
         """
         seconds = as_timeout(timeout)
         with self._closing:
             first, self._closed = not self._closed, True
+            waited = not first and not self._torn_down.is_set()
         if not first:
             if not self._torn_down.wait(seconds):
                 raise ShutdownError(
-                    f"another thread's shutdown of this worker was still tearing it down after {seconds} s"
+                    f"another thread's shutdown of this worker was still tearing it down after {seconds} s",
+                    region_left_mapped=True,
                 )
+            failed = self._teardown_error
+            if waited and failed is not None:  # that teardown's outcome is this call's too
+                raise ShutdownError("another thread's shutdown of this worker failed", failed.failures,
+                                    region_left_mapped=failed.region_left_mapped)
             return
         try:
             self._teardown.run(seconds)
+        except ShutdownError as exc:
+            self._teardown_error = exc
+            raise
         finally:
             self._jobs.clear()
             with self._lock:

@@ -480,6 +480,28 @@ def test_a_wait_layer_ended_by_a_shutdown_that_gave_its_job_up_raises_closed_err
     assert not bool((tensor[0, 3] == 0xAB).all()), "layer 3 landed: the test proves nothing"
 
 
+@pytest.mark.parametrize("timeout", [0.2, 5.0])
+def test_a_wait_layer_whose_layer_landed_returns_though_a_shutdown_came_meanwhile(timeout: float) -> None:
+    """The layer landed, then another thread's shutdown closed the worker before the wait looked
+    again (as a session's close that landed every load does while its forward waits): the wait
+    returns (it raised ``ClosedError`` for a layer that had landed: found by a review)."""
+    tensor = torch.zeros(4, 4, 64, dtype=torch.uint8)
+    w = Worker.create(DeviceLayout.from_tensors([tensor], block_dim=0, layer_dim=1), 4, backend="host")
+    w.host_records()[2].fill_(0xAB)
+    load = w.load_by_layer(1, [2], [0])
+    marks = load._marks  # noqa: SLF001 - the race, made to happen
+    wait = marks.wait
+
+    def then_shut_down(layer: int, stream: object | None, timeout_s: float) -> bool:
+        landed = wait(layer, stream, timeout_s)
+        w.shutdown(10.0)
+        return landed
+
+    marks.wait = then_shut_down  # type: ignore[method-assign]
+    load.wait_layer(3, timeout=timeout)
+    assert w.closed and bool((tensor[0, 3] == 0xAB).all())
+
+
 def test_a_long_wait_layer_still_times_out_at_its_deadline_naming_it() -> None:
     def make(direction: Direction) -> FakeBackend:
         return FakeBackend(direction, auto_finish=False)

@@ -1634,6 +1634,27 @@ def test_a_failed_completion_comes_back_as_a_failed_result() -> None:
         h.close()
 
 
+def test_a_layer_waited_for_after_its_job_failed_says_it_did_not_land() -> None:
+    """A layered load whose completion failed, its result not yet taken: the library's layer wait
+    says the job failed (``JOB_FAILED``) and the marks' wait returns False, which tells
+    ``LayerLoad.wait_layer`` that nothing landed (a shutdown that gave the job up is then a
+    ``ClosedError``); before, the wait returned as for a layer that landed."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    h = Harness(Direction.LOAD, "sm", plan, tune=THREAD_ISSUES)
+    try:
+        h.fake.fail["cuEventQuery"] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the completion fails
+        marks = submit_layered(h, 0, [1, 2], [3, 4])
+        assert wait_until(lambda: marks._job is not None)
+        lib, job = native.library(), marks._job
+        assert wait_until(lambda: lib.kvo_wait_layer(job, 0, IDLE, 10**8) == native.JOB_FAILED)
+        assert marks.wait(2, IDLE, TIMEOUT_S) is False
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert not result.ok
+        assert marks.wait(2, IDLE, TIMEOUT_S) is True  # published: its result says why
+    finally:
+        h.close()
+
+
 def test_shutdown_gives_up_a_job_that_never_completes_within_its_deadline() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan, not_ready=10**9)
@@ -1717,6 +1738,11 @@ def test_every_event_is_destroyed_once_the_issuer_stopped() -> None:
     assert h.inner.released == 1
 
 
+#: The fake drivers of orphaned threads, kept to the end of the process: nothing joins such a
+#: thread, which may still be returning from its last callback when its test ends.
+_ORPHANS_DRIVERS: list[FakeDriver] = []
+
+
 @pytest.mark.parametrize("call", ["cuCtxSetCurrent", "cuEventCreate"])
 def test_a_thread_that_does_not_start_within_its_deadline_fails_the_start_and_frees_the_issuer_itself(
     call: str,
@@ -1743,6 +1769,7 @@ def test_a_thread_that_does_not_start_within_its_deadline_fails_the_start_and_fr
         gate.set()
     assert wait_until(lambda: fake.events_created == 2 * len(SLOT_BASES)
                       and fake.events_destroyed == fake.events_created), "the orphaned thread kept its events"
+    _ORPHANS_DRIVERS.append(fake)  # its callbacks outlive the test: the thread may still be returning
     # Control: a start given 30 s waits for the driver as long as it holds the call.
     fake, keep = FakeDriver(), list[object]()
     gate = threading.Event()

@@ -83,6 +83,7 @@ def make_worker(
     worker._closed = False
     worker._closing = threading.Lock()
     worker._torn_down = threading.Event()
+    worker._teardown_error = None
     return worker, store, load
 
 
@@ -219,9 +220,10 @@ def test_a_shutdown_while_another_threads_tears_down_waits_for_it_or_says_it_did
     began = time.monotonic()
     try:
         if second_timeout < 0.5:
-            with pytest.raises(ShutdownError, match="still tearing it down after 0.2 s"):
+            with pytest.raises(ShutdownError, match="still tearing it down after 0.2 s") as raised:
                 worker.shutdown(second_timeout)
             assert "region" not in calls
+            assert raised.value.region_left_mapped  # the copies are not known to have stopped
         else:
             worker.shutdown(second_timeout)
             assert calls == ["store", "region"], "the second call returned before the teardown ended"
@@ -231,6 +233,36 @@ def test_a_shutdown_while_another_threads_tears_down_waits_for_it_or_says_it_did
         first.join(10.0)
         timer.cancel()
     assert calls == ["store", "region"]
+
+
+def test_a_shutdown_that_waited_for_a_failed_teardown_raises_its_failures() -> None:
+    """The first call's teardown left the region mapped: a second call that waited for it raises
+    the same failures, region left mapped (it returned normally, so its caller could free memory a
+    copy still wrote: found by a review); a call after it ended returns, as ever."""
+    calls: list[str] = []
+    worker, _, _ = make_worker(calls, store_error=RuntimeError("store broke"), sync=lambda _t: False)
+    held = HeldHandler("load", calls)
+    store = worker._teardown._parts[0][1]
+    worker._teardown = Teardown([("load handler", held), ("store handler", store)],
+                                FakeRegion(calls), lambda _t: False)  # type: ignore[arg-type]
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            worker.shutdown(30.0)
+        except ShutdownError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert held.entered.wait(10.0)
+    threading.Timer(0.3, held.release.set).start()
+    with pytest.raises(ShutdownError, match="another thread's shutdown of this worker failed") as raised:
+        worker.shutdown(10.0)
+    thread.join(10.0)
+    assert raised.value.region_left_mapped and "store broke" in str(raised.value)
+    assert errors and errors[0].region_left_mapped  # type: ignore[attr-defined]
+    worker.shutdown(1.0)  # after it ended: returns
 
 
 def test_every_call_after_shutdown_raises_closed_error() -> None:
