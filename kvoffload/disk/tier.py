@@ -98,7 +98,7 @@ from kvoffload.disk.format import (
 )
 from kvoffload.disk.index import DiskIndex, scan_headers
 from kvoffload.disk.requests import DiskIO, Outcome, Piece
-from kvoffload.disk.stages import DiskStages
+from kvoffload.disk.stages import IO_JOIN_MIN_S, DiskStages
 from kvoffload.errors import (
     ArgumentTypeError,
     BlockConflictError,
@@ -684,7 +684,9 @@ class DiskTier:
 
         thread = threading.Thread(target=mark, name="kvoffload-disk-mark", daemon=True)
         thread.start()
-        thread.join(max(0.0, deadline - time.monotonic()))
+        # at least IO_JOIN_MIN_S, as the I/O threads: a shutdown given no time (0) still marks the
+        # file of an idle tier and closes it (it left the descriptors open and the file locked)
+        thread.join(max(IO_JOIN_MIN_S, deadline - time.monotonic()))
         return not thread.is_alive()
 
     def _drain(self, deadline: float) -> None:

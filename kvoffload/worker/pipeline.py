@@ -38,6 +38,7 @@ import numpy.typing as npt
 from kvoffload._jobs import JobBook, as_timeout
 from kvoffload._seconds import WAIT_SLICE_S
 from kvoffload.disk.requests import DiskIO
+from kvoffload.disk.stages import IO_JOIN_MIN_S
 from kvoffload.disk.tier import DiskTier
 from kvoffload.errors import ClosedError, ShutdownError, TransferError, WaitTimeoutError
 from kvoffload.handler import DirectionHandler
@@ -205,15 +206,21 @@ class DiskPipeline:
                 # Reclaim sets whose write finished; block only when nothing else can move.
                 while writing and (writing[0][1].done() or (not copying and (not free or not rounds))):
                     index, io = writing.popleft()
-                    first_error = first_error or self._io_error(io)
+                    error = self._io_error(io)  # waited for first, whatever failed before (rule 5)
+                    first_error = first_error or error
                     free.append(index)
                 if first_error is not None:
                     rounds.clear()
         finally:
-            for _, pending in writing:  # drain: no write may still read a slot after the job ends
-                first_error = first_error or self._io_error(pending)
+            # drain: no write may still read a slot, nor copy write one, after the job ends (each
+            # waited for before the first error is kept: `first_error or wait()` skipped the wait
+            # once an error was kept, and a set was refilled under a write still reading it)
+            for _, pending in writing:
+                error = self._io_error(pending)
+                first_error = first_error or error
             for _, _, copy in copying:
-                first_error = first_error or self._copy_error(self._to_slots, copy)
+                error = self._copy_error(self._to_slots, copy)
+                first_error = first_error or error
         if first_error is not None:
             raise first_error
 
@@ -261,7 +268,8 @@ class DiskPipeline:
             for _, _, pending_io in reading:  # drain: no read may still write a slot after the job
                 self._ended(pending_io)
             for _, copy in copying:  # drain: the job ends only when no copy still reads a slot
-                first_error = first_error or self._copy_error(self._from_slots, copy)
+                error = self._copy_error(self._from_slots, copy)  # (waited for first, as above)
+                first_error = first_error or error
         if first_error is not None:
             raise first_error
 
@@ -330,7 +338,7 @@ class DiskPipeline:
         thread = self._thread
         if thread is None:
             return
-        thread.join(seconds)
+        thread.join(max(seconds, IO_JOIN_MIN_S))  # an idle thread stops in a moment, even at 0
         if thread.is_alive():
             self._abort.set()
             raise ShutdownError("the disk pipeline did not stop before the deadline",

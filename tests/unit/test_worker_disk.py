@@ -424,3 +424,74 @@ def test_a_create_refused_by_its_disk_tier_unmaps_its_pool_without_a_warning(tmp
             Worker.create(make_layout(), 8, disk=DiskConfig(str(junk), num_blocks=4))
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
     assert junk.read_bytes() == b"not a tier"
+
+
+def test_a_store_to_disk_whose_first_write_failed_ends_only_after_its_other_writes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Job 1's write to disk block 0 fails while its write to disk block 1 is slow: the job comes
+    back (failed) only once that write ended, so its disk block and bounce slot are free when it
+    does (the pipeline kept the first error and stopped waiting for the writes after it: the job
+    came back with a write in flight, a demote to its block was refused, and the next job's bytes
+    refilled the slot the write still read, landing under job 1's record; found by a fuzz)."""
+    from kvoffload.worker import assembly
+
+    record = 4096 + 4096  # a record's header and its page
+    state = {"fail": True, "slow": True}
+
+    class Faulty(DiskTier):
+        def _pwrite(self, fd: int, buffers: Any, offset: int) -> int:
+            block = (offset - 4096) // record
+            if state["fail"] and block == 0 and len(buffers) > 1:
+                state["fail"] = False
+                time.sleep(0.1)
+                raise OSError(5, "injected EIO on disk block 0")
+            if state["slow"] and block == 1 and len(buffers) > 1:
+                state["slow"] = False
+                time.sleep(0.6)  # reads its bounce slot only after this
+            return int(super()._pwrite(fd, buffers, offset))
+
+    monkeypatch.setattr(assembly, "DiskTier", Faulty)
+    cache = torch.zeros(8, 4, 1024, dtype=torch.uint8)
+    for b in range(8):
+        cache[b] = b + 1
+    layout = DeviceLayout.from_tensors([cache], block_dim=0, layer_dim=1)
+    w = Worker.create(layout, 4, disk=DiskConfig(str(tmp_path / "tier"), 8, io_threads=2, checksum=False),
+                      bounce_slots=2)
+    try:
+        w.store_to_disk(1, [0, 1], [0, 1])
+        (result,) = w.wait([1], 10)
+        assert not result.ok
+        stats = w.disk_stats()
+        assert stats is not None and stats.in_flight == 0, "the job came back with a write still in flight"
+        w.demote(2, [0], [1])  # job 1 was returned: its disk block is free
+        assert w.wait([2], 10)[0].ok
+        w.store_to_disk(3, [6, 7], [6, 7])  # refills the bounce slots
+        assert w.wait([3], 10)[0].ok
+        w.load_from_disk(4, [1], [5])  # disk 1 holds what demote 2 wrote (host record 0)
+        assert w.wait([4], 10)[0].ok
+        assert bool((cache[5] == torch.from_numpy(w.host_records()[0].numpy()).view(4, 1024)).all())
+    finally:
+        w.shutdown(10)
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.001])
+def test_an_idle_worker_with_a_disk_tier_shuts_down_cleanly_given_no_time(tmp_path: pathlib.Path,
+                                                                         timeout: float) -> None:
+    """Nothing queued or stuck: a shutdown of 0 s stops the pipeline and marks the file clean (each
+    given the I/O threads' minimum join), so the file is closed and opens again (it raised, left
+    two descriptors open and the file locked: found by a fuzz)."""
+    path = str(tmp_path / "tier")
+    layout = make_layout()
+    before = len(os.listdir("/proc/self/fd"))
+    w = Worker.create(layout, 4, disk=DiskConfig(path, 4))
+    w.demote(1, [0], [0])
+    assert w.wait([1], 10)[0].ok
+    time.sleep(0.1)
+    w.shutdown(timeout)
+    assert len(os.listdir("/proc/self/fd")) == before
+    again = Worker.create(layout, 4, disk=DiskConfig(path, 4, reuse=True))
+    try:
+        assert 0 in again.disk_valid_blocks()
+    finally:
+        again.shutdown(10)
