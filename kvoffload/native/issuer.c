@@ -198,6 +198,7 @@ struct kvo_job {
     CUevent start, end;
     CUevent *marks;        /* one per layer (first + nplans), recorded by the thread */
     int64_t marked;        /* layers whose mark is recorded or will never be */
+    int64_t failed_from;   /* a partly failed issue: the first layer it did not enqueue */
     int64_t marks_released, waiters;
     int64_t state, error, fail, refs;
     const char *error_call;
@@ -939,6 +940,7 @@ static void issue_end(struct kvo_issuer *is, struct kvo_job *job, CUresult issue
     if (issue_error) { job->error = issue_error; job->error_call = issue_call; }
     if (end_error) { job->fail = FAIL_NOTHING; return; } /* nothing to wait for: done at once */
     job->fail = issue_error ? FAIL_PARTLY : FAIL_NONE;
+    if (job->layered && issue_error) job->failed_from = job->marked; /* these did not land */
     if (job->layered && issue_error) /* the layers left unmarked follow what was enqueued */
         for (int64_t l = job->marked; l < job->first + job->nplans; l++)
             if (record_mark(is, job, l, stream_end)) break;
@@ -1485,6 +1487,7 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     job->issuer = is;
     job->path = path; job->n = n; job->nplans = nplans; job->first = first; job->layered = layered;
     job->marked = first; /* layers before `first` belong to another part: nothing to wait for */
+    job->failed_from = first + nplans;
     job->refs = layered ? 3 : 2;
     int own = fence == 0;
     if (own && !(fence = kvo_fence_take(is, stream, error))) {
@@ -1727,7 +1730,10 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
         if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
     CUevent ev = 0;
     if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
-    else if (!job->marks_released && job->state == JOB_DONE && job->error) code = KVO_JOB_FAILED;
+    else if (!job->marks_released && job->state == JOB_DONE && job->error && layer >= job->first &&
+             (job->fail != FAIL_PARTLY || layer >= job->failed_from))
+        code = KVO_JOB_FAILED; /* a layer its failed issue enqueued landed; after a failed
+                                * completion or a given-up job none is known to have */
     else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) ev = job->marks[layer];
     pthread_mutex_unlock(&is->mu);
     /* The stream wait, a driver call, is made without the mutex: the event stays the job's, since

@@ -1655,6 +1655,31 @@ def test_a_layer_waited_for_after_its_job_failed_says_it_did_not_land() -> None:
         h.close()
 
 
+def test_a_layer_its_partly_failed_issue_enqueued_landed_and_the_others_did_not() -> None:
+    """Layer 1's launch fails after layer 0's ran: once the job is done, a wait for layer 0 says it
+    landed and one for layer 2 says it did not (every layer of a failed job read as not landed, so
+    a shutdown meanwhile failed a forward whose layer had landed: found by a review)."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    h = Harness(Direction.LOAD, "sm", plan, tune=THREAD_ISSUES)
+    try:
+        gate = threading.Event()
+        h.fake.gate["cuLaunchKernel"] = gate
+        marks = submit_layered(h, 0, [1, 2], [3, 4])
+        assert wait_until(lambda: len(h.fake.of("cuLaunchKernel")) >= 1)  # layer 0's launch
+        h.fake.fail["cuLaunchKernel"] = 1  # the next launch (layer 1's) fails
+        del h.fake.gate["cuLaunchKernel"]
+        gate.set()
+        assert wait_until(lambda: marks._job is not None)
+        lib, job = native.library(), marks._job
+        assert wait_until(lambda: lib.kvo_wait_layer(job, 2, IDLE, 10**8) == native.JOB_FAILED)
+        assert marks.wait(0, IDLE, TIMEOUT_S) is True
+        assert marks.wait(1, IDLE, TIMEOUT_S) is False and marks.wait(2, IDLE, TIMEOUT_S) is False
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert not result.ok
+    finally:
+        h.close()
+
+
 def test_shutdown_gives_up_a_job_that_never_completes_within_its_deadline() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan, not_ready=10**9)
