@@ -181,6 +181,18 @@ class _RequestKeys:
         self.keys: dict[bytes, None] = {}
 
 
+def _head_to_tail(keys: Iterable[bytes], req_context: ReqContext) -> list[bytes]:
+    """``keys`` from the request's head to its tail: by the token position vLLM recorded for each
+    (chunks of several KV cache groups interleave, and a backfill stores earlier chunks later),
+    or as given when a key has none."""
+    ordered = list(keys)
+    positions = [req_context.get_offload_key_position(key) for key in ordered]
+    if ordered and all(position is not None for position in positions):
+        rank = dict(zip(ordered, positions))
+        ordered.sort(key=rank.__getitem__)
+    return ordered
+
+
 def _request_keys(req_context: ReqContext) -> dict[bytes, None]:
     state: _RequestKeys | None = req_context.get_state(_RequestKeys)
     if state is None:
@@ -297,9 +309,9 @@ class KVOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         """Finish the stores of ``keys``: loadable with ``success``, freed (never loadable) without,
-        in the order their plan named them from its tail; then every chunk the request stored is
-        used again from its tail, so its head is the most recent. Keys with no pending store
-        (completed already, or cleared by a reset) are ignored."""
+        from its tail to its head (by token position where vLLM recorded one, else in the plan's
+        order), so its head is the most recent. Keys with no pending store (completed already, or
+        cleared by a reset) are ignored."""
         by_plan: dict[int, list[bytes]] = {}
         for key in keys:
             plan = self._store_plan.pop(key, None)
@@ -307,30 +319,26 @@ class KVOffloadManager(OffloadingManager):
                 by_plan.setdefault(plan.plan_id, []).append(key)
         for plan_id, plan_keys in by_plan.items():
             plan, left = self._store_left[plan_id]
-            # vLLM passes a job's keys as a set: admitted in the plan's order from the tail, the
-            # head is the most recent (as vLLM's own LRU ranks a request's chunks), whatever the
-            # set's order (in hash order an eviction took a prefix's head and stranded its tail).
-            rank = {key: i for i, key in enumerate(plan.keys)}
+            # vLLM passes a job's keys as a set: admitted from the tail, the head is the most
+            # recent (as vLLM's own LRU ranks a request's chunks), whatever the set's order (in
+            # hash order an eviction took a prefix's head and stranded its tail).
+            rank = {key: i for i, key in enumerate(_head_to_tail(plan.keys, req_context))}
             plan_keys.sort(key=rank.__getitem__, reverse=True)
             self._manager.complete_store(plan, bool(success), plan_keys)
             left.difference_update(plan_keys)
             if not left:
                 del self._store_left[plan_id]
-        if by_plan:  # the request's earlier chunks are ranked again over these: its head the newest
-            self._touch_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Rank the request's chunks once more, its tail the first to go and its head the last
-        (vLLM's own LRU does so when a request finishes)."""
-        self._touch_request(req_context)
-
-    def _touch_request(self, req_context: ReqContext) -> None:
-        """Use the request's chunks from its tail to its head (only ready ones count), so that
-        chunks it stored in a later step go before its head (vLLM offers only each step's new
-        chunks: without this a later step's tail outlived the head an earlier step stored)."""
+        """Rank every chunk the request offered once more, from its tail to its head (only ready
+        ones count), so that its tail goes first and its head last, whichever step stored them
+        (vLLM's own LRU does so when a request finishes; vLLM offers only each step's new chunks,
+        so until then a later step's chunks are newer than the head an earlier step stored). Once
+        per request: after every store it cost O(request) per step (0.7 ms a step for a request
+        of 4,000 chunks, measured by a review)."""
         keys = _request_keys(req_context)
         if keys:
-            self._manager.touch(list(keys)[::-1])
+            self._manager.touch(_head_to_tail(keys, req_context)[::-1])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Every request offloads its new chunks (vLLM's chunk-level policy)."""

@@ -147,25 +147,30 @@ def test_a_jobs_keys_completed_in_any_order_leave_its_head_evicted_last(manager:
     assert [manager.lookup(k, CTX) for k in chain[:3]] == [LookupResult.HIT] * 3
 
 
-def test_a_requests_later_chunks_go_before_the_head_an_earlier_step_stored(manager: KVOffloadManager) -> None:
-    """vLLM offers each step's new chunks only: a request's chunks 0-1 stored in one step, 2-3 in
-    the next; the first evictions take its tail, 3 then 2, never its head (chunks of a later step
-    were newer than the head, and chunk 1 went first: found by a review)."""
+@pytest.mark.parametrize("steps", [[[0, 1], [2, 3]], [[2, 3], [0, 1]]])
+def test_a_finished_requests_chunks_go_tail_first_whichever_step_stored_them(
+    manager: KVOffloadManager, steps: list[list[int]],
+) -> None:
+    """vLLM offers each step's new chunks only (and a backfill stores earlier chunks later): once
+    the request finished, its chunks are ranked by token position, so the first evictions take
+    its tail, 3 then 2, never its head (a later step's chunks were newer than the head an earlier
+    step stored: found by a review)."""
     big = KVOffloadSpec(offloading_config(host_chunks=6)).get_manager()
     ctx = ReqContext(req_id="long")
-    for step in ([key(0), key(1)], [key(2), key(3)]):
-        out = big.prepare_store(step, ctx)
-        assert out is not None and out.keys_to_store == step
-        big.complete_store(step, ctx)
+    for i in range(4):
+        ctx.set_offload_key_position(key(i), 16 * (i + 1))
+    for step in steps:
+        chunk = [key(i) for i in step]
+        out = big.prepare_store(chunk, ctx)
+        assert out is not None and out.keys_to_store == chunk
+        big.complete_store(chunk, ctx)
+    big.on_request_finished(ctx)
     stored(big, [key(7), key(8)])  # another request, after: the pool is full
     out = big.prepare_store([key(9)], CTX)
     assert out is not None and out.evicted_keys == [key(3)]
     out = big.prepare_store([key(10)], CTX)
     assert out is not None and out.evicted_keys == [key(2)]
     assert [big.lookup(key(i), CTX) for i in (0, 1)] == [LookupResult.HIT] * 2
-    big.on_request_finished(ctx)  # ranks the request's chunks once more: its head the newest
-    out = big.prepare_store([key(11)], CTX)
-    assert out is not None and out.evicted_keys == [key(8)]
 
 
 def test_held_keys_offered_again_are_used_again(manager: KVOffloadManager) -> None:
