@@ -158,7 +158,7 @@ class _Match:
     registered: list[int] = attrs.Factory(list)  # device blocks held until the match is over
     tiers: list[kvoffload.Tier] = attrs.Factory(list)
     layered: _Layered | None = None  # its layer-by-layer load, and that load's rows of the match
-    layered_rows: list[int] = attrs.Factory(list)
+    layered_rows: set[int] = attrs.Factory(set)
 
 
 @attrs.define
@@ -339,7 +339,7 @@ class _Session:
                     registered=[blocks[i] for i in layered_rows if i < registered],
                     unregistered=[blocks[i] for i in layered_rows if i >= registered],
                 )
-                match.layered_rows = list(layered_rows)
+                match.layered_rows = in_flight  # (a set: looked up per matched row)
             waited = [i for i in range(count) if i not in in_flight]
             failed = [plan.keys[i] for i in waited if not ok[i]]
             if failed:

@@ -940,10 +940,11 @@ static void issue_end(struct kvo_issuer *is, struct kvo_job *job, CUresult issue
     if (issue_error) { job->error = issue_error; job->error_call = issue_call; }
     if (end_error) { job->fail = FAIL_NOTHING; return; } /* nothing to wait for: done at once */
     job->fail = issue_error ? FAIL_PARTLY : FAIL_NONE;
-    if (job->layered && issue_error) job->failed_from = job->marked; /* these did not land */
-    if (job->layered && issue_error) /* the layers left unmarked follow what was enqueued */
+    if (job->layered && issue_error) { /* the layers left unmarked follow what was enqueued */
+        job->failed_from = job->marked;  /* and did not land */
         for (int64_t l = job->marked; l < job->first + job->nplans; l++)
             if (record_mark(is, job, l, stream_end)) break;
+    }
 }
 
 /* Issue one job, or the rest of one whose caller issued its first layer. */
