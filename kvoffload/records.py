@@ -132,7 +132,8 @@ class DriverCallStats:
 
 @attrs.frozen
 class WorkerStats:
-    """A snapshot of a worker: its configuration and both directions' counters."""
+    """A snapshot of a worker: its configuration and both directions' counters (``load``: the
+    regular load lane; ``expedited``: the expedited load lane's, None without one)."""
 
     backend: str
     path: str
@@ -141,3 +142,4 @@ class WorkerStats:
     record_bytes: int
     store: HandlerStats
     load: HandlerStats
+    expedited: HandlerStats | None = None

@@ -35,6 +35,7 @@ from kvoffload._layer_load import LayerMarks
 from kvoffload.backends.cuda import CudaBackend, current_device_index, current_stream_reader
 from kvoffload.backends.kernel import SmPath, StagedPath
 from kvoffload.bindings import driver
+from kvoffload.bindings import copier as copier_module
 from kvoffload.bindings.copier import Copier
 from kvoffload.bindings.kernel import COPY_KERNEL_THREADS, LAUNCH_ABI_VERSION
 from kvoffload.bindings.types import CopyMethod
@@ -184,7 +185,8 @@ def tune(c: native.Config) -> None:
     """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
     the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead,
     early wake and announced callers, the caller's-issue limit, the staged rows' strided copies
-    and edge chunks, the start's deadline, and the controls. ``ctx_get_current``, which the caller's issue needs, is the
+    and edge chunks, the start's deadline, the longest copy (``copier.COPY_PIECE_BYTES``), and the
+    controls. ``ctx_get_current``, which the caller's issue needs, is the
     caller's to resolve."""
     c.poll_min_ns = _ns(POLL_MIN_S)
     c.poll_max_ns = _ns(POLL_MAX_S)
@@ -202,6 +204,7 @@ def tune(c: native.Config) -> None:
     c.edge_bytes = max(0, int(STAGED_EDGE_BYTES))
     c.caller_coming_ns = _ns(CALLER_COMING_S)
     c.start_timeout_ns = _ns(START_TIMEOUT_S)
+    c.piece_bytes = max(0, int(copier_module.COPY_PIECE_BYTES))
 
 
 class NativeTicket:

@@ -31,11 +31,33 @@ from kvoffload.bindings.driver import (
 )
 from kvoffload.errors import InvalidArgumentError
 
-__all__ = ["BATCH_MAX_COPIES", "Copier"]
+__all__ = ["BATCH_MAX_COPIES", "COPY_PIECE_BYTES", "Copier", "in_pieces"]
 
 U64Array = npt.NDArray[np.uint64]
 #: Copies per driver call; a longer job is issued as several batches on the same stream.
 BATCH_MAX_COPIES: Final = 1 << 16
+#: The longest copy a path issues (longer ones, merged from pages or records that continue each
+#: other, go as pieces of this size; the native issuer stops merging at it). The copy engine moves
+#: one copy at a time, so another stream's copy in the same direction (the expedited load lane's,
+#: the engine's own input or output copies) waits for at most one piece, about 38 us at 55 GB/s,
+#: instead of a whole staged chunk (a slot, 64 MiB by default: 1.2 ms). 0: no bound. Read when a
+#: copy is issued (Python issuer) or an issuer is started (native); docs/design.md §4.
+COPY_PIECE_BYTES = 2 << 20
+
+
+def in_pieces(dsts: U64Array, srcs: U64Array, sizes: U64Array,
+              piece: int) -> tuple[U64Array, U64Array, U64Array]:
+    """The same copies with every one longer than ``piece`` bytes split into pieces of ``piece``
+    bytes (the last one shorter), in order; unchanged when ``piece`` is 0 or none is longer."""
+    if piece <= 0 or not bool((sizes > piece).any()):
+        return dsts, srcs, sizes
+    size = sizes.astype(np.int64)
+    counts = (size + piece - 1) // piece
+    owner = np.repeat(np.arange(size.shape[0]), counts)
+    first = np.cumsum(counts) - counts
+    offset = ((np.arange(owner.shape[0]) - first[owner]) * piece).astype(np.uint64)
+    return (np.ascontiguousarray(dsts[owner] + offset), np.ascontiguousarray(srcs[owner] + offset),
+            np.ascontiguousarray(np.minimum(sizes[owner] - offset, np.uint64(piece))))
 
 _BATCH_ARGTYPES_13: Final = (
     ctypes.c_void_p,  # CUdeviceptr* dsts
@@ -122,7 +144,8 @@ class Copier:
         relative to earlier work on ``stream`` (for ``ANY``, their source may be read earlier).
 
         A single copy goes through ``cuMemcpyAsync`` (stream-ordered, which satisfies either order):
-        the batch call costs the host several times more for one descriptor.
+        the batch call costs the host several times more for one descriptor. A copy longer than
+        :data:`COPY_PIECE_BYTES` goes as pieces of it (:func:`in_pieces`).
 
         Raises:
             InvalidArgumentError: the legacy default stream, or malformed arrays.
@@ -137,6 +160,8 @@ class Copier:
             raise InvalidArgumentError(
                 f"descriptor arrays differ in length: dsts {count}, srcs {len(srcs)}, sizes {len(sizes)}"
             )
+        dsts, srcs, sizes = in_pieces(dsts, srcs, sizes, COPY_PIECE_BYTES)
+        count = len(dsts)
         if count == 1 and self.method is CopyMethod.BATCH_CTYPES:
             memcpy_async(int(dsts[0]), int(srcs[0]), int(sizes[0]), stream, self.device_index)
             return

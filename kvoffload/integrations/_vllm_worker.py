@@ -59,7 +59,8 @@ class TransferEngine(Protocol):
 
     def store(self, job_id: int, device_blocks: I64Array, host_blocks: I64Array) -> None: ...
 
-    def load(self, job_id: int, host_blocks: I64Array, device_blocks: I64Array) -> None: ...
+    def load(self, job_id: int, host_blocks: I64Array, device_blocks: I64Array, *,
+             expedited: bool = ...) -> None: ...
 
     def poll(self) -> list[kvoffload.TransferResult]: ...
 
@@ -75,6 +76,7 @@ class _Attempt:
     device: I64Array
     host: I64Array
     attempt: int
+    expedited: bool = False
 
 
 class KVOffloadWorker(OffloadingWorker):
@@ -91,8 +93,13 @@ class KVOffloadWorker(OffloadingWorker):
         blocks_per_chunk: int,
         transfer_retries: int,
         wait_timeout_s: float,
+        expedited_lane: bool = False,
     ) -> None:
+        """``expedited_lane``: the engine has the expedited load lane (a worker created with
+        ``expedited_loads=True``), so expedited loads go to it (without it they share the regular
+        lane)."""
         self._engine = engine
+        self._expedited_lane = expedited_lane
         self._blocks_per_chunk = blocks_per_chunk
         self._retries = transfer_retries
         self._wait_timeout_s = wait_timeout_s
@@ -126,13 +133,16 @@ class KVOffloadWorker(OffloadingWorker):
         expedited: bool = False,
     ) -> bool:
         """Copy the host records of ``src_spec``'s chunks into the GPU blocks of ``dst_spec``, after
-        the work queued on the current stream. ``expedited`` loads share the load queue. Returns
-        True; raises as :meth:`submit_store`."""
+        the work queued on the current stream. ``expedited`` loads (vLLM waits for them within the
+        step) go through the engine's second load lane, so that they do not queue behind the
+        regular loads (with ``expedited_loads`` false they share the regular lane). Returns True;
+        raises as :meth:`submit_store`."""
         device, host = job_records(
             dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
             _chunk_ids(src_spec), self._blocks_per_chunk,
         )
-        self._submit(_Attempt(job_id, Direction.LOAD, device, host, 0))
+        self._submit(_Attempt(job_id, Direction.LOAD, device, host, 0,
+                              expedited=bool(expedited) and self._expedited_lane))
         return True
 
     def get_finished(self) -> list[VLLMTransferResult]:
@@ -189,6 +199,8 @@ class KVOffloadWorker(OffloadingWorker):
         internal = next(self._ids)
         if attempt.direction is Direction.STORE:
             self._engine.store(internal, attempt.device, attempt.host)
+        elif attempt.expedited:
+            self._engine.load(internal, attempt.host, attempt.device, expedited=True)
         else:
             self._engine.load(internal, attempt.host, attempt.device)
         self._attempts[internal] = attempt

@@ -29,9 +29,9 @@ Worker side, :class:`KVOffloadWorker` runs a :class:`kvoffload.Worker` over a
 :class:`kvoffload.DeviceLayout` built from vLLM's ``CanonicalKVCaches`` (one int8 ``(num_blocks,
 page)`` view per KV tensor; aliased layers share a tensor, so their pages are copied once). A chunk of
 ``blocks_per_chunk`` GPU blocks is ``blocks_per_chunk`` consecutive host records, and transfers that
-start inside a chunk (vLLM's ``block_indices``) skip its leading records. Expedited loads share the
-load direction's queue, so one waits for the loads handed over before it (vLLM asks that it not; a
-second load queue is not built).
+start inside a chunk (vLLM's ``block_indices``) skip its leading records. Expedited loads (vLLM
+waits for them within the step) go through the worker's second load lane, its own streams and
+issuer thread, so they never queue behind the regular loads (``expedited_loads``, default true).
 
 Failed jobs: vLLM 0.33's connector asserts that every submit and every job succeeds. The adapter
 resubmits a failed store or load up to ``transfer_retries`` times (a store's GPU blocks and a load's
@@ -539,6 +539,7 @@ class KVOffloadSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 transfer_retries=self.options.transfer_retries,
                 wait_timeout_s=self.options.wait_timeout_s,
+                expedited_lane=getattr(engine, "expedited_loads", False) is True,
             )
         return self._worker
 
@@ -576,9 +577,13 @@ class KVOffloadSpec(OffloadingSpec):
     def create_engine(self, layout: DeviceLayout, num_host_records: int) -> TransferEngine:
         """Build the engine that moves the bytes: a :class:`kvoffload.Worker` with a pool of
         ``num_host_records`` records (the backend follows the layout's device); with tensor
-        parallelism, this rank's slices of :attr:`shared_pool` (returns once every rank mapped it).
-        Override to wrap it (tests inject faults here)."""
+        parallelism, this rank's slices of :attr:`shared_pool` (returns once every rank mapped it);
+        with the expedited load lane unless ``expedited_loads`` is false. Override to wrap it (tests
+        inject faults here); expedited loads take the engine's second lane when its
+        ``expedited_loads`` attribute is True (a :class:`kvoffload.Worker`'s says whether it has
+        one), else the regular lane."""
         pool = self.shared_pool
         shared = pool.rank(self.rank) if pool is not None else None
-        return Worker.create(layout, num_host_records, shared=shared)
+        return Worker.create(layout, num_host_records, shared=shared,
+                             expedited_loads=self.options.expedited_loads)
 

@@ -60,7 +60,10 @@ RECORD_ALIGN_BYTES: Final = 4096
 
 _POLICIES: Final = ("lru", "arc")
 #: extra_config keys this adapter reads.
-_KNOWN_KEYS: Final = ("host_bytes", "eviction_policy", "transfer_retries", "wait_timeout_s", "attach_timeout_s")
+_KNOWN_KEYS: Final = (
+    "host_bytes", "eviction_policy", "transfer_retries", "wait_timeout_s", "attach_timeout_s",
+    "expedited_loads",
+)
 #: How close (difflib's ratio) an unknown key must be to one of the adapter's to be refused as a
 #: misspelling of it.
 _MISSPELLED_CUTOFF: Final = 0.8
@@ -143,6 +146,10 @@ class AdapterOptions:
         wait_timeout_s: the deadline the adapter gives vLLM's ``wait`` (default 300 s).
         attach_timeout_s: with tensor parallelism, how long a rank's worker waits for the other
             ranks to map the shared pool (default 300 s).
+        expedited_loads: give the loads vLLM waits for within a step (``expedited``) a second load
+            lane, so that they never queue behind the regular loads (default True; it costs the
+            lane's backend: on CUDA its streams, its issuer thread and a staging ring of 128 MiB
+            of device memory). False: they share the regular lane.
     """
 
     host_bytes: int
@@ -150,6 +157,7 @@ class AdapterOptions:
     transfer_retries: int = DEFAULT_TRANSFER_RETRIES
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
     attach_timeout_s: float = DEFAULT_ATTACH_TIMEOUT_S
+    expedited_loads: bool = True
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, object]) -> AdapterOptions:
@@ -158,7 +166,8 @@ class AdapterOptions:
         Raises:
             VLLMConfigError: ``host_bytes`` missing or not a positive int; an unknown policy; a
                 negative or non-int ``transfer_retries``; a non-positive ``wait_timeout_s`` or
-                ``attach_timeout_s``; a key close to one of the adapter's (a misspelling).
+                ``attach_timeout_s``; an ``expedited_loads`` that is not a bool; a key close to
+                one of the adapter's (a misspelling).
             UnsupportedVLLMFeatureError: a key this adapter refuses (``canonical_layout`` true,
                 ``cpu_bytes_to_use``, ``store_threshold`` >= 2, ``cache_policy_module_path``,
                 ``disk_path``, ``disk_bytes``), naming the key and why.
@@ -204,12 +213,18 @@ class AdapterOptions:
             raise VLLMConfigError(
                 f"kv_connector_extra_config['transfer_retries'] = {retries!r} must be an int >= 0"
             )
+        expedited = extra_config.get("expedited_loads", True)
+        if not isinstance(expedited, bool):
+            raise VLLMConfigError(
+                f"kv_connector_extra_config['expedited_loads'] = {expedited!r} must be true or false"
+            )
         return cls(
             host_bytes=host_bytes,
             eviction_policy=str(policy),
             transfer_retries=retries,
             wait_timeout_s=_seconds(extra_config, "wait_timeout_s", DEFAULT_WAIT_TIMEOUT_S),
             attach_timeout_s=_seconds(extra_config, "attach_timeout_s", DEFAULT_ATTACH_TIMEOUT_S),
+            expedited_loads=expedited,
         )
 
 

@@ -142,7 +142,7 @@ class Config(ctypes.Structure):
         ("end_lead_ns", _i64), ("idle_nap_ns", _i64), ("idle_light_ns", _i64),
         ("caller_issue_max", _i64), ("ctx_get_current", _p), ("wait_query_ns", _i64),
         ("expect_spin_ns", _i64), ("memcpy_2d", _p), ("strided_min_rows", _i64), ("edge_bytes", _i64),
-        ("caller_coming_ns", _i64), ("start_timeout_ns", _i64),
+        ("caller_coming_ns", _i64), ("start_timeout_ns", _i64), ("piece_bytes", _i64),
     ]
 
 

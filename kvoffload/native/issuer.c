@@ -155,6 +155,8 @@ struct kvo_config {
     int64_t caller_coming_ns; /* a busy thread told by kvo_issuer_expect that a caller's hand-off
                                * is coming gives way for at most this long (0: never); see give_way */
     int64_t start_timeout_ns; /* kvo_issuer_new waits this long for the thread's start (<= 0: 0) */
+    int64_t piece_bytes;      /* merged copies grow to at most this many bytes, strided copies to
+                               * at most this many rows' pitch (0: no bound); see append_copy */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -509,12 +511,16 @@ static int reserve_descriptors(struct kvo_issuer *is, size_t n) {
     return 1;
 }
 
-/* Append one copy, merged into the previous one when both sides continue it inside one area. */
+/* Append one copy, merged into the previous one when both sides continue it inside one area and
+ * the merged copy stays within piece_bytes: the copy engine moves one copy command at a time, so
+ * another stream's copy in the same direction (the expedited load lane's, the engine's own input
+ * copies) waits at most one piece, not a whole staged chunk (docs/design.md §4, Two load lanes). */
 static void append_copy(struct kvo_issuer *is, size_t *count, int64_t *last_area, uint64_t dst,
                         uint64_t src, uint64_t size, int64_t area, int merge) {
     size_t k = *count;
     if (merge && k > 0 && *last_area == area && is->d_dst[k - 1] + is->d_size[k - 1] == dst &&
-        is->d_src[k - 1] + is->d_size[k - 1] == src) {
+        is->d_src[k - 1] + is->d_size[k - 1] == src &&
+        (is->c.piece_bytes <= 0 || is->d_size[k - 1] + size <= (uint64_t)is->c.piece_bytes)) {
         is->d_size[k - 1] += size;
         return;
     }
@@ -762,6 +768,9 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
     int contiguous = p->runs == 1 && p->run_size[0] == p->host_stride && p->pitch == p->host_stride;
     int64_t min_rows = is->c.strided_min_rows;
     int strided = is->c.memcpy_2d && min_rows > 0 && !contiguous && p->host_stride <= STRIDED_MAX_PITCH;
+    /* A strided copy's rows: as many as piece_bytes holds, never fewer than strided_min_rows. */
+    int64_t piece_rows = is->c.piece_bytes > 0 ? is->c.piece_bytes / p->pitch : INT64_MAX;
+    if (piece_rows < min_rows) piece_rows = min_rows;
     struct chunks chunks;
     staged_chunks(&chunks, job->n, rows_per_slot, edge_here ? edge_rows(is, p->pitch) : 0, store);
     int64_t rows = 0;
@@ -780,6 +789,7 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
         }
         for (int64_t k = 0; k < rows;) {
             int64_t m = strided ? consecutive_rows(p, job, order + start, k, rows) : 1;
+            if (strided && m > piece_rows) m = piece_rows; /* the rest of the run is the next copy */
             for (int64_t j = k; j < k + m; j++) dev[j] = job->dev_ids[order[start + j]];
             int64_t h = job->host_ids[order[start + k]];
             uint64_t record = (uint64_t)p->host_base + (uint64_t)h * (uint64_t)p->host_stride;

@@ -113,6 +113,7 @@ class WorkerOptions:
     backend_factory: BackendFactory | None = None
     pinner: HostPinner | None = None
     issuer: str = "auto"
+    expedited_loads: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -133,6 +134,9 @@ class WorkerParts:
     pipeline: DiskPipeline | None = None
     remote: RemoteTier | None = None
     issuer: str = "python"
+    #: The second load lane (``Worker.create(expedited_loads=True)``): loads with its own backend,
+    #: so that they never queue behind the regular lane's (docs/design.md §15).
+    expedited_handler: DirectionHandler | None = None
 
 
 def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions) -> WorkerParts:
@@ -177,6 +181,8 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
         raise InvalidArgumentError(f"pin_chunk_bytes = {o.pin_chunk_bytes} must be a positive int")
     if not isinstance(o.check_memory, bool):
         raise ArgumentTypeError(f"check_memory = {o.check_memory!r} must be a bool")
+    if not isinstance(o.expedited_loads, bool):
+        raise ArgumentTypeError(f"expedited_loads = {o.expedited_loads!r} must be a bool")
     if o.backend_factory is not None and not callable(o.backend_factory):
         raise ArgumentTypeError(f"backend_factory = {o.backend_factory!r} must be callable or None")
     if o.pinner is not None and not all(
@@ -214,10 +220,13 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
         undo.push(_drop_failed_frames)  # runs first: the region's views in them are not the caller's
         book = JobBook()
         handlers = []
-        for direction, num_src, num_dst in (
+        lanes = [
             (Direction.STORE, layout.num_blocks, num_host_blocks),
             (Direction.LOAD, num_host_blocks, layout.num_blocks),
-        ):
+        ]
+        if o.expedited_loads:  # the second load lane: a backend (streams, ring, thread) of its own
+            lanes.append((Direction.LOAD, num_host_blocks, layout.num_blocks))
+        for direction, num_src, num_dst in lanes:
             plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction,
                             host_stride=region.record_stride)
             if o.backend_factory is not None:
@@ -258,6 +267,7 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             capabilities=cuda.capabilities if cuda is not None else None,
             tier=tier, bounce=bounce, pipeline=pipeline, remote=remote,
             issuer="native" if native_issuer else "python",
+            expedited_handler=handlers[2] if o.expedited_loads else None,
         )
         undo.pop_all()
     return parts

@@ -1,9 +1,10 @@
-"""Worker: one GPU's offload engine, composed of a host region, two direction handlers, an optional
-disk tier and an optional remote tier.
+"""Worker: one GPU's offload engine, composed of a host region, two direction handlers (and an
+optional second load lane, the expedited loads'), an optional disk tier and an optional remote tier.
 
 Owns: the host region (alone: it is the only object that knows both directions share that memory,
 so it is the only one that may release it; of a shared pool, this rank's mapping and registration,
-never another rank's: docs/design.md §13), the store and load handlers, the disk tier, its
+never another rank's: docs/design.md §13), the store and load handlers (the expedited lane's too),
+the disk tier, its
 pipeline and bounce handlers, the remote tier, the job book they share, and the in-flight block
 bookkeeping that spans directions. Borrows: the layout (and through it the engine's tensors,
 which must outlive the worker).
@@ -24,7 +25,7 @@ anything is submitted (typed errors; the worker is unchanged afterwards; docs/de
 A job stays "in flight" until its result has been returned to the caller.
 
 Shutdown contract (docs/design.md §6): shut down the pipeline, the store handler, the load handler,
-the bounce handlers, the disk tier and the remote tier, each in its own try/except, collecting
+the expedited load handler, the bounce handlers, the disk tier and the remote tier, each in its own try/except, collecting
 failures. If any
 failed (or a thread of theirs still runs), fall back to a device-wide synchronize bounded by the
 remaining time. Clean the region up once, but only when the device is proven idle; otherwise abandon
@@ -104,6 +105,13 @@ _I64: Final = np.dtype(np.int64)
 #: ``(job, src, dst, stream, fence, keys)``: hands a validated, booked, reserved job to its
 #: component (``keys``: the disk records' keys of a disk job that names them, else None).
 _Submit = Callable[[int, I64Array, I64Array, object, object, "list[bytes] | None"], None]
+#: A fast front's lane (see ``Worker._front``): the handler, its reader of the caller's current
+#: stream, its early wake (the fewest pairs of a job to wake the issuer thread for, and the call)
+#: and the bookkeeping's native admission of its direction.
+_FrontLane = tuple[
+    DirectionHandler, Callable[[], int], "tuple[int, Callable[[], object]] | None",
+    Callable[[int, I64Array, I64Array], bool],
+]
 
 
 class Worker:
@@ -135,6 +143,9 @@ class Worker:
         self._region = parts.region
         self._store = parts.store_handler
         self._load = parts.load_handler
+        self._expedited = parts.expedited_handler
+        #: Whether the worker has the expedited load lane (``create(expedited_loads=True)``).
+        self.expedited_loads = parts.expedited_handler is not None
         self._tier = parts.tier
         self._pipeline = parts.pipeline
         self._remote = parts.remote
@@ -148,15 +159,17 @@ class Worker:
         self._holds: dict[int, threading.Event] = {}  # booking token -> settle event of its call
         self._routes = self._route_table()
         # The fast front's directions (see _front): a hands-off backend and the native admission.
-        # Each is the handler, its reader of the caller's current stream (the default stream), its
-        # early wake (the fewest pairs of a job to wake the issuer thread for, and the call) and the
-        # bookkeeping's native admission of its direction.
         self._fronts = {
-            direction: (handler, handler.current_stream_reader(), handler.early_wake(),
-                        self._book.native_admission(direction))
+            direction: self._front_lane(direction, handler)
             for direction, handler in ((Direction.STORE, self._store), (Direction.LOAD, self._load))
             if handler.hands_off and self._book.checks_pairs
         }
+        # The expedited load lane's fast front, as the load direction's.
+        self._expedited_front = (
+            self._front_lane(Direction.LOAD, self._expedited)
+            if self._expedited is not None and self._expedited.hands_off and self._book.checks_pairs
+            else None
+        )
         # What shutdown stops, in order: the pipeline (a client of the bounce handlers), the store
         # and load handlers, the bounce handlers, the disk tier and the remote tier (their threads
         # may read into host records); the region comes after all of them.
@@ -164,6 +177,8 @@ class Worker:
         if parts.pipeline is not None:
             stop_order.append(("disk pipeline", parts.pipeline))
         stop_order += [("store handler", self._store), ("load handler", self._load)]
+        if self._expedited is not None:
+            stop_order.append(("expedited load handler", self._expedited))
         if parts.bounce is not None:
             stop_order += [("bounce store handler", parts.bounce[0]),
                                  ("bounce load handler", parts.bounce[1])]
@@ -225,6 +240,7 @@ class Worker:
         backend_factory: Callable[[Direction], Backend] | None = None,
         pinner: HostPinner | None = None,
         issuer: IssuerName = "auto",
+        expedited_loads: bool = False,
     ) -> Worker:
         """Build the region and both handlers; on any failure everything built so far is released.
 
@@ -281,6 +297,12 @@ class Worker:
                 small jobs). ``"auto"``: native where it builds, else python with a warning
                 (python without one under ``copy_method="batch-bindings"``, a cross-check the native
                 issuer does not run).
+            expedited_loads: a second load lane for ``load(..., expedited=True)`` and
+                ``load_by_layer(..., expedited=True)``: loads the engine waits for within its step
+                (a request that already runs) never queue behind the regular loads
+                (docs/design.md §15). The lane has a backend of its own (on CUDA its streams, its
+                staging ring of ``staging_bytes / 2`` more device memory, and its issuer thread);
+                the link is shared, so both lanes' loads move at once.
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
@@ -309,6 +331,7 @@ class Worker:
             staging_slots=staging_slots, kernel_ctas=kernel_ctas, calibration_path=calibration_path,
             disk=disk, bounce_slots=bounce_slots, remote=remote, check_memory=check_memory,
             backend_factory=backend_factory, pinner=pinner, issuer=issuer,
+            expedited_loads=expedited_loads,
         )
         return cls(assemble(layout, num_host_blocks, options))
 
@@ -333,29 +356,41 @@ class Worker:
                 job reads or writes.
             DeviceMismatchError: a stream of another device (any stream on the host backend).
         """
-        if not self._front(Direction.STORE, job_id, device_blocks, host_blocks, stream):
+        if not self._front(self._fronts.get(Direction.STORE), job_id, device_blocks, host_blocks, stream):
             self._submit(Direction.STORE, job_id, device_blocks, host_blocks, stream,
                          "device_blocks", "host_blocks")
 
     def load(
-        self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+        self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None,
+        expedited: bool = False,
     ) -> None:
         """Copy host record ``host_blocks[i]`` into ``device_blocks[i]``, after queued compute.
 
         The copy waits for every kernel queued on ``stream`` before this call, so it never
         overwrites a block that queued compute still reads. The device blocks hold undefined bytes
-        until the job's result came back with ``ok=True``.
+        until the job's result came back with ``ok=True``. ``expedited``: through the second load
+        lane (a worker created with ``expedited_loads=True``), so that it does not wait behind the
+        regular loads; a wait for it waits for the earlier expedited loads only.
 
         Raises (before anything is submitted; the worker is unchanged): as :meth:`store`, with the
         conflict rules mirrored (a host record an in-flight store writes; a device block an in-flight
-        job reads or writes; a device block twice).
+        job reads or writes, in either lane; a device block twice), and
+            ArgumentTypeError: ``expedited`` is not a bool.
+            InvalidArgumentError: ``expedited=True`` on a worker without the expedited lane.
         """
-        if not self._front(Direction.LOAD, job_id, host_blocks, device_blocks, stream):
+        if expedited is False:
+            if not self._front(self._fronts.get(Direction.LOAD), job_id, host_blocks, device_blocks, stream):
+                self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
+                             "host_blocks", "device_blocks")
+            return
+        lane = self._expedited_lane(expedited)
+        if not self._front(self._expedited_front, job_id, host_blocks, device_blocks, stream):
             self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
-                         "host_blocks", "device_blocks")
+                         "host_blocks", "device_blocks", lane=lane)
 
     def load_by_layer(
-        self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None
+        self, job_id: int, host_blocks: BlockIds, device_blocks: BlockIds, *, stream: object = None,
+        expedited: bool = False,
     ) -> LayerLoad:
         """:meth:`load`, landing layer after layer (docs/design.md §12): returns a
         :class:`LayerLoad` whose ``wait_layer(i, stream)`` orders a stream after layer ``i``'s pages
@@ -368,24 +403,28 @@ class Worker:
         the layers as soon as the job is handed over, but for layer 0 when the thread is idle and
         that layer costs few driver calls (``sm``, or ``staged`` with strided copies): then the
         caller issues it inside the hand-off; the Python issuer issues layer 0 on the caller's
-        thread when no other load is queued for issue.
+        thread when no other load is queued for issue. ``expedited``: through the second load lane,
+        as :meth:`load`.
 
         Raises (before anything is submitted; the worker is unchanged): as :meth:`load`, and
             LayerError: the layout has no layers (its tensor names do not say them: pass
                 ``layers=`` to ``DeviceLayout.from_tensors``).
         """
+        if expedited is False:
+            handler, front = self._load, self._fronts.get(Direction.LOAD)
+        else:
+            handler, front = self._expedited_lane(expedited)[0], self._expedited_front
         tables = self.layout.require_layers()
-        marks = self._front_layered(job_id, host_blocks, device_blocks, stream, tables)
+        marks = self._front_layered(front, job_id, host_blocks, device_blocks, stream, tables)
         if marks is not None:
             return LayerLoad(job_id, marks, self._check_open)
-        handler = self._load
         made: list[LayerMarks] = []
 
         def submit(j: int, s: I64Array, d: I64Array, on: object, _f: object, _k: list[bytes] | None) -> None:
             made.append(handler.submit_layered(j, s, d, tables, stream=on))
 
         job = self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
-                           "host_blocks", "device_blocks", submit)
+                           "host_blocks", "device_blocks", lane=(handler, submit))
         return LayerLoad(job, made[0], self._check_open)
 
     def demote(self, job_id: int, host_blocks: BlockIds, disk_blocks: BlockIds, *,
@@ -520,7 +559,29 @@ class Worker:
                 self._jobs.forget(job)
             raise
 
-    def _front(self, direction: Direction, job_id: object, src_blocks: object, dst_blocks: object,
+    def _front_lane(self, direction: Direction, handler: DirectionHandler) -> _FrontLane:
+        """The fast front's lane of a hands-off handler of ``direction`` (see :meth:`_front`)."""
+        return (handler, handler.current_stream_reader(), handler.early_wake(),
+                self._book.native_admission(direction))
+
+    def _expedited_lane(self, expedited: object) -> tuple[DirectionHandler, _Submit]:
+        """The expedited load lane's handler and submit call, for ``expedited`` not False.
+
+        Raises:
+            ArgumentTypeError: ``expedited`` is not a bool.
+            InvalidArgumentError: the worker has no expedited lane.
+        """
+        if type(expedited) is not bool:
+            raise ArgumentTypeError(f"expedited = {expedited!r} must be a bool")
+        handler = self._expedited
+        if handler is None:
+            raise InvalidArgumentError(
+                "expedited=True needs the second load lane: create the worker with "
+                "expedited_loads=True"
+            )
+        return handler, lambda j, s, d, stream, _f, _k: handler.submit_validated(j, s, d, stream=stream)
+
+    def _front(self, lane: _FrontLane | None, job_id: object, src_blocks: object, dst_blocks: object,
                stream: object) -> bool:
         """The fast front door of ``store`` and ``load`` (docs/design.md §16): a job of a native
         issuer's direction with an ``int`` id and one-dimensional ``int64`` numpy ids, submitted in
@@ -532,7 +593,7 @@ class Worker:
         :meth:`_submit` then validates it from the start and submits it or raises its precise
         error, so the two doors differ only in speed.
         """
-        taken = self._front_take(direction, job_id, src_blocks, dst_blocks, stream, wake=True)
+        taken = self._front_take(lane, job_id, src_blocks, dst_blocks, stream, wake=True)
         if taken is None:
             return False
         job, handler, src, dst, handle = taken
@@ -543,12 +604,13 @@ class Worker:
             raise
         return True
 
-    def _front_layered(self, job_id: object, host_blocks: object, device_blocks: object, stream: object,
+    def _front_layered(self, lane: _FrontLane | None, job_id: object, host_blocks: object,
+                       device_blocks: object, stream: object,
                        tables: tuple[PageTable, ...]) -> LayerMarks | None:
         """:meth:`_front` for ``load_by_layer`` over the layout's ``tables``: the job's marks when
         it was submitted, None (nothing changed) when :meth:`_submit` is to validate it. No early
         wake: the caller issues layer 0 itself when the thread is idle (docs/design.md §16)."""
-        taken = self._front_take(Direction.LOAD, job_id, host_blocks, device_blocks, stream, wake=False)
+        taken = self._front_take(lane, job_id, host_blocks, device_blocks, stream, wake=False)
         if taken is None:
             return None
         job, handler, src, dst, handle = taken
@@ -559,14 +621,13 @@ class Worker:
             raise
 
     def _front_take(
-        self, direction: Direction, job_id: object, src_blocks: object, dst_blocks: object,
+        self, lane: _FrontLane | None, job_id: object, src_blocks: object, dst_blocks: object,
         stream: object, *, wake: bool,
     ) -> tuple[int, DirectionHandler, I64Array, I64Array, int] | None:
         """The fast front's checks and bookkeeping: for a job it takes, its id, its handler, its
         own copies of the ids (admitted and counted, the id reserved) and its stream's handle, for
         the handler to hand over (or :meth:`_front_forget` to undo); None, with nothing changed
         (but a thread perhaps woken or told, with ``wake``), for any other job."""
-        lane = self._fronts.get(direction)
         if (lane is None or type(job_id) is not int or type(src_blocks) is not np.ndarray
                 or type(dst_blocks) is not np.ndarray or src_blocks.dtype is not _I64
                 or dst_blocks.dtype is not _I64 or src_blocks.ndim != 1 or dst_blocks.ndim != 1
@@ -620,20 +681,19 @@ class Worker:
 
     def _submit(
         self, direction: Direction, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
-        stream: object, src_name: str, dst_name: str, submit_as: _Submit | None = None, *,
-        keys: Sequence[bytes] | None = None,
+        stream: object, src_name: str, dst_name: str, *,
+        lane: tuple[JobSource, _Submit] | None = None, keys: Sequence[bytes] | None = None,
     ) -> int:
-        """Validate, book, reserve and hand over one job (``submit_as`` in place of the route's
-        submit call; ``keys``: a disk job's record keys, checked here); returns the job id."""
+        """Validate, book, reserve and hand over one job (``lane``: the component and submit call
+        in place of the direction's route, for the expedited lane and layered loads; ``keys``: a
+        disk job's record keys, checked here); returns the job id."""
         self._check_open()
         route = self._routes.get(direction)
         if route is None:
             raise InvalidArgumentError(
                 f"{direction.value} needs a disk tier: create the worker with disk=DiskConfig(...)"
             )
-        source, submit = route
-        if submit_as is not None:
-            submit = submit_as
+        source, submit = route if lane is None else lane
         job = as_job_id(job_id)
         from_memory, to_memory = SIDES[direction]
         # The native admission checks the ids' range (and pairs) itself, in the same call.
@@ -701,7 +761,8 @@ class Worker:
         """Wait until the given jobs finished (any direction); return their results in order.
 
         Other jobs' results stay for :meth:`poll`. Waiting for a job also waits for the earlier jobs
-        of its direction.
+        of its direction (of its lane, for loads: an expedited load's wait waits for the earlier
+        expedited loads only).
 
         Raises:
             ClosedError: after shutdown.
@@ -800,8 +861,9 @@ class Worker:
         """Where the calling threads waited inside the CUDA driver behind the native issuer, per
         direction it issues (:class:`~kvoffload.records.DriverCallStats`: the issuer's longest
         driver calls, the callers' calls over 100 us by what the issuer was doing in the driver
-        then; docs/design.md §16). Empty for a worker without the native issuer. A diagnostic: it
-        tells whether the engine's thread stalled behind the library's own driver calls.
+        then; docs/design.md §16), of the regular lanes (the expedited load lane has a thread of
+        its own). Empty for a worker without the native issuer. A diagnostic: it tells whether the
+        engine's thread stalled behind the library's own driver calls.
 
         Raises:
             ClosedError: after shutdown.
@@ -825,6 +887,7 @@ class Worker:
             record_bytes=self.layout.record_bytes,
             store=self._store.stats(),
             load=self._load.stats(),
+            expedited=self._expedited.stats() if self._expedited is not None else None,
         )
 
     @property

@@ -77,8 +77,10 @@ def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
 
 
 def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
-              blocks: list[int] = BLOCKS, host: list[int] = HOST) -> tuple[int, int]:
-    """(pages where the compute-stream reader saw loaded bytes, pages the load failed to write)."""
+              blocks: list[int] = BLOCKS, host: list[int] = HOST, *,
+              expedited: bool = False) -> tuple[int, int]:
+    """(pages where the compute-stream reader saw loaded bytes, pages the load failed to write);
+    ``expedited``: every load through the worker's expedited lane."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     index = torch.tensor(blocks, device=layout.device)
     seen_new = 0
@@ -92,7 +94,7 @@ def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
         with torch.cuda.stream(compute):
             stall()
             snapshot = layout.gather_records(index)  # queued compute still reading the blocks
-        w.load(first_job + trial, *both_doors(trial, host, blocks), stream=compute)
+        w.load(first_job + trial, *both_doors(trial, host, blocks), stream=compute, expedited=expedited)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)

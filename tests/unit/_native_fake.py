@@ -60,6 +60,7 @@ class FakeDriver:
         self.entered: dict[str, threading.Event] = {}
         self.events_created = 0
         self.events_destroyed = 0
+        self.copy_sizes: list[int] = []  # bytes of every copy command, in order (a strided one's all rows)
         self._next_event = 0x100
         self._lock = threading.Lock()
         self.callbacks = {name: proto(getattr(self, "_" + name)) for name, proto in PROTOTYPES.items()}
@@ -137,6 +138,7 @@ class FakeDriver:
     def _memcpy_async(self, dst: int, src: int, size: int, stream: int | None) -> int:
         code = self._enter("cuMemcpyAsync", stream, 1)
         if not code:
+            self.copy_sizes.append(size)
             self._move(dst, src, size)
         return code
 
@@ -149,6 +151,7 @@ class FakeDriver:
         s = np.ctypeslib.as_array(ctypes.cast(srcs or 0, ctypes.POINTER(_u64)), (count,))
         n = np.ctypeslib.as_array(ctypes.cast(sizes or 0, ctypes.POINTER(_u64)), (count,))
         for dst, src, size in zip(d.tolist(), s.tolist(), n.tolist()):
+            self.copy_sizes.append(size)
             self._move(dst, src, size)
         return 0
 
@@ -159,6 +162,7 @@ class FakeDriver:
             return code
         src = d.srcHost if d.srcMemoryType == MEMORYTYPE_HOST else d.srcDevice
         dst = d.dstHost if d.dstMemoryType == MEMORYTYPE_HOST else d.dstDevice
+        self.copy_sizes.append(d.Height * d.WidthInBytes)
         for row in range(d.Height):
             self._move(dst + row * d.dstPitch, src + row * d.srcPitch, d.WidthInBytes)
         return 0

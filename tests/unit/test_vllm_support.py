@@ -50,6 +50,8 @@ def test_options_defaults_and_values() -> None:
         {"host_bytes": 4096, "eviction_policy": "arc", "transfer_retries": 0, "wait_timeout_s": 2}
     )
     assert (options.eviction_policy, options.transfer_retries, options.wait_timeout_s) == ("arc", 0, 2.0)
+    assert options.expedited_loads is True
+    assert AdapterOptions.from_extra_config({"host_bytes": 1, "expedited_loads": False}).expedited_loads is False
 
 
 @pytest.mark.parametrize(
@@ -74,6 +76,8 @@ def test_options_defaults_and_values() -> None:
         ({"host_bytes": 1, "wait_timeout": 5}, VLLMConfigError, "did you mean 'wait_timeout_s'"),
         ({"host_bytes": 1, "eviction_policy": ["lru"]}, VLLMConfigError, r"\['lru'\] is not one of"),
         ({"host_bytes": 1, "wait_timeout_s": 10**400}, VLLMConfigError, "finite number of seconds"),
+        ({"host_bytes": 1, "expedited_loads": 1}, VLLMConfigError, r"\['expedited_loads'\] = 1 must be true or false"),
+        ({"host_bytes": 1, "expedited_load": True}, VLLMConfigError, "did you mean 'expedited_loads'"),
     ],
 )
 def test_bad_or_unsupported_options_are_refused_naming_the_key(

@@ -46,6 +46,7 @@ class FaultyEngine:
         self.worker = worker
         self.layout = layout
         self.spec = spec
+        self.expedited_loads = worker.expedited_loads  # expedited loads take the worker's lane
         self.submitted: list[Submitted] = []
         self.failed: list[int] = []
         self._count = {Direction.STORE: 0, Direction.LOAD: 0}
@@ -61,8 +62,9 @@ class FaultyEngine:
         self.worker.store(job_id, device_blocks, host_blocks)
         self._note(job_id, Direction.STORE, device_blocks, host_blocks)
 
-    def load(self, job_id: int, host_blocks: I64Array, device_blocks: I64Array) -> None:
-        self.worker.load(job_id, host_blocks, device_blocks)
+    def load(self, job_id: int, host_blocks: I64Array, device_blocks: I64Array, *,
+             expedited: bool = False) -> None:
+        self.worker.load(job_id, host_blocks, device_blocks, expedited=expedited)
         self._note(job_id, Direction.LOAD, device_blocks, host_blocks)
 
     def poll(self) -> list[TransferResult]:
@@ -115,7 +117,9 @@ class FaultySpec(KVOffloadSpec):
         return chosen is None or index in chosen
 
     def create_engine(self, layout: DeviceLayout, num_host_records: int) -> TransferEngine:
-        engine = FaultyEngine(kvoffload.Worker.create(layout, num_host_records), layout, self)
+        worker = kvoffload.Worker.create(layout, num_host_records,
+                                         expedited_loads=self.options.expedited_loads)
+        engine = FaultyEngine(worker, layout, self)
         type(self).engines.append(engine)
         return engine
 

@@ -343,6 +343,40 @@ def test_store_then_unaligned_load_round_trips_every_byte(
         assert not t.tensor[:9].any() and not t.tensor[12:].any(), "a load wrote outside its blocks"
 
 
+@pytest.mark.parametrize("lane", [True, False])
+def test_expedited_loads_take_the_workers_second_lane(lane: bool) -> None:
+    """vLLM's expedited loads go through the worker's expedited lane (``expedited_loads``, on by
+    default), the others through the regular lane; with the option false the worker has no lane and
+    every load takes the regular one. Either way every byte lands."""
+    kv = caches()
+    config = offloading_config(host_chunks=4, blocks_per_chunk=2, expedited_loads=lane)
+    worker = KVOffloadSpec(config).get_worker(kv)
+    try:
+        engine = worker.engine
+        assert isinstance(engine, kvoffload.Worker) and engine.expedited_loads is lane
+        fill(kv, [3, 4], seed=2)
+        original = [t.tensor[[3, 4]].clone() for t in kv.tensors]
+        gpu = GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0])
+        assert worker.submit_store(1, gpu, HostChunkSpec([1]))
+        assert finished(worker, 1).success
+        assert worker.submit_load(2, HostChunkSpec([1]), GPULoadStoreSpec([5, 6], group_sizes=[2],
+                                                                          block_indices=[0]), expedited=True)
+        assert worker.submit_load(3, HostChunkSpec([1]), GPULoadStoreSpec([7, 8], group_sizes=[2],
+                                                                          block_indices=[0]))
+        worker.wait({2, 3})
+        assert sorted((r.job_id, r.success) for r in worker.get_finished()) == [(2, True), (3, True)]
+        for t, before in zip(kv.tensors, original):
+            assert torch.equal(t.tensor[[5, 6]], before) and torch.equal(t.tensor[[7, 8]], before)
+        stats = engine.stats()
+        if lane:
+            assert stats.expedited is not None
+            assert (stats.load.completed, stats.expedited.completed) == (1, 1)
+        else:
+            assert stats.expedited is None and stats.load.completed == 2
+    finally:
+        worker.shutdown()
+
+
 def test_wait_ignores_jobs_it_does_not_hold_and_results_come_once(
     worker_and_caches: tuple[KVOffloadWorker, CanonicalKVCaches],
 ) -> None:
@@ -375,8 +409,8 @@ class StalledEngine:
     def store(self, job_id: int, device_blocks: Any, host_blocks: Any) -> None:
         self.worker.store(job_id, device_blocks, host_blocks)
 
-    def load(self, job_id: int, host_blocks: Any, device_blocks: Any) -> None:
-        self.worker.load(job_id, host_blocks, device_blocks)
+    def load(self, job_id: int, host_blocks: Any, device_blocks: Any, *, expedited: bool = False) -> None:
+        self.worker.load(job_id, host_blocks, device_blocks, expedited=expedited)
 
     def poll(self) -> list[kvoffload.TransferResult]:
         return []

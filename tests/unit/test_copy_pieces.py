@@ -1,0 +1,129 @@
+"""The longest copy a path issues (``copier.COPY_PIECE_BYTES``, docs/design.md §4, *Two load
+lanes*): the copy engine moves one copy command at a time, so another stream's copy in the same
+direction waits for at most one piece.
+
+* :func:`kvoffload.bindings.copier.in_pieces` (the Python paths, in ``Copier.copy``) splits a copy
+  into pieces that cover exactly its bytes, in order;
+* the native issuer stops merging descriptors at the piece (the dma path's pages, the staged
+  path's records) and cuts strided copies to the rows a piece holds (never fewer than
+  ``strided_min_rows``); every job still moves exactly its bytes. Each control, with no bound,
+  issues a longer copy, so the bound is what keeps them short.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.backends import native as native_backend
+from kvoffload.bindings.copier import COPY_PIECE_BYTES, in_pieces
+from kvoffload.records import Direction
+from tests.unit.test_native_issuer import THREAD_ISSUES, Harness, expected, make_plan, moved, strided_plan
+
+U64 = np.uint64
+
+
+def _bytes(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
+    """(destination, source) of every byte, in order."""
+    out = []
+    for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        out += [(d + k, s + k) for k in range(n)]
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 70), min_size=0, max_size=12),
+    piece=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_pieces_cover_exactly_the_copies_bytes_in_order(sizes: list[int], piece: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = len(sizes)
+    dsts = rng.integers(0, 1 << 40, n).astype(U64)
+    srcs = rng.integers(0, 1 << 40, n).astype(U64)
+    size = np.array(sizes, dtype=U64)
+    d, s, z = in_pieces(dsts, srcs, size, piece)
+    assert d.dtype == s.dtype == z.dtype == U64
+    assert d.flags.c_contiguous and s.flags.c_contiguous and z.flags.c_contiguous
+    assert _bytes(d, s, z) == _bytes(dsts, srcs, size)
+    if piece:
+        assert all(0 < x <= piece for x in z.tolist())
+        assert len(z) == sum(-(-x // piece) for x in sizes)
+    else:
+        assert d is dsts and s is srcs and z is size
+
+
+def test_the_default_piece_is_two_mib() -> None:
+    assert COPY_PIECE_BYTES == 2 << 20
+
+
+@pytest.mark.parametrize("piece", [0, 2], ids=["control-no-bound", "bounded"])
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_staged_job_of_consecutive_records_goes_in_pieces(direction: Direction, piece: int) -> None:
+    """Consecutive records merge into one copy per chunk (6 records a slot); with a bound of two
+    records every copy holds at most two."""
+    plan = attrs.evolve(make_plan(direction, [256, 256]), chunk_records=64)  # one pinned area
+    record = plan.pages.record_bytes
+    h = Harness(direction, "staged", plan, slot_bytes=6 * record,
+                tune={**THREAD_ISSUES, "piece_bytes": piece * record})
+    try:
+        device = np.random.default_rng(5).permutation(40)[:12].tolist()
+        host = list(range(20, 32))
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        assert h.run(0, src, dst).ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        if piece:
+            assert max(h.fake.copy_sizes) <= piece * record and len(h.fake.copy_sizes) == 6
+        else:
+            assert max(h.fake.copy_sizes) == 6 * record
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("piece", [0, 3], ids=["control-no-bound", "bounded"])
+def test_dma_pages_that_continue_each_other_merge_up_to_a_piece(piece: int) -> None:
+    """Block-major pages of consecutive blocks continue each other on both sides: one copy for the
+    whole job without a bound, at most three blocks' pages per copy with it."""
+    plan = attrs.evolve(make_plan(Direction.LOAD, [256, 256], block_major=True), chunk_records=64)
+    block = plan.pages.record_bytes
+    h = Harness(Direction.LOAD, "dma", plan, tune={**THREAD_ISSUES, "piece_bytes": piece * block})
+    try:
+        device, host = list(range(10, 20)), list(range(30, 40))
+        assert h.run(0, host, device).ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        if piece:
+            assert max(h.fake.copy_sizes) <= piece * block and sum(h.fake.copy_sizes) == 10 * block
+        else:
+            assert h.fake.copy_sizes == [10 * block]
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize(("piece_rows", "heights"), [(0, [10]), (3, [4, 4]), (5, [5, 5])],
+                         ids=["control-no-bound", "below-min-rows", "bounded"])
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_strided_copy_holds_at_most_a_piece_of_rows_and_never_fewer_than_min_rows(
+    direction: Direction, piece_rows: int, heights: list[int],
+) -> None:
+    """Ten consecutive records of a strided plan (records three apart) go as one strided copy of 10
+    rows; a piece of 5 rows makes two of 5; a piece of 3 rows, below strided_min_rows (4), makes
+    copies of 4 rows and leaves the last 2 rows to descriptors."""
+    assert native_backend.STRIDED_MIN_ROWS == 4
+    plan = attrs.evolve(strided_plan(direction, [256, 256]), chunk_records=64)
+    pitch = plan.pages.record_bytes
+    h = Harness(direction, "staged", plan, slot_bytes=16 * pitch,
+                tune={**THREAD_ISSUES, "strided_min_rows": 4, "piece_bytes": piece_rows * pitch})
+    try:
+        device = np.random.default_rng(7).permutation(40)[:10].tolist()
+        host = list(range(10, 20))
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        assert h.run(0, src, dst).ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        strided = [c[2] for c in h.fake.of("cuMemcpy2DAsync")]
+        assert strided == heights  # (a piece of 3 rows: the last two rows went as descriptors)
+    finally:
+        h.close()

@@ -1,0 +1,269 @@
+"""The expedited load lane (``Worker.create(expedited_loads=True)``, docs/design.md §15): a load the
+engine waits for within its step does not queue behind the regular loads.
+
+On the host backend and on native issuers over the fake driver: an expedited load lands (bit-exact,
+every page from its record) while a regular load is held inside its copy, where the same load
+through the regular lane waits behind it (the control); the two lanes share one bookkeeping, so a
+block one lane's load writes is refused to the other's; bad arguments are typed errors that change
+nothing; each lane counts its own jobs; shutdown stops both lanes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import (
+    ArgumentTypeError, BlockConflictError, ClosedError, DeviceLayout, InvalidArgumentError,
+    WaitTimeoutError, Worker,
+)
+from kvoffload.backends.host import HostBackend
+from kvoffload.backends.native import NativeBackend
+from kvoffload.records import Direction
+from tests.unit._native_fake import FakeDriver
+from tests.unit.test_call_front import BLOCKS, Inner
+from tests.unit.test_host_end_to_end import HOST_BLOCKS, small_cache
+from tests.unit.test_native_issuer import expected, moved
+
+TIMEOUT_S = 30.0
+#: How long a load behind a held one is given to show that it waits (the control).
+HELD_S = 0.3
+
+
+class _Held(HostBackend):
+    """A host backend whose copies wait for ``gate`` once ``hold`` is set."""
+
+    def __init__(self, direction: Direction) -> None:
+        super().__init__(direction)
+        self.hold = False
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def copy_one(self, dst: int, src: int, size: int) -> None:
+        if self.hold:
+            self.entered.set()
+            self.gate.wait(TIMEOUT_S)
+        super().copy_one(dst, src, size)
+
+
+def _host_worker(backends: list[_Held], *, expedited_loads: bool = True) -> Worker:
+    def factory(direction: Direction) -> _Held:
+        backends.append(_Held(direction))
+        return backends[-1]
+
+    return Worker.create(small_cache("per-layer"), HOST_BLOCKS, backend_factory=factory,
+                         expedited_loads=expedited_loads)
+
+
+def _i(*values: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    return np.array(values, dtype=np.int64)
+
+
+def _fill(w: Worker) -> torch.Tensor:
+    """Store device blocks 0..HOST_BLOCKS-1 into the same host records; returns their bytes."""
+    ids = np.arange(HOST_BLOCKS, dtype=np.int64)
+    w.store(100, ids, ids)
+    assert all(r.ok for r in w.wait([100], TIMEOUT_S))
+    return w.layout.gather_records(ids)
+
+
+@pytest.mark.parametrize("ids", ["numpy", "list"])
+def test_an_expedited_load_lands_while_a_regular_load_is_held(ids: str) -> None:
+    backends: list[_Held] = []
+    w = _host_worker(backends)
+    regular = backends[1]
+    try:
+        assert [b.direction for b in backends] == [Direction.STORE, Direction.LOAD, Direction.LOAD]
+        records = _fill(w)
+        w.load(1, _i(0, 1), _i(0, 1))
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+        regular.hold = True
+        w.load(2, _i(2, 3, 4), _i(12, 13, 14))  # held inside its copy
+        assert regular.entered.wait(TIMEOUT_S)
+        host, device = (_i(5, 6), _i(7, 8)) if ids == "numpy" else ([5, 6], [7, 8])
+        w.load(3, host, device, expedited=True)
+        (result,) = w.wait([3], TIMEOUT_S)
+        assert result.ok and result.direction is Direction.LOAD
+        assert torch.equal(w.layout.gather_records(_i(7, 8)), records[[5, 6]])
+        assert [r.job_id for r in w.poll()] == []  # the regular load is still held
+        regular.gate.set()
+        assert all(r.ok for r in w.wait([2], TIMEOUT_S))
+        assert torch.equal(w.layout.gather_records(_i(12, 13, 14)), records[[2, 3, 4]])
+        stats = w.stats()
+        assert stats.expedited is not None
+        assert (stats.load.completed, stats.expedited.completed) == (2, 1)
+    finally:
+        regular.gate.set()
+        w.shutdown(TIMEOUT_S)
+
+
+def test_control_a_load_through_the_regular_lane_waits_behind_a_held_one() -> None:
+    """The hazard the lane removes: the same load, not expedited, is not done while the one before
+    it is held."""
+    backends: list[_Held] = []
+    w = _host_worker(backends)
+    regular = backends[1]
+    try:
+        regular.hold = True
+        w.load(2, _i(2, 3, 4), _i(2, 3, 4))
+        assert regular.entered.wait(TIMEOUT_S)
+        regular.hold = False
+        w.load(3, _i(5, 6), _i(7, 8))
+        with pytest.raises(WaitTimeoutError):
+            w.wait([3], HELD_S)
+        regular.gate.set()
+        assert all(r.ok for r in w.wait([2, 3], TIMEOUT_S))
+    finally:
+        regular.gate.set()
+        w.shutdown(TIMEOUT_S)
+
+
+def test_the_lanes_share_the_bookkeeping() -> None:
+    """A device block a held regular load writes is refused to an expedited load and to a store,
+    and a host record an expedited load reads is refused to a store (BlockConflictError, nothing
+    changed); once the load is back the same jobs go through."""
+    backends: list[_Held] = []
+    w = _host_worker(backends)
+    regular, expedited = backends[1], backends[2]
+    try:
+        regular.hold = True
+        w.load(1, _i(0, 1), _i(4, 5))
+        assert regular.entered.wait(TIMEOUT_S)
+        with pytest.raises(BlockConflictError, match="device"):
+            w.load(2, _i(2), _i(5), expedited=True)
+        with pytest.raises(BlockConflictError, match="device"):
+            w.store(2, _i(4), _i(9))
+        expedited.hold = True
+        w.load(3, _i(6), _i(6), expedited=True)
+        assert expedited.entered.wait(TIMEOUT_S)
+        with pytest.raises(BlockConflictError, match="host"):
+            w.store(4, _i(10), _i(6))
+        with pytest.raises(BlockConflictError, match="device"):
+            w.load(4, _i(7), _i(6))
+        regular.gate.set()
+        expedited.gate.set()
+        assert all(r.ok for r in w.wait([1, 3], TIMEOUT_S))
+        w.load(2, _i(2), _i(5), expedited=True)
+        w.store(4, _i(10), _i(6))
+        assert all(r.ok for r in w.wait([2, 4], TIMEOUT_S))
+    finally:
+        regular.gate.set()
+        expedited.gate.set()
+        w.shutdown(TIMEOUT_S)
+
+
+def test_bad_expedited_arguments_are_typed_errors_that_change_nothing() -> None:
+    with pytest.raises(ArgumentTypeError, match="expedited_loads = 1 must be a bool"):
+        Worker.create(small_cache("per-layer"), HOST_BLOCKS, expedited_loads=1)  # type: ignore[arg-type]
+    backends: list[_Held] = []
+    with _host_worker(backends, expedited_loads=False) as w:
+        assert len(backends) == 2 and w.stats().expedited is None
+        for call in ("load", "load_by_layer"):
+            with pytest.raises(InvalidArgumentError, match="expedited_loads=True"):
+                getattr(w, call)(1, _i(0), _i(0), expedited=True)
+        w.load(1, _i(0), _i(0))  # the id is free: nothing was booked
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+    with _host_worker([]) as w:
+        for value in (1, "yes", None):
+            with pytest.raises(ArgumentTypeError, match="expedited = .* must be a bool"):
+                w.load(1, _i(0), _i(0), expedited=value)  # type: ignore[arg-type]
+        w.load(1, _i(0), _i(0), expedited=True)
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+
+
+def test_an_expedited_layered_load_lands_layer_by_layer_beside_a_held_load() -> None:
+    backends: list[_Held] = []
+    w = _host_worker(backends)
+    regular = backends[1]
+    try:
+        records = _fill(w)
+        regular.hold = True
+        w.load(1, _i(0), _i(0))
+        assert regular.entered.wait(TIMEOUT_S)
+        layered = w.load_by_layer(2, _i(3, 4), _i(5, 6), expedited=True)
+        for layer in range(len(w.layout.require_layers())):
+            layered.wait_layer(layer)
+        assert all(r.ok for r in w.wait([2], TIMEOUT_S))
+        assert torch.equal(w.layout.gather_records(_i(5, 6)), records[[3, 4]])
+        regular.gate.set()
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+    finally:
+        regular.gate.set()
+        w.shutdown(TIMEOUT_S)
+
+
+def test_shutdown_finishes_both_lanes_and_stops_their_threads() -> None:
+    before = set(threading.enumerate())
+    w = _host_worker([])
+    assert len([t for t in threading.enumerate() if t not in before and t.name == "kvoffload-load"]) == 2
+    for j in range(8):
+        w.load(j, _i(j), _i(j), expedited=bool(j % 2))
+    w.shutdown(TIMEOUT_S)
+    assert w.closed
+    with pytest.raises(ClosedError):
+        w.load(9, _i(9), _i(9), expedited=True)
+    assert not [t for t in threading.enumerate() if t not in before and t.name.startswith("kvoffload")]
+
+
+# ------------------------------------------------------------------ native issuers, fake driver
+
+
+@pytest.fixture
+def native_lanes() -> Iterator[tuple[Worker, list[FakeDriver]]]:
+    """A worker whose three lanes are native issuers, each over a fake driver of its own (so that
+    one lane's copies can be held), with every job issued by the issuer thread."""
+    keep: list[object] = []
+    fakes: list[FakeDriver] = []
+
+    def factory(direction: Direction) -> Any:
+        fake = FakeDriver()
+        fakes.append(fake)
+        config = fake.config(store=direction is Direction.STORE, keep=keep, caller_issue_max=0)
+        return NativeBackend.start(Inner(direction), config, index=0, choose=lambda _n: "dma",
+                                   path_names={"dma": "dma"}, tables=None, keep=keep)
+
+    layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0)
+    w = Worker.create(layout, BLOCKS, backend_factory=factory, expedited_loads=True)
+    try:
+        yield w, fakes
+    finally:
+        for fake in fakes:
+            for gate in fake.gate.values():
+                gate.set()
+        w.shutdown(TIMEOUT_S)
+        keep.clear()
+
+
+@pytest.mark.parametrize("expedite", [True, False], ids=["expedited", "control-regular-lane"])
+def test_native_an_expedited_load_is_issued_and_lands_while_the_regular_lane_is_held(
+    native_lanes: tuple[Worker, list[FakeDriver]], expedite: bool,
+) -> None:
+    """The regular lane's thread is held inside its job's copy; an expedited load (through the
+    fast front) is issued by its own thread and comes back with every page from its record. The
+    control sends the same load through the regular lane: it is not done while the lane is held."""
+    w, fakes = native_lanes
+    assert w._expedited_front is not None  # noqa: SLF001 - the expedited lane has a fast front
+    gate, entered = threading.Event(), threading.Event()
+    fakes[1].gate["cuMemcpyBatchAsync"] = gate
+    fakes[1].entered["cuMemcpyBatchAsync"] = entered
+    w.load(1, _i(0, 1), _i(0, 1))
+    assert entered.wait(TIMEOUT_S)
+    w.load(2, _i(4, 5, 6), _i(8, 9, 10), expedited=expedite)
+    try:
+        if expedite:
+            (result,) = w.wait([2], TIMEOUT_S)
+            assert result.ok, result.error
+            plan = w._expedited._plan  # type: ignore[union-attr]  # noqa: SLF001
+            assert moved(fakes[2], expected(plan, [8, 9, 10], [4, 5, 6])) == 0
+            assert [r.job_id for r in w.poll()] == []  # the regular load is still held
+        else:
+            with pytest.raises(WaitTimeoutError):
+                w.wait([2], HELD_S)
+    finally:
+        gate.set()
+    assert all(r.ok for r in w.wait([1] if expedite else [1, 2], TIMEOUT_S))
