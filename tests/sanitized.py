@@ -1,8 +1,8 @@
 """The native library's CPU tests with the library built under AddressSanitizer (``python -m
 tests.sanitized``, a step of ``.ci/run``).
 
-The issuer's C is exercised by tests/unit/test_native_issuer.py and tests/unit/test_call_front.py
-over the fake driver; a use-after-free there (a job freed by its last reference while a thread
+The issuer's C is exercised by tests/unit/test_native_issuer.py, tests/unit/test_call_front.py,
+tests/unit/test_copy_pieces.py and tests/unit/test_expedited_loads.py over the fake driver; a use-after-free there (a job freed by its last reference while a thread
 still reads it) passes those tests unseen. Here the library and the call front are compiled with
 ``-fsanitize=address`` (``KVOFFLOAD_NATIVE_CFLAGS``) into a temporary cache (removed afterwards),
 the sanitizer's runtime is preloaded into a fresh interpreter (it must be loaded first), and any
@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 
-TESTS = ("tests/unit/test_native_issuer.py", "tests/unit/test_call_front.py")
+TESTS = ("tests/unit/test_native_issuer.py", "tests/unit/test_call_front.py", "tests/unit/test_copy_pieces.py",
+         "tests/unit/test_expedited_loads.py")
 #: How long the sanitized run may take (it takes about 20 s on the CI machine).
 TIMEOUT_S = 900
 

@@ -67,8 +67,8 @@ enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
  * descriptors held the engine's thread for about 10 ms on the H200 (bench --latency, path dma). */
 enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, ABI_13 = 13000 };
 /* The most a caller issues of a layered job's first layer on the staged path (first_layer_is_cheap):
- * chunks, and descriptors beside its strided copies. */
-enum { CALLER_LAYER_CHUNKS = 4, CALLER_LAYER_COPIES = 16 };
+ * chunks, descriptors beside its strided copies, and strided copies. */
+enum { CALLER_LAYER_CHUNKS = 4, CALLER_LAYER_COPIES = 16, CALLER_LAYER_STRIDED = 16 };
 /* The issuing side's driver calls by kind, for the diagnostics of kvo_issuer_call_stats; a caller's
  * driver call longer than SLOW_CALLER_CALL_NS is counted by the kind in progress when it began. */
 enum { CALL_NONE = 0, CALL_RECORD, CALL_WAIT, CALL_COPY, CALL_LAUNCH, CALL_QUERY, CALL_KINDS };
@@ -511,24 +511,40 @@ static int reserve_descriptors(struct kvo_issuer *is, size_t n) {
     return 1;
 }
 
-/* Append one copy, merged into the previous one when both sides continue it inside one area and
- * the merged copy stays within piece_bytes: the copy engine moves one copy command at a time, so
- * another stream's copy in the same direction (the expedited load lane's, the engine's own input
- * copies) waits at most one piece, not a whole staged chunk (docs/design.md §4, Two load lanes). */
-static void append_copy(struct kvo_issuer *is, size_t *count, int64_t *last_area, uint64_t dst,
-                        uint64_t src, uint64_t size, int64_t area, int merge) {
+/* Append one copy, merged into the previous one when both sides continue it inside one area, in
+ * copies of at most piece_bytes each (0: no bound): a merged run is cut every piece_bytes from its
+ * start, as the Python paths cut it (copier.in_pieces). The copy engine moves one copy command at a
+ * time, so another stream's copy in the same direction (the expedited load lane's, the engine's own
+ * input copies) waits for at most one piece, not a whole staged chunk (docs/design.md §4, Two load
+ * lanes). Grows the descriptor arrays as the pieces need; 0 when it could not. */
+static int append_copy(struct kvo_issuer *is, size_t *count, int64_t *last_area, uint64_t dst,
+                       uint64_t src, uint64_t size, int64_t area, int merge) {
+    uint64_t piece = is->c.piece_bytes > 0 ? (uint64_t)is->c.piece_bytes : UINT64_MAX;
     size_t k = *count;
     if (merge && k > 0 && *last_area == area && is->d_dst[k - 1] + is->d_size[k - 1] == dst &&
-        is->d_src[k - 1] + is->d_size[k - 1] == src &&
-        (is->c.piece_bytes <= 0 || is->d_size[k - 1] + size <= (uint64_t)is->c.piece_bytes)) {
-        is->d_size[k - 1] += size;
-        return;
+        is->d_src[k - 1] + is->d_size[k - 1] == src && is->d_size[k - 1] < piece) {
+        uint64_t take = piece - is->d_size[k - 1];
+        if (take > size) take = size;
+        is->d_size[k - 1] += take;
+        dst += take;
+        src += take;
+        size -= take;
+        if (!size) return 1;
     }
-    is->d_dst[k] = dst;
-    is->d_src[k] = src;
-    is->d_size[k] = size;
+    size_t pieces = (size_t)(size / piece + (size % piece != 0));
+    if (!reserve_descriptors(is, k + pieces)) return 0;
+    for (; size; k++) {
+        uint64_t take = size < piece ? size : piece;
+        is->d_dst[k] = dst;
+        is->d_src[k] = src;
+        is->d_size[k] = take;
+        dst += take;
+        src += take;
+        size -= take;
+    }
     *last_area = area;
-    *count = k + 1;
+    *count = k;
+    return 1;
 }
 
 /* Enqueue the descriptors built so far on `stream`. */
@@ -583,8 +599,9 @@ static CUresult dma_plan(struct kvo_issuer *is, const struct kvo_plan *p, const 
             uint64_t dev = (uint64_t)(p->dev_base[q] + d * p->dev_stride[q]);
             uint64_t host = record + (uint64_t)p->host_offset[q];
             int64_t area = chunk * segments + p->segment[q];
-            if (store) append_copy(is, &count, &last_area, host, dev, (uint64_t)p->nbytes[q], area, (int)p->merge);
-            else append_copy(is, &count, &last_area, dev, host, (uint64_t)p->nbytes[q], area, (int)p->merge);
+            int ok = store ? append_copy(is, &count, &last_area, host, dev, (uint64_t)p->nbytes[q], area, (int)p->merge)
+                           : append_copy(is, &count, &last_area, dev, host, (uint64_t)p->nbytes[q], area, (int)p->merge);
+            if (!ok) return KVO_NO_MEMORY;
         }
     }
     return issue_copies(is, count, stream, call);
@@ -730,6 +747,18 @@ static void append_strided(struct kvo_issuer *is, size_t *count, int store, uint
     d->height = (size_t)height;
 }
 
+/* The most rows one strided copy of plan `p` moves: as many as piece_bytes holds at a row's pitch
+ * (no bound without piece_bytes); 0 where its rows go as descriptors: no cuMemcpy2DAsync, strided
+ * copies off, a pitch the driver refuses, or strided_min_rows rows over piece_bytes (rows that wide
+ * move at the link's pace as descriptors: 512 KiB spans took 1.05x a contiguous copy). */
+static int64_t strided_rows(const struct kvo_issuer *is, const struct kvo_plan *p) {
+    int64_t min_rows = is->c.strided_min_rows;
+    if (!is->c.memcpy_2d || min_rows <= 0 || p->pitch <= 0 || p->host_stride > STRIDED_MAX_PITCH) return 0;
+    if (is->c.piece_bytes <= 0) return INT64_MAX;
+    int64_t rows = is->c.piece_bytes / p->pitch;
+    return rows >= min_rows ? rows : 0;
+}
+
 /* Rows of a chunk from `k` on whose records follow each other in the host pool, within one pinned
  * area: the rows one strided copy per record run can move. */
 static int64_t consecutive_rows(const struct kvo_plan *p, const struct kvo_job *job,
@@ -767,10 +796,8 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
     /* Strided copies only where rows are not already one descriptor (records back to back). */
     int contiguous = p->runs == 1 && p->run_size[0] == p->host_stride && p->pitch == p->host_stride;
     int64_t min_rows = is->c.strided_min_rows;
-    int strided = is->c.memcpy_2d && min_rows > 0 && !contiguous && p->host_stride <= STRIDED_MAX_PITCH;
-    /* A strided copy's rows: as many as piece_bytes holds, never fewer than strided_min_rows. */
-    int64_t piece_rows = is->c.piece_bytes > 0 ? is->c.piece_bytes / p->pitch : INT64_MAX;
-    if (piece_rows < min_rows) piece_rows = min_rows;
+    int64_t piece_rows = strided_rows(is, p);
+    int strided = piece_rows > 0 && !contiguous;
     struct chunks chunks;
     staged_chunks(&chunks, job->n, rows_per_slot, edge_here ? edge_rows(is, p->pitch) : 0, store);
     int64_t rows = 0;
@@ -787,7 +814,7 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
             r = KVO_NO_MEMORY;
             break;
         }
-        for (int64_t k = 0; k < rows;) {
+        for (int64_t k = 0; k < rows && !r;) {
             int64_t m = strided ? consecutive_rows(p, job, order + start, k, rows) : 1;
             if (strided && m > piece_rows) m = piece_rows; /* the rest of the run is the next copy */
             for (int64_t j = k; j < k + m; j++) dev[j] = job->dev_ids[order[start + j]];
@@ -802,16 +829,21 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
                 k += m;
                 continue;
             }
-            for (int64_t j = k; j < k + m; j++, record += (uint64_t)p->host_stride, row += (uint64_t)p->pitch) {
+            for (int64_t j = k; j < k + m && !r; j++, record += (uint64_t)p->host_stride, row += (uint64_t)p->pitch) {
                 int64_t area = (h + (j - k)) / p->chunk_records;
-                for (int64_t q = 0; q < p->runs; q++) {
+                for (int64_t q = 0; q < p->runs && !r; q++) {
                     uint64_t host = record + (uint64_t)p->run_offset[q];
                     uint64_t in_slot = row + (uint64_t)(p->run_offset[q] - p->run_offset[0]);
-                    if (store) append_copy(is, &count, &last_area, host, in_slot, (uint64_t)p->run_size[q], area, 1);
-                    else append_copy(is, &count, &last_area, in_slot, host, (uint64_t)p->run_size[q], area, 1);
+                    int ok = store ? append_copy(is, &count, &last_area, host, in_slot, (uint64_t)p->run_size[q], area, 1)
+                                   : append_copy(is, &count, &last_area, in_slot, host, (uint64_t)p->run_size[q], area, 1);
+                    if (!ok) r = KVO_NO_MEMORY;
                 }
             }
             k += m;
+        }
+        if (r) {
+            *call = "malloc";
+            break;
         }
         int reuse_wait = !(is->c.controls & CONTROL_SKIP_SLOT_WAIT);
         if (store) {
@@ -1377,9 +1409,8 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
 static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, const int64_t **order_out) {
     const struct kvo_plan *p = job->plans[0];
     if (job->path == PATH_SM) return job->n <= MAX_ROWS;
-    if (job->path != PATH_STAGED || !is->c.memcpy_2d || is->c.strided_min_rows <= 0 || p->pitch <= 0 ||
-        p->host_stride > STRIDED_MAX_PITCH)
-        return 0;
+    int64_t piece_rows = strided_rows(is, p);
+    if (job->path != PATH_STAGED || piece_rows <= 0) return 0;
     int64_t rows_per_slot = is->c.slot_bytes / p->pitch;
     if (rows_per_slot <= 0) return 0;
     struct chunks chunks;
@@ -1389,16 +1420,18 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, cons
     const int64_t *order = staged_order(is, job);
     if (!order) return 0;
     *order_out = order;
-    int64_t copies = 0, rows = 0;
+    int64_t copies = 0, strided = 0, rows = 0;
     for (int64_t c = 0, start = 0; c < chunks.count; c++, start += rows) {
         rows = chunk_rows(&chunks, c);
         for (int64_t k = 0; k < rows;) {
             int64_t m = consecutive_rows(p, job, order + start, k, rows);
+            if (m > piece_rows) m = piece_rows; /* as staged_plan cuts a run */
             if (m < is->c.strided_min_rows) copies += m * p->runs;
+            else strided += p->runs;
             k += m;
         }
     }
-    return copies <= CALLER_LAYER_COPIES;
+    return copies <= CALLER_LAYER_COPIES && strided <= CALLER_LAYER_STRIDED;
 }
 
 /* Put `job` at the head of the issue queue (caller holds the mutex): a job its caller was to issue,

@@ -287,7 +287,9 @@ class Worker:
                 under-reports it (a VM whose memory grows as it is used).
             backend_factory: ``direction -> backend``: builds each direction's backend in place of
                 the host or CUDA one (tests, and integrators bringing their own copy engine; see
-                ``kvoffload.testing.FakeBackend`` for what a backend does).
+                ``kvoffload.testing.FakeBackend`` for what a backend does). Called once per
+                handler: with ``expedited_loads``, twice with ``Direction.LOAD``, and each call
+                must return a backend of its own.
             pinner: registers the pool with the device in place of the CUDA pinner (tests).
             issuer: cuda backend only: who plans and enqueues a job's copies. ``"native"``: a C
                 thread per direction, handed each job by one call (the caller pays a few
@@ -300,7 +302,7 @@ class Worker:
             expedited_loads: a second load lane for ``load(..., expedited=True)`` and
                 ``load_by_layer(..., expedited=True)``: loads the engine waits for within its step
                 (a request that already runs) never queue behind the regular loads
-                (docs/design.md §15). The lane has a backend of its own (on CUDA its streams, its
+                (docs/design.md §4, *Two load lanes*). The lane has a backend of its own (on CUDA its streams, its
                 staging ring of ``staging_bytes / 2`` more device memory, and its issuer thread);
                 the link is shared, so both lanes' loads move at once.
 

@@ -18,9 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvoffload import native
 from kvoffload.backends import native as native_backend
-from kvoffload.bindings.copier import COPY_PIECE_BYTES, in_pieces
+from kvoffload.bindings import copier as copier_module
+from kvoffload.bindings.copier import COPY_PIECE_BYTES, Copier, in_pieces
+from kvoffload.bindings.types import CopyMethod, SrcAccessOrder
 from kvoffload.records import Direction
+from tests.unit._native_fake import FakeDriver
 from tests.unit.test_native_issuer import THREAD_ISSUES, Harness, expected, make_plan, moved, strided_plan
 
 U64 = np.uint64
@@ -57,8 +61,33 @@ def test_pieces_cover_exactly_the_copies_bytes_in_order(sizes: list[int], piece:
         assert d is dsts and s is srcs and z is size
 
 
-def test_the_default_piece_is_two_mib() -> None:
+def test_the_default_piece_is_two_mib_and_reaches_the_native_issuer(monkeypatch: pytest.MonkeyPatch) -> None:
     assert COPY_PIECE_BYTES == 2 << 20
+    config = native.Config()
+    native_backend.tune(config)
+    assert config.piece_bytes == 2 << 20
+    monkeypatch.setattr(copier_module, "COPY_PIECE_BYTES", 0)
+    native_backend.tune(config)
+    assert config.piece_bytes == 0
+
+
+@pytest.mark.parametrize("piece", [0, 1 << 20], ids=["control-no-bound", "bounded"])
+def test_the_python_paths_copier_issues_copies_in_pieces(monkeypatch: pytest.MonkeyPatch, piece: int) -> None:
+    """Copier.copy (every copy of the Python issuer's paths) hands the driver pieces of at most
+    COPY_PIECE_BYTES, covering the same bytes."""
+    monkeypatch.setattr(copier_module, "COPY_PIECE_BYTES", piece)
+    fake = FakeDriver()
+    copier = Copier(CopyMethod.BATCH_CTYPES, 13000, fake.address("memcpy_batch"))
+    mib = 1 << 20
+    dsts = np.array([1 << 40, 2 << 40], dtype=U64)
+    srcs = np.array([3 << 40, 4 << 40], dtype=U64)
+    sizes = np.array([5 * mib // 2, mib], dtype=U64)
+    copier.copy(dsts, srcs, sizes, SrcAccessOrder.STREAM, 7)
+    if piece:
+        assert fake.copy_sizes == [mib, mib, mib // 2, mib]
+    else:
+        assert fake.copy_sizes == [5 * mib // 2, mib]
+    assert fake.provenance[(1 << 40) + 2 * mib] == (3 << 40) + 2 * mib
 
 
 @pytest.mark.parametrize("piece", [0, 2], ids=["control-no-bound", "bounded"])
@@ -103,15 +132,15 @@ def test_dma_pages_that_continue_each_other_merge_up_to_a_piece(piece: int) -> N
         h.close()
 
 
-@pytest.mark.parametrize(("piece_rows", "heights"), [(0, [10]), (3, [4, 4]), (5, [5, 5])],
+@pytest.mark.parametrize(("piece_rows", "heights"), [(0, [10]), (3, []), (5, [5, 5])],
                          ids=["control-no-bound", "below-min-rows", "bounded"])
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
 def test_a_strided_copy_holds_at_most_a_piece_of_rows_and_never_fewer_than_min_rows(
     direction: Direction, piece_rows: int, heights: list[int],
 ) -> None:
     """Ten consecutive records of a strided plan (records three apart) go as one strided copy of 10
-    rows; a piece of 5 rows makes two of 5; a piece of 3 rows, below strided_min_rows (4), makes
-    copies of 4 rows and leaves the last 2 rows to descriptors."""
+    rows; a piece of 5 rows makes two of 5; a piece of 3 rows, below strided_min_rows (4), sends
+    every row as descriptors (no copy over the piece either way)."""
     assert native_backend.STRIDED_MIN_ROWS == 4
     plan = attrs.evolve(strided_plan(direction, [256, 256]), chunk_records=64)
     pitch = plan.pages.record_bytes
@@ -124,6 +153,25 @@ def test_a_strided_copy_holds_at_most_a_piece_of_rows_and_never_fewer_than_min_r
         assert h.run(0, src, dst).ok
         assert moved(h.fake, expected(plan, device, host)) == 0
         strided = [c[2] for c in h.fake.of("cuMemcpy2DAsync")]
-        assert strided == heights  # (a piece of 3 rows: the last two rows went as descriptors)
+        assert strided == heights
+        if piece_rows:
+            assert max(h.fake.copy_sizes) <= piece_rows * pitch
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("path", ["dma", "staged"])
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_page_or_record_longer_than_a_piece_goes_in_pieces(direction: Direction, path: str) -> None:
+    """A page (dma) or a record (staged) of 1024 bytes with a piece of 256 goes as four copies of
+    256, and a run merged from several continues in pieces cut from its start."""
+    plan = attrs.evolve(make_plan(direction, [1024]), chunk_records=64)
+    h = Harness(direction, path, plan, slot_bytes=8 * 1024, tune={**THREAD_ISSUES, "piece_bytes": 256})
+    try:
+        device, host = [3, 9, 4], [10, 11, 20]
+        src, dst = (device, host) if direction is Direction.STORE else (host, device)
+        assert h.run(0, src, dst).ok
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        assert h.fake.copy_sizes == [256] * 12
     finally:
         h.close()

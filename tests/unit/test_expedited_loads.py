@@ -1,4 +1,4 @@
-"""The expedited load lane (``Worker.create(expedited_loads=True)``, docs/design.md §15): a load the
+"""The expedited load lane (``Worker.create(expedited_loads=True)``, docs/design.md §4): a load the
 engine waits for within its step does not queue behind the regular loads.
 
 On the host backend and on native issuers over the fake driver: an expedited load lands (bit-exact,
@@ -24,8 +24,9 @@ from kvoffload import (
 )
 from kvoffload.backends.host import HostBackend
 from kvoffload.backends.native import NativeBackend
+from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
-from tests.unit._native_fake import FakeDriver
+from tests.unit._native_fake import COMPUTE, FakeDriver
 from tests.unit.test_call_front import BLOCKS, Inner
 from tests.unit.test_host_end_to_end import HOST_BLOCKS, small_cache
 from tests.unit.test_native_issuer import expected, moved
@@ -213,10 +214,11 @@ def test_shutdown_finishes_both_lanes_and_stops_their_threads() -> None:
 # ------------------------------------------------------------------ native issuers, fake driver
 
 
-@pytest.fixture
-def native_lanes() -> Iterator[tuple[Worker, list[FakeDriver]]]:
+@pytest.fixture(params=[None, 1], ids=["one-layer", "four-layers"])
+def native_lanes(request: pytest.FixtureRequest) -> Iterator[tuple[Worker, list[FakeDriver]]]:
     """A worker whose three lanes are native issuers, each over a fake driver of its own (so that
-    one lane's copies can be held), with every job issued by the issuer thread."""
+    one lane's copies can be held), with every job issued by the issuer thread; its cache tensor's
+    four rows of a page are one layer or four."""
     keep: list[object] = []
     fakes: list[FakeDriver] = []
 
@@ -227,7 +229,8 @@ def native_lanes() -> Iterator[tuple[Worker, list[FakeDriver]]]:
         return NativeBackend.start(Inner(direction), config, index=0, choose=lambda _n: "dma",
                                    path_names={"dma": "dma"}, tables=None, keep=keep)
 
-    layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0)
+    layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0,
+                                       layer_dim=request.param)
     w = Worker.create(layout, BLOCKS, backend_factory=factory, expedited_loads=True)
     try:
         yield w, fakes
@@ -267,3 +270,47 @@ def test_native_an_expedited_load_is_issued_and_lands_while_the_regular_lane_is_
     finally:
         gate.set()
     assert all(r.ok for r in w.wait([1] if expedite else [1, 2], TIMEOUT_S))
+
+
+@pytest.mark.parametrize("ids", ["numpy", "list"])
+def test_native_an_expedited_layered_load_lands_layer_by_layer_while_the_regular_lane_is_held(
+    native_lanes: tuple[Worker, list[FakeDriver]], ids: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``load_by_layer(..., expedited=True)``, through the fast front (numpy ids) and the validating
+    path (lists), is issued by the expedited lane's thread: each layer's wait is enqueued on an
+    event of that lane's driver and every page comes from its record while the regular lane is
+    held; the regular lane's handler sees no layered job."""
+    w, fakes = native_lanes
+    regular_layered: list[object] = []
+    for name in ("submit_handed_off_layered", "submit_layered"):
+        call = getattr(DirectionHandler, name)
+
+        def counted(self: DirectionHandler, *args: Any, _call: Any = call, **kwargs: Any) -> Any:
+            if self is w._load:  # noqa: SLF001
+                regular_layered.append(args)
+            return _call(self, *args, **kwargs)
+
+        monkeypatch.setattr(DirectionHandler, name, counted)
+    gate, entered = threading.Event(), threading.Event()
+    fakes[1].gate["cuMemcpyBatchAsync"] = gate
+    fakes[1].entered["cuMemcpyBatchAsync"] = entered
+    w.load(1, _i(0, 1), _i(0, 1))
+    assert entered.wait(TIMEOUT_S)
+    try:
+        host, device = ((_i(4, 5, 6), _i(8, 9, 10)) if ids == "numpy" else ([4, 5, 6], [8, 9, 10]))
+        fakes[2].not_ready = 1 << 40  # in flight until the waits are enqueued (a done job's are not)
+        layered = w.load_by_layer(2, host, device, stream=COMPUTE + 3, expedited=True)
+        for layer in range(layered.num_layers):
+            layered.wait_layer(layer, stream=COMPUTE + 5)
+        fakes[2].not_ready = 0
+        (result,) = w.wait([2], TIMEOUT_S)
+        assert result.ok, result.error
+        plan = w._expedited._plan  # type: ignore[union-attr]  # noqa: SLF001
+        assert moved(fakes[2], expected(plan, [8, 9, 10], [4, 5, 6])) == 0
+        waits = [c for c in fakes[2].snapshot() if c[0] == "cuStreamWaitEvent" and c[1] == COMPUTE + 5]
+        assert len(waits) == layered.num_layers
+        assert not regular_layered
+        assert [r.job_id for r in w.poll()] == []  # the regular load is still held
+    finally:
+        gate.set()
+    assert all(r.ok for r in w.wait([1], TIMEOUT_S))

@@ -33,6 +33,7 @@ class Submitted:
     direction: Direction
     device_blocks: list[int]
     host_records: list[int]
+    expedited: bool = False
 
 
 class FaultyEngine:
@@ -52,8 +53,9 @@ class FaultyEngine:
         self._count = {Direction.STORE: 0, Direction.LOAD: 0}
         self._doomed: set[int] = set()
 
-    def _note(self, job_id: int, direction: Direction, device: I64Array, host: I64Array) -> None:
-        self.submitted.append(Submitted(job_id, direction, device.tolist(), host.tolist()))
+    def _note(self, job_id: int, direction: Direction, device: I64Array, host: I64Array,
+              expedited: bool = False) -> None:
+        self.submitted.append(Submitted(job_id, direction, device.tolist(), host.tolist(), expedited))
         if self.spec.should_fail(direction, self._count[direction]):
             self._doomed.add(job_id)
         self._count[direction] += 1
@@ -65,7 +67,7 @@ class FaultyEngine:
     def load(self, job_id: int, host_blocks: I64Array, device_blocks: I64Array, *,
              expedited: bool = False) -> None:
         self.worker.load(job_id, host_blocks, device_blocks, expedited=expedited)
-        self._note(job_id, Direction.LOAD, device_blocks, host_blocks)
+        self._note(job_id, Direction.LOAD, device_blocks, host_blocks, expedited)
 
     def poll(self) -> list[TransferResult]:
         return [self._outcome(r) for r in self.worker.poll()]

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 import kvoffload  # noqa: E402
-from kvoffload import ClosedError, UnknownKeyError, WaitTimeoutError  # noqa: E402
+from kvoffload import ClosedError, Direction, UnknownKeyError, WaitTimeoutError  # noqa: E402
 from kvoffload.integrations.vllm import (  # noqa: E402
     HostChunkSpec,
     KVOffloadManager,
@@ -53,6 +53,7 @@ from kvoffload.integrations.vllm import (  # noqa: E402
     VLLMConfigError,
     VLLMTransferError,
 )
+from tests.integration.vllm.faulty_spec import FaultySpec  # noqa: E402
 
 PAGE = 1024  # bytes of one block of one KV tensor
 RECORD = 4096
@@ -375,6 +376,32 @@ def test_expedited_loads_take_the_workers_second_lane(lane: bool) -> None:
             assert stats.expedited is None and stats.load.completed == 2
     finally:
         worker.shutdown()
+
+
+def test_a_failed_expedited_load_is_retried_through_the_expedited_lane() -> None:
+    """The retry of a failed expedited load (``_settle``) keeps its lane, and its bytes land."""
+    FaultySpec.configure(fail_loads={0})
+    kv = caches()
+    worker = FaultySpec(offloading_config(host_chunks=4, blocks_per_chunk=2)).get_worker(kv)
+    try:
+        fill(kv, [3, 4], seed=3)
+        original = [t.tensor[[3, 4]].clone() for t in kv.tensors]
+        assert worker.submit_store(1, GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0]),
+                                   HostChunkSpec([1]))
+        assert finished(worker, 1).success
+        assert worker.submit_load(2, HostChunkSpec([1]), GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0]),
+                                  expedited=True)
+        assert finished(worker, 2).success
+        engine = FaultySpec.engines[-1]
+        loads = [job for job in engine.submitted if job.direction is Direction.LOAD]
+        assert len(engine.failed) == 1 and [job.expedited for job in loads] == [True, True]
+        for t, before in zip(kv.tensors, original):
+            assert torch.equal(t.tensor[[5, 6]], before)
+        stats = engine.worker.stats()
+        assert stats.expedited is not None and stats.expedited.completed == 2 and stats.load.completed == 0
+    finally:
+        worker.shutdown()
+        FaultySpec.configure()
 
 
 def test_wait_ignores_jobs_it_does_not_hold_and_results_come_once(
