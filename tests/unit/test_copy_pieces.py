@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import native
+from kvoffload._descriptors import CopyPlan
 from kvoffload.backends import native as native_backend
 from kvoffload.bindings import copier as copier_module
 from kvoffload.bindings.copier import COPY_PIECE_BYTES, Copier, in_pieces
@@ -36,6 +37,14 @@ def _bytes(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> list[tuple[
     for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
         out += [(d + k, s + k) for k in range(n)]
     return out
+
+
+def _run_exactly(h: Harness, plan: CopyPlan, device: list[int], host: list[int]) -> None:
+    """Run job 0 between ``device`` and ``host`` blocks through ``h``: it succeeds and every page
+    comes from where it should."""
+    store = plan.direction is Direction.STORE
+    assert h.run(0, device if store else host, host if store else device).ok
+    assert moved(h.fake, expected(plan, device, host)) == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -102,9 +111,7 @@ def test_a_staged_job_of_consecutive_records_goes_in_pieces(direction: Direction
     try:
         device = np.random.default_rng(5).permutation(40)[:12].tolist()
         host = list(range(20, 32))
-        src, dst = (device, host) if direction is Direction.STORE else (host, device)
-        assert h.run(0, src, dst).ok
-        assert moved(h.fake, expected(plan, device, host)) == 0
+        _run_exactly(h, plan, device, host)
         if piece:
             assert max(h.fake.copy_sizes) <= piece * record and len(h.fake.copy_sizes) == 6
         else:
@@ -121,9 +128,7 @@ def test_dma_pages_that_continue_each_other_merge_up_to_a_piece(piece: int) -> N
     block = plan.pages.record_bytes
     h = Harness(Direction.LOAD, "dma", plan, tune={**THREAD_ISSUES, "piece_bytes": piece * block})
     try:
-        device, host = list(range(10, 20)), list(range(30, 40))
-        assert h.run(0, host, device).ok
-        assert moved(h.fake, expected(plan, device, host)) == 0
+        _run_exactly(h, plan, list(range(10, 20)), list(range(30, 40)))
         if piece:
             assert max(h.fake.copy_sizes) <= piece * block and sum(h.fake.copy_sizes) == 10 * block
         else:
@@ -149,9 +154,7 @@ def test_a_strided_copy_holds_at_most_a_piece_of_rows_and_never_fewer_than_min_r
     try:
         device = np.random.default_rng(7).permutation(40)[:10].tolist()
         host = list(range(10, 20))
-        src, dst = (device, host) if direction is Direction.STORE else (host, device)
-        assert h.run(0, src, dst).ok
-        assert moved(h.fake, expected(plan, device, host)) == 0
+        _run_exactly(h, plan, device, host)
         strided = [c[2] for c in h.fake.of("cuMemcpy2DAsync")]
         assert strided == heights
         if piece_rows:
@@ -169,9 +172,7 @@ def test_a_page_or_record_longer_than_a_piece_goes_in_pieces(direction: Directio
     h = Harness(direction, path, plan, slot_bytes=8 * 1024, tune={**THREAD_ISSUES, "piece_bytes": 256})
     try:
         device, host = [3, 9, 4], [10, 11, 20]
-        src, dst = (device, host) if direction is Direction.STORE else (host, device)
-        assert h.run(0, src, dst).ok
-        assert moved(h.fake, expected(plan, device, host)) == 0
+        _run_exactly(h, plan, device, host)
         assert h.fake.copy_sizes == [256] * 12
     finally:
         h.close()
