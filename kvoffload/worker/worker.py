@@ -570,9 +570,11 @@ class Worker:
         """The expedited load lane's handler and submit call, for ``expedited`` not False.
 
         Raises:
+            ClosedError: after shutdown (as every call then, whatever its arguments).
             ArgumentTypeError: ``expedited`` is not a bool.
             InvalidArgumentError: the worker has no expedited lane.
         """
+        self._check_open()
         if type(expedited) is not bool:
             raise ArgumentTypeError(f"expedited = {expedited!r} must be a bool")
         handler = self._expedited

@@ -208,6 +208,13 @@ def test_shutdown_finishes_both_lanes_and_stops_their_threads() -> None:
     assert w.closed
     with pytest.raises(ClosedError):
         w.load(9, _i(9), _i(9), expedited=True)
+    for call in ("load", "load_by_layer"):  # a bad value too: every call after shutdown is closed
+        with pytest.raises(ClosedError):
+            getattr(w, call)(9, _i(9), _i(9), expedited="yes")
+    without = _host_worker([], expedited_loads=False)
+    without.shutdown(TIMEOUT_S)
+    with pytest.raises(ClosedError):
+        without.load(9, _i(9), _i(9), expedited=True)
     assert not [t for t in threading.enumerate() if t not in before and t.name.startswith("kvoffload")]
 
 
