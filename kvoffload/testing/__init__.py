@@ -25,7 +25,9 @@ jobs asked for and by its deadline; empty jobs; validation before submit (typed 
 destinations and job ids, the worker unchanged and a valid job accepted after); a job id unique
 across directions until its result came back; in-flight conflicts on host and device blocks refused
 with ``BlockConflictError``; layer-by-layer loads, each layer's pages landed by its ``wait_layer``
-(when the layout says its layers); shutdown draining, idempotent, ``ClosedError`` after it, and no
+(when the layout says its layers); expedited loads (a worker with ``expedited_loads``): bit-exact,
+counted in ``stats().expedited``, their blocks and ids booked against the regular lane's jobs, or
+refused with ``InvalidArgumentError`` without the lane; shutdown draining, idempotent, ``ClosedError`` after it, and no
 thread of the worker left.
 """
 
@@ -360,6 +362,41 @@ def _layers(run: _Run) -> None:
         _check_result(w.wait([2], run.wait_s)[0], 2, Direction.LOAD, n * layout.block_bytes)
 
 
+def _expedited(run: _Run) -> None:
+    with run.worker() as w:
+        layout = w.layout
+        if not w.expedited_loads:  # no lane: refused before anything is submitted
+            _refused(lambda: w.load(1, [0], [0], expedited=True), InvalidArgumentError,
+                     "an expedited load on a worker without the expedited lane")
+            w.load(1, [0], [0])  # the id was left free
+            _check_result(w.wait([1], run.wait_s)[0], 1, Direction.LOAD, layout.block_bytes)
+            return
+        n = min(4, w.num_host_blocks)
+        src, hosts = list(range(n)), list(range(n))
+        dst = list(range(layout.num_blocks - n, layout.num_blocks))
+        layout.scatter_records(src, _random_records(layout, n))
+        original = layout.gather_records(src)
+        w.store(1, src, hosts)
+        _check_result(w.wait([1], run.wait_s)[0], 1, Direction.STORE, n * layout.block_bytes)
+        before = w.stats()
+        w.load(2, hosts, dst, expedited=True)  # reads hosts, writes dst until its result came back
+        _refused(lambda: w.load(3, [n], dst[:1]), BlockConflictError,
+                 "a regular load into a device block an expedited load writes")
+        _refused(lambda: w.store(3, [n], hosts[:1]), BlockConflictError,
+                 "a store into a host record an expedited load reads")
+        _refused(lambda: w.load(2, [n], [n]), JobIdError, "a regular load with an expedited load's id")
+        _check_result(w.wait([2], run.wait_s)[0], 2, Direction.LOAD, n * layout.block_bytes)
+        if layout.device.type == "cuda":
+            torch.cuda.synchronize(layout.device)
+        assert _pages_equal(layout, layout.gather_records(dst), original), \
+            "an expedited load's blocks differ from the stored ones"
+        after = w.stats()
+        assert after.expedited is not None and before.expedited is not None, \
+            "stats().expedited is None on a worker with the expedited lane"
+        lanes = (after.expedited.completed - before.expedited.completed, after.load.completed - before.load.completed)
+        assert lanes == (1, 0), f"an expedited load was counted (expedited, load) = {lanes}, not (1, 0)"
+
+
 def _closed(run: _Run) -> None:
     before = set(threading.enumerate())
     w = run.worker()
@@ -407,6 +444,7 @@ CLAUSES: Final[dict[str, Callable[[_Run], None]]] = {
     "a job id is unique until its result came back": _job_ids,
     "in-flight conflicts are refused": _conflicts,
     "each layer has landed by its wait_layer": _layers,
+    "expedited loads take their own lane, or are refused without one": _expedited,
     "shutdown drains, is idempotent, then ClosedError": _closed,
 }
 

@@ -36,6 +36,43 @@ def test_the_host_backend_keeps_the_worker_contract() -> None:
     check_worker_contract(make)
 
 
+def test_a_worker_with_the_expedited_lane_keeps_the_worker_contract() -> None:
+    check_worker_contract(lambda: Worker.create(layout(), 32, expedited_loads=True))
+
+
+def _lanes(expedited: Callable[[Direction], HostBackend]) -> Worker:
+    """A worker whose expedited lane's backend is ``expedited``'s (the regular lanes' are sound)."""
+    made: list[int] = []
+
+    def factory(direction: Direction) -> HostBackend:
+        made.append(1)
+        return expedited(direction) if len(made) == 3 else HostBackend(direction)
+
+    return Worker.create(layout(), 32, backend_factory=factory, expedited_loads=True)
+
+
+def _regular_only() -> Worker:
+    """A worker with the lane whose ``load`` sends every load through the regular lane."""
+    w = Worker.create(layout(), 32, expedited_loads=True)
+    regular = w.load
+
+    def load(job_id: int, host_blocks: Any, device_blocks: Any, *, stream: object = None,
+             expedited: bool = False) -> None:
+        regular(job_id, host_blocks, device_blocks, stream=stream)
+
+    w.load = load  # type: ignore[method-assign]
+    return w
+
+
+@pytest.mark.parametrize(("make_worker", "what"), [
+    (lambda: _lanes(DroppingBackend), "an expedited load's blocks differ"),
+    (_regular_only, r"counted \(expedited, load\) = \(0, 1\)"),
+], ids=["expedited lane drops pages", "expedited loads in the regular lane"])
+def test_the_contract_catches_a_broken_expedited_lane(make_worker: Callable[[], Worker], what: str) -> None:
+    with pytest.raises(AssertionError, match=rf"worker contract, 'expedited loads .*': .*{what}"):
+        check_worker_contract(make_worker)
+
+
 def test_the_smallest_worker_the_suite_takes_keeps_it_and_a_smaller_one_is_refused() -> None:
     check_worker_contract(lambda: make(num_blocks=16, host_blocks=8))
     with pytest.raises(InvalidArgumentError, match="8 device blocks and 4 host blocks; the contract suite "
