@@ -148,7 +148,7 @@ class AdapterOptions:
             ranks to map the shared pool (default 300 s).
         expedited_loads: give the loads vLLM waits for within a step (``expedited``) a second load
             lane, so that they never queue behind the regular loads (default True; it costs the
-            lane's backend: on CUDA its streams, its issuer thread and a staging ring of 128 MiB
+            lane's backend: on CUDA its streams, its issuer thread and a staging ring of 32 MiB
             of device memory). False: they share the regular lane.
     """
 

@@ -221,18 +221,18 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
         book = JobBook()
         handlers = []
         lanes = [
-            (Direction.STORE, layout.num_blocks, num_host_blocks),
-            (Direction.LOAD, num_host_blocks, layout.num_blocks),
+            (Direction.STORE, layout.num_blocks, num_host_blocks, o),
+            (Direction.LOAD, num_host_blocks, layout.num_blocks, o),
         ]
         if o.expedited_loads:  # the second load lane: a backend (streams, ring, thread) of its own
-            lanes.append((Direction.LOAD, num_host_blocks, layout.num_blocks))
-        for direction, num_src, num_dst in lanes:
+            lanes.append((Direction.LOAD, num_host_blocks, layout.num_blocks, _expedited_options(o, layout)))
+        for direction, num_src, num_dst, lane_options in lanes:
             plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction,
                             host_stride=region.record_stride)
             if o.backend_factory is not None:
                 backend = _made_backend(o.backend_factory, direction)
             elif cuda is not None:
-                backend = _issuing(_cuda_backend(direction, layout, region, cuda, o), cuda, o.issuer)
+                backend = _issuing(_cuda_backend(direction, layout, region, cuda, lane_options), cuda, o.issuer)
             else:
                 backend = HostBackend(direction)
             undo.callback(backend.release)
@@ -481,6 +481,18 @@ def _check_copy_method_backend(copy_method: object, backend: str) -> None:
         raise InvalidArgumentError(
             f"copy_method = {copy_method!r} applies to the cuda backend only (backend is {backend!r})"
         )
+
+
+#: The expedited load lane's staging ring against a regular lane's (its loads are the few a step
+#: waits for, not bulk prefetches): a quarter, as long as a slot still holds a record.
+EXPEDITED_RING_SHARE: Final = 4
+
+
+def _expedited_options(options: WorkerOptions, layout: DeviceLayout) -> WorkerOptions:
+    """The options of the expedited load lane's backend: a staging ring of 1/EXPEDITED_RING_SHARE
+    of a regular lane's (32 MiB by default) where its slots still hold a record, else the same."""
+    smaller = attrs.evolve(options, staging_bytes=options.staging_bytes // EXPEDITED_RING_SHARE)
+    return smaller if _slot_bytes(smaller) >= layout.record_bytes else options
 
 
 def _slot_bytes(options: WorkerOptions) -> int:

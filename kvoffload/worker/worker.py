@@ -302,9 +302,10 @@ class Worker:
             expedited_loads: a second load lane for ``load(..., expedited=True)`` and
                 ``load_by_layer(..., expedited=True)``: loads the engine waits for within its step
                 (a request that already runs) never queue behind the regular loads
-                (docs/design.md §4, *Two load lanes*). The lane has a backend of its own (on CUDA its streams, its
-                staging ring of ``staging_bytes / 2`` more device memory, and its issuer thread);
-                the link is shared, so both lanes' loads move at once.
+                (docs/design.md §4, *Two load lanes*). The lane has a backend of its own (on CUDA
+                its streams, a staging ring of ``staging_bytes / 8`` more device memory where its
+                slots still hold a record, and its issuer thread); the link is shared, so both
+                lanes' loads move at once.
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.

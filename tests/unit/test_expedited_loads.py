@@ -26,6 +26,7 @@ from kvoffload.backends.host import HostBackend
 from kvoffload.backends.native import NativeBackend
 from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
+from kvoffload.worker.assembly import WorkerOptions, _expedited_options, _slot_bytes
 from tests.unit._native_fake import COMPUTE, FakeDriver
 from tests.unit.test_call_front import BLOCKS, Inner
 from tests.unit.test_host_end_to_end import HOST_BLOCKS, small_cache
@@ -196,6 +197,20 @@ def test_an_expedited_layered_load_lands_layer_by_layer_beside_a_held_load() -> 
     finally:
         regular.gate.set()
         w.shutdown(TIMEOUT_S)
+
+
+def test_the_expedited_lanes_staging_ring_is_a_quarter_where_its_slots_still_hold_a_record() -> None:
+    options = WorkerOptions()  # 256 MiB of rings: a lane's 128 MiB, two slots of 64 MiB
+    small = _layout_of_records(1 << 20)
+    assert _expedited_options(options, small).staging_bytes == options.staging_bytes // 4
+    assert _slot_bytes(_expedited_options(options, small)) == 16 << 20
+    big = _layout_of_records(20 << 20)  # a 20 MiB record fits a 64 MiB slot, not a 16 MiB one
+    assert _expedited_options(options, big) is options
+
+
+def _layout_of_records(record_bytes: int) -> DeviceLayout:
+    """A CPU layout of 2 blocks whose host record is ``record_bytes`` (a multiple of 4 KiB)."""
+    return DeviceLayout.from_tensors([torch.zeros(2, record_bytes, dtype=torch.uint8)], block_dim=0)
 
 
 def test_shutdown_finishes_both_lanes_and_stops_their_threads() -> None:
