@@ -1,20 +1,19 @@
 """Worker: one GPU's offload engine, composed of a host region, two direction handlers (and an
 optional second load lane, the expedited loads'), an optional disk tier and an optional remote tier.
 
-Owns: the host region (alone: it is the only object that knows both directions share that memory,
-so it is the only one that may release it; of a shared pool, this rank's mapping and registration,
+Owns: the host region (alone: it is the only object that knows both directions share that memory, so
+it is the only one that may release it; of a shared pool, this rank's mapping and registration,
 never another rank's: docs/design.md §13), the store and load handlers (the expedited lane's too),
-the disk tier, its
-pipeline and bounce handlers, the remote tier, the job book they share, and the in-flight block
-bookkeeping that spans directions. Borrows: the layout (and through it the engine's tensors,
-which must outlive the worker).
+the disk tier, its pipeline and bounce handlers, the remote tier, the job book they share, and the
+in-flight block bookkeeping that spans directions. Borrows: the layout (and through it the engine's
+tensors, which must outlive the worker).
 
 Every job method validates its arguments, books the job's blocks, reserves its id in the book and
 hands it to the component its direction routes to (a table, built once). ``store``, ``load`` and
 ``load_by_layer`` of a native issuer first try a fast front (:meth:`Worker._front`) that does the
-same for numpy ids in one pass
-and declines, changing nothing, any job that is not plainly valid. Rules it enforces before
-anything is submitted (typed errors; the worker is unchanged afterwards; docs/design.md §4):
+same for numpy ids in one pass and declines, changing nothing, any job that is not plainly valid.
+Rules it enforces before anything is submitted (typed errors; the worker is unchanged afterwards;
+docs/design.md §4):
 
 * a job may not read a block that an in-flight job writes (a store reading a device block a load
   is filling; a load reading a host record a store is filling: a record is loadable only after its
@@ -25,13 +24,13 @@ anything is submitted (typed errors; the worker is unchanged afterwards; docs/de
 A job stays "in flight" until its result has been returned to the caller.
 
 Shutdown contract (docs/design.md §6): shut down the pipeline, the store handler, the load handler,
-the expedited load handler, the bounce handlers, the disk tier and the remote tier, each in its own try/except, collecting
-failures. If any
-failed (or a thread of theirs still runs), fall back to a device-wide synchronize bounded by the
-remaining time. Clean the region up once, but only when the device is proven idle; otherwise abandon
-it mapped and pinned (unmapping memory a DMA engine may still write is worse than a leak) and say
-so. Then raise one :class:`ShutdownError` carrying every failure — after all cleanup is done.
-``shutdown`` is idempotent; every other call after it raises :class:`ClosedError`.
+the expedited load handler, the bounce handlers, the disk tier and the remote tier, each in its own
+try/except, collecting failures. If any failed (or a thread of theirs still runs), fall back to a
+device-wide synchronize bounded by the remaining time. Clean the region up once, but only when the
+device is proven idle; otherwise abandon it mapped and pinned (unmapping memory a DMA engine may
+still write is worse than a leak) and say so. Then raise one :class:`ShutdownError` carrying every
+failure — after all cleanup is done. ``shutdown`` is idempotent; every other call after it raises
+:class:`ClosedError`.
 """
 
 from __future__ import annotations
