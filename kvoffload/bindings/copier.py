@@ -36,8 +36,9 @@ __all__ = ["BATCH_MAX_COPIES", "COPY_PIECE_BYTES", "Copier", "in_pieces"]
 U64Array = npt.NDArray[np.uint64]
 #: Copies per driver call; a longer job is issued as several batches on the same stream.
 BATCH_MAX_COPIES: Final = 1 << 16
-#: The longest copy a path issues (longer ones, merged from pages or records that continue each
-#: other, go as pieces of this size; the native issuer stops merging at it). The copy engine moves
+#: The longest copy a path issues: a longer one (a long page or record, or a run merged from pages
+#: or records that continue each other) goes as pieces of this size cut from its start, by the
+#: Python paths (:func:`in_pieces`) and the native issuer alike. The copy engine moves
 #: one copy at a time, so another stream's copy in the same direction (the expedited load lane's,
 #: the engine's own input or output copies) waits for at most one piece, about 38 us at 55 GB/s,
 #: instead of a whole staged chunk (a slot, 64 MiB by default: 1.2 ms). 0: no bound. Read when a
