@@ -155,8 +155,10 @@ struct kvo_config {
     int64_t caller_coming_ns; /* a busy thread told by kvo_issuer_expect that a caller's hand-off
                                * is coming gives way for at most this long (0: never); see give_way */
     int64_t start_timeout_ns; /* kvo_issuer_new waits this long for the thread's start (<= 0: 0) */
-    int64_t piece_bytes;      /* merged copies grow to at most this many bytes, strided copies to
-                               * at most this many rows' pitch (0: no bound); see append_copy */
+    int64_t piece_bytes;      /* no copy is longer (0: no bound): descriptors are cut into pieces
+                               * of it (append_copy), strided copies hold the rows it holds and
+                               * go as descriptors where strided_min_rows rows do not fit it
+                               * (strided_rows) */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -521,6 +523,7 @@ static int append_copy(struct kvo_issuer *is, size_t *count, int64_t *last_area,
                        uint64_t src, uint64_t size, int64_t area, int merge) {
     uint64_t piece = is->c.piece_bytes > 0 ? (uint64_t)is->c.piece_bytes : UINT64_MAX;
     size_t k = *count;
+    if (!size) return 1; /* nothing to move, and no run for the next copy to continue */
     if (merge && k > 0 && *last_area == area && is->d_dst[k - 1] + is->d_size[k - 1] == dst &&
         is->d_src[k - 1] + is->d_size[k - 1] == src && is->d_size[k - 1] < piece) {
         uint64_t take = piece - is->d_size[k - 1];
@@ -1431,7 +1434,8 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, cons
             k += m;
         }
     }
-    return copies <= CALLER_LAYER_COPIES && strided <= CALLER_LAYER_STRIDED;
+    /* (strided copies are bounded where pieces cut them: without a bound a run is one copy) */
+    return copies <= CALLER_LAYER_COPIES && (is->c.piece_bytes <= 0 || strided <= CALLER_LAYER_STRIDED);
 }
 
 /* Put `job` at the head of the issue queue (caller holds the mutex): a job its caller was to issue,

@@ -4,9 +4,10 @@ direction waits for at most one piece.
 
 * :func:`kvoffload.bindings.copier.in_pieces` (the Python paths, in ``Copier.copy``) splits a copy
   into pieces that cover exactly its bytes, in order;
-* the native issuer stops merging descriptors at the piece (the dma path's pages, the staged
-  path's records) and cuts strided copies to the rows a piece holds (never fewer than
-  ``strided_min_rows``); every job still moves exactly its bytes. Each control, with no bound,
+* the native issuer cuts its descriptors into pieces (the dma path's pages, the staged path's
+  records, and the runs merged from them) and strided copies to the rows a piece holds, sending
+  the rows as descriptors where ``strided_min_rows`` of them do not fit a piece; every job still
+  moves exactly its bytes. Each control, with no bound,
   issues a longer copy, so the bound is what keeps them short.
 """
 
