@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from kvoffload import DeviceLayout, IssuerName, Worker
-from kvoffload.bindings import copier
 from kvoffload.cli._args import check_device_memory, check_memory, int_in, int_list, names, writable_file
 from kvoffload.cli._torch import new_event, new_stream
 
@@ -61,8 +60,6 @@ SMALL_JOB_REPEATS: Final = 20
 LINK_PROBE_BYTES: Final = 1 << 30
 #: Largest ``--pages`` entry, KiB: a block is about :data:`BLOCK_BYTES` whatever the page size.
 MAX_PAGE_KIB: Final = BLOCK_BYTES // KIB
-#: The largest --copy-piece-kib (1 GiB).
-MAX_PIECE_KIB: Final = 1 << 20
 
 
 @attrs.frozen
@@ -358,10 +355,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--issuers", type=names(get_args(IssuerName)), default=None,
                         help="--latency and --layerwise: comma-separated issuers, each path measured "
                              "with each (native, python, auto; default native,python)")
-    parser.add_argument("--copy-piece-kib", type=int_list(0, MAX_PIECE_KIB), default=None,
-                        help="comma-separated bounds on one copy in KiB (0: none), each measured in "
-                             "turn, twice over, in this run (default: the library's, "
-                             f"{copier.COPY_PIECE_BYTES // KIB})")
     parser.add_argument("--ranks", type=int, default=None, metavar="N",
                         help="instead: a host pool shared by N rank processes (attach time, and "
                              "throughput of ranks at once); --ranks N --help lists its options")
@@ -376,7 +369,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         ("--paths", args.paths), ("--pages", args.pages), ("--total-mib", args.total_mib),
         ("--gemm", args.gemm or None), ("--kernel-ctas", args.kernel_ctas), ("--json", args.json),
         ("--latency", args.latency or None), ("--layerwise", args.layerwise or None),
-        ("--layers", args.layers), ("--issuers", args.issuers), ("--copy-piece-kib", args.copy_piece_kib),
+        ("--layers", args.layers), ("--issuers", args.issuers),
     ) if value is not None}
     if args.disk is not None:
         mode, takes = "--disk", {"--total-mib", "--json"}
@@ -384,16 +377,13 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--disk {args.disk!r} is not a directory")
     elif args.latency or args.layerwise:
         mode = "--latency/--layerwise"
-        takes = {"--paths", "--issuers", "--latency", "--layerwise", "--copy-piece-kib"}
+        takes = {"--paths", "--issuers", "--latency", "--layerwise"}
         takes |= {"--pages"} if args.latency else set()
         takes |= {"--layers"} if args.layerwise else set()
         if args.paths is not None and not set(args.paths) - {"loop"}:
             parser.error("argument --paths: --latency/--layerwise measure the worker's paths, not loop")
     else:
-        mode, takes = "the transfer bench", {"--paths", "--pages", "--total-mib", "--gemm", "--kernel-ctas", "--json",
-                                             "--copy-piece-kib"}
-    if args.json is not None and args.copy_piece_kib is not None and len(args.copy_piece_kib) > 1:
-        parser.error("--json cannot be combined with several --copy-piece-kib values: one file, one run")
+        mode, takes = "the transfer bench", {"--paths", "--pages", "--total-mib", "--gemm", "--kernel-ctas", "--json"}
     ignored = sorted(given - takes)
     if ignored:
         parser.error(f"{', '.join(ignored)} cannot be combined with {mode}: it would be ignored")
@@ -428,22 +418,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
-    if args.copy_piece_kib is None:
-        return _measure(parser, args, device)
-    status, kept = 0, copier.COPY_PIECE_BYTES
-    try:
-        for round_ in (1, 2):  # the bounds alternated, so the host's drift falls on each alike
-            for piece in args.copy_piece_kib:
-                copier.COPY_PIECE_BYTES = piece * KIB
-                print(f"\n== round {round_}: no copy longer than {piece} KiB (0: no bound) ==", flush=True)
-                status |= _measure(parser, args, device)
-    finally:
-        copier.COPY_PIECE_BYTES = kept
-    return status
-
-
-def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> int:
-    """One run of the chosen mode (``--latency``/``--layerwise``, or the transfer bench)."""
     progress = sys.stderr
     if args.latency or args.layerwise:
         from kvoffload.cli import latency_bench
