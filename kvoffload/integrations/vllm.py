@@ -83,6 +83,7 @@ from kvoffload import (
     UnknownKeyError,
     Worker,
 )
+from kvoffload.integrations._vllm_policy import RequestRankedLRU
 from kvoffload.integrations.vllm_support import (
     SUPPORTED_VLLM_VERSIONS,
     AdapterOptions,
@@ -174,11 +175,13 @@ _INFO_KEYS: Final = (
 
 
 class _RequestKeys:
-    """The keys one request offered to store, in its chunks' order (kept in vLLM's ``ReqContext``,
-    which lives as long as the request)."""
+    """The keys one request offered to store, in its chunks' order, and its rank in the ranked LRU
+    (the policy's generation it was drawn in, and the rank); kept in vLLM's ``ReqContext``, which
+    lives as long as the request."""
 
     def __init__(self) -> None:
         self.keys: dict[bytes, None] = {}
+        self.rank: tuple[int, int] | None = None
 
 
 def _head_to_tail(keys: Iterable[bytes], req_context: ReqContext) -> list[bytes]:
@@ -193,12 +196,26 @@ def _head_to_tail(keys: Iterable[bytes], req_context: ReqContext) -> list[bytes]
     return ordered
 
 
-def _request_keys(req_context: ReqContext) -> dict[bytes, None]:
+def _request_state(req_context: ReqContext) -> _RequestKeys:
     state: _RequestKeys | None = req_context.get_state(_RequestKeys)
     if state is None:
         state = _RequestKeys()
         req_context.set_state(state)
-    return state.keys
+    return state
+
+
+def _request_keys(req_context: ReqContext) -> dict[bytes, None]:
+    return _request_state(req_context).keys
+
+
+def _positioned(keys: Iterable[bytes], req_context: ReqContext) -> list[tuple[bytes, int]]:
+    """``(key, token position)`` of the keys vLLM recorded a position for."""
+    out = []
+    for key in keys:
+        position = req_context.get_offload_key_position(key)
+        if position is not None:
+            out.append((key, position))
+    return out
 
 
 class KVOffloadManager(OffloadingManager):
@@ -209,8 +226,12 @@ class KVOffloadManager(OffloadingManager):
     GPU resource. Called from vLLM's scheduler thread only (its ``lock`` is vLLM's no-op default).
     """
 
-    def __init__(self, manager: Manager, *, events: bool, info: Mapping[str, str | int]) -> None:
+    def __init__(self, manager: Manager, *, events: bool, info: Mapping[str, str | int],
+                 ranked: RequestRankedLRU | None = None) -> None:
+        """``ranked``: the host tier's policy when it is the request-ranked LRU (``"lru"``): the
+        adapter then ranks chunks by request and token position, as vLLM's own LRU does."""
         self._manager = manager
+        self._ranked = ranked
         self._events = events
         self._info = dict(info)
         self._store_plan: dict[bytes, StorePlan] = {}  # pending store key -> its plan
@@ -246,6 +267,8 @@ class KVOffloadManager(OffloadingManager):
         is not loadable (a caller that skipped ``lookup``)."""
         ordered = list(keys)
         plan = self._manager.prepare_load(ordered)
+        if self._ranked is not None:
+            self._ranked.access(_positioned(ordered, req_context), self._request_rank(req_context))
         for key in ordered:
             self._load_plans.setdefault(key, deque()).append(plan)
         if ordered:
@@ -253,8 +276,12 @@ class KVOffloadManager(OffloadingManager):
         return HostChunkSpec(plan.blocks)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Tell the eviction policy that ``keys`` were used (unknown keys are ignored)."""
-        self._manager.touch(list(keys))
+        """Tell the eviction policy that ``keys`` were used (unknown keys are ignored; the ranked
+        LRU ranks them fresh, the last key the most recent, as vLLM's own)."""
+        ordered = list(keys)
+        self._manager.touch(ordered)
+        if self._ranked is not None:
+            self._ranked.refresh(ordered[::-1])
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Drop the oldest outstanding load of each of ``keys``.
@@ -287,14 +314,27 @@ class KVOffloadManager(OffloadingManager):
         keys); None when the pool cannot take them (nothing changed but the held keys' recency:
         they are used again, the head of the request's keys the most recent)."""
         ordered = list(dict.fromkeys(keys))  # vLLM may name a key twice across groups: store it once
-        # The keys the request holds already are used again: the most recent, the head last, so
-        # that a prefix's head outlives its tail (vLLM's own LRU ranks a request's chunks so, and
-        # never calls touch; a prefix without its head can never be hit again).
-        self._manager.touch(ordered[::-1])
+        ranked = self._ranked
+        if ranked is not None:
+            # vLLM's own LRU: every chunk the running request offers ranks with the request, its
+            # tail below its head, whichever step offered it (a prefix without its head can never
+            # be hit again); the new ones take that rank when their store admits them.
+            # Keys vLLM recorded no position for are used again fresh, the head last.
+            positioned = _positioned(ordered, req_context)
+            if len(positioned) < len(ordered):
+                placed = {kp[0] for kp in positioned}
+                ranked.refresh([k for k in ordered[::-1] if k not in placed])
+            ranked.access(positioned, self._request_rank(req_context))
+        else:
+            # The keys the request holds already are used again: the most recent, the head last.
+            self._manager.touch(ordered[::-1])
         _request_keys(req_context).update(dict.fromkeys(ordered))
         plan = self._manager.prepare_store(ordered)
         if plan is None:
             return None
+        if ranked is not None and plan.keys:
+            new = set(plan.keys)
+            ranked.expect([kp for kp in positioned if kp[0] in new], self._request_rank(req_context))
         if plan.keys:
             for key in plan.keys:
                 self._store_plan[key] = plan
@@ -325,6 +365,8 @@ class KVOffloadManager(OffloadingManager):
             rank = {key: i for i, key in enumerate(_head_to_tail(plan.keys, req_context))}
             plan_keys.sort(key=rank.__getitem__, reverse=True)
             self._manager.complete_store(plan, bool(success), plan_keys)
+            if not success and self._ranked is not None:
+                self._ranked.forget(plan_keys)
             left.difference_update(plan_keys)
             if not left:
                 del self._store_left[plan_id]
@@ -332,13 +374,26 @@ class KVOffloadManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Rank every chunk the request offered once more, from its tail to its head (only ready
         ones count), so that its tail goes first and its head last, whichever step stored them
-        (vLLM's own LRU does so when a request finishes; vLLM offers only each step's new chunks,
-        so until then a later step's chunks are newer than the head an earlier step stored). Once
-        per request: after every store it cost O(request) per step (0.7 ms a step for a request
-        of 4,000 chunks, measured by a review)."""
+        (vLLM's own LRU does so when a request finishes; while it ran, the ranked LRU kept its
+        chunks by request and position, and ARC by recency). Once per request: after every store
+        it cost O(request) per step (0.7 ms a step for a request of 4,000 chunks, measured by a
+        review)."""
         keys = _request_keys(req_context)
         if keys:
-            self._manager.touch(_head_to_tail(keys, req_context)[::-1])
+            tail_first = _head_to_tail(keys, req_context)[::-1]
+            if self._ranked is not None:
+                self._ranked.refresh(tail_first)
+            else:
+                self._manager.touch(tail_first)
+
+    def _request_rank(self, req_context: ReqContext) -> int:
+        """The request's rank in the ranked LRU, drawn at its first use (again after a reset)."""
+        ranked = self._ranked
+        assert ranked is not None
+        state = _request_state(req_context)
+        if state.rank is None or state.rank[0] != ranked.generation:
+            state.rank = (ranked.generation, ranked.request_rank())
+        return state.rank[1]
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Every request offloads its new chunks (vLLM's chunk-level policy)."""
@@ -498,10 +553,16 @@ class KVOffloadSpec(OffloadingSpec):
     def get_manager(self) -> KVOffloadManager:
         """The scheduler-side manager (built on the first call)."""
         if self._manager is None:
+            made: list[RequestRankedLRU] = []
+
+            def ranked_lru(capacity: int) -> RequestRankedLRU:
+                made.append(RequestRankedLRU(capacity))
+                return made[-1]
+
             manager = Manager.create(
                 self.num_chunks,
                 fingerprint=self.fingerprint,
-                policy=self.options.eviction_policy,
+                policy=ranked_lru if self.options.eviction_policy == "lru" else self.options.eviction_policy,
                 record_events=bool(self.kv_events_config.enable_kv_cache_events),
             )
             info: dict[str, str | int] = {
@@ -512,7 +573,8 @@ class KVOffloadSpec(OffloadingSpec):
                 "eviction_policy": self.options.eviction_policy,
             }
             self._manager = KVOffloadManager(
-                manager, events=bool(self.kv_events_config.enable_kv_cache_events), info=info
+                manager, events=bool(self.kv_events_config.enable_kv_cache_events), info=info,
+                ranked=made[0] if made else None,
             )
         return self._manager
 

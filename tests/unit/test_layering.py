@@ -106,6 +106,7 @@ LAYERS: dict[str, int] = {
     # engine adapters, optional extras on the public surface
     "integrations.__init__": 10,
     "integrations.vllm_support": 10,
+    "integrations._vllm_policy": 10,
     "integrations._vllm_worker": 11,
     "integrations.vllm": 12,
     "integrations._transformers_surface": 10,
@@ -120,6 +121,7 @@ TORCH_FREE = {
     "native.__init__",
     "bindings.copier", "bindings.kernel", "disk.config", "manager.policies", "manager.records",
     "manager.state", "manager.remote", "manager.base", "manager.manager", "worker.booking",
+    "integrations._vllm_policy",
 }
 
 

@@ -174,6 +174,35 @@ def test_a_finished_requests_chunks_go_tail_first_whichever_step_stored_them(
     assert [big.lookup(key(i), CTX) for i in (0, 1)] == [LookupResult.HIT] * 2
 
 
+@pytest.mark.parametrize("steps", [[[0, 1], [2, 3]], [[2, 3], [0, 1]]], ids=["in order", "backfill"])
+def test_a_running_requests_chunks_go_tail_first_whichever_step_stored_them(steps: list[list[int]]) -> None:
+    """While a request runs, its chunks rank with the request and by token position, as vLLM's own
+    LRU ranks them: evictions for another request take its tail, 3 then 2, never the head an
+    earlier step stored (ranked by recency, the first step's chunks were older than the second's,
+    and an eviction took key 1 from the middle of the prefix: 2 and 3 could never be hit again).
+    A request that started later keeps its chunks longer than this one's."""
+    big = KVOffloadSpec(offloading_config(host_chunks=6)).get_manager()
+    ctx = ReqContext(req_id="long")
+    for i in range(4):
+        ctx.set_offload_key_position(key(i), 16 * (i + 1))
+    for step in steps:
+        chunk = [key(i) for i in step]
+        out = big.prepare_store(chunk, ctx)
+        assert out is not None and out.keys_to_store == chunk
+        big.complete_store(chunk, ctx)
+    later = ReqContext(req_id="later")
+    for i in (7, 8):
+        later.set_offload_key_position(key(i), 16 * (i - 6))
+    out = big.prepare_store([key(7), key(8)], later)
+    assert out is not None
+    big.complete_store([key(7), key(8)], later)
+    out = big.prepare_store([key(9)], CTX)
+    assert out is not None and out.evicted_keys == [key(3)]
+    out = big.prepare_store([key(10)], CTX)
+    assert out is not None and out.evicted_keys == [key(2)]
+    assert [big.lookup(key(i), CTX) for i in (0, 1, 7, 8)] == [LookupResult.HIT] * 4
+
+
 def test_held_keys_offered_again_are_used_again(manager: KVOffloadManager) -> None:
     """A request that offers a key the pool holds (a prefix it reused) makes it the most recent, as
     vLLM's own manager does (vLLM never calls touch): the next eviction takes another (it took the
