@@ -332,18 +332,26 @@ def _conflicts(run: _Run) -> None:
         assert all(r.ok for r in w.wait([2, 4], run.wait_s)), "a job after the conflicts failed"
 
 
+def _stored(run: _Run, w: Worker) -> tuple[list[int], list[int], torch.Tensor]:
+    """Store job 1: up to 4 random device blocks from block 0 into as many host records; returns
+    the host records, the last as many device blocks (to load into) and the blocks' bytes."""
+    layout = w.layout
+    n = min(4, w.num_host_blocks)
+    src, hosts = list(range(n)), list(range(n))
+    layout.scatter_records(src, _random_records(layout, n))
+    original = layout.gather_records(src)
+    w.store(1, src, hosts)
+    _check_result(w.wait([1], run.wait_s)[0], 1, Direction.STORE, n * layout.block_bytes)
+    return hosts, list(range(layout.num_blocks - n, layout.num_blocks)), original
+
+
 def _layers(run: _Run) -> None:
     with run.worker() as w:
         layout = w.layout
         if layout.layers is None:  # the layout does not say its layers: nothing to check
             return
-        n = min(4, w.num_host_blocks)
-        src, hosts = list(range(n)), list(range(n))
-        dst = list(range(layout.num_blocks - n, layout.num_blocks))
-        layout.scatter_records(src, _random_records(layout, n))
-        original = layout.gather_records(src)
-        w.store(1, src, hosts)
-        _check_result(w.wait([1], run.wait_s)[0], 1, Direction.STORE, n * layout.block_bytes)
+        hosts, dst, original = _stored(run, w)
+        n = len(hosts)
         layout.scatter_records(dst, torch.zeros_like(original))
         stream = None
         if layout.device.type == "cuda":  # the load follows ``stream``, not the stream that zeroed
@@ -371,13 +379,8 @@ def _expedited(run: _Run) -> None:
             w.load(1, [0], [0])  # the id was left free
             _check_result(w.wait([1], run.wait_s)[0], 1, Direction.LOAD, layout.block_bytes)
             return
-        n = min(4, w.num_host_blocks)
-        src, hosts = list(range(n)), list(range(n))
-        dst = list(range(layout.num_blocks - n, layout.num_blocks))
-        layout.scatter_records(src, _random_records(layout, n))
-        original = layout.gather_records(src)
-        w.store(1, src, hosts)
-        _check_result(w.wait([1], run.wait_s)[0], 1, Direction.STORE, n * layout.block_bytes)
+        hosts, dst, original = _stored(run, w)
+        n = len(hosts)
         before = w.stats()
         w.load(2, hosts, dst, expedited=True)  # reads hosts, writes dst until its result came back
         _refused(lambda: w.load(3, [n], dst[:1]), BlockConflictError,

@@ -148,14 +148,9 @@ def test_a_jobs_keys_completed_in_any_order_leave_its_head_evicted_last(manager:
     assert [manager.lookup(k, CTX) for k in chain[:3]] == [LookupResult.HIT] * 3
 
 
-@pytest.mark.parametrize("steps", [[[0, 1], [2, 3]], [[2, 3], [0, 1]]])
-def test_a_finished_requests_chunks_go_tail_first_whichever_step_stored_them(
-    manager: KVOffloadManager, steps: list[list[int]],
-) -> None:
-    """vLLM offers each step's new chunks only (and a backfill stores earlier chunks later): once
-    the request finished, its chunks are ranked by token position, so the first evictions take
-    its tail, 3 then 2, never its head (a later step's chunks were newer than the head an earlier
-    step stored: found by a review)."""
+def _long_request(steps: list[list[int]]) -> tuple[KVOffloadManager, ReqContext]:
+    """A manager of 6 chunks and a request whose chunks 0-3 (token positions 16-64) its ``steps``
+    stored, one job a step."""
     big = KVOffloadSpec(offloading_config(host_chunks=6)).get_manager()
     ctx = ReqContext(req_id="long")
     for i in range(4):
@@ -165,6 +160,18 @@ def test_a_finished_requests_chunks_go_tail_first_whichever_step_stored_them(
         out = big.prepare_store(chunk, ctx)
         assert out is not None and out.keys_to_store == chunk
         big.complete_store(chunk, ctx)
+    return big, ctx
+
+
+@pytest.mark.parametrize("steps", [[[0, 1], [2, 3]], [[2, 3], [0, 1]]])
+def test_a_finished_requests_chunks_go_tail_first_whichever_step_stored_them(
+    manager: KVOffloadManager, steps: list[list[int]],
+) -> None:
+    """vLLM offers each step's new chunks only (and a backfill stores earlier chunks later): once
+    the request finished, its chunks are ranked by token position, so the first evictions take
+    its tail, 3 then 2, never its head (a later step's chunks were newer than the head an earlier
+    step stored: found by a review)."""
+    big, ctx = _long_request(steps)
     big.on_request_finished(ctx)
     stored(big, [key(7), key(8)])  # another request, after: the pool is full
     out = big.prepare_store([key(9)], CTX)
@@ -181,15 +188,7 @@ def test_a_running_requests_chunks_go_tail_first_whichever_step_stored_them(step
     earlier step stored (ranked by recency, the first step's chunks were older than the second's,
     and an eviction took key 1 from the middle of the prefix: 2 and 3 could never be hit again).
     A request that started later keeps its chunks longer than this one's."""
-    big = KVOffloadSpec(offloading_config(host_chunks=6)).get_manager()
-    ctx = ReqContext(req_id="long")
-    for i in range(4):
-        ctx.set_offload_key_position(key(i), 16 * (i + 1))
-    for step in steps:
-        chunk = [key(i) for i in step]
-        out = big.prepare_store(chunk, ctx)
-        assert out is not None and out.keys_to_store == chunk
-        big.complete_store(chunk, ctx)
+    big, _ = _long_request(steps)
     later = ReqContext(req_id="later")
     for i in (7, 8):
         later.set_offload_key_position(key(i), 16 * (i - 6))
