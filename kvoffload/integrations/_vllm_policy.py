@@ -113,20 +113,22 @@ class RequestRankedLRU:
 
     def victims(self, count: int, exclude: Container[bytes]) -> list[bytes]:
         """Up to ``count`` evictable keys not in ``exclude``, lowest rank first (the policy is left
-        as it was)."""
+        as it was: the live entries looked at go back to the heap; stale ones, of a key re-ranked,
+        held or evicted since, and second entries of a key, are dropped, so that no later call
+        walks them again)."""
         found: list[bytes] = []
-        popped: list[tuple[Rank, bytes]] = []
+        live: list[tuple[Rank, bytes]] = []
         seen: set[bytes] = set()
         while self._heap and len(found) < count:
             entry = heapq.heappop(self._heap)
-            popped.append(entry)
             rank, key = entry
             if key in seen or key not in self._evictable or self._ranks.get(key) != rank:
-                continue  # a stale entry (re-ranked, held or evicted since), or one seen already
+                continue
             seen.add(key)
+            live.append(entry)
             if key not in exclude:
                 found.append(key)
-        for entry in popped:
+        for entry in live:
             heapq.heappush(self._heap, entry)
         return found
 

@@ -267,6 +267,9 @@ class KVOffloadManager(OffloadingManager):
         is not loadable (a caller that skipped ``lookup``)."""
         ordered = list(keys)
         plan = self._manager.prepare_load(ordered)
+        # Ranked again when the request finishes, with the chunks it stores (vLLM never offers a
+        # loaded chunk to store: its shared head stayed below the request's own tail).
+        _request_keys(req_context).update(dict.fromkeys(ordered))
         if self._ranked is not None:
             self._ranked.access(_positioned(ordered, req_context), self._request_rank(req_context))
         for key in ordered:

@@ -66,6 +66,20 @@ def test_victims_skip_held_excluded_and_stale_entries_and_change_nothing() -> No
     assert policy.victims(10, ()) == [k(3), k(1)]
 
 
+def test_victims_drop_the_stale_entries_they_walk() -> None:
+    """Entries of keys re-ranked since are dropped when ``victims`` walks them, so that no later
+    call walks them again (a pool whose requests re-rank their chunks took 12.6 ms a
+    ``prepare_store`` walking them, against 0.11 ms with a plain LRU: found by a review)."""
+    policy = RequestRankedLRU(64)
+    admitted(policy, *range(10))
+    for _ in range(5):
+        policy.refresh([k(i) for i in range(10)])
+    assert len(policy._heap) == 60  # noqa: SLF001 - below the compaction's bound
+    assert policy.victims(10, ()) == [k(i) for i in range(10)]
+    assert len(policy._heap) == 10  # noqa: SLF001
+    assert policy.victims(10, ()) == [k(i) for i in range(10)]
+
+
 def test_a_failed_stores_waiting_ranks_are_forgotten_and_clear_starts_a_generation() -> None:
     policy = RequestRankedLRU(16)
     rank = policy.request_rank()

@@ -202,6 +202,32 @@ def test_a_running_requests_chunks_go_tail_first_whichever_step_stored_them(step
     assert [big.lookup(key(i), CTX) for i in (0, 1, 7, 8)] == [LookupResult.HIT] * 4
 
 
+def test_a_prefix_a_request_loaded_is_ranked_again_with_it_when_it_finishes() -> None:
+    """vLLM offers a request only the chunks it stores, never the prefix it loaded: when it
+    finishes, that prefix is used again with the rest, head last (as vLLM's own manager does), so
+    evictions take the request's own tail first; the head stayed below the tail before, and an
+    eviction left the tail, which no lookup reaches without it (found by a review)."""
+    big, first = _long_request([[0, 1, 2, 3]])
+    big.on_request_finished(first)
+    second = ReqContext(req_id="second")
+    for i, position in ((0, 16), (1, 32), (10, 48), (11, 64)):
+        second.set_offload_key_position(key(i), position)
+    big.prepare_load([key(0), key(1)], second)
+    big.complete_load([key(0), key(1)], second)
+    out = big.prepare_store([key(10), key(11)], second)
+    assert out is not None
+    big.complete_store(out.keys_to_store, second)
+    big.on_request_finished(second)
+    evicted: list[bytes] = []
+    for i in range(20, 24):
+        out = big.prepare_store([key(i)], CTX)
+        assert out is not None
+        evicted += out.evicted_keys
+        big.complete_store(out.keys_to_store, CTX)
+    assert evicted == [key(3), key(2), key(11), key(10)]
+    assert [big.lookup(key(i), CTX) for i in (0, 1)] == [LookupResult.HIT] * 2
+
+
 def test_held_keys_offered_again_are_used_again(manager: KVOffloadManager) -> None:
     """A request that offers a key the pool holds (a prefix it reused) makes it the most recent, as
     vLLM's own manager does (vLLM never calls touch): the next eviction takes another (it took the
