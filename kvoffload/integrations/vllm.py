@@ -17,6 +17,10 @@ whose host blocks are vLLM's chunks (one ``OffloadKey`` each):
   keys loadable;
 - ``prepare_load(keys)`` / ``complete_load(keys)``: loads of one key may overlap; each completion
   drops the oldest outstanding load of each key;
+- eviction (``eviction_policy``): ``"lru"`` ranks chunks as vLLM's own LRU does (each chunk a
+  running request offers or loads ranks with the request and, within it, by token position, tail
+  first; a finished request's chunks are used again tail to head:
+  :class:`~kvoffload.integrations._vllm_policy.RequestRankedLRU`); ``"arc"`` is kvoffload's ARC;
 - ``reset_cache()`` clears every key at once; chunks that jobs of earlier plans may still copy into
   or out of stay fenced (never handed to a new store) until vLLM calls ``on_reset_flushed()``, which
   settles those plans (vLLM drops their completions);
