@@ -77,11 +77,14 @@ class RequestRankedLRU:
         return len(self._waiting)
 
     def refresh(self, keys: Iterable[bytes]) -> None:
-        """Each resident key in turn takes a fresh rank (the last one the highest); others are
-        ignored."""
+        """Each resident key in turn takes a fresh rank (the last one the highest), and so does
+        the waiting rank of a key whose store is pending (vLLM's own LRU holds a chunk from its
+        store's start); others are ignored."""
         for key in keys:
             if key in self._ranks:
                 self._set(key, (next(self._counter), 0))
+            elif key in self._waiting:
+                self._waiting[key] = (next(self._counter), 0)
 
     def rank_of(self, key: bytes) -> Rank | None:
         """The resident ``key``'s rank (None when it is not resident)."""

@@ -66,6 +66,20 @@ def test_victims_skip_held_excluded_and_stale_entries_and_change_nothing() -> No
     assert policy.victims(10, ()) == [k(3), k(1)]
 
 
+def test_refresh_ranks_a_pending_store_fresh_too() -> None:
+    """A key whose store is pending takes the fresh rank when its store admits it (vLLM's own LRU
+    holds the chunk from the store's start and ranks it on touch)."""
+    policy = RequestRankedLRU(16)
+    admitted(policy, 0)
+    rank = policy.request_rank()
+    policy.expect([(k(1), 16)], rank)
+    policy.refresh([k(0), k(1)])  # 0 fresh, then the pending 1 fresher
+    admitted(policy, 1)
+    assert policy.victims(2, ()) == [k(0), k(1)]
+    policy.refresh([k(9)])  # neither resident nor pending: ignored
+    assert policy.waiting == 0
+
+
 def test_victims_drop_the_stale_entries_they_walk() -> None:
     """Entries of keys re-ranked since are dropped when ``victims`` walks them, so that no later
     call walks them again (a pool whose requests re-rank their chunks took 12.6 ms a
