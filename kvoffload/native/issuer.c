@@ -1762,11 +1762,11 @@ void kvo_job_release(struct kvo_job *job) {
 }
 
 /* Make `stream` wait for layer `layer`'s mark (KVO_BAD_ARGUMENT: not a layered job, or no such
- * layer; KVO_JOB_FAILED: the job ended with an error, nothing to wait for): wait (up to timeout_ns, without the GIL) until the
- * thread recorded it, then enqueue the stream wait, without the lock (a driver call). The event
- * cannot go back to the pool meanwhile: the marks hold a reference to the job, and the caller's
- * side releases them (kvo_marks_release) only once no waiter is inside this call. 0, KVO_TIMEOUT,
- * or the driver's code. */
+ * layer; KVO_JOB_FAILED: the job ended with an error, nothing to wait for): wait (up to
+ * timeout_ns, without the GIL) until the thread recorded it, then enqueue the stream wait, without
+ * the lock (a driver call). The event cannot go back to the pool meanwhile: the marks hold a
+ * reference to the job, and the caller's side releases them (kvo_marks_release) only once no
+ * waiter is inside this call. 0, KVO_TIMEOUT, or the driver's code. */
 int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t timeout_ns) {
     struct kvo_issuer *is = job->issuer;
     if (!job->layered || layer < 0 || layer >= job->first + job->nplans) return KVO_BAD_ARGUMENT;

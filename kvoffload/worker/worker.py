@@ -381,12 +381,10 @@ class Worker:
             InvalidArgumentError: ``expedited=True`` on a worker without the expedited lane.
         """
         if expedited is False:
-            if not self._front(self._fronts.get(Direction.LOAD), job_id, host_blocks, device_blocks, stream):
-                self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
-                             "host_blocks", "device_blocks")
-            return
-        lane = self._expedited_lane(expedited)
-        if not self._front(self._expedited_front, job_id, host_blocks, device_blocks, stream):
+            front, lane = self._fronts.get(Direction.LOAD), None
+        else:
+            front, lane = self._expedited_front, self._expedited_lane(expedited)
+        if not self._front(front, job_id, host_blocks, device_blocks, stream):
             self._submit(Direction.LOAD, job_id, host_blocks, device_blocks, stream,
                          "host_blocks", "device_blocks", lane=lane)
 
