@@ -38,11 +38,12 @@ U64Array = npt.NDArray[np.uint64]
 BATCH_MAX_COPIES: Final = 1 << 16
 #: The longest copy a path issues: a longer one (a long page or record, or a run merged from pages
 #: or records that continue each other) goes as pieces of this size cut from its start, by the
-#: Python paths (:func:`in_pieces`) and the native issuer alike. The copy engine moves
-#: one copy at a time, so another stream's copy in the same direction (the expedited load lane's,
-#: the engine's own input or output copies) waits for at most one piece, about 38 us at 55 GB/s,
-#: instead of a whole staged chunk (a slot, 64 MiB by default: 1.2 ms). 0: no bound. Read when a
-#: copy is issued (Python issuer) or an issuer is started (native); docs/design.md §4.
+#: Python paths (:func:`in_pieces`) and the native issuer alike. The copy engine can take another
+#: stream's copy in the same direction (the expedited load lane's) only between copies: a piece is
+#: about 38 us at 55 GB/s, a whole staged chunk (a slot, 64 MiB by default) 1.2 ms. Measured on the
+#: H200, it took the lane's copy between pieces only where the device's queues let it (in one
+#: process of the six measured; docs/design.md §4, *Copies in pieces*). 0: no bound. Read when a
+#: copy is issued (Python issuer) or an issuer is started (native).
 COPY_PIECE_BYTES = 2 << 20
 
 

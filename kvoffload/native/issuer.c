@@ -515,10 +515,10 @@ static int reserve_descriptors(struct kvo_issuer *is, size_t n) {
 
 /* Append one copy, merged into the previous one when both sides continue it inside one area, in
  * copies of at most piece_bytes each (0: no bound): a merged run is cut every piece_bytes from its
- * start, as the Python paths cut it (copier.in_pieces). The copy engine moves one copy command at a
- * time, so another stream's copy in the same direction (the expedited load lane's, the engine's own
- * input copies) waits for at most one piece, not a whole staged chunk (docs/design.md §4, Two load
- * lanes). Grows the descriptor arrays as the pieces need; 0 when it could not. */
+ * start, as the Python paths cut it (copier.in_pieces): the copy engine can take another stream's
+ * copy in the same direction (the expedited load lane's) only between copies, and did so only where
+ * the device's queues let it (docs/design.md §4, Copies in pieces). Grows the descriptor arrays as
+ * the pieces need; 0 when it could not. */
 static int append_copy(struct kvo_issuer *is, size_t *count, int64_t *last_area, uint64_t dst,
                        uint64_t src, uint64_t size, int64_t area, int merge) {
     uint64_t piece = is->c.piece_bytes > 0 ? (uint64_t)is->c.piece_bytes : UINT64_MAX;

@@ -135,7 +135,7 @@ class WorkerParts:
     remote: RemoteTier | None = None
     issuer: str = "python"
     #: The second load lane (``Worker.create(expedited_loads=True)``): loads with its own backend,
-    #: so that they never queue behind the regular lane's (docs/design.md §4).
+    #: so that they never queue behind the regular lane's in the library (docs/design.md §4).
     expedited_handler: DirectionHandler | None = None
 
 

@@ -300,11 +300,13 @@ class Worker:
                 issuer does not run).
             expedited_loads: a second load lane for ``load(..., expedited=True)`` and
                 ``load_by_layer(..., expedited=True)``: loads the engine waits for within its step
-                (a request that already runs) never queue behind the regular loads
+                (a request that already runs) never queue behind the regular loads in the library
                 (docs/design.md §4, *Two load lanes*). The lane has a backend of its own (on CUDA
                 its streams, a staging ring of ``staging_bytes / 8`` more device memory where its
                 slots still hold a record, and its issuer thread); the link is shared, so both
-                lanes' loads move at once.
+                lanes' loads move at once. On the device, the lane's ``staged`` copies were
+                measured still waiting behind the regular lane's copies (``dma`` and ``sm`` loads
+                were not held; §4, *Copies in pieces*).
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.

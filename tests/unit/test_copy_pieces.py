@@ -1,6 +1,6 @@
-"""The longest copy a path issues (``copier.COPY_PIECE_BYTES``, docs/design.md §4, *Two load
-lanes*): the copy engine moves one copy command at a time, so another stream's copy in the same
-direction waits for at most one piece.
+"""The longest copy a path issues (``copier.COPY_PIECE_BYTES``, docs/design.md §4, *Copies in
+pieces*): the copy engine can take another stream's copy in the same direction only between
+copies.
 
 * :func:`kvoffload.bindings.copier.in_pieces` (the Python paths, in ``Copier.copy``) splits a copy
   into pieces that cover exactly its bytes, in order;
