@@ -135,8 +135,9 @@ class Offloader:
         self._lock = threading.RLock()
         self._counts = _Counters()
         self._session: _Session | None = None
-        # The session the context's exit closes: the layer hooks still ask it while the exit runs
-        # (a forward then must not read a load the exit could not land).
+        # The session being closed, by the context's exit or by a new session of the model that
+        # replaces it: the layer hooks still ask it while the close runs (a forward then must not
+        # read a load the close has not landed, or could not land).
         self._closing: _Session | None = None
         self._last_manager: kvoffload.ManagerStats | None = None
         self._compute_stream: object = None
@@ -154,6 +155,8 @@ class Offloader:
             if self._closed:
                 return None
             previous, self._session = self._session, None
+            if previous is not None:  # the hooks ask it until its close landed its loads
+                self._closing = previous
         if previous is not None:
             self._retire(previous)
         if not cache.prefix_sharing:
@@ -237,19 +240,26 @@ class Offloader:
     def _retire(self, session: _Session) -> None:
         """Close the session a new one of the model replaces (generation thread, building the new
         session's scheduler). A load that close gave up is logged, not raised: the requests that
-        could read its blocks belonged to the session that ended."""
+        could read its blocks belonged to the session that ended. Until the close landed the
+        session's loads, the layer hooks still ask it (``_closing``, set by ``_bind``): a forward of
+        its engine that still runs waits for its layers (or fails the step on one given up)."""
         with self._lock:
             self._last_manager = session.manager_stats()
         try:
             session.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
         except kvoffload.TransferError as exc:
             _log.error("closing the previous session: %s", exc)
+        finally:
+            with self._lock:  # the new session answers the hooks once bound
+                if self._closing is session and not session.gave_up_loads:
+                    self._closing = None
 
     def _close(self, timeout: float) -> None:
         with self._lock:
             self._closed = True
             session, self._session = self._session, None
-            self._closing = session
+            if session is not None:  # (else a retiring session, if any, stays the one asked)
+                self._closing = session
         if session is not None:
             with self._lock:
                 self._last_manager = session.manager_stats()

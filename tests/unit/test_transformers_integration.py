@@ -38,6 +38,7 @@ from kvoffload.integrations.transformers import (  # noqa: E402
 )
 from tests.unit._cb_workload import (  # noqa: E402
     BIG_CACHE_BLOCKS,
+    RESULT_TIMEOUT_S,
     DelayedLayers,
     FailedLayered,
     RefusedLayered,
@@ -328,6 +329,63 @@ def test_closing_in_the_middle_of_a_step_lands_the_loads_that_step_reads(
     assert result.error is None
     assert (list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs["C0"]
     assert off.stats().blocks_loaded_host == PREFIX_BLOCKS
+
+
+def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_flight(
+    model: Any, big_cache_run: PhaseRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second session of the model binds (another engine's scheduler, on its own thread) while
+    C0's forward runs with P's layer-by-layer load in flight (starting 0.5 s late), and the binding
+    thread is held for a second between giving up the old session and its close taking the
+    session's lock: the layer hooks still ask the session being retired, so the forward reads P
+    only once it landed. Before, the offloader had no session in that window, the hooks waited for
+    nothing, and C0's tokens differed."""
+    made: list[DelayedLayers] = []
+
+    def delayed(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(DelayedLayers(kvoffload.Worker.create(layout, blocks, disk=disk)))
+        return made[-1]
+
+    armed = [False]
+    retiring = threading.Event()
+    binders: list[threading.Thread] = []
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    with offloading(model, 64, make_worker=delayed) as off:
+        retire = off._retire
+
+        def signalled_retire(session: Any) -> None:
+            retiring.set()
+            time.sleep(1.0)  # the thread descheduled before the retire takes the session's lock
+            retire(session)
+
+        monkeypatch.setattr(off, "_retire", signalled_retire)
+
+        def bind_now(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
+            if armed[0]:
+                armed[0] = False
+                current = off._session
+                assert current is not None
+                binders.append(threading.Thread(target=off._bind, args=(current._cache,), name="second-engine"))
+                binders[-1].start()
+                assert retiring.wait(RESULT_TIMEOUT_S), "the second session never began to retire the first"
+
+        handle = model.register_forward_pre_hook(bind_now, prepend=True)
+        try:
+            with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                           warmup=False) as manager:
+                for prompt in PHASES["A"] + PHASES["B"]:
+                    assert serve(manager, prompt).error is None
+                armed[0] = True
+                result = serve(manager, PHASES["C"][0])
+        finally:
+            handle.remove()
+            for binder in binders:
+                binder.join(RESULT_TIMEOUT_S)
+    assert binders and not armed[0], "no session was bound in C0's forward"
+    assert made[0].handles, "no layer-by-layer load ran in C0: the test cannot fail"
+    assert result.error is None
+    assert (list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs["C0"]
+    assert off.stats().sessions == 2
 
 
 def test_blocks_held_by_stores_are_released_when_the_cache_is_short(
