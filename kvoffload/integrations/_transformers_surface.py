@@ -510,8 +510,9 @@ class _SchedulerFactory:
         if bind is None:
             if model is not None and cache is not None and _REGISTRY.shares_config(cache):
                 _log.warning("a session of a %s whose config is a registered model's is not offloaded: "
-                             "only the model given to offloading() is (a wrapper of it, or another "
-                             "model built from its config object, is another model)", type(model).__name__)
+                             "only the model given to offloading() is (a wrapper of it other than "
+                             "torch.compile's, or another model built from its config object, is "
+                             "another model)", type(model).__name__)
             return self.original(*args, **kwargs)
         hooks = bind(EngineCache(cache))
         if hooks is None:

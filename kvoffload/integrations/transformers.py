@@ -71,6 +71,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Final
@@ -318,6 +319,19 @@ def _check_model_id(model_id: object, disk: DiskConfig | None) -> None:
         )
 
 
+def _unwrapped(model: object) -> object:
+    """The module a ``torch.compile`` wrapper wraps (through every layer of wrapping), else
+    ``model``. The engine runs the wrapped module: the wrapper hands its attribute reads to it, so
+    ``compiled.generate_batch`` is the wrapped module's, whose manager builds the sessions and calls
+    the wrapped module's forward. A wrapper that changes what the model computes (an adapter's) is
+    another model and stays as it is."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing compiled
+    wrapper = getattr(eval_frame, "OptimizedModule", None) if eval_frame is not None else None
+    while wrapper is not None and isinstance(model, wrapper):
+        model = model._orig_mod
+    return model
+
+
 def _check_model(model: object) -> Any:
     generate_batch = getattr(model, "generate_batch", None)
     config = getattr(model, "config", None)
@@ -398,7 +412,9 @@ def offloading(
 
     Args:
         model: a transformers model with continuous batching (``generate_batch``), whose layers are
-            all full attention, on the CPU or one CUDA device.
+            all full attention, on the CPU or one CUDA device. A ``torch.compile`` wrapper stands
+            for the model it wraps (the engine reached through it is that model's); any other
+            wrapper (an adapter's) is a model of its own.
         num_host_blocks: host records in each session's pool; one record holds one engine block (every
             layer's K and V of ``page_size`` tokens).
         disk: a disk tier below the host pool (``kvoffload.DiskConfig``), or None. With
@@ -443,6 +459,7 @@ def offloading(
             would read them unchecked (abort the requests in flight).
     """
     _check_engine()
+    model = _unwrapped(model)
     text_config = _check_model(model)
     _check_args(num_host_blocks, disk, load_timeout, shutdown_timeout, make_worker)
     _check_model_id(model_id, disk)

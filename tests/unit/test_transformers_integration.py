@@ -388,6 +388,21 @@ def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_f
     assert off.stats().sessions == 2
 
 
+def test_a_torch_compile_wrapper_offloads_the_model_it_wraps(model: Any, big_cache_run: PhaseRun) -> None:
+    """``offloading(torch.compile(model))``: the engine reached through the wrapper is the wrapped
+    model's (its manager builds the sessions and runs its forward), so that is the model hooked.
+    Before, the wrapper was registered, no session matched it, and nothing was offloaded."""
+    compiled = torch.compile(model)  # compiles nothing until called: the engine runs ``model``
+    assert compiled is not model
+    with offloading(compiled, 64) as off:
+        run = run_phases(compiled, SMALL_CACHE_BLOCKS, off)
+    stats = off.stats()
+    assert not run.errors, run.errors
+    assert run.outputs == big_cache_run.outputs
+    assert stats.sessions == 1 and stats.blocks_loaded_host == PREFIX_BLOCKS
+    assert stats.prompt_tokens_host == 16 * PREFIX_BLOCKS  # (the run counts the wrapper's forwards: none)
+
+
 def test_blocks_held_by_stores_are_released_when_the_cache_is_short(
     model: Any, big_cache_run: PhaseRun
 ) -> None:
