@@ -73,6 +73,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -134,6 +135,9 @@ class Offloader:
         self._defer_loads = defer_loads
         self._graphs_seen = False
         self._lock = threading.RLock()
+        # One bind at a time (a bind retires the session before it); the exit waits for one in
+        # progress, so that it closes the session that bind installs.
+        self._bind_lock = threading.Lock()
         self._counts = _Counters()
         self._session: _Session | None = None
         # The session being closed, by the context's exit or by a new session of the model that
@@ -152,6 +156,10 @@ class Offloader:
 
     def _bind(self, cache: surface.EngineCache) -> _Session | None:
         """Called when a session of the model builds its scheduler (generation thread)."""
+        with self._bind_lock:
+            return self._bind_one(cache)
+
+    def _bind_one(self, cache: surface.EngineCache) -> _Session | None:
         with self._lock:
             if self._closed:
                 return None
@@ -188,10 +196,22 @@ class Offloader:
             raise
         cache.intercept_new_hashes(session.on_new_hash)
         with self._lock:
-            self._session = session
-            self._counts.sessions += 1
-            self._counts.blocks_adopted_disk += adopted
+            closed = self._exited()  # an exit that could not wait for this bind ran meanwhile
+            if not closed:
+                self._session = session
+                self._counts.sessions += 1
+                self._counts.blocks_adopted_disk += adopted
+        if closed:  # nothing else will close it: release its worker and the cache here
+            try:
+                session.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
+            except kvoffload.KVOffloadError as exc:  # it ran no step: nothing read its blocks
+                _log.error("closing a session bound after the context's exit: %s", exc)
+            return None
         return session
+
+    def _exited(self) -> bool:
+        """Whether the context's exit ran (lock held; read again after a check earlier in a call)."""
+        return self._closed
 
     def _adopt(self, manager: kvoffload.Manager, worker: WorkerLike) -> int:
         """With a tier file opened warm (``DiskConfig(reuse=True)``), the new manager takes the
@@ -241,9 +261,10 @@ class Offloader:
     def _retire(self, session: _Session) -> None:
         """Close the session a new one of the model replaces (generation thread, building the new
         session's scheduler). A load that close gave up is logged, not raised: the requests that
-        could read its blocks belonged to the session that ended. Until the close landed the
-        session's loads, the layer hooks still ask it (``_closing``, set by ``_bind``): a forward of
-        its engine that still runs waits for its layers (or fails the step on one given up)."""
+        could read its blocks belonged to the session that ended. While the close runs, the layer
+        hooks still ask the session (``_closing``, set by ``_bind``): a forward of its engine that
+        still runs waits for its layers (or fails the step on one given up); after it, they ask the
+        new session, if any."""
         with self._lock:
             self._last_manager = session.manager_stats()
         try:
@@ -251,24 +272,32 @@ class Offloader:
         except kvoffload.TransferError as exc:
             _log.error("closing the previous session: %s", exc)
         finally:
-            with self._lock:  # the new session answers the hooks once bound
-                if self._closing is session and not session.gave_up_loads:
+            with self._lock:  # a load it gave up is the ended session's (above): not asked again
+                if self._closing is session:
                     self._closing = None
 
     def _close(self, timeout: float) -> None:
-        with self._lock:
-            self._closed = True
-            session, self._session = self._session, None
-            if session is not None:  # (else a retiring session, if any, stays the one asked)
-                self._closing = session
-        if session is not None:
+        deadline = time.monotonic() + timeout
+        # A bind in progress (retiring the session before it) finishes first, within the timeout;
+        # one that does not sees the offloader closed and releases what it built itself.
+        waited = self._bind_lock.acquire(timeout=timeout)
+        try:
             with self._lock:
-                self._last_manager = session.manager_stats()
-            try:
-                session.close(timeout)
-            finally:
-                if not session.gave_up_loads:  # nothing for the layer hooks to refuse: let it go
-                    self._closing = None
+                self._closed = True
+                session, self._session = self._session, None
+                if session is not None:  # (else a retiring session, if any, stays the one asked)
+                    self._closing = session
+            if session is not None:
+                with self._lock:
+                    self._last_manager = session.manager_stats()
+                try:
+                    session.close(max(0.0, deadline - time.monotonic()))
+                finally:
+                    if not session.gave_up_loads:  # nothing for the layer hooks to refuse: let it go
+                        self._closing = None
+        finally:
+            if waited:
+                self._bind_lock.release()
 
 
 def _default_worker(layout: kvoffload.DeviceLayout, num_host_blocks: int,
@@ -427,7 +456,8 @@ def offloading(
         load_timeout: seconds a scheduling step waits for a load (or, when the cache is full, for the
             stores in flight) before giving up on it: its tokens are then recomputed.
         shutdown_timeout: seconds the exit takes at most once it holds the session (landing the
-            layer-by-layer loads in flight, at most half of it, then the worker's shutdown).
+            layer-by-layer loads in flight, at most half of it, then the worker's shutdown); a
+            session of the model being bound meanwhile is waited for within it.
         overlap_loads: load host hits layer by layer without waiting (each attention layer waits
             on the device for its pages); False waits for every load before registering it.
         defer_loads: with ``overlap_loads``, submit a host hit's load when the next forward starts

@@ -388,6 +388,116 @@ def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_f
     assert off.stats().sessions == 2
 
 
+def test_a_session_whose_retire_gave_up_a_load_is_not_asked_once_retired(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old session's retire gives up a layer-by-layer load (its copy stalls past the retire's
+    landing time) and the new session of the model binds none (its engine shares no prefixes): the
+    new engine's requests and a plain ``generate`` in the context run, since the layer hooks no
+    longer ask the retired session (they did, and every forward of the model raised its
+    ``TransferError``; found by a review)."""
+    monkeypatch.setattr(kvoffload.integrations.transformers, "DEFAULT_SHUTDOWN_TIMEOUT_S", 2.0)
+    arm = threading.Event()
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    _, unshared = cb_configs(SMALL_CACHE_BLOCKS, allow_block_sharing=False)
+    with offloading(model, 64, make_worker=_slow_workers(arm, 1.5, layers=True)) as off:
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       warmup=False) as first:
+            for prompt in PHASES["A"] + PHASES["B"]:
+                assert serve(first, prompt).error is None
+            arm.set()
+            first.add_request(PHASES["C"][0], max_new_tokens=NEW_TOKENS)  # its layered load stalls
+            deadline = time.monotonic() + RESULT_TIMEOUT_S
+            while not any(s.layered_in_flight for s in [off._session] if s is not None):
+                assert time.monotonic() < deadline, "C0's layer-by-layer load never started"
+                time.sleep(0.01)
+            retired = off._session
+            with model.continuous_batching_context_manager(generation_config=gen,
+                                                           continuous_batching_config=unshared,
+                                                           warmup=False) as second:
+                while off.stats().sessions_without_prefix_sharing == 0:  # the second engine binds
+                    assert time.monotonic() < deadline, "the second engine's session never bound"
+                    time.sleep(0.01)
+                assert retired is not None and retired.gave_up_loads, "the retire landed the load: the test cannot fail"
+                assert serve(second, PHASES["B"][0]).error is None
+                model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert off.stats().sessions_without_prefix_sharing == 1
+
+
+def test_an_exit_while_a_session_binds_waits_for_it_and_closes_what_it_installed(model: Any) -> None:
+    """The context exits while a second session of the model is being bound (its retire of the
+    first held for a second): the exit waits for the bind and closes the session it installed, so
+    no worker outlives the context (before, the exit found no session, returned at once, and the
+    bind then installed a session nothing closed; found by a review)."""
+    made: list[kvoffload.Worker] = []
+
+    def kept(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(kvoffload.Worker.create(layout, blocks, disk=disk))
+        return made[-1]
+
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    binders: list[threading.Thread] = []
+    retiring = threading.Event()
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        with offloading(model, 64, make_worker=kept) as off:
+            assert serve(manager, PHASES["A"][0]).error is None
+            retire = off._retire
+
+            def slow_retire(session: Any) -> None:
+                retiring.set()
+                time.sleep(1.0)
+                retire(session)
+
+            off._retire = slow_retire  # type: ignore[method-assign]
+            current = off._session
+            assert current is not None
+            binders.append(threading.Thread(target=off._bind, args=(current._cache,), name="second-engine"))
+            binders[-1].start()
+            assert retiring.wait(RESULT_TIMEOUT_S)
+        binders[0].join(RESULT_TIMEOUT_S)
+        assert off._session is None, "a session was installed after the exit"
+        assert len(made) == 2 and all(w.closed for w in made), [w.closed for w in made]
+
+
+def test_two_sessions_bound_at_once_retire_one_after_the_other(model: Any) -> None:
+    """Two sessions of the model bind at once (each retire held for half a second): the binds go
+    one at a time, each retiring the session before it, so one session is left and every other
+    worker is shut down (before, the second bind saw no session while the first retired, and the
+    session it installed was overwritten by the first's and never closed; found by a review)."""
+    made: list[kvoffload.Worker] = []
+
+    def kept(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(kvoffload.Worker.create(layout, blocks, disk=disk))
+        return made[-1]
+
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        with offloading(model, 64, make_worker=kept) as off:
+            assert serve(manager, PHASES["A"][0]).error is None
+            retire = off._retire
+
+            def slow_retire(session: Any) -> None:
+                time.sleep(0.5)
+                retire(session)
+
+            off._retire = slow_retire  # type: ignore[method-assign]
+            current = off._session
+            assert current is not None
+            binders = [threading.Thread(target=off._bind, args=(current._cache,), name=f"engine-{i}")
+                       for i in range(2)]
+            for binder in binders:
+                binder.start()
+            for binder in binders:
+                binder.join(RESULT_TIMEOUT_S)
+            installed = off._session
+            assert installed is not None and len(made) == 3
+            assert [w.closed for w in made].count(False) == 1, [w.closed for w in made]
+            assert installed._worker is next(w for w in made if not w.closed)
+        assert all(w.closed for w in made)
+
+
 def test_a_torch_compile_wrapper_offloads_the_model_it_wraps(model: Any, big_cache_run: PhaseRun) -> None:
     """``offloading(torch.compile(model))``: the engine reached through the wrapper is the wrapped
     model's (its manager builds the sessions and runs its forward), so that is the model hooked.
