@@ -304,35 +304,44 @@ def test_a_session_names_its_records_by_the_model_as_it_is_when_the_session_bind
         assert stats.blocks_adopted_disk == 0
 
 
+def _c0_acting_in_its_forward(model: Any, act: Callable[[], None]) -> Any:
+    """Serve A and B, then C0, calling ``act()`` at the start of C0's first forward (before the
+    offloader's hooks); returns C0's result."""
+    armed = [False]
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            act()
+
+    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
+    handle = model.register_forward_pre_hook(hook, prepend=True)
+    try:
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       warmup=False) as manager:
+            for prompt in PHASES["A"] + PHASES["B"]:
+                assert serve(manager, prompt).error is None
+            armed[0] = True
+            result = serve(manager, PHASES["C"][0])
+    finally:
+        handle.remove()
+    assert not armed[0], "C0 ran no forward"
+    return result
+
+
 def test_closing_in_the_middle_of_a_step_lands_the_loads_that_step_reads(
     model: Any, big_cache_run: PhaseRun
 ) -> None:
-    armed = [False]
-    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
     with offloading(model, 64, defer_loads=True) as off:
-        def close_now(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
-            if armed[0]:
-                armed[0] = False
-                off._close(30.0)  # P's load is registered and still deferred; the hooks then do nothing
-
-        handle = model.register_forward_pre_hook(close_now, prepend=True)
-        try:
-            with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                           warmup=False) as manager:
-                for prompt in PHASES["A"] + PHASES["B"]:
-                    assert serve(manager, prompt).error is None
-                armed[0] = True
-                result = serve(manager, PHASES["C"][0])
-        finally:
-            handle.remove()
-    assert not armed[0], "the close did not happen in C0's forward"
+        # P's load is registered and still deferred; the hooks then do nothing
+        result = _c0_acting_in_its_forward(model, lambda: off._close(30.0))
     assert result.error is None
     assert (list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs["C0"]
     assert off.stats().blocks_loaded_host == PREFIX_BLOCKS
 
 
 def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_flight(
-    model: Any, big_cache_run: PhaseRun, monkeypatch: pytest.MonkeyPatch
+    model: Any, big_cache_run: PhaseRun
 ) -> None:
     """A second session of the model binds (another engine's scheduler, on its own thread) while
     C0's forward runs with P's layer-by-layer load in flight (starting 0.5 s late), and the binding
@@ -346,42 +355,19 @@ def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_f
         made.append(DelayedLayers(kvoffload.Worker.create(layout, blocks, disk=disk)))
         return made[-1]
 
-    armed = [False]
     retiring = threading.Event()
     binders: list[threading.Thread] = []
-    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
     with offloading(model, 64, make_worker=delayed) as off:
-        retire = off._retire
+        def bind_now() -> None:  # the thread descheduled for a second before its close takes the lock
+            binders.extend(_bind_again(off, 1, 1.0, retiring))
+            assert retiring.wait(RESULT_TIMEOUT_S), "the second session never began to retire the first"
 
-        def signalled_retire(session: Any) -> None:
-            retiring.set()
-            time.sleep(1.0)  # the thread descheduled before the retire takes the session's lock
-            retire(session)
-
-        monkeypatch.setattr(off, "_retire", signalled_retire)
-
-        def bind_now(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
-            if armed[0]:
-                armed[0] = False
-                current = off._session
-                assert current is not None
-                binders.append(threading.Thread(target=off._bind, args=(current._cache,), name="second-engine"))
-                binders[-1].start()
-                assert retiring.wait(RESULT_TIMEOUT_S), "the second session never began to retire the first"
-
-        handle = model.register_forward_pre_hook(bind_now, prepend=True)
         try:
-            with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                           warmup=False) as manager:
-                for prompt in PHASES["A"] + PHASES["B"]:
-                    assert serve(manager, prompt).error is None
-                armed[0] = True
-                result = serve(manager, PHASES["C"][0])
+            result = _c0_acting_in_its_forward(model, bind_now)
         finally:
-            handle.remove()
             for binder in binders:
                 binder.join(RESULT_TIMEOUT_S)
-    assert binders and not armed[0], "no session was bound in C0's forward"
+    assert binders, "no session was bound in C0's forward"
     assert made[0].handles, "no layer-by-layer load ran in C0: the test cannot fail"
     assert result.error is None
     assert (list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs["C0"]
@@ -424,11 +410,32 @@ def test_a_session_whose_retire_gave_up_a_load_is_not_asked_once_retired(
     assert off.stats().sessions_without_prefix_sharing == 1
 
 
-def test_an_exit_while_a_session_binds_waits_for_it_and_closes_what_it_installed(model: Any) -> None:
-    """The context exits while a second session of the model is being bound (its retire of the
-    first held for a second): the exit waits for the bind and closes the session it installed, so
-    no worker outlives the context (before, the exit found no session, returned at once, and the
-    bind then installed a session nothing closed; found by a review)."""
+def _bind_again(off: Any, times: int, hold_s: float, retiring: threading.Event | None = None
+                ) -> list[threading.Thread]:
+    """Start ``times`` threads that each bind a new session of the model on the current session's
+    cache (as other engines' schedulers would), every retire held ``hold_s`` before it closes the
+    session it replaces (``retiring`` set as it begins)."""
+    retire = off._retire
+
+    def slow_retire(session: Any) -> None:
+        if retiring is not None:
+            retiring.set()
+        time.sleep(hold_s)
+        retire(session)
+
+    off._retire = slow_retire
+    current = off._session
+    assert current is not None
+    binders = [threading.Thread(target=off._bind, args=(current._cache,), name=f"engine-{i}") for i in range(times)]
+    for binder in binders:
+        binder.start()
+    return binders
+
+
+@contextlib.contextmanager
+def _a_served_session(model: Any) -> Iterator[tuple[Any, list[kvoffload.Worker]]]:
+    """An engine of the model that served A0 in an ``offloading`` context (one session bound);
+    yields the offloader and every worker its sessions made."""
     made: list[kvoffload.Worker] = []
 
     def kept(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
@@ -436,28 +443,25 @@ def test_an_exit_while_a_session_binds_waits_for_it_and_closes_what_it_installed
         return made[-1]
 
     gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
-    binders: list[threading.Thread] = []
-    retiring = threading.Event()
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                    warmup=False) as manager:
         with offloading(model, 64, make_worker=kept) as off:
             assert serve(manager, PHASES["A"][0]).error is None
-            retire = off._retire
+            yield off, made
 
-            def slow_retire(session: Any) -> None:
-                retiring.set()
-                time.sleep(1.0)
-                retire(session)
 
-            off._retire = slow_retire  # type: ignore[method-assign]
-            current = off._session
-            assert current is not None
-            binders.append(threading.Thread(target=off._bind, args=(current._cache,), name="second-engine"))
-            binders[-1].start()
-            assert retiring.wait(RESULT_TIMEOUT_S)
-        binders[0].join(RESULT_TIMEOUT_S)
-        assert off._session is None, "a session was installed after the exit"
-        assert len(made) == 2 and all(w.closed for w in made), [w.closed for w in made]
+def test_an_exit_while_a_session_binds_waits_for_it_and_closes_what_it_installed(model: Any) -> None:
+    """The context exits while a second session of the model is being bound (its retire of the
+    first held for a second): the exit waits for the bind and closes the session it installed, so
+    no worker outlives the context (before, the exit found no session, returned at once, and the
+    bind then installed a session nothing closed; found by a review)."""
+    retiring = threading.Event()
+    with _a_served_session(model) as (off, made):
+        binders = _bind_again(off, 1, 1.0, retiring)
+        assert retiring.wait(RESULT_TIMEOUT_S)
+    binders[0].join(RESULT_TIMEOUT_S)
+    assert off._session is None, "a session was installed after the exit"
+    assert len(made) == 2 and all(w.closed for w in made), [w.closed for w in made]
 
 
 def test_two_sessions_bound_at_once_retire_one_after_the_other(model: Any) -> None:
@@ -465,37 +469,14 @@ def test_two_sessions_bound_at_once_retire_one_after_the_other(model: Any) -> No
     one at a time, each retiring the session before it, so one session is left and every other
     worker is shut down (before, the second bind saw no session while the first retired, and the
     session it installed was overwritten by the first's and never closed; found by a review)."""
-    made: list[kvoffload.Worker] = []
-
-    def kept(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
-        made.append(kvoffload.Worker.create(layout, blocks, disk=disk))
-        return made[-1]
-
-    gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                   warmup=False) as manager:
-        with offloading(model, 64, make_worker=kept) as off:
-            assert serve(manager, PHASES["A"][0]).error is None
-            retire = off._retire
-
-            def slow_retire(session: Any) -> None:
-                time.sleep(0.5)
-                retire(session)
-
-            off._retire = slow_retire  # type: ignore[method-assign]
-            current = off._session
-            assert current is not None
-            binders = [threading.Thread(target=off._bind, args=(current._cache,), name=f"engine-{i}")
-                       for i in range(2)]
-            for binder in binders:
-                binder.start()
-            for binder in binders:
-                binder.join(RESULT_TIMEOUT_S)
-            installed = off._session
-            assert installed is not None and len(made) == 3
-            assert [w.closed for w in made].count(False) == 1, [w.closed for w in made]
-            assert installed._worker is next(w for w in made if not w.closed)
-        assert all(w.closed for w in made)
+    with _a_served_session(model) as (off, made):
+        for binder in _bind_again(off, 2, 0.5):
+            binder.join(RESULT_TIMEOUT_S)
+        installed = off._session
+        assert installed is not None and len(made) == 3
+        assert [w.closed for w in made].count(False) == 1, [w.closed for w in made]
+        assert installed._worker is next(w for w in made if not w.closed)
+    assert all(w.closed for w in made)
 
 
 def test_a_torch_compile_wrapper_offloads_the_model_it_wraps(model: Any, big_cache_run: PhaseRun) -> None:
