@@ -123,12 +123,14 @@ class Offloader:
 
     def __init__(self, model: Any, num_host_blocks: int, disk: DiskConfig | None, policy: str,
                  make_worker: WorkerFactory, load_timeout: float, model_id: str | None, overlap_loads: bool,
-                 defer_loads: bool) -> None:
+                 defer_loads: bool, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         self.model = model
         self.num_host_blocks = num_host_blocks
         self.disk = disk
         self.policy = policy
         self.load_timeout = load_timeout
+        #: The bound of a session's close: the exit's, and a replaced session's at a bind.
+        self.shutdown_timeout = shutdown_timeout
         self._make_worker = make_worker
         self._model_id = model_id
         self._overlap_loads = overlap_loads
@@ -203,7 +205,7 @@ class Offloader:
                 self._counts.blocks_adopted_disk += adopted
         if closed:  # nothing else will close it: release its worker and the cache here
             try:
-                session.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
+                session.close(self.shutdown_timeout)
             except kvoffload.KVOffloadError as exc:  # it ran no step: nothing read its blocks
                 _log.error("closing a session bound after the context's exit: %s", exc)
             return None
@@ -268,7 +270,7 @@ class Offloader:
         with self._lock:
             self._last_manager = session.manager_stats()
         try:
-            session.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
+            session.close(self.shutdown_timeout)
         except kvoffload.TransferError as exc:
             _log.error("closing the previous session: %s", exc)
         finally:
@@ -456,8 +458,10 @@ def offloading(
         load_timeout: seconds a scheduling step waits for a load (or, when the cache is full, for the
             stores in flight) before giving up on it: its tokens are then recomputed.
         shutdown_timeout: seconds the exit takes at most once it holds the session (landing the
-            layer-by-layer loads in flight, at most half of it, then the worker's shutdown); a
-            session of the model being bound meanwhile is waited for within it.
+            layer-by-layer loads in flight, at most half of it, then the worker's shutdown). It
+            bounds the close of a session a new one of the model replaces too; a bind in progress is
+            waited for within it, except that an exit that meets one landing the replaced
+            session's loads waits for that landing too (at most half of it more).
         overlap_loads: load host hits layer by layer without waiting (each attention layer waits
             on the device for its pages); False waits for every load before registering it.
         defer_loads: with ``overlap_loads``, submit a host hit's load when the next forward starts
@@ -508,7 +512,8 @@ def offloading(
     device = torch.device(model.device)
     offloader = Offloader(model, num_host_blocks, disk, policy, make_worker or _default_worker,
                           float(load_timeout), model_id, overlap_loads,
-                          overlap_loads and (defer_loads if defer_loads is not None else device.type == "cuda"))
+                          overlap_loads and (defer_loads if defer_loads is not None else device.type == "cuda"),
+                          float(shutdown_timeout))
     try:
         surface.register_model(model, offloader._bind)
     except surface.SurfaceError as exc:

@@ -374,19 +374,17 @@ def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_f
     assert off.stats().sessions == 2
 
 
-def test_a_session_whose_retire_gave_up_a_load_is_not_asked_once_retired(
-    model: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_session_whose_retire_gave_up_a_load_is_not_asked_once_retired(model: Any) -> None:
     """The old session's retire gives up a layer-by-layer load (its copy stalls past the retire's
     landing time) and the new session of the model binds none (its engine shares no prefixes): the
     new engine's requests and a plain ``generate`` in the context run, since the layer hooks no
     longer ask the retired session (they did, and every forward of the model raised its
     ``TransferError``; found by a review)."""
-    monkeypatch.setattr(kvoffload.integrations.transformers, "DEFAULT_SHUTDOWN_TIMEOUT_S", 2.0)
     arm = threading.Event()
     gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
     _, unshared = cb_configs(SMALL_CACHE_BLOCKS, allow_block_sharing=False)
-    with offloading(model, 64, make_worker=_slow_workers(arm, 1.5, layers=True)) as off:
+    # the retire lands for half of shutdown_timeout (1 s), the copy stalls 1.5 s
+    with offloading(model, 64, make_worker=_slow_workers(arm, 1.5, layers=True), shutdown_timeout=2.0) as off:
         with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                        warmup=False) as first:
             for prompt in PHASES["A"] + PHASES["B"]:
