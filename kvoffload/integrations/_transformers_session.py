@@ -233,6 +233,8 @@ class _Session:
         self._landed: set[int] = set()  # layered loads found landed by close
         self._unlanded: set[int] = set()  # layered loads close could not land: never read them
         self._closed = False
+        # Set by fail_later_steps: the engine's steps fail from the next one on (see there).
+        self._fail_steps = False
         # The worker's shutdown: None until it returned; True when every copy stopped; False when
         # copies may still write engine blocks (they are then never given back to the engine).
         self._stopped: bool | None = None
@@ -286,6 +288,13 @@ class _Session:
                     self._late_loads.clear()
                     self._layered.clear()
                     self._cache = None
+                if self._fail_steps:
+                    raise kvoffload.TransferError(
+                        f"{len(self._unlanded)} layer-by-layer load(s) of this engine's kvoffload session did not "
+                        "land before a new session of the model replaced it: requests of this engine that "
+                        "matched their blocks would read blocks the load may not have written, so its steps "
+                        "fail (run requests on the new session's engine)"
+                    )
                 return False
             assert self._worker is not None and cache is not None
             self._collect(self._worker.poll())
@@ -422,6 +431,14 @@ class _Session:
                     "a layer-by-layer load did not land before the offloading context closed; the "
                     "step fails instead of reading its blocks"
                 )
+
+    def fail_later_steps(self) -> None:
+        """A new session of the model replaced this one, whose close gave up a layer-by-layer load:
+        every step of this session's engine from the next one on raises ``TransferError`` (in
+        :meth:`before_schedule`, after what it releases), since a request that matched the load's
+        blocks would read them and the layer hooks now ask the new session."""
+        with self._lock:
+            self._fail_steps = True
 
     @property
     def gave_up_loads(self) -> bool:

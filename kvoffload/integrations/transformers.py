@@ -262,11 +262,11 @@ class Offloader:
 
     def _retire(self, session: _Session) -> None:
         """Close the session a new one of the model replaces (generation thread, building the new
-        session's scheduler). A load that close gave up is logged, not raised: the requests that
-        could read its blocks belonged to the session that ended. While the close runs, the layer
-        hooks still ask the session (``_closing``, set by ``_bind``): a forward of its engine that
-        still runs waits for its layers (or fails the step on one given up); after it, they ask the
-        new session, if any."""
+        session's scheduler). A load that close gave up is logged, not raised here: the requests
+        that could read its blocks are the old engine's, whose steps fail from then on
+        (``fail_later_steps``). While the close runs, the layer hooks still ask the session
+        (``_closing``, set by ``_bind``): a forward of its engine that still runs waits for its
+        layers (or fails the step on one given up); after it, they ask the new session, if any."""
         with self._lock:
             self._last_manager = session.manager_stats()
         try:
@@ -274,9 +274,11 @@ class Offloader:
         except kvoffload.TransferError as exc:
             _log.error("closing the previous session: %s", exc)
         finally:
-            with self._lock:  # a load it gave up is the ended session's (above): not asked again
+            with self._lock:  # the hooks ask the new session, if any, from here
                 if self._closing is session:
                     self._closing = None
+            if session.gave_up_loads:  # its engine's requests may have matched those blocks
+                session.fail_later_steps()
 
     def _close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

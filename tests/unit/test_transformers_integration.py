@@ -374,38 +374,66 @@ def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_f
     assert off.stats().sessions == 2
 
 
-def test_a_session_whose_retire_gave_up_a_load_is_not_asked_once_retired(model: Any) -> None:
-    """The old session's retire gives up a layer-by-layer load (its copy stalls past the retire's
-    landing time) and the new session of the model binds none (its engine shares no prefixes): the
-    new engine's requests and a plain ``generate`` in the context run, since the layer hooks no
-    longer ask the retired session (they did, and every forward of the model raised its
-    ``TransferError``; found by a review)."""
-    arm = threading.Event()
+def test_a_session_whose_retire_gave_up_a_load_fails_its_own_engine_only(
+    model: Any, big_cache_run: PhaseRun
+) -> None:
+    """C0 matched P on the first engine (P's layer-by-layer load stalls 1.5 s) and its forward is
+    held until a second engine's session (no prefix sharing) replaced the first, whose close gave
+    the load up (it lands for half of ``shutdown_timeout``, 1 s).
+
+    * The second engine's requests and a plain ``generate`` in the context run: the layer hooks no
+      longer ask the retired session (they did, and every forward of the model raised its
+      ``TransferError``; found by a review).
+    * The layer hooks then ask no session, so C0's forward reads P's blocks unchecked, and the
+      first engine's next step fails C0 rather than let it finish on them (before, C0 finished on
+      blocks whose load had been given up, and nothing but a log said so; whether the copy wrote
+      them is not known to the session: here the worker's shutdown waited for it)."""
+    arm, retired, held = threading.Event(), threading.Event(), [False]
     gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
     _, unshared = cb_configs(SMALL_CACHE_BLOCKS, allow_block_sharing=False)
-    # the retire lands for half of shutdown_timeout (1 s), the copy stalls 1.5 s
-    with offloading(model, 64, make_worker=_slow_workers(arm, 1.5, layers=True), shutdown_timeout=2.0) as off:
-        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                       warmup=False) as first:
-            for prompt in PHASES["A"] + PHASES["B"]:
-                assert serve(first, prompt).error is None
-            arm.set()
-            first.add_request(PHASES["C"][0], max_new_tokens=NEW_TOKENS)  # its layered load stalls
-            deadline = time.monotonic() + RESULT_TIMEOUT_S
-            while not any(s.layered_in_flight for s in [off._session] if s is not None):
-                assert time.monotonic() < deadline, "C0's layer-by-layer load never started"
-                time.sleep(0.01)
-            retired = off._session
-            with model.continuous_batching_context_manager(generation_config=gen,
-                                                           continuous_batching_config=unshared,
-                                                           warmup=False) as second:
-                while off.stats().sessions_without_prefix_sharing == 0:  # the second engine binds
-                    assert time.monotonic() < deadline, "the second engine's session never bound"
+
+    def hold(module: torch.nn.Module, args: Any) -> None:  # before the offloader's hooks
+        if held[0] and threading.current_thread() is not threading.main_thread():
+            held[0] = False
+            assert retired.wait(RESULT_TIMEOUT_S), "the first session was never retired"
+
+    handle = model.register_forward_pre_hook(hold, prepend=True)
+    try:
+        with offloading(model, 64, make_worker=_slow_workers(arm, 1.5, layers=True), shutdown_timeout=2.0) as off:
+            retire = off._retire
+
+            def signalled(session: Any) -> None:
+                retire(session)
+                retired.set()
+
+            off._retire = signalled  # type: ignore[method-assign]
+            with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                           warmup=False) as first:
+                for prompt in PHASES["A"] + PHASES["B"]:
+                    assert serve(first, prompt).error is None
+                arm.set()
+                held[0] = True
+                rid = first.add_request(PHASES["C"][0], max_new_tokens=NEW_TOKENS)
+                deadline = time.monotonic() + RESULT_TIMEOUT_S
+                while held[0]:  # C0's forward is held, its load in flight
+                    assert time.monotonic() < deadline, "C0's forward never started"
                     time.sleep(0.01)
-                assert retired is not None and retired.gave_up_loads, "the retire landed the load: the test cannot fail"
-                assert serve(second, PHASES["B"][0]).error is None
-                model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+                replaced = off._session
+                with model.continuous_batching_context_manager(generation_config=gen,
+                                                               continuous_batching_config=unshared,
+                                                               warmup=False) as second:
+                    assert retired.wait(RESULT_TIMEOUT_S)
+                    assert replaced is not None and replaced.gave_up_loads, "the retire landed the load: the test cannot fail"
+                    assert serve(second, PHASES["B"][0]).error is None
+                    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+                result = _result(first, rid)
+    finally:
+        handle.remove()
     assert off.stats().sessions_without_prefix_sharing == 1
+    assert result.error is not None and "replaced" in str(result.error), (
+        f"C0 finished on blocks whose load was given up: error {result.error!r}, tokens equal to the "
+        f"big cache's: {(list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs['C0']}"
+    )
 
 
 def _bind_again(off: Any, times: int, hold_s: float, retiring: threading.Event | None = None
