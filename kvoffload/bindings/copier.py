@@ -41,10 +41,11 @@ BATCH_MAX_COPIES: Final = 1 << 16
 #: Python paths (:func:`in_pieces`) and the native issuer alike. The copy engine can take another
 #: stream's copy in the same direction (the expedited load lane's) only between copies: a piece is
 #: about 38 us at 55 GB/s, a whole staged chunk (a slot, 64 MiB by default) 1.2 ms. Measured on the
-#: H200, it took the lane's copy between pieces only where the device's queues let it (in one
-#: process of the six measured; docs/design.md §4, *Copies in pieces*). 0: no bound. Read when a
-#: copy is issued (Python issuer) or an issuer is started (native).
-COPY_PIECE_BYTES = 2 << 20
+#: H200, at 2 MiB it took the lane's copy between pieces only where the device's queues let it (in
+#: one process of six), while a staged 64 MiB job alone at 4 and 64 KiB pages took about 5% longer
+#: and its caller's call about twice as long: so 0, no bound, the default (docs/design.md §4,
+#: *Copies in pieces*). Read when a copy is issued (Python issuer) or an issuer is started (native).
+COPY_PIECE_BYTES = 0
 
 
 def in_pieces(dsts: U64Array, srcs: U64Array, sizes: U64Array,

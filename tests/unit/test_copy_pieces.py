@@ -71,14 +71,14 @@ def test_pieces_cover_exactly_the_copies_bytes_in_order(sizes: list[int], piece:
         assert d is dsts and s is srcs and z is size
 
 
-def test_the_default_piece_is_two_mib_and_reaches_the_native_issuer(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert COPY_PIECE_BYTES == 2 << 20
+def test_no_bound_by_default_and_a_bound_set_reaches_the_native_issuer(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert COPY_PIECE_BYTES == 0
     config = native.Config()
     native_backend.tune(config)
-    assert config.piece_bytes == 2 << 20
-    monkeypatch.setattr(copier_module, "COPY_PIECE_BYTES", 0)
-    native_backend.tune(config)
     assert config.piece_bytes == 0
+    monkeypatch.setattr(copier_module, "COPY_PIECE_BYTES", 2 << 20)
+    native_backend.tune(config)
+    assert config.piece_bytes == 2 << 20
 
 
 @pytest.mark.parametrize("piece", [0, 1 << 20], ids=["control-no-bound", "bounded"])
