@@ -27,8 +27,8 @@ across directions until its result came back; in-flight conflicts on host and de
 with ``BlockConflictError``; layer-by-layer loads, each layer's pages landed by its ``wait_layer``
 (when the layout says its layers); expedited loads (a worker with ``expedited_loads``): bit-exact,
 counted in ``stats().expedited``, their blocks and ids booked against the regular lane's jobs, or
-refused with ``InvalidArgumentError`` without the lane; shutdown draining, idempotent, ``ClosedError`` after it, and no
-thread of the worker left.
+refused with ``InvalidArgumentError`` without the lane; shutdown draining, idempotent,
+``ClosedError`` after it, and no thread of the worker left.
 """
 
 from __future__ import annotations
