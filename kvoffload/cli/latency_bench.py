@@ -10,7 +10,8 @@ what the link alone costs, measured side by side in one run.
 - *1-block jobs* (64 pages of 32 KiB), call -> result, next to one 2 MiB pinned copy;
 - *a load the caller waits for*: a 1-block load, call -> result, alone and right after a 64 MiB
   load was handed over, through the regular load lane (behind it) and through the expedited lane
-  (``Worker.create(expedited_loads=True)``), alternated round by round;
+  (``Worker.create(expedited_loads=True)``), alternated round by round; the lane at its default
+  path and, for comparison, at the regular lanes' (``expedited_path``);
 - *the caller's time per call*: bursts of jobs of 256 blocks x 64 pages submitted back to back, the
   time each ``store``/``load`` call takes — the first of each burst (nothing in flight) apart from
   the later ones — median, p90, p99 and max over every call, and how many calls took over 100 us.
@@ -187,30 +188,34 @@ def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
     return f"1-block job (64 x 32 KiB) [{label:<13}] " + ";  ".join(parts)
 
 
-def expedited_jobs(device: torch.device, path: str, repeats: int, issuer: str = "auto") -> str:
+def expedited_jobs(device: torch.device, path: str, repeats: int, issuer: str = "auto",
+                   lane: str | None = None) -> str:
     """A row: a 1-block load (64 x 32 KiB) the caller waits for, call -> result, alone and right
     after a 64 MiB load was handed over (still in flight): through the regular load lane (behind
-    it) and through the expedited lane (docs/design.md §4), the three alternated round by round."""
+    it) and through the expedited lane (docs/design.md §4), each lane's load alone timed beside
+    it, the four alternated round by round. ``lane``: the lane's ``expedited_path`` (None: its
+    default)."""
     big = 32  # blocks of 2 MiB: 64 MiB
     layout, _ = _per_layer(device, 32, 32 * KIB, big + 2)
-    kinds = ("alone", "regular lane", "expedited lane")
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+    lanes = ("regular lane", "expedited lane")
+    kinds = [(lane_name, behind) for lane_name in lanes for behind in (False, True)]
+    times: dict[tuple[str, bool], list[float]] = {k: [] for k in kinds}
     large = np.arange(big, dtype=np.int64)
     with Worker.create(layout, big + 1, path=path, issuer=issuer,  # type: ignore[arg-type]
-                       expedited_loads=True) as w:
-        label = _label(path, w)
+                       expedited_loads=True, expedited_path=lane) as w:  # type: ignore[arg-type]
+        label = f"{_label(path, w)}, lane {lane or 'default'}"
         job = 0
-        for i in range(3 * repeats + 1):
+        for i in range(2 * repeats + 1):
             for kind in kinds:
                 torch.cuda.synchronize(device)
                 ids = []
-                if kind != "alone":
+                if kind[1]:
                     w.load(job, large, large)
                     ids.append(job)
                     job += 1
                 t0 = time.perf_counter()
                 w.load(job, np.array([big], dtype=np.int64), np.array([big + 1], dtype=np.int64),
-                       expedited=kind == "expedited lane")
+                       expedited=kind[0] == "expedited lane")
                 (result,) = w.wait([job], TIMEOUT_S)
                 dt = time.perf_counter() - t0
                 ids.append(job)
@@ -219,11 +224,16 @@ def expedited_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
                     raise RuntimeError("a load of the expedited-lane rounds failed")
                 if i:  # the first round warms up
                     times[kind].append(dt)
-    alone = statistics.median(times["alone"])
-    return (f"1-block load (64 x 32 KiB) the caller waits for [{label:<13}] alone {alone * 1e6:7.1f} us; "
-            "right after a 64 MiB load: "
-            + ";  ".join(f"{k} {statistics.median(times[k]) * 1e6:7.1f} us = "
-                         f"{statistics.median(times[k]) / alone:5.2f}x" for k in kinds[1:]))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return (f"1-block load (64 x 32 KiB) the caller waits for [{label:<22}] alone / right after a 64 MiB load: "
+            + ";  ".join(f"{name} {median[name, False] * 1e6:6.1f} / {median[name, True] * 1e6:7.1f} us = "
+                         f"{median[name, True] / median[name, False]:5.2f}x" for name in lanes))
+
+
+def _lanes(path: str) -> tuple[str | None, ...]:
+    """The expedited lane's settings a row is measured with: its default (small loads through
+    ``sm``), and the regular lanes' path for every load (for comparison) where that is another."""
+    return (None,) if path == "sm" else (None, path)
 
 
 def caller_time(device: torch.device, path: str, bursts: int, issuer: str = "auto") -> list[str]:
@@ -284,7 +294,8 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
                 rows += isolated_jobs(device, page, size, path, repeats, out, issuer)
     _log(out, "1-block jobs, caller's time per call")
     small = [one_block_jobs(device, path, repeats, issuer) for path, issuer in _variants(paths, issuers)]
-    small += [expedited_jobs(device, path, repeats, issuer) for path, issuer in _variants(paths, issuers)]
+    small += [expedited_jobs(device, path, repeats, issuer, lane) for path, issuer in _variants(paths, issuers)
+              for lane in _lanes(path)]
     callers = [row for path, issuer in _variants(paths, issuers)
                for row in caller_time(device, path, BURSTS // 2 if quick else BURSTS, issuer)]
     print(f"kvoffload bench --latency on {torch.cuda.get_device_name(device)}; per-layer layouts of "

@@ -35,9 +35,8 @@ page)`` view per KV tensor; aliased layers share a tensor, so their pages are co
 ``blocks_per_chunk`` GPU blocks is ``blocks_per_chunk`` consecutive host records, and transfers that
 start inside a chunk (vLLM's ``block_indices``) skip its leading records. Expedited loads (vLLM
 waits for them within the step) go through the worker's second load lane, its own streams and
-issuer thread, so they never queue behind the regular loads in the library (``expedited_loads``,
-default true; on the device a ``staged`` one can still wait behind the regular lane's copies:
-docs/design.md §4).
+issuer thread, so they never queue behind the regular loads (``expedited_loads``, default true;
+the lane's loads of up to 8 MiB go through ``sm``, which no copy engine holds: docs/design.md §4).
 
 Failed jobs: vLLM 0.33's connector asserts that every submit and every job succeeds. The adapter
 resubmits a failed store or load up to ``transfer_retries`` times (a store's GPU blocks and a load's

@@ -148,10 +148,10 @@ class AdapterOptions:
             ranks to map the shared pool (default 300 s).
         expedited_loads: give the loads vLLM waits for within a step (``expedited``) a second load
             lane, so that they never queue behind the regular loads in the library (default
-            True; it costs the lane's backend: on CUDA its streams, its issuer thread and a
-            staging ring of 32 MiB of device memory; on the device a ``staged`` load of the lane
-            can still wait behind the regular lane's copies: docs/design.md §4). False: they
-            share the regular lane.
+            True; it costs the lane's backend: on CUDA its streams, its issuer thread and, where
+            its path stages, a staging ring of 32 MiB; its loads of up to 8 MiB go through ``sm``,
+            which no copy engine holds behind the regular lane's copies: docs/design.md §4).
+            False: they share the regular lane.
     """
 
     host_bytes: int

@@ -114,6 +114,13 @@ class WorkerOptions:
     pinner: HostPinner | None = None
     issuer: str = "auto"
     expedited_loads: bool = False
+    expedited_path: str | None = None
+    #: Set on the expedited lane's own options only (``_expedited_options``): its loads of at most
+    #: this many bytes go through ``sm`` where the device addresses the pool as is; 0: none.
+    lane_sm_bytes: int = 0
+    #: Set on the expedited lane's own options only: the regular lanes' options, whose calibration
+    #: (``auto``) the lane shares (the lane's smaller ring must not time ``staged`` for them).
+    regular: WorkerOptions | None = None
 
 
 @attrs.frozen(eq=False)
@@ -183,6 +190,7 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
         raise ArgumentTypeError(f"check_memory = {o.check_memory!r} must be a bool")
     if not isinstance(o.expedited_loads, bool):
         raise ArgumentTypeError(f"expedited_loads = {o.expedited_loads!r} must be a bool")
+    _check_expedited_path(o.expedited_path, o.expedited_loads, chosen, o.backend_factory is not None)
     if o.backend_factory is not None and not callable(o.backend_factory):
         raise ArgumentTypeError(f"backend_factory = {o.backend_factory!r} must be callable or None")
     if o.pinner is not None and not all(
@@ -224,8 +232,9 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             (Direction.STORE, layout.num_blocks, num_host_blocks, o),
             (Direction.LOAD, num_host_blocks, layout.num_blocks, o),
         ]
-        if o.expedited_loads:  # the second load lane: a backend (streams, ring, thread) of its own
-            lanes.append((Direction.LOAD, num_host_blocks, layout.num_blocks, _expedited_options(o, layout)))
+        lane = _expedited_options(o, layout, _mapped(cuda, region)) if o.expedited_loads else None
+        if lane is not None:  # the second load lane: a backend (streams, thread) of its own
+            lanes.append((Direction.LOAD, num_host_blocks, layout.num_blocks, lane))
         for direction, num_src, num_dst, lane_options in lanes:
             plan = CopyPlan(layout.page_table, region.base_ptr, region.chunk_records, direction,
                             host_stride=region.record_stride)
@@ -267,7 +276,7 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             capabilities=cuda.capabilities if cuda is not None else None,
             tier=tier, bounce=bounce, pipeline=pipeline, remote=remote,
             issuer="native" if native_issuer else "python",
-            expedited_handler=handlers[2] if o.expedited_loads else None,
+            expedited_handler=handlers[2] if lane is not None else None,
         )
         undo.pop_all()
     return parts
@@ -386,6 +395,29 @@ def _check_path(
             raise InvalidArgumentError(f"kernel_ctas = {kernel_ctas} must be positive")
 
 
+def _check_expedited_path(path: object, expedited_loads: bool, backend: str, factory: bool) -> None:
+    if path is None:
+        return
+    if not isinstance(path, str):
+        raise ArgumentTypeError(f"expedited_path = {path!r} must be a str or None, not a {type(path).__name__}")
+    if path not in _PATHS:
+        raise InvalidArgumentError(f"expedited_path = {path!r} must be one of {', '.join(_PATHS)} or None")
+    if not expedited_loads:
+        raise InvalidArgumentError(
+            f"expedited_path = {path!r} names the expedited lane's path: create the worker with "
+            "expedited_loads=True"
+        )
+    if backend != "cuda" and path != "auto":
+        raise InvalidArgumentError(
+            f"expedited_path = {path!r} applies to the cuda backend only (backend is {backend!r})"
+        )
+    if factory:
+        raise InvalidArgumentError(
+            f"expedited_path = {path!r} names a path of the library's cuda backend; the "
+            "backend_factory's backends move the lane's loads"
+        )
+
+
 def _drop_failed_frames(exc_type: object, exc: object, tb: TracebackType | None) -> bool:
     """On a failed ``create``, clear the locals of the finished frames the exception passes through
     (a part that failed while building held the region's record view there), so that the region's
@@ -483,16 +515,41 @@ def _check_copy_method_backend(copy_method: object, backend: str) -> None:
         )
 
 
-#: The expedited load lane's staging ring against a regular lane's (its loads are the few a step
-#: waits for, not bulk prefetches): a quarter, as long as a slot still holds a record.
+#: The expedited load lane's staging ring against a regular lane's, where the lane's path has one
+#: (its loads are the few a step waits for, not bulk prefetches): a quarter, as long as a slot
+#: still holds a record.
 EXPEDITED_RING_SHARE: Final = 4
+#: The expedited lane's loads up to this many bytes go through ``sm`` by default (the largest job
+#: calibration times ``sm`` with: ``calibration.SM_MAX_JOB_BYTES``). Larger ones through ``sm`` were measured at 0.46-0.67x a
+#: pinned copy on an H100 whose ``staged`` lane ran at 0.84-1.02x (docs/design.md §4).
+EXPEDITED_SM_MAX_BYTES: Final = calibration.SM_MAX_JOB_BYTES
 
 
-def _expedited_options(options: WorkerOptions, layout: DeviceLayout) -> WorkerOptions:
-    """The options of the expedited load lane's backend: a staging ring of 1/EXPEDITED_RING_SHARE
-    of a regular lane's (32 MiB by default) where its slots still hold a record, else the same."""
-    smaller = attrs.evolve(options, staging_bytes=options.staging_bytes // EXPEDITED_RING_SHARE)
-    return smaller if _slot_bytes(smaller) >= layout.record_bytes else options
+def _expedited_options(options: WorkerOptions, layout: DeviceLayout, mapped: bool) -> WorkerOptions:
+    """The options of the expedited load lane's backend (docs/design.md §4, *A lane no copy
+    engine holds*). With ``expedited_path``, that path for every load (``kernel_ctas`` where it is
+    the worker's path). Without: the worker's path, except that loads of at most
+    :data:`EXPEDITED_SM_MAX_BYTES` go through ``sm`` where the device addresses the pool as is
+    (``mapped``: the copy kernel reads it; no copy engine, whose queue the regular lanes' copies
+    hold). A staging ring of 1/EXPEDITED_RING_SHARE of a regular lane's where its slots still hold
+    a record (a path without a ring makes none).
+    """
+    if options.expedited_path is None:
+        lane = attrs.evolve(options, lane_sm_bytes=EXPEDITED_SM_MAX_BYTES if mapped else 0, regular=options)
+    else:
+        ctas = options.kernel_ctas if options.expedited_path == options.path else None
+        lane = attrs.evolve(options, path=options.expedited_path, kernel_ctas=ctas, regular=options)
+    smaller = attrs.evolve(lane, staging_bytes=options.staging_bytes // EXPEDITED_RING_SHARE)
+    return smaller if _slot_bytes(smaller) >= layout.record_bytes else lane
+
+
+def _mapped(cuda: _Cuda | None, region: RegionOwner) -> bool:
+    """Whether the device addresses the pool's host pointers as is (UVA), so a kernel reads it."""
+    if cuda is None:
+        return False
+    from kvoffload.bindings import driver
+
+    return driver.host_pointer_is_device_pointer(cuda.index, region.base_ptr)
 
 
 def _slot_bytes(options: WorkerOptions) -> int:
@@ -546,25 +603,45 @@ def _cuda_backend(
             f"of {_slot_bytes(options)} bytes (staging_bytes = {options.staging_bytes} over 2 "
             f"directions x {options.staging_slots} slots); raise staging_bytes or use path 'dma'"
         )
-    mapped = path in ("sm", "auto") and driver.host_pointer_is_device_pointer(cuda.index, region.base_ptr)
+    mapped = (path in ("sm", "auto") or options.lane_sm_bytes > 0) and driver.host_pointer_is_device_pointer(
+        cuda.index, region.base_ptr)
     if path == "sm" and not mapped:
         raise InvalidArgumentError("path 'sm' needs host memory the device addresses as is (UVA)")
     device = layout.device
+    names: tuple[str, ...]
+    choose: Callable[[int], str] | None
+    shown: str | None
     if path in ("dma", "sm", "staged") or not fits:
         name = path if path != "auto" else "dma"
-        return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, (name,)),
-                                  kernel_stream=name != "dma")
-    candidates = tuple(p for p in calibration.CANDIDATES if p != "sm" or mapped)
-    choice = calibration.calibrate(
-        device, layout.page_table,
-        key=calibration.geometry_key(cuda.capabilities.device_name, layout.page_table, candidates),
-        candidates=candidates,
-        scratch_pool=functools.partial(_scratch_pool, cuda),
-        handler_for=functools.partial(_path_handler, cuda, options, device),
-        persist_path=options.calibration_path,
-    )
-    return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, candidates),
-                              choose=choice.chooser(direction), kernel_stream=True, path_name="auto")
+        # what results name: the path object's name (a dma path's is its copier's: "dma-loop")
+        names, choose, shown = (name,), None, cuda.copier.path if name == "dma" else name
+    else:
+        names = tuple(p for p in calibration.CANDIDATES if p != "sm" or mapped)
+        choice = calibration.calibrate(
+            device, layout.page_table,
+            key=calibration.geometry_key(cuda.capabilities.device_name, layout.page_table, names),
+            candidates=names,
+            scratch_pool=functools.partial(_scratch_pool, cuda),
+            handler_for=functools.partial(_path_handler, cuda, options.regular or options, device),
+            persist_path=options.calibration_path,
+        )
+        choose, shown = choice.chooser(direction), "auto"
+    small = options.lane_sm_bytes // layout.record_bytes if mapped else 0
+    if small > 0 and names != ("sm",):  # the expedited lane: its small loads through sm
+        choose = _small_through_sm(small, choose or functools.partial(_only, names[0]))
+        names = (*names, "sm") if "sm" not in names else names  # results name each job's path
+    return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, names),
+                              choose=choose, kernel_stream=names != ("dma",), path_name=shown)
+
+
+def _only(name: str, _blocks: int) -> str:
+    """A fixed path's chooser (with ``functools.partial``)."""
+    return name
+
+
+def _small_through_sm(blocks: int, bulk: Callable[[int], str]) -> Callable[[int], str]:
+    """A chooser: ``sm`` for jobs of at most ``blocks`` blocks, ``bulk``'s path for larger ones."""
+    return lambda n: "sm" if n <= blocks else bulk(n)
 
 
 @contextlib.contextmanager

@@ -240,6 +240,7 @@ class Worker:
         pinner: HostPinner | None = None,
         issuer: IssuerName = "auto",
         expedited_loads: bool = False,
+        expedited_path: PathName | None = None,
     ) -> Worker:
         """Build the region and both handlers; on any failure everything built so far is released.
 
@@ -302,16 +303,26 @@ class Worker:
                 ``load_by_layer(..., expedited=True)``: loads the engine waits for within its step
                 (a request that already runs) never queue behind the regular loads in the library
                 (docs/design.md §4, *Two load lanes*). The lane has a backend of its own (on CUDA
-                its streams, a staging ring of ``staging_bytes / 8`` more device memory where its
-                slots still hold a record, and its issuer thread); the link is shared, so both
-                lanes' loads move at once. On the device, the lane's ``staged`` copies were
-                measured still waiting behind the regular lane's copies (``dma`` and ``sm`` loads
-                were not held; §4, *Copies in pieces*).
+                its streams and its issuer thread); the link is shared, so both lanes' loads move
+                at once.
+            expedited_path: cuda backend, with ``expedited_loads`` only: the lane's transfer path
+                for every load (the names of ``path``). None (default): ``path``, except that
+                loads of at most 8 MiB go through ``"sm"`` where the device addresses the pool as
+                is. A copy engine takes one direction's copies in the order they came, whichever
+                stream they came from, so a lane's ``dma`` or ``staged`` load can wait on the
+                device for the regular lane's copies (measured 6.6-16.1x its time alone right
+                after a 64 MiB load in most processes; in others not held); an ``sm`` load (the
+                copy kernel reads the pool: no copy engine) shares the link instead, 0.92-1.89x
+                (2.79x beside an ``sm`` regular load, once 5.16x; docs/design.md §4, *A lane no
+                copy engine holds*). ``sm`` loads take SMs from compute while they run (8 CTAs).
+                The lane's staging ring, where its path stages, is ``staging_bytes / 8`` more
+                device memory where its slots still hold a record. Refused with
+                ``backend_factory`` (its backends move the lane's loads).
 
         Raises:
             ArgumentTypeError: ``layout`` or ``num_host_blocks`` of the wrong type.
-            InvalidArgumentError: a bad size, backend name, copy method or shared name, or both
-                ``shared`` and ``shared_name``.
+            InvalidArgumentError: a bad size, backend name, path, copy method or shared name, both
+                ``shared`` and ``shared_name``, or an ``expedited_path`` without ``expedited_loads``.
             DeviceMismatchError: ``device`` is not the layout's device, or the backend does not fit
                 the layout's device.
             RegionError: the pool does not fit the memory available (the message gives the numbers),
@@ -335,7 +346,7 @@ class Worker:
             staging_slots=staging_slots, kernel_ctas=kernel_ctas, calibration_path=calibration_path,
             disk=disk, bounce_slots=bounce_slots, remote=remote, check_memory=check_memory,
             backend_factory=backend_factory, pinner=pinner, issuer=issuer,
-            expedited_loads=expedited_loads,
+            expedited_loads=expedited_loads, expedited_path=expedited_path,
         )
         return cls(assemble(layout, num_host_blocks, options))
 

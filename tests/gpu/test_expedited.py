@@ -5,9 +5,15 @@
 * An expedited load lands, bit-exact, while a regular load waits on the device behind a stalled
   stream; the control sends the same load through the regular lane: it is still not done 0.2 s
   later (its copies queue behind the stalled load's on the lane's copy stream).
+* The lane's small loads (``sm`` by default where the pool is mapped) are not held by the copy
+  engine: a load of 4 blocks lands while a 4 GiB host-to-device copy on another stream still runs; the controls, the
+  lane through ``dma`` and through ``staged``, finish only after that copy (the copy engine takes
+  one direction's copies in the order they came, whichever stream they came from).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,21 +34,34 @@ def layout(device: torch.device) -> DeviceLayout:
     return cache("per-layer", device, num_blocks=128, layers=8)
 
 
-@pytest.mark.parametrize("path", PATHS)
+#: The copy that keeps the copy engine busy: about 80 ms over a link of 50-55 GB/s.
+BUSY_BYTES = 4 << 30
+#: Blocks of a lane load over EXPEDITED_SM_MAX_BYTES (8 MiB) in the fixture's layout (512 KiB a block).
+LARGE_LANE_BLOCKS = 20
+
+
+@pytest.mark.parametrize("path", [*PATHS, None], ids=[*PATHS, "default"])
 def test_an_expedited_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
-                                                   figures: Figures, path: PathName) -> None:
+                                                   figures: Figures, path: PathName | None) -> None:
+    """The lane at each path for every load, and at its default on an ``auto`` worker (the race's
+    loads, 32 blocks of 512 KiB, are over 8 MiB: auto's bulk choice; ``sm``'s route is the "sm"
+    case)."""
     pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
+    worker_path: PathName = path or "auto"
     with monkeypatch.context() as patch:
         no_fence(patch)
-        with Worker.create(layout, 64, path=path, issuer="native", expedited_loads=True) as control:
+        with Worker.create(layout, 64, path=worker_path, issuer="native", expedited_loads=True,
+                           expedited_path=path) as control:
             control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0, expedited=True)
-    figures.add(f"expedited load race [{path}], control without the compute wait: reader saw new pages",
+    name = path or "default"
+    figures.add(f"expedited load race [{name}], control without the compute wait: reader saw new pages",
                 f"{control_seen} of {pages}")
     assert control_seen > 0, "the control did not race: the test cannot prove the rule"
-    with Worker.create(layout, 64, path=path, issuer="native", expedited_loads=True) as w:
+    with Worker.create(layout, 64, path=worker_path, issuer="native", expedited_loads=True,
+                       expedited_path=path) as w:
         seen, not_loaded = load_race(w, layout, TRIALS, 0, expedited=True)
         stats = w.stats()
-    figures.add(f"expedited load race [{path}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
+    figures.add(f"expedited load race [{name}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
     assert seen == 0
     assert not_loaded == 0
     assert stats.expedited is not None and stats.expedited.completed == TRIALS
@@ -83,3 +102,71 @@ def test_an_expedited_load_lands_while_a_regular_load_waits_behind_a_stalled_str
         torch.cuda.synchronize(layout.device)
         assert mismatched_pages(layout, layout.gather_records(held_index), 7) == 0
         assert mismatched_pages(layout, layout.gather_records(index), 9) == 0
+
+
+@pytest.fixture(scope="module")
+def busy_copy() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A pinned host buffer and a device buffer of BUSY_BYTES each (one pair for the module)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    pair = (torch.empty(BUSY_BYTES, dtype=torch.uint8, pin_memory=True),
+            torch.empty(BUSY_BYTES, dtype=torch.uint8, device=device))
+    yield pair
+    torch.cuda.synchronize(device)
+    del pair
+
+
+@pytest.mark.parametrize("lane", [None, "dma", "staged"], ids=["default", "control-dma", "control-staged"])
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_the_default_lane_is_not_held_by_the_copy_engine(
+    layout: DeviceLayout, busy_copy: tuple[torch.Tensor, torch.Tensor], issuer: IssuerName,
+    lane: PathName | None, figures: Figures,
+) -> None:
+    host_buffer, device_buffer = busy_copy
+    blocks, host = BLOCKS[:4], list(range(4))
+    with Worker.create(layout, 64, issuer=issuer, expedited_loads=True, expedited_path=lane) as w:
+        w.host_records()[host] = 11
+        index = torch.tensor(blocks, device=layout.device)
+        w.load(1, host, blocks, expedited=True)  # warm: the lane's first load builds its tables
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+        torch.cuda.synchronize(layout.device)
+        w.host_records()[host] = 12
+        busy = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(busy):
+            device_buffer.copy_(host_buffer, non_blocking=True)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(busy)
+        w.load(2, host, blocks, expedited=True)
+        (result,) = w.wait([2], TIMEOUT_S)
+        copy_running = not done.query()  # type: ignore[no-untyped-call]
+        done.synchronize()
+        assert result.ok, result.error
+        assert result.path == (lane or "sm"), result.path
+        torch.cuda.synchronize(layout.device)
+        assert mismatched_pages(layout, layout.gather_records(index), 12) == 0
+        if lane is None:  # the default's larger loads go through the worker's path (auto: not sm)
+            many = list(range(16, 16 + LARGE_LANE_BLOCKS))
+            w.load(3, many, many, expedited=True)
+            (large,) = w.wait([3], TIMEOUT_S)
+            assert large.ok and large.path in ("dma", "staged"), (large.path, large.error)
+    name = f"lane through {lane or 'sm (default)'} [{issuer}]"
+    figures.add(f"expedited load beside a 4 GiB host-to-device copy, {name}: result while the copy ran",
+                str(copy_running))
+    if lane is None:
+        assert copy_running, "the lane's load waited for the other stream's copy"
+    else:
+        assert not copy_running, "the control was not held by the copy engine: the test cannot prove the lane"
+
+
+@pytest.mark.parametrize("path", ["dma", "staged"])
+def test_the_default_lane_takes_small_loads_through_sm_beside_a_fixed_path(layout: DeviceLayout,
+                                                                           path: PathName) -> None:
+    with Worker.create(layout, 64, path=path, expedited_loads=True) as w:
+        w.host_records()[:4] = 5
+        w.load(1, [0, 1, 2, 3], BLOCKS[:4], expedited=True)  # 2 MiB
+        many = list(range(16, 16 + LARGE_LANE_BLOCKS))
+        w.load(2, many, many, expedited=True)  # 10 MiB
+        small, large = w.wait([1, 2], TIMEOUT_S)
+        assert (small.ok, small.path, large.ok, large.path) == (True, "sm", True, path), (small, large)
+        torch.cuda.synchronize(layout.device)
+        index = torch.tensor(BLOCKS[:4], device=layout.device)
+        assert mismatched_pages(layout, layout.gather_records(index), 5) == 0

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -26,7 +27,9 @@ from kvoffload.backends.host import HostBackend
 from kvoffload.backends.native import NativeBackend
 from kvoffload.handler import DirectionHandler
 from kvoffload.records import Direction
-from kvoffload.worker.assembly import WorkerOptions, _expedited_options, _slot_bytes
+from kvoffload.worker.assembly import (
+    EXPEDITED_SM_MAX_BYTES, WorkerOptions, _expedited_options, _slot_bytes, _small_through_sm,
+)
 from tests.unit._native_fake import COMPUTE, FakeDriver
 from tests.unit.test_call_front import BLOCKS, Inner
 from tests.unit.test_host_end_to_end import HOST_BLOCKS, small_cache
@@ -200,13 +203,63 @@ def test_an_expedited_layered_load_lands_layer_by_layer_beside_a_held_load() -> 
 
 
 def test_the_expedited_lanes_staging_ring_is_a_quarter_where_its_slots_still_hold_a_record() -> None:
-    options = WorkerOptions()  # 256 MiB of rings: a lane's 128 MiB, two slots of 64 MiB
+    options = WorkerOptions(expedited_loads=True, expedited_path="staged")  # a lane's 128 MiB: 2 x 64 MiB
     small = _layout_of_records(1 << 20)
-    assert _expedited_options(options, small).staging_bytes == options.staging_bytes // 4
-    assert _slot_bytes(_expedited_options(options, small)) == 16 << 20
+    assert _expedited_options(options, small, True).staging_bytes == options.staging_bytes // 4
+    assert _slot_bytes(_expedited_options(options, small, True)) == 16 << 20
     big = _layout_of_records(20 << 20)  # a 20 MiB record fits a 64 MiB slot, not a 16 MiB one
-    assert _expedited_options(options, big) is options
+    assert _expedited_options(options, big, True).staging_bytes == options.staging_bytes
 
+
+def test_the_expedited_lane_takes_its_small_loads_through_sm_where_the_pool_is_mapped() -> None:
+    layout = _layout_of_records(1 << 20)
+    staged = WorkerOptions(path="staged", kernel_ctas=100, expedited_loads=True)
+    lane = _expedited_options(staged, layout, True)
+    assert (lane.path, lane.kernel_ctas, lane.lane_sm_bytes) == ("staged", 100, EXPEDITED_SM_MAX_BYTES)
+    lane = _expedited_options(staged, layout, False)  # no UVA: the worker's path for every load
+    assert (lane.path, lane.kernel_ctas, lane.lane_sm_bytes) == ("staged", 100, 0)
+    for named in ("dma", "staged", "auto", "sm"):  # a path named: that path for every load
+        told = attrs.evolve(staged, expedited_path=named)
+        for mapped in (True, False):
+            lane = _expedited_options(told, layout, mapped)
+            assert (lane.path, lane.lane_sm_bytes) == (named, 0)
+            assert lane.kernel_ctas == (100 if named == "staged" else None)  # CTAs of the worker's path
+    assert (staged.path, staged.lane_sm_bytes) == ("staged", 0)  # the regular lanes' options untouched
+    # the lane's auto shares the regular lanes' calibration, timed with their options (full ring)
+    assert _expedited_options(attrs.evolve(staged, expedited_path="auto"), layout, True).regular is not None
+    assert all(_expedited_options(o, layout, True).regular == o
+               for o in (staged, attrs.evolve(staged, expedited_path="auto")))
+
+
+def test_the_lanes_chooser_sends_small_jobs_through_sm_and_larger_ones_to_the_bulk_choice() -> None:
+    choose = _small_through_sm(4, lambda blocks: "dma" if blocks < 16 else "staged")
+    assert [choose(n) for n in (1, 4, 5, 15, 16)] == ["sm", "sm", "dma", "dma", "staged"]
+
+
+def test_bad_expedited_paths_are_typed_errors_before_anything_is_built() -> None:
+    cache = small_cache("per-layer")
+    bad: list[tuple[dict[str, object], type[Exception], str]] = [
+        ({"expedited_loads": True, "expedited_path": 1}, ArgumentTypeError,
+         "expedited_path = 1 must be a str or None, not a int"),
+        ({"expedited_loads": True, "expedited_path": "fast"}, InvalidArgumentError,
+         "expedited_path = 'fast' must be one of auto, dma, staged, sm or None"),
+        ({"expedited_path": "sm"}, InvalidArgumentError,
+         "expedited_path = 'sm' names the expedited lane's path: create the worker with expedited_loads=True"),
+        ({"expedited_loads": True, "expedited_path": "sm"}, InvalidArgumentError,
+         "expedited_path = 'sm' applies to the cuda backend only \\(backend is 'host'\\)"),
+    ]
+    bad.append(({"expedited_loads": True, "expedited_path": "auto", "backend_factory": HostBackend},
+                InvalidArgumentError, "expedited_path = 'auto' names a path of the library's cuda backend; the "
+                "backend_factory's backends move the lane's loads"))
+    threads = set(threading.enumerate())
+    for kwargs, kind, message in bad:
+        with pytest.raises(kind, match=f"^{message}$"):
+            Worker.create(cache, HOST_BLOCKS, **kwargs)  # type: ignore[arg-type]
+    assert set(threading.enumerate()) == threads, "a refused create left a thread running"
+    with Worker.create(cache, HOST_BLOCKS, expedited_loads=True, expedited_path="auto") as w:
+        assert w.expedited_loads
+        w.load(1, _i(0), _i(0), expedited=True)
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
 
 def _layout_of_records(record_bytes: int) -> DeviceLayout:
     """A CPU layout of 2 blocks whose host record is ``record_bytes`` (a multiple of 4 KiB)."""
