@@ -441,6 +441,12 @@ class _Session:
             self._fail_steps = True
 
     @property
+    def engine_cache(self) -> object:
+        """The engine's ``PagedAttentionCache`` this session runs on (borrowed); None once closed."""
+        cache = self._cache
+        return cache.engine_cache if cache is not None else None
+
+    @property
     def gave_up_loads(self) -> bool:
         """Whether close could not land a layer-by-layer load (the layer hooks then fail a step
         that would read one)."""

@@ -74,6 +74,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -149,6 +150,9 @@ class Offloader:
         self._last_manager: kvoffload.ManagerStats | None = None
         self._compute_stream: object = None
         self._closed = False
+        # The engine caches of replaced sessions whose close gave up a layer-by-layer load: a
+        # forward of such an engine fails before its layers run (weak: the engine owns its cache).
+        self._failed_engines: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def stats(self) -> OffloadStats:
         """A snapshot of :class:`OffloadStats`."""
@@ -228,11 +232,26 @@ class Offloader:
             _log.warning("the disk tier's records could not be adopted; this session starts cold: %s", exc)
             return 0
 
-    def _before_forward(self, stream: object) -> None:
+    def _before_forward(self, stream: object, engine_cache: object = None) -> None:
         """The model's forward pre-hook (generation thread): submit the deferred loads. A forward
         being captured into a CUDA graph submits nothing and waits for nothing: the engine ran the
         same forward eagerly just before (its capture's warm-up: hooks ran there), and its replays
-        run no hooks, so from now on this model's loads are waited for before registration."""
+        run no hooks, so from now on this model's loads are waited for before registration.
+
+        Raises:
+            TransferError: ``engine_cache`` (the forward's ``cache`` argument) is the engine of a
+                session a new one replaced whose close gave up a layer-by-layer load: the forward
+                may read those blocks, and the layer hooks no longer ask that session.
+        """
+        if engine_cache is not None:
+            with self._lock:
+                failed = engine_cache in self._failed_engines
+            if failed:
+                raise kvoffload.TransferError(
+                    "this engine's kvoffload session was replaced by a new one of the model, and its "
+                    "close gave up a layer-by-layer load this forward may read: the step fails rather "
+                    "than read blocks whose load did not land"
+                )
         if _capturing(stream):
             with self._lock:
                 if not self._graphs_seen:
@@ -269,12 +288,15 @@ class Offloader:
         layers (or fails the step on one given up); after it, they ask the new session, if any."""
         with self._lock:
             self._last_manager = session.manager_stats()
+        engine = session.engine_cache
         try:
             session.close(self.shutdown_timeout)
         except kvoffload.TransferError as exc:
             _log.error("closing the previous session: %s", exc)
         finally:
             with self._lock:  # the hooks ask the new session, if any, from here
+                if session.gave_up_loads and engine is not None:  # its forwards fail from now on
+                    self._failed_engines.add(engine)
                 if self._closing is session:
                     self._closing = None
             if session.gave_up_loads:  # its engine's requests may have matched those blocks
@@ -524,12 +546,12 @@ def offloading(
         ) from exc
     handles = []
 
-    def before_forward(module: torch.nn.Module, args: Any) -> None:
+    def before_forward(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         stream = _current_stream(device)
         offloader._compute_stream = stream
-        offloader._before_forward(stream)
+        offloader._before_forward(stream, kwargs.get("cache"))
 
-    handles.append(model.register_forward_pre_hook(before_forward))
+    handles.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
     for layer, module in layers.items():
         handles.append(module.register_forward_pre_hook(_layer_hook(offloader, layer, device)))
     try:

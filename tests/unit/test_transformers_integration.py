@@ -384,10 +384,12 @@ def test_a_session_whose_retire_gave_up_a_load_fails_its_own_engine_only(
     * The second engine's requests and a plain ``generate`` in the context run: the layer hooks no
       longer ask the retired session (they did, and every forward of the model raised its
       ``TransferError``; found by a review).
-    * The layer hooks then ask no session, so C0's forward reads P's blocks unchecked, and the
-      first engine's next step fails C0 rather than let it finish on them (before, C0 finished on
-      blocks whose load had been given up, and nothing but a log said so; whether the copy wrote
-      them is not known to the session: here the worker's shutdown waited for it)."""
+    * The layer hooks then ask no session, but C0's forward, which began before the retire returned
+      and runs after it, fails before its layers run (the model's pre-hook knows the retired
+      session's engine by the forward's ``cache``), so C0 gets no token from P's blocks: before,
+      that forward read them unchecked and C0 got its first token from them, the engine's next
+      step failing it; earlier still, C0 finished on them with nothing but a log (whether the copy
+      wrote them is not known to the session: here the worker's shutdown waited for it)."""
     arm, retired, held = threading.Event(), threading.Event(), [False]
     gen, cb = cb_configs(SMALL_CACHE_BLOCKS)
     _, unshared = cb_configs(SMALL_CACHE_BLOCKS, allow_block_sharing=False)
@@ -434,6 +436,8 @@ def test_a_session_whose_retire_gave_up_a_load_fails_its_own_engine_only(
         f"C0 finished on blocks whose load was given up: error {result.error!r}, tokens equal to the "
         f"big cache's: {(list(result.generated_tokens), list(result.logprobs)) == big_cache_run.outputs['C0']}"
     )
+    assert list(result.generated_tokens) == [], (
+        f"C0's forward read the given-up load's blocks and emitted {list(result.generated_tokens)}")
 
 
 def _bind_again(off: Any, times: int, hold_s: float, retiring: threading.Event | None = None
