@@ -204,6 +204,12 @@ def expedited_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
     with Worker.create(layout, big + 1, path=path, issuer=issuer,  # type: ignore[arg-type]
                        expedited_loads=True, expedited_path=lane) as w:  # type: ignore[arg-type]
         label = f"{_label(path, w)}, lane {lane or 'default'}"
+        # host record h holds device block (h + 1) mod (big + 1): every load below changes its blocks
+        hosts = np.arange(big + 1, dtype=np.int64)
+        w.store(-1, (hosts + 1) % (big + 1), hosts)
+        if not all(r.ok for r in w.wait([-1], TIMEOUT_S)):
+            raise RuntimeError("the store of the expedited-lane rounds' records failed")
+        taken: dict[str, set[str]] = {name: set() for name in lanes}
         job = 0
         for i in range(2 * repeats + 1):
             for kind in kinds:
@@ -224,10 +230,17 @@ def expedited_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
                     raise RuntimeError("a load of the expedited-lane rounds failed")
                 if i:  # the first round warms up
                     times[kind].append(dt)
+                    taken[kind[0]].add(result.path)
+        torch.cuda.synchronize(device)
+        loaded = layout.gather_records(np.arange(big + 2, dtype=np.int64)).cpu()
+        records = w.host_records()
+        if not (torch.equal(loaded[:big], records[:big]) and torch.equal(loaded[big + 1], records[big])):
+            raise RuntimeError("a block the expedited-lane rounds loaded differs from its host record")
     median = {k: statistics.median(v) for k, v in times.items()}
     return (f"1-block load (64 x 32 KiB) the caller waits for [{label:<22}] alone / right after a 64 MiB load: "
             + ";  ".join(f"{name} {median[name, False] * 1e6:6.1f} / {median[name, True] * 1e6:7.1f} us = "
-                         f"{median[name, True] / median[name, False]:5.2f}x" for name in lanes))
+                         f"{median[name, True] / median[name, False]:5.2f}x (took {'/'.join(sorted(taken[name]))})"
+                         for name in lanes))
 
 
 def _lanes(path: str) -> tuple[str | None, ...]:
