@@ -389,3 +389,59 @@ def test_native_an_expedited_layered_load_lands_layer_by_layer_while_the_regular
     finally:
         gate.set()
     assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+
+
+class _Created:
+    """What ``CudaBackend.create`` was called with (in place of a CUDA backend)."""
+
+    def __init__(self, direction: Direction, device: torch.device, make_paths: object, *,
+                 choose: Any = None, kernel_stream: bool = False, path_name: str | None = None) -> None:
+        self.choose, self.kernel_stream, self.path_name = choose, kernel_stream, path_name
+
+
+@pytest.mark.parametrize("path", ["dma", "staged", "auto"])
+@pytest.mark.parametrize("mapped", [True, False])
+def test_the_lanes_cuda_backend_sends_loads_of_up_to_8_mib_through_sm(
+    monkeypatch: pytest.MonkeyPatch, path: str, mapped: bool,
+) -> None:
+    """``_cuda_backend`` composed for the lane (CUDA's calls replaced): with the pool mapped, jobs of
+    up to 8 MiB of 512 KiB records (16 blocks) go through ``sm`` and larger ones through the
+    worker's path (auto: the calibrated choice); unmapped, every job through the worker's path.
+    The regular lanes' options give no ``sm`` route."""
+    from kvoffload import calibration
+    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.bindings import driver
+    from kvoffload.worker import assembly
+
+    monkeypatch.setattr(CudaBackend, "create", _Created)
+    monkeypatch.setattr(driver, "host_pointer_is_device_pointer", lambda index, ptr: mapped)
+    timed_with: list[object] = []
+
+    class Choice:
+        def chooser(self, direction: Direction) -> Any:
+            return lambda blocks: "dma" if blocks < 32 else "staged"
+
+    def calibrate(device: object, pages: object, **kwargs: Any) -> Choice:
+        timed_with.append(kwargs["handler_for"].args[1])  # the options calibration times paths with
+        return Choice()
+
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
+    layout = _layout_of_records(512 << 10)
+    cuda: Any = type("FakeCuda", (), {"index": 0, "copier": type("C", (), {"path": "dma"})(),
+                                      "capabilities": type("K", (), {"device_name": "fake"})()})()
+    region: Any = type("FakeRegion", (), {"base_ptr": 1 << 20})()
+    options = WorkerOptions(path=path, expedited_loads=True)
+    lane = _expedited_options(options, layout, mapped)
+    built: Any = assembly._cuda_backend(Direction.LOAD, layout, region, cuda, lane)
+    def bulk(blocks: int) -> str:
+        return path if path != "auto" else ("dma" if blocks < 32 else "staged")
+
+    expected = [("sm" if mapped and n <= 16 else bulk(n)) for n in (1, 16, 17, 31, 32)]
+    choose = built.choose or (lambda n: path)
+    assert [choose(n) for n in (1, 16, 17, 31, 32)] == expected
+    assert built.kernel_stream == (path != "dma" or mapped)
+    assert built.path_name == ("auto" if path == "auto" else path)  # results name each job's path
+    assert all(o is options for o in timed_with)  # the lane's auto is timed with the regular options
+    regular: Any = assembly._cuda_backend(Direction.LOAD, layout, region, cuda, options)
+    regular_choose = regular.choose or (lambda n: path)
+    assert [regular_choose(n) for n in (1, 16, 17, 31, 32)] == [bulk(n) for n in (1, 16, 17, 31, 32)]
