@@ -6,10 +6,10 @@
   stream; the control sends the same load through the regular lane: it is still not done 0.2 s
   later (its copies queue behind the stalled load's on the lane's copy stream).
 * The lane's small loads (``sm`` by default where the pool is mapped) are not held by the copy
-  engine: a load of 4 blocks lands while a 4 GiB host-to-device copy on another stream still runs; the controls, the
-  lane through ``dma`` and through ``staged``, finish only after that copy (on the H100s measured
-  the copy engine took one direction's copies in the order they came, whichever stream they came
-  from).
+  engine: a load of 4 blocks lands while a 4 GiB host-to-device copy on another stream still
+  runs; the controls, the lane through ``dma`` and through ``staged``, finish only after that copy
+  (on the H100s measured the copy engine took one direction's copies in the order they came,
+  whichever stream they came from).
 """
 
 from __future__ import annotations
