@@ -153,6 +153,9 @@ class Offloader:
         # The engine caches of replaced sessions whose close gave up a layer-by-layer load: a
         # forward of such an engine fails before its layers run (weak: the engine owns its cache).
         self._failed_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The engine cache of the forward running on each generation thread (its layer hooks ask
+        # the set above too: the retire may add the engine between the forward's start and a layer).
+        self._forward = threading.local()
 
     def stats(self) -> OffloadStats:
         """A snapshot of :class:`OffloadStats`."""
@@ -232,26 +235,11 @@ class Offloader:
             _log.warning("the disk tier's records could not be adopted; this session starts cold: %s", exc)
             return 0
 
-    def _before_forward(self, stream: object, engine_cache: object = None) -> None:
+    def _before_forward(self, stream: object) -> None:
         """The model's forward pre-hook (generation thread): submit the deferred loads. A forward
         being captured into a CUDA graph submits nothing and waits for nothing: the engine ran the
         same forward eagerly just before (its capture's warm-up: hooks ran there), and its replays
-        run no hooks, so from now on this model's loads are waited for before registration.
-
-        Raises:
-            TransferError: ``engine_cache`` (the forward's ``cache`` argument) is the engine of a
-                session a new one replaced whose close gave up a layer-by-layer load: the forward
-                may read those blocks, and the layer hooks no longer ask that session.
-        """
-        if engine_cache is not None:
-            with self._lock:
-                failed = engine_cache in self._failed_engines
-            if failed:
-                raise kvoffload.TransferError(
-                    "this engine's kvoffload session was replaced by a new one of the model, and its "
-                    "close gave up a layer-by-layer load this forward may read: the step fails rather "
-                    "than read blocks whose load did not land"
-                )
+        run no hooks, so from now on this model's loads are waited for before registration."""
         if _capturing(stream):
             with self._lock:
                 if not self._graphs_seen:
@@ -262,6 +250,26 @@ class Offloader:
             session = self._session
         if session is not None:
             session.flush_loads(stream)
+
+    def _refuse_failed_engine(self, engine_cache: object) -> None:
+        """The model's and each attention layer's pre-hook (generation thread), given the forward's
+        ``cache`` argument.
+
+        Raises:
+            TransferError: ``engine_cache`` is the engine of a session a new one replaced whose
+                close gave up a layer-by-layer load: the forward may read those blocks, and the
+                layer hooks no longer ask that session.
+        """
+        if engine_cache is None or not self._failed_engines:  # most forwards: one length read
+            return
+        with self._lock:
+            failed = engine_cache in self._failed_engines
+        if failed:
+            raise kvoffload.TransferError(
+                "this engine's kvoffload session was replaced by a new one of the model, and its "
+                "close gave up a layer-by-layer load this forward may read: the step fails rather "
+                "than read blocks whose load did not land"
+            )
 
     def _layered_in_flight(self) -> bool:
         """Whether the current session has a layer-by-layer load in flight. Read without the lock
@@ -547,9 +555,12 @@ def offloading(
     handles = []
 
     def before_forward(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        engine_cache = kwargs.get("cache")
+        offloader._forward.engine = engine_cache  # this thread's forward, for its layer hooks
+        offloader._refuse_failed_engine(engine_cache)
         stream = _current_stream(device)
         offloader._compute_stream = stream
-        offloader._before_forward(stream, kwargs.get("cache"))
+        offloader._before_forward(stream)
 
     handles.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
     for layer, module in layers.items():
@@ -579,6 +590,7 @@ def _layer_hook(offloader: Offloader, layer: int, device: torch.device) -> Calla
     """The forward pre-hook of model layer ``layer``'s attention: the current stream (the engine's
     compute stream; None on the CPU) waits for that layer of the loads in flight."""
     def hook(module: torch.nn.Module, args: Any) -> None:
+        offloader._refuse_failed_engine(getattr(offloader._forward, "engine", None))
         if offloader._layered_in_flight():
             offloader._before_layer(layer, _current_stream(device))
 

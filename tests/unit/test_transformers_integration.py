@@ -374,12 +374,15 @@ def test_a_forward_while_a_new_session_replaces_its_own_waits_for_the_loads_in_f
     assert off.stats().sessions == 2
 
 
+@pytest.mark.parametrize("where", ["model", "first layer"])
 def test_a_session_whose_retire_gave_up_a_load_fails_its_own_engine_only(
-    model: Any, big_cache_run: PhaseRun
+    model: Any, big_cache_run: PhaseRun, where: str
 ) -> None:
     """C0 matched P on the first engine (P's layer-by-layer load stalls 1.5 s) and its forward is
     held until a second engine's session (no prefix sharing) replaced the first, whose close gave
-    the load up (it lands for half of ``shutdown_timeout``, 1 s).
+    the load up (it lands for half of ``shutdown_timeout``, 1 s). The forward is held before the
+    model's pre-hooks, or after them and before layer 0's (the model's pre-hook then ran before the
+    retire recorded the engine: the layer hooks ask too; found by a review).
 
     * The second engine's requests and a plain ``generate`` in the context run: the layer hooks no
       longer ask the retired session (they did, and every forward of the model raised its
@@ -399,7 +402,8 @@ def test_a_session_whose_retire_gave_up_a_load_fails_its_own_engine_only(
             held[0] = False
             assert retired.wait(RESULT_TIMEOUT_S), "the first session was never retired"
 
-    handle = model.register_forward_pre_hook(hold, prepend=True)
+    held_module = model if where == "model" else surface.attention_layers(model)[0]
+    handle = held_module.register_forward_pre_hook(hold, prepend=True)
     try:
         with offloading(model, 64, make_worker=_slow_workers(arm, 1.5, layers=True), shutdown_timeout=2.0) as off:
             retire = off._retire
