@@ -590,8 +590,10 @@ def _layer_hook(offloader: Offloader, layer: int, device: torch.device) -> Calla
     """The forward pre-hook of model layer ``layer``'s attention: the current stream (the engine's
     compute stream; None on the CPU) waits for that layer of the loads in flight."""
     def hook(module: torch.nn.Module, args: Any) -> None:
-        offloader._refuse_failed_engine(getattr(offloader._forward, "engine", None))
         if offloader._layered_in_flight():
             offloader._before_layer(layer, _current_stream(device))
+        # after: a retire records a failed engine before the hooks stop asking its session, so a
+        # forward that found no session above finds its engine recorded here
+        offloader._refuse_failed_engine(getattr(offloader._forward, "engine", None))
 
     return hook
