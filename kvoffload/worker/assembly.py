@@ -520,8 +520,9 @@ def _check_copy_method_backend(copy_method: object, backend: str) -> None:
 #: still holds a record.
 EXPEDITED_RING_SHARE: Final = 4
 #: The expedited lane's loads up to this many bytes go through ``sm`` by default (the largest job
-#: calibration times ``sm`` with: ``calibration.SM_MAX_JOB_BYTES``). Larger ones through ``sm`` were measured at 0.46-0.67x a
-#: pinned copy on an H100 whose ``staged`` lane ran at 0.84-1.02x (docs/design.md §4).
+#: calibration times ``sm`` with: ``calibration.SM_MAX_JOB_BYTES``). Larger ones through ``sm``
+#: were measured at 0.46-0.67x a pinned copy on an H100 whose ``staged`` lane ran at 0.84-1.02x
+#: (docs/design.md §4).
 EXPEDITED_SM_MAX_BYTES: Final = calibration.SM_MAX_JOB_BYTES
 
 
@@ -603,8 +604,8 @@ def _cuda_backend(
             f"of {_slot_bytes(options)} bytes (staging_bytes = {options.staging_bytes} over 2 "
             f"directions x {options.staging_slots} slots); raise staging_bytes or use path 'dma'"
         )
-    mapped = (path in ("sm", "auto") or options.lane_sm_bytes > 0) and driver.host_pointer_is_device_pointer(
-        cuda.index, region.base_ptr)
+    mapped = (path in ("sm", "auto") or options.lane_sm_bytes > 0) and (
+        driver.host_pointer_is_device_pointer(cuda.index, region.base_ptr))
     if path == "sm" and not mapped:
         raise InvalidArgumentError("path 'sm' needs host memory the device addresses as is (UVA)")
     device = layout.device
