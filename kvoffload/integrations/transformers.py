@@ -251,16 +251,19 @@ class Offloader:
         if session is not None:
             session.flush_loads(stream)
 
-    def _refuse_failed_engine(self, engine_cache: object) -> None:
-        """The model's and each attention layer's pre-hook (generation thread), given the forward's
-        ``cache`` argument.
+    def _refuse_failed_engine(self) -> None:
+        """The model's and each attention layer's pre-hook (generation thread), for the forward
+        this thread runs (its ``cache`` argument, noted by the model's pre-hook).
 
         Raises:
-            TransferError: ``engine_cache`` is the engine of a session a new one replaced whose
+            TransferError: the forward's engine is that of a session a new one replaced whose
                 close gave up a layer-by-layer load: the forward may read those blocks, and the
                 layer hooks no longer ask that session.
         """
-        if engine_cache is None or not self._failed_engines:  # most forwards: one length read
+        if not self._failed_engines:  # every forward of a model with none: one length read
+            return
+        engine_cache = getattr(self._forward, "engine", None)
+        if engine_cache is None:
             return
         with self._lock:
             failed = engine_cache in self._failed_engines
@@ -555,9 +558,8 @@ def offloading(
     handles = []
 
     def before_forward(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        engine_cache = kwargs.get("cache")
-        offloader._forward.engine = engine_cache  # this thread's forward, for its layer hooks
-        offloader._refuse_failed_engine(engine_cache)
+        offloader._forward.engine = kwargs.get("cache")  # this thread's forward, for its layer hooks
+        offloader._refuse_failed_engine()
         stream = _current_stream(device)
         offloader._compute_stream = stream
         offloader._before_forward(stream)
@@ -594,6 +596,6 @@ def _layer_hook(offloader: Offloader, layer: int, device: torch.device) -> Calla
             offloader._before_layer(layer, _current_stream(device))
         # after: a retire records a failed engine before the hooks stop asking its session, so a
         # forward that found no session above finds its engine recorded here
-        offloader._refuse_failed_engine(getattr(offloader._forward, "engine", None))
+        offloader._refuse_failed_engine()
 
     return hook

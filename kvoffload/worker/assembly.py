@@ -377,12 +377,7 @@ def _made_backend(factory: Callable[[Direction], Backend], direction: Direction)
 def _check_path(
     path: str, backend: str, staging_bytes: int, staging_slots: int, kernel_ctas: int | None
 ) -> None:
-    if not isinstance(path, str):
-        raise ArgumentTypeError(f"path = {path!r} must be a str, not a {type(path).__name__}")
-    if path not in _PATHS:
-        raise InvalidArgumentError(f"path = {path!r} must be one of {', '.join(_PATHS)}")
-    if backend != "cuda" and path != "auto":
-        raise InvalidArgumentError(f"path = {path!r} applies to the cuda backend only (backend is {backend!r})")
+    _check_path_name("path", path, backend)
     for name, value, least in (("staging_bytes", staging_bytes, 1), ("staging_slots", staging_slots, 2)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ArgumentTypeError(f"{name} = {value!r} must be an int")
@@ -395,22 +390,26 @@ def _check_path(
             raise InvalidArgumentError(f"kernel_ctas = {kernel_ctas} must be positive")
 
 
+def _check_path_name(what: str, path: object, backend: str, *, none_too: bool = False) -> None:
+    """``path`` (the argument ``what``) names a transfer path the backend has."""
+    or_none = " or None" if none_too else ""
+    if not isinstance(path, str):
+        raise ArgumentTypeError(f"{what} = {path!r} must be a str{or_none}, not a {type(path).__name__}")
+    if path not in _PATHS:
+        raise InvalidArgumentError(f"{what} = {path!r} must be one of {', '.join(_PATHS)}{or_none}")
+    if backend != "cuda" and path != "auto":
+        raise InvalidArgumentError(f"{what} = {path!r} applies to the cuda backend only (backend is {backend!r})")
+
+
 def _check_expedited_path(path: object, expedited_loads: bool, backend: str, factory: bool) -> None:
     if path is None:
         return
-    if not isinstance(path, str):
-        raise ArgumentTypeError(f"expedited_path = {path!r} must be a str or None, not a {type(path).__name__}")
-    if path not in _PATHS:
-        raise InvalidArgumentError(f"expedited_path = {path!r} must be one of {', '.join(_PATHS)} or None")
     if not expedited_loads:
         raise InvalidArgumentError(
             f"expedited_path = {path!r} names the expedited lane's path: create the worker with "
             "expedited_loads=True"
         )
-    if backend != "cuda" and path != "auto":
-        raise InvalidArgumentError(
-            f"expedited_path = {path!r} applies to the cuda backend only (backend is {backend!r})"
-        )
+    _check_path_name("expedited_path", path, backend, none_too=True)
     if factory:
         raise InvalidArgumentError(
             f"expedited_path = {path!r} names a path of the library's cuda backend; the "
@@ -604,8 +603,7 @@ def _cuda_backend(
             f"of {_slot_bytes(options)} bytes (staging_bytes = {options.staging_bytes} over 2 "
             f"directions x {options.staging_slots} slots); raise staging_bytes or use path 'dma'"
         )
-    mapped = (path in ("sm", "auto") or options.lane_sm_bytes > 0) and (
-        driver.host_pointer_is_device_pointer(cuda.index, region.base_ptr))
+    mapped = path in ("sm", "auto") and driver.host_pointer_is_device_pointer(cuda.index, region.base_ptr)
     if path == "sm" and not mapped:
         raise InvalidArgumentError("path 'sm' needs host memory the device addresses as is (UVA)")
     device = layout.device
@@ -627,7 +625,7 @@ def _cuda_backend(
             persist_path=options.calibration_path,
         )
         choose, shown = choice.chooser(direction), "auto"
-    small = options.lane_sm_bytes // layout.record_bytes if mapped else 0
+    small = options.lane_sm_bytes // layout.record_bytes  # set only where the pool is mapped
     if small > 0 and names != ("sm",):  # the expedited lane: its small loads through sm
         choose = _small_through_sm(small, choose or functools.partial(_only, names[0]))
         names = (*names, "sm") if "sm" not in names else names  # results name each job's path

@@ -310,13 +310,13 @@ class Worker:
                 loads of at most 8 MiB go through ``"sm"`` where the device addresses the pool as
                 is. On the H100s measured the copy engine took one direction's copies in the order
                 they came, whichever stream they came from, so a lane's ``dma`` or ``staged`` load
-                can wait on the device for the regular lane's copies (measured 6.6-16.1x its time alone right
-                after a 64 MiB load in most processes; in others not held); an ``sm`` load (the
-                copy kernel reads the pool: no copy engine) shares the link instead, 0.92-1.89x
-                (2.79x beside an ``sm`` regular load, once 5.16x; docs/design.md §4, *A lane no
-                copy engine holds*). ``sm`` loads take SMs from compute while they run (8 CTAs).
-                The lane's staging ring, where its path stages, is ``staging_bytes / 8`` more
-                device memory where its slots still hold a record. Refused with
+                can wait on the device for the regular lane's copies (measured 6.6-16.1x its time
+                alone right after a 64 MiB load in most processes; in others not held); an ``sm``
+                load (the copy kernel reads the pool: no copy engine) shares the link instead,
+                0.92-1.89x (2.79x beside an ``sm`` regular load, once 5.16x; docs/design.md §4,
+                *A lane no copy engine holds*). ``sm`` loads take SMs from compute while they run
+                (8 CTAs). The lane's staging ring, where its path stages, is ``staging_bytes / 8``
+                more device memory where its slots still hold a record. Refused with
                 ``backend_factory`` (its backends move the lane's loads).
 
         Raises:
