@@ -552,3 +552,22 @@ def host_pointer_is_device_pointer(device_index: int, host_ptr: int) -> bool:
         "cuMemHostGetDevicePointer", lambda: _drv.cuMemHostGetDevicePointer(host_ptr, 0)
     )
     return int(mapped) == host_ptr
+
+
+def stream_wait_word(device_index: int, stream: int, host_word: int) -> None:
+    """Enqueue on ``stream`` a wait, on the device, until the 32-bit word of pinned host memory at
+    ``host_word`` is at least 1 (``cuStreamWaitValue32``): work enqueued after it runs only once the
+    host sets the word. The word's memory must outlive the wait.
+
+    Raises:
+        CudaError: the memory is not pinned for the device, or the driver refused the wait.
+    """
+    make_context_current(device_index)
+    (address,) = call_driver(
+        "cuMemHostGetDevicePointer", lambda: _drv.cuMemHostGetDevicePointer(host_word, 0)
+    )
+    geq = _drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    call_driver(
+        "cuStreamWaitValue32",
+        lambda: _drv.cuStreamWaitValue32(_drv.CUstream(stream), address, 1, geq),
+    )

@@ -1,6 +1,7 @@
 """Testing aids for integrators: the worker contract suite and backends to inject.
 
 ``check_worker_contract(make_worker)`` runs the behaviour every :class:`~kvoffload.Worker` promises;
+:class:`DeviceHold` holds a CUDA stream on the device until the test lets it go;
 :class:`FakeBackend` (jobs that complete when told to, failures on demand) and :class:`HostBackend`
 (real ``memmove`` copies, to subclass for fault injection) plug into
 ``Worker.create(..., backend_factory=...)``. :class:`MemoryCluster` is a remote
@@ -27,15 +28,23 @@ across directions until its result came back; in-flight conflicts on host and de
 with ``BlockConflictError``; layer-by-layer loads, each layer's pages landed by its ``wait_layer``
 (when the layout says its layers); expedited loads (a worker with ``expedited_loads``): bit-exact,
 counted in ``stats().expedited``, their blocks and ids booked against the regular lane's jobs, or
-refused with ``InvalidArgumentError`` without the lane; shutdown draining, idempotent,
-``ClosedError`` after it, and no thread of the worker left.
+refused with ``InvalidArgumentError`` without the lane; a job held on the device (a CUDA worker:
+a load fenced on a stream :class:`DeviceHold` holds until the suite lets it go): counted in flight,
+not polled, ``wait`` raising ``WaitTimeoutError`` by its deadline, each ``wait_layer`` returning at
+once and ordering its stream after the layer (a read enqueued after it finds the layer landed), then
+the load bit-exact and counted once; shutdown draining, idempotent, ``ClosedError`` after it, and no
+thread of the worker left. ``clauses=`` runs some of them.
+
+What the suite cannot do: make a copy fail (test failure paths with a :class:`HostBackend` subclass
+or :class:`FakeBackend`), or hold a job of a worker that is not on a CUDA device (the held-job
+clause checks nothing there).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 import numpy as np
@@ -57,6 +66,7 @@ from kvoffload.handler import Backend, Ticket
 from kvoffload.layout import DeviceLayout
 from kvoffload.records import Direction, TransferResult
 from kvoffload.testing.fake import FakeBackend, FakeTicket
+from kvoffload.testing.hold import DeviceHold
 from kvoffload.testing.memory_store import MemoryClient, MemoryCluster
 from kvoffload.testing.services import (
     MooncakeServices,
@@ -70,6 +80,7 @@ from kvoffload.worker.worker import Worker
 __all__ = [
     "CLAUSES",
     "Backend",
+    "DeviceHold",
     "FakeBackend",
     "FakeTicket",
     "HostBackend",
@@ -88,6 +99,11 @@ __all__ = [
 #: The deadline of each of the suite's waits, unless ``check_worker_contract`` is given another.
 WAIT_S: Final = 60.0
 POLL_INTERVAL_S: Final = 0.001
+#: The held-job clause: the timeout of its wait for a job held on the device, how much later that
+#: wait may raise, and how long the suite holds the device at most (the hold's own release).
+HELD_WAIT_S: Final = 0.05
+HELD_WAIT_SLACK_S: Final = 1.0
+HOLD_LIMIT_S: Final = 5.0
 #: The fewest device blocks and host blocks the suite's jobs need.
 MIN_DEVICE_BLOCKS: Final = 16
 MIN_HOST_BLOCKS: Final = 8
@@ -400,6 +416,60 @@ def _expedited(run: _Run) -> None:
         assert lanes == (1, 0), f"an expedited load was counted (expedited, load) = {lanes}, not (1, 0)"
 
 
+def _held(run: _Run) -> None:
+    with run.worker() as w:
+        layout = w.layout
+        if layout.device.type != "cuda":  # the suite holds a job only behind a CUDA stream
+            return
+        hosts, dst, original = _stored(run, w)
+        n = len(hosts)
+        layout.scatter_records(dst, torch.zeros_like(original))
+        torch.cuda.synchronize(layout.device)
+        before = w.stats().load
+        reader = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+        reads: list[torch.Tensor] = []
+        with DeviceHold(layout.device, HOLD_LIMIT_S) as hold:
+            # the load's fence is taken on the held stream: none of its copies can run until the release
+            layered = w.load_by_layer(2, hosts, dst, stream=hold.stream) if layout.layers is not None else None
+            if layered is None:
+                w.load(2, hosts, dst, stream=hold.stream)
+            in_flight = w.stats().load.in_flight - before.in_flight
+            assert in_flight == 1, f"stats().load.in_flight rose by {in_flight}, not 1, with a load held on the device"
+            polled = w.poll()
+            assert polled == [], f"poll returned {polled} while the load was held on the device"
+            began = time.monotonic()
+            try:
+                got = w.wait([2], HELD_WAIT_S)
+            except WaitTimeoutError:
+                took = time.monotonic() - began
+            else:
+                raise AssertionError(f"wait([2], timeout={HELD_WAIT_S}) returned {[r.job_id for r in got]} after "
+                                     f"{time.monotonic() - began:.2f} s: it outlived its timeout until the "
+                                     f"suite's hold on the device ended at its limit ({HOLD_LIMIT_S:.0f} s)")
+            assert took < HELD_WAIT_S + HELD_WAIT_SLACK_S, \
+                f"wait([2], timeout={HELD_WAIT_S}) of a load held on the device raised WaitTimeoutError after {took:.2f} s"
+            if layered is not None:
+                for i in range(len(layout.layer_tables)):
+                    layered.wait_layer(i, reader, timeout=run.wait_s)
+                    with torch.cuda.stream(reader):
+                        reads.append(layout.gather_records(dst))
+            assert not hold.released_by_limit, \
+                f"wait_layer blocked the host until the suite's hold on the device ended at its limit " \
+                f"({HOLD_LIMIT_S:.0f} s): it must make the stream wait, not the caller"
+        (loaded,) = w.wait([2], run.wait_s)
+        _check_result(loaded, 2, Direction.LOAD, n * layout.block_bytes)
+        reader.synchronize()
+        for i, (table, got_layer) in enumerate(zip(layout.layer_tables, reads)):
+            assert _pages_equal(layout, got_layer, original, table), \
+                f"a read after wait_layer({i}, stream) found layer {i} not landed: the stream did not wait for it"
+        torch.cuda.synchronize(layout.device)
+        assert _pages_equal(layout, layout.gather_records(dst), original), "the held load's blocks differ from the stored ones"
+        after = w.stats().load
+        counted = (after.in_flight - before.in_flight, after.completed - before.completed, after.failed - before.failed)
+        assert counted == (0, 1, 0), \
+            f"stats().load counted (in flight, completed, failed) = {counted} after the held load, not (0, 1, 0)"
+
+
 def _closed(run: _Run) -> None:
     before = set(threading.enumerate())
     w = run.worker()
@@ -448,12 +518,30 @@ CLAUSES: Final[dict[str, Callable[[_Run], None]]] = {
     "in-flight conflicts are refused": _conflicts,
     "each layer has landed by its wait_layer": _layers,
     "expedited loads take their own lane, or are refused without one": _expedited,
+    "a job held on the device keeps its deadlines, counters and layer order": _held,
     "shutdown drains, is idempotent, then ClosedError": _closed,
 }
 
 
-def check_worker_contract(make_worker: WorkerFactory, *, timeout_s: float = WAIT_S) -> None:
-    """Run every clause against fresh workers from ``make_worker`` (a zero-argument callable).
+def _chosen(clauses: Iterable[str] | None) -> dict[str, Callable[[_Run], None]]:
+    """The clauses to run, in :data:`CLAUSES`' order; every name checked before any runs."""
+    if clauses is None:
+        return dict(CLAUSES)
+    if isinstance(clauses, (str, bytes)):
+        raise InvalidArgumentError(f"clauses must be an iterable of clause names, not the string {clauses!r}")
+    names = list(clauses)
+    unknown = [n for n in names if not isinstance(n, str) or n not in CLAUSES]
+    if unknown:
+        raise InvalidArgumentError(f"clauses names {unknown!r}, not clauses of the suite; they are {list(CLAUSES)!r}")
+    if not names:
+        raise InvalidArgumentError("clauses names no clause; omit it to run them all")
+    return {name: clause for name, clause in CLAUSES.items() if name in names}
+
+
+def check_worker_contract(make_worker: WorkerFactory, *, timeout_s: float = WAIT_S,
+                          clauses: Iterable[str] | None = None) -> None:
+    """Run every clause (or those named in ``clauses``, keys of :data:`CLAUSES`, in that dict's
+    order) against fresh workers from ``make_worker`` (a zero-argument callable).
 
     The worker's layout needs at least :data:`MIN_DEVICE_BLOCKS` device blocks and the worker
     :data:`MIN_HOST_BLOCKS` host blocks. ``timeout_s`` is the deadline of each wait the suite makes;
@@ -466,16 +554,18 @@ def check_worker_contract(make_worker: WorkerFactory, *, timeout_s: float = WAIT
     Raises:
         AssertionError: naming the clause and what broke (an exception the clause did not expect,
             or a clause past its deadline, included).
-        InvalidArgumentError: ``timeout_s`` is not a finite number > 0, or the worker is too small.
+        InvalidArgumentError: ``timeout_s`` is not a finite number > 0, ``clauses`` is a string or
+            names no clause or one that is not a key of :data:`CLAUSES`, or the worker is too small.
     """
     wait_s = as_timeout(timeout_s, "timeout_s", positive=True)
+    chosen = _chosen(clauses)
     run = _Run(make_worker, wait_s)
     # what of the caller's thread a factory may rely on, given to each clause's thread
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     device = torch.cuda.current_device() if cuda else None
     stream = torch.cuda.current_stream() if cuda else None
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-    for name, clause in CLAUSES.items():
+    for name, clause in chosen.items():
         failure: list[BaseException] = []
 
         def body(clause: Callable[[_Run], None] = clause) -> None:

@@ -271,3 +271,33 @@ def test_each_clause_runs_with_the_callers_grad_mode_and_a_skip_stays_a_skip() -
     assert seen and not any(seen)
     with pytest.raises(pytest.skip.Exception):
         check_worker_contract(lambda: pytest.skip("no device here"))
+
+
+def test_clauses_runs_the_named_clauses_only_and_bad_names_are_refused_before_any_runs() -> None:
+    from kvoffload.testing import CLAUSES
+    built: list[int] = []
+
+    def counting() -> Worker:
+        built.append(1)
+        return make()
+
+    held = "a job held on the device keeps its deadlines, counters and layer order"
+    assert held in CLAUSES
+    check_worker_contract(counting, clauses=["empty jobs complete", held])  # held: nothing to hold on a CPU worker
+    assert len(built) == 2
+    check_worker_contract(lambda: cast(Worker, WaitReturnsWhatIsDone(make())), clauses=["empty jobs complete"])
+    for bad, what in [(["no such clause"], r"names \['no such clause'\], not clauses of the suite"),
+                      ("empty jobs complete", "not the string"), ([], "names no clause"),
+                      ([3], r"names \[3\]")]:
+        with pytest.raises(InvalidArgumentError, match=what):
+            check_worker_contract(counting, clauses=bad)  # type: ignore[arg-type]
+    assert len(built) == 2
+
+
+def test_a_device_hold_is_refused_off_cuda_with_a_typed_error() -> None:
+    from kvoffload.testing import DeviceHold
+    with pytest.raises(InvalidArgumentError, match="needs a CUDA device, not cpu"):
+        DeviceHold(torch.device("cpu"), 1.0)
+    for limit in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(InvalidArgumentError, match="limit_s must be a finite number"):
+            DeviceHold(torch.device("cuda", 0), limit)  # type: ignore[arg-type]

@@ -73,6 +73,7 @@ LAYERS: dict[str, int] = {
     # the public surface, then what is built on it
     "__init__": 9,
     "testing.fake": 2,
+    "testing.hold": 2,
     "testing.services": 5,
     "testing.memory_store": 4,
     "testing.__init__": 9,

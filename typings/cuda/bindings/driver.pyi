@@ -27,6 +27,13 @@ class CUmemcpySrcAccessOrder(enum.IntEnum):
     CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL = 2
     CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
 
+class CUstreamWaitValue_flags(enum.IntEnum):
+    CU_STREAM_WAIT_VALUE_GEQ = 0
+    CU_STREAM_WAIT_VALUE_EQ = 1
+    CU_STREAM_WAIT_VALUE_AND = 2
+    CU_STREAM_WAIT_VALUE_NOR = 3
+    CU_STREAM_WAIT_VALUE_FLUSH = 1073741824
+
 class CUdriverProcAddressQueryResult(enum.IntEnum):
     CU_GET_PROC_ADDRESS_SUCCESS = 0
     CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1
@@ -105,5 +112,8 @@ class CUfunction:
 
 def cuDeviceGetAttribute(attrib: CUdevice_attribute, dev: CUdevice | int) -> tuple[CUresult, int]: ...
 def cuMemHostGetDevicePointer(p: int, Flags: int) -> tuple[CUresult, CUdeviceptr]: ...
+def cuStreamWaitValue32(
+    stream: CUstream | int, addr: CUdeviceptr | int, value: int, flags: int
+) -> tuple[CUresult]: ...
 def cuModuleLoadData(image: bytes) -> tuple[CUresult, CUmodule]: ...
 def cuModuleGetFunction(hmod: CUmodule, name: bytes) -> tuple[CUresult, CUfunction]: ...
