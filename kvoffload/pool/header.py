@@ -4,7 +4,8 @@ A shared pool is one file under ``/dev/shm``: a header page, then ``num_records`
 ``world_size`` rank slices of ``record_bytes`` each (rank ``r``'s slice of block ``b`` at
 ``HEADER_BYTES + b * world_size * record_bytes + r * record_bytes``). The header says who takes part
 (one slot per rank: process id and start time, a nonce of the attach, the geometry it asked for,
-how far it got) and how the attach stands (joining, ready, failed and why). Every change to it is
+how far it got), which launch of the engine it is (a digest of the token its ranks share, when
+they name one) and how the attach stands (joining, ready, failed and why). Every change to it is
 made under ``flock`` of the file, by ``pwrite`` of the whole page; readers take the lock shared.
 
 Pure data and ``/proc`` reads: no torch, no mapping.
@@ -27,6 +28,7 @@ __all__ = [
     "HEADER_BYTES",
     "PROC_DIR",
     "MAX_WORLD_SIZE",
+    "NO_LAUNCH",
     "Failure",
     "Flag",
     "Header",
@@ -50,10 +52,15 @@ MAX_WORLD_SIZE: Final = 64
 # magic, version, world_size, generation, state, failure, failed-ranks mask, phase, num_records,
 # record_bytes, created (ns since the epoch)
 _HEAD: Final = struct.Struct("<8sIIQIIQIIQQQ")
+# the launch's digest, after the head (zeros, as in every file written before it was there: none)
+_LAUNCH: Final = struct.Struct("<16s")
+_LAUNCH_AT: Final = _HEAD.size
+#: The digest of a pool whose ranks named no launch.
+NO_LAUNCH: Final = bytes(_LAUNCH.size)
 # pid, flags, start time (clock ticks since boot), nonce, record_bytes, num_records
 _SLOT: Final = struct.Struct("<IIQQQQ")
 _SLOTS_AT: Final = 128
-assert _HEAD.size <= _SLOTS_AT and _SLOTS_AT + MAX_WORLD_SIZE * _SLOT.size <= HEADER_BYTES
+assert _LAUNCH_AT + _LAUNCH.size <= _SLOTS_AT and _SLOTS_AT + MAX_WORLD_SIZE * _SLOT.size <= HEADER_BYTES
 
 
 class State(enum.IntEnum):
@@ -120,6 +127,8 @@ class Header:
     record_bytes: int
     created_ns: int
     slots: tuple[Slot, ...]
+    #: The digest of the launch its creator named (:data:`NO_LAUNCH`: none).
+    launch: bytes = NO_LAUNCH
 
     @property
     def block_bytes(self) -> int:
@@ -163,6 +172,7 @@ class Header:
         _HEAD.pack_into(page, 0, MAGIC, VERSION, self.world_size, self.generation, self.state,
                         self.failure, self.failed, self.phase, 0, self.num_records,
                         self.record_bytes, self.created_ns)
+        _LAUNCH.pack_into(page, _LAUNCH_AT, self.launch)
         for rank, s in enumerate(self.slots):
             _SLOT.pack_into(page, _SLOTS_AT + rank * _SLOT.size, s.pid, s.flags, s.start, s.nonce,
                             s.record_bytes, s.num_records)
@@ -187,14 +197,16 @@ def decode(page: bytes) -> Header | None:
             _SLOT.unpack_from(page, _SLOTS_AT + r * _SLOT.size) for r in range(world)
         )
     )
+    (launch,) = _LAUNCH.unpack_from(page, _LAUNCH_AT)
     return Header(world, generation, state_, failure_, failed, Flag(phase), num_records,
-                  record_bytes, created, slots)
+                  record_bytes, created, slots, launch)
 
 
-def new_header(world_size: int, generation: int, created_ns: int) -> Header:
-    """The header of a pool no rank joined yet."""
+def new_header(world_size: int, generation: int, created_ns: int, launch: bytes = NO_LAUNCH) -> Header:
+    """The header of a pool no rank joined yet (``launch``: the digest of the launch its creator
+    named)."""
     return Header(world_size, generation, State.JOINING, Failure.NONE, 0, Flag.NONE, 0, 0,
-                  created_ns, tuple(Slot() for _ in range(world_size)))
+                  created_ns, tuple(Slot() for _ in range(world_size)), launch)
 
 
 def read_header(fd: int) -> Header | None:

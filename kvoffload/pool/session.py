@@ -54,6 +54,7 @@ from kvoffload.errors import (
 )
 from kvoffload.pool.header import (
     HEADER_BYTES,
+    NO_LAUNCH,
     Failure,
     Flag,
     Header,
@@ -153,8 +154,8 @@ class PoolSession:
         except OSError as exc:
             raise RegionError(f"cannot create a shared pool file in {SHM_DIR}: {exc.strerror}") from exc
         try:
-            header = _settle(new_header(spec.world_size, spec.pool.generation, time.time_ns())
-                             .with_slot(spec.rank, me), fd, spec)
+            header = _settle(new_header(spec.world_size, spec.pool.generation, time.time_ns(),
+                                        spec.pool.launch_digest).with_slot(spec.rank, me), fd, spec)
             write_header(fd, header)
             _link(fd, path)
         except FileExistsError:
@@ -203,6 +204,9 @@ class PoolSession:
 
         Raises:
             PoolCollisionError: the file is not a pool, another live pool, or this rank is taken.
+            PoolRankFailedError, PoolTimeoutError, PoolMismatchError: the file is this launch's
+                (``SharedPool.launch``) and its attach failed, or one of its ranks died (the file
+                is marked failed and unlinked).
         """
         status = os.fstat(fd)
         if status.st_nlink == 0:  # unlinked since we opened it: look again
@@ -213,6 +217,15 @@ class PoolSession:
                 f"{path!r} exists and is not a kvoffload shared pool; it is left alone (remove it, "
                 "or choose another name)", pool=spec.name,
             )
+        ours = spec.pool.launch_digest
+        if ours != NO_LAUNCH and header.launch == ours and (header.state is State.FAILED or header.dead_ranks()):
+            # this launch's own attach, not an earlier launch's remains: fail as its ranks do
+            if header.state is not State.FAILED:
+                header = header.replace(state=State.FAILED, failure=Failure.RANK_LOST,
+                                        failed=_mask(header.dead_ranks()))
+                write_header(fd, header)
+            _unlink_if_same(path, fd)
+            raise failure_error(spec.name, header, spec.pool.attach_timeout_s)
         if header.state is State.FAILED or header.dead_ranks() or not header.live_ranks():
             _log.warning("shared pool %r: replacing a stale file (%s)", spec.name, _stale_reason(header))
             if header.state is not State.FAILED:
@@ -228,6 +241,21 @@ class PoolSession:
                 f"{header.generation}, world_size {header.world_size}; rank(s) {_names(live)} held "
                 f"by pid(s) {_names(pids)}), not generation {spec.pool.generation}, world_size "
                 f"{spec.world_size}; choose another name", pool=spec.name, ranks=live, pids=pids,
+            )
+        if header.launch != ours:
+            live = header.live_ranks()
+            pids = [header.slots[r].pid for r in live]
+            if header.launch == NO_LAUNCH:
+                differs = "named no launch; this rank names one"
+            elif ours == NO_LAUNCH:
+                differs = "named a launch; this rank names none"
+            else:
+                differs = "named another launch than this rank's"
+            raise PoolCollisionError(
+                f"shared pool {spec.name!r} is held by another launch of an engine (rank(s) "
+                f"{_names(live)} held by pid(s) {_names(pids)} {differs}): every rank of one "
+                "launch must pass the same SharedPool.launch; choose another name for another engine",
+                pool=spec.name, ranks=live, pids=pids,
             )
         taken = header.slots[spec.rank]
         if taken.taken:

@@ -8,6 +8,7 @@ rank (or built once and sent to the ranks); ``pool.rank(r)`` is what rank ``r`` 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import TYPE_CHECKING, Any, Final
 
@@ -15,7 +16,7 @@ import attrs
 
 from kvoffload._seconds import MAX_TIMEOUT_S
 from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
-from kvoffload.pool.header import MAX_WORLD_SIZE
+from kvoffload.pool.header import MAX_WORLD_SIZE, NO_LAUNCH
 
 if TYPE_CHECKING:
     from kvoffload.pool.view import PoolView
@@ -27,6 +28,8 @@ __all__ = ["DEFAULT_ATTACH_TIMEOUT_S", "PoolRank", "SharedPool", "check_pool_nam
 DEFAULT_ATTACH_TIMEOUT_S: Final = 300.0
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _MAX_GENERATION: Final = (1 << 64) - 1
+#: The longest ``launch`` token, in characters.
+MAX_LAUNCH_CHARS: Final = 256
 
 
 def check_pool_name(name: object, argument: str = "name") -> str:
@@ -61,6 +64,18 @@ def _check_generation(_instance: object, _attribute: object, value: Any) -> None
     _check_int("generation", value, 0, _MAX_GENERATION)
 
 
+def _check_launch(_instance: object, _attribute: object, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"launch = {value!r} must be a str or None, not a {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_LAUNCH_CHARS:
+        raise InvalidArgumentError(
+            f"launch must be 1-{MAX_LAUNCH_CHARS} characters (a token unique to this launch of the "
+            f"engine), not {len(value)}"
+        )
+
+
 def _check_timeout(_instance: object, _attribute: object, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"attach_timeout_s = {value!r} must be a number of seconds")
@@ -84,12 +99,25 @@ class SharedPool:
         generation: an int the ranks of one engine launch agree on (e.g. a launch counter): a file
             of another generation is never joined (replaced when its processes are gone, a
             :class:`~kvoffload.errors.PoolCollisionError` while they live).
+        launch: a token unique to this launch of the engine, the same on every rank (e.g. drawn by
+            one rank and sent to the others, or the launcher's job id), or None. With it a rank
+            tells its own launch's file from another's: a file of another launch (or of ranks that
+            named none) is never joined, even under the same name, generation and world size
+            (replaced when its processes are gone, a
+            :class:`~kvoffload.errors.PoolCollisionError` while they live), so two engines
+            started at once under one name fail instead of taking each other's ranks; and a file of
+            this launch whose attach failed, or one of whose ranks died before the others came,
+            fails the rank at once with that attach's error
+            (:class:`~kvoffload.errors.PoolRankFailedError` for a dead rank) instead of being taken
+            for an earlier launch's remains and replaced. Without it, only ``name``, ``generation``
+            and ``world_size`` tell launches apart (docs/design.md §13).
         attach_timeout_s: how long each rank waits for the others to arrive and map the pool; then
             every rank that arrived fails with :class:`~kvoffload.errors.PoolTimeoutError` naming
             the ranks that did not.
 
     Raises (at construction):
-        ArgumentTypeError, InvalidArgumentError: a malformed name, world size, generation or timeout.
+        ArgumentTypeError, InvalidArgumentError: a malformed name, world size, generation, launch
+            or timeout.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -98,6 +126,15 @@ class SharedPool:
     attach_timeout_s: float = attrs.field(
         default=DEFAULT_ATTACH_TIMEOUT_S, kw_only=True, validator=_check_timeout
     )
+    launch: str | None = attrs.field(default=None, kw_only=True, validator=_check_launch)
+
+    @property
+    def launch_digest(self) -> bytes:
+        """What the pool's header records of :attr:`launch` (16 bytes; all zeros for None)."""
+        if self.launch is None:
+            return NO_LAUNCH
+        return hashlib.blake2b(self.launch.encode("utf-8", "surrogatepass"), digest_size=16,
+                               person=b"kvoffload-launch").digest()
 
     def rank(self, rank: int) -> PoolRank:
         """What rank ``rank`` passes to ``Worker.create(..., shared=...)``.

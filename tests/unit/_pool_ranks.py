@@ -57,8 +57,8 @@ class _State:
 
 
 def _attach(state: _State, name: str, world: int, rank: int, timeout: float,
-            generation: int = 0, host_blocks: int = HOST_BLOCKS) -> dict[str, float]:
-    pool = SharedPool(name, world, generation=generation, attach_timeout_s=timeout)
+            generation: int = 0, host_blocks: int = HOST_BLOCKS, launch: str | None = None) -> dict[str, float]:
+    pool = SharedPool(name, world, generation=generation, attach_timeout_s=timeout, launch=launch)
     began = time.monotonic()
     worker = Worker.create(layout_of(rank), host_blocks, shared=pool.rank(rank))
     state.workers[name] = (worker, rank)

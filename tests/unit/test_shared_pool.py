@@ -279,6 +279,10 @@ def test_a_stride_shorter_than_a_record_is_refused() -> None:
         (lambda: SharedPool("x", True), ArgumentTypeError, "world_size = True must be an int"),
         (lambda: SharedPool("x", 2, generation=-1), InvalidArgumentError, "generation = -1 must be"),
         (lambda: SharedPool("x", 2, attach_timeout_s=0), InvalidArgumentError, "attach_timeout_s = 0"),
+        (lambda: SharedPool("x", 2, launch=5), ArgumentTypeError,  # type: ignore[arg-type]
+         "launch = 5 must be a str or None, not a int"),
+        (lambda: SharedPool("x", 2, launch=""), InvalidArgumentError, "launch must be 1-256 characters"),
+        (lambda: SharedPool("x", 2, launch="x" * 257), InvalidArgumentError, "not 257"),
         (lambda: SharedPool("x", 2, attach_timeout_s=float("nan")), InvalidArgumentError, "finite"),
         (lambda: SharedPool("x", 2, attach_timeout_s=10**400), InvalidArgumentError, "finite"),
         (lambda: SharedPool.inspect("x", pid="1"),  # type: ignore[arg-type]
@@ -540,11 +544,12 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def plant(name: str, *, generation: int, pid: int, start: int, world: int = 2) -> str:
+def plant(name: str, *, generation: int, pid: int, start: int, world: int = 2,
+          launch: bytes = pool_header.NO_LAUNCH) -> str:
     """A pool file under ``name`` whose rank 0 is the process ``(pid, start)``."""
     path = os.path.join(SHM_DIR, name)
     slot = pool_header.Slot(pid, pool_header.Flag.ARRIVED, start, 7, 4096, 4)
-    header = pool_header.new_header(world, generation, time.time_ns()).with_slot(0, slot)
+    header = pool_header.new_header(world, generation, time.time_ns(), launch).with_slot(0, slot)
     with open(path, "wb") as f:
         f.write(header.encode())
     return path
@@ -556,6 +561,47 @@ def test_a_stale_file_of_a_dead_creator_is_replaced(name: str, generation: int) 
     pool = SharedPool(name, 2, attach_timeout_s=TIMEOUT_S)
     with workers(pool, {0: cache(0), 1: cache(1)}) as ws:
         traffic(ws[1], ws[1].layout, seed=1, rounds=3)
+
+
+def test_a_failed_attach_of_this_launch_fails_a_late_rank_at_once_and_another_launchs_is_replaced(
+        name: str) -> None:
+    """A file whose attach failed is replaced by another launch (or by ranks that name none), but a
+    rank of the launch that failed gets that attach's error at once instead of a fresh pool whose
+    other ranks already gave up (it would wait for them until its deadline)."""
+    launch = SharedPool(name, 2, launch="run-1").launch_digest
+    assert launch != pool_header.NO_LAUNCH and SharedPool(name, 2, launch="run-2").launch_digest != launch
+
+    def plant_failed() -> str:
+        path = plant(name, generation=0, pid=dead_pid(), start=1, launch=launch)
+        with open(path, "rb") as f:
+            header = pool_header.decode(f.read())
+        assert header is not None and header.launch == launch
+        failed = header.replace(state=pool_header.State.FAILED, failure=pool_header.Failure.TIMEOUT,
+                                failed=0b10, phase=pool_header.Flag.ARRIVED)
+        with open(path, "wb") as f:
+            f.write(failed.encode())
+        return path
+
+    path = plant_failed()
+    late = SharedPool(name, 2, launch="run-1", attach_timeout_s=TIMEOUT_S)
+    began = time.monotonic()
+    with pytest.raises(PoolTimeoutError, match=r"rank\(s\) 1 of 2 did not arrive") as caught:
+        Worker.create(cache(1), HOST_BLOCKS, shared=late.rank(1))
+    assert caught.value.ranks == (1,) and time.monotonic() - began < TIMEOUT_S / 2
+    assert not os.path.exists(path)
+    for other in ("run-2", None):
+        plant_failed()
+        with workers(SharedPool(name, 2, launch=other, attach_timeout_s=TIMEOUT_S), {0: cache(0), 1: cache(1)}):
+            pass
+
+
+def test_a_header_written_without_a_launch_reads_as_none() -> None:
+    header = pool_header.new_header(2, 0, 1)
+    page = header.encode()
+    assert header.launch == pool_header.NO_LAUNCH and page[72:128] == bytes(56)
+    assert pool_header.decode(page) == header
+    named = pool_header.new_header(2, 0, 1, SharedPool("x", 2, launch="a").launch_digest)
+    assert pool_header.decode(named.encode()) == named
 
 
 def test_a_file_of_a_reused_pid_is_stale_too(name: str) -> None:

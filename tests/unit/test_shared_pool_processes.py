@@ -177,14 +177,16 @@ def test_kill_9_of_a_rank_during_traffic_leaves_the_other_ranks_working(procs: R
     assert not any(pool_mapping(pid, name) for pid in procs.pids())
 
 
-def test_a_stale_file_of_a_killed_creator_is_replaced(procs: RankProcesses, name: str) -> None:
+@pytest.mark.parametrize("launches", [(None, None), ("earlier", "later")], ids=["no launch", "launches named"])
+def test_a_stale_file_of_a_killed_creator_is_replaced(procs: RankProcesses, name: str,
+                                                      launches: tuple[str | None, str | None]) -> None:
     creator = procs[0]
-    creator.send("attach", name=name, world=2, rank=0, timeout=ATTACH_S)
+    creator.send("attach", name=name, world=2, rank=0, timeout=ATTACH_S, launch=launches[0])
     path = os.path.join(SHM_DIR, name)
     wait_for_file(path)
     creator.kill()  # the file stays: its only rank died while waiting for the other
     assert os.path.exists(path)
-    answers = attach(procs, name, [0, 1], 2, ATTACH_S)  # a new engine under the same name
+    answers = attach(procs, name, [0, 1], 2, ATTACH_S, launch=launches[1])  # a new engine under the same name
     assert all(isinstance(a, dict) for a in answers.values()), answers
     assert not os.path.exists(path)
     for r in range(2):
@@ -205,3 +207,49 @@ def test_two_live_engines_with_one_name_collide(procs: RankProcesses, name: str)
     with pytest.raises(RankError, match="PoolTimeoutError") as first:  # nobody else came
         procs[0].answer()
     assert first.value.ranks == (1,)
+
+
+@pytest.mark.parametrize("launches", [("a", "b"), ("a", None), (None, None)],
+                         ids=["two launches", "one names none", "control: no launch"])
+def test_two_engines_started_at_once_under_one_name_do_not_take_each_others_ranks(
+        procs: RankProcesses, name: str, launches: tuple[str | None, str | None]) -> None:
+    """(An audit started engine A's rank 0 and engine B's rank 1 under one name, generation and
+    world size: B's rank joined A's pool, no error. Named launches tell them apart; the control,
+    with none, shows the mixed pool.)"""
+    a, b = launches
+    procs[0].send("attach", name=name, world=2, rank=0, timeout=ATTACH_S, launch=a)  # A0
+    wait_for_file(os.path.join(SHM_DIR, name))
+    b1 = attach(procs, name, [1], 2, ATTACH_S, launch=b)[1]
+    if a is None and b is None:  # the hazard: B1 took A's rank 1
+        assert isinstance(b1, dict), b1
+        assert isinstance(procs[0].answer(), dict)
+        return
+    assert isinstance(b1, RankError) and b1.kind == "PoolCollisionError", b1
+    assert "held by another launch of an engine" in str(b1) and b1.ranks == (0,) and str(procs[0].pid) in str(b1)
+    a1 = attach(procs, name, [1], 2, ATTACH_S, launch=a)[1]  # A's own rank 1 (in a fresh process)
+    assert isinstance(a1, dict) and isinstance(procs[0].answer(), dict), a1
+    for r in range(2):
+        procs[r].call("write", name=name, host_blocks=[5])
+        assert procs[r].call("read", name=name, host_blocks=[5]) is True
+
+
+@pytest.mark.parametrize("launch", ["this-launch", None], ids=["launch named", "control: no launch"])
+def test_a_rank_of_this_launch_that_died_before_the_others_came_fails_them_at_once(
+        procs: RankProcesses, name: str, launch: str | None) -> None:
+    """(Without a launch a peer takes the dead rank's file for an earlier launch's remains, replaces
+    it and waits for the dead rank until its deadline: the control.)"""
+    procs[0].send("attach", name=name, world=2, rank=0, timeout=ATTACH_S, launch=launch)
+    path = os.path.join(SHM_DIR, name)
+    wait_for_file(path)
+    procs[0].kill()
+    began = time.monotonic()
+    answer = attach(procs, name, [1], 2, SHORT_S if launch is None else ATTACH_S, launch=launch)[1]
+    took = time.monotonic() - began
+    assert isinstance(answer, RankError), answer
+    if launch is None:
+        assert answer.kind == "PoolTimeoutError" and answer.ranks == (0,) and took >= SHORT_S, answer
+    else:
+        assert answer.kind == "PoolRankFailedError" and answer.ranks == (0,), answer
+        assert "rank(s) 0 (pid" in str(answer) and "died" in str(answer)
+        assert took < ATTACH_S / 2
+    assert not os.path.exists(path)
