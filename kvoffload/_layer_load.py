@@ -48,6 +48,11 @@ class LayerMarks(Protocol):
     def count(self) -> int:
         """Layers of the job."""
 
+    @property
+    def on_device(self) -> bool:
+        """Whether :meth:`wait` orders the stream on the device and returns without waiting for
+        the copies (False: it waits on the host)."""
+
     def wait(self, layer: int, stream: object | None, timeout_s: float) -> bool:
         """Order ``stream`` after layer ``layer`` of the job (on the device where the backend has
         one; on the host otherwise), waiting at most ``timeout_s`` on the host for the layer to be
@@ -73,6 +78,8 @@ class _Waitable(Protocol):
 
 class HostLayerMarks:
     """Marks of a job copied on the host: layer ``i`` has landed once :meth:`mark` said so."""
+
+    on_device = False
 
     def __init__(self, count: int) -> None:
         self._count = count
@@ -120,6 +127,8 @@ class HostLayerMarks:
 class WholeJobMarks:
     """Marks of a backend that cannot mark layers: every layer waits, on the host, for the whole
     job's ticket. Borrows the ticket (the handler owns it)."""
+
+    on_device = False
 
     def __init__(self, count: int) -> None:
         self._count = count
@@ -183,6 +192,13 @@ class LayerLoad:
     def num_layers(self) -> int:
         """Layers of the load (the layout's ``num_layers``)."""
         return self._marks.count
+
+    @property
+    def on_device(self) -> bool:
+        """Whether :meth:`wait_layer` orders the stream on the device and returns without waiting
+        for the copies (the CUDA backend), or waits on the host until the layer landed (the host
+        backend) or the whole job finished (a backend that cannot mark layers)."""
+        return self._marks.on_device
 
     def wait_layer(self, layer: int, stream: object = None, *, timeout: float = LAYER_WAIT_TIMEOUT_S) -> None:
         """Make ``stream`` (default: the device's current stream) wait until layer ``layer``'s pages

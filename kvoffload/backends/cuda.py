@@ -206,6 +206,8 @@ class CudaLayerMarks:
     back to its pool (and be recorded by another job) between the check and the wait.
     """
 
+    on_device = True
+
     def __init__(self, count: int, pool: driver.EventPool, index: int,
                  stream_handle: Callable[[object | None], int]) -> None:
         self._count = count

@@ -374,6 +374,8 @@ class NativeLayerMarks:
     leads to the release implies).
     """
 
+    on_device = True
+
     def __init__(self, backend: NativeBackend, count: int) -> None:
         self._backend = backend
         self._count = count

@@ -29,6 +29,7 @@ __all__ = [
     "PROC_DIR",
     "MAX_WORLD_SIZE",
     "NO_LAUNCH",
+    "VERSION",
     "Failure",
     "Flag",
     "Header",
@@ -46,7 +47,11 @@ __all__ = [
 #: Bytes before the first block: one OS page holding the header.
 HEADER_BYTES: Final = 4096
 MAGIC: Final = b"KVOFPOOL"
-VERSION: Final = 1
+#: The format this library writes: 2 added the launch's digest. Version 1 files (read as naming
+#: no launch) are replaced when stale and refused while their ranks live.
+VERSION: Final = 2
+#: Versions this library reads.
+READ_VERSIONS: Final = (1, 2)
 #: Most ranks one pool can have (one 64-bit mask names any set of them).
 MAX_WORLD_SIZE: Final = 64
 # magic, version, world_size, generation, state, failure, failed-ranks mask, phase, num_records,
@@ -129,6 +134,8 @@ class Header:
     slots: tuple[Slot, ...]
     #: The digest of the launch its creator named (:data:`NO_LAUNCH`: none).
     launch: bytes = NO_LAUNCH
+    #: The format version the file was written in (:meth:`encode` writes :data:`VERSION`).
+    version: int = VERSION
 
     @property
     def block_bytes(self) -> int:
@@ -185,7 +192,7 @@ def decode(page: bytes) -> Header | None:
         return None
     (magic, version, world, generation, state, failure, failed, phase, _pad, num_records,
      record_bytes, created) = _HEAD.unpack_from(page, 0)
-    if magic != MAGIC or version != VERSION or not 1 <= world <= MAX_WORLD_SIZE:
+    if magic != MAGIC or version not in READ_VERSIONS or not 1 <= world <= MAX_WORLD_SIZE:
         return None
     try:
         state_, failure_ = State(state), Failure(failure)
@@ -197,9 +204,9 @@ def decode(page: bytes) -> Header | None:
             _SLOT.unpack_from(page, _SLOTS_AT + r * _SLOT.size) for r in range(world)
         )
     )
-    (launch,) = _LAUNCH.unpack_from(page, _LAUNCH_AT)
+    (launch,) = _LAUNCH.unpack_from(page, _LAUNCH_AT) if version >= 2 else (NO_LAUNCH,)
     return Header(world, generation, state_, failure_, failed, Flag(phase), num_records,
-                  record_bytes, created, slots, launch)
+                  record_bytes, created, slots, launch, version)
 
 
 def new_header(world_size: int, generation: int, created_ns: int, launch: bytes = NO_LAUNCH) -> Header:

@@ -55,6 +55,7 @@ from kvoffload.errors import (
 from kvoffload.pool.header import (
     HEADER_BYTES,
     NO_LAUNCH,
+    VERSION,
     Failure,
     Flag,
     Header,
@@ -203,10 +204,9 @@ class PoolSession:
         the file is gone or stale (then it is marked failed and unlinked).
 
         Raises:
-            PoolCollisionError: the file is not a pool, another live pool, or this rank is taken.
-            PoolRankFailedError, PoolTimeoutError, PoolMismatchError: the file is this launch's
-                (``SharedPool.launch``) and its attach failed, or one of its ranks died (the file
-                is marked failed and unlinked).
+            PoolCollisionError: the file is not a pool, another live pool (another generation,
+                world size or launch, or another version of the file's format), or this rank is
+                taken.
         """
         status = os.fstat(fd)
         if status.st_nlink == 0:  # unlinked since we opened it: look again
@@ -217,15 +217,6 @@ class PoolSession:
                 f"{path!r} exists and is not a kvoffload shared pool; it is left alone (remove it, "
                 "or choose another name)", pool=spec.name,
             )
-        ours = spec.pool.launch_digest
-        if ours != NO_LAUNCH and header.launch == ours and (header.state is State.FAILED or header.dead_ranks()):
-            # this launch's own attach, not an earlier launch's remains: fail as its ranks do
-            if header.state is not State.FAILED:
-                header = header.replace(state=State.FAILED, failure=Failure.RANK_LOST,
-                                        failed=_mask(header.dead_ranks()))
-                write_header(fd, header)
-            _unlink_if_same(path, fd)
-            raise failure_error(spec.name, header, spec.pool.attach_timeout_s)
         if header.state is State.FAILED or header.dead_ranks() or not header.live_ranks():
             _log.warning("shared pool %r: replacing a stale file (%s)", spec.name, _stale_reason(header))
             if header.state is not State.FAILED:
@@ -233,6 +224,15 @@ class PoolSession:
                                                 failed=_mask(header.dead_ranks())))
             _unlink_if_same(path, fd)
             return None
+        if header.version != VERSION:
+            live = header.live_ranks()
+            pids = [header.slots[r].pid for r in live]
+            raise PoolCollisionError(
+                f"shared pool {spec.name!r} is held by ranks of another kvoffload version (rank(s) "
+                f"{_names(live)} held by pid(s) {_names(pids)}; its header is of version "
+                f"{header.version}, this library's {VERSION}): every rank of one engine must run the "
+                "same kvoffload", pool=spec.name, ranks=live, pids=pids,
+            )
         if (header.generation, header.world_size) != (spec.pool.generation, spec.world_size):
             live = header.live_ranks()
             pids = [header.slots[r].pid for r in live]
@@ -242,6 +242,7 @@ class PoolSession:
                 f"by pid(s) {_names(pids)}), not generation {spec.pool.generation}, world_size "
                 f"{spec.world_size}; choose another name", pool=spec.name, ranks=live, pids=pids,
             )
+        ours = spec.pool.launch_digest
         if header.launch != ours:
             live = header.live_ranks()
             pids = [header.slots[r].pid for r in live]

@@ -105,11 +105,9 @@ class SharedPool:
             named none) is never joined, even under the same name, generation and world size
             (replaced when its processes are gone, a
             :class:`~kvoffload.errors.PoolCollisionError` while they live), so two engines
-            started at once under one name fail instead of taking each other's ranks; and a file of
-            this launch whose attach failed, or one of whose ranks died before the others came,
-            fails the rank at once with that attach's error
-            (:class:`~kvoffload.errors.PoolRankFailedError` for a dead rank) instead of being taken
-            for an earlier launch's remains and replaced. Without it, only ``name``, ``generation``
+            started at once under one name fail instead of taking each other's ranks. A stale file
+            is replaced whatever its launch (a restart that reuses its token, e.g. a job id, takes
+            the crashed attempt's file for what it is). Without it, only ``name``, ``generation``
             and ``world_size`` tell launches apart (docs/design.md §13).
         attach_timeout_s: how long each rank waits for the others to arrive and map the pool; then
             every rank that arrived fails with :class:`~kvoffload.errors.PoolTimeoutError` naming

@@ -30,8 +30,9 @@ with ``BlockConflictError``; layer-by-layer loads, each layer's pages landed by 
 counted in ``stats().expedited``, their blocks and ids booked against the regular lane's jobs, or
 refused with ``InvalidArgumentError`` without the lane; a job held on the device (a CUDA worker:
 a load fenced on a stream :class:`DeviceHold` holds until the suite lets it go): counted in flight,
-not polled, ``wait`` raising ``WaitTimeoutError`` by its deadline, each ``wait_layer`` returning at
-once and ordering its stream after the layer (a read enqueued after it finds the layer landed), then
+not polled, ``wait`` raising ``WaitTimeoutError`` by its deadline, each ``wait_layer`` of a load
+whose ``LayerLoad.on_device`` returning at once and ordering its stream after the layer (a read
+enqueued after it finds the layer landed), then
 the load bit-exact and counted once; shutdown draining, idempotent, ``ClosedError`` after it, and no
 thread of the worker left. ``clauses=`` runs some of them.
 
@@ -427,6 +428,9 @@ def _held(run: _Run) -> None:
         torch.cuda.synchronize(layout.device)
         before = w.stats().load
         reader = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
+        # ids on the device: a list would be copied to it with a synchronize of the reader, which
+        # waits for the held load once the reader waits for a layer
+        dst_index = torch.as_tensor(dst, dtype=torch.long, device=layout.device)
         reads: list[torch.Tensor] = []
         with DeviceHold(layout.device, HOLD_LIMIT_S) as hold:
             # the load's fence is taken on the held stream: none of its copies can run until the release
@@ -436,23 +440,29 @@ def _held(run: _Run) -> None:
             in_flight = w.stats().load.in_flight - before.in_flight
             assert in_flight == 1, f"stats().load.in_flight rose by {in_flight}, not 1, with a load held on the device"
             polled = w.poll()
-            assert polled == [], f"poll returned {polled} while the load was held on the device"
+            assert polled == [], f"poll returned {polled} while the stream the load was given was held " \
+                "on the device: the load did not wait for its stream="
             began = time.monotonic()
             try:
                 got = w.wait([2], HELD_WAIT_S)
             except WaitTimeoutError:
                 took = time.monotonic() - began
             else:
+                took = time.monotonic() - began
+                if hold.released_by_limit:
+                    raise AssertionError(f"wait([2], timeout={HELD_WAIT_S}) returned {[r.job_id for r in got]} "
+                                         f"after {took:.2f} s: it outlived its timeout until the suite's hold on "
+                                         f"the device ended at its limit ({HOLD_LIMIT_S:.0f} s)")
                 raise AssertionError(f"wait([2], timeout={HELD_WAIT_S}) returned {[r.job_id for r in got]} after "
-                                     f"{time.monotonic() - began:.2f} s: it outlived its timeout until the "
-                                     f"suite's hold on the device ended at its limit ({HOLD_LIMIT_S:.0f} s)")
+                                     f"{took:.2f} s while the stream the load was given was held on the "
+                                     "device: the load did not wait for its stream=")
             assert took < HELD_WAIT_S + HELD_WAIT_SLACK_S, \
                 f"wait([2], timeout={HELD_WAIT_S}) of a load held on the device raised WaitTimeoutError after {took:.2f} s"
-            if layered is not None:
+            if layered is not None and layered.on_device:  # (else wait_layer waits on the host: _layers checks it)
                 for i in range(len(layout.layer_tables)):
                     layered.wait_layer(i, reader, timeout=run.wait_s)
                     with torch.cuda.stream(reader):
-                        reads.append(layout.gather_records(dst))
+                        reads.append(layout.gather_records(dst_index))
             assert not hold.released_by_limit, \
                 f"wait_layer blocked the host until the suite's hold on the device ended at its limit " \
                 f"({HOLD_LIMIT_S:.0f} s): it must make the stream wait, not the caller"

@@ -1,7 +1,8 @@
 """A CUDA stream held on the device until the test lets it go: work a test enqueues behind the hold
 (a job fenced on the stream) cannot finish before the release, whatever the host's speed.
 
-:class:`DeviceHold` owns one word of pinned host memory, a stream and a timer thread. The stream
+:class:`DeviceHold` owns one word of pinned host memory, a stream of its own (made through the
+driver, so no other component's stream is it) and a timer thread. The stream
 waits on the device (``cuStreamWaitValue32``) until the word is set: by :meth:`DeviceHold.release`,
 or by the timer once ``limit_s`` passed, so a test that never reaches its release (a call blocked
 past its deadline) still ends the hold. :meth:`DeviceHold.close` (``with`` calls it) releases, stops
@@ -17,7 +18,7 @@ from typing import Final
 
 import torch
 
-from kvoffload.bindings.driver import stream_wait_word
+from kvoffload.bindings.driver import create_stream, destroy_stream, stream_wait_word
 from kvoffload.errors import InvalidArgumentError
 
 #: How long :meth:`DeviceHold.close` waits for the stream to pass its released hold.
@@ -46,20 +47,32 @@ class DeviceHold:
             raise InvalidArgumentError(f"a DeviceHold needs a CUDA device, not {device}")
         if not isinstance(limit_s, (int, float)) or isinstance(limit_s, bool) or not 0 < limit_s < float("inf"):
             raise InvalidArgumentError(f"limit_s must be a finite number of seconds > 0, not {limit_s!r}")
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self.stream = torch.cuda.Stream(torch.device("cuda", index))  # type: ignore[no-untyped-call]
-        stream_wait_word(index, self.stream.cuda_stream, self._word.data_ptr())
-        self._passed = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._passed.record(self.stream)
+        # a stream of its own, not one of torch's shared pool, which another component's stream
+        # could alias (and stall behind the hold)
+        self._handle = create_stream(self._index)
+        try:
+            stream_wait_word(self._index, self._handle, self._word.data_ptr())
+        except BaseException:
+            destroy_stream(self._index, self._handle)
+            raise
         self._lock = threading.Lock()
         self._released = False
         self.released_by_limit = False
         self._closed = False
-        self._timer = threading.Timer(limit_s, self._release_at_limit)
-        self._timer.daemon = True
-        self._timer.name = "kvoffload-device-hold"
-        self._timer.start()
+        try:
+            self.stream = torch.cuda.ExternalStream(self._handle, device=torch.device("cuda", self._index))  # type: ignore[no-untyped-call]
+            self._passed = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._passed.record(self.stream)
+            self._timer = threading.Timer(limit_s, self._release_at_limit)
+            self._timer.daemon = True
+            self._timer.name = "kvoffload-device-hold"
+            self._timer.start()
+        except BaseException:  # the wait is queued: let it go; the device may read the word a while
+            self._set()
+            _kept.append(self._word)
+            raise
 
     def release(self) -> None:
         """Let the stream go on (idempotent)."""
@@ -81,12 +94,12 @@ class DeviceHold:
         return not self._passed.query()  # type: ignore[no-untyped-call]
 
     def close(self) -> None:
-        """Release, stop the timer and wait until the stream passed the hold (once; later calls do
-        nothing).
+        """Release, stop the timer, wait until the stream passed the hold and destroy the stream
+        (once; later calls do nothing).
 
         Raises:
             AssertionError: the stream had not passed the released hold after
-                :data:`PASS_TIMEOUT_S` (its word is kept for the process's life).
+                :data:`PASS_TIMEOUT_S` (its word and stream are kept for the process's life).
         """
         if self._closed:
             return
@@ -100,9 +113,15 @@ class DeviceHold:
                 _kept.append(self._word)
                 raise AssertionError(f"the device had not passed a released hold after {PASS_TIMEOUT_S:.0f} s")
             time.sleep(_POLL_S)
+        destroy_stream(self._index, self._handle)
 
     def __enter__(self) -> DeviceHold:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self.close()
+        except AssertionError:
+            if exc_type is None:
+                raise
+            # the block's own error is the one to see; the word and stream stay with the process

@@ -61,6 +61,9 @@ class _Layers:
     def __init__(self, inner: LayerLoad, *, skip: bool) -> None:
         self.inner, self.skip = inner, skip
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
     def wait_layer(self, i: int, stream: Any = None, *, timeout: float = 60.0) -> None:
         if self.skip:  # returns without ordering the stream
             return
@@ -93,6 +96,14 @@ def test_the_held_job_clause_catches_a_broken_wrapper(wrapper: type[Wrapper], wh
     layout = cache("kv-separate", device, num_blocks=128, layers=2)
     with pytest.raises(AssertionError, match=rf"worker contract, '{HELD}': .*{what}"):
         check_worker_contract(lambda: cast(Worker, wrapper(Worker.create(layout, 64))), clauses=[HELD])
+
+
+def test_a_cuda_layered_load_orders_its_streams_on_the_device(device: torch.device) -> None:
+    layout = cache("kv-separate", device, num_blocks=64, layers=2)
+    with Worker.create(layout, 16) as w:
+        load = w.load_by_layer(1, [0, 1], [2, 3])
+        assert load.on_device is True
+        assert all(r.ok for r in w.wait([1], 60.0))
 
 
 def test_a_device_hold_holds_a_stream_until_released_or_its_limit(device: torch.device) -> None:

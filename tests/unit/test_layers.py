@@ -390,6 +390,7 @@ def test_a_layout_without_layers_is_refused_before_anything_is_submitted() -> No
 def test_an_empty_layered_load_completes_at_once() -> None:
     with Worker.create(cache("per-layer"), HOST_BLOCKS) as w:
         load = w.load_by_layer(1, [], [])
+        assert load.on_device is False  # the host backend: a wait returns once the layer was copied
         load.wait_layer(LAYERS - 1, timeout=0.0)
         (result,) = w.wait([1], TIMEOUT_S)
         assert result.ok and result.nbytes == 0
@@ -404,6 +405,7 @@ def test_a_backend_that_cannot_mark_layers_makes_every_layer_wait_for_the_whole_
 
     with Worker.create(cache("per-layer"), HOST_BLOCKS, backend_factory=make) as w:
         load = w.load_by_layer(1, [0, 1], [2, 3])
+        assert load.on_device is False  # it waits on the host
         with pytest.raises(WaitTimeoutError, match="did not finish"):
             load.wait_layer(0, timeout=0.05)
         loads = backends[1]

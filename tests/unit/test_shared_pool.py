@@ -563,36 +563,64 @@ def test_a_stale_file_of_a_dead_creator_is_replaced(name: str, generation: int) 
         traffic(ws[1], ws[1].layout, seed=1, rounds=3)
 
 
-def test_a_failed_attach_of_this_launch_fails_a_late_rank_at_once_and_another_launchs_is_replaced(
-        name: str) -> None:
-    """A file whose attach failed is replaced by another launch (or by ranks that name none), but a
-    rank of the launch that failed gets that attach's error at once instead of a fresh pool whose
-    other ranks already gave up (it would wait for them until its deadline)."""
-    launch = SharedPool(name, 2, launch="run-1").launch_digest
-    assert launch != pool_header.NO_LAUNCH and SharedPool(name, 2, launch="run-2").launch_digest != launch
+@pytest.mark.parametrize("theirs", ["run-1", "run-2", None], ids=["same launch", "another launch", "none"])
+def test_a_stale_file_of_any_launch_is_replaced(name: str, theirs: str | None) -> None:
+    """(A restart after a crash may reuse its token, e.g. a job id: its crashed attempt's file, its
+    ranks dead, is replaced as any stale file, not taken for this attempt's.)"""
+    launch = SharedPool(name, 2, launch=theirs).launch_digest
+    plant(name, generation=0, pid=dead_pid(), start=1, launch=launch)
+    with workers(SharedPool(name, 2, launch="run-1", attach_timeout_s=TIMEOUT_S), {0: cache(0), 1: cache(1)}) as ws:
+        traffic(ws[1], ws[1].layout, seed=1, rounds=2)
 
-    def plant_failed() -> str:
-        path = plant(name, generation=0, pid=dead_pid(), start=1, launch=launch)
+
+def test_a_live_file_of_another_launch_or_none_is_a_collision_and_left_alone(name: str) -> None:
+    me = os.getpid()
+    start = pool_header.process_start(me)
+    assert start is not None
+    for theirs, ours, said in [("a", "b", "named another launch than this rank's"),
+                               (None, "b", "named no launch; this rank names one"),
+                               ("a", None, "named a launch; this rank names none")]:
+        path = plant(name, generation=0, pid=me, start=start, launch=SharedPool(name, 2, launch=theirs).launch_digest)
         with open(path, "rb") as f:
-            header = pool_header.decode(f.read())
-        assert header is not None and header.launch == launch
-        failed = header.replace(state=pool_header.State.FAILED, failure=pool_header.Failure.TIMEOUT,
-                                failed=0b10, phase=pool_header.Flag.ARRIVED)
-        with open(path, "wb") as f:
-            f.write(failed.encode())
-        return path
+            planted = f.read()
+        pool = SharedPool(name, 2, launch=ours, attach_timeout_s=TIMEOUT_S)
+        with pytest.raises(PoolCollisionError, match=f"held by another launch of an engine .*{said}") as caught:
+            Worker.create(cache(1), HOST_BLOCKS, shared=pool.rank(1))
+        assert caught.value.ranks == (0,) and caught.value.pids == (me,)
+        with open(path, "rb") as f:
+            assert f.read() == planted  # left alone
+        os.unlink(path)
 
-    path = plant_failed()
-    late = SharedPool(name, 2, launch="run-1", attach_timeout_s=TIMEOUT_S)
-    began = time.monotonic()
-    with pytest.raises(PoolTimeoutError, match=r"rank\(s\) 1 of 2 did not arrive") as caught:
-        Worker.create(cache(1), HOST_BLOCKS, shared=late.rank(1))
-    assert caught.value.ranks == (1,) and time.monotonic() - began < TIMEOUT_S / 2
-    assert not os.path.exists(path)
-    for other in ("run-2", None):
-        plant_failed()
-        with workers(SharedPool(name, 2, launch=other, attach_timeout_s=TIMEOUT_S), {0: cache(0), 1: cache(1)}):
-            pass
+
+def _version_1(page: bytes) -> bytes:
+    """``page`` as the library wrote it before the launch's digest: version 1, zeros after the head."""
+    out = bytearray(page)
+    out[8:12] = (1).to_bytes(4, "little")
+    out[72:88] = bytes(16)
+    return bytes(out)
+
+
+def test_a_version_1_file_is_replaced_when_stale_and_refused_while_its_ranks_live(name: str) -> None:
+    me = os.getpid()
+    start = pool_header.process_start(me)
+    assert start is not None
+    path = plant(name, generation=0, pid=me, start=start)
+    with open(path, "rb") as f:
+        page = _version_1(f.read())
+    with open(path, "wb") as f:
+        f.write(page)
+    with pytest.raises(PoolCollisionError, match="another kvoffload version .* version 1, this library's 2"):
+        Worker.create(cache(1), HOST_BLOCKS, shared=SharedPool(name, 2, attach_timeout_s=TIMEOUT_S).rank(1))
+    with open(path, "rb") as f:
+        assert f.read() == page
+    os.unlink(path)
+    plant(name, generation=0, pid=dead_pid(), start=1)
+    with open(path, "rb") as f:
+        page = _version_1(f.read())
+    with open(path, "wb") as f:
+        f.write(page)
+    with workers(SharedPool(name, 2, attach_timeout_s=TIMEOUT_S), {0: cache(0), 1: cache(1)}):
+        pass
 
 
 def test_a_header_written_without_a_launch_reads_as_none() -> None:
@@ -600,6 +628,9 @@ def test_a_header_written_without_a_launch_reads_as_none() -> None:
     page = header.encode()
     assert header.launch == pool_header.NO_LAUNCH and page[72:128] == bytes(56)
     assert pool_header.decode(page) == header
+    old = pool_header.decode(_version_1(page))
+    assert old is not None and (old.version, old.launch) == (1, pool_header.NO_LAUNCH)
+    assert old.replace(version=pool_header.VERSION) == header
     named = pool_header.new_header(2, 0, 1, SharedPool("x", 2, launch="a").launch_digest)
     assert pool_header.decode(named.encode()) == named
 

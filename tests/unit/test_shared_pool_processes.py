@@ -177,7 +177,8 @@ def test_kill_9_of_a_rank_during_traffic_leaves_the_other_ranks_working(procs: R
     assert not any(pool_mapping(pid, name) for pid in procs.pids())
 
 
-@pytest.mark.parametrize("launches", [(None, None), ("earlier", "later")], ids=["no launch", "launches named"])
+@pytest.mark.parametrize("launches", [(None, None), ("earlier", "later"), ("job-7", "job-7")],
+                         ids=["no launch", "launches named", "a restart reusing its launch"])
 def test_a_stale_file_of_a_killed_creator_is_replaced(procs: RankProcesses, name: str,
                                                       launches: tuple[str | None, str | None]) -> None:
     creator = procs[0]
@@ -231,25 +232,3 @@ def test_two_engines_started_at_once_under_one_name_do_not_take_each_others_rank
     for r in range(2):
         procs[r].call("write", name=name, host_blocks=[5])
         assert procs[r].call("read", name=name, host_blocks=[5]) is True
-
-
-@pytest.mark.parametrize("launch", ["this-launch", None], ids=["launch named", "control: no launch"])
-def test_a_rank_of_this_launch_that_died_before_the_others_came_fails_them_at_once(
-        procs: RankProcesses, name: str, launch: str | None) -> None:
-    """(Without a launch a peer takes the dead rank's file for an earlier launch's remains, replaces
-    it and waits for the dead rank until its deadline: the control.)"""
-    procs[0].send("attach", name=name, world=2, rank=0, timeout=ATTACH_S, launch=launch)
-    path = os.path.join(SHM_DIR, name)
-    wait_for_file(path)
-    procs[0].kill()
-    began = time.monotonic()
-    answer = attach(procs, name, [1], 2, SHORT_S if launch is None else ATTACH_S, launch=launch)[1]
-    took = time.monotonic() - began
-    assert isinstance(answer, RankError), answer
-    if launch is None:
-        assert answer.kind == "PoolTimeoutError" and answer.ranks == (0,) and took >= SHORT_S, answer
-    else:
-        assert answer.kind == "PoolRankFailedError" and answer.ranks == (0,), answer
-        assert "rank(s) 0 (pid" in str(answer) and "died" in str(answer)
-        assert took < ATTACH_S / 2
-    assert not os.path.exists(path)
