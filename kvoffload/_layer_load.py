@@ -197,8 +197,9 @@ class LayerLoad:
     def on_device(self) -> bool:
         """Whether :meth:`wait_layer` orders the stream on the device and returns without waiting
         for the copies (the CUDA backend), or waits on the host until the layer landed (the host
-        backend) or the whole job finished (a backend that cannot mark layers)."""
-        return self._marks.on_device
+        backend) or the whole job finished (a backend that cannot mark layers). Marks of a backend
+        written before the attribute, which do not say, count as waiting on the host."""
+        return bool(getattr(self._marks, "on_device", False))
 
     def wait_layer(self, layer: int, stream: object = None, *, timeout: float = LAYER_WAIT_TIMEOUT_S) -> None:
         """Make ``stream`` (default: the device's current stream) wait until layer ``layer``'s pages

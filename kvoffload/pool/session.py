@@ -207,6 +207,9 @@ class PoolSession:
             PoolCollisionError: the file is not a pool, another live pool (another generation,
                 world size or launch, or another version of the file's format), or this rank is
                 taken.
+            PoolRankFailedError, PoolTimeoutError, PoolMismatchError: the file is this launch's
+                (``SharedPool.launch``; a rank of it still runs) and its attach failed, or one of
+                its ranks died (marked failed and unlinked).
         """
         status = os.fstat(fd)
         if status.st_nlink == 0:  # unlinked since we opened it: look again
@@ -217,6 +220,17 @@ class PoolSession:
                 f"{path!r} exists and is not a kvoffload shared pool; it is left alone (remove it, "
                 "or choose another name)", pool=spec.name,
             )
+        ours = spec.pool.launch_digest
+        if (ours != NO_LAUNCH and header.launch == ours and header.live_ranks()
+                and (header.state is State.FAILED or header.dead_ranks())):
+            # this launch's attach (a rank of it still runs), failed or with a rank lost: its ranks
+            # fail with its error, and so does this one, rather than wait in a pool of its own
+            if header.state is not State.FAILED:
+                header = header.replace(state=State.FAILED, failure=Failure.RANK_LOST,
+                                        failed=_mask(header.dead_ranks()))
+                write_header(fd, header)
+            _unlink_if_same(path, fd)
+            raise failure_error(spec.name, header, spec.pool.attach_timeout_s)
         if header.state is State.FAILED or header.dead_ranks() or not header.live_ranks():
             _log.warning("shared pool %r: replacing a stale file (%s)", spec.name, _stale_reason(header))
             if header.state is not State.FAILED:
@@ -242,7 +256,6 @@ class PoolSession:
                 f"by pid(s) {_names(pids)}), not generation {spec.pool.generation}, world_size "
                 f"{spec.world_size}; choose another name", pool=spec.name, ranks=live, pids=pids,
             )
-        ours = spec.pool.launch_digest
         if header.launch != ours:
             live = header.live_ranks()
             pids = [header.slots[r].pid for r in live]

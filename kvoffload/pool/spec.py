@@ -105,8 +105,10 @@ class SharedPool:
             named none) is never joined, even under the same name, generation and world size
             (replaced when its processes are gone, a
             :class:`~kvoffload.errors.PoolCollisionError` while they live), so two engines
-            started at once under one name fail instead of taking each other's ranks. A stale file
-            is replaced whatever its launch (a restart that reuses its token, e.g. a job id, takes
+            started at once under one name fail instead of taking each other's ranks. A file of
+            this launch that a rank of it still holds, whose attach failed or lost a rank, fails
+            the rank at once with that attach's error. A stale file (every rank gone) is replaced
+            whatever its launch (a restart that reuses its token, e.g. a job id, takes
             the crashed attempt's file for what it is). Without it, only ``name``, ``generation``
             and ``world_size`` tell launches apart (docs/design.md §13).
         attach_timeout_s: how long each rank waits for the others to arrive and map the pool; then

@@ -105,6 +105,10 @@ POLL_INTERVAL_S: Final = 0.001
 HELD_WAIT_S: Final = 0.05
 HELD_WAIT_SLACK_S: Final = 1.0
 HOLD_LIMIT_S: Final = 5.0
+#: How many streams the held-job clause tries for one whose work runs beside the hold, and how long
+#: it waits for each.
+FREE_STREAM_TRIES: Final = 8
+FREE_STREAM_WAIT_S: Final = 0.25
 #: The fewest device blocks and host blocks the suite's jobs need.
 MIN_DEVICE_BLOCKS: Final = 16
 MIN_HOST_BLOCKS: Final = 8
@@ -424,13 +428,19 @@ def _held(run: _Run) -> None:
             return
         hosts, dst, original = _stored(run, w)
         n = len(hosts)
-        layout.scatter_records(dst, torch.zeros_like(original))
-        torch.cuda.synchronize(layout.device)
-        before = w.stats().load
-        reader = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
         # ids on the device: a list would be copied to it with a synchronize of the reader, which
         # waits for the held load once the reader waits for a layer
         dst_index = torch.as_tensor(dst, dtype=torch.long, device=layout.device)
+        # the same load once, not held: what a worker builds for its first load (plans, tables,
+        # memory), where a host wait is no defect, is built before the hold
+        if layout.layers is not None:
+            w.load_by_layer(3, hosts, dst)
+        else:
+            w.load(3, hosts, dst)
+        _check_result(w.wait([3], run.wait_s)[0], 3, Direction.LOAD, n * layout.block_bytes)
+        layout.scatter_records(dst, torch.zeros_like(original))
+        torch.cuda.synchronize(layout.device)
+        before = w.stats().load
         reads: list[torch.Tensor] = []
         with DeviceHold(layout.device, HOLD_LIMIT_S) as hold:
             # the load's fence is taken on the held stream: none of its copies can run until the release
@@ -458,7 +468,10 @@ def _held(run: _Run) -> None:
                                      "device: the load did not wait for its stream=")
             assert took < HELD_WAIT_S + HELD_WAIT_SLACK_S, \
                 f"wait([2], timeout={HELD_WAIT_S}) of a load held on the device raised WaitTimeoutError after {took:.2f} s"
-            if layered is not None and layered.on_device:  # (else wait_layer waits on the host: _layers checks it)
+            # (a wait_layer that waits on the host is _layers' to check; a reader that shares the
+            # held stream's hardware queue would read only after the release, proving nothing)
+            reader = _free_stream(layout.device, hold) if layered is not None and layered.on_device else None
+            if layered is not None and reader is not None:
                 for i in range(len(layout.layer_tables)):
                     layered.wait_layer(i, reader, timeout=run.wait_s)
                     with torch.cuda.stream(reader):
@@ -468,7 +481,8 @@ def _held(run: _Run) -> None:
                 f"({HOLD_LIMIT_S:.0f} s): it must make the stream wait, not the caller"
         (loaded,) = w.wait([2], run.wait_s)
         _check_result(loaded, 2, Direction.LOAD, n * layout.block_bytes)
-        reader.synchronize()
+        if reader is not None:
+            reader.synchronize()
         for i, (table, got_layer) in enumerate(zip(layout.layer_tables, reads)):
             assert _pages_equal(layout, got_layer, original, table), \
                 f"a read after wait_layer({i}, stream) found layer {i} not landed: the stream did not wait for it"
@@ -478,6 +492,22 @@ def _held(run: _Run) -> None:
         counted = (after.in_flight - before.in_flight, after.completed - before.completed, after.failed - before.failed)
         assert counted == (0, 1, 0), \
             f"stats().load counted (in flight, completed, failed) = {counted} after the held load, not (0, 1, 0)"
+
+
+def _free_stream(device: torch.device, hold: DeviceHold) -> torch.cuda.Stream | None:
+    """A stream whose work runs while ``hold`` holds the device (one that shares the held stream's
+    hardware queue waits with it), or None when none of a few of torch's streams does."""
+    for _ in range(FREE_STREAM_TRIES):
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        probe = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        probe.record(stream)
+        deadline = time.monotonic() + FREE_STREAM_WAIT_S
+        ran: Callable[[], bool] = probe.query
+        while not ran() and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+        if ran() and hold.held():
+            return stream
+    return None
 
 
 def _closed(run: _Run) -> None:

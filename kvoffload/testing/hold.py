@@ -34,7 +34,10 @@ class DeviceHold:
     """Holds :attr:`stream` on ``device`` until :meth:`release`, or ``limit_s`` at the latest.
 
     Work enqueued on :attr:`stream` after construction waits on the device; another stream that
-    waits for an event recorded on it (a job's fence) waits too. :meth:`held` says whether the device
+    waits for an event recorded on it (a job's fence) waits too. Allocate nothing on it (torch's
+    allocator would record the stream on its blocks, and the stream is destroyed at the close); the
+    device may also hold work of other streams that share a hardware queue with it
+    (``CUDA_DEVICE_MAX_CONNECTIONS``) until the release. :meth:`held` says whether the device
     is still held, :attr:`released_by_limit` whether the timer, not the test, released it.
 
     Raises:
@@ -72,6 +75,7 @@ class DeviceHold:
         except BaseException:  # the wait is queued: let it go; the device may read the word a while
             self._set()
             _kept.append(self._word)
+            destroy_stream(self._index, self._handle)  # released by the driver once its work ran
             raise
 
     def release(self) -> None:

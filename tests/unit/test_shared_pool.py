@@ -573,6 +573,38 @@ def test_a_stale_file_of_any_launch_is_replaced(name: str, theirs: str | None) -
         traffic(ws[1], ws[1].layout, seed=1, rounds=2)
 
 
+@pytest.mark.parametrize("case", ["rank lost", "failed", "control: no launch"])
+def test_a_late_rank_of_a_launch_whose_attach_failed_gets_its_error_at_once(name: str, case: str) -> None:
+    """Rank 0 of the launch still runs (this process), rank 1 died (or the attach was marked failed
+    on a mismatch): rank 2 of the same launch fails at once with that attach's error, as rank 0
+    does, instead of replacing the file and waiting in a pool of its own until its deadline (the
+    control, without a launch, does that)."""
+    launch = None if case.startswith("control") else "run-1"
+    me = os.getpid()
+    start = pool_header.process_start(me)
+    assert start is not None
+    live = pool_header.Slot(me, pool_header.Flag.ARRIVED, start, 7, 4096, 4)
+    dead = pool_header.Slot(dead_pid(), pool_header.Flag.ARRIVED, 1, 8, 4096, 4)
+    header = pool_header.new_header(3, 0, time.time_ns(), SharedPool(name, 3, launch=launch).launch_digest)
+    header = header.with_slot(0, live).with_slot(1, dead if case != "failed" else live)
+    if case == "failed":
+        header = header.replace(state=pool_header.State.FAILED, failure=pool_header.Failure.MISMATCH,
+                                failed=0b11)
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(header.encode())
+    pool = SharedPool(name, 3, launch=launch, attach_timeout_s=1.0 if launch is None else TIMEOUT_S)
+    began = time.monotonic()
+    expected = {"rank lost": (PoolRankFailedError, r"rank\(s\) 1 \(pid .*\) died"),
+                "failed": (PoolMismatchError, "disagree on its geometry"),
+                "control: no launch": (PoolTimeoutError, r"rank\(s\) 0, 1 of 3 did not arrive")}[case]
+    with pytest.raises(expected[0], match=expected[1]):
+        Worker.create(cache(0), HOST_BLOCKS, shared=pool.rank(2))
+    if launch is not None:
+        assert time.monotonic() - began < TIMEOUT_S / 2
+    assert not os.path.exists(path)
+
+
 def test_a_live_file_of_another_launch_or_none_is_a_collision_and_left_alone(name: str) -> None:
     me = os.getpid()
     start = pool_header.process_start(me)
