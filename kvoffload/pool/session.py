@@ -225,22 +225,13 @@ class PoolSession:
                 and (header.state is State.FAILED or header.dead_ranks())):
             # this launch's attach (a rank of it still runs), failed or with a rank lost: its ranks
             # fail with its error, and so does this one, rather than wait in a pool of its own
-            if header.state is not State.FAILED:
-                header = header.replace(state=State.FAILED, failure=Failure.RANK_LOST,
-                                        failed=_mask(header.dead_ranks()))
-                write_header(fd, header)
-            _unlink_if_same(path, fd)
-            raise failure_error(spec.name, header, spec.pool.attach_timeout_s)
+            raise failure_error(spec.name, _give_up(header, fd, path), spec.pool.attach_timeout_s)
         if header.state is State.FAILED or header.dead_ranks() or not header.live_ranks():
             _log.warning("shared pool %r: replacing a stale file (%s)", spec.name, _stale_reason(header))
-            if header.state is not State.FAILED:
-                write_header(fd, header.replace(state=State.FAILED, failure=Failure.RANK_LOST,
-                                                failed=_mask(header.dead_ranks())))
-            _unlink_if_same(path, fd)
+            _give_up(header, fd, path)
             return None
         if header.version != VERSION:
-            live = header.live_ranks()
-            pids = [header.slots[r].pid for r in live]
+            live, pids = _holders(header)
             raise PoolCollisionError(
                 f"shared pool {spec.name!r} is held by ranks of another kvoffload version (rank(s) "
                 f"{_names(live)} held by pid(s) {_names(pids)}; its header is of version "
@@ -248,8 +239,7 @@ class PoolSession:
                 "same kvoffload", pool=spec.name, ranks=live, pids=pids,
             )
         if (header.generation, header.world_size) != (spec.pool.generation, spec.world_size):
-            live = header.live_ranks()
-            pids = [header.slots[r].pid for r in live]
+            live, pids = _holders(header)
             raise PoolCollisionError(
                 f"shared pool {spec.name!r} is held by another live pool (generation "
                 f"{header.generation}, world_size {header.world_size}; rank(s) {_names(live)} held "
@@ -257,8 +247,7 @@ class PoolSession:
                 f"{spec.world_size}; choose another name", pool=spec.name, ranks=live, pids=pids,
             )
         if header.launch != ours:
-            live = header.live_ranks()
-            pids = [header.slots[r].pid for r in live]
+            live, pids = _holders(header)
             if header.launch == NO_LAUNCH:
                 differs = "named no launch; this rank names one"
             elif ours == NO_LAUNCH:
@@ -586,6 +575,22 @@ def _lock_timeout(spec: PoolRank, step: str) -> PoolTimeoutError:
         "the pool file's lock stayed held by another process (a rank stopped inside a header update?)",
         pool=spec.name, ranks=(spec.rank,),
     )
+
+
+def _give_up(header: Header, fd: int, path: str) -> Header:
+    """Under the lock: mark the file's attach failed (its dead ranks lost, unless it failed
+    already) and unlink it; the header it has then."""
+    if header.state is not State.FAILED:
+        header = header.replace(state=State.FAILED, failure=Failure.RANK_LOST, failed=_mask(header.dead_ranks()))
+        write_header(fd, header)
+    _unlink_if_same(path, fd)
+    return header
+
+
+def _holders(header: Header) -> tuple[tuple[int, ...], list[int]]:
+    """The ranks of ``header`` whose process runs, and their process ids."""
+    live = header.live_ranks()
+    return live, [header.slots[r].pid for r in live]
 
 
 def _stale_reason(header: Header) -> str:

@@ -32,9 +32,9 @@ refused with ``InvalidArgumentError`` without the lane; a job held on the device
 a load fenced on a stream :class:`DeviceHold` holds until the suite lets it go): counted in flight,
 not polled, ``wait`` raising ``WaitTimeoutError`` by its deadline, each ``wait_layer`` of a load
 whose ``LayerLoad.on_device`` returning at once and ordering its stream after the layer (a read
-enqueued after it finds the layer landed), then
-the load bit-exact and counted once; shutdown draining, idempotent, ``ClosedError`` after it, and no
-thread of the worker left. ``clauses=`` runs some of them.
+enqueued after it finds the layer landed), then the load bit-exact and counted once; shutdown
+draining, idempotent, ``ClosedError`` after it, and no thread of the worker left. ``clauses=`` runs
+some of them.
 
 What the suite cannot do: make a copy fail (test failure paths with a :class:`HostBackend` subclass
 or :class:`FakeBackend`), or hold a job of a worker that is not on a CUDA device (the held-job

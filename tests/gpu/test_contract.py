@@ -15,6 +15,7 @@ import torch
 from kvoffload import LayerLoad, PathName, TransferResult, Worker
 from kvoffload.testing import DeviceHold, check_worker_contract
 from tests.gpu._helpers import cache
+from tests.unit._wrappers import Wrapper
 
 HELD = "a job held on the device keeps its deadlines, counters and layer order"
 
@@ -24,22 +25,6 @@ def test_every_path_keeps_the_worker_contract(path: PathName, device: torch.devi
     layout = cache("kv-separate", device, num_blocks=128, layers=2)
     assert layout.layers is not None  # the layer clauses run
     check_worker_contract(lambda: Worker.create(layout, 64, path=path))
-
-
-class Wrapper:
-    """An engine's wrapper over a real worker, delegating everything (the broken ones override)."""
-
-    def __init__(self, inner: Worker) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __enter__(self) -> Wrapper:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.inner.shutdown()
 
 
 class WaitIgnoresItsTimeout(Wrapper):

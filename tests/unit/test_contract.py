@@ -18,6 +18,7 @@ from kvoffload._layer_load import HostLayerMarks
 from kvoffload.backends.host import HostBackend
 from kvoffload.cli._caches import build_cache
 from kvoffload.testing import check_worker_contract
+from tests.unit._wrappers import Wrapper
 
 
 def layout(num_blocks: int = 64) -> DeviceLayout:
@@ -142,22 +143,6 @@ def test_the_contract_catches_a_broken_backend(backend: Callable[[Direction], Ho
 
 
 # ----------------------------------------------------------------------- broken wrappers
-
-
-class Wrapper:
-    """An engine's wrapper over a real worker, delegating everything (the broken ones override)."""
-
-    def __init__(self, inner: Worker) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __enter__(self) -> Wrapper:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.inner.shutdown()
 
 
 class WaitReturnsWhatIsDone(Wrapper):
