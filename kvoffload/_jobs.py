@@ -29,13 +29,15 @@ import time
 from collections.abc import Iterable
 from typing import Final, Protocol
 
+import attrs
 import numpy as np
 
 from kvoffload._seconds import WAIT_SLICE_S, as_timeout
 from kvoffload.errors import ClosedError, JobIdError, UnknownJobError, WaitTimeoutError
 from kvoffload.records import TransferResult
 
-__all__ = ["FailedTicket", "JobBook", "JobSource", "Ticket", "as_job_id", "as_job_ids", "as_timeout"]
+__all__ = ["BookedResult", "FailedTicket", "JobBook", "JobSource", "Ticket", "as_job_id", "as_job_ids",
+           "as_timeout"]
 
 
 def as_job_id(job_id: object) -> int:
@@ -298,3 +300,21 @@ class FailedTicket:
 
     def release(self) -> None:
         """Nothing to give back."""
+
+
+@attrs.frozen
+class BookedResult:
+    """A booked job's outcome, as a booking backend's ``book_take`` takes it (the native issuer's
+    book, docs/design.md §16): its id, its pairs, whether it succeeded, its device time (0.0 unless
+    it did), the name of the path it took (None: it failed before it was handed over, or in its
+    completion: the handler's path), its error and whether that came in its completion."""
+
+    job_id: int
+    pairs: int
+    ok: bool
+    seconds: float
+    path: str | None
+    error: BaseException | None
+    completion: bool  # it failed in its completion (its end's query failed, or it was given up)
+    #: ``time.monotonic()`` seconds: handed over, issue began, issued, found done (0.0: not)
+    times: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)

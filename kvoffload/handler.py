@@ -32,6 +32,7 @@ nothing; every other call after it raises :class:`~kvoffload.errors.ClosedError`
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -44,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload._descriptors import CopyPlan, PageTable
-from kvoffload._jobs import FailedTicket, JobBook, Ticket, as_job_id, as_timeout
+from kvoffload._jobs import BookedResult, FailedTicket, JobBook, Ticket, as_job_id, as_timeout
 from kvoffload._layer_load import LayerMarks, WholeJobMarks
 from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.errors import (
@@ -63,7 +64,8 @@ from kvoffload.records import (
     TransferResult,
 )
 
-__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "DirectionHandler", "LayeredBackend", "Ticket"]
+__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "BookedHandler", "DirectionHandler", "LayeredBackend",
+           "Ticket"]
 
 _log = logging.getLogger("kvoffload.handler")
 #: Transfers abandoned by a failed drain: their tickets keep host buffers a copy may still read, so
@@ -85,6 +87,9 @@ INLINE_HEAD_MAX_DESCRIPTORS: Final = 128
 #: thread stuck in a copy should count as running.
 ISSUER_JOIN_MIN_S: Final = 0.05
 _EMPTY_PATH: Final = "none"
+#: The range of a booked job's key (:class:`BookedHandler`): a signed 64-bit int.
+_KEY_MIN: Final = -(1 << 63)
+_KEY_END: Final = 1 << 63
 #: The error of a job whose handler shut down before it was issued.
 _SHUT_DOWN: Final = "the handler shut down before the job was issued"
 
@@ -168,9 +173,9 @@ class CallStatsSource(Protocol):
 class HandsOffBackend(Backend, Protocol):
     """A backend whose ``issue`` only hands the job to a thread of its own (docs/design.md §16):
     cheap whatever the job's size, so the handler issues every job on the caller's thread, in
-    submit order, never splits one, and takes its own fences with :meth:`position`; the worker's
-    fast front hands a whole job over with :meth:`hand_off_call`'s call, its fence recorded on a
-    stream in the same call."""
+    submit order, never splits one, and takes its own fences with :meth:`position`. One that also
+    books its jobs (:class:`BookingBackend`) gets a :class:`BookedHandler`, whose fast-front calls
+    hand a job over with its fence recorded on a stream in the same call."""
 
     hands_off: bool
 
@@ -192,24 +197,47 @@ class HandsOffBackend(Backend, Protocol):
     def current_stream_reader(self) -> Callable[[], int]:
         """A call without arguments that returns the calling thread's current stream's handle."""
 
-    def hand_off_call(self, plan: CopyPlan) -> Callable[[I64Array, I64Array, int], Ticket]:
-        """A call ``(src, dst, stream)`` that hands a whole job of ``plan`` over with its fence
-        recorded on ``stream`` in the same call; the call never raises (a failure is the
-        ticket's)."""
-
-    def hand_off_layers_call(
-        self, plans: tuple[CopyPlan, ...],
-    ) -> Callable[[I64Array, I64Array, int, LayerMarks], Ticket]:
-        """A call ``(src, dst, stream, marks)`` that hands a layered job of ``plans`` (layer ``i``'s
-        plan ``plans[i]``) over as :meth:`hand_off_call`'s call hands a whole one, ``marks`` (of
-        ``layer_marks``) attached to the job; the call never raises."""
-
     def layer_marks(self, count: int) -> LayerMarks:
         """Marks for a layered job of ``count`` layers."""
 
     def early_wake(self, pages: int) -> tuple[int, Callable[[], object]] | None:
         """For jobs of ``pages`` pages per pair: the fewest pairs of a job whose thread is best
         woken as soon as the job is taken, and the call that wakes it (None: never)."""
+
+
+class BookingBackend(HandsOffBackend, Protocol):
+    """A hands-off backend that keeps its jobs in a book of its own, in hand-off order, until their
+    results are taken in one call (the native issuer's library; docs/design.md §16): its handler
+    (:class:`BookedHandler`) keeps no object per job."""
+
+    books: bool
+
+    def booked_hand_off_call(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> Callable[..., int]:
+        """A call ``(job_id, src, dst, stream, marks=None)`` that hands a job over as booked: 0, or
+        the code it failed with unbooked; never raises."""
+
+    def issue_booked(self, job_id: int, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+                     fence: object, marks: LayerMarks | None, first: int = 0) -> int:
+        """Hand a job over as booked behind ``fence``; returns as ``booked_hand_off_call``'s call."""
+
+    def book_fail(self, job_id: int, pairs: int, error: BaseException) -> bool:
+        """Book a job as failed with ``error`` before it was handed over; False: not booked."""
+
+    def book_take(self) -> list[BookedResult]:
+        """The results of the finished jobs at the head of the book, in hand-off order."""
+
+    def book_wait(self, job_id: int | None, timeout_s: float) -> bool:
+        """Wait until the first job not done among job ``job_id`` (None: the last booked) and those
+        booked before it is done; True when it is, or none is left."""
+
+    def close_book(self) -> None:
+        """Book no job any more (a drain's last look)."""
+
+    def book_count(self) -> tuple[int, int | None, int]:
+        """The jobs in the book, the first one's id, and how many were ever booked."""
+
+    def book_error(self, code: int) -> BaseException:
+        """The error of a job a booked hand-off did not book (it returned ``code``)."""
 
 
 @attrs.define(eq=False)
@@ -277,12 +305,6 @@ class DirectionHandler:
         self._bytes_done = 0
         self._busy_s = 0.0
         self._layer_plans: tuple[tuple[PageTable, ...], tuple[CopyPlan, ...]] | None = None
-        # The hands-off backend's call for the fast front's jobs (submit_handed_off), made at its
-        # first job.
-        self._hand_off_call: Callable[[I64Array, I64Array, int], Ticket] | None = None
-        # The fast front's layered hand-off: the layout's tables, their plans, the bound call.
-        self._layered_hand_off: tuple[tuple[PageTable, ...], tuple[CopyPlan, ...],
-                                      Callable[[I64Array, I64Array, int, LayerMarks], Ticket]] | None = None
 
     @classmethod
     def create(
@@ -300,7 +322,8 @@ class DirectionHandler:
         ``book``: where results are published (the worker shares one between its components);
         None gives the handler a book of its own, released with it.
         """
-        handler = cls(
+        made = BookedHandler if getattr(backend, "books", False) and cls is DirectionHandler else cls
+        handler = made(
             direction=direction, plan=plan, backend=backend, num_src_blocks=num_src_blocks,
             num_dst_blocks=num_dst_blocks, book=book,
         )
@@ -326,7 +349,8 @@ class DirectionHandler:
     @property
     def hands_off(self) -> bool:
         """Whether the backend hands each job to a thread of its own (``HandsOffBackend``): the
-        worker's fast front submits such a handler's jobs (:meth:`submit_handed_off`)."""
+        worker's fast front submits the jobs of such a handler that books them
+        (:meth:`BookedHandler.submit_handed_off`)."""
         return bool(getattr(self._backend, "hands_off", False))
 
     @property
@@ -479,7 +503,7 @@ class DirectionHandler:
             self._queue.put(transfer)
 
     def stream_handle(self, stream: object = None) -> int:
-        """The handle of ``stream`` for :meth:`submit_handed_off` (None: the device's current
+        """The handle of ``stream`` for :meth:`BookedHandler.submit_handed_off` (None: the device's current
         stream; :meth:`current_stream_reader` reads that without a call of this method).
 
         Raises:
@@ -490,7 +514,7 @@ class DirectionHandler:
 
     def current_stream_reader(self) -> Callable[[], int]:
         """The hands-off backend's reader of the calling thread's current stream (a call without
-        arguments returning its handle), for :meth:`submit_handed_off`."""
+        arguments returning its handle), for :meth:`BookedHandler.submit_handed_off`."""
         backend = self._backend
         assert backend is not None
         return cast(HandsOffBackend, backend).current_stream_reader()
@@ -502,74 +526,6 @@ class DirectionHandler:
         backend = self._backend
         assert backend is not None
         return cast(HandsOffBackend, backend).early_wake(self._plan.pages.num_pages)
-
-    def submit_handed_off(self, job_id: int, src: I64Array, dst: I64Array, stream: int) -> None:
-        """The worker's fast front's submit (docs/design.md §16): a non-empty whole job of a
-        hands-off backend, its ids validated and booked, ordered after the work queued on
-        ``stream`` (a handle from :meth:`stream_handle` or :meth:`current_stream_reader`) before
-        this call. Handed over on this thread in submit order, as :meth:`_hand_over` hands a job
-        over (its steps inline: this runs on the engine's thread for every such job), with the
-        fence recorded in the same call into the backend; a failure to hand it over is the job's
-        failed result.
-
-        Raises:
-            ClosedError: after shutdown.
-        """
-        hand_off = self._hand_off_call
-        if hand_off is None:  # (a shutdown since the worker's look may have released the backend)
-            backend = cast(HandsOffBackend, self._open_backend())
-            hand_off = self._hand_off_call = backend.hand_off_call(self._plan)
-        transfer = _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False)
-        with self._issue_lock:  # as _hand_over's
-            self._queue_handed_off(transfer)
-            try:
-                transfer.ticket = (FailedTicket(TransferError(_SHUT_DOWN)) if self._abort.is_set()
-                                   else hand_off(src, dst, stream))
-            except Exception as exc:  # reported as the job's failure, as _issue's
-                transfer.ticket = FailedTicket(exc)
-            self._mark_issued(transfer)
-
-    def submit_handed_off_layered(
-        self, job_id: int, src: I64Array, dst: I64Array, stream: int, tables: tuple[PageTable, ...],
-    ) -> LayerMarks:
-        """:meth:`submit_handed_off` for a job that lands layer after layer (``tables[i]``: layer
-        ``i``'s pages), as :meth:`submit_layered` submits one; returns the marks, which the handler
-        owns until the result is published (docs/design.md §12).
-
-        Raises:
-            ClosedError: after shutdown.
-        """
-        backend = cast(HandsOffBackend, self._open_backend())  # a shutdown since the worker's look
-        cached = self._layered_hand_off
-        if cached is None or cached[0] is not tables:
-            plans = self._layer_plans_for(tables)
-            cached = self._layered_hand_off = (tables, plans, backend.hand_off_layers_call(plans))
-        _, plans, hand_off = cached
-        marks = backend.layer_marks(len(tables))
-        transfer = _Transfer(job_id, src, dst, src.shape[0] * self._page_bytes, None, False,
-                             layers=plans, marks=marks)
-        with self._issue_lock:  # as _hand_over's
-            self._queue_handed_off(transfer)
-            try:
-                transfer.ticket = (FailedTicket(TransferError(_SHUT_DOWN)) if self._abort.is_set()
-                                   else hand_off(src, dst, stream, marks))
-            except Exception as exc:  # reported as the job's failure, as _issue's
-                transfer.ticket = FailedTicket(exc)
-            marks.settle()  # layers the hand-off could not mark wait no more
-            self._mark_issued(transfer)
-        return marks
-
-    def _queue_handed_off(self, transfer: _Transfer) -> None:
-        """Queue a transfer the caller hands over next (the caller holds ``_issue_lock``).
-
-        Raises:
-            ClosedError: after shutdown (nothing queued).
-        """
-        with self._lock:
-            self._check_open()
-            self._fifo.append(transfer)
-            self._submitted += 1
-            self._pending += 1
 
     def _hand_over(self, backend: Backend, transfer: _Transfer) -> None:
         """Queue ``transfer`` and hand it over through :meth:`_issue` on this thread (a hands-off
@@ -845,8 +801,7 @@ class DirectionHandler:
             kept = exc
             self._abort.set()
             with self._lock:
-                _ABANDONED.extend(self._fifo)
-                self._fifo.clear()
+                self._abandon_locked()
         finally:
             failures = self._release(deadline)
         if kept is not None and not failures:
@@ -883,6 +838,12 @@ class DirectionHandler:
                 if self._fifo and self._fifo[0] is head:  # a concurrent advance may have popped it
                     self._fifo.popleft()
                     self._complete(head, self._finished(head, ticket))
+
+    def _abandon_locked(self) -> None:
+        """A failed drain's: keep what the jobs still in flight hold for the rest of the process
+        (caller holds the lock)."""
+        _ABANDONED.extend(self._fifo)
+        self._fifo.clear()
 
     def _release(self, deadline: float) -> list[BaseException]:
         """Stop the issuer thread and release the backend; never raises, returns the failures."""
@@ -941,3 +902,267 @@ class DirectionHandler:
         if backend is None:  # released by a shutdown that began after the check above
             raise ClosedError(f"the {self.direction.value} handler was shut down")
         return backend
+
+
+class BookedHandler(DirectionHandler):
+    """A :class:`DirectionHandler` over a backend that keeps its jobs in a book of its own
+    (:class:`BookingBackend`, the native issuer's library; docs/design.md §16).
+
+    Owns: what the base class owns but its FIFO (empty here) and, for each layered job not yet
+    published, its marks. Every job of the direction is handed over booked, on the caller's thread
+    and in submit order (the library appends it to the book under its lock), with no object, lock
+    or queue entry of the handler's per job; a job that fails before the hand-off is booked failed,
+    in its place. ``advance`` takes every finished job's result from the head of the book in hand-off
+    order in one call and publishes them; a wait waits in the library for the first job not done
+    among the job and those handed over before it. The
+    shutdown contract is the base class's: drain (wait for the book's last job, with the deadline,
+    then take its results), else abandon (the library gives up what is in flight once its thread
+    stops), then release the backend, which frees the book.
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._marks: dict[int, LayerMarks] = {}  # a layered job's, until its result is published
+        self._booked_call: Callable[..., int] | None = None
+        # the fast front's layered hand-off: the layout's tables and the bound call
+        self._booked_layered: tuple[tuple[PageTable, ...], Callable[..., int]] | None = None
+        # The book keys jobs by 64-bit ints: a job id outside that range (or one equal to a key in
+        # use for such an id) is booked under a key of its own, unused by any job in flight.
+        self._synthetic: dict[int, int] = {}  # key -> job id
+        self._keys: dict[int, int] = {}  # job id -> key
+        self._next_key = itertools.count(_KEY_MIN)
+        self._book_total = 0  # jobs ever booked, kept when the backend goes
+
+    def _key(self, job_id: int) -> int:
+        """The book's key of job ``job_id`` (reserved in the job book), made when it needs one.
+
+        A key is entered before the job book is asked whether a job in flight has it as its id: a
+        job reserved with that id after the look finds the key taken and gets a key of its own."""
+        if _KEY_MIN <= job_id < _KEY_END and job_id not in self._synthetic and job_id not in self._keys:
+            return job_id
+        with self._lock:
+            made = self._keys.get(job_id)
+            if made is not None:
+                return made
+            while True:
+                key = next(self._next_key)
+                if key in self._synthetic:
+                    continue
+                self._synthetic[key] = job_id
+                if not self._book.known(key):
+                    break
+                del self._synthetic[key]
+            self._keys[job_id] = key
+        return key
+
+    def _job_of(self, key: int) -> int:
+        """The job id a taken result's ``key`` stands for (its key let go; caller holds the lock)."""
+        job_id = self._synthetic.pop(key, None)
+        if job_id is None:
+            return key
+        del self._keys[job_id]
+        return job_id
+
+    def _booking(self) -> BookingBackend:
+        """The backend of an open handler.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        return cast(BookingBackend, self._open_backend())
+
+    def _refused(self, job_id: int, pairs: int, error: BaseException, marks: LayerMarks | None) -> None:
+        """A job the backend did not book (it failed with ``error`` before it was handed over): its
+        failure is published now, or, when a shutdown released the backend meanwhile, refused.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        if marks is not None:
+            self._marks.pop(job_id, None)
+            marks.release()
+        key = self._keys.get(job_id)
+        if key is not None:  # not booked: its key goes
+            with self._lock:
+                self._job_of(key)
+        self._check_open()
+        self._record(self._result(job_id, False, pairs * self._page_bytes, 0.0, self._path, error))
+
+    def _failed_hand_off(self, job_id: int, pairs: int, error: BaseException,
+                         marks: LayerMarks | None) -> None:
+        """A hand-off raised ``error``: the job is booked failed with it, in its place (else, the
+        backend released, refused as :meth:`_refused`)."""
+        backend = self._backend
+        if backend is None or not cast(BookingBackend, backend).book_fail(self._key(job_id), pairs, error):
+            self._refused(job_id, pairs, error, marks)
+
+    def submit_handed_off(self, job_id: int, src: I64Array, dst: I64Array, stream: int) -> None:
+        """The worker's fast front's submit (docs/design.md §16): a non-empty whole job, its ids
+        validated and booked, ordered after the work queued on ``stream`` (a handle from
+        :meth:`stream_handle` or :meth:`current_stream_reader`) before this call, handed over on
+        this thread in submit order with its fence recorded in the same call into the library: one
+        call. A failure to hand it over is the job's failed result.
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        self._check_open()
+        call = self._booked_call
+        if call is None:
+            call = self._booked_call = self._booking().booked_hand_off_call((self._plan,), whole=True)
+        try:
+            code = call(self._key(job_id), src, dst, stream)
+        except Exception as exc:  # noqa: BLE001 - it never should: the job's failed result, in order
+            self._failed_hand_off(job_id, int(src.shape[0]), exc, None)
+            return
+        if code:
+            self._refused(job_id, int(src.shape[0]), self._booking().book_error(code), None)
+
+    def submit_handed_off_layered(
+        self, job_id: int, src: I64Array, dst: I64Array, stream: int, tables: tuple[PageTable, ...],
+    ) -> LayerMarks:
+        """:meth:`submit_handed_off` for a job that lands layer after layer (``tables[i]``: layer
+        ``i``'s pages), as :meth:`submit_layered` submits one; returns the marks, which the handler
+        owns until the result is published (docs/design.md §12).
+
+        Raises:
+            ClosedError: after shutdown.
+        """
+        backend = self._booking()
+        cached = self._booked_layered
+        if cached is None or cached[0] is not tables:
+            plans = self._layer_plans_for(tables)
+            cached = self._booked_layered = (tables, backend.booked_hand_off_call(plans, whole=False))
+        call = cached[1]
+        marks = backend.layer_marks(len(tables))
+        self._marks[job_id] = marks  # before the hand-off: its result may be taken at once
+        try:
+            code = call(self._key(job_id), src, dst, stream, marks)
+        except Exception as exc:  # noqa: BLE001 - it never should: the job's failed result, in order
+            marks.settle()
+            self._failed_hand_off(job_id, int(src.shape[0]), exc, marks)
+            return marks
+        marks.settle()  # layers the hand-off could not mark wait no more
+        if code:
+            self._refused(job_id, int(src.shape[0]), backend.book_error(code), marks)
+        return marks
+
+    def _hand_over(self, backend: Backend, transfer: _Transfer) -> None:
+        """The validating path's hand-off (:meth:`DirectionHandler._enqueue`), booked."""
+        with self._lock:
+            self._refuse_if_closed(backend, transfer)
+        booking = cast(BookingBackend, backend)
+        marks = transfer.marks
+        if marks is not None:
+            self._marks[transfer.job_id] = marks
+        pairs = int(transfer.src.shape[0])
+        error: BaseException | None = None
+        key = self._key(transfer.job_id)
+        if self._abort.is_set():
+            error = TransferError(_SHUT_DOWN)
+            if booking.book_fail(key, pairs, error):
+                error = None
+        else:
+            plans = transfer.layers if transfer.layers is not None else (self._plan,)
+            raised: Exception | None = None
+            try:
+                code = booking.issue_booked(key, plans, transfer.src, transfer.dst,
+                                            transfer.fence, marks, transfer.first_layer)
+            except Exception as exc:  # noqa: BLE001 - it never should: the job's failed result, in order
+                code, raised = -1, exc
+            error = raised if raised is not None else booking.book_error(code) if code else None
+            if raised is not None and booking.book_fail(key, pairs, raised):
+                error = None
+        if marks is not None:
+            marks.settle()
+        if transfer.owns_fence:
+            backend.release_fence(transfer.fence)
+        if error is not None:
+            self._refused(transfer.job_id, pairs, error, marks)
+
+    def wait_issued(self, timeout: float) -> bool:
+        """Always: a booked job was issued (handed over) before its submit returned."""
+        return True
+
+    def advance(self) -> None:
+        """Publish the results of the jobs at the head of the book that finished, in order."""
+        with self._lock:
+            self._take_locked()
+
+    def _take_locked(self) -> BaseException | None:
+        """Publish the finished results the book has (caller holds the lock); the first error of a
+        job that failed in its completion, if one did (a drain's failure, as a ticket's wait that
+        raises fails the base class's drain)."""
+        backend = self._backend
+        if backend is None:
+            return None
+        failure: BaseException | None = None
+        for outcome in cast(BookingBackend, backend).book_take():
+            if outcome.completion and failure is None:
+                failure = outcome.error
+            job_id = self._job_of(outcome.job_id)
+            marks = self._marks.pop(job_id, None)
+            if marks is not None:
+                marks.release()
+            self._record_locked(self._result(
+                job_id, outcome.ok, outcome.pairs * self._page_bytes, outcome.seconds,
+                outcome.path or self._path, outcome.error))
+        return failure
+
+    def wait_progress(self, job_id: int, timeout: float) -> None:
+        """Wait in the library, up to ``timeout``, for ``job_id`` to finish."""
+        key = self._keys.get(job_id)
+        if key is None:
+            if not _KEY_MIN <= job_id < _KEY_END or job_id in self._synthetic:
+                return  # its key went with its result (taken meanwhile): nothing to wait for
+            key = job_id
+        backend = self._backend
+        if backend is not None:
+            cast(BookingBackend, backend).book_wait(key, timeout)
+
+    def stats(self) -> HandlerStats:
+        """Counters since creation (also valid after shutdown)."""
+        with self._lock:
+            backend = self._backend
+            booked, _, total = (cast(BookingBackend, backend).book_count() if backend is not None
+                                else (0, None, self._book_total))
+            return HandlerStats(
+                direction=self.direction, submitted=self._submitted + total,
+                completed=self._completed, failed=self._failed, in_flight=booked,
+                bytes_done=self._bytes_done, busy_seconds=self._busy_s,
+            )
+
+    def _drain(self, deadline: float) -> None:
+        backend = self._backend
+        if backend is not None:  # a hand-off that passed the closed check before the shutdown
+            cast(BookingBackend, backend).close_book()  # is booked now, or refused from here on
+        while True:
+            with self._lock:
+                failure = self._take_locked()
+            if failure is not None:
+                raise failure
+            backend = self._backend
+            if backend is None:
+                return
+            booking = cast(BookingBackend, backend)
+            count, head, _ = booking.book_count()
+            if not count:
+                return
+            if not booking.book_wait(None, max(0.0, deadline - time.monotonic())):
+                raise WaitTimeoutError(
+                    f"{self.direction.value} job {head} did not finish before the shutdown "
+                    "deadline", pending=[head] if head is not None else [],
+                )
+
+    def _release(self, deadline: float) -> list[BaseException]:
+        """As the base class's, the count of jobs ever booked kept (the issuer goes)."""
+        backend = self._backend
+        if backend is not None:
+            self._book_total = cast(BookingBackend, backend).book_count()[2]
+        return super()._release(deadline)
+
+    def _abandon_locked(self) -> None:
+        """A failed drain's: the library gives up the book's jobs in flight as its thread stops;
+        their marks are kept for the rest of the process."""
+        _ABANDONED.extend(self._marks.values())
+        self._marks.clear()

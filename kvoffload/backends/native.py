@@ -8,14 +8,17 @@ they continue, staged chunks over the staging ring), enqueues it behind the fenc
 event with short sleeps and wakes the job's waiters. The engine's Python, busy or not, never delays
 the link's start, and the caller never pays for the issue.
 
-Owns: the native issuer (its thread, events and plans; stopped and freed exactly once by
-:meth:`NativeBackend.release`) and the :class:`CudaBackend` it was built over (its streams, ring and
-kernel tables, released after the thread was joined). A :class:`NativeTicket` owns its job's
+Owns: the native issuer (its thread, events, plans and book; stopped exactly once by
+:meth:`NativeBackend.release`, and freed exactly once: by the release, or, when a call into the
+book was inside the library then, by that call as it leaves) and the :class:`CudaBackend` it was
+built over (its streams, ring and kernel tables, released after the thread was joined). The book
+owns its jobs' references until their results are taken; a :class:`NativeTicket` owns its job's
 reference, a :class:`NativeFence` its taker's, a :class:`NativeLayerMarks` its marks'.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -30,7 +33,7 @@ import torch
 
 from kvoffload import native
 from kvoffload._descriptors import CopyPlan
-from kvoffload._jobs import FailedTicket, Ticket
+from kvoffload._jobs import BookedResult, FailedTicket, Ticket
 from kvoffload._layer_load import LayerMarks
 from kvoffload.backends.cuda import CudaBackend, current_device_index, current_stream_reader
 from kvoffload.backends.kernel import SmPath, StagedPath
@@ -156,6 +159,11 @@ START_TIMEOUT_S: Final = 10.0
 #: except in a test whose control proves that a rule is needed.
 CONTROLS = 0
 _RELEASED: Final = "the backend was released before the job was issued"
+#: The most results :meth:`NativeBackend.book_take` takes in one call into the library.
+_TAKE_MAX: Final = 64
+#: A taken result as the call front's ``book_take`` gives it: id, code, failure, pairs, tag, device
+#: seconds, failed call, and four times in ns.
+_Raw = tuple[int, int, int, int, int, float, str, int, int, int, int]
 _PATHS: Final = {"dma": native.PATH_DMA, "dma-loop": native.PATH_DMA, "sm": native.PATH_SM,
                  "staged": native.PATH_STAGED}
 
@@ -391,10 +399,17 @@ class NativeLayerMarks:
         return self._count
 
     def attach(self, job: int) -> None:
-        """The job was handed over: waits go to the library."""
+        """The job was handed over: waits go to the library. Marks released meanwhile (the job's
+        result was taken before this call: a job done in its hand-off) drop the reference at once."""
         with self._cond:
-            self._job = job
-            self._cond.notify_all()
+            if self._released:
+                job_gone = job
+            else:
+                job_gone = 0
+                self._job = job
+                self._cond.notify_all()
+        if job_gone:
+            self._backend.lib.kvo_marks_release(job_gone)
 
     def settle(self) -> None:
         """The hand-off returned: a job never handed over has nothing to wait for."""
@@ -491,25 +506,31 @@ class Wrapped(Protocol):
 TableSource = Callable[[CopyPlan], "tuple[int, int]"]
 
 
-class _HandOff(Protocol):
-    """A bound hand-off of :meth:`NativeBackend._bind_hand_off` (``marks``: a layered job's)."""
+class BookedHandOff(Protocol):
+    """A call of :meth:`NativeBackend.booked_hand_off_call`."""
 
-    def __call__(self, src: I64Array, dst: I64Array, stream: int, marks: LayerMarks | None = None) -> Ticket:
-        """Hand the job over; never raises."""
+    def __call__(self, job_id: int, src: I64Array, dst: I64Array, stream: int,
+                 marks: LayerMarks | None = None) -> int:
+        """Hand the job over as booked: 0, or the code it failed with unbooked; never raises."""
 
 
 class NativeBackend:
     """One direction's copies issued by the native thread over a :class:`CudaBackend`'s streams and
     paths (see the module docstring). Build it with :meth:`over`.
 
-    Its ``issue`` only hands the job over (``hands_off``): the handler issues every job on the
-    caller's thread, never splits one, and waits for completion through the ticket, which the
-    thread signals.
+    It only hands jobs over (``hands_off``) and books them (``books``): its handler
+    (:class:`kvoffload.handler.BookedHandler`) hands every job over on the caller's thread, never
+    splits one, and takes results from the library's book; ``issue`` still returns a
+    :class:`NativeTicket` per job (the library's job handle) to a handler that does not book.
     """
 
     name = "cuda"
     #: ``issue`` hands the job to a thread of the backend's own: cheap, whatever the job's size.
     hands_off = True
+    #: Jobs handed over as booked stay in the library's book, in hand-off order, until their
+    #: results are taken in one call (:meth:`book_take`): the handler keeps no object per job
+    #: (:class:`kvoffload.handler.BookedHandler`; docs/design.md §16).
+    books = True
 
     def __init__(
         self, inner: Wrapped, lib: ctypes.CDLL, issuer: int, *, index: int,
@@ -532,14 +553,31 @@ class NativeBackend:
         self._single: dict[tuple[CopyPlan, bool], int] = {}
         self._lock = threading.Lock()
         self._released = False
+        # The book (docs/design.md §16): calls inside the library that need the issuer (a wait may
+        # block), and whether release_within left the issuer's free to the last of them.
+        self._book_users = 0
+        self._free_deferred = False
+        self._freed = False  # the issuer's memory went (a release whose stop failed keeps it)
+        self._book_closed = False  # a drain's last look: no job is booked any more
+        self._book_totals = (0, 0)  # (jobs in the book, jobs ever booked) when the issuer went
+        self._book_errors: dict[int, BaseException] = {}  # booked failed in Python (kvo_book_fail)
+        self._tag_names = tuple(dict.fromkeys(path_names.values()))  # a booked job's tag -> its path
+        self._tags = {name: self._tag_names.index(shown) for name, shown in path_names.items()}
+        self._take_out = (ctypes.c_int64 * (native.BOOK_FIELDS * _TAKE_MAX))()
+        self._take_seconds = (ctypes.c_double * _TAKE_MAX)()
+        self._take_calls = (ctypes.c_char_p * _TAKE_MAX)()
+        self._book_out = (ctypes.c_int64 * 2)()
+        self._take_lock = threading.Lock()  # the ctypes take's out-arrays
         # The hand-off's fixed arguments, built once: ctypes converts them at no call.
         self._hand_off = lib.kvo_hand_off
+        self._hand_off_booked = lib.kvo_hand_off_booked
         self._fence_take = lib.kvo_fence_take
         self._issuer_arg = ctypes.c_void_p(issuer)
         self._error = ctypes.c_int64(0)
         self._error_arg = ctypes.byref(self._error)
         # The call front's hand-off, where it is built (the same call without ctypes).
         front = native.front()
+        self._front = front
         self._front_hand_off = front.hand_off if front is not None else None
         self._front_spec = native.front_spec(lib, issuer=issuer)
         self._front_at = ctypes.addressof(self._front_spec)
@@ -752,62 +790,6 @@ class NativeBackend:
         assert isinstance(fence, NativeFence)
         return self._submit((plan,), src, dst, fence.stream, fence.pointer, None, 0)
 
-    def hand_off_call(self, plan: CopyPlan) -> Callable[[I64Array, I64Array, int], Ticket]:
-        """:meth:`issue` for the fast front (docs/design.md §16), bound to ``plan``: a call
-        ``(src, dst, stream)`` that hands a whole job over with its fence recorded on ``stream`` (a
-        handle of this backend's device) in the same call into the library; never raises. With the
-        call front, the call is :meth:`_submit`'s work for such a job with the plan registered here,
-        once: the fast front's every job runs it on the engine's thread."""
-        return self._bind_hand_off((plan,), whole=True)
-
-    def hand_off_layers_call(
-        self, plans: tuple[CopyPlan, ...],
-    ) -> Callable[[I64Array, I64Array, int, LayerMarks], Ticket]:
-        """:meth:`issue_layers` for the fast front, bound to ``plans`` (layer ``i``'s plan
-        ``plans[i]``, from layer 0): a call ``(src, dst, stream, marks)`` that hands a layered job
-        over as :meth:`hand_off_call`'s call hands a whole one, the marks (of :meth:`layer_marks`)
-        attached to the job it hands over; never raises."""
-        return self._bind_hand_off(plans, whole=False)
-
-    def _bind_hand_off(
-        self, plans: tuple[CopyPlan, ...], *, whole: bool,
-    ) -> _HandOff:
-        """The call of :meth:`hand_off_call` (``whole``) or :meth:`hand_off_layers_call`: the plans
-        registered once, here; without the call front, or when that fails, :meth:`_submit`."""
-        def submit(src: I64Array, dst: I64Array, stream: int, marks: LayerMarks | None = None) -> Ticket:
-            return self._submit(plans, src, dst, stream, 0, cast("NativeLayerMarks | None", marks), 0)
-
-        with self._lock:
-            if self._front_hand_off is None or self._released:
-                return submit
-            try:
-                address = self._plan_array(plans, whole=whole)
-            except Exception:  # each job fails with the registration's error, through _submit
-                return submit
-        choose, stores, lock = self._choose, self._stores, self._lock
-        front_at, spec, on_cuda, index = self._front_at, self._front_spec, self._on_cuda, self.index
-        count, layered = len(plans), int(not whole)
-
-        def hand_off(src: I64Array, dst: I64Array, stream: int, marks: LayerMarks | None = None) -> Ticket:
-            name = choose(src.shape[0])
-            device, host = (src, dst) if stores else (dst, src)
-            with lock:
-                if self._released:
-                    return FailedTicket(TransferError(_RELEASED))
-                call = self._front_hand_off  # (looked up per call: a profile may wrap it)
-                assert call is not None
-                if on_cuda and current_device_index() != index:  # the fence is recorded in the call
-                    with torch.cuda.device(index):
-                        job = call(front_at, stream, 0, _PATHS[name], device, host, count, address, 0, layered)
-                else:
-                    job = call(front_at, stream, 0, _PATHS[name], device, host, count, address, 0, layered)
-                code = spec.error
-            if job and marks is not None:
-                cast(NativeLayerMarks, marks).attach(int(job))
-            return self._ticket(job, code, name)
-
-        return hand_off
-
     def issue_layers(
         self, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array, fence: object,
         marks: LayerMarks, first: int = 0,
@@ -933,6 +915,219 @@ class NativeBackend:
             caller_calls=int(out[2 * n]), caller_longest_ns=int(out[2 * n + 1]),
         )
 
+    # ------------------------------------------------------------------------------------ the book
+
+    def booked_hand_off_call(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> BookedHandOff:
+        """A call ``(job_id, src, dst, stream, marks)`` that hands a job of ``plans`` (``whole``:
+        one plan of whole blocks; else layer ``i``'s plan ``plans[i]``, the job's layer marks in
+        ``marks``) over as booked, its fence recorded on ``stream`` in the same call into the
+        library, the plans registered once (here, or at a later job if that fails). It returns 0
+        when the job is in the book (where its result comes, failed if its fence could not be
+        recorded or its plans registered), else the job was not booked and failed with the returned
+        code (:func:`native_error`); it never raises."""
+        count, layered = len(plans), int(not whole)
+        registered: list[int] = []
+
+        def register() -> int | None:
+            """The plans' array (registered now if not yet), None once the backend was released."""
+            if not registered:
+                with self._lock:
+                    if self._released:
+                        return None
+                    registered.append(self._plan_array(plans, whole=whole))
+            return registered[0]
+
+        with contextlib.suppress(Exception):  # a failed registration is tried again per job
+            register()
+
+        def hand_off(job_id: int, src: I64Array, dst: I64Array, stream: int,
+                     marks: LayerMarks | None = None) -> int:
+            try:
+                address = register()
+            except Exception as exc:  # noqa: BLE001 - the job fails with it, through the book
+                return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
+            return self._booked(job_id, address, count, src, dst, stream, 0, 0, layered,
+                                cast("NativeLayerMarks | None", marks))
+
+        return hand_off
+
+    def issue_booked(
+        self, job_id: int, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+        fence: object, marks: LayerMarks | None, first: int = 0,
+    ) -> int:
+        """Hand a job over as booked behind ``fence`` (:meth:`fence` or :meth:`position`): a whole
+        job of ``plans[0]`` when ``marks`` is None, else a layered one from layer ``first``. Returns
+        as :meth:`booked_hand_off_call`'s call; never raises."""
+        assert isinstance(fence, NativeFence)
+        whole = marks is None
+        try:
+            with self._lock:
+                address = None if self._released else self._plan_array(plans, whole=whole)
+        except Exception as exc:  # noqa: BLE001 - nothing was handed over: the job fails at once
+            return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
+        return self._booked(job_id, address, len(plans), src, dst, fence.stream, fence.pointer, first,
+                            int(not whole), cast("NativeLayerMarks | None", marks))
+
+    def _booked(
+        self, job_id: int, address: int | None, count: int, src: I64Array, dst: I64Array, stream: int,
+        pointer: int, first: int, layered: int, marks: NativeLayerMarks | None,
+    ) -> int:
+        """kvo_hand_off_booked (the plans' array at ``address``; None: the backend was released),
+        through the call front where it is built and the fence is recorded in the call."""
+        n = int(src.shape[0])
+        name = self._choose(n)
+        device, host = (src, dst) if self._stores else (dst, src)
+        front = self._front
+        with self._lock:
+            if self._released or self._book_closed or address is None:
+                return native.RELEASED
+            switch = not pointer and self.switches_device()  # the fence is recorded in the call
+            with torch.cuda.device(self.index) if switch else contextlib.nullcontext():
+                if front is not None and not pointer:
+                    code = int(front.hand_off_booked(
+                        self._front_at, job_id, self._tags[name], stream, _PATHS[name], device, host,
+                        count, address, first, layered))
+                    job = int(self._front_spec.marks_job or 0)
+                else:
+                    out = ctypes.c_void_p(0)
+                    code = int(self._hand_off_booked(
+                        self._issuer_arg, job_id, self._tags[name], stream, pointer, _PATHS[name], n,
+                        native.address(device), native.address(host), count, address, first,
+                        layered, ctypes.byref(out)))
+                    job = int(out.value or 0)
+        if marks is not None and job:
+            marks.attach(job)
+        return code
+
+    def book_fail(self, job_id: int, pairs: int, error: BaseException) -> bool:
+        """Book job ``job_id`` of ``pairs`` pairs as failed with ``error`` before it was handed
+        over, in order among the booked jobs; False (not booked) once the backend was released or
+        when the library has no memory for it."""
+        with self._lock:
+            if self._released or self._book_closed:
+                return False
+            self._book_errors[job_id] = error
+            if self.lib.kvo_book_fail(self._issuer, job_id, pairs, native.PYTHON_ERROR):
+                del self._book_errors[job_id]
+                return False
+        return True
+
+    def book_take(self) -> list[BookedResult]:
+        """The results of the finished jobs at the head of the book, in hand-off order (each taken
+        once; the book lets go of them); nothing once the issuer was freed."""
+        if not self._book_enter():
+            return []
+        try:
+            front = self._front
+            if front is not None:  # (a results list built in C: a MemoryError there loses the
+                raw: list[_Raw] = front.book_take(self._front_at)  # results it took, and says so)
+            else:
+                with self._take_lock:  # the ctypes out-arrays are the backend's: one take at a time
+                    raw = self._take_ctypes()
+            return [self._outcome(*r) for r in raw] if raw else []
+        finally:
+            self._book_left()
+
+    def _take_ctypes(self) -> list[_Raw]:
+        """kvo_book_take through ctypes, as the call front's ``book_take`` (caller holds
+        ``_take_lock``)."""
+        out, seconds, calls = self._take_out, self._take_seconds, self._take_calls
+        fields = native.BOOK_FIELDS
+        raw: list[_Raw] = []
+        while True:
+            count = int(self.lib.kvo_book_take(self._issuer, _TAKE_MAX, out, seconds, calls))
+            for k in range(count):
+                job_id, code, fail, pairs, tag, handed, began, issued, found = out[k * fields:(k + 1) * fields]
+                raw.append((job_id, code, fail, pairs, tag, seconds[k], (calls[k] or b"").decode(),
+                            handed, began, issued, found))
+            if count < _TAKE_MAX:
+                return raw
+
+    def _outcome(self, job_id: int, code: int, fail: int, pairs: int, tag: int, seconds: float,
+                 call: str, *times: int) -> BookedResult:
+        """A taken result's :class:`BookedResult`."""
+        error: BaseException | None = None
+        if code == native.PYTHON_ERROR:
+            error = self._book_errors.pop(job_id)
+        elif fail != native.FAIL_NONE:
+            error = native_error(code, call or "native issuer")
+        completion = fail == native.FAIL_COMPLETION
+        path = self._tag_names[tag] if tag >= 0 and not completion else None
+        return BookedResult(job_id, pairs, error is None, seconds if error is None else 0.0, path,
+                            error, completion, tuple(t / 1e9 for t in times))  # type: ignore[arg-type]
+
+    def book_wait(self, job_id: int | None, timeout_s: float) -> bool:
+        """Block, without the GIL, until the first job not done among booked job ``job_id`` (None:
+        the last one booked) and those booked before it is done, or ``timeout_s`` passed; True when
+        it is done (or none is left, the job is not in the book, the issuer was freed): call again
+        while the job's result is not taken."""
+        if not self._book_enter():
+            return True
+        try:
+            last = job_id is None
+            key = 0 if job_id is None else job_id
+            if self._front is not None:
+                return int(self._front.book_wait(self._front_at, key, int(last), _ns(timeout_s))) != 0
+            return int(self.lib.kvo_book_wait(self._issuer, key, int(last), _ns(timeout_s))) != 0
+        finally:
+            self._book_left()
+
+    def close_book(self) -> None:
+        """Book no job any more (a drain's last look): a booked hand-off, or a job booked failed,
+        returns :data:`native.RELEASED` from now on. Waits for a hand-off in progress."""
+        with self._lock:
+            self._book_closed = True
+
+    def book_count(self) -> tuple[int, int | None, int]:
+        """The jobs in the book (handed over, results not taken), the first one's id (None when
+        there is none) and how many jobs were ever booked; once the issuer was freed, none in the
+        book and the total it had."""
+        if not self._book_enter():
+            return 0, None, self._book_totals[1]
+        try:
+            out = (ctypes.c_int64 * 2)()
+            count = int(self.lib.kvo_book_count(self._issuer, out))
+            return count, (int(out[0]) if count else None), int(out[1])
+        finally:
+            self._book_left()
+
+    def book_error(self, code: int) -> BaseException:
+        """The error of a job a booked hand-off did not book (it returned ``code``)."""
+        return native_error(code, "native hand-off")
+
+    def book_times(self, job_id: int) -> tuple[float, float, float, float] | None:
+        """Booked job ``job_id``'s timeline so far (as :attr:`BookedResult.times`), or None when it
+        is not in the book (its result taken, or never booked): a profile's view of a job."""
+        out = (ctypes.c_int64 * 4)()
+        if not self._book_enter():
+            return None
+        try:
+            if not self.lib.kvo_book_times(self._issuer, job_id, out):
+                return None
+        finally:
+            self._book_left()
+        return out[0] / 1e9, out[1] / 1e9, out[2] / 1e9, out[3] / 1e9
+
+    def _book_enter(self) -> bool:
+        """Count a call into the book (the issuer stays until it left: :meth:`_book_left`); False
+        once the issuer was freed. The lock is held only for the count: a take or a wait never
+        waits behind a hand-off's fence record."""
+        with self._lock:
+            if self._freed or self._free_deferred:
+                return False
+            self._book_users += 1
+            return True
+
+    def _book_left(self) -> None:
+        """A book call left the library: the last one frees the issuer if the release left it."""
+        with self._lock:
+            self._book_users -= 1
+            free = self._free_deferred and self._book_users == 0
+            if free:
+                self._free_deferred, self._freed = False, True
+        if free:
+            self.lib.kvo_issuer_free(self._issuer)
+
     def release(self) -> None:
         """:meth:`release_within` :data:`STOP_TIMEOUT_S`.
 
@@ -968,5 +1163,12 @@ class NativeBackend:
         self._single.clear()
         for pointer in plans.values():
             self.lib.kvo_plan_free(pointer)
-        self.lib.kvo_issuer_free(self._issuer)
+        with self._lock:  # a book wait still inside the library frees the issuer as it leaves
+            out = self._book_out
+            self._book_totals = (int(self.lib.kvo_book_count(self._issuer, out)), int(out[1]))
+            self._book_errors.clear()  # the book's jobs go with the issuer
+            deferred = self._free_deferred = self._book_users > 0
+            self._freed = not deferred
+        if not deferred:
+            self.lib.kvo_issuer_free(self._issuer)
         self._inner.release()

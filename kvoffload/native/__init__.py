@@ -47,8 +47,11 @@ __all__ = [
     "ABANDONED_AFTER_S",
     "BAD_ARGUMENT",
     "JOB_FAILED",
+    "BOOK_FIELDS",
     "BUILD_TIMEOUT_S",
     "CALL_KINDS",
+    "CONTROL_BOOK_ANY_ORDER",
+    "CONTROL_BOOK_WAIT_ITSELF",
     "CONTROL_COMING_ALWAYS",
     "CONTROL_NEVER_SIGNAL",
     "CONTROL_SKIP_SLOT_WAIT",
@@ -63,6 +66,7 @@ __all__ = [
     "PATH_DMA",
     "PATH_SM",
     "PATH_STAGED",
+    "PYTHON_ERROR",
     "RECORD_TOO_BIG",
     "RELEASED",
     "SOURCE",
@@ -110,6 +114,12 @@ RECORD_TOO_BIG: Final = -5
 TIMEOUT: Final = -6
 BAD_ARGUMENT: Final = -7  # kvo_wait_layer: not a layered job, or no such layer
 JOB_FAILED: Final = -8  # kvo_wait_layer: the job ended with an error (failed or given up)
+#: kvo_book_fail's code for a job that failed in Python before it was handed over (its error is
+#: the backend's to report).
+PYTHON_ERROR: Final = -9
+#: A booked job's result's int64 fields in kvo_book_take's out (id, error, failure, pairs, tag,
+#: four times).
+BOOK_FIELDS: Final = 9
 #: CONTROL ONLY: a staging slot is rewritten without waiting for its last read (rule 5 broken on
 #: purpose, for the tests that prove the rule).
 CONTROL_SKIP_SLOT_WAIT: Final = 1
@@ -120,6 +130,12 @@ CONTROL_NEVER_SIGNAL: Final = 2
 #: given way to even after one lapsed with no record (the bound on a caller that announces and
 #: never records, lifted).
 CONTROL_COMING_ALWAYS: Final = 4
+#: CONTROL ONLY: the book's take skips the jobs not done yet and takes done ones behind them (results
+#: published out of hand-off order).
+CONTROL_BOOK_ANY_ORDER: Final = 8
+#: CONTROL ONLY: a book wait waits for the job itself, not for the first job before it not done (a
+#: job booked failed behind one in flight is done at once: its waiter looks again and again).
+CONTROL_BOOK_WAIT_ITSELF: Final = 16
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -196,6 +212,8 @@ class FrontSpec(ctypes.Structure):
         ("error", _i64),
         ("unadmit", _p), ("job_take", _p), ("job_wait", _p), ("job_release", _p),
         ("expect", _p),
+        ("hand_off_booked", _p), ("book_take", _p), ("book_wait", _p),
+        ("marks_job", _p),
     ]
 
 
@@ -205,6 +223,8 @@ def front_spec(lib: ctypes.CDLL, **fields: int | None) -> FrontSpec:
     functions = {name: function_address(getattr(lib, "kvo_" + name))
                  for name in ("admit", "hand_off", "unadmit", "job_take", "job_wait", "job_release")}
     functions["expect"] = function_address(lib.kvo_issuer_expect)
+    for name in ("hand_off_booked", "book_take", "book_wait"):
+        functions[name] = function_address(getattr(lib, "kvo_" + name))
     return FrontSpec(**functions, **fields)
 
 
@@ -423,6 +443,12 @@ def library() -> ctypes.CDLL:
         "kvo_admit": ([p, p, i64, i64, i64, p, p, p, p, p, pi64], i64),
         "kvo_unadmit": ([p, p, i64, p, p], None),
         "kvo_marks_release": ([p], None),
+        "kvo_hand_off_booked": ([p, i64, i64, p, p, i64, i64, p, p, i64, p, i64, i64, ctypes.POINTER(p)], i64),
+        "kvo_book_fail": ([p, i64, i64, i64], i64),
+        "kvo_book_take": ([p, i64, pi64, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_char_p)], i64),
+        "kvo_book_wait": ([p, i64, i64, i64], i64),
+        "kvo_book_count": ([p, pi64], i64),
+        "kvo_book_times": ([p, i64, pi64], i64),
     }
     for name, (argtypes, restype) in signatures.items():
         try:

@@ -32,6 +32,12 @@ typedef int64_t (*fn_job_take)(void *, int64_t, int64_t *, double *, const char 
 typedef int64_t (*fn_job_wait)(void *, int64_t);
 typedef void (*fn_job_release)(void *);
 typedef int64_t (*fn_expect)(void *);
+typedef int64_t (*fn_hand_off_booked)(void *, int64_t, int64_t, void *, void *, int64_t, int64_t,
+                                      const int64_t *, const int64_t *, int64_t, void *const *,
+                                      int64_t, int64_t, void **);
+typedef int64_t (*fn_book_take)(void *, int64_t, int64_t *, double *, const char **);
+typedef int64_t (*fn_book_wait)(void *, int64_t, int64_t, int64_t);
+enum { BOOK_FIELDS = 9, TAKE_MAX = 64 }; /* kvo_book_take's fields of a result; results a call takes */
 
 /* Filled by Python (kvoffload.native.FrontSpec, 8-byte fields): one per admission direction and
  * one per issuer. */
@@ -44,6 +50,8 @@ struct kvo_front_spec {
     int64_t error;                   /* the last failed hand-off's code */
     void *unadmit, *job_take, *job_wait, *job_release; /* the library's kvo_* */
     void *expect;                    /* the library's kvo_issuer_expect */
+    void *hand_off_booked, *book_take, *book_wait; /* the library's kvo_* */
+    void *marks_job;                 /* the last booked hand-off's layered job (its marks') */
 };
 
 /* A one-dimensional, C-contiguous int64 buffer of `obj`, or 0 (no exception set) for anything else. */
@@ -236,6 +244,87 @@ static PyObject *front_expect(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyBool_FromLong(woke != 0);
 }
 
+/* hand_off_booked(spec, id, tag, stream, path, device_ids, host_ids, nplans, plans, first, layered)
+ * -> int: kvo_hand_off_booked (0: booked; else the code of a job not booked), the layered job for
+ * its marks in spec->marks_job. The GIL is released for the call (it may wait behind the driver). */
+static PyObject *front_hand_off_booked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    struct kvo_front_spec *s = spec_arg(args, nargs, 11, "hand_off_booked");
+    if (!s) return 0;
+    int64_t id = PyLong_AsLongLong(args[1]);
+    int64_t tag = PyLong_AsLongLong(args[2]);
+    void *stream = PyLong_AsVoidPtr(args[3]);
+    int64_t path = PyLong_AsLongLong(args[4]);
+    int64_t nplans = PyLong_AsLongLong(args[7]);
+    void *plans = PyLong_AsVoidPtr(args[8]);
+    int64_t first = PyLong_AsLongLong(args[9]);
+    int64_t layered = PyLong_AsLongLong(args[10]);
+    if (PyErr_Occurred()) return 0;
+    Py_buffer d, h;
+    if (!id_pair(args[5], args[6], &d, &h, "device ids", "host ids")) return 0;
+    int64_t code;
+    void *job = 0;
+    Py_BEGIN_ALLOW_THREADS
+    code = ((fn_hand_off_booked)s->hand_off_booked)(s->issuer, id, tag, stream, 0, path,
+                                                    (int64_t)(d.len / 8), d.buf, h.buf, nplans,
+                                                    plans, first, layered, &job);
+    Py_END_ALLOW_THREADS
+    s->marks_job = job;
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&d);
+    return PyLong_FromLongLong(code);
+}
+
+/* book_take(spec) -> list of (id, code, fail, pairs, tag, seconds, call, handed, began, issued,
+ * found), one per finished job
+ * at the head of the book, in hand-off order (kvo_book_take until it takes fewer than it may). */
+static PyObject *front_book_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    struct kvo_front_spec *s = spec_arg(args, nargs, 1, "book_take(spec)");
+    if (!s) return 0;
+    PyObject *taken = PyList_New(0);
+    if (!taken) return 0;
+    int64_t out[BOOK_FIELDS * TAKE_MAX];
+    double seconds[TAKE_MAX];
+    const char *calls[TAKE_MAX];
+    int64_t count;
+    do {
+        Py_BEGIN_ALLOW_THREADS
+        count = ((fn_book_take)s->book_take)(s->issuer, TAKE_MAX, out, seconds, calls);
+        Py_END_ALLOW_THREADS
+        for (int64_t k = 0; k < count; k++) {
+            const int64_t *o = out + k * BOOK_FIELDS;
+            PyObject *one = Py_BuildValue("(LLLLLdsLLLL)", (long long)o[0], (long long)o[1],
+                                          (long long)o[2], (long long)o[3], (long long)o[4],
+                                          seconds[k], calls[k] ? calls[k] : "", (long long)o[5],
+                                          (long long)o[6], (long long)o[7], (long long)o[8]);
+            if (!one || PyList_Append(taken, one) < 0) { /* the results taken stay unpublished */
+                Py_XDECREF(one);
+                Py_DECREF(taken);
+                return 0;
+            }
+            Py_DECREF(one);
+        }
+    } while (count == TAKE_MAX);
+    return taken;
+}
+
+/* book_wait(spec, id, last, timeout_ns) -> int: kvo_book_wait, with the GIL released. */
+static PyObject *front_book_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    struct kvo_front_spec *s = spec_arg(args, nargs, 4, "book_wait(spec, id, last, timeout_ns)");
+    if (!s) return 0;
+    int64_t id = PyLong_AsLongLong(args[1]);
+    int64_t last = PyLong_AsLongLong(args[2]);
+    int64_t timeout_ns = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return 0;
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS
+    done = ((fn_book_wait)s->book_wait)(s->issuer, id, last, timeout_ns);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(done);
+}
+
 static PyMethodDef methods[] = {
     {"admit", (PyCFunction)(void (*)(void))front_admit, METH_FASTCALL,
      "admit(spec, reads, writes) -> bool: kvo_admit over the arrays' buffers."},
@@ -253,6 +342,14 @@ static PyMethodDef methods[] = {
      "job_release(spec, job) -> None: kvo_job_release."},
     {"expect", (PyCFunction)(void (*)(void))front_expect, METH_FASTCALL,
      "expect(spec) -> bool: kvo_issuer_expect of the spec's issuer, without the GIL."},
+    {"hand_off_booked", (PyCFunction)(void (*)(void))front_hand_off_booked, METH_FASTCALL,
+     "hand_off_booked(spec, id, tag, stream, path, device_ids, host_ids, nplans, plans, first,"
+     " layered) -> int: kvo_hand_off_booked over the arrays' buffers."},
+    {"book_take", (PyCFunction)(void (*)(void))front_book_take, METH_FASTCALL,
+     "book_take(spec) -> list of (id, code, fail, pairs, tag, seconds, call, handed, began, issued,"
+     " found): kvo_book_take."},
+    {"book_wait", (PyCFunction)(void (*)(void))front_book_wait, METH_FASTCALL,
+     "book_wait(spec, id, last, timeout_ns) -> int: kvo_book_wait without the GIL."},
     {0, 0, 0, 0},
 };
 

@@ -58,8 +58,10 @@ enum {
 };
 enum { PATH_DMA = 0, PATH_SM = 1, PATH_STAGED = 2 };
 /* A test's control breaks rule 5 on purpose: a slot is rewritten without waiting for its last read. */
-enum { CONTROL_SKIP_SLOT_WAIT = 1, CONTROL_NEVER_SIGNAL = 2, CONTROL_COMING_ALWAYS = 4 };
+enum { CONTROL_SKIP_SLOT_WAIT = 1, CONTROL_NEVER_SIGNAL = 2, CONTROL_COMING_ALWAYS = 4,
+       CONTROL_BOOK_ANY_ORDER = 8, CONTROL_BOOK_WAIT_ITSELF = 16 };
 enum { JOB_QUEUED = 0, JOB_ISSUED = 1, JOB_DONE = 2 };
+enum { BOOK_FIELDS = 9 }; /* a result's int64 fields in kvo_book_take's out */
 /* kind of failure, as the Python ticket reports it */
 enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
 /* BATCH_MAX: descriptors per cuMemcpyBatchAsync call. The driver holds a lock for the whole call,
@@ -211,6 +213,8 @@ struct kvo_job {
     int64_t bytes;         /* the bytes it copies */
     int64_t expected_end;  /* CLOCK_MONOTONIC ns of its predicted end (0: none; see predict_end) */
     int64_t times[4];      /* CLOCK_MONOTONIC ns: handed over, issue began, issued, found done */
+    int64_t id, tag;       /* a booked job's id and its owner's tag (kvo_hand_off_booked) */
+    struct kvo_job *book_next; /* the next job of the issuer's book */
 };
 
 struct launch_params {
@@ -227,6 +231,9 @@ struct kvo_issuer {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
     struct kvo_job *queue_head, *queue_tail, *flight_head, *flight_tail;
+    struct kvo_job *book_head, *book_tail; /* booked jobs whose results were not taken, in hand-off
+                                            * order (the book holds a reference to each) */
+    int64_t book_count, book_total; /* jobs in the book; jobs ever booked */
     int64_t stop, exited, started, refs, ctx_error;
     int64_t orphaned; /* kvo_issuer_new gave up waiting for the start: the thread owns the issuer */
     int64_t pools_closed; /* the exiting thread took the pools' events to destroy them unlocked */
@@ -1335,9 +1342,12 @@ int64_t kvo_issuer_stop(struct kvo_issuer *is, int64_t timeout_ns) {
     return 0;
 }
 
+static void book_clear(struct kvo_issuer *is); /* caller holds the mutex */
+
 /* The owner lets go (after kvo_issuer_stop returned 0); the memory goes with the last job. */
 void kvo_issuer_free(struct kvo_issuer *is) {
     pthread_mutex_lock(&is->mu);
+    book_clear(is); /* results never taken: the owner lets go of them too */
     int64_t last = is->refs == 1;
     issuer_unref(is); /* unlocks when it frees */
     if (!last) pthread_mutex_unlock(&is->mu);
@@ -1509,16 +1519,52 @@ static int caller_issue(struct kvo_issuer *is, struct kvo_job *job) {
     return 1;
 }
 
-/* Hand a job to the thread, in one call from the caller's thread: behind `fence` (a fence of
- * kvo_fence_take, which keeps its taker's reference), or, when `fence` is NULL, behind a fence
- * recorded on `stream` here (its only taker is the job). dev_ids/host_ids (n each) are copied;
- * plans (nplans) must outlive the thread. Returns the job (two references: the thread's and the
- * caller's, plus one for the layer marks when layered) or NULL with *error set: no memory
- * (KVO_NO_MEMORY), a stopped issuer (KVO_RELEASED) or the fence's record failed (its CUresult). */
-struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fence *fence, int64_t path,
-                             int64_t n, const int64_t *dev_ids, const int64_t *host_ids, int64_t nplans,
-                             struct kvo_plan *const *plans, int64_t first, int64_t layered,
-                             int64_t *error) {
+/* Append `job` to the issuer's book (caller holds the mutex); the book takes a reference. */
+static void book_append(struct kvo_issuer *is, struct kvo_job *job, int64_t id) {
+    job->id = id;
+    job->book_next = 0;
+    job->refs++;
+    if (is->book_tail) is->book_tail->book_next = job;
+    else is->book_head = job;
+    is->book_tail = job;
+    is->book_count++;
+    is->book_total++;
+}
+
+/* Book `job` (of `refs` references) as done and failed with `code` in `call` before anything was
+ * enqueued: in order among the booked jobs, for kvo_book_take to report. 0, or KVO_RELEASED (the
+ * job freed) once the issuer stopped. Caller does not hold the mutex. */
+static int64_t book_failed(struct kvo_issuer *is, struct kvo_job *job, int64_t id, int64_t refs,
+                           int64_t code, const char *call) {
+    job->issuer = is;
+    job->tag = -1; /* never handed over: no path took it */
+    job->state = JOB_DONE;
+    job->fail = FAIL_NOTHING;
+    job->error = code;
+    job->error_call = call;
+    job->marked = job->first + job->nplans; /* a layered job's layers: nothing to wait for */
+    job->failed_from = job->first;
+    job->times[0] = job->times[3] = now_ns();
+    pthread_mutex_lock(&is->mu);
+    if (is->stop || is->exited) {
+        pthread_mutex_unlock(&is->mu);
+        job_free(job);
+        return KVO_RELEASED;
+    }
+    job->refs = refs - 1; /* book_append adds the book's */
+    is->refs++;
+    book_append(is, job, id);
+    pthread_mutex_unlock(&is->mu);
+    return 0;
+}
+
+/* kvo_hand_off and kvo_hand_off_booked (`booked`: the job goes into the book as `id`, which holds
+ * the reference the caller would get; a fence the call fails to record books the job as failed). */
+static struct kvo_job *hand_off(struct kvo_issuer *is, void *stream, struct kvo_fence *fence,
+                                int64_t path, int64_t n, const int64_t *dev_ids,
+                                const int64_t *host_ids, int64_t nplans,
+                                struct kvo_plan *const *plans, int64_t first, int64_t layered,
+                                int64_t booked, int64_t id, int64_t tag, int64_t *error) {
     struct kvo_job *job = calloc(1, sizeof(*job));
     *error = KVO_NO_MEMORY;
     if (!job) return 0;
@@ -1537,10 +1583,16 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     job->marked = first; /* layers before `first` belong to another part: nothing to wait for */
     job->failed_from = first + nplans;
     job->refs = layered ? 3 : 2;
+    job->tag = tag;
     int own = fence == 0;
     if (own && !(fence = kvo_fence_take(is, stream, error))) {
-        job_free(job);
-        return 0;
+        if (!booked || *error == KVO_NO_MEMORY || *error == KVO_RELEASED) {
+            job_free(job);
+            return 0;
+        }
+        int64_t recorded = *error; /* the record's CUresult: the job is booked as failed with it */
+        *error = book_failed(is, job, id, layered ? 2 : 1, recorded, "cuEventRecord");
+        return *error ? 0 : job;
     }
     job->fence = fence;
     job->times[0] = now_ns();
@@ -1554,6 +1606,10 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     }
     if (!own) fence->refs++; /* a taken fence keeps its taker's reference; an own one is the job's */
     is->refs++;
+    if (booked) { /* in hand-off order, before the issue: the book's reference is the caller's */
+        job->refs--;
+        book_append(is, job, id);
+    }
     if (caller_issue(is, job)) {
         *error = 0;
         return job;
@@ -1569,6 +1625,150 @@ struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fen
     if (wake) pthread_cond_signal(&is->work);
     *error = 0;
     return job;
+}
+
+/* Hand a job to the thread, in one call from the caller's thread: behind `fence` (a fence of
+ * kvo_fence_take, which keeps its taker's reference), or, when `fence` is NULL, behind a fence
+ * recorded on `stream` here (its only taker is the job). dev_ids/host_ids (n each) are copied;
+ * plans (nplans) must outlive the thread. Returns the job (two references: the thread's and the
+ * caller's, plus one for the layer marks when layered) or NULL with *error set: no memory
+ * (KVO_NO_MEMORY), a stopped issuer (KVO_RELEASED) or the fence's record failed (its CUresult). */
+struct kvo_job *kvo_hand_off(struct kvo_issuer *is, void *stream, struct kvo_fence *fence, int64_t path,
+                             int64_t n, const int64_t *dev_ids, const int64_t *host_ids, int64_t nplans,
+                             struct kvo_plan *const *plans, int64_t first, int64_t layered,
+                             int64_t *error) {
+    return hand_off(is, stream, fence, path, n, dev_ids, host_ids, nplans, plans, first, layered, 0, 0,
+                    0, error);
+}
+
+/* ------------------------------------------------------------------------------------ the book */
+
+int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns);
+static void release_and_unlock(struct kvo_job *job);
+
+/* The issuer's book: the jobs handed over with kvo_hand_off_booked (and those booked failed with
+ * kvo_book_fail), in hand-off order, until kvo_book_take takes their results in that order. Its
+ * owner needs no object per job: it hands a job over, waits for one by id and takes every finished
+ * result in one call (docs/design.md §16, the job table). */
+
+/* kvo_hand_off for a booked job `id`, tagged `tag` (kvo_book_take reports it: the owner's name of
+ * the path it chose, say): 0 when the job is in the book, where its result comes, the
+ * job possibly booked as failed (its fence's record failed: that CUresult is its error); else the
+ * job is not booked and failed with the returned code (KVO_NO_MEMORY, or KVO_RELEASED once the
+ * issuer stopped). A layered job's marks get the job in *marks_job (their reference; set only when
+ * booked, else NULL). */
+int64_t kvo_hand_off_booked(struct kvo_issuer *is, int64_t id, int64_t tag, void *stream,
+                            struct kvo_fence *fence,
+                            int64_t path, int64_t n, const int64_t *dev_ids, const int64_t *host_ids,
+                            int64_t nplans, struct kvo_plan *const *plans, int64_t first,
+                            int64_t layered, struct kvo_job **marks_job) {
+    int64_t error = 0;
+    struct kvo_job *job = hand_off(is, stream, fence, path, n, dev_ids, host_ids, nplans, plans, first,
+                                   layered, 1, id, tag, &error);
+    if (marks_job) *marks_job = job && layered ? job : 0;
+    return job ? 0 : error;
+}
+
+/* Book job `id` of `n` pairs as failed with `code` before it was handed over (in order among the
+ * booked jobs): 0, KVO_NO_MEMORY or KVO_RELEASED (not booked). */
+int64_t kvo_book_fail(struct kvo_issuer *is, int64_t id, int64_t n, int64_t code) {
+    struct kvo_job *job = calloc(1, sizeof(*job));
+    if (!job) return KVO_NO_MEMORY;
+    job->n = n;
+    return book_failed(is, job, id, 1, code, "");
+}
+
+/* Take the results of the finished jobs at the head of the book, in hand-off order, up to `max`
+ * of them (stops at the first not done): for the k-th, out[k * BOOK_FIELDS ...] its id, its error
+ * code (0: none), its kind of failure, its pairs, its tag (-1: booked failed before it was handed
+ * over) and its times (as kvo_job_times; 0 for what did not happen), seconds[k] its
+ * device time, calls[k] the failed call's name ("" for none; a static string). The book's reference
+ * to each goes. Returns how many. Not after kvo_issuer_free. */
+int64_t kvo_book_take(struct kvo_issuer *is, int64_t max, int64_t *out, double *seconds, const char **calls) {
+    int64_t k = 0;
+    pthread_mutex_lock(&is->mu);
+    struct kvo_job *job, **at = &is->book_head, *before = 0;
+    while (k < max && (job = *at)) {
+        if (job->state != JOB_DONE) { /* CONTROL_BOOK_ANY_ORDER: looks past it, out of order */
+            if (!(is->c.controls & CONTROL_BOOK_ANY_ORDER)) break;
+            before = job;
+            at = &job->book_next;
+            continue;
+        }
+        *at = job->book_next;
+        if (is->book_tail == job) is->book_tail = before;
+        is->book_count--;
+        int64_t *o = out + k * BOOK_FIELDS;
+        o[0] = job->id; o[1] = job->error; o[2] = job->fail; o[3] = job->n; o[4] = job->tag;
+        for (int t = 0; t < 4; t++) o[5 + t] = __atomic_load_n(&job->times[t], __ATOMIC_RELAXED);
+        seconds[k] = job->seconds;
+        calls[k] = job->error_call ? job->error_call : "";
+        job_unref(job); /* never the issuer's last reference: its owner holds one */
+        k++;
+    }
+    pthread_mutex_unlock(&is->mu);
+    return k;
+}
+
+/* Wait up to timeout_ns (without the GIL) for booked job `id` (with `last`, the last job booked,
+ * whatever its id) and the jobs booked before it to be done: waits, as kvo_job_wait waits, for the
+ * first of them not done (a job booked failed is done at once, before the jobs ahead of it). 1 when
+ * that one is done (all of them, if it was the job itself; else call again), 0 when it is not yet,
+ * -1 when no such job is in the book (never booked, or its result taken; with `last`, the book is
+ * empty). */
+int64_t kvo_book_wait(struct kvo_issuer *is, int64_t id, int64_t last, int64_t timeout_ns) {
+    pthread_mutex_lock(&is->mu);
+    struct kvo_job *job = is->book_head, *first = 0; /* the first job not done up to it */
+    for (; job; job = job->book_next) {
+        if (!first && job->state != JOB_DONE) first = job;
+        if (last ? !job->book_next : job->id == id) break;
+    }
+    if (job && (is->c.controls & CONTROL_BOOK_WAIT_ITSELF)) first = job->state != JOB_DONE ? job : 0;
+    if (!job || !first) {
+        pthread_mutex_unlock(&is->mu);
+        return job ? 1 : -1;
+    }
+    first->refs++; /* kept while this call waits: a take meanwhile drops only the book's */
+    pthread_mutex_unlock(&is->mu);
+    int64_t done = kvo_job_wait(first, timeout_ns);
+    pthread_mutex_lock(&is->mu);
+    release_and_unlock(first); /* (the issuer's last reference, were its owner gone) */
+    return done;
+}
+
+/* The jobs in the book (handed over or booked failed, their results not taken); out[0] the first's
+ * id, when there is one, and out[1] how many jobs were ever booked. */
+int64_t kvo_book_count(struct kvo_issuer *is, int64_t *out) {
+    pthread_mutex_lock(&is->mu);
+    int64_t count = is->book_count;
+    if (is->book_head) out[0] = is->book_head->id;
+    out[1] = is->book_total;
+    pthread_mutex_unlock(&is->mu);
+    return count;
+}
+
+/* Booked job `id`'s timeline so far (as kvo_job_times) in out[0..3]: 1, or 0 when it is not in the
+ * book (a profile's view of a job in flight). */
+int64_t kvo_book_times(struct kvo_issuer *is, int64_t id, int64_t *out) {
+    pthread_mutex_lock(&is->mu);
+    struct kvo_job *job = is->book_head;
+    while (job && job->id != id) job = job->book_next;
+    if (job)
+        for (int k = 0; k < 4; k++) out[k] = __atomic_load_n(&job->times[k], __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&is->mu);
+    return job != 0;
+}
+
+/* The book's references go (caller holds the mutex; the owner's reference keeps the issuer). */
+static void book_clear(struct kvo_issuer *is) {
+    struct kvo_job *job = is->book_head;
+    is->book_head = is->book_tail = 0;
+    is->book_count = 0;
+    while (job) {
+        struct kvo_job *next = job->book_next;
+        job_unref(job);
+        job = next;
+    }
 }
 
 /* A waiter spinning for `job` looks at its end itself (the thread's polls sleep between queries:

@@ -62,7 +62,7 @@ from kvoffload.errors import (
     ShutdownError,
     warn_on_del,
 )
-from kvoffload.handler import Backend, DirectionHandler
+from kvoffload.handler import Backend, BookedHandler, DirectionHandler
 from kvoffload.layout import DeviceLayout
 from kvoffload.pool import PoolRank
 from kvoffload.records import (
@@ -108,7 +108,7 @@ _Submit = Callable[[int, I64Array, I64Array, object, object, "list[bytes] | None
 #: stream, its early wake (the fewest pairs of a job to wake the issuer thread for, and the call)
 #: and the bookkeeping's native admission of its direction.
 _FrontLane = tuple[
-    DirectionHandler, Callable[[], int], "tuple[int, Callable[[], object]] | None",
+    BookedHandler, Callable[[], int], "tuple[int, Callable[[], object]] | None",
     Callable[[int, I64Array, I64Array], bool],
 ]
 
@@ -157,16 +157,17 @@ class Worker:
         self._book = Bookkeeping(self._sizes)
         self._holds: dict[int, threading.Event] = {}  # booking token -> settle event of its call
         self._routes = self._route_table()
-        # The fast front's directions (see _front): a hands-off backend and the native admission.
+        # The fast front's directions (see _front): a booking backend and the native admission.
         self._fronts = {
             direction: self._front_lane(direction, handler)
             for direction, handler in ((Direction.STORE, self._store), (Direction.LOAD, self._load))
-            if handler.hands_off and self._book.checks_pairs
+            if isinstance(handler, BookedHandler) and self._book.checks_pairs
         }
         # The expedited load lane's fast front, as the load direction's.
+        expedited = self._expedited
         self._expedited_front = (
-            self._front_lane(Direction.LOAD, self._expedited)
-            if self._expedited is not None and self._expedited.hands_off and self._book.checks_pairs
+            self._front_lane(Direction.LOAD, expedited)
+            if isinstance(expedited, BookedHandler) and self._book.checks_pairs
             else None
         )
         # What shutdown stops, in order: the pipeline (a client of the bounce handlers), the store
@@ -572,8 +573,8 @@ class Worker:
                 self._jobs.forget(job)
             raise
 
-    def _front_lane(self, direction: Direction, handler: DirectionHandler) -> _FrontLane:
-        """The fast front's lane of a hands-off handler of ``direction`` (see :meth:`_front`)."""
+    def _front_lane(self, direction: Direction, handler: BookedHandler) -> _FrontLane:
+        """The fast front's lane of a booked handler of ``direction`` (see :meth:`_front`)."""
         return (handler, handler.current_stream_reader(), handler.early_wake(),
                 self._book.native_admission(direction))
 
@@ -638,7 +639,7 @@ class Worker:
     def _front_take(
         self, lane: _FrontLane | None, job_id: object, src_blocks: object, dst_blocks: object,
         stream: object, *, wake: bool,
-    ) -> tuple[int, DirectionHandler, I64Array, I64Array, int] | None:
+    ) -> tuple[int, BookedHandler, I64Array, I64Array, int] | None:
         """The fast front's checks and bookkeeping: for a job it takes, its id, its handler, its
         own copies of the ids (admitted and counted, the id reserved) and its stream's handle, for
         the handler to hand over (or :meth:`_front_forget` to undo); None, with nothing changed

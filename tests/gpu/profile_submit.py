@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import statistics
 import sys
 import threading
@@ -40,8 +41,8 @@ import kvoffload.worker.worker as worker_module
 from kvoffload import DeviceLayout, Direction, TransferResult, Worker
 from kvoffload._jobs import JobBook
 from kvoffload.backends.cuda import CudaBackend, CudaTicket
-from kvoffload.backends.native import NativeBackend, NativeTicket
-from kvoffload.handler import DirectionHandler
+from kvoffload.backends.native import NativeBackend
+from kvoffload.handler import BookedHandler, DirectionHandler
 from kvoffload.worker.booking import Bookkeeping
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -81,7 +82,7 @@ def instrumented() -> Iterator[None]:
     patch(DirectionHandler, "_enqueue", "3 handler: enqueue (fence+issue)")
     patch(NativeBackend, "stream_handle", "4 fence: stream handle")
     patch(NativeBackend, "switches_device", "4 fence: device check")
-    patch(NativeBackend, "_submit", "5 issue: hand-off (pack and call)")
+    patch(NativeBackend, "_booked", "5 issue: hand-off (pack and call)")
     patch(Bookkeeping, "check", "2 book: conflicts check")
     patch(Bookkeeping, "add", "2 book: add")
     patch(JobBook, "reserve", "2 book: reserve id")
@@ -89,12 +90,12 @@ def instrumented() -> Iterator[None]:
     patch(CudaBackend, "fence", "4 fence (event record)")
     patch(CudaBackend, "issue", "5 issue (whole)")
     patch(NativeBackend, "position", "4 fence: position (recorded in the hand-off)")
-    patch(NativeBackend, "issue", "5 issue (whole)")
-    patch(NativeTicket, "wait", "7 wait: ticket wait")
-    patch(DirectionHandler, "_advance", "3 handler: advance (results)")
+    patch(NativeBackend, "issue_booked", "5 issue (whole)")
+    patch(NativeBackend, "book_wait", "7 wait: book wait")
+    patch(BookedHandler, "_take_locked", "3 handler: advance (results)")
     patch(JobBook, "wait", "7 wait (total)")
-    patch(DirectionHandler, "wait_progress", "7 wait: wait_progress")
-    patch(DirectionHandler, "advance", "7 wait: advance")
+    patch(BookedHandler, "wait_progress", "7 wait: wait_progress")
+    patch(BookedHandler, "advance", "7 wait: advance")
     patch(CudaTicket, "seconds", "8 result: event elapsed")
     for path_cls in _path_classes():
         patch(path_cls, "issue", f"6 {path_cls.__name__}.issue")
@@ -131,8 +132,9 @@ def phases(device: torch.device) -> None:
             layout = per_layer(device, layers, page, 4 * blocks)
             with Worker.create(layout, 4 * blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
                 backend = w._store._backend  # noqa: SLF001 - a measurement of its calls
-                if isinstance(backend, NativeBackend):  # the library's calls, timed one by one
-                    backend._hand_off = timed("5 issue: library call (hand-off, fence)", backend._hand_off)  # type: ignore[assignment]  # noqa: SLF001
+                if isinstance(backend, NativeBackend) and backend._front is not None:  # noqa: SLF001 - its calls, one by one
+                    backend._front = FrontWith(backend._front, hand_off_booked=timed(  # type: ignore[assignment]  # noqa: SLF001
+                        "5 issue: library call (hand-off, fence)", backend._front.hand_off_booked))  # noqa: SLF001
                 job = 0
                 for _ in range(3):  # warm-up
                     w.store(job, [0], [0])
@@ -171,7 +173,7 @@ def _reference_work() -> int:
     return total
 
 
-def one_job(w: Worker, store: bool, job: int, ids: npt.NDArray[np.int64], tickets: list[NativeTicket],
+def one_job(w: Worker, store: bool, job: int, ids: npt.NDArray[np.int64], tickets: list[BookedTicket],
             ) -> tuple[float, float, float, TransferResult, tuple[float, float, float, float]]:
     """One isolated job of ``w`` through its public calls, its ticket kept alone in ``tickets``:
     monotonic times of the call, of its return and of the wait's return, the result, and the
@@ -197,24 +199,60 @@ def pinned_copy_s(device: torch.device, stream: torch.cuda.Stream, host: torch.T
     return time.perf_counter() - t0
 
 
+class FrontWith:
+    """The call front with some of its calls replaced (a profile's timed ones)."""
+
+    def __init__(self, module: Any, **calls: Callable[..., Any]) -> None:
+        self._module, self._calls = module, calls
+
+    def __getattr__(self, name: str) -> Any:
+        return self._calls[name] if name in self._calls else getattr(self._module, name)
+
+
+class BookedTicket:
+    """A profile's view of one booked job (the native issuer keeps no ticket per job): its timeline
+    so far from the library's book, or, once its result was taken, as taken."""
+
+    def __init__(self, backend: NativeBackend, key: int, taken: dict[tuple[int, int], tuple[float, ...]]) -> None:
+        self._backend, self._key, self._taken = backend, key, taken
+
+    def times(self) -> tuple[float, float, float, float]:
+        """When the job was handed over, its issue began, it was issued and found done
+        (``time.monotonic()`` seconds, 0.0 for what has not happened yet)."""
+        kept = self._taken.get((id(self._backend), self._key))
+        if kept is not None:
+            return kept  # type: ignore[return-value]
+        now = self._backend.book_times(self._key)
+        return now if now is not None else (0.0, 0.0, 0.0, 0.0)
+
+
 @contextmanager
-def kept_tickets() -> Iterator[list[NativeTicket]]:
-    """Every native ticket handed out meanwhile (through either door), in a list the caller may
-    clear."""
-    tickets: list[NativeTicket] = []
-    original = NativeBackend._ticket  # noqa: SLF001 - every hand-off's ticket, through either door
+def kept_tickets() -> Iterator[list[BookedTicket]]:
+    """A view of every job the native backends booked meanwhile (through either door), in a list
+    the caller may clear."""
+    tickets: list[BookedTicket] = []
+    taken: dict[tuple[int, int], tuple[float, ...]] = {}
+    booked, take = NativeBackend._booked, NativeBackend.book_take  # noqa: SLF001
 
-    def keeping(self: NativeBackend, *args: Any) -> Any:
-        ticket = original(self, *args)
-        if isinstance(ticket, NativeTicket):
-            tickets.append(ticket)
-        return ticket
+    def keeping(self: NativeBackend, job_id: int, *args: Any) -> int:
+        code = booked(self, job_id, *args)
+        if not code:
+            tickets.append(BookedTicket(self, job_id, taken))
+        return code
 
-    NativeBackend._ticket = keeping  # type: ignore[method-assign,assignment]  # noqa: SLF001
+    def taking(self: NativeBackend) -> Any:
+        results = take(self)
+        for r in results:
+            taken[(id(self), r.job_id)] = r.times
+        return results
+
+    NativeBackend._booked = keeping  # type: ignore[method-assign,assignment]  # noqa: SLF001
+    NativeBackend.book_take = taking  # type: ignore[method-assign]
     try:
         yield tickets
     finally:
-        NativeBackend._ticket = original  # type: ignore[method-assign]  # noqa: SLF001
+        NativeBackend._booked = booked  # type: ignore[method-assign]  # noqa: SLF001
+        NativeBackend.book_take = take  # type: ignore[method-assign]
 
 
 def timeline(device: torch.device) -> None:
@@ -368,28 +406,31 @@ def front(device: torch.device) -> None:
         fronts = w._fronts  # noqa: SLF001 - the measurement switches the front off and on
         backend = w._store._backend  # noqa: SLF001
         assert isinstance(backend, NativeBackend)
-        plain = backend._hand_off  # noqa: SLF001
-        front_call = backend._front_hand_off  # noqa: SLF001
+        plain = backend._hand_off_booked  # noqa: SLF001
+        front = backend._front  # noqa: SLF001
+        front_call = front.hand_off_booked if front is not None else None
         job = 0
         for _ in range(3):
             w.store(job, [0], [0])
             w.wait([job], 60)
             job += 1
         handler = w._store  # noqa: SLF001
-        hand_off_call = handler._hand_off_call or backend.hand_off_call(handler._plan)  # noqa: SLF001
+        assert isinstance(handler, BookedHandler)
+        hand_off_call = handler._booked_call or backend.booked_hand_off_call((handler._plan,), whole=True)  # noqa: SLF001
         timed_fronts = {direction: (*lane[:3], timed("2 native admission (one library call)", lane[3]))
                         for direction, lane in fronts.items()}
         for label, table in (("front", timed_fronts), ("validating path", {})):
             w._fronts = table  # noqa: SLF001
-            handler._hand_off_call = timed("5 backend hand-off (Python and call)", hand_off_call)  # noqa: SLF001
-            backend._hand_off = timed("5 library call (hand-off, fence)", plain)  # type: ignore[assignment]  # noqa: SLF001
-            if front_call is not None:
-                backend._front_hand_off = timed("6 call front's hand_off (fence, hand-off)", front_call)  # noqa: SLF001
+            handler._booked_call = timed("5 backend hand-off (Python and call)", hand_off_call)  # noqa: SLF001
+            backend._hand_off_booked = timed("5 library call (hand-off, fence)", plain)  # type: ignore[assignment]  # noqa: SLF001
+            if front is not None and front_call is not None:
+                backend._front = FrontWith(front, hand_off_booked=timed(  # type: ignore[assignment]  # noqa: SLF001
+                    "6 call front's hand_off_booked (fence, hand-off)", front_call))
             patches = [(Bookkeeping, "admit", "2 admit (validating path)"),
-                       (DirectionHandler, "submit_handed_off", "4 handler.submit_handed_off"),
+                       (BookedHandler, "submit_handed_off", "4 handler.submit_handed_off"),
                        (DirectionHandler, "submit_validated", "4 handler.submit_validated"),
                        (JobBook, "reserve", "2 reserve id"),
-                       (NativeBackend, "_submit", "5 backend issue (validating path)"),
+                       (NativeBackend, "issue_booked", "5 backend issue (validating path)"),
                        (Worker, "_front", "1 Worker._front")]
             originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
             for owner, attr, name in patches:
@@ -414,9 +455,9 @@ def front(device: torch.device) -> None:
             finally:
                 for owner, attr, original in originals:
                     setattr(owner, attr, original)
-                backend._hand_off = plain  # noqa: SLF001
-                backend._front_hand_off = front_call  # noqa: SLF001
-                handler._hand_off_call = hand_off_call  # noqa: SLF001
+                backend._hand_off_booked = plain  # noqa: SLF001
+                backend._front = front  # noqa: SLF001
+                handler._booked_call = hand_off_call  # noqa: SLF001
             report(f"auto/native: store, 256 blocks, bursts of 4, {label}")
         w._fronts = fronts  # noqa: SLF001
         fences: dict[bool, list[float]] = {True: [], False: []}
@@ -533,11 +574,10 @@ def before(device: torch.device) -> None:
 
 def _flat_store(w: Worker) -> Callable[[int, npt.NDArray[np.int64], npt.NDArray[np.int64]], None]:
     """The fast front's store of ``w`` as one flat function: the same checks, copies, locks,
-    bookkeeping entry, reservation, queue entry, hand-off, ticket and publish step as
-    ``Worker.store`` makes through its layers, inline (``flat``)."""
+    bookkeeping entry, reservation and booked hand-off as ``Worker.store`` makes through its
+    layers, inline (``flat``)."""
     from kvoffload import native
     from kvoffload.backends.cuda import current_device_index
-    from kvoffload.handler import _Transfer
     from kvoffload.records import Direction
     from kvoffload.worker.booking import _Job
 
@@ -549,13 +589,12 @@ def _flat_store(w: Worker) -> Callable[[int, npt.NDArray[np.int64], npt.NDArray[
     _, current_stream, wake, _ = w._fronts[Direction.STORE]  # noqa: SLF001
     book, jobs, lock = w._book, w._jobs, w._lock  # noqa: SLF001
     spec_admit = book._front_specs[Direction.STORE][1]  # noqa: SLF001
-    front_at, spec, lib = backend._front_at, backend._front_spec, backend.lib  # noqa: SLF001
+    front_at = backend._front_at  # noqa: SLF001
     plans = backend._single[(handler._plan, True)]  # noqa: SLF001
-    choose, names, calls = backend._choose, backend._path_names, backend._front_calls  # noqa: SLF001
-    issue_lock, handler_lock, fifo = handler._issue_lock, handler._lock, handler._fifo  # noqa: SLF001
+    choose, tags = backend._choose, backend._tags  # noqa: SLF001
     jobs_lock, open_ = jobs._lock, jobs._open  # noqa: SLF001
-    admit, hand_off, expect = front.admit, front.hand_off, front.expect
-    page_bytes, index, i64 = handler._page_bytes, backend.index, np.dtype(np.int64)  # noqa: SLF001
+    admit, hand_off_booked, expect = front.admit, front.hand_off_booked, front.expect
+    index, i64 = backend.index, np.dtype(np.int64)
     on_cuda = backend._on_cuda  # noqa: SLF001
     threshold = wake[0] if wake is not None else 1 << 62
 
@@ -575,28 +614,16 @@ def _flat_store(w: Worker) -> Callable[[int, npt.NDArray[np.int64], npt.NDArray[
             book.jobs[job_id] = _Job(Direction.STORE, src, dst, True)
             with jobs_lock:
                 open_[job_id] = handler
-        transfer = _Transfer(job_id, src, dst, n * page_bytes, None, False)
-        with issue_lock:
-            with handler_lock:
-                if handler._closed:  # noqa: SLF001
-                    raise RuntimeError("flat: closed")
-                fifo.append(transfer)
-                handler._submitted += 1  # noqa: SLF001
-                handler._pending += 1  # noqa: SLF001
-            name = choose(n)
-            with backend._lock:  # noqa: SLF001
-                if on_cuda and current_device_index() != index:
-                    raise RuntimeError("flat: another device")
-                job = hand_off(front_at, handle, 0, native_backend._PATHS[name], src, dst, 1, plans, 0, 0)  # noqa: SLF001
-                code = spec.error
-            if not job:
-                raise RuntimeError(f"flat: hand-off failed ({code})")
-            transfer.ticket = NativeTicket(lib, int(job), names[name], calls)
-            with handler_lock:
-                handler._pending -= 1  # noqa: SLF001
-                transfer.issued = True
-                if handler._issue_waiters:  # noqa: SLF001
-                    handler._issued.notify_all()  # noqa: SLF001
+        if handler._closed:  # noqa: SLF001
+            raise RuntimeError("flat: closed")
+        name = choose(n)
+        with backend._lock:  # noqa: SLF001
+            if on_cuda and current_device_index() != index:
+                raise RuntimeError("flat: another device")
+            code = hand_off_booked(front_at, job_id, tags[name], handle, native_backend._PATHS[name],  # noqa: SLF001
+                                   src, dst, 1, plans, 0, 0)
+        if code:
+            raise RuntimeError(f"flat: hand-off failed ({code})")
 
     return store
 
@@ -632,7 +659,9 @@ def floor_rows(w: Worker, blocks: int, rounds: int, between: Callable[[], object
     plans = backend._single[(handler._plan, True)]  # noqa: SLF001
     name = backend._choose(blocks)  # noqa: SLF001
     path = native_backend._PATHS[name]  # noqa: SLF001
-    expect, admit, hand_off = front.expect, front.admit, front.hand_off
+    expect, admit, hand_off_booked = front.expect, front.admit, front.hand_off_booked
+    tag = backend._tags[name]  # noqa: SLF001
+    keys = itertools.count(-(1 << 62))  # the library calls' own jobs: ids no worker call uses
     steps: list[list[float]] = []
 
     def library_calls(ids: npt.NDArray[np.int64]) -> int:
@@ -644,9 +673,11 @@ def floor_rows(w: Worker, blocks: int, rounds: int, between: Callable[[], object
         if not admit(spec_admit, ids, ids):
             raise RuntimeError("not admitted")
         t3 = time.perf_counter()
-        job = int(hand_off(front_at, stream, 0, path, ids, ids, 1, plans, 0, 0))
+        key = next(keys)
+        if hand_off_booked(front_at, key, tag, stream, path, ids, ids, 1, plans, 0, 0):
+            raise RuntimeError("not booked")
         steps.append([t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3])
-        return job
+        return key
 
     flat = _flat_store(w)
     rows: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
@@ -672,13 +703,13 @@ def floor_rows(w: Worker, blocks: int, rounds: int, between: Callable[[], object
                 for k in range(4):
                     dev = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int64)
                     t0 = time.perf_counter()
-                    pointer = library_calls(dev)
+                    library_calls(dev)
                     times.append(time.perf_counter() - t0)
-                    held.append((dev, backend._ticket(pointer, 0, name)))  # noqa: SLF001
-                while not all(t.done() for _, t in held):
-                    pass
-                for dev, ticket in held:
-                    ticket.release()
+                    held.append(dev)
+                taken = 0  # taken here, before the worker's next call could take them
+                while taken < len(held):
+                    taken += len(backend.book_take())
+                for dev in held:
                     front.unadmit(spec_admit, dev, dev)
             if i >= 2:
                 rows[way].append((times[0], sum(times[1:]) / 3))
@@ -967,8 +998,9 @@ def outliers(device: torch.device) -> None:
         for handler in (w._store, w._load):  # noqa: SLF001
             backend = handler._backend  # noqa: SLF001
             assert isinstance(backend, NativeBackend)
-            call = backend._front_hand_off  # noqa: SLF001
-            assert call is not None, "no call front on this host"
+            front = backend._front  # noqa: SLF001
+            assert front is not None, "no call front on this host"
+            call = front.hand_off_booked
 
             def timed_call(*args: Any, call: Callable[..., Any] = call) -> Any:
                 c0 = time.thread_time()
@@ -978,7 +1010,7 @@ def outliers(device: torch.device) -> None:
                 finally:
                     in_library.append((t0, time.perf_counter(), time.thread_time() - c0))
 
-            backend._front_hand_off = timed_call  # noqa: SLF001
+            backend._front = FrontWith(front, hand_off_booked=timed_call)  # type: ignore[assignment]  # noqa: SLF001
 
     def burst(w: Worker, store: bool, job: int) -> list[tuple[float, float, int]]:
         torch.cuda.synchronize(device)

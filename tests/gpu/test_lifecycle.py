@@ -13,7 +13,7 @@ from cuda.bindings import driver as cuda_driver
 
 from kvoffload import CudaError, ShutdownError, SrcAccessOrder, Worker
 from kvoffload.backends.cuda import CudaBackend, CudaTicket, DmaPath
-from kvoffload.backends.native import NativeTicket
+from kvoffload.backends.native import NativeBackend, NativeTicket
 from kvoffload.bindings import driver
 from tests.gpu._helpers import SLEEP_CYCLES, TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
@@ -110,8 +110,12 @@ def test_drain_whose_event_wait_raises_still_tears_everything_down(
     def failing_wait(self: object, timeout_s: float) -> bool:
         raise injected
 
+    def failing_book_wait(self: object, job_id: object, timeout_s: float) -> bool:
+        raise injected
+
     monkeypatch.setattr(CudaTicket, "wait", failing_wait)
     monkeypatch.setattr(NativeTicket, "wait", failing_wait)
+    monkeypatch.setattr(NativeBackend, "book_wait", failing_book_wait)  # the native issuer's drain
     t0 = time.perf_counter()
     error = run_with_guard(lambda: w.shutdown(timeout=5.0))
     elapsed = time.perf_counter() - t0

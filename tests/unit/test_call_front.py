@@ -31,7 +31,7 @@ from kvoffload import (
     ClosedError, CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, Worker, native,
 )
 from kvoffload.backends.native import NativeBackend
-from kvoffload.handler import DirectionHandler
+from kvoffload.handler import BookedHandler, DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
 from tests.unit._native_fake import COMPUTE, FakeDriver
@@ -81,6 +81,7 @@ def make_worker(keep: list[object], *, call_front: bool = True, tune: dict[str, 
         if not call_front:
             backend._front_hand_off = None  # noqa: SLF001 - the ctypes calls, on purpose
             backend._front_calls = None  # noqa: SLF001
+            backend._front = None  # noqa: SLF001 - the book's calls too
         return backend
 
     layout = DeviceLayout.from_tensors([torch.zeros(BLOCKS, 4, 64, dtype=torch.uint8)], block_dim=0,
@@ -107,13 +108,16 @@ def doors(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     counts = {"front": 0, "validating": 0}
 
     def counted(name: str, door: str) -> None:
-        call = getattr(DirectionHandler, name)
+        for cls in (DirectionHandler, BookedHandler):  # each class's own door
+            if name not in vars(cls):
+                continue
+            call = vars(cls)[name]
 
-        def via(self: DirectionHandler, *args: Any, **kwargs: Any) -> Any:
-            counts[door] += 1
-            return call(self, *args, **kwargs)
+            def via(self: DirectionHandler, *args: Any, _call: Any = call, **kwargs: Any) -> Any:
+                counts[door] += 1  # (an override does not call the base class's door)
+                return _call(self, *args, **kwargs)
 
-        monkeypatch.setattr(DirectionHandler, name, via)
+            monkeypatch.setattr(cls, name, via)
 
     counted("submit_handed_off", "front")
     counted("submit_handed_off_layered", "front")
@@ -288,7 +292,7 @@ def test_a_layered_hand_off_that_raises_is_the_jobs_failed_result_and_its_layers
             raise RuntimeError("boom")
 
         backend = w._load._backend  # noqa: SLF001
-        monkeypatch.setattr(backend, "hand_off_layers_call", lambda _plans: refuse)
+        monkeypatch.setattr(backend, "booked_hand_off_call", lambda _plans, whole: refuse)
         load = w.load_by_layer(1, _i(3, 4), _i(3, 4))
         started = time.monotonic()
         load.wait_layer(2, stream=COMPUTE, timeout=TIMEOUT_S)  # settled: returns, nothing to wait for
@@ -296,7 +300,9 @@ def test_a_layered_hand_off_that_raises_is_the_jobs_failed_result_and_its_layers
         (result,) = w.wait([1], TIMEOUT_S)
         assert not result.ok and isinstance(result.error, RuntimeError)
         monkeypatch.undo()
-        w._load._layered_hand_off = None  # noqa: SLF001 - bound again, to the backend's call
+        handler = w._load  # noqa: SLF001
+        assert isinstance(handler, BookedHandler)
+        handler._booked_layered = None  # noqa: SLF001 - bound again, to the backend's call
         w.load_by_layer(2, _i(3, 4), _i(3, 4)).wait_layer(3, stream=COMPUTE)
         assert w.wait([2], TIMEOUT_S)[0].ok
         assert not w._book.jobs  # noqa: SLF001
@@ -415,7 +421,7 @@ def test_a_hand_off_that_raises_is_the_jobs_failed_result_and_the_next_job_goes_
     def refuse(*_args: object) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(worker._store, "_hand_off_call", refuse)  # noqa: SLF001 - the backend's call
+    monkeypatch.setattr(worker._store, "_booked_call", refuse)  # noqa: SLF001 - the backend's call
     worker.store(1, _i(3), _i(3))
     (result,) = worker.wait([1], TIMEOUT_S)
     assert not result.ok and isinstance(result.error, RuntimeError)

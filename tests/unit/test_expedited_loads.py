@@ -25,7 +25,7 @@ from kvoffload import (
 )
 from kvoffload.backends.host import HostBackend
 from kvoffload.backends.native import NativeBackend
-from kvoffload.handler import DirectionHandler
+from kvoffload.handler import BookedHandler, DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.assembly import (
     EXPEDITED_SM_MAX_BYTES, WorkerOptions, _expedited_options, _slot_bytes, _small_through_sm,
@@ -357,15 +357,15 @@ def test_native_an_expedited_layered_load_lands_layer_by_layer_while_the_regular
     held; the regular lane's handler sees no layered job."""
     w, fakes = native_lanes
     regular_layered: list[object] = []
-    for name in ("submit_handed_off_layered", "submit_layered"):
-        call = getattr(DirectionHandler, name)
+    for cls, name in ((BookedHandler, "submit_handed_off_layered"), (DirectionHandler, "submit_layered")):
+        call = getattr(cls, name)
 
         def counted(self: DirectionHandler, *args: Any, _call: Any = call, **kwargs: Any) -> Any:
             if self is w._load:  # noqa: SLF001
                 regular_layered.append(args)
             return _call(self, *args, **kwargs)
 
-        monkeypatch.setattr(DirectionHandler, name, counted)
+        monkeypatch.setattr(cls, name, counted)
     gate, entered = threading.Event(), threading.Event()
     fakes[1].gate["cuMemcpyBatchAsync"] = gate
     fakes[1].entered["cuMemcpyBatchAsync"] = entered

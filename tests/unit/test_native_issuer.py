@@ -44,9 +44,10 @@ from kvoffload import (
 )
 from kvoffload import native
 from kvoffload._descriptors import CopyPlan, PageTable, kernel_segments, staged_chunk_rows
+from kvoffload._jobs import JobBook
 from kvoffload.backends import native as native_backend
 from kvoffload.backends.native import NativeBackend, NativeLayerMarks
-from kvoffload.handler import ISSUER_JOIN_MIN_S, DirectionHandler
+from kvoffload.handler import ISSUER_JOIN_MIN_S, BookedHandler, DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
 from tests.unit.test_staged_plan import plan_for
@@ -2043,3 +2044,292 @@ def test_tune_sets_the_issuers_fields_from_the_module_constants_read_at_the_call
     assert c.expect_spin_ns == round(native_backend.EXPECT_SPIN_S * 1e9)
     assert c.caller_coming_ns == round(native_backend.CALLER_COMING_S * 1e9)
     assert c.poll_max_ns == round(native_backend.POLL_MAX_S * 1e9)
+
+
+# ------------------------------------------------------------------------------------- the book
+
+
+def _in_flight_then_booked_failed(h: Harness) -> None:
+    """Job 0 handed over and issued, its end never found (the fake's events stay not ready); job
+    1's fence fails to record in its hand-off, so the library books it failed, done at once."""
+    h.fake.not_ready = 1 << 40
+    h.handler.submit(0, [1], [2])
+    counts = (ctypes.c_int64 * 6)()
+    h.backend.lib.kvo_issuer_counts(h.backend._issuer, counts)  # noqa: SLF001
+    assert counts[2] == 1  # issued by its caller inside the hand-off: every record of it was made
+    h.fake.fail["cuEventRecord"] = 1  # CUDA_ERROR_INVALID_VALUE, for job 1's fence
+    h.handler.submit(1, [3], [4])
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_job_booked_failed_behind_one_in_flight_is_published_after_it(control: bool) -> None:
+    """Results leave the book in hand-off order: job 1, failed at its hand-off, waits for job 0,
+    still in flight, and both come back in that order. The control (``CONTROL_BOOK_ANY_ORDER``:
+    the take looks past a job not done) publishes job 1 first."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, controls=native.CONTROL_BOOK_ANY_ORDER if control else 0)
+    try:
+        _in_flight_then_booked_failed(h)
+        results: dict[int, Any] = {}
+        order: list[int] = []
+
+        def gathered() -> bool:
+            for r in h.handler.poll():
+                results[r.job_id] = r
+                order.append(r.job_id)
+            return len(order) == 2
+
+        gathered()
+        assert order == ([1] if control else [])  # job 0 is still in flight
+        assert h.handler.stats().in_flight == 2 - len(order)
+        h.fake.not_ready = 0
+        assert wait_until(gathered)
+        assert order == ([1, 0] if control else [0, 1])
+        assert results[0].ok and not results[1].ok
+        assert isinstance(results[1].error, CudaError) and "cuEventRecord" in str(results[1].error)
+        assert h.handler.stats().in_flight == 0
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_wait_for_a_job_booked_failed_behind_one_in_flight_blocks_in_the_library(
+    control: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait for job 1 (done, failed, behind job 0 in flight) blocks in the library on job 0, the
+    first job before it not done: a handful of calls in 0.3 s. The control
+    (``CONTROL_BOOK_WAIT_ITSELF``: the library's wait returns at once for a job done) spins through
+    thousands."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, controls=native.CONTROL_BOOK_WAIT_ITSELF if control else 0)
+    try:
+        _in_flight_then_booked_failed(h)
+        calls = [0]
+        book_wait = h.backend.book_wait
+
+        def counted(job_id: int | None, timeout_s: float) -> bool:
+            calls[0] += 1
+            return book_wait(job_id, timeout_s)
+
+        monkeypatch.setattr(h.backend, "book_wait", counted)
+        with pytest.raises(WaitTimeoutError):
+            h.handler.wait([1], 0.3)
+        if control:
+            assert calls[0] > 100
+        else:
+            assert 1 <= calls[0] <= 4  # one per slice of the job book's wait
+        h.fake.not_ready = 0
+        assert [r.ok for r in h.handler.wait([0, 1], TIMEOUT_S)] == [True, False]
+    finally:
+        h.close()
+
+
+def test_a_release_while_a_book_call_is_inside_the_library_frees_the_issuer_once_it_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter is inside the library's book wait when the backend is released: the issuer's memory
+    stays until the waiter left, then goes, once (the release alone freed it under the waiter)."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    backend = h.backend
+    lib = backend.lib
+    issuer = backend._issuer  # noqa: SLF001
+    freed: list[int] = []
+    free = lib.kvo_issuer_free
+    def recorded_free(pointer: int) -> None:
+        freed.append(int(pointer))
+        free(pointer)
+
+    monkeypatch.setattr(lib, "kvo_issuer_free", recorded_free)
+    inside, leave = threading.Event(), threading.Event()
+    front = backend._front  # noqa: SLF001
+    assert front is not None  # the call front is built on this machine (CI builds it)
+    real = front.book_wait
+
+    def held(*args: Any) -> int:
+        done = int(real(*args))
+        inside.set()
+        assert leave.wait(TIMEOUT_S)
+        return done
+
+    monkeypatch.setattr(front, "book_wait", held)
+    try:
+        h.fake.not_ready = 1 << 40
+        h.handler.submit(0, [1], [2])
+        waiter = threading.Thread(target=backend.book_wait, args=(0, 0.01))
+        waiter.start()
+        assert inside.wait(TIMEOUT_S)
+        backend.release_within(TIMEOUT_S)  # the thread stops (job 0 given up); the free waits
+        assert freed == []
+        leave.set()
+        waiter.join(TIMEOUT_S)
+        assert freed == [issuer]
+        assert backend.book_take() == [] and backend.book_count()[:2] == (0, None)
+    finally:
+        leave.set()
+        h.fake.not_ready = 0
+        with contextlib.suppress(Exception):
+            h.close()
+    assert freed == [issuer]
+
+
+def test_job_ids_outside_64_bits_are_booked_under_keys_of_their_own() -> None:
+    """Ids past a signed 64-bit int, and an id equal to the key one of them took, each come back as
+    themselves with their own pages."""
+    plan = make_plan(Direction.LOAD, [256])
+    h = Harness(Direction.LOAD, "dma", plan)
+    try:
+        jobs = {1 << 70: ([1], [2]), -(1 << 63): ([3], [4]), -(1 << 80): ([5], [6]), 7: ([7], [8])}
+        h.fake.not_ready = 1 << 40  # all in flight together: the second's id is the first's key
+        for job, (src, dst) in jobs.items():
+            h.handler.submit(job, src, dst)
+        h.fake.not_ready = 0
+        results = h.handler.wait(list(jobs), TIMEOUT_S)
+        assert [r.job_id for r in results] == list(jobs) and all(r.ok for r in results)
+        for job, (src, dst) in jobs.items():
+            assert moved(h.fake, expected(plan, dst, src)) == 0
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_hand_off_that_lands_after_the_drains_last_look_is_refused_not_lost(
+    control: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A submit passes the handler's closed check, then a shutdown's drain finds the book empty
+    before the submit's hand-off lands: the hand-off is refused (``ClosedError``), never booked into
+    an issuer about to go. The control (the drain closes no book) lets the submit return normally
+    and its result is never published: the job stays open in the shared job book."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    first = h.handler  # (shut down last: its shutdown would release the backend)
+    shared = JobBook()
+    h.handler = DirectionHandler.create(direction=Direction.STORE, plan=plan, backend=h.backend,
+                                        num_src_blocks=NUM_BLOCKS, num_dst_blocks=NUM_BLOCKS, book=shared)
+    backend = h.backend
+    if control:
+        monkeypatch.setattr(backend, "close_book", lambda: None)
+    count, issue = backend.book_count, backend.issue_booked
+    passed, looked, landed = threading.Event(), threading.Event(), threading.Event()
+
+    def count_then_let_the_submit_land() -> tuple[int, int | None, int]:
+        counted = count()
+        if counted[0] == 0 and passed.is_set():
+            looked.set()
+            landed.wait(TIMEOUT_S)
+        return counted
+
+    def issue_late(*args: Any) -> int:
+        passed.set()  # past the closed check
+        looked.wait(TIMEOUT_S)
+        return issue(*args)
+
+    monkeypatch.setattr(backend, "book_count", count_then_let_the_submit_land)
+    monkeypatch.setattr(backend, "issue_booked", issue_late)
+    outcome: list[object] = []
+
+    def submitter() -> None:
+        shared.reserve(9, h.handler)
+        try:
+            h.handler.submit_validated(9, np.array([1]), np.array([2]))
+            outcome.append("returned")
+        except ClosedError as exc:
+            outcome.append(exc)
+            shared.forget(9)
+        landed.set()
+
+    thread = threading.Thread(target=submitter)
+    thread.start()
+    assert passed.wait(TIMEOUT_S)
+    h.handler.shutdown(TIMEOUT_S)
+    thread.join(TIMEOUT_S)
+    first.shutdown(TIMEOUT_S)
+    if control:
+        assert outcome == ["returned"] and shared.known(9)  # lost: never published
+    else:
+        assert len(outcome) == 1 and isinstance(outcome[0], ClosedError) and not shared.known(9)
+
+
+def test_a_wait_for_an_id_past_64_bits_whose_result_was_taken_meanwhile_returns() -> None:
+    """``wait_progress`` for a job whose key went with its result (another thread's poll took it
+    between the job book's look and the call) returns at once: it raised ``OverflowError`` passing
+    the id itself to the library."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        big = 1 << 70
+        h.handler.submit(big, [1], [2])
+        def taken() -> bool:
+            h.handler.advance()
+            return bool(h.handler._book._done)  # noqa: SLF001
+
+        assert wait_until(taken)
+        h.handler.wait_progress(big, 0.1)  # its result taken: nothing to wait for, no error
+        assert [r.job_id for r in h.handler.poll()] == [big]
+    finally:
+        h.close()
+
+
+def test_stats_keep_the_jobs_submitted_after_a_shutdown_that_abandoned_them() -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    h.fake.not_ready = 1 << 40  # never done: the drain gives up
+    h.handler.submit(0, [1], [2])
+    h.handler.submit(1, [3], [4])
+    assert (h.handler.stats().submitted, h.handler.stats().in_flight) == (2, 2)
+    with pytest.raises(KVOffloadError):
+        h.handler.shutdown(0.2)
+    stats = h.handler.stats()
+    assert (stats.submitted, stats.in_flight, stats.completed) == (2, 0, 0)
+
+
+def test_a_job_reserved_while_a_key_is_made_for_its_id_gets_a_key_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key for an id past 64 bits is made while another thread reserves a job whose id is that key
+    (right after the job book said no job in flight has it): the second job gets a key of its own.
+    The key used to be entered after the look, so the second job took the same key on its fast
+    path and the first result taken went to the wrong job."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        handler, book = h.handler, h.handler._book  # noqa: SLF001
+        assert isinstance(handler, BookedHandler)
+        first = -(1 << 63)  # the first key a handler makes
+        keys: dict[str, int] = {}
+        threads: list[threading.Thread] = []
+        known = book.known
+
+        def then_reserved(key: int) -> bool:
+            answer = known(key)
+            if key == first and not threads:
+                book.reserve(first, handler)
+                other = threading.Thread(target=lambda: keys.__setitem__("other", handler._key(first)))  # noqa: SLF001
+                threads.append(other)
+                other.start()
+                other.join(0.2)  # returns at once on its fast path unless the key is entered
+            return answer
+
+        monkeypatch.setattr(book, "known", then_reserved)
+        keys["wide"] = handler._key(1 << 70)  # noqa: SLF001
+        threads[0].join(TIMEOUT_S)
+        assert keys["wide"] == first and keys["other"] != first
+    finally:
+        h.close()
+
+
+def test_marks_released_before_their_job_is_attached_drop_its_reference_at_once() -> None:
+    """A layered job done in its hand-off can have its result taken (its marks released) before
+    the hand-off attaches the job to them: the attach then drops the marks' reference (it was never
+    dropped: the job and its issuer stayed for the rest of the process)."""
+    released: list[int] = []
+    backend: Any = type("B", (), {"lib": type("L", (), {"kvo_marks_release": staticmethod(released.append)})})()
+    late = NativeLayerMarks(backend, 2)
+    late.release()
+    late.attach(1234)
+    assert released == [1234]
+    timely = NativeLayerMarks(backend, 2)
+    timely.attach(99)
+    assert released == [1234]
+    timely.release()
+    assert released == [1234, 99]
