@@ -1056,29 +1056,28 @@ class BookedHandler(DirectionHandler):
         if marks is not None:
             self._marks[transfer.job_id] = marks
         pairs = int(transfer.src.shape[0])
-        error: BaseException | None = None
         key = self._key(transfer.job_id)
+        failed: BaseException | None = None  # before its hand-off: booked failed, in its place
+        refused: BaseException | None = None  # not booked: published now
         if self._abort.is_set():
-            error = TransferError(_SHUT_DOWN)
-            if booking.book_fail(key, pairs, error):
-                error = None
+            failed = TransferError(_SHUT_DOWN)
         else:
             plans = transfer.layers if transfer.layers is not None else (self._plan,)
-            raised: Exception | None = None
             try:
                 code = booking.issue_booked(key, plans, transfer.src, transfer.dst,
                                             transfer.fence, marks, transfer.first_layer)
             except Exception as exc:  # noqa: BLE001 - it never should: the job's failed result, in order
-                code, raised = -1, exc
-            error = raised if raised is not None else booking.book_error(code) if code else None
-            if raised is not None and booking.book_fail(key, pairs, raised):
-                error = None
+                failed = exc
+            else:
+                refused = booking.book_error(code) if code else None
+        if failed is not None and not booking.book_fail(key, pairs, failed):
+            refused = failed
         if marks is not None:
             marks.settle()
         if transfer.owns_fence:
             backend.release_fence(transfer.fence)
-        if error is not None:
-            self._refused(transfer.job_id, pairs, error, marks)
+        if refused is not None:
+            self._refused(transfer.job_id, pairs, refused, marks)
 
     def wait_issued(self, timeout: float) -> bool:
         """Always: a booked job was issued (handed over) before its submit returned."""

@@ -978,23 +978,29 @@ class NativeBackend:
         name = self._choose(n)
         device, host = (src, dst) if self._stores else (dst, src)
         front = self._front
+
+        def hand_off() -> tuple[int, int]:
+            """The library's call: its code, and the layered job for the marks (0: none)."""
+            if front is not None and not pointer:
+                code = int(front.hand_off_booked(
+                    self._front_at, job_id, self._tags[name], stream, _PATHS[name], device, host,
+                    count, address, first, layered))
+                return code, int(self._front_spec.marks_job or 0) if layered else 0
+            out = ctypes.c_void_p(0)
+            code = int(self._hand_off_booked(
+                self._issuer_arg, job_id, self._tags[name], stream, pointer, _PATHS[name], n,
+                native.address(device), native.address(host), count, address, first, layered,
+                ctypes.byref(out)))
+            return code, int(out.value or 0)
+
         with self._lock:
             if self._released or self._book_closed or address is None:
                 return native.RELEASED
-            switch = not pointer and self.switches_device()  # the fence is recorded in the call
-            with torch.cuda.device(self.index) if switch else contextlib.nullcontext():
-                if front is not None and not pointer:
-                    code = int(front.hand_off_booked(
-                        self._front_at, job_id, self._tags[name], stream, _PATHS[name], device, host,
-                        count, address, first, layered))
-                    job = int(self._front_spec.marks_job or 0)
-                else:
-                    out = ctypes.c_void_p(0)
-                    code = int(self._hand_off_booked(
-                        self._issuer_arg, job_id, self._tags[name], stream, pointer, _PATHS[name], n,
-                        native.address(device), native.address(host), count, address, first,
-                        layered, ctypes.byref(out)))
-                    job = int(out.value or 0)
+            if not pointer and self.switches_device():  # the fence is recorded in the call
+                with torch.cuda.device(self.index):
+                    code, job = hand_off()
+            else:
+                code, job = hand_off()
         if marks is not None and job:
             marks.attach(job)
         return code
