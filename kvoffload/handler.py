@@ -1,7 +1,7 @@
 """DirectionHandler: one direction's jobs, from submit to result.
 
 Owns: its backend (copy streams and events, or the host copy), the FIFO of in-flight transfers, and
-one issuer thread. Borrows: the copy plan's addresses (the device tensors and the host records
+one issuer thread (none over a hands-off backend, whose thread is its own). Borrows: the copy plan's addresses (the device tensors and the host records
 belong to the layout and the region; the worker keeps them alive for longer than this handler) and
 its job book (:class:`~kvoffload._jobs.JobBook`: its own, or the worker's shared one), where it
 publishes results.
@@ -15,7 +15,8 @@ a costlier one with nothing in flight, and a layered load's layer 0, are issued 
 and the rest on the issuer thread: the link starts at once, the caller pays for one chunk or layer,
 and the head's result rides with the rest's (the job still completes as a whole). A backend whose
 ``hands_off`` is true (the native issuer, docs/design.md §16) only hands a job to a thread of its
-own: every job is issued whole on the caller's thread, never split.
+own: every job is issued whole on the caller's thread, never split, and the handler starts no
+thread (:attr:`DirectionHandler.thread_stopped` then reads the backend's).
 
 Jobs of one direction run in submission order, so they finish in it: completion pops finished
 transfers from the head only. A job that fails to issue or to complete comes back as a result with
@@ -204,6 +205,10 @@ class HandsOffBackend(Backend, Protocol):
         """For jobs of ``pages`` pages per pair: the fewest pairs of a job whose thread is best
         woken as soon as the job is taken, and the call that wakes it (None: never)."""
 
+    def thread_stopped_reader(self) -> Callable[[], bool]:
+        """A call without arguments, valid after the release too: True once the backend's thread
+        stopped (it can enqueue no more copies)."""
+
 
 class BookingBackend(HandsOffBackend, Protocol):
     """A hands-off backend that keeps its jobs in a book of its own, in hand-off order, until their
@@ -298,6 +303,7 @@ class DirectionHandler:
         self._pending = 0  # jobs queued or being issued
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopped: Callable[[], bool] | None = None  # a hands-off backend's thread's state
         self._closed = False
         self._submitted = 0
         self._completed = 0
@@ -327,6 +333,9 @@ class DirectionHandler:
             direction=direction, plan=plan, backend=backend, num_src_blocks=num_src_blocks,
             num_dst_blocks=num_dst_blocks, book=book,
         )
+        if handler.hands_off:  # every job is handed over on its caller's thread: none of its own
+            handler._stopped = cast(HandsOffBackend, backend).thread_stopped_reader()
+            return handler
         thread = threading.Thread(
             target=handler._issuer_loop, name=f"kvoffload-{direction.value}", daemon=True
         )
@@ -355,7 +364,10 @@ class DirectionHandler:
 
     @property
     def thread_stopped(self) -> bool:
-        """True when the issuer thread is not running (it can issue no more copies)."""
+        """True when the issuer thread is not running (it can issue no more copies): the handler's,
+        or, for a hands-off backend, the backend's own."""
+        if self._stopped is not None:
+            return self._stopped()
         return self._thread is None or not self._thread.is_alive()
 
     # ----------------------------------------------------------------------------------- submit

@@ -558,6 +558,8 @@ class NativeBackend:
         self._book_users = 0
         self._free_deferred = False
         self._freed = False  # the issuer's memory went (a release whose stop failed keeps it)
+        self._joined = False  # the issuer's thread stopped and was joined (under _stop_lock)
+        self._stop_lock = threading.Lock()  # one stop at a time: the thread is joined once
         self._book_closed = False  # a drain's last look: no job is booked any more
         self._book_totals = (0, 0)  # (jobs in the book, jobs ever booked) when the issuer went
         self._book_errors: dict[int, BaseException] = {}  # booked failed in Python (kvo_book_fail)
@@ -754,7 +756,22 @@ class NativeBackend:
                     self.lib.kvo_fence_release(self._issuer, fence.pointer)
 
     def start_thread(self) -> None:
-        """Nothing: the handler's own thread only hands jobs over, which needs no context."""
+        """Nothing: a handler over this backend starts no thread (it hands jobs over itself)."""
+
+    def thread_stopped_reader(self) -> Callable[[], bool]:
+        """:attr:`thread_stopped`'s reader, for the handler (which lets go of the backend)."""
+        return lambda: self.thread_stopped
+
+    @property
+    def thread_stopped(self) -> bool:
+        """True once the issuer's thread stopped, so it can enqueue no more copies: after a release
+        that joined it, or, when the release's stop timed out (the thread was inside a driver
+        call), as soon as the thread left its loop since (asked of the library, which never waits
+        here). False while the backend is not released."""
+        with self._stop_lock:
+            if self._released and not self._joined:
+                self._joined = not self.lib.kvo_issuer_stop(self._issuer, 0)
+            return self._joined
 
     def can_issue_here(self) -> bool:
         """Always: a hand-off works from any thread."""
@@ -1158,7 +1175,10 @@ class NativeBackend:
                 return
             self._released = True
         seconds = min(STOP_TIMEOUT_S, max(0.0, timeout))
-        if self.lib.kvo_issuer_stop(self._issuer, _ns(seconds)):
+        with self._stop_lock:  # a look of thread_stopped's meanwhile may have joined it
+            stuck = not self._joined and self.lib.kvo_issuer_stop(self._issuer, _ns(seconds))
+            self._joined = not stuck
+        if stuck:
             _log.error("the native issuer thread did not stop within %.3f s", seconds)
             raise TransferError(
                 f"the native issuer thread did not stop within {seconds:.3f} s; its streams and "

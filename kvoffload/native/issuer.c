@@ -234,7 +234,7 @@ struct kvo_issuer {
     struct kvo_job *book_head, *book_tail; /* booked jobs whose results were not taken, in hand-off
                                             * order (the book holds a reference to each) */
     int64_t book_count, book_total; /* jobs in the book; jobs ever booked */
-    int64_t stop, exited, started, refs, ctx_error;
+    int64_t stop, exited, joined, started, refs, ctx_error;
     int64_t orphaned; /* kvo_issuer_new gave up waiting for the start: the thread owns the issuer */
     int64_t pools_closed; /* the exiting thread took the pools' events to destroy them unlocked */
     int64_t sleeping; /* the thread waits on `work` (under mu): a hand-off must signal it */
@@ -1326,7 +1326,8 @@ static void issuer_unref(struct kvo_issuer *is) { /* caller holds the mutex */
 
 /* Stop the thread: jobs not yet issued fail, jobs in flight are given up; join it within
  * timeout_ns. 0: joined (the streams, ring and tables may go); 1: the thread is still in a driver
- * call (leave them to the process). */
+ * call (leave them to the process). Called again after a 1 (timeout 0: a look that never waits),
+ * it joins the thread once it left its loop; after a 0 it returns 0 and joins nothing. */
 int64_t kvo_issuer_stop(struct kvo_issuer *is, int64_t timeout_ns) {
     pthread_mutex_lock(&is->mu);
     __atomic_store_n(&is->stop, 1, __ATOMIC_RELEASE); /* read without the lock by an idle spin */
@@ -1335,10 +1336,11 @@ int64_t kvo_issuer_stop(struct kvo_issuer *is, int64_t timeout_ns) {
     deadline_after(&until, timeout_ns);
     while (!is->exited)
         if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
-    int64_t exited = is->exited;
+    int64_t exited = is->exited, join = exited && !is->joined;
+    if (join) is->joined = 1;
     pthread_mutex_unlock(&is->mu);
     if (!exited) return 1;
-    pthread_join(is->thread, 0); /* it has left its loop: returns at once */
+    if (join) pthread_join(is->thread, 0); /* it has left its loop: returns at once */
     return 0;
 }
 

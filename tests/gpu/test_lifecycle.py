@@ -113,9 +113,15 @@ def test_drain_whose_event_wait_raises_still_tears_everything_down(
     def failing_book_wait(self: object, job_id: object, timeout_s: float) -> bool:
         raise injected
 
+    def failing_book_take(self: object) -> list[object]:
+        raise injected
+
     monkeypatch.setattr(CudaTicket, "wait", failing_wait)
     monkeypatch.setattr(NativeTicket, "wait", failing_wait)
-    monkeypatch.setattr(NativeBackend, "book_wait", failing_book_wait)  # the native issuer's drain
+    # the native issuer's drain takes the finished results first (all of them, when the jobs were
+    # done by then), then waits for the rest: both fail
+    monkeypatch.setattr(NativeBackend, "book_wait", failing_book_wait)
+    monkeypatch.setattr(NativeBackend, "book_take", failing_book_take)
     t0 = time.perf_counter()
     error = run_with_guard(lambda: w.shutdown(timeout=5.0))
     elapsed = time.perf_counter() - t0

@@ -50,6 +50,7 @@ from kvoffload.backends.native import NativeBackend, NativeLayerMarks
 from kvoffload.handler import ISSUER_JOIN_MIN_S, BookedHandler, DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
+from kvoffload.worker.teardown import Teardown
 from tests.unit.test_staged_plan import plan_for
 from tests.unit._native_fake import COMPUTE, COPY, GRANULE, IDLE, KERNEL, FakeDriver, wait_until
 
@@ -1708,6 +1709,77 @@ def test_release_is_bounded_while_the_thread_is_stuck_in_a_driver_call(
     assert h.inner.released == 0  # its streams are left to the thread
     gate.set()  # the driver call returns: the thread leaves
     assert h.backend.lib.kvo_issuer_stop(h.backend._issuer, 10**10) == 0
+
+
+class _Region:
+    """The worker's region as the teardown sees it: records whether it was released or left."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def cleanup(self) -> None:
+        self.calls.append("cleanup")
+
+    def abandon(self) -> None:
+        self.calls.append("abandon")
+
+
+class _OwnThreadAnswer:
+    """The control: the handler as it answered when it ran a thread of its own beside the
+    backend's (stopped as soon as the shutdown asked, whatever the backend's thread was doing)."""
+
+    def __init__(self, handler: DirectionHandler) -> None:
+        self.handler = handler
+        self.thread_stopped = True
+
+    def shutdown(self, timeout: float) -> None:
+        self.handler.shutdown(timeout)
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_thread_stuck_in_a_driver_call_past_the_release_keeps_the_region_mapped(
+    monkeypatch: pytest.MonkeyPatch, control: bool,
+) -> None:
+    """The handler over the native backend starts no thread; its ``thread_stopped`` is the native
+    thread's. That thread, held inside a driver call past the shutdown's deadline, may still
+    enqueue copies of the region's pages when the call returns: the worker's teardown, with the
+    device proven idle, must leave the region mapped. Once the thread left, the handler says so
+    (and the library joins the thread once, however often it is asked). The control answers as
+    the handler's own thread did: the region is released under the stuck thread."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, tune=THREAD_ISSUES)
+
+    def stopped() -> bool:
+        return h.handler.thread_stopped
+
+    assert h.handler._thread is None
+    assert not h.handler.thread_stopped  # running
+    gate, entered = threading.Event(), threading.Event()
+    h.fake.gate["cuLaunchKernel"] = gate
+    h.fake.entered["cuLaunchKernel"] = entered
+    h.handler.submit(0, [1], [2])
+    assert entered.wait(TIMEOUT_S)
+    monkeypatch.setattr(native_backend, "STOP_TIMEOUT_S", 0.2)
+    region = _Region()
+    part = _OwnThreadAnswer(h.handler) if control else h.handler
+    teardown = Teardown([("store handler", part)], region,  # type: ignore[arg-type]
+                        lambda _timeout: True)
+    try:
+        with pytest.raises(ShutdownError) as raised:
+            teardown.run(0.2)
+        if control:
+            assert region.calls == ["cleanup"]  # the hazard: released under a live thread
+            return
+        assert region.calls == ["abandon"] and raised.value.region_left_mapped
+        assert not stopped() and not stopped()  # asked twice: nothing joined
+    finally:
+        gate.set()  # the driver call returns: the thread leaves
+    deadline = time.monotonic() + TIMEOUT_S
+    while not stopped():
+        assert time.monotonic() < deadline, "the thread never left"
+        time.sleep(0.01)
+    assert stopped()  # joined once; asking again joins nothing
+    assert h.backend.lib.kvo_issuer_stop(h.backend._issuer, 0) == 0
 
 
 @pytest.mark.parametrize("given", [True, False])
