@@ -1018,12 +1018,16 @@ class BookedHandler(DirectionHandler):
         Raises:
             ClosedError: after shutdown.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         call = self._booked_call
         if call is None:
             call = self._booked_call = self._booking().booked_hand_off_call((self._plan,), whole=True)
+        # (the common case of _key inline: the fast front makes this call for every job)
+        key = (job_id if _KEY_MIN <= job_id < _KEY_END and not self._synthetic and not self._keys
+               else self._key(job_id))
         try:
-            code = call(self._key(job_id), src, dst, stream)
+            code = call(key, src, dst, stream)
         except Exception as exc:  # noqa: BLE001 - it never should: the job's failed result, in order
             self._failed_hand_off(job_id, int(src.shape[0]), exc, None)
             return

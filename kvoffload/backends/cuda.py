@@ -50,6 +50,7 @@ __all__ = [
     "TransferPath",
     "access_order",
     "current_device_index",
+    "current_device_reader",
     "current_stream_handle",
     "device_index",
 ]
@@ -127,6 +128,12 @@ def current_stream_reader(index: int) -> Callable[[], int]:
     if _raw_current_stream is not None:
         return functools.partial(_raw_current_stream, index)
     return functools.partial(current_stream_handle, index)
+
+
+def current_device_reader() -> Callable[[], int]:
+    """A call without arguments that returns the calling thread's current CUDA device: torch's raw
+    accessor where it has one (no Python frame of its own), else :func:`current_device_index`."""
+    return _raw_current_device if _raw_current_device is not None else current_device_index
 
 
 def current_device_index() -> int:

@@ -35,7 +35,12 @@ from kvoffload import native
 from kvoffload._descriptors import CopyPlan
 from kvoffload._jobs import BookedResult, FailedTicket, Ticket
 from kvoffload._layer_load import LayerMarks
-from kvoffload.backends.cuda import CudaBackend, current_device_index, current_stream_reader
+from kvoffload.backends.cuda import (
+    CudaBackend,
+    current_device_index,
+    current_device_reader,
+    current_stream_reader,
+)
 from kvoffload.backends.kernel import SmPath, StagedPath
 from kvoffload.bindings import driver
 from kvoffload.bindings import copier as copier_module
@@ -956,6 +961,8 @@ class NativeBackend:
 
         with contextlib.suppress(Exception):  # a failed registration is tried again per job
             register()
+        if whole and self._front is not None:
+            return self._whole_hand_off_call(registered, register)
 
         def hand_off(job_id: int, src: I64Array, dst: I64Array, stream: int,
                      marks: LayerMarks | None = None) -> int:
@@ -965,6 +972,41 @@ class NativeBackend:
                 return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
             return self._booked(job_id, address, count, src, dst, stream, 0, 0, layered,
                                 cast("NativeLayerMarks | None", marks))
+
+        return hand_off
+
+    def _whole_hand_off_call(self, registered: list[int],
+                             register: Callable[[], int | None]) -> BookedHandOff:
+        """:meth:`booked_hand_off_call`'s call for a whole job through the call front: the steps of
+        :meth:`_booked` in one frame, every lookup made here once (the fast front makes this call
+        for every job, and a cold call pays for each function and object it touches: design §16).
+        ``registered``/``register``: the plans' array once registered, and the registration."""
+        front = self._front
+        assert front is not None
+        call, at, tags, paths = front.hand_off_booked, self._front_at, self._tags, _PATHS
+        choose, lock, stores, index = self._choose, self._lock, self._stores, self.index
+        device_now = current_device_reader() if self._on_cuda else None
+
+        def hand_off(job_id: int, src: I64Array, dst: I64Array, stream: int,
+                     marks: LayerMarks | None = None) -> int:
+            if registered:
+                address: int | None = registered[0]
+            else:
+                try:
+                    address = register()
+                except Exception as exc:  # noqa: BLE001 - the job fails with it, through the book
+                    return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
+            name = choose(src.shape[0])
+            device, host = (src, dst) if stores else (dst, src)
+            with lock:
+                if self._released or self._book_closed or address is None:
+                    return native.RELEASED
+                if device_now is not None and device_now() != index:  # the fence is recorded in
+                    with torch.cuda.device(index):                    # the call
+                        return int(call(at, job_id, tags[name], stream, paths[name], device, host, 1,
+                                        address, 0, 0))
+                return int(call(at, job_id, tags[name], stream, paths[name], device, host, 1, address,
+                                0, 0))
 
         return hand_off
 
