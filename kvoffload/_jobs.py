@@ -27,9 +27,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
-import attrs
 import numpy as np
 
 from kvoffload._seconds import WAIT_SLICE_S, as_timeout
@@ -302,12 +301,14 @@ class FailedTicket:
         """Nothing to give back."""
 
 
-@attrs.frozen
-class BookedResult:
+class BookedResult(NamedTuple):
     """A booked job's outcome, as a booking backend's ``book_take`` takes it (the native issuer's
     book, docs/design.md §16): its id, its pairs, whether it succeeded, its device time (0.0 unless
     it did), the name of the path it took (None: it failed before it was handed over, or in its
-    completion: the handler's path), its error and whether that came in its completion."""
+    completion: the handler's path), its error and whether that came in its completion.
+
+    A named tuple, not an attrs class: one is built for every job (a frozen attrs class sets each
+    field through ``object.__setattr__``)."""
 
     job_id: int
     pairs: int
@@ -316,5 +317,11 @@ class BookedResult:
     path: str | None
     error: BaseException | None
     completion: bool  # it failed in its completion (its end's query failed, or it was given up)
-    #: ``time.monotonic()`` seconds: handed over, issue began, issued, found done (0.0: not)
-    times: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    #: ``time.monotonic()`` nanoseconds: handed over, issue began, issued, found done (0: not)
+    times_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    @property
+    def times(self) -> tuple[float, float, float, float]:
+        """:attr:`times_ns` in seconds."""
+        a, b, c, d = self.times_ns
+        return a / 1e9, b / 1e9, c / 1e9, d / 1e9

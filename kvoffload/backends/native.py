@@ -626,7 +626,10 @@ class NativeBackend:
         if not issuer:
             raise TransferError(f"the native issuer could not start (code {error.value})")
         if error.value:
-            lib.kvo_issuer_stop(issuer, _ns(STOP_TIMEOUT_S))
+            if lib.kvo_issuer_stop(issuer, _ns(STOP_TIMEOUT_S)):  # still inside a driver call: its
+                raise TransferError(                             # memory is left to the process
+                    f"the native issuer's thread failed its start (code {error.value}) and did not "
+                    f"stop within {STOP_TIMEOUT_S:g} s; its memory is left to the process")
             lib.kvo_issuer_free(issuer)
             raise native_error(int(error.value), "cuCtxSetCurrent")
         return cls(inner, lib, int(issuer), index=index, choose=choose, path_names=path_names,
@@ -1119,7 +1122,7 @@ class NativeBackend:
         completion = fail == native.FAIL_COMPLETION
         path = self._tag_names[tag] if tag >= 0 and not completion else None
         return BookedResult(job_id, pairs, error is None, seconds if error is None else 0.0, path,
-                            error, completion, tuple(t / 1e9 for t in times))  # type: ignore[arg-type]
+                            error, completion, times)  # type: ignore[arg-type]
 
     def book_wait(self, job_id: int | None, timeout_s: float) -> bool:
         """Block, without the GIL, until the first job not done among booked job ``job_id`` (None:

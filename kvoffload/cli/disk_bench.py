@@ -110,11 +110,13 @@ def _raw(path: str, data_bytes: int, io_bytes: int, threads: int) -> tuple[float
     """Raw write and read GB/s of ``data_bytes`` in calls of ``io_bytes``; and whether O_DIRECT."""
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     direct = True
-    try:
-        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-    except OSError:
-        fd, direct = os.open(path, flags, 0o600), False
-    try:
+    fd = -1
+    try:  # the open inside: a signal raised as it returns (the file made) still removes the file
+        try:
+            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError:
+            direct = False
+            fd = os.open(path, flags, 0o600)
         os.posix_fallocate(fd, 0, data_bytes)
         buffers = [_aligned(io_bytes) for _ in range(threads)]
         for b in buffers:
@@ -133,8 +135,10 @@ def _raw(path: str, data_bytes: int, io_bytes: int, threads: int) -> tuple[float
 
         return run(True), run(False), direct
     finally:
-        os.close(fd)
-        os.unlink(path)
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _timed_threads(work: Callable[[int], None], threads: int, nbytes: int) -> float:

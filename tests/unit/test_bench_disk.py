@@ -69,6 +69,38 @@ def test_sigterm_removes_the_benchmark_files(tmp_path: pathlib.Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_signal_as_the_raw_files_open_returns_leaves_no_file(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, direct: bool,
+) -> None:
+    """SIGTERM's handler raises in the main thread at the next bytecode that looks for signals,
+    which may be the return of the ``open`` that made the raw pass's file: the file goes too (it was
+    left behind when the open stood before the ``try`` that removes it; CI saw it once). Without
+    O_DIRECT, the second open (after the first one's ``OSError``) is the one interrupted."""
+    path = tmp_path / "kvoffload-bench-raw-1.bin"
+    real_open = os.open
+    opened: list[int] = []
+
+    def open_then_signal(name: str, flags: int, mode: int = 0o777) -> int:
+        if not direct and not opened and flags & getattr(os, "O_DIRECT", 0):
+            opened.append(-1)
+            raise OSError("O_DIRECT refused")
+        opened.append(real_open(name, flags, mode))
+        raise disk_bench._Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(os, "open", open_then_signal)
+    try:
+        with pytest.raises(disk_bench._Terminated):
+            disk_bench._raw(str(path), 1 << 20, 1 << 20, 1)
+    finally:
+        monkeypatch.undo()
+        for fd in opened:
+            if fd >= 0:
+                os.close(fd)
+    assert opened and opened[-1] >= 0
+    assert not path.exists()
+
+
 def test_a_file_left_by_a_killed_run_is_removed_by_the_next(tmp_path: pathlib.Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

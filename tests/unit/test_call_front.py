@@ -338,6 +338,7 @@ def test_a_shutdown_between_the_fronts_checks_and_its_hand_off_is_a_closed_error
     finally:
         w.shutdown(TIMEOUT_S)
     assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload")]
+    assert all(part.thread_stopped for _, part in w._teardown.parts)  # noqa: SLF001 - the library's threads
 
 
 def test_an_unreturned_job_keeps_its_id_through_the_front(worker: Worker) -> None:

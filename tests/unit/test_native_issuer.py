@@ -1782,6 +1782,36 @@ def test_a_thread_stuck_in_a_driver_call_past_the_release_keeps_the_region_mappe
     assert h.backend.lib.kvo_issuer_stop(h.backend._issuer, 0) == 0
 
 
+def test_a_start_whose_thread_failed_and_does_not_stop_leaves_the_issuer_to_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread started but could not make the device's context current; the start stops it,
+    and when that stop times out (the thread still inside a driver call) the issuer's memory is
+    not freed under it: the start raises saying so. (It freed the issuer whatever the stop said.)"""
+    lib = native.library()
+    real_stop, real_free = lib.kvo_issuer_stop, lib.kvo_issuer_free
+    stopped: list[int] = []
+    freed: list[int] = []
+
+    def stuck_stop(issuer: int, timeout_ns: int) -> int:
+        stopped.append(issuer)
+        return 1
+
+    monkeypatch.setattr(lib, "kvo_issuer_stop", stuck_stop)
+    monkeypatch.setattr(lib, "kvo_issuer_free", freed.append)
+    fake = FakeDriver()
+    fake.fail["cuCtxSetCurrent"] = 201
+    keep: list[object] = []
+    config = fake.config(store=True, slots=SLOT_BASES, slot_bytes=4096, batch=True, keep=keep)
+    with pytest.raises(TransferError, match="did not stop within"):
+        NativeBackend.start(Inner(Direction.STORE), config, index=0, choose=lambda _n: "dma",
+                            path_names={"dma": "dma"}, tables=None, keep=keep)
+    assert len(stopped) == 1 and not freed
+    monkeypatch.undo()
+    assert real_stop(stopped[0], 10**10) == 0  # the thread leaves: the test frees what it left
+    real_free(stopped[0])
+
+
 @pytest.mark.parametrize("given", [True, False])
 def test_a_shutdown_stops_a_stuck_thread_within_its_own_deadline(
     monkeypatch: pytest.MonkeyPatch, given: bool,
@@ -2405,3 +2435,136 @@ def test_marks_released_before_their_job_is_attached_drop_its_reference_at_once(
     assert released == [1234]
     timely.release()
     assert released == [1234, 99]
+
+# ------------------------------------------------- the fast front's whole-job hand-off, branch by branch
+
+
+def _booked(h: Harness) -> BookedHandler:
+    assert isinstance(h.handler, BookedHandler)
+    return h.handler
+
+
+def _ids(*v: int) -> I64:
+    return np.array(v, dtype=np.int64)
+
+
+def front_submit(h: Harness, job: int, src: list[int], dst: list[int]) -> None:
+    """What Worker._front does: reserve the id, then the booked whole-job hand-off."""
+    h.handler._book.reserve(job, h.handler)  # noqa: SLF001
+    try:
+        _booked(h).submit_handed_off(job, _ids(*src), _ids(*dst), COMPUTE)
+    except BaseException:
+        h.handler._book.forget(job)  # noqa: SLF001
+        raise
+
+
+def test_a_failed_registration_fails_its_job_in_order_and_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        real, fails = h.backend._plan_array, [2]  # noqa: SLF001 - at the call's creation and at job 1
+
+        def flaky(*args: Any, **kwargs: Any) -> int:
+            if fails[0]:
+                fails[0] -= 1
+                raise TransferError("injected registration failure")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(h.backend, "_plan_array", flaky)
+        front_submit(h, 1, [1], [2])
+        front_submit(h, 2, [3], [4])
+        r1, r2 = h.handler.wait([1, 2], TIMEOUT_S)
+        assert not r1.ok and "injected" in str(r1.error) and r2.ok
+        assert moved(h.fake, expected(plan, [3], [4])) == 0
+    finally:
+        h.close()
+
+
+def test_a_hand_off_landing_after_the_shutdown_is_refused_not_booked(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    front = h.backend._front  # noqa: SLF001
+    assert front is not None
+    calls: list[int] = []
+    library = front.hand_off_booked
+
+    def counted(*args: Any) -> int:
+        calls.append(args[1])
+        return int(library(*args))
+
+    monkeypatch.setattr(front, "hand_off_booked", counted)  # before the call is built
+    front_submit(h, 1, [1], [2])  # builds the call
+    real = _booked(h)._booked_call  # noqa: SLF001
+    assert real is not None
+
+    def shut_down_first(*args: Any) -> int:  # the submit passed its closed check; the shutdown ran
+        h.handler.shutdown(TIMEOUT_S)
+        return int(real(*args))
+
+    _booked(h)._booked_call = shut_down_first  # noqa: SLF001
+    with pytest.raises(ClosedError):
+        front_submit(h, 2, [3], [4])
+    assert not h.handler._book.known(2)  # noqa: SLF001
+    assert calls == [1]  # job 2 never reached the (freed) issuer
+
+
+@pytest.mark.parametrize("current", [1, 0], ids=["other device", "same device"])
+def test_the_fence_is_recorded_with_the_backends_device_current(
+    monkeypatch: pytest.MonkeyPatch, current: int,
+) -> None:
+    entered: list[int] = []
+
+    @contextlib.contextmanager
+    def device(index: int) -> Iterator[None]:
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(native_backend, "current_device_reader", lambda: (lambda: current))
+    monkeypatch.setattr(torch.cuda, "device", device)
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    h.backend._on_cuda = True  # noqa: SLF001 - as on a GPU, before the call is built
+    try:
+        front_submit(h, 1, [1], [2])
+        front_submit(h, 2, [3], [4])
+        assert all(r.ok for r in h.handler.wait([1, 2], TIMEOUT_S))
+        assert entered == ([0, 0] if current != 0 else [])
+    finally:
+        h.backend._on_cuda = False  # noqa: SLF001
+        h.close()
+
+
+def test_ids_outside_64_bits_through_the_fast_front_get_keys_of_their_own() -> None:
+    plan = make_plan(Direction.LOAD, [256])
+    h = Harness(Direction.LOAD, "dma", plan)
+    try:
+        jobs = {1 << 70: ([1], [2]), -(1 << 63): ([3], [4]), -(1 << 80): ([5], [6]), 7: ([7], [8])}
+        h.fake.not_ready = 1 << 40  # all in flight together: -(1 << 63) is the first's key
+        for job, (src, dst) in jobs.items():
+            front_submit(h, job, src, dst)
+        h.fake.not_ready = 0
+        results = h.handler.wait(list(jobs), TIMEOUT_S)
+        assert [r.job_id for r in results] == list(jobs) and all(r.ok for r in results)
+        for src, dst in jobs.values():
+            assert moved(h.fake, expected(plan, dst, src)) == 0
+        assert not _booked(h)._keys and not _booked(h)._synthetic  # noqa: SLF001 - keys let go
+    finally:
+        h.close()
+
+
+def test_an_id_equal_to_a_key_being_made_gets_its_own_key_on_the_fast_front() -> None:
+    """Job ``big`` (past 64 bits) has its key made; job ``first`` (its id equal to that key) is
+    handed over through the fast front before it: it must not share the key (the first result taken
+    would be published as ``big``'s)."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        big, first = 1 << 70, -(1 << 63)
+        h.handler._book.reserve(big, h.handler)  # noqa: SLF001
+        assert _booked(h)._key(big) == first  # noqa: SLF001 - big's submit is past its key
+        front_submit(h, first, [1], [2])  # one pair
+        _booked(h).submit_handed_off(big, _ids(3, 5), _ids(4, 6), COMPUTE)  # two pairs
+        by_id = {r.job_id: r for r in h.handler.wait([first, big], TIMEOUT_S)}
+        assert by_id[first].nbytes == 256 and by_id[big].nbytes == 512
+    finally:
+        h.close()
