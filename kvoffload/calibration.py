@@ -141,6 +141,19 @@ class AutoChoice:
         paths, buckets = self.paths[direction.value], self.buckets
         return lambda blocks: paths[max(0, bisect.bisect_right(buckets, blocks) - 1)]
 
+    def describe(self) -> str:
+        """One line: the key, then per direction and bucket the path kept and each path's GB/s
+        alone (``-``: not timed there, or not in a saved file's figures), e.g. ``load 1 block: sm (sm 30.1, staged 28.7, dma 9.2)``."""
+        parts = [self.key]
+        for direction in ("store", "load"):
+            figures = self.gbps.get(direction, {})
+            for i, size in enumerate(self.buckets):
+                timed = ", ".join(f"{path} {g[i]:.1f}" if i < len(g) and g[i] > 0.0 else f"{path} -"
+                                  for path, g in figures.items())
+                kept = self.paths[direction][i]
+                parts.append(f"{direction} {size} block{'s' if size != 1 else ''}: {kept} ({timed})")
+        return "; ".join(parts)
+
 
 _cache: dict[str, AutoChoice] = {}
 _cache_lock = threading.Lock()

@@ -111,11 +111,18 @@ def _raw(path: str, data_bytes: int, io_bytes: int, threads: int) -> tuple[float
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     direct = True
     fd = -1
-    try:  # the open inside: a signal raised as it returns (the file made) still removes the file
+    # The file is removed at the end unless it was there before this call (the first open, with
+    # O_EXCL, says so). The opens stand inside the ``try``: a signal raised as one returns (the
+    # file made, ``fd`` not yet set) still removes the file.
+    made = True
+    try:
         try:
-            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-        except OSError:
-            direct = False
+            fd = os.open(path, flags | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+        except FileExistsError:
+            made = False  # another's (or a leftover): never this call's to remove
+            raise
+        except OSError:  # O_DIRECT refused (a file system may make the file first): any file
+            direct = False  # there now is this call's
             fd = os.open(path, flags, 0o600)
         os.posix_fallocate(fd, 0, data_bytes)
         buffers = [_aligned(io_bytes) for _ in range(threads)]
@@ -137,8 +144,9 @@ def _raw(path: str, data_bytes: int, io_bytes: int, threads: int) -> tuple[float
     finally:
         if fd >= 0:
             os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _timed_threads(work: Callable[[int], None], threads: int, nbytes: int) -> float:

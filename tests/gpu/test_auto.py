@@ -35,7 +35,7 @@ def test_auto_jobs_report_the_path_the_calibration_chose(device: torch.device, f
     assert sorted(both) == ["dma", "staged"]  # the bulk paths, timed both ways in the bulk buckets
     assert all(g[0] == 0.0 and min(g[1:]) > 0.0 for g in both.values())
     figures.add("auto calibration (per-layer, 8 layers, 32 KiB pages)",
-                f"{choice.paths}; both ways GB/s {both}")
+                f"{choice.describe()}; both ways GB/s {both}")
 
 
 def test_auto_mixes_paths_and_still_finishes_jobs_in_order(device: torch.device) -> None:

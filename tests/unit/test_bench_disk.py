@@ -101,6 +101,16 @@ def test_a_signal_as_the_raw_files_open_returns_leaves_no_file(
     assert not path.exists()
 
 
+def test_a_raw_file_that_was_there_before_is_refused_and_left_alone(tmp_path: pathlib.Path) -> None:
+    """Another's file under the raw pass's name (another host's run with the same pid on a shared
+    directory): the pass fails at its open and never removes it."""
+    path = tmp_path / "kvoffload-bench-raw-1.bin"
+    path.write_bytes(b"theirs")
+    with pytest.raises(FileExistsError):
+        disk_bench._raw(str(path), 1 << 20, 1 << 20, 1)
+    assert path.read_bytes() == b"theirs"
+
+
 def test_a_file_left_by_a_killed_run_is_removed_by_the_next(tmp_path: pathlib.Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

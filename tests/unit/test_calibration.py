@@ -47,6 +47,20 @@ def test_a_job_takes_the_bucket_of_the_largest_size_not_above_it() -> None:
         assert [choose(n) for n in range(0, 40)] == [c.path_for(direction, n) for n in range(0, 40)]
 
 
+def test_a_choice_describes_the_path_kept_and_every_figure_alone_per_bucket() -> None:
+    c = AutoChoice(key="H100|2097152|32768|sm", buckets=(1, 8),
+                   paths={"store": ("sm", "dma"), "load": ("staged", "staged")},
+                   gbps={"store": {"sm": (30.5, 0.0), "dma": (9.25, 40.0)},
+                         "load": {"sm": (31.0, 0.0), "staged": (28.75, 50.0)}})
+    assert c.describe() == (
+        "H100|2097152|32768|sm; store 1 block: sm (sm 30.5, dma 9.2); store 8 blocks: dma (sm -, dma 40.0); "
+        "load 1 block: staged (sm 31.0, staged 28.8); load 8 blocks: staged (sm -, staged 50.0)")
+    short = AutoChoice(key="k", buckets=(1, 8), paths={"store": ("sm", "dma"), "load": ("dma", "dma")},
+                       gbps={"store": {"sm": (30.0,)}})  # as a saved file may hold them
+    assert short.describe() == ("k; store 1 block: sm (sm 30.0); store 8 blocks: dma (sm -); "
+                                "load 1 block: dma (); load 8 blocks: dma ()")
+
+
 def test_a_saved_choice_is_read_back_for_its_key_only(tmp_path: pathlib.Path) -> None:
     path = str(tmp_path / "calibration.json")
     _save(path, choice())

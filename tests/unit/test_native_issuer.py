@@ -1691,17 +1691,24 @@ def test_shutdown_gives_up_a_job_that_never_completes_within_its_deadline() -> N
     assert h.inner.released == 1  # the thread stopped and the streams went
 
 
-def test_release_is_bounded_while_the_thread_is_stuck_in_a_driver_call(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    plan = make_plan(Direction.STORE, [256])
-    h = Harness(Direction.STORE, "sm", plan, tune=THREAD_ISSUES)
+def _stuck_in_a_launch(monkeypatch: pytest.MonkeyPatch, h: Harness) -> threading.Event:
+    """Job 0 submitted, its thread held inside cuLaunchKernel until the returned gate is set; a
+    stop waits 0.2 s for it at most."""
     gate, entered = threading.Event(), threading.Event()
     h.fake.gate["cuLaunchKernel"] = gate
     h.fake.entered["cuLaunchKernel"] = entered
     h.handler.submit(0, [1], [2])
     assert entered.wait(TIMEOUT_S)
     monkeypatch.setattr(native_backend, "STOP_TIMEOUT_S", 0.2)
+    return gate
+
+
+def test_release_is_bounded_while_the_thread_is_stuck_in_a_driver_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan, tune=THREAD_ISSUES)
+    gate = _stuck_in_a_launch(monkeypatch, h)
     with pytest.raises(ShutdownError) as raised:
         h.handler.shutdown(0.2)
     assert any(isinstance(e, TransferError) and "did not stop" in str(e)
@@ -1754,12 +1761,7 @@ def test_a_thread_stuck_in_a_driver_call_past_the_release_keeps_the_region_mappe
 
     assert h.handler._thread is None
     assert not h.handler.thread_stopped  # running
-    gate, entered = threading.Event(), threading.Event()
-    h.fake.gate["cuLaunchKernel"] = gate
-    h.fake.entered["cuLaunchKernel"] = entered
-    h.handler.submit(0, [1], [2])
-    assert entered.wait(TIMEOUT_S)
-    monkeypatch.setattr(native_backend, "STOP_TIMEOUT_S", 0.2)
+    gate = _stuck_in_a_launch(monkeypatch, h)
     region = _Region()
     part = _OwnThreadAnswer(h.handler) if control else h.handler
     teardown = Teardown([("store handler", part)], region,  # type: ignore[arg-type]
@@ -1803,13 +1805,16 @@ def test_a_start_whose_thread_failed_and_does_not_stop_leaves_the_issuer_to_the_
     fake.fail["cuCtxSetCurrent"] = 201
     keep: list[object] = []
     config = fake.config(store=True, slots=SLOT_BASES, slot_bytes=4096, batch=True, keep=keep)
-    with pytest.raises(TransferError, match="did not stop within"):
-        NativeBackend.start(Inner(Direction.STORE), config, index=0, choose=lambda _n: "dma",
-                            path_names={"dma": "dma"}, tables=None, keep=keep)
-    assert len(stopped) == 1 and not freed
-    monkeypatch.undo()
-    assert real_stop(stopped[0], 10**10) == 0  # the thread leaves: the test frees what it left
-    real_free(stopped[0])
+    try:
+        with pytest.raises(TransferError, match="did not stop within"):
+            NativeBackend.start(Inner(Direction.STORE), config, index=0, choose=lambda _n: "dma",
+                                path_names={"dma": "dma"}, tables=None, keep=keep)
+        assert len(stopped) == 1 and not freed
+    finally:
+        monkeypatch.undo()
+        for issuer in stopped:  # the thread leaves: the test frees what the start left
+            assert real_stop(issuer, 10**10) == 0
+            real_free(issuer)
 
 
 @pytest.mark.parametrize("given", [True, False])
@@ -2462,7 +2467,7 @@ def test_a_failed_registration_fails_its_job_in_order_and_is_tried_again(monkeyp
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "sm", plan)
     try:
-        real, fails = h.backend._plan_array, [2]  # noqa: SLF001 - at the call's creation and at job 1
+        real, fails = h.backend._plan_array, [0]  # noqa: SLF001
 
         def flaky(*args: Any, **kwargs: Any) -> int:
             if fails[0]:
@@ -2471,10 +2476,16 @@ def test_a_failed_registration_fails_its_job_in_order_and_is_tried_again(monkeyp
             return real(*args, **kwargs)
 
         monkeypatch.setattr(h.backend, "_plan_array", flaky)
+        h.fake.not_ready = 1 << 40
+        h.handler.submit(0, [5], [6])  # in flight (the validating path), ahead of the rest
+        fails[0] = 2  # at the fast call's creation and at job 1
         front_submit(h, 1, [1], [2])
         front_submit(h, 2, [3], [4])
-        r1, r2 = h.handler.wait([1, 2], TIMEOUT_S)
-        assert not r1.ok and "injected" in str(r1.error) and r2.ok
+        time.sleep(0.05)
+        assert h.handler.poll() == []  # job 1 failed, booked behind job 0: not published before it
+        h.fake.not_ready = 0
+        r0, r1, r2 = h.handler.wait([0, 1, 2], TIMEOUT_S)
+        assert r0.ok and not r1.ok and "injected" in str(r1.error) and r2.ok
         assert moved(h.fake, expected(plan, [3], [4])) == 0
     finally:
         h.close()
@@ -2483,6 +2494,15 @@ def test_a_failed_registration_fails_its_job_in_order_and_is_tried_again(monkeyp
 def test_a_hand_off_landing_after_the_shutdown_is_refused_not_booked(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "sm", plan)
+    try:
+        _refused_after_the_shutdown(h, monkeypatch)
+    finally:
+        h.close()
+
+
+def _refused_after_the_shutdown(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shutdown runs between the submit's closed check and its hand-off: ``ClosedError``, the
+    job neither booked nor handed to the library."""
     front = h.backend._front  # noqa: SLF001
     assert front is not None
     calls: list[int] = []
@@ -2542,6 +2562,8 @@ def test_ids_outside_64_bits_through_the_fast_front_get_keys_of_their_own() -> N
         h.fake.not_ready = 1 << 40  # all in flight together: -(1 << 63) is the first's key
         for job, (src, dst) in jobs.items():
             front_submit(h, job, src, dst)
+        assert _booked(h)._keys[1 << 70] == -(1 << 63)  # noqa: SLF001
+        assert _booked(h)._keys[-(1 << 63)] != -(1 << 63)  # noqa: SLF001 - a key of its own
         h.fake.not_ready = 0
         results = h.handler.wait(list(jobs), TIMEOUT_S)
         assert [r.job_id for r in results] == list(jobs) and all(r.ok for r in results)
