@@ -23,6 +23,7 @@ import ctypes
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Final, Protocol, cast
@@ -559,7 +560,10 @@ class NativeBackend:
         self._lock = threading.Lock()
         self._released = False
         # The book (docs/design.md §16): calls inside the library that need the issuer (a wait may
-        # block), and whether release_within left the issuer's free to the last of them.
+        # block), and whether release_within left the issuer's free to the last of them; counted
+        # under a lock of their own (taken inside _lock, never around it), not under _lock, which
+        # a hand-off holds through its fence's record: a poll never waits behind one.
+        self._count_lock = threading.Lock()
         self._book_users = 0
         self._free_deferred = False
         self._freed = False  # the issuer's memory went (a release whose stop failed keeps it)
@@ -1115,8 +1119,9 @@ class NativeBackend:
                  call: str, *times: int) -> BookedResult:
         """A taken result's :class:`BookedResult`."""
         error: BaseException | None = None
-        if code == native.PYTHON_ERROR:
-            error = self._book_errors.pop(job_id)
+        if code == native.PYTHON_ERROR:  # (a release meanwhile let go of the errors it kept)
+            error = self._book_errors.pop(job_id, None) or TransferError(
+                "the job failed before its hand-off; its error went with the backend's release")
         elif fail != native.FAIL_NONE:
             error = native_error(code, call or "native issuer")
         completion = fail == native.FAIL_COMPLETION
@@ -1134,11 +1139,23 @@ class NativeBackend:
         try:
             last = job_id is None
             key = 0 if job_id is None else job_id
-            if self._front is not None:
-                return int(self._front.book_wait(self._front_at, key, int(last), _ns(timeout_s))) != 0
-            return int(self.lib.kvo_book_wait(self._issuer, key, int(last), _ns(timeout_s))) != 0
+            deadline = time.monotonic() + max(0.0, timeout_s)
+            done = self._book_wait_once(key, last, timeout_s)
+            if done < 0 and not last and self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                # Not in the book: perhaps being handed over now. A hand-off holds the lock through
+                # its call; once it is let go, the job is in the book (or never will be): a wait
+                # blocks (within its deadline) where it would look again and again meanwhile.
+                self._lock.release()
+                done = self._book_wait_once(key, last, max(0.0, deadline - time.monotonic()))
+            return done != 0
         finally:
             self._book_left()
+
+    def _book_wait_once(self, key: int, last: bool, timeout_s: float) -> int:
+        """kvo_book_wait (a book call counted in): 1 done, 0 not yet, -1 not in the book."""
+        if self._front is not None:
+            return int(self._front.book_wait(self._front_at, key, int(last), _ns(timeout_s)))
+        return int(self.lib.kvo_book_wait(self._issuer, key, int(last), _ns(timeout_s)))
 
     def close_book(self) -> None:
         """Book no job any more (a drain's last look): a booked hand-off, or a job booked failed,
@@ -1180,7 +1197,7 @@ class NativeBackend:
         """Count a call into the book (the issuer stays until it left: :meth:`_book_left`); False
         once the issuer was freed. The lock is held only for the count: a take or a wait never
         waits behind a hand-off's fence record."""
-        with self._lock:
+        with self._count_lock:
             if self._freed or self._free_deferred:
                 return False
             self._book_users += 1
@@ -1188,7 +1205,7 @@ class NativeBackend:
 
     def _book_left(self) -> None:
         """A book call left the library: the last one frees the issuer if the release left it."""
-        with self._lock:
+        with self._count_lock:
             self._book_users -= 1
             free = self._free_deferred and self._book_users == 0
             if free:
@@ -1238,8 +1255,9 @@ class NativeBackend:
             out = self._book_out
             self._book_totals = (int(self.lib.kvo_book_count(self._issuer, out)), int(out[1]))
             self._book_errors.clear()  # the book's jobs go with the issuer
-            deferred = self._free_deferred = self._book_users > 0
-            self._freed = not deferred
+            with self._count_lock:
+                deferred = self._free_deferred = self._book_users > 0
+                self._freed = not deferred
         if not deferred:
             self.lib.kvo_issuer_free(self._issuer)
         self._inner.release()

@@ -58,6 +58,7 @@ class FakeDriver:
         self.gate: dict[str, threading.Event] = {}  # call -> event it waits for before returning
         self.gate_on: dict[tuple[str, int], threading.Event] = {}  # (call, its last argument) -> event
         self.entered: dict[str, threading.Event] = {}
+        self.entered_on: dict[tuple[str, int], threading.Event] = {}  # (call, its last argument)
         self.events_created = 0
         self.events_destroyed = 0
         self.copy_sizes: list[int] = []  # bytes of every copy command, in order (a strided one's all rows)
@@ -73,7 +74,7 @@ class FakeDriver:
         with self._lock:
             self.calls.append((call, *args))
             self.threads.append(threading.get_ident())
-            entered = self.entered.get(call)
+            entered = self.entered.get(call) or (self.entered_on.get((call, args[-1])) if args else None)
             gate = self.gate.get(call) or (self.gate_on.get((call, args[-1])) if args else None)
             code = self.fail.pop(call, 0)
         if entered is not None:

@@ -32,7 +32,7 @@ from kvoffload import (
 )
 from kvoffload.backends.native import NativeBackend
 from kvoffload.handler import BookedHandler, DirectionHandler
-from kvoffload.records import Direction
+from kvoffload.records import Direction, TransferResult
 from kvoffload.worker.booking import Bookkeeping, Memory
 from tests.unit._native_fake import COMPUTE, FakeDriver
 from tests.unit._threads import run_at_once
@@ -466,6 +466,98 @@ def test_a_submit_waiting_for_a_hand_off_in_progress_never_deadlocks_it(doors: t
     assert not errors
     results = w.wait([1, 2], TIMEOUT_S)
     assert [r.ok for r in results] == [True, True]
+    w.shutdown(TIMEOUT_S)
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_wait_never_waits_behind_a_hand_off_recording_its_fence(control: bool) -> None:
+    """Thread A's hand-off is held inside its fence's record (the driver's record can wait
+    milliseconds behind the issuer thread's batch call); the engine's wait for an earlier job
+    returns meanwhile: a call into the book counts itself in under a lock of its own, not under
+    the backend's, which the hand-off holds through its call. The control counts in under the
+    backend's lock: the wait is held until the record returns."""
+    keep: list[object] = []
+    w = make_worker(keep)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    w.store(1, _i(1), _i(1))
+    backend = w._store._backend  # noqa: SLF001
+    assert isinstance(backend, NativeBackend)
+    count_lock = backend._count_lock  # noqa: SLF001
+    if control:
+        backend._count_lock = backend._lock  # noqa: SLF001
+    gate, inside = threading.Event(), threading.Event()
+    fake.gate_on[("cuEventRecord", COMPUTE)] = gate
+    fake.entered_on[("cuEventRecord", COMPUTE)] = inside
+    submit = threading.Thread(target=w.store, args=(2, _i(2), _i(2)), daemon=True)
+    submit.start()
+    try:
+        assert inside.wait(TIMEOUT_S)  # A is inside its hand-off's fence record
+        returned: list[TransferResult] = []
+        waiter = threading.Thread(target=lambda: returned.extend(w.wait([1], TIMEOUT_S)), daemon=True)
+        waiter.start()
+        waiter.join(0.5)
+        assert bool(returned) is not control
+    finally:
+        gate.set()
+        submit.join(TIMEOUT_S)
+    waiter.join(TIMEOUT_S)
+    backend._count_lock = count_lock  # noqa: SLF001 - the release takes both: not one lock twice
+    assert [r.ok for r in returned] == [True]
+    assert w.wait([2], TIMEOUT_S)[0].ok
+    w.shutdown(TIMEOUT_S)
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_wait_for_a_job_being_handed_over_blocks_until_it_is_in_the_book(
+    control: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thread A's hand-off of job 2 is held inside its fence's record: job 2 is reserved, not yet
+    in the library's book. A wait for it blocks behind the hand-off (within its deadline), then
+    waits in the library: a handful of looks in 0.3 s. The control, whose wait does not wait out
+    the hand-off, looks again and again (the book says "not here" at once each time)."""
+    keep: list[object] = []
+    w = make_worker(keep)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    w.store(1, _i(1), _i(1))
+    assert w.wait([1], TIMEOUT_S)[0].ok  # the whole-job hand-off's call is built
+    backend = w._store._backend  # noqa: SLF001
+    assert isinstance(backend, NativeBackend)
+    looks: list[int] = []
+    once = backend._book_wait_once  # noqa: SLF001
+
+    def counted(key: int, last: bool, timeout_s: float) -> int:
+        done = once(key, last, timeout_s)
+        looks.append(done)
+        return done
+
+    monkeypatch.setattr(backend, "_book_wait_once", counted)
+    lock = backend._lock  # noqa: SLF001 - the hand-off's (its call took it when it was built)
+    gate, inside = threading.Event(), threading.Event()
+    fake.gate_on[("cuEventRecord", COMPUTE)] = gate
+    fake.entered_on[("cuEventRecord", COMPUTE)] = inside
+    submit = threading.Thread(target=w.store, args=(2, _i(2), _i(2)), daemon=True)
+    submit.start()
+    returned: list[TransferResult] = []
+    try:
+        assert inside.wait(TIMEOUT_S)
+        if control:
+            backend._lock = threading.Lock()  # noqa: SLF001 - a lock no hand-off holds
+        waiter = threading.Thread(target=lambda: returned.extend(w.wait([2], TIMEOUT_S)), daemon=True)
+        waiter.start()
+        time.sleep(0.3)
+        held = len(looks)
+    finally:
+        backend._lock = lock  # noqa: SLF001
+        gate.set()
+        submit.join(TIMEOUT_S)
+    waiter.join(TIMEOUT_S)
+    assert [r.ok for r in returned] == [True]
+    if control:
+        assert held > 100
+    else:
+        assert 1 <= held <= 4
     w.shutdown(TIMEOUT_S)
 
 

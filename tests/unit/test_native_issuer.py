@@ -2590,3 +2590,19 @@ def test_an_id_equal_to_a_key_being_made_gets_its_own_key_on_the_fast_front() ->
         assert by_id[first].nbytes == 256 and by_id[big].nbytes == 512
     finally:
         h.close()
+
+
+def test_a_job_booked_failed_whose_error_a_release_let_go_still_comes_back_failed() -> None:
+    """A release clears the errors Python kept for jobs booked failed while a take (from another
+    thread, counted in) holds such a job's result: the take gives the job a failure of its own
+    (it raised ``KeyError``, losing every result it had taken)."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "sm", plan)
+    try:
+        assert h.backend.book_fail(5, 1, RuntimeError("the job's own error"))
+        h.backend._book_errors.clear()  # noqa: SLF001 - as release_within does meanwhile
+        (outcome,) = h.backend.book_take()
+        assert outcome.job_id == 5 and not outcome.ok and isinstance(outcome.error, TransferError)
+        assert "went with the backend's release" in str(outcome.error)
+    finally:
+        h.close()
