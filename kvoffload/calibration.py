@@ -143,7 +143,8 @@ class AutoChoice:
 
     def describe(self) -> str:
         """One line: the key, then per direction and bucket the path kept and each path's GB/s
-        alone (``-``: not timed there, or not in a saved file's figures), e.g. ``load 1 block: sm (sm 30.1, staged 28.7, dma 9.2)``."""
+        alone (``-``: not timed there, or not in a saved file's figures), e.g.
+        ``load 1 block: sm (sm 30.1, staged 28.7, dma 9.2)``."""
         parts = [self.key]
         for direction in ("store", "load"):
             figures = self.gbps.get(direction, {})

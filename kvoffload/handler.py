@@ -1,9 +1,9 @@
 """DirectionHandler: one direction's jobs, from submit to result.
 
 Owns: its backend (copy streams and events, or the host copy), the FIFO of in-flight transfers, and
-one issuer thread (none over a hands-off backend, whose thread is its own). Borrows: the copy plan's addresses (the device tensors and the host records
-belong to the layout and the region; the worker keeps them alive for longer than this handler) and
-its job book (:class:`~kvoffload._jobs.JobBook`: its own, or the worker's shared one), where it
+one issuer thread (none over a hands-off backend, whose thread is its own). Borrows: the copy
+plan's addresses (the device tensors and the host records belong to the layout and the region;
+the worker keeps them alive for longer than this handler) and its job book (:class:`~kvoffload._jobs.JobBook`: its own, or the worker's shared one), where it
 publishes results.
 
 ``submit`` validates everything before touching the device, captures the compute-stream fence in the

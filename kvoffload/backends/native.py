@@ -1005,15 +1005,14 @@ class NativeBackend:
                     return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
             name = choose(src.shape[0])
             device, host = (src, dst) if stores else (dst, src)
+            args = (at, job_id, tags[name], stream, paths[name], device, host, 1, address, 0, 0)
             with lock:
                 if self._released or self._book_closed or address is None:
                     return native.RELEASED
                 if device_now is not None and device_now() != index:  # the fence is recorded in
                     with torch.cuda.device(index):                    # the call
-                        return int(call(at, job_id, tags[name], stream, paths[name], device, host, 1,
-                                        address, 0, 0))
-                return int(call(at, job_id, tags[name], stream, paths[name], device, host, 1, address,
-                                0, 0))
+                        return int(call(*args))
+                return int(call(*args))
 
         return hand_off
 
