@@ -160,11 +160,16 @@ _cache: dict[str, AutoChoice] = {}
 _cache_lock = threading.Lock()
 
 
-def geometry_key(device_name: str, pages: PageTable, candidates: Sequence[str]) -> str:
-    """The cache key: device name, the page sizes of a record, and ``|sm`` when the ``sm`` path
-    competed."""
+def geometry_key(
+    device_name: str, pages: PageTable, candidates: Sequence[str], *, issuer: str = "python"
+) -> str:
+    """The cache key: device name, the page sizes of a record, ``|sm`` when the ``sm`` path
+    competed, and ``|native`` when the paths were timed through the native issuer (its jobs cost
+    the host less than the Python issuer's, and not alike on every path: a small job's fastest path
+    may differ)."""
     sizes = ",".join(str(n) for n in pages.nbytes.tolist())
-    return f"{device_name}|{pages.record_bytes}|{sizes}" + ("|sm" if "sm" in candidates else "")
+    return (f"{device_name}|{pages.record_bytes}|{sizes}" + ("|sm" if "sm" in candidates else "")
+            + ("|native" if issuer == "native" else ""))
 
 
 def calibrate(

@@ -172,19 +172,21 @@ def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
         job = 0
         for store in (True, False):
             jobs, copies = [], []
+            taken: set[str] = set()  # the paths the timed jobs took (``auto`` says which it chose)
             for i in range(3 * repeats + 2):
                 torch.cuda.synchronize(device)
                 blocks = np.array([i % 32 + (0 if store else 32)], dtype=np.int64)
-                total, _, _ = _job(w, store, job, blocks, np.array([i % 8], dtype=np.int64))
+                total, _, result = _job(w, store, job, blocks, np.array([i % 8], dtype=np.int64))
                 job += 1
                 torch.cuda.synchronize(device)
                 c = copy.seconds(store)
                 if i >= 2:
+                    taken.add(result.path)
                     jobs.append(total)
                     copies.append(c)
             t, c = statistics.median(jobs), statistics.median(copies)
             parts.append(f"{'store' if store else 'load'} {t * 1e6:7.1f} us = {t / c:4.2f}x "
-                         f"({c * 1e6:5.1f} us copy)")
+                         f"({c * 1e6:5.1f} us copy; took {'/'.join(sorted(taken))})")
     return f"1-block job (64 x 32 KiB) [{label:<13}] " + ";  ".join(parts)
 
 

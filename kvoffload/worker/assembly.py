@@ -241,7 +241,8 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
             if o.backend_factory is not None:
                 backend = _made_backend(o.backend_factory, direction)
             elif cuda is not None:
-                backend = _issuing(_cuda_backend(direction, layout, region, cuda, lane_options), cuda, o.issuer)
+                backend = _issuing(_cuda_backend(direction, layout, region, cuda, lane_options, o.issuer),
+                                   cuda, o.issuer)
             else:
                 backend = HostBackend(direction)
             undo.callback(backend.release)
@@ -590,8 +591,13 @@ def _path_factory(
 
 def _cuda_backend(
     direction: Direction, layout: DeviceLayout, region: RegionOwner, cuda: _Cuda, options: WorkerOptions,
+    issuer: str,
 ) -> CudaBackend:
-    """The backend of one direction for the chosen transfer path (see ``Worker.create``)."""
+    """The backend of one direction for the chosen transfer path (see ``Worker.create``).
+
+    ``issuer``: the worker's (``Worker.create``'s argument); ``auto``'s calibration times each path
+    through the issuer the worker's jobs will take (:func:`_calibration_issuer`), since the two
+    issuers' host costs rank the paths differently for small jobs (docs/design.md §16)."""
     from kvoffload.backends.cuda import CudaBackend
     from kvoffload.bindings import driver
 
@@ -616,14 +622,27 @@ def _cuda_backend(
         names, choose, shown = (name,), None, cuda.copier.path if name == "dma" else name
     else:
         names = tuple(p for p in calibration.CANDIDATES if p != "sm" or mapped)
-        choice = calibration.calibrate(
-            device, layout.page_table,
-            key=calibration.geometry_key(cuda.capabilities.device_name, layout.page_table, names),
-            candidates=names,
-            scratch_pool=functools.partial(_scratch_pool, cuda),
-            handler_for=functools.partial(_path_handler, cuda, options.regular or options, device),
-            persist_path=options.calibration_path,
-        )
+
+        def calibrated(timed_by: Literal["native", "python"]) -> calibration.AutoChoice:
+            return calibration.calibrate(
+                device, layout.page_table,
+                key=calibration.geometry_key(cuda.capabilities.device_name, layout.page_table, names,
+                                             issuer=timed_by),
+                candidates=names,
+                scratch_pool=functools.partial(_scratch_pool, cuda),
+                handler_for=functools.partial(_path_handler, cuda, options.regular or options, device,
+                                              timed_by, strict=issuer == "native"),
+                persist_path=options.calibration_path,
+            )
+
+        timed_by = _calibration_issuer(cuda, issuer)
+        try:
+            choice = calibrated(timed_by)
+        except _NativeDidNotStart as exc:
+            # issuer "auto": the worker's jobs will be issued from Python (_issuing warns for them)
+            _log.warning("the native issuer did not start for auto's calibration (%s): its paths "
+                         "are timed from Python", exc.__cause__)
+            choice = calibrated("python")
         choose, shown = choice.chooser(direction), "auto"
     small = options.lane_sm_bytes // layout.record_bytes  # set only where the pool is mapped
     if small > 0 and names != ("sm",):  # the expedited lane: its small loads through sm
@@ -653,18 +672,60 @@ def _scratch_pool(cuda: _Cuda, num_records: int, record_bytes: int) -> Iterator[
         region.cleanup()
 
 
+def _calibration_issuer(cuda: _Cuda, issuer: str) -> Literal["native", "python"]:
+    """The issuer ``auto``'s calibration times the paths through first: the one the worker's jobs
+    take (``issuer`` "native"; "auto" where the native library loads and the copy method allows
+    it, as :func:`_issuing` decides), else "python". Under "auto", a native issuer that loads and
+    then does not start is found by the first calibration handler, and the calibration is made
+    again from Python (:func:`_cuda_backend`), as the worker's jobs will then be issued."""
+    if issuer == "python":
+        return "python"
+    if issuer == "auto":
+        from kvoffload import native
+        from kvoffload.bindings.types import CopyMethod
+
+        if cuda.copier.method is CopyMethod.BATCH_BINDINGS:
+            return "python"
+        try:
+            native.library()
+        except KVOffloadError:
+            return "python"  # _issuing warns once, for the worker's backend
+    return "native"
+
+
+class _NativeDidNotStart(Exception):
+    """A calibration handler's native issuer did not start (the error is its ``__cause__``)."""
+
+
 @contextlib.contextmanager
 def _path_handler(
-    cuda: _Cuda, options: WorkerOptions, device: torch.device, path: str, plan: CopyPlan, blocks: int,
+    cuda: _Cuda, options: WorkerOptions, device: torch.device, issuer: Literal["native", "python"],
+    path: str, plan: CopyPlan, blocks: int, *, strict: bool = False,
 ) -> Iterator[DirectionHandler]:
-    """A handler of one ``path`` over ``plan`` for calibration, shut down when the block exits."""
+    """A handler of one ``path`` over ``plan`` for calibration, its jobs issued through ``issuer``
+    ("native" or "python"), shut down (its backend released) when the block exits.
+
+    Raises:
+        _NativeDidNotStart: the native issuer did not start and ``strict`` is False (the worker's
+            issuer is "auto": its caller times the paths from Python instead, as the worker's
+            jobs will be issued); with ``strict`` the error itself, as ``Worker.create`` raises it.
+    """
     from kvoffload.backends.cuda import CudaBackend
 
-    backend = CudaBackend.create(plan.direction, device,
-                                 _path_factory(plan.direction, cuda, options, (path,)),
-                                 kernel_stream=path != "dma")
-    handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
-                                      num_src_blocks=blocks, num_dst_blocks=blocks)
+    inner = CudaBackend.create(plan.direction, device, _path_factory(plan.direction, cuda, options, (path,)),
+                               kernel_stream=path != "dma")
+    try:
+        backend = _issuing(inner, cuda, issuer)  # "native" releases inner when it fails
+    except KVOffloadError as exc:
+        if strict:
+            raise
+        raise _NativeDidNotStart(str(exc)) from exc
+    try:
+        handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
+                                          num_src_blocks=blocks, num_dst_blocks=blocks)
+    except BaseException:
+        backend.release()
+        raise
     try:
         yield handler
     finally:

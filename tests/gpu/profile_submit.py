@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -233,12 +233,24 @@ def kept_tickets() -> Iterator[list[BookedTicket]]:
     tickets: list[BookedTicket] = []
     taken: dict[tuple[int, int], tuple[float, ...]] = {}
     booked, take = NativeBackend._booked, NativeBackend.book_take  # noqa: SLF001
+    submit = BookedHandler.submit_handed_off
+    seen = threading.local()  # whether the job being handed over went through _booked
 
     def keeping(self: NativeBackend, job_id: int, *args: Any) -> int:
         code = booked(self, job_id, *args)
         if not code:
             tickets.append(BookedTicket(self, job_id, taken))
+            seen.booked = True
         return code
+
+    def handing_off(self: BookedHandler, job_id: int, *args: Any) -> None:
+        # the whole-job hand-off of the fast front does not go through _booked (the method is
+        # looked up at every call, unlike the hand-off call the handler keeps)
+        seen.booked = False
+        submit(self, job_id, *args)
+        if not seen.booked:
+            backend = cast(NativeBackend, self._booking())  # noqa: SLF001
+            tickets.append(BookedTicket(backend, self._keys.get(job_id, job_id), taken))  # noqa: SLF001
 
     def taking(self: NativeBackend) -> Any:
         results = take(self)
@@ -248,18 +260,43 @@ def kept_tickets() -> Iterator[list[BookedTicket]]:
 
     NativeBackend._booked = keeping  # type: ignore[method-assign,assignment]  # noqa: SLF001
     NativeBackend.book_take = taking  # type: ignore[method-assign]
+    BookedHandler.submit_handed_off = handing_off  # type: ignore[method-assign,assignment]
     try:
         yield tickets
     finally:
         NativeBackend._booked = booked  # type: ignore[method-assign]  # noqa: SLF001
         NativeBackend.book_take = take  # type: ignore[method-assign]
+        BookedHandler.submit_handed_off = submit  # type: ignore[method-assign]
+
+
+@contextmanager
+def returns_of(*names: str) -> Iterator[dict[str, float]]:
+    """When each of NativeBackend's named methods last returned (``time.monotonic()``), by name."""
+    last: dict[str, float] = {}
+    kept = {name: getattr(NativeBackend, name) for name in names}
+
+    def timed(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def returning(*args: Any) -> Any:
+            out = call(*args)
+            last[name] = time.monotonic()
+            return out
+        return returning
+
+    for name, call in kept.items():
+        setattr(NativeBackend, name, timed(name, call))
+    try:
+        yield last
+    finally:
+        for name, call in kept.items():
+            setattr(NativeBackend, name, call)
 
 
 def timeline(device: torch.device) -> None:
     """Where a native job's time goes: the call, the hand-off to the thread's start, the issue, the
-    device, the completion found, the wait's return (median us from the call)."""
+    device, the completion found, the library's wait and take returning, the wait's return (median
+    us from the call)."""
     layout = per_layer(device, 32, 32 * KIB, 1024)
-    with kept_tickets() as tickets:
+    with kept_tickets() as tickets, returns_of("book_wait", "book_take") as last:
         for blocks, bursts in ((1, 60), (256, 20)):
             with Worker.create(layout, 1024, path="auto", issuer="native") as w:
                 rows = []
@@ -272,15 +309,19 @@ def timeline(device: torch.device) -> None:
                     t1 = time.monotonic()
                     ticket = tickets[-1]
                     handed, began, issued, _ = ticket.times()  # valid fields so far
+                    last.clear()
                     (r,) = w.wait([i], 60)
                     t2 = time.monotonic()
                     handed, began, issued, found = ticket.times()
+                    waited, taken = last.get("book_wait", t0), last.get("book_take", t0)
                     if i >= 3:
-                        rows.append((t1 - t0, handed - t0, began - t0, issued - t0, found - t0, t2 - t0, r.seconds))
-                med = [statistics.median(x[k] for x in rows) * 1e6 for k in range(7)]
+                        rows.append((t1 - t0, handed - t0, began - t0, issued - t0, found - t0, t2 - t0, r.seconds,
+                                     waited - t0, taken - t0))
+                med = [statistics.median(x[k] for x in rows) * 1e6 for k in range(9)]
                 print(f"\n== native timeline, store of {blocks} block(s) x 64 x 32 KiB (auto), median us from the call:"
                       f" call returned {med[0]:.1f}; handed over {med[1]:.1f}; thread began {med[2]:.1f}; issued "
-                      f"{med[3]:.1f}; found done {med[4]:.1f}; wait returned {med[5]:.1f}; device time {med[6]:.1f}")
+                      f"{med[3]:.1f}; found done {med[4]:.1f}; library's wait returned {med[7]:.1f} (0: none); "
+                      f"take returned {med[8]:.1f}; wait returned {med[5]:.1f}; device time {med[6]:.1f}")
 
 
 def timeline64(device: torch.device) -> None:

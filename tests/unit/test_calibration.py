@@ -9,8 +9,8 @@ import json
 import pathlib
 import threading
 import types
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -400,3 +400,197 @@ def test_a_calibration_whose_bulk_paths_all_fail_both_ways_is_refused(
     with pytest.raises(TransferError, match=r"no bulk path .* store bytes with both directions at once "
                                             r"\(dma, staged failed there\) \(paths that passed: none\)"):
         _calibrate_fakes(monkeypatch, link, faults)
+
+
+def test_a_key_names_the_native_issuer_and_a_python_timed_key_stays_as_it_was() -> None:
+    """Figures timed through the native issuer are kept under a key of their own, so a file saved by
+    a Python-issued calibration is never read back for a native worker, and stays valid for a
+    Python one."""
+    pages = DeviceLayout.from_tensors([torch.zeros(2, 4096, dtype=torch.uint8)], block_dim=0).page_table
+    before = "H200|4096|4096|sm"  # as saved before the issuer was named
+    assert calibration.geometry_key("H200", pages, ("dma", "sm")) == before
+    assert calibration.geometry_key("H200", pages, ("dma", "sm"), issuer="python") == before
+    assert calibration.geometry_key("H200", pages, ("dma", "sm"), issuer="native") == before + "|native"
+
+
+class _NoCudaBackend:
+    """What ``CudaBackend.create`` was called with (in place of a CUDA backend)."""
+
+    def __init__(self, direction: Direction, device: torch.device, make_paths: object, *,
+                 choose: Any = None, kernel_stream: bool = False, path_name: str | None = None) -> None:
+        self.direction, self.choose, self.path_name = direction, choose, path_name
+
+
+def _fake_cuda(method: Any) -> Any:
+    copier = types.SimpleNamespace(path="dma", method=method)
+    return types.SimpleNamespace(index=0, copier=copier,
+                                 capabilities=types.SimpleNamespace(device_name="fake"))
+
+
+@pytest.mark.parametrize(("issuer", "builds", "method", "timed_by"), [
+    ("python", True, "batch-ctypes", "python"),
+    ("auto", True, "batch-ctypes", "native"),
+    ("auto", False, "batch-ctypes", "python"),  # the library does not build: Python issues
+    ("auto", True, "batch-bindings", "python"),  # the cross-check is issued from Python
+    ("native", True, "batch-ctypes", "native"),
+])
+@pytest.mark.parametrize("starts", [True, False])
+def test_auto_times_its_paths_through_the_issuer_the_workers_jobs_take(
+    monkeypatch: pytest.MonkeyPatch, issuer: str, builds: bool, method: str, timed_by: str, starts: bool,
+) -> None:
+    """``_cuda_backend`` (CUDA's calls replaced) calibrates with handlers issued as the worker's jobs
+    will be, under a key that says so. Under "auto", a native issuer that does not start in a
+    calibration handler has the calibration made again from Python, under the Python key (the
+    worker then issues from Python); under "native" its error is ``Worker.create``'s."""
+    from kvoffload import native
+    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.bindings import driver
+    from kvoffload.bindings.types import CopyMethod
+    from kvoffload.errors import NativeBuildError
+    from kvoffload.worker import assembly
+    from kvoffload.worker.assembly import WorkerOptions
+
+    def library() -> object:
+        if not builds:
+            raise NativeBuildError("no compiler")
+        return object()
+
+    calls: list[tuple[str, str, bool]] = []
+
+    def calibrate(device: object, pages: object, **kwargs: Any) -> Any:
+        how, strict = kwargs["handler_for"].args[3], kwargs["handler_for"].keywords["strict"]
+        calls.append((kwargs["key"], how, strict))
+        if how == "native" and not starts:  # as the first handler finds it
+            failure = TransferError("the thread did not start")
+            if strict:
+                raise failure
+            raise assembly._NativeDidNotStart(str(failure)) from failure
+        return types.SimpleNamespace(chooser=lambda direction: lambda blocks: "dma")
+
+    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(driver, "host_pointer_is_device_pointer", lambda index, ptr: False)
+    monkeypatch.setattr(native, "library", library)
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
+    layout = DeviceLayout.from_tensors([torch.zeros(2, 4096, dtype=torch.uint8)], block_dim=0)
+    region: Any = types.SimpleNamespace(base_ptr=1 << 20)
+
+    def build() -> Any:
+        return assembly._cuda_backend(Direction.STORE, layout, region, _fake_cuda(CopyMethod(method)),
+                                      WorkerOptions(path="auto"), issuer)
+
+    if timed_by == "native" and not starts and issuer == "native":
+        with pytest.raises(TransferError, match="did not start"):
+            build()
+        assert [(key.endswith("|native"), how, strict) for key, how, strict in calls] == [(True, "native", True)]
+        return
+    assert build().path_name == "auto"
+    expected = [(timed_by == "native", timed_by, issuer == "native")]
+    if timed_by == "native" and not starts:
+        expected.append((False, "python", False))  # measured again, as the worker's jobs will run
+    assert [(key.endswith("|native"), how, strict) for key, how, strict in calls] == expected
+
+
+def _host_issuing(issued: list[tuple[Any, Any, str]], released: list[bool]) -> Callable[..., Any]:
+    """An ``_issuing`` that records its arguments and gives a host backend whose release is
+    counted."""
+    from kvoffload.backends.host import HostBackend
+
+    class Released(HostBackend):
+        def release(self) -> None:
+            released.append(True)
+            super().release()
+
+    def issuing(inner: Any, cuda: Any, how: str) -> Released:
+        issued.append((inner, cuda, how))
+        return Released(inner.direction)
+
+    return issuing
+
+
+@pytest.mark.parametrize("issuer", ["python", "native"])
+def test_a_calibration_handler_issues_its_jobs_as_the_worker_does_and_releases_its_backend(
+    monkeypatch: pytest.MonkeyPatch, issuer: Literal["native", "python"],
+) -> None:
+    """``_path_handler`` hands its path's backend to ``_issuing`` with the issuer it was given and
+    runs a handler over what comes back (a host backend here), released when the block exits."""
+    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.bindings.types import CopyMethod
+    from kvoffload.worker import assembly
+    from kvoffload.worker.assembly import WorkerOptions
+
+    issued: list[tuple[Any, Any, str]] = []
+    released: list[bool] = []
+    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(assembly, "_issuing", _host_issuing(issued, released))
+    cache = torch.zeros(2, 4096, dtype=torch.uint8)
+    layout = DeviceLayout.from_tensors([cache], block_dim=0)
+    records = torch.zeros(2, 4096, dtype=torch.uint8)
+    plan = CopyPlan(layout.page_table, records.data_ptr(), 2, Direction.STORE)
+    cuda = _fake_cuda(CopyMethod.BATCH_CTYPES)
+    with assembly._path_handler(cuda, WorkerOptions(), torch.device("cpu"), issuer, "dma", plan, 2) as handler:
+        ((inner, given_cuda, how),) = issued
+        assert isinstance(inner, _NoCudaBackend) and given_cuda is cuda and how == issuer
+        cache[1].fill_(7)
+        handler.submit(0, [1], [0])
+        (result,) = handler.wait([0], 10.0)
+        assert result.ok and bool((records[0] == 7).all())
+        assert not released
+    assert handler.closed and released == [True]
+
+
+def test_a_calibration_handler_that_cannot_be_made_releases_its_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend ``_issuing`` gave (a native one holds a thread) is released once when the
+    handler over it cannot be made, and the handler's error propagates."""
+    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.bindings.types import CopyMethod
+    from kvoffload.handler import DirectionHandler
+    from kvoffload.worker import assembly
+    from kvoffload.worker.assembly import WorkerOptions
+
+    issued: list[tuple[Any, Any, str]] = []
+    released: list[bool] = []
+
+    def failing(**kwargs: Any) -> DirectionHandler:
+        raise MemoryError("no handler")
+
+    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(assembly, "_issuing", _host_issuing(issued, released))
+    monkeypatch.setattr(DirectionHandler, "create", failing)
+    layout = DeviceLayout.from_tensors([torch.zeros(2, 4096, dtype=torch.uint8)], block_dim=0)
+    plan = CopyPlan(layout.page_table, 1 << 20, 2, Direction.STORE)
+    with pytest.raises(MemoryError, match="no handler"):
+        with assembly._path_handler(_fake_cuda(CopyMethod.BATCH_CTYPES), WorkerOptions(), torch.device("cpu"),
+                                    "native", "dma", plan, 2):
+            pass
+    assert len(issued) == 1 and released == [True]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_native_issuer_that_does_not_start_in_calibration_is_said_so_or_raised(
+    monkeypatch: pytest.MonkeyPatch, strict: bool,
+) -> None:
+    """A calibration handler's native issuer that fails to start: the worker's error under
+    "native" (``strict``), else ``_NativeDidNotStart`` with it as the cause, so that the caller
+    times the paths from Python; nothing is left to release (``_issuing`` released the path's
+    backend)."""
+    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.bindings.types import CopyMethod
+    from kvoffload.worker import assembly
+    from kvoffload.worker.assembly import WorkerOptions
+
+    failure = TransferError("the thread did not start")
+
+    def issuing(inner: Any, cuda: Any, how: str) -> Any:
+        assert how == "native"
+        raise failure
+
+    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(assembly, "_issuing", issuing)
+    layout = DeviceLayout.from_tensors([torch.zeros(2, 4096, dtype=torch.uint8)], block_dim=0)
+    plan = CopyPlan(layout.page_table, 1 << 20, 2, Direction.STORE)
+    expected = TransferError if strict else assembly._NativeDidNotStart
+    with pytest.raises(expected) as caught:
+        with assembly._path_handler(_fake_cuda(CopyMethod.BATCH_CTYPES), WorkerOptions(), torch.device("cpu"),
+                                    "native", "dma", plan, 2, strict=strict):
+            pass
+    assert (caught.value is failure) if strict else (caught.value.__cause__ is failure)

@@ -432,7 +432,7 @@ def test_the_lanes_cuda_backend_sends_loads_of_up_to_8_mib_through_sm(
     region: Any = type("FakeRegion", (), {"base_ptr": 1 << 20})()
     options = WorkerOptions(path=path, expedited_loads=True)
     lane = _expedited_options(options, layout, mapped)
-    built: Any = assembly._cuda_backend(Direction.LOAD, layout, region, cuda, lane)
+    built: Any = assembly._cuda_backend(Direction.LOAD, layout, region, cuda, lane, "python")
     def bulk(blocks: int) -> str:
         return path if path != "auto" else ("dma" if blocks < 32 else "staged")
 
@@ -442,6 +442,6 @@ def test_the_lanes_cuda_backend_sends_loads_of_up_to_8_mib_through_sm(
     assert built.kernel_stream == (path != "dma" or mapped)
     assert built.path_name == ("auto" if path == "auto" else path)  # results name each job's path
     assert all(o is options for o in timed_with)  # the lane's auto is timed with the regular options
-    regular: Any = assembly._cuda_backend(Direction.LOAD, layout, region, cuda, options)
+    regular: Any = assembly._cuda_backend(Direction.LOAD, layout, region, cuda, options, "python")
     regular_choose = regular.choose or (lambda n: path)
     assert [regular_choose(n) for n in (1, 16, 17, 31, 32)] == [bulk(n) for n in (1, 16, 17, 31, 32)]
