@@ -66,6 +66,7 @@ __all__ = [
     "STAGED_EDGE_BYTES",
     "START_TIMEOUT_S",
     "STOP_TIMEOUT_S",
+    "WAIT_LEAD_S",
     "WAIT_QUERY_S",
     "WAIT_SPIN_S",
     "NativeBackend",
@@ -135,6 +136,13 @@ EXPECT_SPIN_S: Final = 200e-6
 #: the record finds no call of the thread's in progress to wait for. 0: the thread is not told.
 #: Measured on the H200 in docs/design.md §16 (*A caller announced to a busy thread*).
 CALLER_COMING_S: Final = 50e-6
+#: A wait that blocked past its spin (:data:`WAIT_SPIN_S`: a job longer than that) wakes this long
+#: before the end the thread predicts for its job and spins (querying, :data:`WAIT_QUERY_S`) to as
+#: long after it, then blocks until woken; 0: it blocks until woken. A core that slept through most
+#: of a long job takes long to wake: on an H100 host a 256-block store's (10 ms) blocked wait
+#: returned 96-186 us after the thread found the job done, where a spinning one returns within
+#: 1-2 us (docs/design.md §16). It errs early, not late: the prediction is the fastest rate seen.
+WAIT_LEAD_S: Final = 300e-6
 #: The issuer thread polls a job without sleeps from this long before the end it predicts for it
 #: (from the fastest device time per byte it has seen) to as long after, for jobs predicted to run
 #: at least 8 x :data:`POLL_MAX_S`: sleeping polls (and their wake-ups) found 64 MiB jobs' ends a
@@ -197,7 +205,7 @@ def _ns(seconds: float) -> int:
 
 def tune(c: native.Config) -> None:
     """Set the issuer's timing and tuning fields of ``c`` from this module's constants (read now):
-    the polls, the waits' spin and queries, the thread's give-way, idle spin, naps, end lead,
+    the polls, the waits' spin, queries and lead, the thread's give-way, idle spin, naps, end lead,
     early wake and announced callers, the caller's-issue limit, the staged rows' strided copies
     and edge chunks, the start's deadline, the longest copy (``copier.COPY_PIECE_BYTES``), and the
     controls. ``ctx_get_current``, which the caller's issue needs, is the
@@ -219,6 +227,7 @@ def tune(c: native.Config) -> None:
     c.caller_coming_ns = _ns(CALLER_COMING_S)
     c.start_timeout_ns = _ns(START_TIMEOUT_S)
     c.piece_bytes = max(0, int(copier_module.COPY_PIECE_BYTES))
+    c.wait_lead_ns = _ns(WAIT_LEAD_S)
 
 
 class NativeTicket:

@@ -161,6 +161,9 @@ struct kvo_config {
                                * of it (append_copy), strided copies hold the rows it holds and
                                * go as descriptors where strided_min_rows rows do not fit it
                                * (strided_rows) */
+    int64_t wait_lead_ns;     /* a kvo_job_wait blocked past its spin wakes this long before its
+                               * job's predicted end and spins to as long after it (0: it blocks
+                               * until the job is done); see kvo_job_wait */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -1806,32 +1809,62 @@ static int waiter_query(struct kvo_issuer *is, struct kvo_job *job) {
     return done ? 1 : stop_querying ? -1 : 0;
 }
 
-/* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins first
- * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
- * blocked on a condition variable costs tens of microseconds on some hosts, querying the job's end
- * itself every wait_query_ns while it spins (waiter_query); then blocks. A query in the spin may
- * wait behind another thread's driver call: the wait can end that much past timeout_ns. */
-int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
-    struct kvo_issuer *is = job->issuer;
-    int64_t start = now_ns(), spin = is->c.wait_spin_ns < timeout_ns ? is->c.wait_spin_ns : timeout_ns;
-    int64_t next_query = start, now = start, query = is->c.wait_query_ns > 0;
-    while (now - start < spin) {
-        if (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE) break;
-        if (query && now >= next_query && __atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_ISSUED) {
+/* Spin, reading the job's state without the lock, until it is done or CLOCK_MONOTONIC `until`;
+ * while *query, query its end itself every wait_query_ns (waiter_query; *query drops when the
+ * caller's thread cannot). 1 when the job is done. */
+static int wait_spinning(struct kvo_issuer *is, struct kvo_job *job, int64_t until, int64_t *query) {
+    int64_t now = now_ns(), next_query = now;
+    while (now < until) {
+        if (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE) return 1;
+        if (*query && now >= next_query && __atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_ISSUED) {
             int r = waiter_query(is, job);
-            if (r > 0) break;
-            query = r == 0;
+            if (r > 0) return 1;
+            *query = r == 0;
             next_query = now_ns() + is->c.wait_query_ns;
         }
         for (int i = 0; i < 32; i++) cpu_relax();
         now = now_ns();
     }
-    int64_t left = timeout_ns - (now_ns() - start);
+    return __atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE;
+}
+
+/* Wait up to timeout_ns for the job to be done; 1 when it is. The GIL is not held. Spins first
+ * (reading the state without the lock) for up to the config's wait_spin_ns, since waking a thread
+ * blocked on a condition variable costs tens of microseconds on some hosts, querying the job's end
+ * itself every wait_query_ns while it spins (waiter_query); then blocks. A blocked waiter whose job
+ * has a predicted end (predict_end: a long job in flight) wakes wait_lead_ns before it and spins
+ * to wait_lead_ns after it, as the thread polls it, so that a core the long block let sleep deeply
+ * is awake when the job ends (on an H100 host a waiter woken at the end returned 96-186 us after
+ * the job was found done; docs/design.md §16); past that window it blocks until woken. A job still
+ * queued has no prediction yet: the thread broadcasts `done` as it puts a job in flight, so the
+ * waiter looks again then. A query in a spin may wait behind another thread's driver call: the
+ * wait can end that much past timeout_ns. */
+int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
+    struct kvo_issuer *is = job->issuer;
+    int64_t start = now_ns(), left = timeout_ns > 0 ? timeout_ns : 0;
+    int64_t deadline = left > INT64_MAX - start ? INT64_MAX : start + left;
+    int64_t spin = is->c.wait_spin_ns < timeout_ns ? is->c.wait_spin_ns : timeout_ns;
+    int64_t query = is->c.wait_query_ns > 0, lead = is->c.wait_lead_ns, spun_to = 0;
+    wait_spinning(is, job, start + spin, &query);
     struct timespec until;
-    deadline_after(&until, left > 0 ? left : 0);
     pthread_mutex_lock(&is->mu);
-    while (job->state != JOB_DONE)
-        if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
+    while (job->state != JOB_DONE) {
+        int64_t now = now_ns();
+        if (now >= deadline) break;
+        int64_t end = job->expected_end, wake = deadline;
+        if (lead > 0 && end > 0 && end + lead > now && end + lead > spun_to) {
+            if (now >= end - lead) { /* near its predicted end: spin through it */
+                spun_to = end + lead < deadline ? end + lead : deadline;
+                pthread_mutex_unlock(&is->mu);
+                wait_spinning(is, job, spun_to, &query);
+                pthread_mutex_lock(&is->mu);
+                continue;
+            }
+            if (end - lead < wake) wake = end - lead;
+        }
+        deadline_after(&until, wake - now);
+        pthread_cond_timedwait(&is->done, &is->mu, &until);
+    }
     int64_t done = job->state == JOB_DONE;
     pthread_mutex_unlock(&is->mu);
     return done;

@@ -1401,6 +1401,62 @@ def test_a_spinning_waiter_finds_its_job_done_without_waiting_for_the_threads_ne
     assert found_by_its_waiter(1_000) == (True, 1, 0)
 
 
+def waiter_queries_near_a_long_jobs_end(wait_lead_ns: int, *, queued: bool) -> tuple[bool, int]:
+    """A job predicted to run 0.4 s (the rate a first job taught), waited for in a thread whose
+    spin (1 ms) ends long before that, and completed at its predicted end (the thread's polls sleep
+    up to 20 ms, and it polls nothing near the end): whether the wait saw it done, and the queries
+    of the waiter's thread between 0.1 s into the job and its end. ``queued``: the job is held in
+    its issue (not yet in flight) when the wait begins, for 0.05 s (its end is predicted only once
+    it is in flight)."""
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
+                tune={"poll_min_ns": 1_000_000, "poll_max_ns": 20_000_000, "end_lead_ns": 1,
+                      "wait_spin_ns": 1_000_000, "wait_query_ns": 1_000, "wait_lead_ns": wait_lead_ns,
+                      "caller_issue_max": 0})
+    lib, gate = h.backend.lib, threading.Event()
+    try:
+        h.fake.elapsed_ms = 400.0  # 400 ms per pair, from a job long enough to teach it
+        assert _issue(h, 1).wait(TIMEOUT_S)
+        h.fake.not_ready = 1 << 40
+        copy = "cuMemcpyAsync"  # one pair: one copy
+        copies = len(h.fake.of(copy))
+        if queued:
+            h.fake.gate[copy] = gate  # the job is held in its issue
+        ticket = _issue(h, 1)
+        outcome: list[bool] = []
+        waiter = threading.Thread(target=lambda: outcome.append(ticket.wait(TIMEOUT_S)))
+        waiter.start()
+        if queued:
+            assert wait_until(lambda: len(h.fake.of(copy)) > copies)
+            time.sleep(0.05)  # the waiter blocked while its job was not yet in flight
+            assert lib.kvo_job_expected_end(ticket._job) == 0  # noqa: SLF001
+            del h.fake.gate[copy]
+            gate.set()
+        assert wait_until(lambda: lib.kvo_job_expected_end(ticket._job) != 0)  # noqa: SLF001
+        end = lib.kvo_job_expected_end(ticket._job)  # noqa: SLF001
+        time.sleep(0.1)  # past the waiter's spin
+        start = len(h.fake.snapshot())
+        time.sleep(max(0.0, (end - time.monotonic_ns()) / 1e9))
+        calls, threads = h.fake.snapshot()[start:], h.fake.threads[start:]
+        queries = sum(1 for c, t in zip(calls, threads) if c[0] == "cuEventQuery" and t == waiter.ident)
+        h.fake.not_ready = 0  # the job ends at its predicted end
+        waiter.join(TIMEOUT_S)
+        return outcome == [True], queries
+    finally:
+        h.fake.not_ready = 0
+        h.fake.gate.clear()
+        gate.set()
+        h.close()
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["in flight", "queued when the wait began"])
+def test_a_blocked_waiter_wakes_before_its_long_jobs_predicted_end_and_spins_through_it(queued: bool) -> None:
+    # Control: without the lead the waiter sleeps through the end and is woken by the thread.
+    done, queries = waiter_queries_near_a_long_jobs_end(0, queued=queued)
+    assert done and queries == 0, "the control's waiter queried: the test proves nothing"
+    done, queries = waiter_queries_near_a_long_jobs_end(200_000_000, queued=queued)
+    assert done and queries > 0
+
+
 @pytest.mark.parametrize("code", [700, 201], ids=["illegal address", "no context"])
 def test_a_query_that_fails_in_a_waiters_hands_fails_the_job_unless_it_lacked_a_context(code: int) -> None:
     # The thread sleeps 30 s between polls, so the waiter's query is the one that fails (once, as
