@@ -30,6 +30,7 @@ import logging
 import os
 import stat
 import struct
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Final, cast
@@ -506,14 +507,30 @@ def _size_file(fd: int, config: DiskConfig, nbytes: int) -> None:
 #: it, not as long as the longest-lived child, and the child cannot write to the file (its copy of
 #: the tier, shut down there, would otherwise mark the file clean while the parent writes).
 _LOCKED: dict[int, tuple[int, int]] = {}
+#: A lock found held within this long of this process's last fork is tried again (every
+#: :data:`FORK_RETRY_S`) until that long after the fork: a child forked without ``exec`` holds a copy
+#: of the tier's lock until it runs :func:`_let_go_in_child`, as it starts, which a loaded host may
+#: schedule after the parent has shut its tier down and opened the file again (seen on a 2-core CI
+#: machine). A lock held with no fork that recent is refused at once.
+FORK_SETTLE_S: Final = 1.0
+FORK_RETRY_S: Final = 1e-3
+#: ``time.monotonic()`` of this process's last fork (None: none yet).
+_forked_at: float | None = None
+
+
+def _forked() -> None:
+    """In the parent, after a fork: when, for :func:`lock_file`."""
+    global _forked_at
+    _forked_at = time.monotonic()
 
 
 def lock_file(fd: int, path: str) -> str:
-    """Take the tier file's lock on ``fd`` (an exclusive ``flock``, without waiting): held by the
-    open file description until it is closed, so by the set-up descriptor, which the tier keeps for
-    its life (a child forked without ``exec`` lets go of its copy: :func:`_let_go_in_child`); gone
-    with its process. Returns "" when taken, or why the file system has no such lock (logged; the
-    tier then opens without one). The caller calls :func:`forget_lock` before it closes ``fd``.
+    """Take the tier file's lock on ``fd`` (an exclusive ``flock``, without waiting, but tried again
+    for a child forked moments ago: :data:`FORK_SETTLE_S`): held by the open file description until
+    it is closed, so by the set-up descriptor, which the tier keeps for its life (a child forked
+    without ``exec`` lets go of its copy: :func:`_let_go_in_child`); gone with its process. Returns
+    "" when taken, or why the file system has no such lock (logged; the tier then opens without
+    one). The caller calls :func:`forget_lock` before it closes ``fd``.
 
     Raises:
         DiskInUseError: another open tier, in this process or another, holds it.
@@ -521,7 +538,15 @@ def lock_file(fd: int, path: str) -> str:
     st = os.fstat(fd)
     _LOCKED[fd] = (st.st_dev, st.st_ino)  # before the lock: a fork in between is let go of too
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                forked_at = _forked_at
+                if forked_at is None or time.monotonic() - forked_at >= FORK_SETTLE_S:
+                    raise
+                time.sleep(FORK_RETRY_S)  # a child forked moments ago may hold it until it starts
     except BlockingIOError:
         _LOCKED.pop(fd, None)
         raise DiskInUseError(
@@ -573,7 +598,8 @@ def _let_go_in_child() -> None:
             continue
 
 
-os.register_at_fork(after_in_child=lambda: _let_go_in_child())  # looked up at each fork: tests replace it
+os.register_at_fork(after_in_child=lambda: _let_go_in_child(),  # looked up at each fork: tests replace it
+                    after_in_parent=lambda: _forked())
 
 
 def open_io_fd(

@@ -12,9 +12,11 @@ import errno
 import mmap
 import os
 import random
+import select
 import struct
 import threading
 import time
+import types
 import warnings
 import zlib
 from typing import Any
@@ -704,25 +706,32 @@ def test_without_the_lock_two_tiers_on_one_file_serve_each_others_records(
     assert one(a, 2).ok and torch.equal(region.records()[10], before[1])  # b's record, served as a's
 
 
-def _tier_outlived_by_a_forked_child(make_tier: MakeTier) -> None:
+def _tier_outlived_by_a_forked_child(make_tier: MakeTier, *, started: bool = True) -> None:
     """Fork a child that outlives the tier (it waits on a pipe), shut the tier down, and open the
-    file again while the child lives."""
+    file again while the child lives; with ``started``, once the child said it runs (its fork
+    handlers ran), else at once."""
     first = make_tier()
     write_ok(first, 1, [0], [3])
     read_end, write_end = os.pipe()
+    ready_read, ready_write = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork of a process with threads
         pid = os.fork()
-    if pid == 0:  # the child: wait for the parent's word, never return into pytest
+    if pid == 0:  # the child: say it runs, wait for the parent's word, never return into pytest
         os.close(write_end)
+        os.write(ready_write, b"r")
         os.read(read_end, 1)
         os._exit(0)
     os.close(read_end)
+    os.close(ready_write)
     try:
+        if started:
+            assert select.select([ready_read], [], [], 30.0)[0], "the child did not start"
         first.shutdown()
         make_tier(reuse=True).shutdown()
     finally:
         os.close(write_end)
+        os.close(ready_read)
         os.waitpid(pid, 0)
 
 
@@ -730,6 +739,52 @@ def test_a_forked_child_does_not_hold_the_tiers_lock(make_tier: MakeTier) -> Non
     """(A child forked without exec inherited the lock's descriptor: the file stayed locked after
     its tier shut down, until the child exited.)"""
     _tier_outlived_by_a_forked_child(make_tier)
+
+
+@pytest.mark.parametrize("settle_s", [disk_format.FORK_SETTLE_S, 0.0], ids=["tried again", "control"])
+def test_a_tier_opened_again_before_a_just_forked_child_let_go_waits_for_it(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch, settle_s: float,
+) -> None:
+    """A child forked without exec holds a copy of the lock until its fork handler runs; a host may
+    run the parent first, which shut its tier down and opened the file again at once (CI saw
+    ``DiskInUseError`` there). Here the child lets go 0.2 s late: the lock is tried again within
+    ``FORK_SETTLE_S`` of the fork and taken; the control, no retry, is refused."""
+    real = disk_format._let_go_in_child
+
+    def late() -> None:
+        time.sleep(0.2)
+        real()
+
+    monkeypatch.setattr(disk_format, "_let_go_in_child", late)
+    monkeypatch.setattr(disk_format, "FORK_SETTLE_S", settle_s)
+    if settle_s:
+        _tier_outlived_by_a_forked_child(make_tier, started=False)
+    else:
+        with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
+            _tier_outlived_by_a_forked_child(make_tier, started=False)
+
+
+def test_a_lock_held_with_no_fork_moments_ago_is_refused_at_once(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another open tier holds the lock and this process forked nothing within ``FORK_SETTLE_S``
+    (never, or long ago): refused without a retry; the control, a fork just now, is tried again."""
+    first = make_tier()
+    slept: list[float] = []
+    clock = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)  # the module's own
+    monkeypatch.setattr(disk_format, "time", clock)
+    try:
+        for forked_at in (None, time.monotonic() - 2 * disk_format.FORK_SETTLE_S):
+            monkeypatch.setattr(disk_format, "_forked_at", forked_at)
+            with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
+                make_tier(reuse=True)
+        assert slept == []
+        monkeypatch.setattr(disk_format, "_forked_at", time.monotonic())  # the control: a fork just now
+        with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
+            make_tier(reuse=True)  # tried again until FORK_SETTLE_S after it (its sleeps not slept)
+        assert slept and all(s == disk_format.FORK_RETRY_S for s in slept)
+    finally:
+        first.shutdown()
 
 
 def test_without_letting_go_in_the_child_the_lock_outlives_the_tier(
