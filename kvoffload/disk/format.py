@@ -508,7 +508,8 @@ def _size_file(fd: int, config: DiskConfig, nbytes: int) -> None:
 #: the tier, shut down there, would otherwise mark the file clean while the parent writes).
 _LOCKED: dict[int, tuple[int, int]] = {}
 #: A lock found held within this long of this process's last fork is tried again (every
-#: :data:`FORK_RETRY_S`) until that long after the fork: a child forked without ``exec`` holds a copy
+#: :data:`FORK_RETRY_S`) until that long after it (the fork before the first refusal: later ones do
+#: not extend the retry): a child forked without ``exec`` holds a copy
 #: of the tier's lock until it runs :func:`_let_go_in_child`, as it starts, which a loaded host may
 #: schedule after the parent has shut its tier down and opened the file again (seen on a 2-core CI
 #: machine). A lock held with no fork that recent is refused at once.
@@ -537,14 +538,17 @@ def lock_file(fd: int, path: str) -> str:
     """
     st = os.fstat(fd)
     _LOCKED[fd] = (st.st_dev, st.st_ino)  # before the lock: a fork in between is let go of too
+    until: float | None = None  # set at the first refusal: later forks do not move it
     try:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                forked_at = _forked_at
-                if forked_at is None or time.monotonic() - forked_at >= FORK_SETTLE_S:
+                if until is None:
+                    forked_at = _forked_at
+                    until = forked_at + FORK_SETTLE_S if forked_at is not None else 0.0
+                if time.monotonic() >= until:
                     raise
                 time.sleep(FORK_RETRY_S)  # a child forked moments ago may hold it until it starts
     except BlockingIOError:
@@ -560,6 +564,9 @@ def lock_file(fd: int, path: str) -> str:
         _log.warning("disk tier %s: the file cannot be locked (%s); a second tier on it is not refused",
                      path, exc.strerror)
         return f"not locked: {exc.strerror}"
+    except BaseException:  # (an interrupt in a retry's sleep): the caller forgets nothing yet
+        _LOCKED.pop(fd, None)
+        raise
     return ""
 
 

@@ -1833,12 +1833,13 @@ static int wait_spinning(struct kvo_issuer *is, struct kvo_job *job, int64_t unt
  * blocked on a condition variable costs tens of microseconds on some hosts, querying the job's end
  * itself every wait_query_ns while it spins (waiter_query); then blocks. A blocked waiter whose job
  * has a predicted end (predict_end: a long job in flight) wakes wait_lead_ns before it and spins
- * to wait_lead_ns after it, as the thread polls it, so that a core the long block let sleep deeply
- * is awake when the job ends (on an H100 host a waiter woken at the end returned 96-186 us after
- * the job was found done; docs/design.md §16); past that window it blocks until woken. A job still
- * queued has no prediction yet: the thread broadcasts `done` as it puts a job in flight, so the
- * waiter looks again then. A query in a spin may wait behind another thread's driver call: the
- * wait can end that much past timeout_ns. */
+ * to wait_lead_ns plus an eighth of the job's predicted time in flight after it (the prediction is
+ * the fastest rate seen: a job ends late more often than early), so that a core the long block
+ * let sleep deeply is awake when the job ends (on an H100 host a waiter woken at the end returned
+ * 96-186 us after the job was found done; docs/design.md §16); past that window it blocks until
+ * woken. A job still queued has no prediction yet: the thread broadcasts `done` as it puts a job
+ * in flight, so the waiter looks again then. A query in a spin may wait behind another thread's
+ * driver call: the wait can end that much past timeout_ns. */
 int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
     struct kvo_issuer *is = job->issuer;
     int64_t start = now_ns(), left = timeout_ns > 0 ? timeout_ns : 0;
@@ -1852,9 +1853,12 @@ int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
         int64_t now = now_ns();
         if (now >= deadline) break;
         int64_t end = job->expected_end, wake = deadline;
-        if (lead > 0 && end > 0 && end + lead > now && end + lead > spun_to) {
+        /* the window's tail grows with the job: one up to an eighth slower than the fastest
+         * rate seen still ends inside it */
+        int64_t tail = end > 0 ? lead + (end - job->polled_ns) / 8 : 0;
+        if (lead > 0 && end > 0 && end + tail > now && end + tail > spun_to) {
             if (now >= end - lead) { /* near its predicted end: spin through it */
-                spun_to = end + lead < deadline ? end + lead : deadline;
+                spun_to = end + tail < deadline ? end + tail : deadline;
                 pthread_mutex_unlock(&is->mu);
                 wait_spinning(is, job, spun_to, &query);
                 pthread_mutex_lock(&is->mu);

@@ -19,6 +19,7 @@ import time
 import types
 import warnings
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -706,10 +707,13 @@ def test_without_the_lock_two_tiers_on_one_file_serve_each_others_records(
     assert one(a, 2).ok and torch.equal(region.records()[10], before[1])  # b's record, served as a's
 
 
-def _tier_outlived_by_a_forked_child(make_tier: MakeTier, *, started: bool = True) -> None:
+def _tier_outlived_by_a_forked_child(
+    make_tier: MakeTier, *, started: bool = True, before_reaping: Callable[[], None] | None = None,
+) -> None:
     """Fork a child that outlives the tier (it waits on a pipe), shut the tier down, and open the
     file again while the child lives; with ``started``, once the child said it runs (its fork
-    handlers ran), else at once."""
+    handlers ran), else at once. ``before_reaping`` runs before the child is waited for, whatever
+    happened (a child held in its fork handler is let go there)."""
     first = make_tier()
     write_ok(first, 1, [0], [3])
     read_end, write_end = os.pipe()
@@ -732,6 +736,8 @@ def _tier_outlived_by_a_forked_child(make_tier: MakeTier, *, started: bool = Tru
     finally:
         os.close(write_end)
         os.close(ready_read)
+        if before_reaping is not None:
+            before_reaping()
         os.waitpid(pid, 0)
 
 
@@ -747,42 +753,73 @@ def test_a_tier_opened_again_before_a_just_forked_child_let_go_waits_for_it(
 ) -> None:
     """A child forked without exec holds a copy of the lock until its fork handler runs; a host may
     run the parent first, which shut its tier down and opened the file again at once (CI saw
-    ``DiskInUseError`` there). Here the child lets go 0.2 s late: the lock is tried again within
-    ``FORK_SETTLE_S`` of the fork and taken; the control, no retry, is refused."""
+    ``DiskInUseError`` there). Here the child's handler lets go only once the parent's reopen was
+    refused and retries (its first sleep says so): the lock is taken within ``FORK_SETTLE_S`` of
+    the fork; the control, no retry, is refused."""
     real = disk_format._let_go_in_child
+    go_read, go_write = os.pipe()
+    sleeps: list[float] = []
 
-    def late() -> None:
-        time.sleep(0.2)
+    def late() -> None:  # in the child
+        select.select([go_read], [], [], 30.0)
         real()
 
+    def sleep(seconds: float) -> None:  # in the parent's retry
+        if not sleeps:
+            os.write(go_write, b"g")
+        sleeps.append(seconds)
+        time.sleep(seconds)
+
+    def let_go() -> None:
+        if not sleeps:
+            os.write(go_write, b"g")
+
     monkeypatch.setattr(disk_format, "_let_go_in_child", late)
+    monkeypatch.setattr(disk_format, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
     monkeypatch.setattr(disk_format, "FORK_SETTLE_S", settle_s)
-    if settle_s:
-        _tier_outlived_by_a_forked_child(make_tier, started=False)
-    else:
-        with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
-            _tier_outlived_by_a_forked_child(make_tier, started=False)
+    monkeypatch.setattr(disk_format, "_forked_at", disk_format._forked_at)  # restored after the fork's
+    try:
+        if settle_s:
+            _tier_outlived_by_a_forked_child(make_tier, started=False, before_reaping=let_go)
+            assert sleeps  # it was refused once, and tried again
+        else:
+            with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
+                _tier_outlived_by_a_forked_child(make_tier, started=False, before_reaping=let_go)
+            assert not sleeps
+    finally:
+        os.close(go_read)
+        os.close(go_write)
 
 
 def test_a_lock_held_with_no_fork_moments_ago_is_refused_at_once(
     make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Another open tier holds the lock and this process forked nothing within ``FORK_SETTLE_S``
-    (never, or long ago): refused without a retry; the control, a fork just now, is tried again."""
+    (never, or long ago): refused without a retry; the control, a fork just now, is tried again
+    until ``FORK_SETTLE_S`` after it, and a fork during the retry does not extend it (on a clock
+    that the retry's sleeps advance)."""
     first = make_tier()
+    now = [1000.0]
     slept: list[float] = []
-    clock = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)  # the module's own
-    monkeypatch.setattr(disk_format, "time", clock)
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+        if len(slept) == 10:
+            disk_format._forked_at = now[0]  # a fork during the retry
+
+    monkeypatch.setattr(disk_format, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
     try:
-        for forked_at in (None, time.monotonic() - 2 * disk_format.FORK_SETTLE_S):
+        for forked_at in (None, now[0] - 2 * disk_format.FORK_SETTLE_S):
             monkeypatch.setattr(disk_format, "_forked_at", forked_at)
             with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
                 make_tier(reuse=True)
         assert slept == []
-        monkeypatch.setattr(disk_format, "_forked_at", time.monotonic())  # the control: a fork just now
+        monkeypatch.setattr(disk_format, "_forked_at", now[0])  # the control: a fork just now
         with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
-            make_tier(reuse=True)  # tried again until FORK_SETTLE_S after it (its sleeps not slept)
+            make_tier(reuse=True)
         assert slept and all(s == disk_format.FORK_RETRY_S for s in slept)
+        assert sum(slept) == pytest.approx(disk_format.FORK_SETTLE_S, abs=2 * disk_format.FORK_RETRY_S)
     finally:
         first.shutdown()
 

@@ -1405,9 +1405,10 @@ def waiter_queries_near_a_long_jobs_end(wait_lead_ns: int, *, queued: bool) -> t
     """A job predicted to run 0.4 s (the rate a first job taught), waited for in a thread whose
     spin (1 ms) ends long before that, and completed at its predicted end (the thread's polls sleep
     up to 20 ms, and it polls nothing near the end): whether the wait saw it done, and the queries
-    of the waiter's thread between 0.1 s into the job and its end. ``queued``: the job is held in
-    its issue (not yet in flight) when the wait begins, for 0.05 s (its end is predicted only once
-    it is in flight)."""
+    of the waiter's thread between 0.1 s into the job and its end (asserting none before 0.25 s
+    ahead of the end, where the test looked in time to tell: the lead is at most 0.2 s).
+    ``queued``: the job is held in its issue (not yet in flight) when the wait begins, for 0.05 s
+    (its end is predicted only once it is in flight)."""
     h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
                 tune={"poll_min_ns": 1_000_000, "poll_max_ns": 20_000_000, "end_lead_ns": 1,
                       "wait_spin_ns": 1_000_000, "wait_query_ns": 1_000, "wait_lead_ns": wait_lead_ns,
@@ -1435,11 +1436,19 @@ def waiter_queries_near_a_long_jobs_end(wait_lead_ns: int, *, queued: bool) -> t
         end = lib.kvo_job_expected_end(ticket._job)  # noqa: SLF001
         time.sleep(0.1)  # past the waiter's spin
         start = len(h.fake.snapshot())
+        time.sleep(max(0.0, (end - 250_000_000 - time.monotonic_ns()) / 1e9))
+        middle = len(h.fake.snapshot())  # before any lead's window (a late look proves nothing there)
+        looked_early = time.monotonic_ns() < end - max(wait_lead_ns, 200_000_000)
         time.sleep(max(0.0, (end - time.monotonic_ns()) / 1e9))
-        calls, threads = h.fake.snapshot()[start:], h.fake.threads[start:]
-        queries = sum(1 for c, t in zip(calls, threads) if c[0] == "cuEventQuery" and t == waiter.ident)
+
+        def waiters(first: int, last: int) -> int:
+            calls, threads = h.fake.snapshot()[first:last], h.fake.threads[first:last]
+            return sum(1 for c, t in zip(calls, threads) if c[0] == "cuEventQuery" and t == waiter.ident)
+
+        queries, before = waiters(start, len(h.fake.snapshot())), waiters(start, middle)
         h.fake.not_ready = 0  # the job ends at its predicted end
         waiter.join(TIMEOUT_S)
+        assert before == 0 or not looked_early, "the waiter spun long before its job's predicted end"
         return outcome == [True], queries
     finally:
         h.fake.not_ready = 0
