@@ -341,13 +341,10 @@ def _issuing(inner: CudaBackend, cuda: _Cuda, issuer: str) -> Backend:
     """``inner`` issued by the native thread (``issuer`` "native", or "auto" where the library
     builds and the copy method allows it), or as it is ("python"; "auto" otherwise, with a warning
     that says why). ``inner`` is released if "native" fails."""
-    if issuer == "python":
+    if not _tries_native(cuda, issuer):
         return inner
     from kvoffload.backends.native import NativeBackend
-    from kvoffload.bindings.types import CopyMethod
 
-    if issuer == "auto" and cuda.copier.method is CopyMethod.BATCH_BINDINGS:
-        return inner
     try:
         return NativeBackend.over(inner, cuda.copier)
     except KVOffloadError as exc:
@@ -356,6 +353,15 @@ def _issuing(inner: CudaBackend, cuda: _Cuda, issuer: str) -> Backend:
             raise
         _log.warning("the native issuer is not available (%s): jobs are issued from Python", exc)
         return inner
+
+
+def _tries_native(cuda: _Cuda, issuer: str) -> bool:
+    """Whether ``issuer`` asks for the native issuer here: "native", or "auto" unless the copy
+    method is the ``batch-bindings`` cross-check (which the native issuer does not run)."""
+    from kvoffload.bindings.types import CopyMethod
+
+    return issuer == "native" or (
+        issuer == "auto" and cuda.copier.method is not CopyMethod.BATCH_BINDINGS)
 
 
 def _made_backend(factory: Callable[[Direction], Backend], direction: Direction) -> Backend:
@@ -678,14 +684,11 @@ def _calibration_issuer(cuda: _Cuda, issuer: str) -> Literal["native", "python"]
     it, as :func:`_issuing` decides), else "python". Under "auto", a native issuer that loads and
     then does not start is found by the first calibration handler, and the calibration is made
     again from Python (:func:`_cuda_backend`), as the worker's jobs will then be issued."""
-    if issuer == "python":
+    if not _tries_native(cuda, issuer):
         return "python"
     if issuer == "auto":
         from kvoffload import native
-        from kvoffload.bindings.types import CopyMethod
 
-        if cuda.copier.method is CopyMethod.BATCH_BINDINGS:
-            return "python"
         try:
             native.library()
         except KVOffloadError:

@@ -25,6 +25,7 @@ from kvoffload.calibration import (
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 from kvoffload.cli._caches import build_cache
+from tests.unit.test_expedited_loads import _Created
 
 
 def choice(key: str = "H200|2097152|32768") -> AutoChoice:
@@ -413,14 +414,6 @@ def test_a_key_names_the_native_issuer_and_a_python_timed_key_stays_as_it_was() 
     assert calibration.geometry_key("H200", pages, ("dma", "sm"), issuer="native") == before + "|native"
 
 
-class _NoCudaBackend:
-    """What ``CudaBackend.create`` was called with (in place of a CUDA backend)."""
-
-    def __init__(self, direction: Direction, device: torch.device, make_paths: object, *,
-                 choose: Any = None, kernel_stream: bool = False, path_name: str | None = None) -> None:
-        self.direction, self.choose, self.path_name = direction, choose, path_name
-
-
 def _fake_cuda(method: Any) -> Any:
     copier = types.SimpleNamespace(path="dma", method=method)
     return types.SimpleNamespace(index=0, copier=copier,
@@ -467,7 +460,7 @@ def test_auto_times_its_paths_through_the_issuer_the_workers_jobs_take(
             raise assembly._NativeDidNotStart(str(failure)) from failure
         return types.SimpleNamespace(chooser=lambda direction: lambda blocks: "dma")
 
-    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(CudaBackend, "create", _Created)
     monkeypatch.setattr(driver, "host_pointer_is_device_pointer", lambda index, ptr: False)
     monkeypatch.setattr(native, "library", library)
     monkeypatch.setattr(calibration, "calibrate", calibrate)
@@ -520,7 +513,7 @@ def test_a_calibration_handler_issues_its_jobs_as_the_worker_does_and_releases_i
 
     issued: list[tuple[Any, Any, str]] = []
     released: list[bool] = []
-    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(CudaBackend, "create", _Created)
     monkeypatch.setattr(assembly, "_issuing", _host_issuing(issued, released))
     cache = torch.zeros(2, 4096, dtype=torch.uint8)
     layout = DeviceLayout.from_tensors([cache], block_dim=0)
@@ -529,7 +522,7 @@ def test_a_calibration_handler_issues_its_jobs_as_the_worker_does_and_releases_i
     cuda = _fake_cuda(CopyMethod.BATCH_CTYPES)
     with assembly._path_handler(cuda, WorkerOptions(), torch.device("cpu"), issuer, "dma", plan, 2) as handler:
         ((inner, given_cuda, how),) = issued
-        assert isinstance(inner, _NoCudaBackend) and given_cuda is cuda and how == issuer
+        assert isinstance(inner, _Created) and given_cuda is cuda and how == issuer
         cache[1].fill_(7)
         handler.submit(0, [1], [0])
         (result,) = handler.wait([0], 10.0)
@@ -553,7 +546,7 @@ def test_a_calibration_handler_that_cannot_be_made_releases_its_backend(monkeypa
     def failing(**kwargs: Any) -> DirectionHandler:
         raise MemoryError("no handler")
 
-    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(CudaBackend, "create", _Created)
     monkeypatch.setattr(assembly, "_issuing", _host_issuing(issued, released))
     monkeypatch.setattr(DirectionHandler, "create", failing)
     layout = DeviceLayout.from_tensors([torch.zeros(2, 4096, dtype=torch.uint8)], block_dim=0)
@@ -584,7 +577,7 @@ def test_a_native_issuer_that_does_not_start_in_calibration_is_said_so_or_raised
         assert how == "native"
         raise failure
 
-    monkeypatch.setattr(CudaBackend, "create", _NoCudaBackend)
+    monkeypatch.setattr(CudaBackend, "create", _Created)
     monkeypatch.setattr(assembly, "_issuing", issuing)
     layout = DeviceLayout.from_tensors([torch.zeros(2, 4096, dtype=torch.uint8)], block_dim=0)
     plan = CopyPlan(layout.page_table, 1 << 20, 2, Direction.STORE)

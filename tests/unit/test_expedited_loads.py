@@ -396,6 +396,7 @@ class _Created:
 
     def __init__(self, direction: Direction, device: torch.device, make_paths: object, *,
                  choose: Any = None, kernel_stream: bool = False, path_name: str | None = None) -> None:
+        self.direction = direction
         self.choose, self.kernel_stream, self.path_name = choose, kernel_stream, path_name
 
 
