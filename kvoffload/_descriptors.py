@@ -264,8 +264,11 @@ def _merge_runs(
     return srcs[starts], dsts[starts], np.add.reduceat(sizes, starts)
 
 
-#: Largest unit of work of the copy kernel: longer runs are split so that warps share the work.
-UNIT_MAX_BYTES: Final = 64 << 10
+#: Largest unit of work of the copy kernel (one warp's item): longer runs are split so that warps
+#: share the work. Small, so that a small job keeps many warps busy: one warp moves 2 KiB per round
+#: trip to memory, and a 1-block job of 64 pages of 32 KiB as 64-KiB-bounded units kept 64 warps busy
+#: for 16 round trips each (design §16, *The copy kernel's unit*).
+UNIT_MAX_BYTES: Final = 4 << 10
 
 
 def kernel_segments(pages: PageTable, unit_max: int = UNIT_MAX_BYTES) -> I64Array:

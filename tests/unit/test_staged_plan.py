@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvoffload._descriptors import (
     STAGED_EDGE_GROWTH,
+    UNIT_MAX_BYTES,
     CopyPlan,
     Descriptors,
     PageTable,
@@ -185,10 +186,19 @@ def test_segments_expanded_per_block_move_exactly_the_plain_descriptors(
 
 def test_pages_of_a_block_major_layout_merge_into_unit_sized_segments() -> None:
     plan = plan_for(Direction.STORE, [4096] * 64, block_major=True, record=64 * 4096)
-    table = kernel_segments(plan.pages)
+    table = kernel_segments(plan.pages, 64 << 10)
     assert table[:, 3].tolist() == [64 << 10] * 4  # 256 KiB contiguous per block -> 4 units
+    default = kernel_segments(plan.pages)
+    assert default[:, 3].tolist() == [UNIT_MAX_BYTES] * ((256 << 10) // UNIT_MAX_BYTES)
     separate = kernel_segments(plan_for(Direction.STORE, [4096] * 64).pages)
     assert separate.shape[0] == 64  # one allocation per page: nothing merges
+
+
+def test_a_small_job_is_cut_into_many_units() -> None:
+    """A block of 64 pages of 32 KiB is 512 units of 4 KiB: 512 warps of the kernel share it (as
+    64-KiB-bounded units, 64 warps moved it, each through 16 round trips; docs/design.md §16)."""
+    table = kernel_segments(plan_for(Direction.LOAD, [32 << 10] * 64).pages)
+    assert table.shape[0] == 512 and (table[:, 3] == 4096).all()
 
 
 def test_unit_max_must_be_a_positive_multiple_of_16() -> None:
