@@ -7,7 +7,8 @@ what the link alone costs, measured side by side in one run.
   call to its result from ``wait``, per page size and job size, next to one pinned copy of the same
   bytes timed the same way (call -> stream synchronized) in the same run; the job's device time
   (``TransferResult.seconds``) and the caller's time in the call are shown beside it;
-- *1-block jobs* (64 pages of 32 KiB), call -> result, next to one 2 MiB pinned copy;
+- *1-block jobs* (64 pages of 32 KiB), call -> result, next to one 2 MiB pinned copy, and the job's
+  device time next to the copy's (what of the ratio is the device's);
 - *a load the caller waits for*: a 1-block load, call -> result, alone and right after a 64 MiB
   load was handed over, through the regular load lane (behind it) and through the expedited lane
   (``Worker.create(expedited_loads=True)``), alternated round by round; the lane at its default
@@ -87,12 +88,20 @@ class PinnedCopy:
 
     def seconds(self, store: bool) -> float:
         """Wall seconds of one copy (d2h when ``store``), from the call to the stream's sync."""
+        return self.timed(store)[0]
+
+    def timed(self, store: bool) -> tuple[float, float]:
+        """(wall seconds from the call to the stream's sync, device seconds between events recorded
+        just before and after the copy) of one copy (d2h when ``store``)."""
         dst, src = (self.host, self.dev) if store else (self.dev, self.host)
+        begin, end = new_event(timing=True), new_event(timing=True)
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
             dst.copy_(src, non_blocking=True)
+            end.record(self.stream)
         self.stream.synchronize()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, float(begin.elapsed_time(end)) / 1e3
 
 
 def _job(w: Worker, store: bool, job: int, device_blocks: np.ndarray, host_blocks: np.ndarray) -> tuple[float, float, TransferResult]:
@@ -163,7 +172,8 @@ def _mismatched(layout: DeviceLayout, a: np.ndarray, b: np.ndarray) -> int:
 
 def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = "auto") -> str:
     """A row: 1-block jobs (64 x 32 KiB) store and load, call -> result, against one 2 MiB pinned
-    copy."""
+    copy; then the job's device time (``TransferResult.seconds``) against the copy's (events
+    recorded around it), which a busy host does not move."""
     layout, _ = _per_layer(device, 32, 32 * KIB, 64)
     copy = PinnedCopy(device, 2 * MIB)
     parts = []
@@ -171,7 +181,7 @@ def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
         label = _label(path, w)
         job = 0
         for store in (True, False):
-            jobs, copies = [], []
+            jobs, copies, on_device, copies_on_device = [], [], [], []
             taken: set[str] = set()  # the paths the timed jobs took (``auto`` says which it chose)
             for i in range(3 * repeats + 2):
                 torch.cuda.synchronize(device)
@@ -179,14 +189,18 @@ def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
                 total, _, result = _job(w, store, job, blocks, np.array([i % 8], dtype=np.int64))
                 job += 1
                 torch.cuda.synchronize(device)
-                c = copy.seconds(store)
+                c, c_device = copy.timed(store)
                 if i >= 2:
                     taken.add(result.path)
                     jobs.append(total)
                     copies.append(c)
+                    on_device.append(result.seconds)
+                    copies_on_device.append(c_device)
             t, c = statistics.median(jobs), statistics.median(copies)
+            d, cd = statistics.median(on_device), statistics.median(copies_on_device)
             parts.append(f"{'store' if store else 'load'} {t * 1e6:7.1f} us = {t / c:4.2f}x "
-                         f"({c * 1e6:5.1f} us copy; took {'/'.join(sorted(taken))})")
+                         f"({c * 1e6:5.1f} us copy; device {d * 1e6:5.1f} / {cd * 1e6:5.1f} us = "
+                         f"{d / cd:4.2f}x; took {'/'.join(sorted(taken))})")
     return f"1-block job (64 x 32 KiB) [{label:<13}] " + ";  ".join(parts)
 
 
