@@ -8,7 +8,8 @@ what the link alone costs, measured side by side in one run.
   bytes timed the same way (call -> stream synchronized) in the same run; the job's device time
   (``TransferResult.seconds``) and the caller's time in the call are shown beside it;
 - *1-block jobs* (64 pages of 32 KiB), call -> result, next to one 2 MiB pinned copy, and the job's
-  device time next to the copy's (what of the ratio is the device's);
+  device time next to the copy's, each from an event recorded before it to one after it (so it
+  holds the host's time to enqueue the work after the first event, too);
 - *a load the caller waits for*: a 1-block load, call -> result, alone and right after a 64 MiB
   load was handed over, through the regular load lane (behind it) and through the expedited lane
   (``Worker.create(expedited_loads=True)``), alternated round by round; the lane at its default
@@ -79,29 +80,35 @@ def _per_layer(device: torch.device, layers: int, page: int, blocks: int) -> tup
 
 class PinnedCopy:
     """One pinned copy of ``nbytes`` each way on a stream of its own, timed call -> synchronized.
-    Owns its buffers and stream."""
+    Owns its buffers, stream and events."""
 
     def __init__(self, device: torch.device, nbytes: int) -> None:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.stream = new_stream(device)
+        self._begin, self._end = new_event(timing=True), new_event(timing=True)
 
     def seconds(self, store: bool) -> float:
         """Wall seconds of one copy (d2h when ``store``), from the call to the stream's sync."""
-        return self.timed(store)[0]
-
-    def timed(self, store: bool) -> tuple[float, float]:
-        """(wall seconds from the call to the stream's sync, device seconds between events recorded
-        just before and after the copy) of one copy (d2h when ``store``)."""
         dst, src = (self.host, self.dev) if store else (self.dev, self.host)
-        begin, end = new_event(timing=True), new_event(timing=True)
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            begin.record(self.stream)
             dst.copy_(src, non_blocking=True)
-            end.record(self.stream)
         self.stream.synchronize()
-        return time.perf_counter() - t0, float(begin.elapsed_time(end)) / 1e3
+        return time.perf_counter() - t0
+
+    def device_seconds(self, store: bool) -> float:
+        """Seconds between events recorded on the copy's stream just before and after another copy
+        (d2h when ``store``): its device time, plus the host's time to enqueue it after the first
+        event (the stream is idle), as ``TransferResult.seconds`` holds its job's enqueueing after
+        its start event. Kept apart from :meth:`seconds`, whose copy it does not slow."""
+        dst, src = (self.host, self.dev) if store else (self.dev, self.host)
+        with torch.cuda.stream(self.stream):
+            self._begin.record(self.stream)
+            dst.copy_(src, non_blocking=True)
+            self._end.record(self.stream)
+        self._end.synchronize()
+        return float(self._begin.elapsed_time(self._end)) / 1e3
 
 
 def _job(w: Worker, store: bool, job: int, device_blocks: np.ndarray, host_blocks: np.ndarray) -> tuple[float, float, TransferResult]:
@@ -172,8 +179,8 @@ def _mismatched(layout: DeviceLayout, a: np.ndarray, b: np.ndarray) -> int:
 
 def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = "auto") -> str:
     """A row: 1-block jobs (64 x 32 KiB) store and load, call -> result, against one 2 MiB pinned
-    copy; then the job's device time (``TransferResult.seconds``) against the copy's (events
-    recorded around it), which a busy host does not move."""
+    copy; then the job's device time (``TransferResult.seconds``) against another copy's (events
+    recorded around it: see :meth:`PinnedCopy.device_seconds`)."""
     layout, _ = _per_layer(device, 32, 32 * KIB, 64)
     copy = PinnedCopy(device, 2 * MIB)
     parts = []
@@ -189,7 +196,8 @@ def one_block_jobs(device: torch.device, path: str, repeats: int, issuer: str = 
                 total, _, result = _job(w, store, job, blocks, np.array([i % 8], dtype=np.int64))
                 job += 1
                 torch.cuda.synchronize(device)
-                c, c_device = copy.timed(store)
+                c = copy.seconds(store)
+                c_device = copy.device_seconds(store)
                 if i >= 2:
                     taken.add(result.path)
                     jobs.append(total)

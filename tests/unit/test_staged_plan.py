@@ -195,8 +195,9 @@ def test_pages_of_a_block_major_layout_merge_into_unit_sized_segments() -> None:
 
 
 def test_a_small_job_is_cut_into_many_units() -> None:
-    """A block of 64 pages of 32 KiB is 512 units of 4 KiB: 512 warps of the kernel share it (as
-    64-KiB-bounded units, 64 warps moved it, each through 16 round trips; docs/design.md §16)."""
+    """A block of 64 pages of 32 KiB is 512 units of 4 KiB, for up to 512 warps of the kernel (the
+    staged path's grid has more; the sm path's 128 take four each); as 64-KiB-bounded units 64
+    warps moved it, each through 16 round trips (docs/design.md §16)."""
     table = kernel_segments(plan_for(Direction.LOAD, [32 << 10] * 64).pages)
     assert table.shape[0] == 512 and (table[:, 3] == 4096).all()
 
