@@ -175,6 +175,10 @@ START_TIMEOUT_S: Final = 10.0
 #: except in a test whose control proves that a rule is needed.
 CONTROLS = 0
 _RELEASED: Final = "the backend was released before the job was issued"
+_RESULT_LOST: Final = ("the job finished but its result could not be read (a MemoryError while the "
+                       "library handed it over): whether its copies completed is unknown")
+#: Made in advance, for when even the error cannot be made.
+_RESULT_LOST_ERROR: Final = TransferError(_RESULT_LOST)
 #: The most results :meth:`NativeBackend.book_take` takes in one call into the library.
 _TAKE_MAX: Final = 64
 #: A taken result as the call front's ``book_take`` gives it: id, code, failure, pairs, tag, device
@@ -241,13 +245,15 @@ class NativeTicket:
     Thread-safe: a wait may block in the library while another thread finds the job done and
     releases the ticket; the reference is dropped only once no call is inside the library (the job
     must not be freed under a waiter). The library is called through the call front where it is
-    built (``front``: the module and its spec's address), else through ctypes."""
+    built (``front``: the module, its spec's address and the spec, which the ticket keeps alive:
+    a ticket may outlive its backend), else through ctypes. A result that cannot be read after the
+    library let go of its job (a ``MemoryError``) fails the job, and the ticket calls no more."""
 
     __slots__ = ("_lib", "_job", "error", "path", "_done", "_seconds", "_released", "_failure",
-                 "_times", "_guard", "_users", "_front", "_spec")
+                 "_times", "_guard", "_users", "_front", "_spec", "_spec_owner")
 
     def __init__(self, lib: ctypes.CDLL, job: int, path: str,
-                 front: tuple[ModuleType, int] | None = None) -> None:
+                 front: tuple[ModuleType, int, object] | None = None) -> None:
         self._lib = lib
         self._job = job
         self.error: BaseException | None = None
@@ -261,6 +267,9 @@ class NativeTicket:
         self._users = 0  # calls inside the library
         self._front: ModuleType | None = front[0] if front is not None else None
         self._spec = front[1] if front is not None else 0
+        # the spec at that address: the backend's, kept alive while the ticket may call through it
+        # (a ticket can outlive its backend; the job holds its own reference to the issuer)
+        self._spec_owner = front[2] if front is not None else None
 
     def _enter(self) -> bool:
         """Count a call into the library; False once released (the job may be gone)."""
@@ -289,9 +298,16 @@ class NativeTicket:
         and, with ``release`` (no other call inside the library), drop the ticket's reference in
         the same call into the library (kvo_job_take)."""
         if self._front is not None:
-            taken = self._front.job_take(self._spec, self._job, release)
+            try:
+                taken = self._front.job_take(self._spec, self._job, release)
+            except MemoryError:  # only its result's tuple can fail, after the library took the job
+                if release:
+                    self._lose_result()
+                raise
             if taken is None:
                 return False
+            if release:
+                self._released = True
             code, fail, handed, began, issued, found, seconds, name = taken
         else:
             out = (ctypes.c_int64 * 6)()
@@ -299,10 +315,15 @@ class NativeTicket:
             if self._lib.kvo_job_take(self._job, int(release), out, ctypes.byref(c_seconds),
                                       ctypes.byref(c_name)) != native.JOB_DONE:
                 return False
-            code, fail, handed, began, issued, found = out
-            seconds, name = c_seconds.value, (c_name.value or b"").decode()
-        if release:
-            self._released = True
+            if release:
+                self._released = True  # the library let go of the job: never again through this ticket
+            try:
+                code, fail, handed, began, issued, found = out
+                seconds, name = c_seconds.value, (c_name.value or b"").decode()
+            except MemoryError:
+                if release:
+                    self._lose_result()
+                raise
         self._times = (handed / 1e9, began / 1e9, issued / 1e9, found / 1e9)
         self._seconds = seconds
         if fail == native.FAIL_COMPLETION:
@@ -311,6 +332,17 @@ class NativeTicket:
             self.error = native_error(int(code), name or "native issuer")
         self._done = True
         return True
+
+    def _lose_result(self) -> None:
+        """The library let go of the done job but its result could not be read (a MemoryError):
+        the ticket is released (never again through the library: the job may be freed) and done,
+        failed, so that its job is reported rather than waited for forever."""
+        self._released = True
+        try:
+            self.error = TransferError(_RESULT_LOST)
+        except MemoryError:
+            self.error = _RESULT_LOST_ERROR
+        self._done = True
 
     def _outcome(self) -> bool:
         if self._failure is not None:
@@ -603,7 +635,8 @@ class NativeBackend:
         self._front_hand_off = front.hand_off if front is not None else None
         self._front_spec = native.front_spec(lib, issuer=issuer)
         self._front_at = ctypes.addressof(self._front_spec)
-        self._front_calls = (front, self._front_at) if front is not None else None  # the tickets'
+        # The tickets' calls: the module, the spec's address and the spec (each ticket keeps it alive).
+        self._front_calls = (front, self._front_at, self._front_spec) if front is not None else None
         self._stores = self.direction is Direction.STORE
         # The early wake's (see early_wake): the largest job its caller issues, and whether it is on.
         self._caller_issue_max = int(config.caller_issue_max)
@@ -1102,7 +1135,7 @@ class NativeBackend:
         try:
             front = self._front
             if front is not None:  # (a results list built in C: a MemoryError there loses the
-                raw: list[_Raw] = front.book_take(self._front_at)  # results it took, and says so)
+                raw: list[_Raw] = front.book_take(self._front_at)  # results it took: design §16)
             else:
                 with self._take_lock:  # the ctypes out-arrays are the backend's: one take at a time
                     raw = self._take_ctypes()

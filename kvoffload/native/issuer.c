@@ -1449,8 +1449,9 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, cons
             k += m;
         }
     }
-    /* (strided copies are bounded where pieces cut them: without a bound a run is one copy) */
-    return copies <= CALLER_LAYER_COPIES && (is->c.piece_bytes <= 0 || strided <= CALLER_LAYER_STRIDED);
+    /* A strided copy per run of records (more where pieces cut a run): host records in many short
+     * runs make many calls, each a few microseconds of the caller's. */
+    return copies <= CALLER_LAYER_COPIES && strided <= CALLER_LAYER_STRIDED;
 }
 
 /* Put `job` at the head of the issue queue (caller holds the mutex): a job its caller was to issue,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -716,6 +717,81 @@ def test_the_call_that_finds_a_job_done_releases_it_unless_a_waiter_is_inside(
         assert counting.releases == 1
 
 
+class LettingGo:
+    """The call front, whose ``job_take`` raises ``MemoryError`` once it let go of a done job (as
+    when the result's tuple cannot be built after the library dropped the ticket's reference), and
+    which records any later call about that job instead of making it (the job may be freed)."""
+
+    def __init__(self, front: Any) -> None:
+        self._front = front
+        self.gone: set[int] = set()
+        self.after: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._front, name)
+
+    def job_take(self, spec: int, job: int, release: bool) -> Any:
+        if job in self.gone:
+            self.after.append("job_take")
+            return None
+        taken = self._front.job_take(spec, job, release)
+        if release and taken is not None:
+            self.gone.add(job)
+            raise MemoryError
+        return taken
+
+    def job_wait(self, spec: int, job: int, timeout_ns: int) -> bool:
+        if job in self.gone:
+            self.after.append("job_wait")
+            return True
+        return bool(self._front.job_wait(spec, job, timeout_ns))
+
+    def job_release(self, spec: int, job: int) -> None:
+        if job in self.gone:
+            self.after.append("job_release")
+            return
+        self._front.job_release(spec, job)
+
+
+def test_a_result_lost_after_the_library_let_go_of_its_job_fails_the_job_and_never_calls_again() -> None:
+    """(A MemoryError after a releasing take left the ticket unreleased: its next call freed the job
+    a second time.)"""
+    with closing_harness() as (h, _):
+        fence = h.backend.fence(None)
+        ticket = h.backend.issue(h.plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
+        h.backend.release_fence(fence)
+        assert isinstance(ticket, native_backend.NativeTicket) and ticket._front is not None
+        assert ticket._front.job_wait(ticket._spec, ticket._job, int(TIMEOUT_S * 1e9))
+        front = LettingGo(ticket._front)
+        ticket._front = front  # type: ignore[assignment]
+        with pytest.raises(MemoryError):
+            ticket.done()  # the call that found it done let go of it, then its result failed
+        assert ticket.done(), "the job is never reported"
+        assert isinstance(ticket.error, TransferError) and "MemoryError" in str(ticket.error)
+        assert ticket.wait(TIMEOUT_S)
+        ticket.release()
+        assert front.after == [], f"called the library about a job it had let go of: {front.after}"
+
+
+def test_a_ticket_keeps_the_call_fronts_spec_it_calls_through() -> None:
+    """(A ticket kept only the spec's address: a ticket that outlived its backend called through
+    freed memory, a crash.)"""
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
+    try:
+        fence = h.backend.fence(None)
+        ticket = h.backend.issue(h.plan, np.array([1], dtype=np.int64), np.array([2], dtype=np.int64), fence)
+        h.backend.release_fence(fence)
+        assert isinstance(ticket, native_backend.NativeTicket) and ticket._front is not None
+        assert ticket._front.job_wait(ticket._spec, ticket._job, int(TIMEOUT_S * 1e9))
+        spec = h.backend._front_spec  # noqa: SLF001
+        assert ticket._spec == ctypes.addressof(spec)
+        assert any(o is spec for o in gc.get_referents(ticket)), "the ticket does not keep its spec"
+    finally:
+        h.close()
+    assert ticket.done() and ticket.error is None  # through the spec, after the backend went
+    ticket.release()
+
+
 def counts(h: Harness) -> tuple[int, ...]:
     """The issuer's counts so far: hand-offs that signalled the thread, idle naps, jobs their
     callers issued, jobs their waiters found done, early wakes, callers announced to a busy
@@ -832,6 +908,37 @@ def test_an_idle_threads_layered_load_has_its_first_layer_issued_by_its_caller_w
                 assert not mine and counts(h)[2] == 0
         finally:
             h.close()
+
+
+@pytest.mark.parametrize("runs", [16, 17])
+def test_a_caller_issues_a_staged_first_layer_of_at_most_16_strided_copies(runs: int) -> None:
+    """Host records in ``runs`` runs of 2 (strided copies from 2 rows here), one chunk: the caller
+    issues layer 0 when it is at most 16 strided copies, else the thread issues every layer (with
+    copies not cut in pieces, the default, the count went unchecked: a caller made one strided copy
+    per run, 64 of them for 256 records in runs of 4). Every page lands from its record."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])  # three layers of two pages
+    area = plan.chunk_records  # a strided copy stays inside one pinned area of records
+    starts = [a for a in range(0, NUM_BLOCKS - 1) if a % area < area - 1 and a % 3 == 0][:runs]
+    assert len(starts) == runs
+    host = [a + k for a in starts for k in range(2)]
+    device = list(range(len(host)))
+    main = threading.get_ident()
+    h = Harness(Direction.LOAD, "staged", plan, slot_bytes=64 << 10, tune={"strided_min_rows": 2})
+    try:
+        time.sleep(0.05)  # the thread blocks, out of work
+        marks = submit_layered(h, 0, host, device)
+        mine = [c for c, t in zip(h.fake.snapshot(), h.fake.threads) if t == main and c[0] in COPIES]
+        marks.wait(0, IDLE, TIMEOUT_S)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok, result.error
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        strided = [c for c in mine if c[0] == "cuMemcpy2DAsync"]
+        if runs <= 16:
+            assert len(strided) == runs and counts(h)[2] == 1, mine  # layer 0's, by the caller
+        else:
+            assert not mine and counts(h)[2] == 0, f"the caller made {len(strided)} strided copies"
+    finally:
+        h.close()
 
 
 @pytest.mark.parametrize("edge", [0, 512])
