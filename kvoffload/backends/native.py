@@ -138,7 +138,7 @@ EXPECT_SPIN_S: Final = 200e-6
 CALLER_COMING_S: Final = 50e-6
 #: A wait that blocked past its spin (:data:`WAIT_SPIN_S`: a job longer than that) wakes this long
 #: before the end the thread predicts for its job and spins (querying, :data:`WAIT_QUERY_S`) to as
-#: long after it plus an eighth of the job's predicted time in flight, then blocks until woken; 0:
+#: long after it plus an eighth of the job's predicted device time, then blocks until woken; 0:
 #: it blocks until woken. The thread predicts ends only where :data:`END_LEAD_S` is not 0. A core
 #: that slept through most of a long job takes long to wake: on an H100 host a 256-block store's
 #: (10 ms) blocked wait returned 96-186 us after the thread found the job done, where a spinning

@@ -215,6 +215,7 @@ struct kvo_job {
     int64_t polled_ns;     /* when the thread first found it in flight */
     int64_t bytes;         /* the bytes it copies */
     int64_t expected_end;  /* CLOCK_MONOTONIC ns of its predicted end (0: none; see predict_end) */
+    int64_t runs;          /* its predicted device time, ns (0: none; see predict_end) */
     int64_t times[4];      /* CLOCK_MONOTONIC ns: handed over, issue began, issued, found done */
     int64_t id, tag;       /* a booked job's id and its owner's tag (kvo_hand_off_booked) */
     struct kvo_job *book_next; /* the next job of the issuer's book */
@@ -1021,6 +1022,7 @@ static void finish(struct kvo_issuer *is, struct kvo_job *job) { /* caller holds
 }
 
 static void predict_end(struct kvo_issuer *is, struct kvo_job *job);
+static void rebase_flight(struct kvo_issuer *is, int64_t now);
 static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float ms);
 
 /* Query the end event of the flight's head `job` (the caller, the thread or its waiter, holds
@@ -1043,7 +1045,8 @@ static void found(struct kvo_issuer *is, struct kvo_job *job, CUresult q, float 
     if (!is->flight_head) is->flight_tail = 0;
     job->seconds = ms / 1e3;
     learn_rate(is, job, ms);
-    finish(is, job);
+    rebase_flight(is, now_ns());
+    finish(is, job); /* broadcasts: the waiters of the jobs re-predicted look again */
 }
 
 /* A job was issued (by the thread, or by its caller): its fence goes, and it is done at once (nothing
@@ -1075,21 +1078,40 @@ static int issued(struct kvo_issuer *is, struct kvo_job *job) {
  * caller's own code around it (docs/design.md §16). */
 static void predict_end(struct kvo_issuer *is, struct kvo_job *job) {
     job->expected_end = 0;
+    job->runs = 0;
     if (is->c.end_lead_ns <= 0 || is->fastest_ns_per_byte == 0.0 || job->bytes <= 0) return;
     double predicted = (double)job->bytes * is->fastest_ns_per_byte;
     if (!(predicted < 1e15)) return; /* over 11 days: nothing to predict */
     int64_t runs = (int64_t)predicted;
     int64_t began = job->times[1];
     int64_t start = is->flight_head && is->last_expected_end > began ? is->last_expected_end : began;
+    job->runs = runs;
     is->last_expected_end = start + runs;
-    if (runs >= 8 * is->c.poll_max_ns) job->expected_end = start + runs;
+    if (runs / 8 >= is->c.poll_max_ns) job->expected_end = start + runs; /* (no 8 * poll_max_ns: it may overflow) */
+}
+
+/* The flight's head was found done at `now` (caller holds the mutex): the jobs still in flight are
+ * predicted again from then, one after the other (each from its issue's start at the earliest). A
+ * chain of predictions made as the jobs were put in flight drifts early by the fastest rate's error
+ * on every job ahead: a waiter deep in the flight would wake, and spin, that much before its job's
+ * end. */
+static void rebase_flight(struct kvo_issuer *is, int64_t now) {
+    int64_t start = now;
+    for (struct kvo_job *j = is->flight_head; j; j = j->next) {
+        if (j->runs <= 0) continue; /* nothing predicted (no rate yet, or nothing to copy) */
+        if (j->times[1] > start) start = j->times[1];
+        int64_t end = start + j->runs;
+        if (j->expected_end) j->expected_end = end;
+        start = end;
+    }
+    is->last_expected_end = start;
 }
 
 /* A job completed in `ms` of device time: the fastest rate so far predicts the next jobs' ends. Only
  * jobs of at least 8 * poll_max_ns teach it (the jobs that are predicted): a short job's device time
  * is mostly its launch, and one too fast a reading would move every later window early. */
 static void learn_rate(struct kvo_issuer *is, const struct kvo_job *job, float ms) {
-    if (ms <= 0.0f || (double)ms * 1e6 < (double)(8 * is->c.poll_max_ns) || job->bytes <= 0 ||
+    if (ms <= 0.0f || (double)ms * 1e6 < 8.0 * (double)is->c.poll_max_ns || job->bytes <= 0 ||
         job->fail != FAIL_NONE)
         return;
     double rate = (double)ms * 1e6 / (double)job->bytes;
@@ -1834,8 +1856,9 @@ static int wait_spinning(struct kvo_issuer *is, struct kvo_job *job, int64_t unt
  * blocked on a condition variable costs tens of microseconds on some hosts, querying the job's end
  * itself every wait_query_ns while it spins (waiter_query); then blocks. A blocked waiter whose job
  * has a predicted end (predict_end: a long job in flight) wakes wait_lead_ns before it and spins
- * to wait_lead_ns plus an eighth of the job's predicted time in flight after it (the prediction is
- * the fastest rate seen: a job ends late more often than early), so that a core the long block
+ * to wait_lead_ns plus an eighth of the job's predicted device time after it (the prediction is
+ * the fastest rate seen: a job ends late more often than early; the jobs ahead of it in flight were
+ * predicted again as each was found done: rebase_flight), so that a core the long block
  * let sleep deeply is awake when the job ends (on an H100 host a waiter woken at the end returned
  * 96-186 us after the job was found done; docs/design.md §16); past that window it blocks until
  * woken. A job still queued has no prediction yet: the thread broadcasts `done` as it puts a job
@@ -1855,8 +1878,9 @@ int64_t kvo_job_wait(struct kvo_job *job, int64_t timeout_ns) {
         if (now >= deadline) break;
         int64_t end = job->expected_end, wake = deadline;
         /* the window's tail grows with the job: one up to an eighth slower than the fastest
-         * rate seen still ends inside it */
-        int64_t tail = end > 0 ? lead + (end - job->polled_ns) / 8 : 0;
+         * rate seen still ends inside it (its own time: the jobs ahead were predicted again as
+         * each was found done) */
+        int64_t tail = end > 0 ? lead + job->runs / 8 : 0;
         if (lead > 0 && end > 0 && end + tail > now && end + tail > spun_to) {
             if (now >= end - lead) { /* near its predicted end: spin through it */
                 spun_to = end + tail < deadline ? end + tail : deadline;

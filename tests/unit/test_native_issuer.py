@@ -1409,6 +1409,40 @@ def test_a_job_in_flight_is_predicted_to_end_after_those_before_it_at_the_fastes
         h.close()
 
 
+def test_the_jobs_in_flight_are_predicted_again_when_the_one_ahead_is_found_done() -> None:
+    """Two jobs in flight, each predicted to run 50 ms; the first is found done 0.2 s late: the
+    second's predicted end moves to 50 ms after that (it was chained on the first's predicted end:
+    a waiter deep in a long flight woke, and spun, the sum of the errors ahead of its job early)."""
+    h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]),
+                tune={"poll_min_ns": 1_000_000, "poll_max_ns": 1_000_000})
+    lib = h.backend.lib
+    try:
+        h.fake.elapsed_ms = 50.0  # 50 ms per pair, from a job long enough to teach it
+        assert _issue(h, 1).wait(TIMEOUT_S)
+        h.fake.not_ready = 1 << 40  # held in flight until their end events are let go below
+        first = _issue(h, 1)
+        assert wait_until(lambda: lib.kvo_job_expected_end(first._job) != 0)  # issued, in flight
+        ends = [c[1] for c in h.fake.snapshot() if c[0] == "cuEventRecord"]  # its end's the last
+        second = _issue(h, 1)
+        assert wait_until(lambda: lib.kvo_job_expected_end(second._job) != 0)
+        chained = lib.kvo_job_expected_end(second._job)
+        first_end = lib.kvo_job_expected_end(first._job)
+        assert chained >= first_end + 50e6 - 1e3  # after the first's predicted end
+        time.sleep(max(0.0, (first_end - time.monotonic_ns()) / 1e9) + 0.2)
+        h.fake.queries[ends[-1]] = 1 << 41  # the first's end event: its next query says done
+        found_at = time.monotonic_ns()
+        assert first.wait(TIMEOUT_S)
+        rebased = lib.kvo_job_expected_end(second._job)
+        assert rebased >= found_at + 50e6 - 1e3, (
+            f"the second job's end stayed {(found_at - chained) / 1e6:.0f} ms before the first was found done")
+        assert rebased < time.monotonic_ns() + 50e6 + 1e3
+        h.fake.not_ready = 0
+        assert second.wait(TIMEOUT_S)
+    finally:
+        h.fake.not_ready = 0
+        h.close()
+
+
 def test_a_job_too_short_for_the_longest_polling_sleep_is_given_no_predicted_end() -> None:
     # The fake's polls sleep at most 20 us: jobs predicted to run under 160 us are polled as ever.
     h = Harness(Direction.STORE, "dma", make_plan(Direction.STORE, [256]))
