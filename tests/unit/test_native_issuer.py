@@ -875,6 +875,21 @@ def submit_layered(h: Harness, job: int, host: list[int], device: list[int]) -> 
     return marks
 
 
+def callers_copies_of_a_layered_load(h: Harness, plan: CopyPlan, host: list[int],
+                                     device: list[int]) -> list[tuple[Any, ...]]:
+    """Submit a layered load to ``h``'s idle thread; once it landed bit-exact, the copy calls made
+    on this (the caller's) thread inside the submit."""
+    main = threading.get_ident()
+    time.sleep(0.05)  # the thread blocks, out of work
+    marks = submit_layered(h, 0, host, device)
+    mine = [c for c, t in zip(h.fake.snapshot(), h.fake.threads) if t == main and c[0] in COPIES]
+    marks.wait(0, IDLE, TIMEOUT_S)
+    (result,) = h.handler.wait([0], TIMEOUT_S)
+    assert result.ok, result.error
+    assert moved(h.fake, expected(plan, device, host)) == 0
+    return mine
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("hosts", list(LAYERED_HOSTS))
 def test_an_idle_threads_layered_load_has_its_first_layer_issued_by_its_caller_when_cheap(
@@ -890,13 +905,7 @@ def test_an_idle_threads_layered_load_has_its_first_layer_issued_by_its_caller_w
     for limit in (0, native_backend.CALLER_ISSUE_MAX):  # the control first: the thread issues all
         h = Harness(Direction.LOAD, path, plan, tune={"caller_issue_max": limit})
         try:
-            time.sleep(0.05)  # the thread blocks, out of work
-            marks = submit_layered(h, 0, host, device)
-            mine = [c for c, t in zip(h.fake.snapshot(), h.fake.threads) if t == main and c[0] in COPIES]
-            marks.wait(0, IDLE, TIMEOUT_S)
-            (result,) = h.handler.wait([0], TIMEOUT_S)
-            assert result.ok, result.error
-            assert moved(h.fake, expected(plan, device, host)) == 0
+            mine = callers_copies_of_a_layered_load(h, plan, host, device)
             calls = h.fake.snapshot()
             theirs = [c for c, t in zip(calls, h.fake.threads) if t != main and c[0] in COPIES]
             if limit and cheap:
@@ -922,16 +931,9 @@ def test_a_caller_issues_a_staged_first_layer_of_at_most_16_strided_copies(runs:
     assert len(starts) == runs
     host = [a + k for a in starts for k in range(2)]
     device = list(range(len(host)))
-    main = threading.get_ident()
     h = Harness(Direction.LOAD, "staged", plan, slot_bytes=64 << 10, tune={"strided_min_rows": 2})
     try:
-        time.sleep(0.05)  # the thread blocks, out of work
-        marks = submit_layered(h, 0, host, device)
-        mine = [c for c, t in zip(h.fake.snapshot(), h.fake.threads) if t == main and c[0] in COPIES]
-        marks.wait(0, IDLE, TIMEOUT_S)
-        (result,) = h.handler.wait([0], TIMEOUT_S)
-        assert result.ok, result.error
-        assert moved(h.fake, expected(plan, device, host)) == 0
+        mine = callers_copies_of_a_layered_load(h, plan, host, device)
         strided = [c for c in mine if c[0] == "cuMemcpy2DAsync"]
         if runs <= 16:
             assert len(strided) == runs and counts(h)[2] == 1, mine  # layer 0's, by the caller
