@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -242,12 +243,14 @@ STRIDED_HOSTS = [10, 11, 12, 13, 14, 20, 21, 33, 40, 41, 42, 43, 48, 49, 50, 51]
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("min_rows", [native_backend.STRIDED_MIN_ROWS, 0])
+@pytest.mark.parametrize("shuffled", [False, True])
 def test_staged_rows_of_consecutive_records_go_as_strided_copies(
-    direction: Direction, layout: str, min_rows: int,
+    direction: Direction, layout: str, min_rows: int, shuffled: bool,
 ) -> None:
     """Rows of at least STRIDED_MIN_ROWS records that follow each other in one pinned area go as one
     cuMemcpy2DAsync per run of the record; the rest as descriptors. 0 turns strided copies off.
-    Either way the job moves exactly its bytes."""
+    Either way the job moves exactly its bytes. The pairs come in host order (the issuer keeps
+    their order) or shuffled (it sorts them by host record first: the same runs)."""
     assert native_backend.STRIDED_MIN_ROWS == 4, "the host runs below are chosen for 4"
     plan = strided_plan(direction, **LAYOUTS[layout])  # type: ignore[arg-type]
     h = Harness(direction, "staged", plan, slot_bytes=64 * plan.pages.record_bytes,
@@ -255,6 +258,11 @@ def test_staged_rows_of_consecutive_records_go_as_strided_copies(
     try:
         device = np.random.default_rng(3).permutation(NUM_BLOCKS)[:len(STRIDED_HOSTS)].tolist()
         host = STRIDED_HOSTS
+        if shuffled:
+            pairs = list(zip(host, device))
+            random.Random(5).shuffle(pairs)
+            host, device = [p[0] for p in pairs], [p[1] for p in pairs]
+            assert host != sorted(host)
         src, dst = (device, host) if direction is Direction.STORE else (host, device)
         assert h.run(0, src, dst).ok
         assert moved(h.fake, expected(plan, device, host)) == 0
