@@ -604,6 +604,11 @@ class CudaBackend:
         """The cost of the path chosen for ``pairs`` blocks."""
         return self.paths[self._choose(pairs)].issue_cost(plan, pairs)
 
+    def path_for(self, pairs: int) -> str:
+        """The path a job of ``pairs`` blocks takes (the handler cuts no head off a job that its
+        head's size would send another way)."""
+        return self._choose(pairs)
+
     def layer_marks(self, count: int) -> CudaLayerMarks:
         """Marks for a layered job of ``count`` layers (events come from the non-timing pool)."""
         return CudaLayerMarks(count, self.streams.events, self._index, self.stream_handle)

@@ -31,11 +31,17 @@ from kvoffload.bindings.driver import (
 )
 from kvoffload.errors import InvalidArgumentError
 
-__all__ = ["BATCH_MAX_COPIES", "COPY_PIECE_BYTES", "Copier", "in_pieces"]
+__all__ = ["BATCH_FIRST_COPIES", "BATCH_MAX_COPIES", "COPY_PIECE_BYTES", "Copier", "in_pieces"]
 
 U64Array = npt.NDArray[np.uint64]
 #: Copies per driver call; a longer job is issued as several batches on the same stream.
 BATCH_MAX_COPIES: Final = 1 << 16
+#: Copies of the first driver call of a :meth:`Copier.copy`, each next call taking twice as many
+#: (up to :data:`BATCH_MAX_COPIES`): the copy engine starts on a call's copies only once the call
+#: returned, and the driver spends about 0.37 us a copy, so one call of a thousand copies held the
+#: first byte for 350-380 us on an H100 host (docs/design.md §16, *Descriptors in growing calls*).
+#: The native issuer's ``BATCH_FIRST`` is the same.
+BATCH_FIRST_COPIES: Final = 64
 #: The longest copy a path issues: a longer one (a long page or record, or a run merged from pages
 #: or records that continue each other) goes as pieces of this size cut from its start, by the
 #: Python paths (:func:`in_pieces`) and the native issuer alike. The copy engine can take another
@@ -168,14 +174,17 @@ class Copier:
         if count == 1 and self.method is CopyMethod.BATCH_CTYPES:
             memcpy_async(int(dsts[0]), int(srcs[0]), int(sizes[0]), stream, self.device_index)
             return
-        for start in range(0, count, BATCH_MAX_COPIES):
-            stop = min(count, start + BATCH_MAX_COPIES)
+        start, most = 0, BATCH_FIRST_COPIES
+        while start < count:
+            stop = min(count, start + most)
+            most = min(2 * most, BATCH_MAX_COPIES)
             if self.method is CopyMethod.BATCH_CTYPES:
                 self._copy_ctypes(dsts[start:stop], srcs[start:stop], sizes[start:stop], order, stream)
             elif self.method is CopyMethod.BATCH_BINDINGS:
                 self._copy_bindings(dsts[start:stop], srcs[start:stop], sizes[start:stop], order, stream)
             else:
                 self._copy_loop(dsts[start:stop], srcs[start:stop], sizes[start:stop], stream)
+            start = stop
 
     def _copy_ctypes(
         self, dsts: U64Array, srcs: U64Array, sizes: U64Array, order: SrcAccessOrder, stream: int

@@ -66,8 +66,13 @@ enum { BOOK_FIELDS = 9 }; /* a result's int64 fields in kvo_book_take's out */
 enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
 /* BATCH_MAX: descriptors per cuMemcpyBatchAsync call. The driver holds a lock for the whole call,
  * and the caller's own driver calls (its fence's cuEventRecord) wait for it: one call of 16 384
- * descriptors held the engine's thread for about 10 ms on the H200 (bench --latency, path dma). */
-enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, ABI_13 = 13000 };
+ * descriptors held the engine's thread for about 10 ms on the H200 (bench --latency, path dma).
+ * BATCH_FIRST: descriptors of the first call of a run of them, each next call taking twice as many
+ * up to BATCH_MAX: the copy engine starts on a call's descriptors only once the call returned, and
+ * the driver spends about 0.37 us a descriptor (a call of 1024 took 350-380 us on an H100 host),
+ * so one call of them all held a job's first byte that long (docs/design.md §16, *Descriptors in
+ * growing calls*); kvoffload.bindings.copier.BATCH_FIRST_COPIES is the same for the Python paths. */
+enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, BATCH_FIRST = 64, ABI_13 = 13000 };
 /* The most a caller issues of a layered job's first layer on the staged path (first_layer_is_cheap):
  * chunks, descriptors beside its strided copies, and strided copies. */
 enum { CALLER_LAYER_CHUNKS = 4, CALLER_LAYER_COPIES = 16, CALLER_LAYER_STRIDED = 16 };
@@ -277,6 +282,7 @@ struct kvo_issuer {
     struct memcpy_2d *strided; /* a staged chunk's strided copies (see staged_plan) */
     size_t strided_cap;
     int64_t *order, order_cap;
+    uint64_t *radix; int64_t radix_cap; /* staged_order's two buffers of radix_cap each */
 };
 
 /* ---------------------------------------------------------------------------------- helpers */
@@ -561,7 +567,7 @@ static int append_copy(struct kvo_issuer *is, size_t *count, int64_t *last_area,
     return 1;
 }
 
-/* Enqueue the descriptors built so far on `stream`. */
+/* Enqueue the descriptors built so far on `stream`, in calls growing from BATCH_FIRST descriptors. */
 static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream stream,
                              const char **call) {
     if (count == 0) return 0;
@@ -576,9 +582,9 @@ static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream strea
         return 0;
     }
     *call = "cuMemcpyBatchAsync";
-    size_t zero = 0, fail = 0;
-    for (size_t start = 0; start < count; start += BATCH_MAX) {
-        size_t n = count - start < BATCH_MAX ? count - start : BATCH_MAX;
+    size_t zero = 0, fail = 0, most = BATCH_FIRST, n;
+    for (size_t start = 0; start < count; start += n, most = most < BATCH_MAX / 2 ? most * 2 : BATCH_MAX) {
+        n = count - start < most ? count - start : most;
         CUresult r;
         give_way(is);
         int64_t began = issue_call_begin(is, CALL_COPY);
@@ -630,23 +636,57 @@ static int by_host(const void *a, const void *b, void *keys) {
     return x < y ? -1 : (x > y);
 }
 
+/* Sort the indices 0..n-1 of `keys` (each >= 0, at most `most`) by key, stably, into `order`, as
+ * a radix sort of (key << index bits | index) with 8-bit digits through `packed` and `spare` (n
+ * each). 0 when the pair does not fit 64 bits (the caller sorts otherwise). */
+static int radix_order(int64_t *order, const int64_t *keys, int64_t n, int64_t most,
+                       uint64_t *packed, uint64_t *spare) {
+    int index_bits = 0, key_bits = 0;
+    while (index_bits < 63 && ((int64_t)1 << index_bits) < n) index_bits++;
+    while (key_bits < 63 && ((int64_t)1 << key_bits) <= most) key_bits++;
+    if (index_bits + key_bits > 64) return 0;
+    for (int64_t i = 0; i < n; i++) packed[i] = (uint64_t)keys[i] << index_bits | (uint64_t)i;
+    for (int shift = 0; shift < index_bits + key_bits; shift += 8) {
+        size_t at[257] = {0};
+        for (int64_t i = 0; i < n; i++) at[((packed[i] >> shift) & 255) + 1]++;
+        for (int d = 0; d < 256; d++) at[d + 1] += at[d];
+        for (int64_t i = 0; i < n; i++) spare[at[(packed[i] >> shift) & 255]++] = packed[i];
+        uint64_t *t = packed; packed = spare; spare = t;
+    }
+    uint64_t mask = index_bits ? (~(uint64_t)0 >> (64 - index_bits)) : 0;
+    for (int64_t i = 0; i < n; i++) order[i] = (int64_t)(packed[i] & mask);
+    return 1;
+}
+
 /* The pairs' order for a staged job: by host record (stable), so consecutive records merge. Host
- * records already in order (an engine's usual job) are not sorted: the identity is the stable sort,
- * and qsort_r took 2.2 us for 256 pairs and 10.5 us for 1024 on a warm host (docs/design.md §16),
- * on the caller's thread when it issues a layered job's first layer. */
+ * records already in order (an engine's usual job) are not sorted: the identity is the stable sort.
+ * Others go through radix_order (qsort_r through a comparison callback took 65-80 us of the
+ * thread's for 1024 pairs on an H100 host, 10.5 us on a warm CI host; docs/design.md §16), or
+ * qsort_r when its buffers cannot be had. */
 static int64_t *staged_order(struct kvo_issuer *is, const struct kvo_job *job) {
-    if (job->n > is->order_cap) {
-        int64_t *grown = realloc(is->order, (size_t)job->n * sizeof(int64_t));
+    int64_t n = job->n;
+    if (n > is->order_cap) {
+        int64_t *grown = realloc(is->order, (size_t)n * sizeof(int64_t));
         if (!grown) return 0;
         is->order = grown;
-        is->order_cap = job->n;
+        is->order_cap = n;
     }
-    int64_t sorted = 1;
-    for (int64_t i = 0; i < job->n; i++) {
+    int64_t sorted = 1, least = 0, most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t h = job->host_ids[i];
         is->order[i] = i;
-        sorted &= i == 0 || job->host_ids[i - 1] <= job->host_ids[i];
+        sorted &= i == 0 || job->host_ids[i - 1] <= h;
+        least = h < least ? h : least;
+        most = h > most ? h : most;
     }
-    if (!sorted) qsort_r(is->order, (size_t)job->n, sizeof(int64_t), by_host, job->host_ids);
+    if (sorted) return is->order;
+    if (least >= 0 && n > is->radix_cap) {
+        uint64_t *grown = realloc(is->radix, 2 * (size_t)n * sizeof(uint64_t));
+        if (grown) { is->radix = grown; is->radix_cap = n; }
+    }
+    if (least < 0 || n > is->radix_cap ||
+        !radix_order(is->order, job->host_ids, n, most, is->radix, is->radix + n))
+        qsort_r(is->order, (size_t)n, sizeof(int64_t), by_host, job->host_ids);
     return is->order;
 }
 
@@ -1352,7 +1392,7 @@ static void issuer_unref(struct kvo_issuer *is) { /* caller holds the mutex */
     pthread_cond_destroy(&is->done);
     free(is->timing.free); free(is->plain.free);
     free(is->slot_bases); free(is->filled); free(is->drained);
-    free(is->d_dst); free(is->d_src); free(is->d_size); free(is->strided); free(is->order);
+    free(is->d_dst); free(is->d_src); free(is->d_size); free(is->strided); free(is->order); free(is->radix);
     free(is);
 }
 

@@ -100,6 +100,21 @@ def test_the_python_paths_copier_issues_copies_in_pieces(monkeypatch: pytest.Mon
     assert fake.provenance[(1 << 40) + 2 * mib] == (3 << 40) + 2 * mib
 
 
+@pytest.mark.parametrize(("count", "calls"), [(64, [64]), (1000, [64, 128, 256, 512, 40])])
+def test_the_python_paths_copier_issues_copies_in_growing_calls(count: int, calls: list[int]) -> None:
+    """Copier.copy's first driver call takes BATCH_FIRST_COPIES copies and each next one twice as
+    many: the copy engine starts on a call's copies only once it returned (docs/design.md §16)."""
+    assert copier_module.BATCH_FIRST_COPIES == 64
+    fake = FakeDriver()
+    copier = Copier(CopyMethod.BATCH_CTYPES, 13000, fake.address("memcpy_batch"))
+    offsets = np.arange(count, dtype=U64) * 4096
+    copier.copy((1 << 40) + offsets, (2 << 40) + offsets, np.full(count, 4096, dtype=U64),
+                SrcAccessOrder.STREAM, 7)
+    assert [c[2] for c in fake.of("cuMemcpyBatchAsync")] == calls
+    assert fake.copy_sizes == [4096] * count
+    assert fake.provenance[(1 << 40) + 4096 * (count - 1)] == (2 << 40) + 4096 * (count - 1)
+
+
 @pytest.mark.parametrize("piece", [0, 2], ids=["control-no-bound", "bounded"])
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
 def test_a_staged_job_of_consecutive_records_goes_in_pieces(direction: Direction, piece: int) -> None:

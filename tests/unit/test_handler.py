@@ -386,6 +386,37 @@ def test_a_split_job_is_halved_until_its_head_fits_the_head_budget() -> None:
         handler.shutdown(timeout=HANG_GUARD_S)
 
 
+class SizedFakeBackend(FakeBackend):
+    """A fake that chooses a path by size as the CUDA backend does (``path_for``): ``small`` up to
+    ``small_pairs`` blocks, ``bulk`` above (an expedited lane: its small loads through ``sm``)."""
+
+    def __init__(self, small_pairs: int | None) -> None:
+        super().__init__()
+        self.small_pairs = small_pairs
+
+    def path_for(self, pairs: int) -> str:
+        return "small" if self.small_pairs is not None and pairs <= self.small_pairs else "bulk"
+
+
+@pytest.mark.parametrize("small_pairs", [8, None], ids=["head-would-change-path", "control-one-path"])
+def test_a_costly_job_is_not_split_where_its_head_would_take_another_path(small_pairs: int | None) -> None:
+    """A head cut off a job goes through the path chosen for the head's size: where that is not the
+    whole job's path (a 20-block lane load had its 10-block head go through ``sm``), the job is
+    issued whole, by the thread. The control, one path at every size, is split as ever."""
+    backend = SizedFakeBackend(small_pairs)
+    backend.inline = True
+    backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS // 8  # 16 blocks: over the plain limit
+    handler = make_handler(backend)
+    try:
+        handler.submit(1, list(range(16)), list(range(16)))  # a head of 4 fits the head budget
+        (result,) = handler.wait([1], timeout=HANG_GUARD_S)
+        assert result.ok and result.nbytes == 16 * 4096
+        sizes = [len(s) for s in issued_sources(backend)]
+        assert sizes == ([16] if small_pairs else [4, 12])
+    finally:
+        handler.shutdown(timeout=HANG_GUARD_S)
+
+
 @pytest.mark.parametrize("failing", ["head", "rest"])
 def test_a_split_job_fails_as_a_whole_when_either_part_fails(failing: str) -> None:
     backend = FakeBackend(auto_finish=False)
