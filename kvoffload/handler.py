@@ -560,15 +560,15 @@ class DirectionHandler:
 
     def _split(self, backend: Backend, transfer: _Transfer, pairs: int) -> _Transfer | None:
         """Cut the head off a costly job; ``transfer`` keeps the rest, the fence, the byte count.
-        None, with ``transfer`` whole, when the backend would move a head of that size on another
-        path than the whole job's (``path_for``, a backend's that chooses by size): the head on
-        another stream would hold the rest behind it, on a path chosen for small jobs (an expedited
-        lane's 10 MiB load had its 5 MiB head go through ``sm``, at about half the link)."""
+        None, with ``transfer`` whole, when the backend would move the head or the rest on another
+        path than the whole job's (``path_for``, a backend's that chooses by size): a part on another
+        stream holds the other behind it, on a path chosen for jobs of its size (an expedited lane's
+        10 MiB load had its 5 MiB head go through ``sm``, at about half the link)."""
         count = pairs // 2
         while count > 1 and backend.issue_cost(self._plan, count) > INLINE_HEAD_MAX_DESCRIPTORS:
             count //= 2
         path_for = getattr(backend, "path_for", None)
-        if path_for is not None and path_for(count) != path_for(pairs):
+        if path_for is not None and not path_for(count) == path_for(pairs - count) == path_for(pairs):
             return None
         head = _Transfer(transfer.job_id, transfer.src[:count], transfer.dst[:count],
                          count * self._page_bytes, transfer.fence, False, head=True)

@@ -387,23 +387,25 @@ def test_a_split_job_is_halved_until_its_head_fits_the_head_budget() -> None:
 
 
 class SizedFakeBackend(FakeBackend):
-    """A fake that chooses a path by size as the CUDA backend does (``path_for``): ``small`` up to
-    ``small_pairs`` blocks, ``bulk`` above (an expedited lane: its small loads through ``sm``)."""
+    """A fake that chooses a path by size as the CUDA backend does (``path_for``): ``mid`` from
+    ``mid[0]`` to ``mid[1]`` blocks, ``bulk`` otherwise."""
 
-    def __init__(self, small_pairs: int | None) -> None:
+    def __init__(self, mid: tuple[int, int] | None) -> None:
         super().__init__()
-        self.small_pairs = small_pairs
+        self.mid = mid
 
     def path_for(self, pairs: int) -> str:
-        return "small" if self.small_pairs is not None and pairs <= self.small_pairs else "bulk"
+        return "mid" if self.mid is not None and self.mid[0] <= pairs <= self.mid[1] else "bulk"
 
 
-@pytest.mark.parametrize("small_pairs", [8, None], ids=["head-would-change-path", "control-one-path"])
-def test_a_costly_job_is_not_split_where_its_head_would_take_another_path(small_pairs: int | None) -> None:
-    """A head cut off a job goes through the path chosen for the head's size: where that is not the
-    whole job's path (a 20-block lane load had its 10-block head go through ``sm``), the job is
-    issued whole, by the thread. The control, one path at every size, is split as ever."""
-    backend = SizedFakeBackend(small_pairs)
+@pytest.mark.parametrize("mid", [(1, 8), (5, 15), None],
+                         ids=["head-would-change-path", "rest-would-change-path", "control-one-path"])
+def test_a_costly_job_is_not_split_where_a_part_would_take_another_path(mid: tuple[int, int] | None) -> None:
+    """The head cut off a job and its rest each go through the path chosen for their size: where
+    either is not the whole job's path (a 20-block lane load had its 10-block head go through
+    ``sm``; with size buckets the rest can fall in another bucket), the job is issued whole, by the
+    thread. The control, one path at every size, is split as ever."""
+    backend = SizedFakeBackend(mid)
     backend.inline = True
     backend.cost_per_block = INLINE_ISSUE_MAX_DESCRIPTORS // 8  # 16 blocks: over the plain limit
     handler = make_handler(backend)
@@ -412,7 +414,7 @@ def test_a_costly_job_is_not_split_where_its_head_would_take_another_path(small_
         (result,) = handler.wait([1], timeout=HANG_GUARD_S)
         assert result.ok and result.nbytes == 16 * 4096
         sizes = [len(s) for s in issued_sources(backend)]
-        assert sizes == ([16] if small_pairs else [4, 12])
+        assert sizes == ([16] if mid else [4, 12])
     finally:
         handler.shutdown(timeout=HANG_GUARD_S)
 
