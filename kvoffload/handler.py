@@ -13,7 +13,9 @@ driver's per-page cost is paid there, with the GIL released in the driver). A jo
 (:data:`INLINE_ISSUE_MAX_DESCRIPTORS`) is issued on the caller's thread when nothing else is queued;
 a costlier one with nothing in flight, and a layered load's layer 0, are issued there as a *head*
 and the rest on the issuer thread: the link starts at once, the caller pays for one chunk or layer,
-and the head's result rides with the rest's (the job still completes as a whole). A backend whose
+and the head's result rides with the rest's (the job still completes as a whole), unless a backend
+that chooses its path by size (``path_for``) would move the head or the rest on another path than the
+whole job's: then the job goes whole to the thread. A backend whose
 ``hands_off`` is true (the native issuer, docs/design.md §16) only hands a job to a thread of its
 own: every job is issued whole on the caller's thread, never split, and the handler starts no
 thread (:attr:`DirectionHandler.thread_stopped` then reads the backend's).

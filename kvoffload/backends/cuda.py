@@ -605,8 +605,8 @@ class CudaBackend:
         return self.paths[self._choose(pairs)].issue_cost(plan, pairs)
 
     def path_for(self, pairs: int) -> str:
-        """The path a job of ``pairs`` blocks takes (the handler cuts no head off a job that its
-        head's size would send another way)."""
+        """The path a job of ``pairs`` blocks takes (the handler splits no job whose head or rest
+        would go another way than the whole job)."""
         return self._choose(pairs)
 
     def layer_marks(self, count: int) -> CudaLayerMarks:
