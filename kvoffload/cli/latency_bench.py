@@ -6,7 +6,10 @@ what the link alone costs, measured side by side in one run.
 - *a job alone, call -> result*: one job with nothing else in flight, from the ``store``/``load``
   call to its result from ``wait``, per page size and job size, next to one pinned copy of the same
   bytes timed the same way (call -> stream synchronized) in the same run; the job's device time
-  (``TransferResult.seconds``) and the caller's time in the call are shown beside it;
+  (``TransferResult.seconds``) and the caller's time in the call are shown beside it; host records
+  in order, and at the smallest page size (every page size without ``--quick``) also *gapped*
+  (every other record of the pool, ascending) and *shuffled* (those records in random order), as
+  an engine's pool hands out records in the order they were freed;
 - *1-block jobs* (64 pages of 32 KiB), call -> result, next to one 2 MiB pinned copy, and the job's
   device time next to the copy's, each from an event recorded before it to one after it (so it
   holds the host's time to enqueue the work after the first event, too);
@@ -51,6 +54,9 @@ JOB_SIZES: Final = (2 * MIB, 16 * MIB, 64 * MIB)
 QUICK_JOB_SIZES: Final = (64 * MIB,)
 #: Layers of the per-layer layout of the isolated-job figures (2 pages, K and V, per layer).
 LATENCY_LAYERS: Final = 8
+#: The host records an isolated job takes: in order (records back to back), every other record
+#: ascending, and those records shuffled.
+RECORDS: Final = ("in order", "gapped", "shuffled")
 REPEATS: Final = 15
 QUICK_REPEATS: Final = 7
 #: The caller's-time figure: bursts of BURST jobs of BURST_BLOCKS blocks of 64 pages of 32 KiB,
@@ -126,9 +132,24 @@ def _job(w: Worker, store: bool, job: int, device_blocks: np.ndarray, host_block
     return t2 - t0, t1 - t0, result
 
 
+def host_records(records: str, blocks: int, seed: int = 0) -> np.ndarray:
+    """The host records of an isolated job of ``blocks`` blocks in a pool of ``2 * blocks``
+    records: ``"in order"`` (0, 1, ...), ``"gapped"`` (0, 2, 4, ...: no two follow each other) or
+    ``"shuffled"`` (the gapped records in a random order drawn from ``seed``)."""
+    if records == "in order":
+        return np.arange(blocks, dtype=np.int64)
+    gapped = 2 * np.arange(blocks, dtype=np.int64)
+    if records == "gapped":
+        return gapped
+    if records == "shuffled":
+        return np.random.default_rng(seed).permutation(gapped)
+    raise ValueError(f"records must be one of {RECORDS}, not {records!r}")
+
+
 def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, repeats: int,
-                  out: TextIO, issuer: str = "auto") -> list[str]:
-    """Rows of the isolated-job table for one page size and job size (store and load)."""
+                  out: TextIO, issuer: str = "auto", records: Sequence[str] = RECORDS[:1]) -> list[str]:
+    """Rows of the isolated-job table for one page size and job size (store and load), one pair
+    of rows for each of ``records`` (see :func:`host_records`)."""
     block = 2 * LATENCY_LAYERS * page
     blocks = max(1, job_bytes // block)
     layout, tensors = _per_layer(device, LATENCY_LAYERS, page, 2 * blocks)
@@ -136,36 +157,51 @@ def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, re
     rows = []
     dev_a = np.arange(blocks, dtype=np.int64)
     dev_b = dev_a + blocks
-    host = np.arange(blocks, dtype=np.int64)
-    with Worker.create(layout, blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
-        label = _label(path, w)
-        job = 0
-        for store in (True, False):
-            samples: list[tuple[float, float, float]] = []
-            copies: list[float] = []
-            taken: set[str] = set()  # the paths the jobs took (``auto`` says which it chose)
-            for i in range(repeats + 2):  # two warm-ups
-                torch.cuda.synchronize(device)
-                total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
-                job += 1
-                torch.cuda.synchronize(device)
-                c = copy.seconds(store)
-                if i >= 2:
-                    samples.append((total, call, result.seconds))
-                    copies.append(c)
-                    taken.add(result.path)
-            shown = label.replace("auto", f"auto({','.join(sorted(taken))})", 1) if path == "auto" else label
-            bad = 0 if store else _mismatched(layout, dev_a, dev_b)
-            t = statistics.median(s[0] for s in samples)
-            c = statistics.median(copies)
-            rows.append(
-                f"{_size(page):>8} {_size(blocks * block):>8} {'store' if store else 'load':<6} {shown:<20}"
-                f" {t * 1e6:9.1f} {c * 1e6:9.1f}   {c / t:5.2f}x"
-                f" {statistics.median(s[1] for s in samples) * 1e6:9.1f}"
-                f" {statistics.median(s[2] for s in samples) * 1e6:9.1f}   {bad}"
-            )
-            _log(out, "  " + rows[-1])
+    with Worker.create(layout, 2 * blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
+        for kind in records:
+            rows += _isolated_rows(w, path, copy, page, repeats, out, dev_a, dev_b,
+                                   host_records(kind, blocks), kind, tensors)
     del tensors
+    return rows
+
+
+def _isolated_rows(w: Worker, path: str, copy: PinnedCopy, page: int, repeats: int, out: TextIO, dev_a: np.ndarray,
+                   dev_b: np.ndarray, host: np.ndarray, records: str, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """A store's and a load's row of the isolated-job table through ``w``: device blocks ``dev_a``
+    stored to host records ``host`` and loaded back into ``dev_b`` (zeroed before the last load, so
+    that the check sees that load's bytes)."""
+    device = copy.dev.device
+    label = _label(path, w)
+    rows = []
+    job = 0
+    for store in (True, False):
+        samples: list[tuple[float, float, float]] = []
+        copies: list[float] = []
+        taken: set[str] = set()  # the paths the jobs took (``auto`` says which it chose)
+        for i in range(repeats + 2):  # two warm-ups
+            if not store and i == repeats + 1:
+                for tensor in tensors.values():
+                    tensor.index_fill_(1, torch.as_tensor(dev_b, device=device), 0)  # _per_layer: block dim 1
+            torch.cuda.synchronize(device)
+            total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
+            job += 1
+            torch.cuda.synchronize(device)
+            c = copy.seconds(store)
+            if i >= 2:
+                samples.append((total, call, result.seconds))
+                copies.append(c)
+                taken.add(result.path)
+        shown = label.replace("auto", f"auto({','.join(sorted(taken))})", 1) if path == "auto" else label
+        bad = 0 if store else _mismatched(w.layout, dev_a, dev_b)
+        t = statistics.median(s[0] for s in samples)
+        c = statistics.median(copies)
+        rows.append(
+            f"{_size(page):>8} {_size(copy.host.numel()):>8} {'store' if store else 'load':<6} {records:<9}"
+            f" {shown:<20} {t * 1e6:9.1f} {c * 1e6:9.1f}   {c / t:5.2f}x"
+            f" {statistics.median(s[1] for s in samples) * 1e6:9.1f}"
+            f" {statistics.median(s[2] for s in samples) * 1e6:9.1f}   {bad}"
+        )
+        _log(out, "  " + rows[-1])
     return rows
 
 
@@ -328,7 +364,9 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
     for page in pages:
         for size in sizes:
             for path, issuer in _variants(paths, issuers):
-                rows += isolated_jobs(device, page, size, path, repeats, out, issuer)
+                scattered = not quick or page == pages[0]
+                rows += isolated_jobs(device, page, size, path, repeats, out, issuer,
+                                      RECORDS if scattered else RECORDS[:1])
     _log(out, "1-block jobs, caller's time per call")
     small = [one_block_jobs(device, path, repeats, issuer) for path, issuer in _variants(paths, issuers)]
     small += [expedited_jobs(device, path, repeats, issuer, lane) for path, issuer in _variants(paths, issuers)
@@ -337,7 +375,7 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
                for row in caller_time(device, path, BURSTS // 2 if quick else BURSTS, issuer)]
     print(f"kvoffload bench --latency on {torch.cuda.get_device_name(device)}; per-layer layouts of "
           f"{LATENCY_LAYERS} layers (K and V pages)")
-    print(f"{'page':>8} {'job':>8} {'dir':<6} {'path/issuer':<20} {'job us':>9} {'copy us':>9}   {'ratio':>6}"
+    print(f"{'page':>8} {'job':>8} {'dir':<6} {'records':<9} {'path/issuer':<20} {'job us':>9} {'copy us':>9}   {'ratio':>6}"
           f" {'call us':>9} {'device us':>9}   bad")
     print("  (a job alone, call -> result, vs one pinned copy of the same bytes timed the same way; "
           "ratio = copy / job; call = caller's time in store/load; device = TransferResult.seconds; auto(p): "
