@@ -51,8 +51,8 @@ from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
 __all__ = [
-    "BOTH_WAYS", "CANDIDATES", "AutoChoice", "HandlerFactory", "PoolFactory", "calibrate", "geometry_key",
-    "sm_competes",
+    "BOTH_WAYS", "CANDIDATES", "AutoChoice", "HandlerFactory", "LayeredChoice", "PoolFactory", "calibrate",
+    "geometry_key", "sm_competes",
 ]
 
 _log = logging.getLogger("kvoffload.calibration")
@@ -81,6 +81,76 @@ SM_BUCKETS: Final = 1
 #: within 4% of each other and ``sm`` was chosen in some runs: a 64 MiB store alone then took 0.93x
 #: a pinned copy against 0.97x on ``dma`` (docs/design.md §7).
 SM_MAX_JOB_BYTES: Final = 8 << 20
+
+
+#: A layered load whose layers' copies are host byte ranges narrower than this, on average, goes
+#: through ``sm`` where its size bucket's path would copy them as that many descriptors
+#: (:class:`LayeredChoice`).
+NARROW_LAYER_BYTES: Final = 64 << 10
+#: ... unless at most this share of its rows lies in runs of records too short for the issuer's
+#: strided copies (the native issuer's ``STRIDED_MIN_ROWS``; the Python issuer has none).
+NARROW_ROWS_SHARE: Final = 0.5
+
+
+class LayeredChoice:
+    """``auto``'s path for a layered load (docs/design.md §12, *The path of a layered load*): the
+    size bucket's path, but ``sm`` where that path would move each layer as one descriptor per
+    record's narrow byte range. A layer's span of a record is its pages in that record (two pages
+    of 4 KiB in a per-layer layout of K and V pages: 8 KiB); ``dma`` copies every span as a
+    descriptor, ``staged`` too, but for records that follow each other in the pool in runs of at
+    least ``strided_min_rows`` (the native issuer's strided copies; 0: none). Narrow descriptors
+    are slow on the copy engine, while ``sm``'s kernel reads host memory at the link's pace at any
+    page size: on one H100 host a 16-layer load of 256 blocks at 8 KiB spans took 0.29x a pinned
+    copy through ``staged`` from every other record, 0.33x from records picked at random, 0.15x
+    through the Python issuer's ``staged`` from any records, and 0.83-0.84x through ``sm`` from
+    any; from records in order (one strided copy a layer) ``staged`` took 0.84x too, without
+    holding SMs (``python -m tests.gpu.probe_layered_records``).
+
+    A job's layers are judged by the first plan it is given: with the Python issuer a layered
+    load's layer 0 and its other layers are issued apart, and in a layout whose layers differ in
+    width the two parts may take different paths (jobs of a direction finish in submission order
+    whatever path moved them, so only the speed differs).
+
+    Owns a cache of which layer plans are narrow (bounded by the layout's layers).
+    """
+
+    def __init__(self, size_choice: Callable[[int], str]) -> None:
+        self._size_choice = size_choice
+        self._narrow: dict[CopyPlan, bool] = {}
+
+    def path(self, plans: tuple[CopyPlan, ...], host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
+        """The path of a layered load of ``plans`` (its layers' plans, of one layout) from host
+        records ``host_blocks``, through an issuer whose staged rows in runs of at least
+        ``strided_min_rows`` records go as strided copies."""
+        pairs = int(host_blocks.shape[0])
+        name = self._size_choice(pairs)
+        if name not in ("dma", "staged") or not plans or not self._is_narrow(plans[0]):
+            return name
+        if name == "staged" and strided_min_rows > 0:
+            if _rows_in_short_runs(host_blocks, strided_min_rows) <= NARROW_ROWS_SHARE * pairs:
+                return name
+        return "sm"
+
+    def _is_narrow(self, plan: CopyPlan) -> bool:
+        narrow = self._narrow.get(plan)
+        if narrow is None:
+            sizes = plan.record_runs[1]
+            narrow = self._narrow[plan] = (
+                sizes.shape[0] > 0 and int(sizes.sum()) < NARROW_LAYER_BYTES * int(sizes.shape[0]))
+        return narrow
+
+
+def _rows_in_short_runs(host_blocks: npt.NDArray[np.int64], min_rows: int) -> int:
+    """How many of ``host_blocks`` lie in runs of fewer than ``min_rows`` records that follow each
+    other (the ids taken in ascending order, as the staged path takes them)."""
+    n = int(host_blocks.shape[0])
+    if n == 0:
+        return 0
+    ordered = np.sort(host_blocks)
+    ends = np.flatnonzero(ordered[1:] != ordered[:-1] + 1)
+    bounds = np.concatenate((np.array([-1], dtype=np.int64), ends, np.array([n - 1], dtype=np.int64)))
+    lengths = np.diff(bounds)
+    return int(lengths[lengths < min_rows].sum())
 
 
 class ScratchPool(Protocol):

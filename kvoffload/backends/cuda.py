@@ -46,6 +46,7 @@ __all__ = [
     "CudaStreams",
     "CudaTicket",
     "DmaPath",
+    "LayeredChooser",
     "PathTicket",
     "TransferPath",
     "access_order",
@@ -56,6 +57,10 @@ __all__ = [
 ]
 
 I64Array = npt.NDArray[np.int64]
+#: A layered load's path from its layers' plans, its host records and how many records in a run
+#: its issuer moves as one strided copy (0: none); ``auto``'s is
+#: :meth:`kvoffload.calibration.LayeredChoice.path`.
+LayeredChooser = Callable[[tuple[CopyPlan, ...], I64Array, int], str]
 #: What a transfer path's issue returns.
 PathTicket = Union["CudaTicket", FailedTicket]
 #: Waiting first polls without sleeping (yielding the GIL) for this long, then sleeps with a doubling
@@ -494,12 +499,14 @@ class CudaBackend:
         paths: Mapping[str, TransferPath],
         choose: Callable[[int], str],
         path_name: str,
+        layered: LayeredChooser | None = None,
     ) -> None:
         self.direction = direction
         self.device = streams.device
         self.streams = streams
         self.paths = dict(paths)
         self._choose = choose
+        self._layered = layered
         self._path_name = path_name
         self._index = streams.index
         self._state = threading.Lock()
@@ -518,12 +525,14 @@ class CudaBackend:
         choose: Callable[[int], str] | None = None,
         kernel_stream: bool = False,
         path_name: str | None = None,
+        layered: LayeredChooser | None = None,
     ) -> CudaBackend:
         """Create the streams, then the paths on them (``make_paths``), then the backend; whatever
         was made is released if a later step fails.
 
         ``choose`` maps a job's block count to a path name (default: the only path); ``path_name``
-        is what results report when a ticket names no path (default: that path's name).
+        is what results report when a ticket names no path (default: that path's name);
+        ``layered`` chooses a layered load's path (default: ``choose``'s for its size).
 
         Raises:
             CudaError: a stream or a path's buffer could not be created.
@@ -538,7 +547,7 @@ class CudaBackend:
             (only,) = paths
             choose = lambda _blocks: only  # noqa: E731 - a fixed path
         name = path_name if path_name is not None else next(iter(paths.values())).name
-        return cls(direction, streams, paths, choose, name)
+        return cls(direction, streams, paths, choose, name, layered)
 
     @property
     def path(self) -> str:
@@ -609,6 +618,14 @@ class CudaBackend:
         would go another way than the whole job)."""
         return self._choose(pairs)
 
+    def layered_path_for(self, plans: tuple[CopyPlan, ...], host_blocks: I64Array) -> str:
+        """The path a layered load of ``plans`` from ``host_blocks`` takes: ``auto``'s
+        :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (this Python
+        issuer's staged rows go as descriptors, never strided copies), else as a whole job's."""
+        if self._layered is not None:
+            return self._layered(plans, host_blocks, 0)
+        return self._choose(int(host_blocks.shape[0]))
+
     def layer_marks(self, count: int) -> CudaLayerMarks:
         """Marks for a layered job of ``count`` layers (events come from the non-timing pool)."""
         return CudaLayerMarks(count, self.streams.events, self._index, self.stream_handle)
@@ -650,7 +667,8 @@ class CudaBackend:
         self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event,
         layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks, int] | None,
     ) -> PathTicket:
-        path = self.paths[self._choose(int(src.shape[0]))]
+        path = self.paths[self.layered_path_for(layered[0], src) if layered is not None
+                          else self._choose(int(src.shape[0]))]
         streams = self.streams
 
         def run() -> PathTicket:

@@ -38,6 +38,7 @@ from kvoffload._jobs import BookedResult, FailedTicket, Ticket
 from kvoffload._layer_load import LayerMarks
 from kvoffload.backends.cuda import (
     CudaBackend,
+    LayeredChooser,
     current_device_index,
     current_device_reader,
     current_stream_reader,
@@ -156,8 +157,13 @@ END_LEAD_S: Final = 50e-6
 #: batched descriptor per row; 0: never. On the H200 a layer of 256 spans of 64 KiB host -> device
 #: took 1.36x a contiguous copy of its bytes as descriptors (114 us of the driver's time) and 1.00x
 #: as one strided copy (3 us); spans of 8 KiB 12.1x against 1.06x
-#: (``python -m tests.gpu.probe_strided_copy``; docs/design.md §12).
-STRIDED_MIN_ROWS: Final = 4
+#: (``python -m tests.gpu.probe_strided_copy``). But a strided copy costs the copy engine 2.4-2.8
+#: us whatever its rows: on one H100 host a 16-layer layered load of 256 blocks from records in
+#: runs of 4 took 0.19x a pinned copy at 8 KiB spans and 0.62x at 64 KiB (runs of 16: 0.47x and
+#: 0.87x) with strided copies from runs of 4 records, against 0.29x and 0.96x from records apart
+#: (descriptors) and 0.84x and 0.99x from records in order (one strided copy a layer)
+#: (``python -m tests.gpu.probe_layered_records``; docs/design.md §12).
+STRIDED_MIN_ROWS: Final = 64
 #: Bytes of the staged chunk at the edge of a job alone (a store's first, a load's last; nothing of
 #: its direction in flight or queued when its issue is taken up): a store's first DMA waits for its
 #: first chunk's gather, a load's end for its last chunk's scatter (on the H200 15 us for 16 MiB,
@@ -584,7 +590,7 @@ class NativeBackend:
     def __init__(
         self, inner: Wrapped, lib: ctypes.CDLL, issuer: int, *, index: int,
         choose: Callable[[int], str], path_names: Mapping[str, str], tables: TableSource | None,
-        config: native.Config, keep: object,
+        config: native.Config, keep: object, layered: LayeredChooser | None = None,
     ) -> None:
         self.direction: Direction = inner.direction
         self.device = inner.device
@@ -595,6 +601,11 @@ class NativeBackend:
         self._issuer = issuer
         self._keep = (config, keep)  # the issuer's config and what it points to
         self._choose = choose
+        self._layered = layered
+        # a staged layer's rows in runs of this many records go as one strided copy (0: never; and
+        # taken as never where copies are cut in pieces, which may leave a run no strided copy)
+        self._strided_min_rows = (int(config.strided_min_rows)
+                                  if config.memcpy_2d and config.piece_bytes <= 0 else 0)
         self._path_names = dict(path_names)
         self._tables = tables
         self._plans: dict[tuple[CopyPlan, bool], int] = {}
@@ -650,13 +661,15 @@ class NativeBackend:
     def start(
         cls, inner: Wrapped, config: native.Config, *, index: int, choose: Callable[[int], str],
         path_names: Mapping[str, str], tables: TableSource | None, keep: object = None,
+        layered: LayeredChooser | None = None,
     ) -> NativeBackend:
         """Start the library's thread with ``config`` (driver entry points, streams, paths) over
         ``inner``; on success the new backend owns ``inner``, on failure the caller still does.
 
         ``choose`` maps a job's block count to a path name, ``path_names`` a path name to what
         results report, ``tables`` a plan to its copy-kernel table in device memory (None: no
-        kernel path); ``keep`` is whatever ``config`` points into.
+        kernel path); ``keep`` is whatever ``config`` points into; ``layered`` chooses a layered
+        load's path (default: ``choose``'s for its size).
 
         Raises:
             NativeBuildError: the library could not be built or loaded.
@@ -681,7 +694,7 @@ class NativeBackend:
             lib.kvo_issuer_free(issuer)
             raise native_error(int(error.value), "cuCtxSetCurrent")
         return cls(inner, lib, int(issuer), index=index, choose=choose, path_names=path_names,
-                   tables=tables, config=config, keep=keep)
+                   tables=tables, config=config, keep=keep, layered=layered)
 
     @classmethod
     def over(cls, inner: CudaBackend, copier: Copier) -> NativeBackend:
@@ -742,7 +755,7 @@ class NativeBackend:
         return cls.start(
             inner, c, index=index, choose=inner._choose,  # noqa: SLF001 - the backend it takes over
             path_names={name: path.name for name, path in inner.paths.items()}, tables=tables,
-            keep=bases,
+            keep=bases, layered=inner._layered,  # noqa: SLF001
         )
 
     # --------------------------------------------------------------------------- the Backend seam
@@ -837,6 +850,14 @@ class NativeBackend:
         """None on the caller's thread: the native thread plans and issues."""
         return 0
 
+    def layered_path_for(self, plans: tuple[CopyPlan, ...], host_blocks: I64Array) -> str:
+        """The path a layered load of ``plans`` from ``host_blocks`` takes: ``auto``'s
+        :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (staged rows in runs
+        the issuer moves as strided copies count as such), else as a whole job's."""
+        if self._layered is not None:
+            return self._layered(plans, host_blocks, self._strided_min_rows)
+        return self._choose(int(host_blocks.shape[0]))
+
     def layer_marks(self, count: int) -> LayerMarks:
         """Marks for a layered job of ``count`` layers, attached at the hand-off."""
         return NativeLayerMarks(self, count)
@@ -879,9 +900,9 @@ class NativeBackend:
         """Hand a job over behind the fence ``pointer`` (one of :meth:`fence`), or, when it is 0,
         behind a fence the call records on ``stream``."""
         n = int(src.shape[0])
-        name = self._choose(n)
         device, host = (src, dst) if self._stores else (dst, src)
         whole = marks is None
+        name = self._choose(n) if whole else self.layered_path_for(plans, host)
         with self._lock:
             if self._released:
                 return FailedTicket(TransferError(_RELEASED))
@@ -998,7 +1019,7 @@ class NativeBackend:
         when the job is in the book (where its result comes, failed if its fence could not be
         recorded or its plans registered), else the job was not booked and failed with the returned
         code (:func:`native_error`); it never raises."""
-        count, layered = len(plans), int(not whole)
+        layered = int(not whole)
         registered: list[int] = []
 
         def register() -> int | None:
@@ -1021,7 +1042,7 @@ class NativeBackend:
                 address = register()
             except Exception as exc:  # noqa: BLE001 - the job fails with it, through the book
                 return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
-            return self._booked(job_id, address, count, src, dst, stream, 0, 0, layered,
+            return self._booked(job_id, address, plans, src, dst, stream, 0, 0, layered,
                                 cast("NativeLayerMarks | None", marks))
 
         return hand_off
@@ -1074,18 +1095,18 @@ class NativeBackend:
                 address = None if self._released else self._plan_array(plans, whole=whole)
         except Exception as exc:  # noqa: BLE001 - nothing was handed over: the job fails at once
             return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
-        return self._booked(job_id, address, len(plans), src, dst, fence.stream, fence.pointer, first,
+        return self._booked(job_id, address, plans, src, dst, fence.stream, fence.pointer, first,
                             int(not whole), cast("NativeLayerMarks | None", marks))
 
     def _booked(
-        self, job_id: int, address: int | None, count: int, src: I64Array, dst: I64Array, stream: int,
-        pointer: int, first: int, layered: int, marks: NativeLayerMarks | None,
+        self, job_id: int, address: int | None, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
+        stream: int, pointer: int, first: int, layered: int, marks: NativeLayerMarks | None,
     ) -> int:
         """kvo_hand_off_booked (the plans' array at ``address``; None: the backend was released),
         through the call front where it is built and the fence is recorded in the call."""
-        n = int(src.shape[0])
-        name = self._choose(n)
+        n, count = int(src.shape[0]), len(plans)
         device, host = (src, dst) if self._stores else (dst, src)
+        name = self.layered_path_for(plans, host) if layered else self._choose(n)
         front = self._front
 
         def hand_off() -> tuple[int, int]:

@@ -256,3 +256,41 @@ def test_layered_staged_loads_reuse_a_slot_only_after_its_kernel_finished(
     real = back_to_back_layered_loads(layout, issuer)
     figures.add(f"layered staged ring reuse [{issuer}], worker: bad pieces", f"{real}")
     assert real == 0
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_auto_moves_a_layered_load_of_narrow_spans_from_records_apart_through_sm(
+    issuer: IssuerName, device: torch.device,
+) -> None:
+    """``auto``'s layered path (docs/design.md §12, *The path of a layered load*): a layer's span
+    of a record is 8 KiB here (K and V pages of 4 KiB). From every other record each span is a
+    descriptor of its own on ``dma`` and ``staged``: the load takes ``sm``. From records in order
+    the native issuer moves a staged layer as one strided copy: the size bucket's path stays; the
+    Python issuer has no strided copies. Every load lands bit-exact."""
+    blocks = 256
+    tensors = {f"layer{i}": torch.randint(0, 256, (2, 2 * blocks, 4096), dtype=torch.uint8, device=device)
+               for i in range(LAYERS)}
+    layout = DeviceLayout.from_tensors(tensors, block_dim=1, num_blocks=2 * blocks)
+    src = np.arange(blocks, dtype=np.int64)
+    dst = src + blocks
+    want = layout.gather_records(src)
+    compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with Worker.create(layout, 2 * blocks, path="auto", issuer=issuer) as w:
+        job = 1
+        for apart, host in ((True, 2 * src), (False, src.copy())):
+            w.store(job, src, host)
+            (store,) = w.wait([job], TIMEOUT_S)
+            w.load(job + 1, host, dst)
+            (whole,) = w.wait([job + 1], TIMEOUT_S)
+            assert store.ok and whole.ok, (store.error, whole.error)
+            layout.scatter_records(dst, torch.zeros_like(want))
+            torch.cuda.synchronize(device)
+            load = w.load_by_layer(job + 2, host, dst, stream=compute)
+            load.wait_layer(LAYERS - 1, compute)
+            (result,) = w.wait([job + 2], TIMEOUT_S)
+            assert result.ok, result.error
+            compute.synchronize()
+            assert torch.equal(layout.gather_records(dst), want)
+            strided = whole.path == "staged" and issuer == "native" and not apart
+            assert result.path == (whole.path if whole.path == "sm" or strided else "sm"), (apart, whole.path)
+            job += 3

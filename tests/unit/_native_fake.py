@@ -24,6 +24,9 @@ COPY, KERNEL, COMPUTE, IDLE = 0x1000, 0x2000, 0x3000, 0x4000
 NOT_READY = 600
 #: Fake kernel entry points: handle -> rows per launch (as the real kernel's three).
 FUNCTIONS = ((0xF1, 32), (0xF2, 128), (0xF3, 1024))
+#: The fake's issuers move staged rows in runs of this many records as strided copies: the tests'
+#: host records are chosen for it (runs of a few records), whatever the library's default.
+TEST_STRIDED_MIN_ROWS = 4
 
 _p, _u, _i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
 _u64 = ctypes.c_uint64
@@ -194,7 +197,7 @@ class FakeDriver:
 
     def config(self, *, store: bool, slots: tuple[int, ...] = (), slot_bytes: int = 0,
                batch: bool = True, keep: list[object],
-               strided_min_rows: int = native_backend.STRIDED_MIN_ROWS, give_way_ns: int = 200_000,
+               strided_min_rows: int = TEST_STRIDED_MIN_ROWS, give_way_ns: int = 200_000,
                idle_spin_ns: int = 0, end_lead_ns: int = 50_000,
                caller_issue_max: int = native_backend.CALLER_ISSUE_MAX,
                wait_query_ns: int = round(native_backend.WAIT_QUERY_S * 1e9),

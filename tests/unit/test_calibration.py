@@ -15,6 +15,8 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvoffload import DeviceLayout, calibration
 from kvoffload._descriptors import CopyPlan, PageTable
@@ -588,3 +590,89 @@ def test_a_native_issuer_that_does_not_start_in_calibration_is_said_so_or_raised
                                     "native", "dma", plan, 2, strict=strict):
             pass
     assert (caught.value is failure) if strict else (caught.value.__cause__ is failure)
+
+
+# ------------------------------------------------------------------ auto's path of a layered load
+
+
+def _layer_plan(span: int, runs: int = 1) -> CopyPlan:
+    """A layer's plan whose pages fill ``runs`` byte ranges of ``span`` bytes of a record (runs
+    apart from each other: each is a descriptor of its own)."""
+    n = runs
+    pages = PageTable(
+        dev_base=np.array([(1 << 40) + i * (1 << 32) for i in range(n)], dtype=np.int64),
+        dev_stride=np.full(n, span, dtype=np.int64), nbytes=np.full(n, span, dtype=np.int64),
+        host_offset=np.arange(n, dtype=np.int64) * 2 * span, segment=np.arange(n, dtype=np.int64),
+        record_bytes=2 * span * n,
+    )
+    return CopyPlan(pages, host_base=1 << 36, chunk_records=1 << 20, direction=Direction.LOAD)
+
+
+def _ids(values: Iterable[int]) -> np.ndarray:
+    return np.array(list(values), dtype=np.int64)
+
+
+GAPPED = _ids(range(0, 512, 2))  # 256 records, none next to another
+IN_ORDER = _ids(range(256))
+
+
+@pytest.mark.parametrize("size_path", ["staged", "dma"])
+def test_a_layered_load_of_narrow_spans_from_records_apart_goes_through_sm(size_path: str) -> None:
+    choice = calibration.LayeredChoice(lambda _n: size_path)
+    plan = _layer_plan(8 << 10)
+    assert choice.path((plan,), GAPPED, 4) == "sm"
+    assert choice.path((plan,), GAPPED, 0) == "sm"
+
+
+def test_a_layered_staged_load_of_records_in_runs_the_issuer_moves_as_strided_copies_stays_staged() -> None:
+    choice = calibration.LayeredChoice(lambda _n: "staged")
+    plan = _layer_plan(8 << 10)
+    assert choice.path((plan,), IN_ORDER, 4) == "staged"
+    assert choice.path((plan,), IN_ORDER[::-1].copy(), 4) == "staged"  # the issuer sorts them
+    # without strided copies (the Python issuer) every span is a descriptor: sm
+    assert choice.path((plan,), IN_ORDER, 0) == "sm"
+    # dma moves every span as a descriptor whatever the runs
+    assert calibration.LayeredChoice(lambda _n: "dma").path((plan,), IN_ORDER, 4) == "sm"
+
+
+def test_wide_spans_and_size_paths_of_sm_keep_the_size_bucket_path() -> None:
+    wide = _layer_plan(calibration.NARROW_LAYER_BYTES)
+    two_narrow_runs = _layer_plan(calibration.NARROW_LAYER_BYTES // 2, runs=2)  # 64 KiB a layer, 2 descriptors
+    for size_path in ("staged", "dma"):
+        choice = calibration.LayeredChoice(lambda _n: size_path)
+        assert choice.path((wide,), GAPPED, 4) == size_path
+        assert choice.path((two_narrow_runs,), GAPPED, 4) == "sm"  # the descriptors are what is narrow
+    assert calibration.LayeredChoice(lambda _n: "sm").path((_layer_plan(4096),), IN_ORDER, 4) == "sm"
+    assert calibration.LayeredChoice(lambda _n: "staged").path((), GAPPED, 4) == "staged"
+
+
+def test_the_size_bucket_is_the_jobs_block_count() -> None:
+    seen: list[int] = []
+    choice = calibration.LayeredChoice(lambda n: seen.append(n) or "staged")  # type: ignore[func-returns-value]
+    choice.path((_layer_plan(8 << 10),), GAPPED[:7].copy(), 4)
+    assert seen == [7]
+
+
+@pytest.mark.parametrize("short", [127, 128, 129])
+def test_a_staged_layered_load_goes_through_sm_once_over_half_its_rows_lie_in_short_runs(short: int) -> None:
+    # `short` rows apart from each other (runs of 1), the other 256 - short in one run
+    apart = _ids(range(10_000, 10_000 + 2 * short, 2))
+    run = _ids(range(256 - short))
+    host = np.concatenate((apart, run))
+    choice = calibration.LayeredChoice(lambda _n: "staged")
+    expected = "sm" if short > calibration.NARROW_ROWS_SHARE * 256 else "staged"
+    assert choice.path((_layer_plan(8 << 10),), host, 4) == expected
+
+
+@given(st.lists(st.integers(0, 60), unique=True, max_size=40), st.integers(1, 6))
+def test_rows_in_short_runs_counts_rows_of_runs_shorter_than_the_minimum(ids: list[int], min_rows: int) -> None:
+    ordered = sorted(ids)
+    runs: list[list[int]] = []
+    for value in ordered:  # brute force: runs of ids that follow each other
+        if runs and runs[-1][-1] + 1 == value:
+            runs[-1].append(value)
+        else:
+            runs.append([value])
+    want = sum(len(r) for r in runs if len(r) < min_rows)
+    shuffled = list(reversed(ids))
+    assert calibration._rows_in_short_runs(_ids(shuffled), min_rows) == want  # noqa: SLF001

@@ -162,7 +162,6 @@ def test_a_strided_copy_holds_at_most_a_piece_of_rows_and_never_fewer_than_min_r
     """Ten consecutive records of a strided plan (records three apart) go as one strided copy of 10
     rows; a piece of 5 rows makes two of 5; a piece of 3 rows, below strided_min_rows (4), sends
     every row as descriptors (no copy over the piece either way)."""
-    assert native_backend.STRIDED_MIN_ROWS == 4
     plan = attrs.evolve(strided_plan(direction, [256, 256]), chunk_records=64)
     pitch = plan.pages.record_bytes
     h = Harness(direction, "staged", plan, slot_bytes=16 * pitch,

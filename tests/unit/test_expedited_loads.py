@@ -395,9 +395,11 @@ class _Created:
     """What ``CudaBackend.create`` was called with (in place of a CUDA backend)."""
 
     def __init__(self, direction: Direction, device: torch.device, make_paths: object, *,
-                 choose: Any = None, kernel_stream: bool = False, path_name: str | None = None) -> None:
+                 choose: Any = None, kernel_stream: bool = False, path_name: str | None = None,
+                 layered: Any = None) -> None:
         self.direction = direction
         self.choose, self.kernel_stream, self.path_name = choose, kernel_stream, path_name
+        self.layered = layered
 
 
 @pytest.mark.parametrize("path", ["dma", "staged", "auto"])
@@ -446,3 +448,11 @@ def test_the_lanes_cuda_backend_sends_loads_of_up_to_8_mib_through_sm(
     regular: Any = assembly._cuda_backend(Direction.LOAD, layout, region, cuda, options, "python")
     regular_choose = regular.choose or (lambda n: path)
     assert [regular_choose(n) for n in (1, 16, 17, 31, 32)] == [bulk(n) for n in (1, 16, 17, 31, 32)]
+    # auto's layered loads get their own choice where sm is a path (the pool mapped), over the
+    # jobs' size choice (the lane's included); a fixed path's never
+    for made in (built, regular):
+        assert (made.layered is not None) == (path == "auto" and mapped)
+        if made.layered is not None:
+            assert made.layered.__self__._size_choice is made.choose  # noqa: SLF001
+    stores: Any = assembly._cuda_backend(Direction.STORE, layout, region, cuda, options, "python")
+    assert stores.layered is None  # a layered job is a load

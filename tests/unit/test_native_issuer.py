@@ -48,13 +48,15 @@ from kvoffload import native
 from kvoffload._descriptors import CopyPlan, PageTable, kernel_segments, staged_chunk_rows
 from kvoffload._jobs import JobBook
 from kvoffload.backends import native as native_backend
+from kvoffload.backends.cuda import LayeredChooser
 from kvoffload.backends.native import NativeBackend, NativeLayerMarks
+from kvoffload.calibration import LayeredChoice
 from kvoffload.handler import ISSUER_JOIN_MIN_S, BookedHandler, DirectionHandler
 from kvoffload.records import Direction
 from kvoffload.worker.booking import Bookkeeping, Memory
 from kvoffload.worker.teardown import Teardown
 from tests.unit.test_staged_plan import plan_for
-from tests.unit._native_fake import COMPUTE, COPY, GRANULE, IDLE, KERNEL, FakeDriver, wait_until
+from tests.unit._native_fake import COMPUTE, COPY, GRANULE, IDLE, KERNEL, TEST_STRIDED_MIN_ROWS, FakeDriver, wait_until
 
 I64 = npt.NDArray[np.int64]
 SLOT_BASES = ((1 << 44), (1 << 44) + (1 << 30), (1 << 44) + (2 << 30))
@@ -95,7 +97,7 @@ class Harness:
     def __init__(self, direction: Direction, path: str, plan: CopyPlan, *, slot_bytes: int = 0,
                  not_ready: int = 0, batch: bool = True, controls: int = 0,
                  give_way_ns: int = 200_000, idle_spin_ns: int = 0,
-                 tune: dict[str, int] | None = None) -> None:
+                 tune: dict[str, int] | None = None, layered: LayeredChooser | None = None) -> None:
         self.fake = FakeDriver(not_ready=not_ready)
         self.keep: list[object] = []
         self.tables: dict[int, I64] = {}
@@ -109,7 +111,8 @@ class Harness:
         self.inner = Inner(direction)
         self.backend = NativeBackend.start(
             self.inner, config, index=0, choose=lambda _n: path,
-            path_names={path: path}, tables=self.table, keep=self.keep,
+            path_names={name: name for name in (path, "sm")} if layered else {path: path},
+            tables=self.table, keep=self.keep, layered=layered,
         )
         self.plan = plan
         self.handler = DirectionHandler.create(direction=direction, plan=plan, backend=self.backend,
@@ -248,7 +251,7 @@ STRIDED_HOSTS = [10, 11, 12, 13, 14, 20, 21, 33, 40, 41, 42, 43, 48, 49, 50, 51]
 
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("min_rows", [native_backend.STRIDED_MIN_ROWS, 0])
+@pytest.mark.parametrize("min_rows", [TEST_STRIDED_MIN_ROWS, 0])
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_staged_rows_of_consecutive_records_go_as_strided_copies(
     direction: Direction, layout: str, min_rows: int, shuffled: bool,
@@ -257,7 +260,7 @@ def test_staged_rows_of_consecutive_records_go_as_strided_copies(
     cuMemcpy2DAsync per run of the record; the rest as descriptors. 0 turns strided copies off.
     Either way the job moves exactly its bytes. The pairs come in host order (the issuer keeps
     their order) or shuffled (it sorts them by host record first: the same runs)."""
-    assert native_backend.STRIDED_MIN_ROWS == 4, "the host runs below are chosen for 4"
+    assert TEST_STRIDED_MIN_ROWS == 4, "the host runs below are chosen for 4"
     plan = strided_plan(direction, **LAYOUTS[layout])  # type: ignore[arg-type]
     h = Harness(direction, "staged", plan, slot_bytes=64 * plan.pages.record_bytes,
                 tune={"strided_min_rows": min_rows})
@@ -360,6 +363,73 @@ def test_a_layered_staged_load_moves_each_layers_spans_of_consecutive_records_as
         assert len(h.fake.of("cuMemcpyAsync")) == 3 and not h.fake.of("cuMemcpyBatchAsync")
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("front", [True, False])
+def test_auto_moves_a_layered_load_of_narrow_spans_from_records_apart_through_sm(
+    front: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layered load whose size bucket takes staged: from consecutive records (one strided copy a
+    layer) it stays staged; from records apart (a descriptor per record and layer) it takes sm.
+    The control, the size bucket's path alone, moves both through staged."""
+    if not front:
+        monkeypatch.setattr(native, "front", lambda: None)  # the ctypes hand-off
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])  # three layers of two pages
+    for rule in (None, LayeredChoice(lambda _n: "staged").path):
+        h = Harness(Direction.LOAD, "staged", plan, layered=rule)
+        try:
+            for job, host in enumerate(([5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5, 7, 9, 11, 13, 15])):
+                device = list(range(40, 48))
+                submit_layered(h, job, host, device)
+                (result,) = h.handler.wait([job], TIMEOUT_S)
+                assert result.ok, result.error
+                assert moved(h.fake, expected(plan, device, host)) == 0
+                apart = job == 1
+                assert result.path == ("sm" if apart and rule is not None else "staged"), (rule, host)
+        finally:
+            h.close()
+
+
+def test_a_layered_load_takes_sm_where_copies_in_pieces_may_leave_its_runs_no_strided_copy() -> None:
+    """Copies cut in pieces (``piece_bytes``) can leave a run of records no strided copy (the
+    issuer's strided_rows): the choice then counts every row as a descriptor, and a load from
+    consecutive records takes sm. The control, without pieces, stays staged."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    host, device = [5, 6, 7, 8, 9, 10, 11, 12], list(range(40, 48))
+    for pieces in (0, 512):
+        h = Harness(Direction.LOAD, "staged", plan, layered=LayeredChoice(lambda _n: "staged").path,
+                    tune={"piece_bytes": pieces})
+        try:
+            submit_layered(h, 0, host, device)
+            (result,) = h.handler.wait([0], TIMEOUT_S)
+            assert result.ok, result.error
+            assert moved(h.fake, expected(plan, device, host)) == 0
+            assert result.path == ("sm" if pieces else "staged"), pieces
+        finally:
+            h.close()
+
+
+@pytest.mark.parametrize("run", [40, 64])
+def test_the_library_moves_only_runs_of_64_records_as_strided_copies(run: int) -> None:
+    """A strided copy costs the copy engine about as much as a few dozen narrow descriptors
+    (docs/design.md §12): with the library's STRIDED_MIN_ROWS a layered load's run of 40 records
+    goes as descriptors, one of 64 as one strided copy a layer. The control (4, the former value)
+    moves both as strided copies. Every byte lands either way."""
+    assert native_backend.STRIDED_MIN_ROWS == 64
+    plan = attrs.evolve(make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128]), chunk_records=1024)
+    for min_rows in (4, native_backend.STRIDED_MIN_ROWS):
+        h = Harness(Direction.LOAD, "staged", plan, slot_bytes=128 * plan.pages.record_bytes,
+                    tune={**THREAD_ISSUES, "strided_min_rows": min_rows, "edge_bytes": 0})
+        try:
+            host, device = list(range(run)), list(range(NUM_BLOCKS - run, NUM_BLOCKS))
+            submit_layered(h, 0, host, device)
+            (result,) = h.handler.wait([0], TIMEOUT_S)
+            assert result.ok, result.error
+            assert moved(h.fake, expected(plan, device, host)) == 0
+            strided = len(h.fake.of("cuMemcpy2DAsync"))
+            assert strided == (3 if run >= min_rows else 0), (min_rows, run, strided)
+        finally:
+            h.close()
 
 
 def layer_tables(plan: CopyPlan) -> tuple[PageTable, ...]:
