@@ -664,7 +664,7 @@ def test_a_staged_layered_load_goes_through_sm_once_over_half_its_rows_lie_in_sh
     assert choice.path((_layer_plan(8 << 10),), host, 4) == expected
 
 
-@given(st.lists(st.integers(0, 60), unique=True, max_size=40), st.integers(1, 6))
+@given(st.lists(st.integers(0, 60), max_size=40), st.integers(1, 6))  # a load may read a record twice
 def test_rows_in_short_runs_counts_rows_of_runs_shorter_than_the_minimum(ids: list[int], min_rows: int) -> None:
     ordered = sorted(ids)
     runs: list[list[int]] = []
