@@ -93,6 +93,17 @@ class PageTable:
         """Payload bytes of one block (the sum of its page sizes)."""
         return int(self.nbytes.sum())
 
+    def record_runs(self) -> tuple[I64Array, I64Array]:
+        """(offsets, sizes) of the byte ranges of a host record these pages fill, merged where
+        they follow each other, in record order."""
+        order = np.argsort(self.host_offset, kind="stable")
+        starts, sizes = self.host_offset[order], self.nbytes[order]
+        if starts.shape[0] == 0:
+            return starts, sizes
+        continues = starts[1:] == starts[:-1] + sizes[:-1]
+        first = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~continues) + 1))
+        return starts[first], np.add.reduceat(sizes, first)
+
 
 @attrs.frozen(eq=False)
 class Descriptors:
@@ -148,14 +159,8 @@ class CopyPlan:
     @functools.cached_property
     def record_runs(self) -> tuple[I64Array, I64Array]:
         """(offsets, sizes) of the byte ranges of a host record this plan's pages fill, merged
-        where they follow each other, in record order."""
-        order = np.argsort(self.pages.host_offset, kind="stable")
-        starts, sizes = self.pages.host_offset[order], self.pages.nbytes[order]
-        if starts.shape[0] == 0:
-            return starts, sizes
-        continues = starts[1:] == starts[:-1] + sizes[:-1]
-        first = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~continues) + 1))
-        return starts[first], np.add.reduceat(sizes, first)
+        where they follow each other, in record order (:meth:`PageTable.record_runs`)."""
+        return self.pages.record_runs()
 
     @functools.cached_property
     def compact(self) -> CopyPlan:

@@ -106,38 +106,30 @@ class LayeredChoice:
     any; from records in order (one strided copy a layer) ``staged`` took 0.84x too, without
     holding SMs (``python -m tests.gpu.probe_layered_records``).
 
-    A job's layers are judged by the first plan it is given: with the Python issuer a layered
-    load's layer 0 and its other layers are issued apart, and in a layout whose layers differ in
-    width the two parts may take different paths (jobs of a direction finish in submission order
-    whatever path moved them, so only the speed differs).
-
-    Owns a cache of which layer plans are narrow (bounded by the layout's layers).
+    Whether the layers are narrow is the layout's (every layer's byte ranges of a record, judged
+    once), so every part of a job (the Python issuer issues layer 0 apart from the others) takes
+    the same path. Owns nothing but that answer.
     """
 
-    def __init__(self, size_choice: Callable[[int], str]) -> None:
+    def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable]) -> None:
         self._size_choice = size_choice
-        self._narrow: dict[CopyPlan, bool] = {}
+        runs = [table.record_runs()[1] for table in layer_tables]
+        count = sum(int(sizes.shape[0]) for sizes in runs)
+        #: the layers' copies average under NARROW_LAYER_BYTES (False: no layers)
+        self.narrow = count > 0 and sum(int(sizes.sum()) for sizes in runs) < NARROW_LAYER_BYTES * count
 
     def path(self, plans: tuple[CopyPlan, ...], host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
-        """The path of a layered load of ``plans`` (its layers' plans, of one layout) from host
+        """The path of a layered load (of ``plans``, layers of this choice's layout) from host
         records ``host_blocks``, through an issuer whose staged rows in runs of at least
         ``strided_min_rows`` records go as strided copies."""
         pairs = int(host_blocks.shape[0])
         name = self._size_choice(pairs)
-        if name not in ("dma", "staged") or not plans or not self._is_narrow(plans[0]):
+        if not self.narrow or name not in ("dma", "staged"):
             return name
         if name == "staged" and strided_min_rows > 0:
             if _rows_in_short_runs(host_blocks, strided_min_rows) <= NARROW_ROWS_SHARE * pairs:
                 return name
         return "sm"
-
-    def _is_narrow(self, plan: CopyPlan) -> bool:
-        narrow = self._narrow.get(plan)
-        if narrow is None:
-            sizes = plan.record_runs[1]
-            narrow = self._narrow[plan] = (
-                sizes.shape[0] > 0 and int(sizes.sum()) < NARROW_LAYER_BYTES * int(sizes.shape[0]))
-        return narrow
 
 
 def _rows_in_short_runs(host_blocks: npt.NDArray[np.int64], min_rows: int) -> int:

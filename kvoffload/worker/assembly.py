@@ -655,8 +655,9 @@ def _cuda_backend(
         choose = _small_through_sm(small, choose or functools.partial(_only, names[0]))
         names = (*names, "sm") if "sm" not in names else names  # results name each job's path
     # auto's layered loads: sm where the size's path would move narrow spans as descriptors
-    layered = (calibration.LayeredChoice(choose).path if shown == "auto" and choose is not None
-               and "sm" in names and direction is Direction.LOAD else None)
+    layered = (calibration.LayeredChoice(choose, layout.layer_tables).path
+               if shown == "auto" and choose is not None and "sm" in names and direction is Direction.LOAD
+               and layout.layer_tables else None)
     return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, names),
                               choose=choose, kernel_stream=names != ("dma",), path_name=shown,
                               layered=layered)

@@ -616,40 +616,58 @@ GAPPED = _ids(range(0, 512, 2))  # 256 records, none next to another
 IN_ORDER = _ids(range(256))
 
 
+def _choice(size_path: str, *plans: CopyPlan) -> calibration.LayeredChoice:
+    """``auto``'s layered choice over a layout whose layers are ``plans``' pages."""
+    return calibration.LayeredChoice(lambda _n: size_path, [plan.pages for plan in plans])
+
+
 @pytest.mark.parametrize("size_path", ["staged", "dma"])
 def test_a_layered_load_of_narrow_spans_from_records_apart_goes_through_sm(size_path: str) -> None:
-    choice = calibration.LayeredChoice(lambda _n: size_path)
     plan = _layer_plan(8 << 10)
+    choice = _choice(size_path, plan)
     assert choice.path((plan,), GAPPED, 4) == "sm"
     assert choice.path((plan,), GAPPED, 0) == "sm"
 
 
 def test_a_layered_staged_load_of_records_in_runs_the_issuer_moves_as_strided_copies_stays_staged() -> None:
-    choice = calibration.LayeredChoice(lambda _n: "staged")
     plan = _layer_plan(8 << 10)
+    choice = _choice("staged", plan)
     assert choice.path((plan,), IN_ORDER, 4) == "staged"
     assert choice.path((plan,), IN_ORDER[::-1].copy(), 4) == "staged"  # the issuer sorts them
     # without strided copies (the Python issuer) every span is a descriptor: sm
     assert choice.path((plan,), IN_ORDER, 0) == "sm"
     # dma moves every span as a descriptor whatever the runs
-    assert calibration.LayeredChoice(lambda _n: "dma").path((plan,), IN_ORDER, 4) == "sm"
+    assert _choice("dma", plan).path((plan,), IN_ORDER, 4) == "sm"
 
 
 def test_wide_spans_and_size_paths_of_sm_keep_the_size_bucket_path() -> None:
     wide = _layer_plan(calibration.NARROW_LAYER_BYTES)
     two_narrow_runs = _layer_plan(calibration.NARROW_LAYER_BYTES // 2, runs=2)  # 64 KiB a layer, 2 descriptors
     for size_path in ("staged", "dma"):
-        choice = calibration.LayeredChoice(lambda _n: size_path)
-        assert choice.path((wide,), GAPPED, 4) == size_path
-        assert choice.path((two_narrow_runs,), GAPPED, 4) == "sm"  # the descriptors are what is narrow
-    assert calibration.LayeredChoice(lambda _n: "sm").path((_layer_plan(4096),), IN_ORDER, 4) == "sm"
-    assert calibration.LayeredChoice(lambda _n: "staged").path((), GAPPED, 4) == "staged"
+        assert _choice(size_path, wide).path((wide,), GAPPED, 4) == size_path
+        assert _choice(size_path, two_narrow_runs).path((two_narrow_runs,), GAPPED, 4) == "sm"  # the descriptors are what is narrow
+    narrow = _layer_plan(4096)
+    assert _choice("sm", narrow).path((narrow,), IN_ORDER, 4) == "sm"
+    assert calibration.LayeredChoice(lambda _n: "staged", []).path((), GAPPED, 4) == "staged"  # no layers
+
+
+def test_the_layout_not_the_part_says_whether_layers_are_narrow() -> None:
+    """The Python issuer issues a layered load's layer 0 apart from its other layers: both parts
+    take one path, judged on every layer's copies (here a narrow layer 0 and two wide layers:
+    (8 + 2 x 128) / 3 = 88 KiB on average, not narrow). The control, a layout of layer 0 alone,
+    is narrow."""
+    layer0, wide = _layer_plan(8 << 10), _layer_plan(128 << 10)
+    choice = _choice("staged", layer0, wide, wide)
+    assert not choice.narrow
+    assert choice.path((layer0,), GAPPED, 4) == choice.path((wide, wide), GAPPED, 4) == "staged"
+    assert _choice("staged", layer0).narrow
 
 
 def test_the_size_bucket_is_the_jobs_block_count() -> None:
     seen: list[int] = []
-    choice = calibration.LayeredChoice(lambda n: seen.append(n) or "staged")  # type: ignore[func-returns-value]
-    choice.path((_layer_plan(8 << 10),), GAPPED[:7].copy(), 4)
+    plan = _layer_plan(8 << 10)
+    choice = calibration.LayeredChoice(lambda n: seen.append(n) or "staged", [plan.pages])  # type: ignore[func-returns-value]
+    choice.path((plan,), GAPPED[:7].copy(), 4)
     assert seen == [7]
 
 
@@ -659,9 +677,9 @@ def test_a_staged_layered_load_goes_through_sm_once_over_half_its_rows_lie_in_sh
     apart = _ids(range(10_000, 10_000 + 2 * short, 2))
     run = _ids(range(256 - short))
     host = np.concatenate((apart, run))
-    choice = calibration.LayeredChoice(lambda _n: "staged")
+    plan = _layer_plan(8 << 10)
     expected = "sm" if short > calibration.NARROW_ROWS_SHARE * 256 else "staged"
-    assert choice.path((_layer_plan(8 << 10),), host, 4) == expected
+    assert _choice("staged", plan).path((plan,), host, 4) == expected
 
 
 @given(st.lists(st.integers(0, 60), max_size=40), st.integers(1, 6))  # a load may read a record twice

@@ -375,7 +375,7 @@ def test_auto_moves_a_layered_load_of_narrow_spans_from_records_apart_through_sm
     if not front:
         monkeypatch.setattr(native, "front", lambda: None)  # the ctypes hand-off
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])  # three layers of two pages
-    for rule in (None, LayeredChoice(lambda _n: "staged").path):
+    for rule in (None, LayeredChoice(lambda _n: "staged", layer_tables(plan)).path):
         h = Harness(Direction.LOAD, "staged", plan, layered=rule)
         try:
             for job, host in enumerate(([5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5, 7, 9, 11, 13, 15])):
@@ -397,7 +397,8 @@ def test_a_layered_load_takes_sm_where_copies_in_pieces_may_leave_its_runs_no_st
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
     host, device = [5, 6, 7, 8, 9, 10, 11, 12], list(range(40, 48))
     for pieces in (0, 512):
-        h = Harness(Direction.LOAD, "staged", plan, layered=LayeredChoice(lambda _n: "staged").path,
+        h = Harness(Direction.LOAD, "staged", plan,
+                    layered=LayeredChoice(lambda _n: "staged", layer_tables(plan)).path,
                     tune={"piece_bytes": pieces})
         try:
             submit_layered(h, 0, host, device)
