@@ -24,6 +24,10 @@ blocks, and such a job holds its few CTAs for tens of microseconds; bulk jobs ne
 competes with compute for the SMs), whatever their block count (one block of 2 MiB pages is 32 MiB
 in an 8-layer layout). The result is cached per process by (device, page geometry, whether ``sm``
 was allowed) and can be persisted to a JSON file.
+
+A layered load's path is not timed: :class:`LayeredChoice` takes the size bucket's path and sends
+the load through ``sm`` where the copy engine would take its layers as many narrow descriptors, a
+rule drawn from measured figures (docs/design.md §12).
 """
 
 from __future__ import annotations
