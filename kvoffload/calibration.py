@@ -122,9 +122,9 @@ class LayeredChoice:
         #: the layers' copies average under NARROW_LAYER_BYTES (False: no layers)
         self.narrow = count > 0 and sum(int(sizes.sum()) for sizes in runs) < NARROW_LAYER_BYTES * count
 
-    def path(self, plans: tuple[CopyPlan, ...], host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
-        """The path of a layered load (of ``plans``, layers of this choice's layout) from host
-        records ``host_blocks``, through an issuer whose staged rows in runs of at least
+    def path(self, host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
+        """The path of a layered load (of this choice's layout, any part of it) from host records
+        ``host_blocks``, through an issuer whose staged rows in runs of at least
         ``strided_min_rows`` records go as strided copies."""
         pairs = int(host_blocks.shape[0])
         name = self._size_choice(pairs)

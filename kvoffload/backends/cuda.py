@@ -57,10 +57,9 @@ __all__ = [
 ]
 
 I64Array = npt.NDArray[np.int64]
-#: A layered load's path from its layers' plans, its host records and how many records in a run
-#: its issuer moves as one strided copy (0: none); ``auto``'s is
-#: :meth:`kvoffload.calibration.LayeredChoice.path`.
-LayeredChooser = Callable[[tuple[CopyPlan, ...], I64Array, int], str]
+#: A layered load's path from its host records and how many records in a run its issuer moves as
+#: one strided copy (0: none); ``auto``'s is :meth:`kvoffload.calibration.LayeredChoice.path`.
+LayeredChooser = Callable[[I64Array, int], str]
 #: What a transfer path's issue returns.
 PathTicket = Union["CudaTicket", FailedTicket]
 #: Waiting first polls without sleeping (yielding the GIL) for this long, then sleeps with a doubling
@@ -618,12 +617,12 @@ class CudaBackend:
         would go another way than the whole job)."""
         return self._choose(pairs)
 
-    def layered_path_for(self, plans: tuple[CopyPlan, ...], host_blocks: I64Array) -> str:
-        """The path a layered load of ``plans`` from ``host_blocks`` takes: ``auto``'s
+    def layered_path_for(self, host_blocks: I64Array) -> str:
+        """The path a layered load from ``host_blocks`` takes: ``auto``'s
         :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (this Python
         issuer's staged rows go as descriptors, never strided copies), else as a whole job's."""
         if self._layered is not None:
-            return self._layered(plans, host_blocks, 0)
+            return self._layered(host_blocks, 0)
         return self._choose(int(host_blocks.shape[0]))
 
     def layer_marks(self, count: int) -> CudaLayerMarks:
@@ -667,8 +666,7 @@ class CudaBackend:
         self, plan: CopyPlan, src: I64Array, dst: I64Array, fence: driver.Event,
         layered: tuple[tuple[CopyPlan, ...], CudaLayerMarks, int] | None,
     ) -> PathTicket:
-        path = self.paths[self.layered_path_for(layered[0], src) if layered is not None
-                          else self._choose(int(src.shape[0]))]
+        path = self.paths[self.layered_path_for(src) if layered is not None else self._choose(int(src.shape[0]))]
         streams = self.streams
 
         def run() -> PathTicket:

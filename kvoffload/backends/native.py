@@ -850,12 +850,12 @@ class NativeBackend:
         """None on the caller's thread: the native thread plans and issues."""
         return 0
 
-    def layered_path_for(self, plans: tuple[CopyPlan, ...], host_blocks: I64Array) -> str:
-        """The path a layered load of ``plans`` from ``host_blocks`` takes: ``auto``'s
+    def layered_path_for(self, host_blocks: I64Array) -> str:
+        """The path a layered load from ``host_blocks`` takes: ``auto``'s
         :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (staged rows in runs
         the issuer moves as strided copies count as such), else as a whole job's."""
         if self._layered is not None:
-            return self._layered(plans, host_blocks, self._strided_min_rows)
+            return self._layered(host_blocks, self._strided_min_rows)
         return self._choose(int(host_blocks.shape[0]))
 
     def layer_marks(self, count: int) -> LayerMarks:
@@ -902,7 +902,7 @@ class NativeBackend:
         n = int(src.shape[0])
         device, host = (src, dst) if self._stores else (dst, src)
         whole = marks is None
-        name = self._choose(n) if whole else self.layered_path_for(plans, host)
+        name = self._choose(n) if whole else self.layered_path_for(host)
         with self._lock:
             if self._released:
                 return FailedTicket(TransferError(_RELEASED))
@@ -1019,7 +1019,7 @@ class NativeBackend:
         when the job is in the book (where its result comes, failed if its fence could not be
         recorded or its plans registered), else the job was not booked and failed with the returned
         code (:func:`native_error`); it never raises."""
-        layered = int(not whole)
+        count, layered = len(plans), int(not whole)
         registered: list[int] = []
 
         def register() -> int | None:
@@ -1042,7 +1042,7 @@ class NativeBackend:
                 address = register()
             except Exception as exc:  # noqa: BLE001 - the job fails with it, through the book
                 return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
-            return self._booked(job_id, address, plans, src, dst, stream, 0, 0, layered,
+            return self._booked(job_id, address, count, src, dst, stream, 0, 0, layered,
                                 cast("NativeLayerMarks | None", marks))
 
         return hand_off
@@ -1095,18 +1095,18 @@ class NativeBackend:
                 address = None if self._released else self._plan_array(plans, whole=whole)
         except Exception as exc:  # noqa: BLE001 - nothing was handed over: the job fails at once
             return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
-        return self._booked(job_id, address, plans, src, dst, fence.stream, fence.pointer, first,
+        return self._booked(job_id, address, len(plans), src, dst, fence.stream, fence.pointer, first,
                             int(not whole), cast("NativeLayerMarks | None", marks))
 
     def _booked(
-        self, job_id: int, address: int | None, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
-        stream: int, pointer: int, first: int, layered: int, marks: NativeLayerMarks | None,
+        self, job_id: int, address: int | None, count: int, src: I64Array, dst: I64Array, stream: int,
+        pointer: int, first: int, layered: int, marks: NativeLayerMarks | None,
     ) -> int:
         """kvo_hand_off_booked (the plans' array at ``address``; None: the backend was released),
         through the call front where it is built and the fence is recorded in the call."""
-        n, count = int(src.shape[0]), len(plans)
+        n = int(src.shape[0])
         device, host = (src, dst) if self._stores else (dst, src)
-        name = self.layered_path_for(plans, host) if layered else self._choose(n)
+        name = self.layered_path_for(host) if layered else self._choose(n)
         front = self._front
 
         def hand_off() -> tuple[int, int]:

@@ -171,6 +171,7 @@ def _isolated_rows(w: Worker, path: str, copy: PinnedCopy, page: int, repeats: i
     stored to host records ``host`` and loaded back into ``dev_b`` (zeroed before the last load, so
     that the check sees that load's bytes)."""
     device = copy.dev.device
+    zeroed = torch.as_tensor(dev_b, device=device)
     label = _label(path, w)
     rows = []
     job = 0
@@ -181,7 +182,7 @@ def _isolated_rows(w: Worker, path: str, copy: PinnedCopy, page: int, repeats: i
         for i in range(repeats + 2):  # two warm-ups
             if not store and i == repeats + 1:
                 for tensor in tensors.values():
-                    tensor.index_fill_(1, torch.as_tensor(dev_b, device=device), 0)  # _per_layer: block dim 1
+                    tensor.index_fill_(1, zeroed, 0)  # _per_layer: block dim 1
             torch.cuda.synchronize(device)
             total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
             job += 1

@@ -29,7 +29,7 @@ import torch
 
 from kvoffload import Worker
 from kvoffload.cli._torch import new_event, new_stream
-from kvoffload.cli.latency_bench import PinnedCopy, _job, _per_layer
+from kvoffload.cli.latency_bench import PinnedCopy, _job, _per_layer, host_records
 
 LAYERS = 16
 BLOCKS = 256
@@ -39,11 +39,9 @@ I64 = npt.NDArray[np.int64]
 
 def records(kind: str, rng: np.random.Generator) -> I64:
     """The host records of one load (see the module docstring)."""
+    if kind in ("in order", "gapped"):
+        return host_records(kind, BLOCKS)
     i = np.arange(BLOCKS, dtype=np.int64)
-    if kind == "in order":
-        return i
-    if kind == "gapped":
-        return 2 * i
     if kind == "shuffled":
         return rng.permutation(2 * BLOCKS)[:BLOCKS].astype(np.int64)
     run = int(kind.rsplit(maxsplit=1)[-1])  # "runs of R"

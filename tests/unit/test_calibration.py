@@ -625,30 +625,30 @@ def _choice(size_path: str, *plans: CopyPlan) -> calibration.LayeredChoice:
 def test_a_layered_load_of_narrow_spans_from_records_apart_goes_through_sm(size_path: str) -> None:
     plan = _layer_plan(8 << 10)
     choice = _choice(size_path, plan)
-    assert choice.path((plan,), GAPPED, 4) == "sm"
-    assert choice.path((plan,), GAPPED, 0) == "sm"
+    assert choice.path(GAPPED, 4) == "sm"
+    assert choice.path(GAPPED, 0) == "sm"
 
 
 def test_a_layered_staged_load_of_records_in_runs_the_issuer_moves_as_strided_copies_stays_staged() -> None:
     plan = _layer_plan(8 << 10)
     choice = _choice("staged", plan)
-    assert choice.path((plan,), IN_ORDER, 4) == "staged"
-    assert choice.path((plan,), IN_ORDER[::-1].copy(), 4) == "staged"  # the issuer sorts them
+    assert choice.path(IN_ORDER, 4) == "staged"
+    assert choice.path(IN_ORDER[::-1].copy(), 4) == "staged"  # the issuer sorts them
     # without strided copies (the Python issuer) every span is a descriptor: sm
-    assert choice.path((plan,), IN_ORDER, 0) == "sm"
+    assert choice.path(IN_ORDER, 0) == "sm"
     # dma moves every span as a descriptor whatever the runs
-    assert _choice("dma", plan).path((plan,), IN_ORDER, 4) == "sm"
+    assert _choice("dma", plan).path(IN_ORDER, 4) == "sm"
 
 
 def test_wide_spans_and_size_paths_of_sm_keep_the_size_bucket_path() -> None:
     wide = _layer_plan(calibration.NARROW_LAYER_BYTES)
     two_narrow_runs = _layer_plan(calibration.NARROW_LAYER_BYTES // 2, runs=2)  # 64 KiB a layer, 2 descriptors
     for size_path in ("staged", "dma"):
-        assert _choice(size_path, wide).path((wide,), GAPPED, 4) == size_path
-        assert _choice(size_path, two_narrow_runs).path((two_narrow_runs,), GAPPED, 4) == "sm"  # the descriptors are what is narrow
+        assert _choice(size_path, wide).path(GAPPED, 4) == size_path
+        assert _choice(size_path, two_narrow_runs).path(GAPPED, 4) == "sm"  # the descriptors are what is narrow
     narrow = _layer_plan(4096)
-    assert _choice("sm", narrow).path((narrow,), IN_ORDER, 4) == "sm"
-    assert calibration.LayeredChoice(lambda _n: "staged", []).path((), GAPPED, 4) == "staged"  # no layers
+    assert _choice("sm", narrow).path(IN_ORDER, 4) == "sm"
+    assert calibration.LayeredChoice(lambda _n: "staged", []).path(GAPPED, 4) == "staged"  # no layers
 
 
 def test_the_layout_not_the_part_says_whether_layers_are_narrow() -> None:
@@ -659,7 +659,7 @@ def test_the_layout_not_the_part_says_whether_layers_are_narrow() -> None:
     layer0, wide = _layer_plan(8 << 10), _layer_plan(128 << 10)
     choice = _choice("staged", layer0, wide, wide)
     assert not choice.narrow
-    assert choice.path((layer0,), GAPPED, 4) == choice.path((wide, wide), GAPPED, 4) == "staged"
+    assert choice.path(GAPPED, 4) == "staged"  # whichever part of a job asks
     assert _choice("staged", layer0).narrow
 
 
@@ -667,7 +667,7 @@ def test_the_size_bucket_is_the_jobs_block_count() -> None:
     seen: list[int] = []
     plan = _layer_plan(8 << 10)
     choice = calibration.LayeredChoice(lambda n: seen.append(n) or "staged", [plan.pages])  # type: ignore[func-returns-value]
-    choice.path((plan,), GAPPED[:7].copy(), 4)
+    choice.path(GAPPED[:7].copy(), 4)
     assert seen == [7]
 
 
@@ -679,7 +679,7 @@ def test_a_staged_layered_load_goes_through_sm_once_over_half_its_rows_lie_in_sh
     host = np.concatenate((apart, run))
     plan = _layer_plan(8 << 10)
     expected = "sm" if short > calibration.NARROW_ROWS_SHARE * 256 else "staged"
-    assert _choice("staged", plan).path((plan,), host, 4) == expected
+    assert _choice("staged", plan).path(host, 4) == expected
 
 
 @given(st.lists(st.integers(0, 60), max_size=40), st.integers(1, 6))  # a load may read a record twice
