@@ -162,8 +162,19 @@ END_LEAD_S: Final = 50e-6
 #: runs of 4 took 0.19x a pinned copy at 8 KiB spans and 0.62x at 64 KiB (runs of 16: 0.47x and
 #: 0.87x) with strided copies from runs of 4 records, against 0.29x and 0.96x from records apart
 #: (descriptors) and 0.84x and 0.99x from records in order (one strided copy a layer)
-#: (``python -m tests.gpu.probe_layered_records``; docs/design.md §12).
+#: (``python -m tests.gpu.probe_layered_records``; docs/design.md §12). The most records a run
+#: needs: narrower copies need fewer (:data:`STRIDED_ROW_BYTES`).
 STRIDED_MIN_ROWS: Final = 64
+#: A staged layer's runs of records go as strided copies from one record per this many bytes of its
+#: copies' mean width (ceil; at least 8 records, at most :data:`STRIDED_MIN_ROWS`): a narrow
+#: descriptor costs the copy engine about as much as a wide one up to 32 KiB, so the narrower the
+#: copies the shorter the run that one strided copy beats. On one H100 host (the first of two in
+#: docs/design.md §12), 16 layers of 256 blocks from records in runs of R, as descriptors / as
+#: strided copies (ratios to a pinned copy):
+#: 8 KiB spans R = 8 0.15 / 0.32, R = 32 0.25 / 0.64; 16 KiB R = 16 0.54 / 0.60, R = 32 0.51 /
+#: 0.71; 32 KiB R = 32 0.64 / 0.83; 64 KiB R = 32 0.95 / 0.93, R = 64 0.95 / 0.96 (docs/design.md
+#: §12). 0: :data:`STRIDED_MIN_ROWS` at any width.
+STRIDED_ROW_BYTES: Final = 1 << 10
 #: Bytes of the staged chunk at the edge of a job alone (a store's first, a load's last; nothing of
 #: its direction in flight or queued when its issue is taken up): a store's first DMA waits for its
 #: first chunk's gather, a load's end for its last chunk's scatter (on the H200 15 us for 16 MiB,
@@ -235,6 +246,7 @@ def tune(c: native.Config) -> None:
     c.expect_spin_ns = _ns(EXPECT_SPIN_S)
     c.caller_issue_max = max(0, int(CALLER_ISSUE_MAX))
     c.strided_min_rows = max(0, int(STRIDED_MIN_ROWS))
+    c.strided_row_bytes = max(0, int(STRIDED_ROW_BYTES))
     c.edge_bytes = max(0, int(STAGED_EDGE_BYTES))
     c.caller_coming_ns = _ns(CALLER_COMING_S)
     c.start_timeout_ns = _ns(START_TIMEOUT_S)

@@ -22,7 +22,8 @@ what the link alone costs, measured side by side in one run.
   the later ones — median, p90, p99 and max over every call, and how many calls took over 100 us.
 
 ``--layerwise``: a synthetic L-layer prefill whose layer ``i`` reads layer ``i``'s loaded blocks, its
-compute per layer about the load's per layer: *load then compute* (``load``, wait for the result,
+compute per layer about the load's per layer, for each case of :data:`PREFILL_CASES` (32 KiB pages
+from host records in order; 4 KiB pages in order and from every other record): *load then compute* (``load``, wait for the result,
 then every layer's compute) against ``load_by_layer`` (layer ``i``'s compute after
 ``wait_layer(i)``), with the ideal ``max(load, compute) + one layer's load``, and when layer 0 was
 ready against ``1/L`` of the whole load.
@@ -70,6 +71,10 @@ BURST_LAYERS: Final = 32
 PREFILL_LAYERS: Final = 16
 PREFILL_BLOCKS: Final = 256
 PREFILL_PAGE: Final = 32 * KIB
+#: The layer-wise prefill's cases, (page size of each of K and V, host records): 32 KiB pages from
+#: records in order (the issue's figure), and 4 KiB pages (8 KiB of a record a layer) in order and
+#: from every other record, where ``auto`` takes ``sm`` for the layered load (docs/design.md §12).
+PREFILL_CASES: Final = ((PREFILL_PAGE, "in order"), (4 * KIB, "in order"), (4 * KIB, "gapped"))
 PREFILL_ROUNDS: Final = 7
 TIMEOUT_S: Final = 120.0
 
@@ -434,20 +439,40 @@ class Prefill:
 
 def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out: TextIO,
                    issuers: Sequence[str] = ("auto",)) -> int:
-    """``bench --layerwise``: print the figures (see the module docstring); returns the exit status
-    (1 when a loaded byte differed)."""
+    """``bench --layerwise``: print the figures (see the module docstring) for every case of
+    :data:`PREFILL_CASES`; returns the exit status (1 when a loaded byte differed)."""
     layers = layers or PREFILL_LAYERS
+    lines: list[str] = []
+    bad = 0
+    for page, records in PREFILL_CASES:
+        got, wrong = _prefill_case(device, paths, issuers, layers, page, records, out)
+        lines += got
+        bad += wrong
+    print(f"kvoffload bench --layerwise on {torch.cuda.get_device_name(device)}: {layers} layers, "
+          f"{PREFILL_BLOCKS} blocks of {layers} x 2 pages (K and V) per load")
+    for line in lines:
+        print(line)
+    print(f"mismatched blocks: {bad}")
+    return 0 if bad == 0 else 1
+
+
+def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[str], layers: int,
+                  page: int, records: str, out: TextIO) -> tuple[list[str], int]:
+    """The layer-wise prefill's rows at pages of ``page`` bytes loaded from host records
+    ``records`` (:func:`host_records`), one per path and issuer, and its mismatched blocks (the
+    last layered load of each lands in zeroed blocks)."""
     blocks = PREFILL_BLOCKS
-    layout, tensors = _per_layer(device, layers, PREFILL_PAGE, 2 * blocks)
+    layout, tensors = _per_layer(device, layers, page, 2 * blocks)
     src = np.arange(blocks, dtype=np.int64)
     dst = src + blocks
-    host = np.arange(blocks, dtype=np.int64)
+    dst_index = torch.as_tensor(dst, device=device)
+    host = host_records(records, blocks)
     compute = new_stream(device)
-    prefill = Prefill(device, tensors, torch.as_tensor(dst, device=device), compute)
+    prefill = Prefill(device, tensors, dst_index, compute)
     lines = []
     bad = 0
     for path, issuer in _variants(paths, issuers):
-        with Worker.create(layout, blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
+        with Worker.create(layout, 2 * blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
             label = _label(path, w)
             w.store(0, src, host)
             if not all(r.ok for r in w.wait([0], TIMEOUT_S)):
@@ -466,7 +491,8 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
             prefill.gemms = max(1, round(load_s / layers / per_gemm))
             compute_s = prefill.seconds()
             serial, overlapped, first, full = [], [], [], []
-            for _ in range(PREFILL_ROUNDS):
+            taken: set[str] = set()  # the paths the layered loads took
+            for rnd in range(PREFILL_ROUNDS):
                 torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 w.load(job, host, dst, stream=compute)
@@ -478,7 +504,7 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
                 serial.append(time.perf_counter() - t0)
                 job += 1
                 torch.cuda.synchronize(device)
-                begin, ready0, ready_all = (new_event(timing=True) for _ in range(3))
+                begin, ready0 = new_event(timing=True), new_event(timing=True)
                 t0 = time.perf_counter()
                 begin.record(compute)
                 load: LayerLoad = w.load_by_layer(job, host, dst, stream=compute)
@@ -489,10 +515,15 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
                     prefill.layer(i)
                 compute.synchronize()
                 overlapped.append(time.perf_counter() - t0)
-                if not all(r.ok for r in w.wait([job], TIMEOUT_S)):
-                    raise RuntimeError("a layered load failed")
+                (layered,) = w.wait([job], TIMEOUT_S)
+                if not layered.ok:
+                    raise RuntimeError(f"a layered load failed: {layered.error}")
+                taken.add(layered.path)
                 job += 1
                 first.append(float(begin.elapsed_time(ready0)) / 1e3)
+                if rnd == PREFILL_ROUNDS - 1:  # the check below sees this round's bytes
+                    for tensor in tensors.values():
+                        tensor.index_fill_(1, dst_index, 0)  # _per_layer: block dim 1
                 # when the whole load landed, as the device saw it (a wait for the last layer)
                 begin2, done = new_event(timing=True), new_event(timing=True)
                 torch.cuda.synchronize(device)
@@ -509,20 +540,17 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
         s, o = statistics.median(serial), statistics.median(overlapped)
         ideal = max(load_s, compute_s) + load_s / layers
         f0, fl = statistics.median(first), statistics.median(full)
+        shown = label.replace("auto", f"auto({','.join(sorted(taken))})", 1) if path == "auto" else label
         lines.append(
-            f"[{label:<13}] load {load_s * 1e3:6.2f} ms, compute {compute_s * 1e3:6.2f} ms; load then "
-            f"compute {s * 1e3:6.2f} ms; load_by_layer {o * 1e3:6.2f} ms ({s / o:4.2f}x faster); ideal "
-            f"max(load, compute) + one layer {ideal * 1e3:6.2f} ms (load_by_layer = ideal + "
-            f"{(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} us, all after "
-            f"{fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us)"
+            f"[{shown:<13}] {_size(page)} pages, records {records}: load {load_s * 1e3:6.2f} ms, compute "
+            f"{compute_s * 1e3:6.2f} ms; load then compute {s * 1e3:6.2f} ms; load_by_layer {o * 1e3:6.2f} "
+            f"ms ({s / o:4.2f}x faster); ideal max(load, compute) + one layer {ideal * 1e3:6.2f} ms "
+            f"(load_by_layer = ideal + {(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} "
+            f"us, all after {fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us)"
         )
         _log(out, "  " + lines[-1])
-    print(f"kvoffload bench --layerwise on {torch.cuda.get_device_name(device)}: {layers} layers, "
-          f"{blocks} blocks of {layers} x 2 pages of {PREFILL_PAGE // KIB} KiB per load")
-    for line in lines:
-        print(line)
-    print(f"mismatched blocks: {bad}")
-    return 0 if bad == 0 else 1
+    del tensors
+    return lines, bad
 
 
 def _variants(paths: Sequence[str], issuers: Sequence[str]) -> list[tuple[str, str]]:

@@ -122,6 +122,10 @@ _Static_assert(sizeof(struct memcpy_2d) == 128, "CUDA_MEMCPY2D is 128 bytes on 6
 /* The widest host pitch a strided copy is given (the driver refuses pitches above the device's
  * CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1 on the GPUs the library runs on). */
 #define STRIDED_MAX_PITCH ((int64_t)INT32_MAX)
+/* The fewest rows a strided copy moves where strided_row_bytes scales the threshold with a row's
+ * width (plan_min_rows): below 8 KiB a descriptor's cost on the copy engine stops shrinking with its
+ * bytes, so runs shorter than this cost less as descriptors than as one strided copy. */
+#define STRIDED_FLOOR_ROWS ((int64_t)8)
 
 /* What Python passes to kvo_issuer_new (ctypes Structure of the same layout: 8-byte fields). */
 struct kvo_config {
@@ -156,7 +160,8 @@ struct kvo_config {
                                * before it blocks again (0: kvo_issuer_expect does nothing) */
     void *memcpy_2d;          /* cuMemcpy2DAsync (NULL: staged rows always go as descriptors) */
     int64_t strided_min_rows; /* a staged chunk's rows of at least this many consecutive records go
-                               * as one strided copy per run (0: never); see staged_plan */
+                               * as one strided copy per run (0: never), or fewer for narrow rows
+                               * where strided_row_bytes > 0; see plan_min_rows, staged_plan */
     int64_t edge_bytes;       /* bytes of a staged job's edge chunk (0: every chunk a whole slot);
                                * see staged_chunks */
     int64_t caller_coming_ns; /* a busy thread told by kvo_issuer_expect that a caller's hand-off
@@ -169,6 +174,10 @@ struct kvo_config {
     int64_t wait_lead_ns;     /* a kvo_job_wait blocked past its spin wakes this long before its
                                * job's predicted end and spins to as long after it (0: it blocks
                                * until the job is done); see kvo_job_wait */
+    int64_t strided_row_bytes; /* a plan's strided copies move runs of at least one record per this
+                               * many bytes of its copies' mean width (at least STRIDED_FLOOR_ROWS,
+                               * at most strided_min_rows); 0: strided_min_rows whatever the width.
+                               * See plan_min_rows */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -812,8 +821,21 @@ static void append_strided(struct kvo_issuer *is, size_t *count, int store, uint
  * (no bound without piece_bytes); 0 where its rows go as descriptors: no cuMemcpy2DAsync, strided
  * copies off, a pitch the driver refuses, or strided_min_rows rows over piece_bytes (rows that wide
  * move at the link's pace as descriptors: 512 KiB spans took 1.05x a contiguous copy). */
+/* The fewest records that follow each other which plan `p`'s staged rows move as strided copies
+ * (<= 0: none). A strided copy costs the copy engine a few microseconds whatever its rows, a
+ * descriptor less the wider it is, so the narrower a plan's copies the shorter the runs worth one:
+ * ceil(mean copy bytes / strided_row_bytes) rows, within [STRIDED_FLOOR_ROWS, strided_min_rows]
+ * (the floor no higher than the ceiling). */
+static int64_t plan_min_rows(const struct kvo_issuer *is, const struct kvo_plan *p) {
+    int64_t top = is->c.strided_min_rows, unit = is->c.strided_row_bytes;
+    if (top <= 0 || unit <= 0 || p->runs <= 0 || p->pitch <= 0) return top;
+    int64_t width = p->pitch / p->runs; /* a row's copies' mean bytes */
+    int64_t rows = (width + unit - 1) / unit, floor = STRIDED_FLOOR_ROWS < top ? STRIDED_FLOOR_ROWS : top;
+    return rows < floor ? floor : rows > top ? top : rows;
+}
+
 static int64_t strided_rows(const struct kvo_issuer *is, const struct kvo_plan *p) {
-    int64_t min_rows = is->c.strided_min_rows;
+    int64_t min_rows = plan_min_rows(is, p);
     if (!is->c.memcpy_2d || min_rows <= 0 || p->pitch <= 0 || p->host_stride > STRIDED_MAX_PITCH) return 0;
     if (is->c.piece_bytes <= 0) return INT64_MAX;
     int64_t rows = is->c.piece_bytes / p->pitch;
@@ -835,7 +857,7 @@ static int64_t consecutive_rows(const struct kvo_plan *p, const struct kvo_job *
  * stream). Load: DMA into the slot, then scatter. A slot is written only after the event recorded
  * after its previous read (docs/design.md §5 rule 5).
  *
- * A row holds the record's runs packed (`pitch` bytes). Rows of at least strided_min_rows records
+ * A row holds the record's runs packed (`pitch` bytes). Rows of at least plan_min_rows records
  * that follow each other in the pool, where the rows are narrower than the records (a layer's span
  * of each record), go as one cuMemcpy2DAsync per run: the driver's cost of a batched descriptor
  * (about 0.45 µs for a 64 KiB span host -> device on the H200) and the copy engine's pace on many
@@ -856,7 +878,7 @@ static CUresult staged_plan(struct kvo_issuer *is, const struct kvo_plan *p,
     CUresult r = 0;
     /* Strided copies only where rows are not already one descriptor (records back to back). */
     int contiguous = p->runs == 1 && p->run_size[0] == p->host_stride && p->pitch == p->host_stride;
-    int64_t min_rows = is->c.strided_min_rows;
+    int64_t min_rows = plan_min_rows(is, p);
     int64_t piece_rows = strided_rows(is, p);
     int strided = piece_rows > 0 && !contiguous;
     struct chunks chunks;
@@ -1496,7 +1518,7 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
 static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, const int64_t **order_out) {
     const struct kvo_plan *p = job->plans[0];
     if (job->path == PATH_SM) return job->n <= MAX_ROWS;
-    int64_t piece_rows = strided_rows(is, p);
+    int64_t piece_rows = strided_rows(is, p), min_rows = plan_min_rows(is, p);
     if (job->path != PATH_STAGED || piece_rows <= 0) return 0;
     int64_t rows_per_slot = is->c.slot_bytes / p->pitch;
     if (rows_per_slot <= 0) return 0;
@@ -1513,7 +1535,7 @@ static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, cons
         for (int64_t k = 0; k < rows;) {
             int64_t m = consecutive_rows(p, job, order + start, k, rows);
             if (m > piece_rows) m = piece_rows; /* as staged_plan cuts a run */
-            if (m < is->c.strided_min_rows) copies += m * p->runs;
+            if (m < min_rows) copies += m * p->runs;
             else strided += p->runs;
             k += m;
         }

@@ -1,5 +1,6 @@
 """What a layered load costs from host records that do not follow each other, per path:
-``python -m tests.gpu.probe_layered_records [--paths auto,staged,sm] [--pages 4,32]`` (needs a GPU).
+``python -m tests.gpu.probe_layered_records [--paths auto,staged,sm] [--pages 4,32] [--records ...]
+[--strided 64:1024,64:0]`` (needs a GPU).
 
 Not a test (nothing is asserted; pytest does not collect it): the measurement behind ``auto``'s
 choice of a layered load's path (docs/design.md §12, *The path of a layered load*). A 16-layer
@@ -14,7 +15,9 @@ loaded with ``load_by_layer`` from host records
 each against one pinned copy of the same bytes timed call -> synchronized in the same round: the
 whole layered load on the device (an event before the call to one after ``wait_layer(L-1)``), when
 layer 0 was ready, the same job as a plain ``load`` alone (call -> result), and the path each took.
-Every loaded byte is checked.
+Every loaded byte is checked. ``--strided`` compares the native issuer's thresholds for strided
+copies (``MIN_ROWS:ROW_BYTES``: ``STRIDED_MIN_ROWS``, ``STRIDED_ROW_BYTES``; ``4:0`` moves runs of
+4 records and more as strided copies at any width, ``1000000:0`` none).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy.typing as npt
 import torch
 
 from kvoffload import Worker
+from kvoffload.backends import native as native_backend
 from kvoffload.cli._torch import new_event, new_stream
 from kvoffload.cli.latency_bench import PinnedCopy, _job, _per_layer, host_records
 
@@ -101,7 +105,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--issuers", default="native")
     parser.add_argument("--pages", default="4,32", help="page sizes in KiB")
     parser.add_argument("--records", default="in order,runs of 16,runs of 4,runs of 2,gapped,shuffled")
+    parser.add_argument("--strided", default="",
+                        help="the native issuer's strided-copy thresholds to compare, MIN_ROWS:ROW_BYTES "
+                             "pairs, comma-separated (STRIDED_MIN_ROWS, STRIDED_ROW_BYTES; default: the "
+                             "library's)")
     args = parser.parse_args(argv)
+    library = (native_backend.STRIDED_MIN_ROWS, native_backend.STRIDED_ROW_BYTES)
+    thresholds = [tuple(int(v) for v in pair.split(":")) for pair in args.strided.split(",") if pair] or [library]
     device = torch.device("cuda", 0)
     stream = new_stream(device)
     rng = np.random.default_rng(11)
@@ -113,12 +123,20 @@ def main(argv: list[str]) -> int:
         copy = PinnedCopy(device, BLOCKS * LAYERS * 2 * page)
         for issuer in args.issuers.split(","):
             for path in args.paths.split(","):
-                with Worker.create(layout, 2 * BLOCKS, path=path, issuer=issuer) as w:
-                    job = 1
-                    for kind in args.records.split(","):
-                        line, job = measure(w, tensors, copy, records(kind, rng), job, stream)
-                        bad += "MISMATCH" in line
-                        print(f"span {2 * page >> 10:4d} KiB {issuer:<6} {path:<6} {kind:<11} {line}", flush=True)
+                for min_rows, row_bytes in thresholds if issuer == "native" else thresholds[:1]:
+                    try:  # read when the worker's issuer is made
+                        native_backend.STRIDED_MIN_ROWS, native_backend.STRIDED_ROW_BYTES = min_rows, row_bytes  # type: ignore[misc]
+                        w = Worker.create(layout, 2 * BLOCKS, path=path, issuer=issuer)
+                    finally:
+                        native_backend.STRIDED_MIN_ROWS, native_backend.STRIDED_ROW_BYTES = library  # type: ignore[misc]
+                    strided = f"{min_rows}:{row_bytes}" if issuer == "native" else "-"
+                    with w:
+                        job = 1
+                        for kind in args.records.split(","):
+                            line, job = measure(w, tensors, copy, records(kind, rng), job, stream)
+                            bad += "MISMATCH" in line
+                            print(f"span {2 * page >> 10:4d} KiB {issuer:<6} {path:<6} {strided:<7} {kind:<11} "
+                                  f"{line}", flush=True)
         del tensors, copy
     return 1 if bad else 0
 

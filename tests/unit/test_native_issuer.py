@@ -411,26 +411,59 @@ def test_a_layered_load_takes_sm_where_copies_in_pieces_may_leave_its_runs_no_st
 
 
 @pytest.mark.parametrize("run", [40, 64])
-def test_the_library_moves_only_runs_of_64_records_as_strided_copies(run: int) -> None:
+def test_the_library_moves_only_runs_of_64_records_of_wide_copies_as_strided_copies(run: int) -> None:
     """A strided copy costs the copy engine about as much as a few dozen narrow descriptors
-    (docs/design.md §12): with the library's STRIDED_MIN_ROWS a layered load's run of 40 records
-    goes as descriptors, one of 64 as one strided copy a layer. The control (4, the former value)
-    moves both as strided copies. Every byte lands either way."""
+    (docs/design.md §12): with the library's STRIDED_MIN_ROWS and the threshold the same at any
+    width (strided_row_bytes 0, as for copies of 64 KiB and wider), a layered load's run of 40
+    records goes as descriptors, one of 64 as one strided copy a layer. The control (4, the former
+    value) moves both as strided copies. Every byte lands either way."""
     assert native_backend.STRIDED_MIN_ROWS == 64
     plan = attrs.evolve(make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128]), chunk_records=1024)
     for min_rows in (4, native_backend.STRIDED_MIN_ROWS):
-        h = Harness(Direction.LOAD, "staged", plan, slot_bytes=128 * plan.pages.record_bytes,
-                    tune={**THREAD_ISSUES, "strided_min_rows": min_rows, "edge_bytes": 0})
-        try:
-            host, device = list(range(run)), list(range(NUM_BLOCKS - run, NUM_BLOCKS))
-            submit_layered(h, 0, host, device)
-            (result,) = h.handler.wait([0], TIMEOUT_S)
-            assert result.ok, result.error
-            assert moved(h.fake, expected(plan, device, host)) == 0
-            strided = len(h.fake.of("cuMemcpy2DAsync"))
-            assert strided == (3 if run >= min_rows else 0), (min_rows, run, strided)
-        finally:
-            h.close()
+        strided = _strided_copies_of_a_run(plan, run, {"strided_min_rows": min_rows, "strided_row_bytes": 0})
+        assert strided == (3 if run >= min_rows else 0), (min_rows, run, strided)
+
+
+def _strided_copies_of_a_run(plan: CopyPlan, run: int, tune: dict[str, int]) -> int:
+    """The strided copies of a layered load (``layer_tables``' three layers) of ``run`` records
+    that follow each other, through ``staged`` tuned by ``tune``; asserts every byte landed."""
+    h = Harness(Direction.LOAD, "staged", plan, slot_bytes=128 * plan.pages.record_bytes,
+                tune={**THREAD_ISSUES, "edge_bytes": 0, **tune})
+    try:
+        host, device = list(range(run)), list(range(NUM_BLOCKS - run, NUM_BLOCKS))
+        submit_layered(h, 0, host, device)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok, result.error
+        assert moved(h.fake, expected(plan, device, host)) == 0
+        return len(h.fake.of("cuMemcpy2DAsync"))
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize(("run", "expected_strided"), [(6, 0), (10, 1), (20, 1), (40, 2), (64, 3)])
+def test_the_narrower_a_layers_copies_the_shorter_the_runs_that_go_as_strided_copies(
+    run: int, expected_strided: int,
+) -> None:
+    """With strided_row_bytes a layer's runs go as strided copies from ceil(its copies' mean width /
+    strided_row_bytes) records, at least 8 and at most strided_min_rows (docs/design.md §12). At 32
+    bytes a record, three layers of K and V pages of 128 / 512 / 2048 bytes (copies of 256 B, 1 KiB
+    and 4 KiB) need runs of 8 / 32 / 64 records: a run of 6 goes as descriptors in every layer, one
+    of 10 or 20 as a strided copy in the narrowest layer, 40 in two, 64 in all three. The control,
+    strided_row_bytes 0, needs 64 in every layer. Every byte lands either way."""
+    plan = attrs.evolve(make_plan(Direction.LOAD, [128, 128, 512, 512, 2048, 2048]), chunk_records=1024)
+    by_width = _strided_copies_of_a_run(plan, run, {"strided_min_rows": 64, "strided_row_bytes": 32})
+    assert by_width == expected_strided, (run, by_width)
+    uniform = _strided_copies_of_a_run(plan, run, {"strided_min_rows": 64, "strided_row_bytes": 0})
+    assert uniform == (3 if run >= 64 else 0), (run, uniform)
+
+
+def test_the_strided_floor_is_no_higher_than_strided_min_rows() -> None:
+    """A ceiling below the floor of 8 records is the threshold at any width: with strided_min_rows
+    4 a run of 5 goes as strided copies in every layer, however narrow (control: 6 of 8 below
+    strided_row_bytes' floor would leave them descriptors)."""
+    plan = attrs.evolve(make_plan(Direction.LOAD, [128, 128, 512, 512, 2048, 2048]), chunk_records=1024)
+    assert _strided_copies_of_a_run(plan, 5, {"strided_min_rows": 4, "strided_row_bytes": 32}) == 3
+    assert _strided_copies_of_a_run(plan, 5, {"strided_min_rows": 64, "strided_row_bytes": 32}) == 0
 
 
 def layer_tables(plan: CopyPlan) -> tuple[PageTable, ...]:
@@ -2461,9 +2494,10 @@ def test_tune_sets_the_issuers_fields_from_the_module_constants_read_at_the_call
     monkeypatch.setattr(native_backend, "WAIT_QUERY_S", 3e-6)
     monkeypatch.setattr(native_backend, "CALLER_ISSUE_MAX", 7)
     monkeypatch.setattr(native_backend, "STRIDED_MIN_ROWS", 9)
+    monkeypatch.setattr(native_backend, "STRIDED_ROW_BYTES", 33)
     c = native.Config()
     native_backend.tune(c)
-    assert (c.wait_query_ns, c.caller_issue_max, c.strided_min_rows) == (3000, 7, 9)
+    assert (c.wait_query_ns, c.caller_issue_max, c.strided_min_rows, c.strided_row_bytes) == (3000, 7, 9, 33)
     assert c.expect_spin_ns == round(native_backend.EXPECT_SPIN_S * 1e9)
     assert c.caller_coming_ns == round(native_backend.CALLER_COMING_S * 1e9)
     assert c.poll_max_ns == round(native_backend.POLL_MAX_S * 1e9)
