@@ -50,11 +50,14 @@ QUICK_TOTAL_BYTES: Final = 1024 * MIB
 QUICK_LOOP_BYTES: Final = 256 * MIB
 TIMEOUT_S: Final = 300.0
 GEMM_N: Final = 8192
-#: Products per GEMM window (about 60 ms on an H200) and store jobs kept in flight beside it.
-GEMM_WINDOW_PRODUCTS: Final = 40
+#: Products per GEMM window (about 30 ms on an H100) and store jobs kept in flight beside it.
+GEMM_WINDOW_PRODUCTS: Final = 20
 GEMM_JOBS_IN_FLIGHT: Final = 4
-#: Rounds of (GEMM alone, GEMM beside transfers, GEMM alone) per figure; the median is reported.
-GEMM_ROUNDS: Final = 5
+#: Rounds of (GEMM alone, GEMM beside transfers, GEMM alone) per figure; the median and the
+#: quartiles are reported. Single rounds on one H100 host ranged from -3.6% to +14.1% beside the
+#: same stores (the GEMM alone from 56 to 75 ms between rounds), so a median of 5 could not tell
+#: 2% from 5%: many short rounds instead of a few long ones.
+GEMM_ROUNDS: Final = 15
 SMALL_JOB_REPEATS: Final = 20
 #: Bytes of each pinned copy that measures the link limit.
 LINK_PROBE_BYTES: Final = 1 << 30
@@ -74,6 +77,8 @@ class BenchRow:
     load_gbps: float
     both_gbps: float
     gemm_slowdown: float | None
+    #: the rounds' slowdowns' first and third quartiles (None when not measured)
+    gemm_quartiles: tuple[float, float] | None
     gemm_store_gbps: float | None
     verified_bytes: int
     mismatched_blocks: int
@@ -221,14 +226,14 @@ def measure_path(
         both_s = _run(w, interleaved, 2000, taken) / 2
         bad += _mismatches_host(w, layout, dev_b, host[num:])
         bad += _mismatches_device(layout, dev_a, dev_b)
-        gemm_slowdown = gemm_store = None
-        if gemm is not None:
-            gemm_slowdown, gemm_store = _with_gemm(w, layout, dev_a, host[:num], per_job, gemm)
+        beside_gemm = _with_gemm(w, layout, dev_a, host[:num], per_job, gemm) if gemm is not None else None
     moved = num * layout.block_bytes
     row = BenchRow(
         page_bytes=page_bytes, path=path, taken=",".join(sorted(taken)), store_gbps=moved / store_s / _GB,
         load_gbps=moved / load_s / _GB, both_gbps=2 * moved / (2 * both_s) / _GB,
-        gemm_slowdown=gemm_slowdown, gemm_store_gbps=gemm_store, verified_bytes=4 * moved,
+        gemm_slowdown=beside_gemm.slowdown if beside_gemm else None,
+        gemm_quartiles=beside_gemm.quartiles if beside_gemm else None,
+        gemm_store_gbps=beside_gemm.gbps if beside_gemm else None, verified_bytes=4 * moved,
         mismatched_blocks=bad,
     )
     _log(out, f"  {page_bytes // KIB:>5} KiB {path:<7} store {row.store_gbps:6.1f}  load "
@@ -237,10 +242,25 @@ def measure_path(
     return row
 
 
+@attrs.frozen
+class GemmFigure:
+    """A GEMM window's slowdown beside transfers over :data:`GEMM_ROUNDS` rounds (fractions: 0.05
+    is 5% slower): the median, the first and third quartiles, and the median GB/s moved beside."""
+
+    slowdown: float
+    quartiles: tuple[float, float]
+    gbps: float
+
+    def describe(self) -> str:
+        """``5.1% [+2.0, +7.3]``: the median and the quartiles, in percent."""
+        low, high = self.quartiles
+        return f"{100 * self.slowdown:.1f}% [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
 def _with_gemm(
     w: Worker, layout: DeviceLayout, dev: np.ndarray, host: np.ndarray, per_job: int, gemm: GemmLoad,
-) -> tuple[float, float]:
-    """(GEMM slowdown, store GB/s), medians over :data:`GEMM_ROUNDS` rounds of stores kept in
+) -> GemmFigure:
+    """The GEMM's slowdown and the store GB/s over :data:`GEMM_ROUNDS` rounds of stores kept in
     flight beside a GEMM window (see :func:`_gemm_rounds`).
 
     Up to ``GEMM_JOBS_IN_FLIGHT`` store jobs run at once, on rotating host blocks so that no two
@@ -267,11 +287,12 @@ def _with_gemm(
     return _gemm_rounds(gemm, beside)
 
 
-def _gemm_rounds(gemm: GemmLoad, beside: Callable[[torch.cuda.Event], int]) -> tuple[float, float]:
-    """Median (GEMM slowdown, GB/s) over :data:`GEMM_ROUNDS` rounds. Each round times a GEMM window
-    alone, one with ``beside(end)`` moving bytes until the window's end event, and one alone again;
-    the mean of the two alone windows is that round's reference, so clock drift shows up as noise on
-    both sides rather than as a bias, and the median drops a round another tenant disturbed."""
+def _gemm_rounds(gemm: GemmLoad, beside: Callable[[torch.cuda.Event], int]) -> GemmFigure:
+    """The GEMM's slowdown (median and quartiles) and the median GB/s over :data:`GEMM_ROUNDS`
+    rounds. Each round times a GEMM window alone, one with ``beside(end)`` moving bytes until the
+    window's end event, and one alone again; the mean of the two alone windows is that round's
+    reference, so clock drift shows up as noise on both sides rather than as a bias, and the median
+    drops a round another tenant disturbed; the quartiles say how far the rounds spread."""
     slowdowns: list[float] = []
     rates: list[float] = []
     for _ in range(GEMM_ROUNDS):
@@ -284,12 +305,13 @@ def _gemm_rounds(gemm: GemmLoad, beside: Callable[[torch.cuda.Event], int]) -> t
         after = gemm.alone_ms()
         slowdowns.append(with_ms / ((before + after) / 2) - 1.0)
         rates.append(moved / elapsed / _GB)
-    return statistics.median(slowdowns), statistics.median(rates)
+    low, _, high = statistics.quantiles(slowdowns, n=4) if len(slowdowns) > 1 else (slowdowns * 3)
+    return GemmFigure(statistics.median(slowdowns), (low, high), statistics.median(rates))
 
 
-def gemm_beside_link(gemm: GemmLoad, device: torch.device) -> tuple[float, float]:
-    """(GEMM slowdown, GB/s) beside back-to-back 64 MiB pinned copies: the cost of host-link traffic
-    itself, the floor any path's slowdown is compared with (medians, as :func:`_with_gemm`)."""
+def gemm_beside_link(gemm: GemmLoad, device: torch.device) -> GemmFigure:
+    """The GEMM's slowdown and GB/s beside back-to-back 64 MiB pinned copies: the cost of host-link
+    traffic itself, the floor any path's slowdown is compared with (as :func:`_with_gemm`)."""
     host = torch.empty(JOB_BYTES, dtype=torch.uint8, pin_memory=True)
     buf = torch.empty(JOB_BYTES, dtype=torch.uint8, device=device)
     stream = new_stream(device)
@@ -458,19 +480,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"link limit: d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s, both at once {both:.1f} GB/s")
     header = f"{'page':>8} {'path':<14} {'store GB/s':>16} {'load GB/s':>16} {'both GB/s':>16}"
     if args.gemm:
-        header += f" {'GEMM slower':>12} {'store beside GEMM':>18}"
+        header += f" {'GEMM slower [quartiles]':>24} {'store beside GEMM':>18}"
     print(header)
     for r in rows:
         shown = f"auto({r.taken})" if r.path == "auto" else r.path
         line = (f"{_size(r.page_bytes):>8} {shown:<14} {r.store_gbps:6.1f} ({r.store_gbps / d2h:4.2f}x)"
                 f"    {r.load_gbps:6.1f} ({r.load_gbps / h2d:4.2f}x)    "
                 f"{r.both_gbps:6.1f} ({r.both_gbps / both:4.2f}x)")
-        if r.gemm_slowdown is not None and r.gemm_store_gbps is not None:
-            line += f" {100 * r.gemm_slowdown:11.1f}% {r.gemm_store_gbps:8.1f} ({r.gemm_store_gbps / d2h:4.2f}x)"
+        if r.gemm_slowdown is not None and r.gemm_quartiles is not None and r.gemm_store_gbps is not None:
+            shown = GemmFigure(r.gemm_slowdown, r.gemm_quartiles, r.gemm_store_gbps).describe()
+            line += f" {shown:>24} {r.gemm_store_gbps:8.1f} ({r.gemm_store_gbps / d2h:4.2f}x)"
         print(line)
     if link_gemm is not None:
-        print(f"GEMM beside plain 64 MiB pinned copies (the link's own cost): "
-              f"{100 * link_gemm[0]:.1f}% slower, {link_gemm[1]:.1f} GB/s")
+        print(f"GEMM beside plain 64 MiB pinned copies (the link's own cost): {link_gemm.describe()} "
+              f"slower, {link_gemm.gbps:.1f} GB/s (median [quartiles] of {GEMM_ROUNDS} rounds)")
     for path, (job_s, copy_s) in small.items():
         print(f"1-block job (64 x 32 KiB) [{path}]: {job_s * 1e6:7.1f} us = {job_s / copy_s:4.2f}x "
               f"one 2 MiB pinned copy ({copy_s * 1e6:.1f} us)")
@@ -479,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"link": {"d2h": d2h, "h2d": h2d, "both": both},
-                       "gemm_beside_link": link_gemm,
+                       "gemm_beside_link": attrs.asdict(link_gemm) if link_gemm is not None else None,
                        "rows": [attrs.asdict(r) for r in rows],
                        "small_job": {p: {"job_s": j, "copy_s": c} for p, (j, c) in small.items()}},
                       f, indent=2)

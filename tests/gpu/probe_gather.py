@@ -104,7 +104,7 @@ def main() -> None:
     gemm = bench.GemmLoad(device)
     for r in range(rounds):
         floor = bench.gemm_beside_link(gemm, device)
-        line = [f"link {100 * floor[0]:.1f}%"]
+        line = [f"link {floor.describe()}"]
         for name in VARIANTS:
             use(name)
             for page in (4096, 32768):
