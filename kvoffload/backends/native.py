@@ -614,8 +614,10 @@ class NativeBackend:
         self._keep = (config, keep)  # the issuer's config and what it points to
         self._choose = choose
         self._layered = layered
-        # a staged layer's rows in runs of this many records go as one strided copy (0: never; and
-        # taken as never where copies are cut in pieces, which may leave a run no strided copy)
+        # a staged layer's rows in runs of this many records go as one strided copy whatever the
+        # layer's width (narrower layers' shorter runs too: STRIDED_ROW_BYTES); auto's layered choice
+        # counts shorter runs as short (0: no strided copies; and taken as none where copies are
+        # cut in pieces, which may leave a run no strided copy)
         self._strided_min_rows = (int(config.strided_min_rows)
                                   if config.memcpy_2d and config.piece_bytes <= 0 else 0)
         self._path_names = dict(path_names)
@@ -865,7 +867,9 @@ class NativeBackend:
     def layered_path_for(self, host_blocks: I64Array) -> str:
         """The path a layered load from ``host_blocks`` takes: ``auto``'s
         :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (staged rows in runs
-        the issuer moves as strided copies count as such), else as a whole job's."""
+        of at least ``STRIDED_MIN_ROWS`` count as strided copies: shorter runs of narrow layers go
+        strided too, but slower than ``sm`` on the host the rule was drawn from, docs/design.md
+        §12), else as a whole job's."""
         if self._layered is not None:
             return self._layered(host_blocks, self._strided_min_rows)
         return self._choose(int(host_blocks.shape[0]))

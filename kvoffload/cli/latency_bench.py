@@ -72,8 +72,9 @@ PREFILL_LAYERS: Final = 16
 PREFILL_BLOCKS: Final = 256
 PREFILL_PAGE: Final = 32 * KIB
 #: The layer-wise prefill's cases, (page size of each of K and V, host records): 32 KiB pages from
-#: records in order (the issue's figure), and 4 KiB pages (8 KiB of a record a layer) in order and
-#: from every other record, where ``auto`` takes ``sm`` for the layered load (docs/design.md §12).
+#: records in order (the issue's figure), and 4 KiB pages (8 KiB of a record a layer) in order
+#: (``auto`` keeps ``staged``: one strided copy a layer) and from every other record (where ``auto``
+#: takes ``sm`` for the layered load, docs/design.md §12).
 PREFILL_CASES: Final = ((PREFILL_PAGE, "in order"), (4 * KIB, "in order"), (4 * KIB, "gapped"))
 PREFILL_ROUNDS: Final = 7
 TIMEOUT_S: Final = 120.0

@@ -169,7 +169,7 @@ struct kvo_config {
     int64_t start_timeout_ns; /* kvo_issuer_new waits this long for the thread's start (<= 0: 0) */
     int64_t piece_bytes;      /* no copy is longer (0: no bound): descriptors are cut into pieces
                                * of it (append_copy), strided copies hold the rows it holds and
-                               * go as descriptors where strided_min_rows rows do not fit it
+                               * go as descriptors where plan_min_rows rows do not fit it
                                * (strided_rows) */
     int64_t wait_lead_ns;     /* a kvo_job_wait blocked past its spin wakes this long before its
                                * job's predicted end and spins to as long after it (0: it blocks
@@ -817,10 +817,6 @@ static void append_strided(struct kvo_issuer *is, size_t *count, int store, uint
     d->height = (size_t)height;
 }
 
-/* The most rows one strided copy of plan `p` moves: as many as piece_bytes holds at a row's pitch
- * (no bound without piece_bytes); 0 where its rows go as descriptors: no cuMemcpy2DAsync, strided
- * copies off, a pitch the driver refuses, or strided_min_rows rows over piece_bytes (rows that wide
- * move at the link's pace as descriptors: 512 KiB spans took 1.05x a contiguous copy). */
 /* The fewest records that follow each other which plan `p`'s staged rows move as strided copies
  * (<= 0: none). A strided copy costs the copy engine a few microseconds whatever its rows, a
  * descriptor less the wider it is, so the narrower a plan's copies the shorter the runs worth one:
@@ -830,10 +826,15 @@ static int64_t plan_min_rows(const struct kvo_issuer *is, const struct kvo_plan 
     int64_t top = is->c.strided_min_rows, unit = is->c.strided_row_bytes;
     if (top <= 0 || unit <= 0 || p->runs <= 0 || p->pitch <= 0) return top;
     int64_t width = p->pitch / p->runs; /* a row's copies' mean bytes */
-    int64_t rows = (width + unit - 1) / unit, floor = STRIDED_FLOOR_ROWS < top ? STRIDED_FLOOR_ROWS : top;
+    int64_t rows = width / unit + (width % unit != 0); /* ceil, without overflow */
+    int64_t floor = STRIDED_FLOOR_ROWS < top ? STRIDED_FLOOR_ROWS : top;
     return rows < floor ? floor : rows > top ? top : rows;
 }
 
+/* The most rows one strided copy of plan `p` moves: as many as piece_bytes holds at a row's pitch
+ * (no bound without piece_bytes); 0 where its rows go as descriptors: no cuMemcpy2DAsync, strided
+ * copies off, a pitch the driver refuses, or plan_min_rows rows over piece_bytes (rows that wide
+ * move at the link's pace as descriptors: 512 KiB spans took 1.05x a contiguous copy). */
 static int64_t strided_rows(const struct kvo_issuer *is, const struct kvo_plan *p) {
     int64_t min_rows = plan_min_rows(is, p);
     if (!is->c.memcpy_2d || min_rows <= 0 || p->pitch <= 0 || p->host_stride > STRIDED_MAX_PITCH) return 0;
