@@ -104,7 +104,8 @@ class LayeredChoice:
     descriptor, ``staged`` too, but for records that follow each other in the pool in runs of at
     least ``strided_min_rows`` (the native issuer's strided copies; 0: none). Narrow descriptors
     are slow on the copy engine, while ``sm``'s kernel reads host memory at one pace at any page
-    size (how fast is the host's: 0.59-0.62x a pinned copy on two H100 hosts): on one H100 host a 16-layer load of 256 blocks at 8 KiB spans took 0.29x a pinned
+    size (how fast is the host's: 0.59-0.62x a pinned copy on two H100 hosts): on one H100 host a
+    16-layer load of 256 blocks at 8 KiB spans took 0.29x a pinned
     copy through ``staged`` from every other record, 0.33x from records picked at random, 0.15x
     through the Python issuer's ``staged`` from any records, and 0.83-0.84x through ``sm`` from
     any; from records in order (one strided copy a layer) ``staged`` took 0.84x too, without
