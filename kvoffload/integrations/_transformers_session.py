@@ -87,6 +87,10 @@ class OffloadStats:
         sessions: engine sessions that ran with kvoffload (each with its own host pool).
         sessions_without_prefix_sharing: sessions left alone because the engine did not share prefixes
             (``allow_block_sharing=False``).
+        sessions_without_worker: sessions left alone because their worker could not be made (a
+            :class:`~kvoffload.KVOffloadError` from ``make_worker``, logged at error level: too
+            little host memory for the pool, a calibration without a correct path, ...): the engine
+            ran them as it does without kvoffload.
         blocks_stored: blocks whose store completed (host records that became loadable).
         blocks_store_failed: blocks whose store job failed (never loadable).
         blocks_not_stored: complete blocks not stored because every host record was busy.
@@ -108,6 +112,7 @@ class OffloadStats:
 
     sessions: int
     sessions_without_prefix_sharing: int
+    sessions_without_worker: int
     blocks_stored: int
     blocks_store_failed: int
     blocks_not_stored: int
@@ -127,6 +132,7 @@ class OffloadStats:
 class _Counters:
     sessions: int = 0
     sessions_without_prefix_sharing: int = 0
+    sessions_without_worker: int = 0
     blocks_stored: int = 0
     blocks_store_failed: int = 0
     blocks_not_stored: int = 0

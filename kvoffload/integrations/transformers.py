@@ -196,7 +196,15 @@ class Offloader:
             num_disk_blocks=self.disk.num_blocks if self.disk is not None else 0,
             policy=self.policy,
         )
-        worker = self._make_worker(layout, self.num_host_blocks, self.disk)
+        try:
+            worker = self._make_worker(layout, self.num_host_blocks, self.disk)
+        except kvoffload.KVOffloadError as exc:
+            # raised here it would end the engine's generation thread, and its requests would
+            # never finish: the session runs without kvoffload instead, said at error level
+            _log.error("kvoffload is not used in this engine session: its worker could not be made: %s", exc)
+            with self._lock:
+                self._counts.sessions_without_worker += 1
+            return None
         try:
             adopted = self._adopt(manager, worker)
             session = _Session(self, cache, manager, worker, layer_of, defer_loads=self._defer_loads)

@@ -742,6 +742,35 @@ def test_a_session_without_prefix_sharing_is_left_alone(model: Any) -> None:
     assert stats.blocks_stored == 0
 
 
+def test_a_session_whose_worker_cannot_be_made_runs_without_kvoffload(
+    model: Any, big_cache_run: PhaseRun, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker refused at bind time (here the host memory's ``RegionError``) would end the engine's
+    generation thread if raised there, and no request of the session would finish: the session runs
+    without kvoffload instead, tokens as the big cache's, the error logged and counted. Another
+    session of the same context whose worker is made runs with kvoffload."""
+    made: list[int] = []
+
+    def refused_once(layout: kvoffload.DeviceLayout, blocks: int, disk: DiskConfig | None) -> WorkerLike:
+        made.append(blocks)
+        if len(made) == 1:
+            raise kvoffload.RegionError("cannot map 64 records of the host pool (test)")
+        return kvoffload.Worker.create(layout, blocks, disk=disk)
+
+    with caplog.at_level(logging.ERROR, logger="kvoffload.integrations.transformers"), \
+            offloading(model, 64, make_worker=refused_once) as off:
+        refused = run_phases(model, SMALL_CACHE_BLOCKS, off)
+        stats = off.stats()
+        assert stats.sessions == 0 and stats.sessions_without_worker == 1
+        assert stats.blocks_stored == 0 and stats.prompt_tokens_host == 0
+        served = run_phases(model, SMALL_CACHE_BLOCKS, off)  # a new session: its worker is made
+    assert not refused.errors and refused.outputs == big_cache_run.outputs
+    assert not served.errors and served.outputs == big_cache_run.outputs
+    assert off.stats().sessions == 1 and off.stats().blocks_loaded_host > 0
+    assert any("its worker could not be made" in r.getMessage() and "cannot map" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_each_session_gets_its_own_pool_and_the_previous_one_is_released(model: Any) -> None:
     made: list[kvoffload.Worker] = []
 
