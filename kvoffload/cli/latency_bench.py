@@ -187,8 +187,7 @@ def _isolated_rows(w: Worker, path: str, copy: PinnedCopy, page: int, repeats: i
         taken: set[str] = set()  # the paths the jobs took (``auto`` says which it chose)
         for i in range(repeats + 2):  # two warm-ups
             if not store and i == repeats + 1:
-                for tensor in tensors.values():
-                    tensor.index_fill_(1, zeroed, 0)  # _per_layer: block dim 1
+                _zero_blocks(tensors, zeroed)
             torch.cuda.synchronize(device)
             total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
             job += 1
@@ -198,7 +197,7 @@ def _isolated_rows(w: Worker, path: str, copy: PinnedCopy, page: int, repeats: i
                 samples.append((total, call, result.seconds))
                 copies.append(c)
                 taken.add(result.path)
-        shown = label.replace("auto", f"auto({','.join(sorted(taken))})", 1) if path == "auto" else label
+        shown = _taken_label(label, path, taken)
         bad = 0 if store else _mismatched(w.layout, dev_a, dev_b)
         t = statistics.median(s[0] for s in samples)
         c = statistics.median(copies)
@@ -210,6 +209,18 @@ def _isolated_rows(w: Worker, path: str, copy: PinnedCopy, page: int, repeats: i
         )
         _log(out, "  " + rows[-1])
     return rows
+
+
+def _zero_blocks(tensors: dict[str, torch.Tensor], blocks: torch.Tensor) -> None:
+    """Zero device blocks ``blocks`` of :func:`_per_layer`'s tensors (block dim 1), so that a byte
+    check sees only what the next load writes there."""
+    for tensor in tensors.values():
+        tensor.index_fill_(1, blocks, 0)
+
+
+def _taken_label(label: str, path: str, taken: set[str]) -> str:
+    """A row's label: for ``auto``, the paths its jobs took (``auto(staged)``)."""
+    return label.replace("auto", f"auto({','.join(sorted(taken))})", 1) if path == "auto" else label
 
 
 def _mismatched(layout: DeviceLayout, a: np.ndarray, b: np.ndarray) -> int:
@@ -523,8 +534,7 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
                 job += 1
                 first.append(float(begin.elapsed_time(ready0)) / 1e3)
                 if rnd == PREFILL_ROUNDS - 1:  # the check below sees this round's bytes
-                    for tensor in tensors.values():
-                        tensor.index_fill_(1, dst_index, 0)  # _per_layer: block dim 1
+                    _zero_blocks(tensors, dst_index)
                 # when the whole load landed, as the device saw it (a wait for the last layer)
                 begin2, done = new_event(timing=True), new_event(timing=True)
                 torch.cuda.synchronize(device)
@@ -541,7 +551,7 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
         s, o = statistics.median(serial), statistics.median(overlapped)
         ideal = max(load_s, compute_s) + load_s / layers
         f0, fl = statistics.median(first), statistics.median(full)
-        shown = label.replace("auto", f"auto({','.join(sorted(taken))})", 1) if path == "auto" else label
+        shown = _taken_label(label, path, taken)
         lines.append(
             f"[{shown:<13}] {_size(page)} pages, records {records}: load {load_s * 1e3:6.2f} ms, compute "
             f"{compute_s * 1e3:6.2f} ms; load then compute {s * 1e3:6.2f} ms; load_by_layer {o * 1e3:6.2f} "
@@ -550,7 +560,6 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
             f"us, all after {fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us)"
         )
         _log(out, "  " + lines[-1])
-    del tensors
     return lines, bad
 
 
