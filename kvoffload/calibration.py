@@ -25,15 +25,19 @@ competes with compute for the SMs), whatever their block count (one block of 2 M
 in an 8-layer layout). The result is cached per process by (device, page geometry, whether ``sm``
 was allowed) and can be persisted to a JSON file.
 
-A layered load's path is not timed: :class:`LayeredChoice` takes the size bucket's path and sends
-the load through ``sm`` where the copy engine would take its layers as many narrow descriptors, a
-rule drawn from measured figures (docs/design.md §12).
+A layered load's path: :class:`LayeredChoice` takes the size bucket's path and sends the load
+through ``sm`` where the copy engine would take its layers as many narrow descriptors and ``sm``
+moves them faster. Whether it does differs between hosts (docs/design.md §12), so where a layout's
+layers are narrow and ``sm`` competes, the calibration times one more job: a layered load of about
+64 MiB from records apart (every other record: a descriptor per record and layer) through each
+path that passed its load checks, bytes checked as the others' (:data:`LAYERED`).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -42,7 +46,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
@@ -55,7 +59,7 @@ from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
 __all__ = [
-    "BOTH_WAYS", "CANDIDATES", "AutoChoice", "HandlerFactory", "LayeredChoice", "PoolFactory", "calibrate",
+    "BOTH_WAYS", "CANDIDATES", "LAYERED", "AutoChoice", "HandlerFactory", "LayeredChoice", "PoolFactory", "calibrate",
     "geometry_key", "sm_competes",
 ]
 
@@ -75,6 +79,9 @@ WAIT_S: Final = 60.0
 _FILE_VERSION: Final = 4
 #: The key of :attr:`AutoChoice.gbps` holding the both-ways figures.
 BOTH_WAYS: Final = "both"
+#: The key of :attr:`AutoChoice.gbps` holding a layered load's figures from records apart, one per
+#: path (measured only for a layout of narrow layers where ``sm`` competes: :func:`times_layered`).
+LAYERED: Final = "layered"
 #: The paths ``auto`` chooses among, in order of preference on a tie.
 CANDIDATES: Final = ("dma", "staged", "sm")
 #: Size buckets (from the smallest) where the ``sm`` path competes.
@@ -111,17 +118,30 @@ class LayeredChoice:
     any; from records in order (one strided copy a layer) ``staged`` took 0.84x too, without
     holding SMs (``python -m tests.gpu.probe_layered_records``).
 
+    But on another H100 host ``sm`` took 0.61-0.62x at 8-32 KiB spans, where ``staged`` from
+    records apart took 0.30x at 8 KiB and 0.88x at 32 KiB: which path is faster from scattered
+    records is the host's. So where the calibration timed a layered load from records apart
+    (``measured``: :data:`LAYERED`'s figures), ``sm`` is taken only if it moved that load faster
+    than the size bucket's path; without figures (a layout calibrated before, or none) the rule
+    alone decides.
+
     Whether the layers are narrow is the layout's (every layer's byte ranges of a record, judged
     once), so every part of a job (the Python issuer issues layer 0 apart from the others) takes
     the same path. Owns nothing but that answer.
     """
 
-    def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable]) -> None:
+    def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable],
+                 measured: Mapping[str, Sequence[float]] | None = None) -> None:
         self._size_choice = size_choice
-        runs = [table.record_runs()[1] for table in layer_tables]
-        count = sum(int(sizes.shape[0]) for sizes in runs)
         #: the layers' copies average under NARROW_LAYER_BYTES (False: no layers)
-        self.narrow = count > 0 and sum(int(sizes.sum()) for sizes in runs) < NARROW_LAYER_BYTES * count
+        self.narrow = narrow_layers(layer_tables)
+        sm = measured.get("sm", ()) if measured is not None else ()
+        sm_gbps = float(sm[0]) if len(sm) > 0 else 0.0
+        #: the size paths that keep a narrow layered load: measured no slower than ``sm`` from
+        #: records apart (every path, where ``sm`` was measured and failed); None: not measured
+        self.keeps: frozenset[str] | None = None if measured is None else frozenset(
+            path for path, g in measured.items() if path != "sm" and len(g) > 0 and float(g[0]) >= sm_gbps
+        )
 
     def path(self, host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
         """The path of a layered load (of this choice's layout, any part of it) from host records
@@ -129,12 +149,20 @@ class LayeredChoice:
         ``strided_min_rows`` records go as strided copies."""
         pairs = int(host_blocks.shape[0])
         name = self._size_choice(pairs)
-        if not self.narrow or name not in ("dma", "staged"):
+        if not self.narrow or name not in ("dma", "staged") or (self.keeps is not None and name in self.keeps):
             return name
         if name == "staged" and strided_min_rows > 0:
             if _rows_in_short_runs(host_blocks, strided_min_rows) <= NARROW_ROWS_SHARE * pairs:
                 return name
         return "sm"
+
+
+def narrow_layers(layer_tables: Sequence[PageTable]) -> bool:
+    """Whether layers' copies of a record (every layer's byte ranges) average under
+    :data:`NARROW_LAYER_BYTES` (False for no layers)."""
+    runs = [table.record_runs()[1] for table in layer_tables]
+    count = sum(int(sizes.shape[0]) for sizes in runs)
+    return count > 0 and sum(int(sizes.sum()) for sizes in runs) < NARROW_LAYER_BYTES * count
 
 
 def _rows_in_short_runs(host_blocks: npt.NDArray[np.int64], min_rows: int) -> int:
@@ -178,6 +206,10 @@ class PathHandler(Protocol):
                dst_blocks: npt.NDArray[np.int64]) -> None:
         """Submit one job."""
 
+    def submit_by_layer(self, job_id: int, src_blocks: npt.NDArray[np.int64], dst_blocks: npt.NDArray[np.int64],
+                        tables: tuple[PageTable, ...]) -> object:
+        """Submit one job that lands layer after layer (``tables[i]``: layer ``i``'s pages)."""
+
     def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
         """Wait for jobs, with a deadline."""
 
@@ -208,6 +240,11 @@ class AutoChoice:
     paths: dict[str, tuple[str, ...]]
     gbps: dict[str, dict[str, tuple[float, ...]]]
 
+    def layered(self) -> dict[str, tuple[float, ...]] | None:
+        """A layered load's GB/s from records apart per path (:data:`LAYERED`), or None where not
+        measured (for :class:`LayeredChoice`)."""
+        return self.gbps.get(LAYERED)
+
     def path_for(self, direction: Direction, blocks: int) -> str:
         """The path for a job of ``blocks`` blocks in ``direction``."""
         return self.paths[direction.value][max(0, bisect.bisect_right(self.buckets, blocks) - 1)]
@@ -229,6 +266,10 @@ class AutoChoice:
                                   for path, g in figures.items())
                 kept = self.paths[direction][i]
                 parts.append(f"{direction} {size} block{'s' if size != 1 else ''}: {kept} ({timed})")
+        layered = self.layered()
+        if layered is not None:
+            timed = ", ".join(f"{path} {g[0]:.1f}" if g and g[0] > 0.0 else f"{path} -" for path, g in layered.items())
+            parts.append(f"layered load from records apart: {timed}")
         return "; ".join(parts)
 
 
@@ -237,15 +278,28 @@ _cache_lock = threading.Lock()
 
 
 def geometry_key(
-    device_name: str, pages: PageTable, candidates: Sequence[str], *, issuer: str = "python"
+    device_name: str, pages: PageTable, candidates: Sequence[str], *, issuer: str = "python",
+    layers: Sequence[PageTable] = (),
 ) -> str:
     """The cache key: device name, the page sizes of a record, ``|sm`` when the ``sm`` path
-    competed, and ``|native`` when the paths were timed through the native issuer (its jobs cost
+    competed, ``|native`` when the paths were timed through the native issuer (its jobs cost
     the host less than the Python issuer's, and not alike on every path: a small job's fastest path
-    may differ)."""
+    may differ), and ``|layers=`` a digest of the layers' byte ranges of a record where a layered
+    load is timed too (:func:`times_layered`)."""
     sizes = ",".join(str(n) for n in pages.nbytes.tolist())
-    return (f"{device_name}|{pages.record_bytes}|{sizes}" + ("|sm" if "sm" in candidates else "")
-            + ("|native" if issuer == "native" else ""))
+    key = (f"{device_name}|{pages.record_bytes}|{sizes}" + ("|sm" if "sm" in candidates else "")
+           + ("|native" if issuer == "native" else ""))
+    if times_layered(candidates, layers):
+        ranges = ";".join(",".join(f"{o}+{n}" for o, n in zip(t.host_offset.tolist(), t.nbytes.tolist()))
+                          for t in layers)
+        key += "|layers=" + hashlib.sha256(ranges.encode()).hexdigest()[:16]
+    return key
+
+
+def times_layered(candidates: Sequence[str], layers: Sequence[PageTable]) -> bool:
+    """Whether the calibration times a layered load too: the layers are narrow
+    (:func:`narrow_layers`) and ``sm`` competes."""
+    return "sm" in candidates and narrow_layers(layers)
 
 
 def calibrate(
@@ -257,11 +311,14 @@ def calibrate(
     scratch_pool: PoolFactory,
     handler_for: HandlerFactory,
     persist_path: str | None = None,
+    layers: Sequence[PageTable] = (),
 ) -> AutoChoice:
-    """The :class:`AutoChoice` for ``key`` (see :func:`geometry_key`), measured once per process.
+    """The :class:`AutoChoice` for ``key`` (see :func:`geometry_key`, given the same ``layers``),
+    measured once per process.
 
     ``candidates`` are the paths that may be chosen (``sm`` only where the caller's host pool is
-    addressable by kernels as is; ``staged`` only where a record fits a staging slot). With
+    addressable by kernels as is; ``staged`` only where a record fits a staging slot). ``layers``:
+    the layout's layer tables, for the layered load timed where :func:`times_layered`. With
     ``persist_path``, a choice saved there for the same key is reused, and a new one is saved.
 
     Raises:
@@ -273,7 +330,7 @@ def calibrate(
             return _cache[key]
     choice = _load(persist_path, key, candidates) if persist_path else None
     if choice is None:
-        choice = _measure(device, pages, key, candidates, scratch_pool, handler_for)
+        choice = _measure(device, pages, key, candidates, scratch_pool, handler_for, layers)
         if persist_path:
             _save(persist_path, choice)
     with _cache_lock:
@@ -301,11 +358,13 @@ def _scratch_pages(device: torch.device, pages: PageTable, blocks: int) -> tuple
 
 def _measure(
     device: torch.device, pages: PageTable, key: str, candidates: Sequence[str],
-    scratch_pool: PoolFactory, handler_for: HandlerFactory,
+    scratch_pool: PoolFactory, handler_for: HandlerFactory, layers: Sequence[PageTable] = (),
 ) -> AutoChoice:
     """Measure the choice for ``key``: each direction's paths alone, then the bulk paths that
     passed both directions with a store and a load at once, then the path each bucket keeps
-    (:func:`_fastest`). Scratch device memory and the scratch pool live for this call only.
+    (:func:`_fastest`); and where :func:`times_layered`, a layered load from records apart through
+    each path that passed its loads (:func:`_time_layered`). Scratch device memory and the scratch
+    pool live for this call only.
 
     Raises:
         TransferError: as :func:`calibrate`.
@@ -340,12 +399,80 @@ def _measure(
                 both = _time_lanes(device, lanes, sizes, blocks, scratch, region, _both_ways)
             _drop_failed(gbps, set(bulk) - set(both), key)
             gbps[BOTH_WAYS] = both
+            if times_layered(candidates, layers):
+                tables = _scratch_layers(pages, table, layers)
+                with contextlib.ExitStack() as handlers:
+                    made = {path: handlers.enter_context(handler_for(path, plans[Direction.LOAD], 2 * blocks))
+                            for path in candidates if path in gbps[Direction.LOAD.value]}
+                    gbps[LAYERED] = _time_layered(device, made, plans[Direction.LOAD], tables, blocks,
+                                                  scratch, region)
     finally:
         del scratch
     paths = {d.value: tuple(_fastest(gbps[d.value], i, both) for i in range(len(sizes))) for d in directions}
     choice = AutoChoice(key=key, buckets=sizes, paths=paths, gbps=gbps)
     _log.info("auto path calibration for %s: %s", key, paths)
     return choice
+
+
+def _scratch_layers(pages: PageTable, table: PageTable, layers: Sequence[PageTable]) -> tuple[PageTable, ...]:
+    """The layers of the layout's ``pages`` as tables of the scratch ``table`` (the same pages, in
+    scratch device memory): each layer's pages found by their byte range of a record."""
+    index = {(int(o), int(n)): i for i, (o, n) in enumerate(zip(pages.host_offset, pages.nbytes))}
+    made = []
+    for layer in layers:
+        at = np.array([index[(int(o), int(n))] for o, n in zip(layer.host_offset, layer.nbytes)], dtype=np.int64)
+        made.append(PageTable(dev_base=table.dev_base[at], dev_stride=table.dev_stride[at], nbytes=table.nbytes[at],
+                              host_offset=table.host_offset[at], segment=table.segment[at],
+                              record_bytes=table.record_bytes))
+    return tuple(made)
+
+
+def _time_layered(
+    device: torch.device, handlers: Mapping[str, PathHandler], plan: CopyPlan, tables: tuple[PageTable, ...],
+    blocks: int, scratch: torch.Tensor, region: ScratchPool,
+) -> dict[str, tuple[float, ...]]:
+    """GB/s of a layered load of ``blocks`` blocks over ``tables`` from every other record (none
+    follows another: every layer's span of every record is a descriptor of its own on ``dma`` and
+    ``staged``) into device blocks ``blocks..2 * blocks``, per path, call to result, median of
+    :data:`REPEATS` taken in :func:`turns`; a path whose job fails, or whose last job (into a
+    cleared destination) leaves a byte wrong, is left out."""
+    records = region.records()
+    host = 2 * np.arange(blocks, dtype=np.int64)
+    dst = blocks + np.arange(blocks, dtype=np.int64)
+    times: dict[str, list[float]] = {path: [] for path in handlers}
+    alive = list(handlers)
+    job = 0
+
+    def run(path: str) -> float | None:
+        nonlocal job
+        _synchronize(device)
+        start = time.perf_counter()
+        handlers[path].submit_by_layer(job, host, dst, tables)
+        (result,) = handlers[path].wait([job], WAIT_S)
+        job += 1
+        if result.ok:
+            return time.perf_counter() - start
+        _log.warning("auto calibration: a layered load through %s failed: %s", path, result.error)
+        alive.remove(path)
+        return None
+
+    try:
+        for path in turns(list(handlers), REPEATS):
+            if path in alive and (seconds := run(path)) is not None:
+                times[path].append(seconds)
+        for path in list(alive):
+            _clear(plan, scratch, records, dst)
+            if run(path) is not None and not _verified(plan, scratch, records, host, dst, blocks):
+                _log.warning("auto calibration: a layered load through %s moved bytes wrong; never "
+                             "chosen for one", path)
+                alive.remove(path)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # as _time_lanes: no view of the pool survives
+        raise
+    finally:
+        del records
+    moved = blocks * plan.pages.block_bytes
+    return {path: (moved / statistics.median(times[path]) / 1e9,) for path in alive}
 
 
 def _drop_failed(gbps: dict[str, dict[str, tuple[float, ...]]], failed: set[str], key: str) -> None:

@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Final, Protocol, cast, runtime_checkable
+from typing import Final, Protocol, TypeVar, cast, runtime_checkable
 
 import attrs
 import numpy as np
@@ -70,6 +70,7 @@ from kvoffload.records import (
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "Backend", "BookedHandler", "DirectionHandler", "LayeredBackend",
            "Ticket"]
 
+_T = TypeVar("_T")
 _log = logging.getLogger("kvoffload.handler")
 #: Transfers abandoned by a failed drain: their tickets keep host buffers a copy may still read, so
 #: they are kept for the rest of the process rather than freed under a running copy.
@@ -388,6 +389,13 @@ class DirectionHandler:
                 destinations.
             DeviceMismatchError: a stream of another device (or any stream for the host backend).
         """
+        self._booked(job_id, src_blocks, dst_blocks,
+                     lambda job, src, dst: self.submit_validated(job, src, dst, stream=stream, fence=fence))
+
+    def _booked(self, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds,
+                submit: Callable[[int, I64Array, I64Array], _T]) -> _T:
+        """Validate the job id and ids, book the job, then ``submit(job, src, dst)`` (the booking
+        forgotten if it raises). Raises as :meth:`submit`, before anything is submitted."""
         self._check_open()
         job = as_job_id(job_id)
         src = as_block_ids("src_blocks", src_blocks, self.num_src_blocks)
@@ -395,7 +403,7 @@ class DirectionHandler:
         check_pairs(src, dst, "src_blocks", "dst_blocks")
         self._book.reserve(job, self)
         try:
-            self.submit_validated(job, src, dst, stream=stream, fence=fence)
+            return submit(job, src, dst)
         except BaseException:
             self._book.forget(job)
             raise
@@ -434,6 +442,16 @@ class DirectionHandler:
             DeviceMismatchError: the stream is not one of the backend's device.
         """
         self._enqueue(job_id, src, dst, stream, fence, None)
+
+    def submit_by_layer(
+        self, job_id: int, src_blocks: BlockIds, dst_blocks: BlockIds, tables: tuple[PageTable, ...], *,
+        stream: object = None,
+    ) -> LayerMarks:
+        """:meth:`submit` for a job that lands layer after layer (``tables[i]``: layer ``i``'s
+        pages): validates the ids, books the job, then :meth:`submit_layered`; returns the marks.
+        Raises as :meth:`submit`, before anything is submitted."""
+        return self._booked(job_id, src_blocks, dst_blocks,
+                            lambda job, src, dst: self.submit_layered(job, src, dst, tables, stream=stream))
 
     def submit_layered(
         self, job_id: int, src: I64Array, dst: I64Array, tables: tuple[PageTable, ...], *,

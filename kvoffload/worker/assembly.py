@@ -622,6 +622,7 @@ def _cuda_backend(
     names: tuple[str, ...]
     choose: Callable[[int], str] | None
     shown: str | None
+    measured: dict[str, tuple[float, ...]] | None = None  # auto's layered figures (calibration.LAYERED)
     if path in ("dma", "sm", "staged") or not fits:
         name = path if path != "auto" else "dma"
         # what results name: the path object's name (a dma path's is its copier's: "dma-loop")
@@ -633,8 +634,8 @@ def _cuda_backend(
             return calibration.calibrate(
                 device, layout.page_table,
                 key=calibration.geometry_key(cuda.capabilities.device_name, layout.page_table, names,
-                                             issuer=timed_by),
-                candidates=names,
+                                             issuer=timed_by, layers=layout.layer_tables),
+                candidates=names, layers=layout.layer_tables,
                 scratch_pool=functools.partial(_scratch_pool, cuda),
                 handler_for=functools.partial(_path_handler, cuda, options.regular or options, device,
                                               timed_by, strict=issuer == "native"),
@@ -649,13 +650,13 @@ def _cuda_backend(
             _log.warning("the native issuer did not start for auto's calibration (%s): its paths "
                          "are timed from Python", exc.__cause__)
             choice = calibrated("python")
-        choose, shown = choice.chooser(direction), "auto"
+        choose, shown, measured = choice.chooser(direction), "auto", choice.layered()
     small = options.lane_sm_bytes // layout.record_bytes  # set only where the pool is mapped
     if small > 0 and names != ("sm",):  # the expedited lane: its small loads through sm
         choose = _small_through_sm(small, choose or functools.partial(_only, names[0]))
         names = (*names, "sm") if "sm" not in names else names  # results name each job's path
-    # auto's layered loads: sm where the size's path would move narrow spans as descriptors
-    layered = (calibration.LayeredChoice(choose, layout.layer_tables).path
+    # auto's layered loads: sm where the size's path would move narrow spans as descriptors slower
+    layered = (calibration.LayeredChoice(choose, layout.layer_tables, measured).path
                if shown == "auto" and choose is not None and "sm" in names and direction is Direction.LOAD
                and layout.layer_tables else None)
     return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, names),

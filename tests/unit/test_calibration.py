@@ -24,7 +24,7 @@ from kvoffload.calibration import (
     BOTH_WAYS, SM_BUCKETS, SM_MAX_JOB_BYTES, AutoChoice, _check_bulk, _clear, _fastest, _load, _save,
     _scratch_pages, _verified, sm_competes, turns,
 )
-from kvoffload.errors import TransferError
+from kvoffload.errors import TransferError, UnknownJobError
 from kvoffload.records import Direction, TransferResult
 from kvoffload.cli._caches import build_cache
 from tests.unit.test_expedited_loads import _Created
@@ -265,12 +265,17 @@ class _Link:
     """A simulated clock and link: a job's time is its bytes times its path's seconds per byte,
     alone or, where a job of the other direction is in flight at once, shared."""
 
-    def __init__(self, alone: dict[str, float], shared: dict[str, float]) -> None:
+    def __init__(self, alone: dict[str, float], shared: dict[str, float],
+                 layered: dict[str, float] | None = None) -> None:
         self.now = 0.0
         self.alone, self.shared = alone, shared
+        #: a layered load's seconds per byte (from records apart), per path; alone's where not given
+        self.layered = layered or {}
         #: (handler, job) -> (its start, whether it shared the link, its ids)
         self.flight: dict[tuple[int, int], tuple[float, bool, np.ndarray, np.ndarray]] = {}
         self.pairs_timed: list[str] = []
+        #: (path, host ids, layer tables) of every layered load submitted
+        self.layered_jobs: list[tuple[str, np.ndarray, tuple[PageTable, ...]]] = []
 
 
 class _FakePath:
@@ -282,6 +287,7 @@ class _FakePath:
                  records: torch.Tensor, fault: str | None) -> None:
         self.link, self.path, self.plan = link, path, plan
         self.scratch, self.records, self.fault = scratch, records, fault
+        self._layered: set[int] = set()
 
     def submit(self, job_id: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> None:
         others = [key for key in self.link.flight if key[0] != id(self)]
@@ -292,12 +298,26 @@ class _FakePath:
             self.link.pairs_timed.append(self.path)
         self.link.flight[(id(self), job_id)] = (self.link.now, bool(others), src_blocks, dst_blocks)
 
+    def submit_by_layer(self, job_id: int, src: np.ndarray, dst: np.ndarray,
+                        tables: tuple[PageTable, ...]) -> object:
+        self.link.layered_jobs.append((self.path, src.copy(), tables))
+        self.link.flight[(id(self), job_id)] = (self.link.now, False, src, dst)
+        self._layered.add(job_id)
+        return None
+
     def wait(self, job_ids: Iterable[int], timeout: float) -> list[TransferResult]:
         results = []
         for job in job_ids:
             start, shared, src, dst = self.link.flight.pop((id(self), job))
             nbytes = int(src.shape[0]) * self.plan.pages.block_bytes
             cost = (self.link.shared if shared else self.link.alone)[self.path]
+            if job in self._layered:
+                self._layered.discard(job)
+                cost = self.link.layered.get(self.path, cost)
+                if self.fault == "layered-wrong":
+                    results.append(TransferResult(job, self.plan.direction, True, nbytes, 0.0, self.path, None))
+                    self.link.now = max(self.link.now, start + cost * nbytes)
+                    continue
             self.link.now = max(self.link.now, start + cost * nbytes)
             fault = self.fault if shared else None
             if fault != "wrong" and fault != "fails":
@@ -310,13 +330,17 @@ class _FakePath:
 
 def _calibrate_fakes(
     monkeypatch: pytest.MonkeyPatch, link: _Link, faults: dict[tuple[str, Direction], str] | None = None,
+    candidates: tuple[str, ...] = ("dma", "staged"), layered: bool = False,
 ) -> AutoChoice:
-    """A whole calibration of dma and staged over :class:`_FakePath` on the CPU, on the link's
-    clock (scratch tensors on the CPU device, shaped by a per-layer cache of 64 KiB blocks);
-    ``faults[(path, direction)]``: that handler's fault both ways."""
+    """A whole calibration of ``candidates`` over :class:`_FakePath` on the CPU, on the link's
+    clock (scratch tensors on the CPU device, shaped by a per-layer cache of 64 KiB blocks, two
+    layers of 32 KiB: narrow); ``faults[(path, direction)]``: that handler's fault both ways
+    (``"layered-wrong"``: its layered loads copy nothing); ``layered``: the layout's layers are
+    given (a layered load is timed where sm is a candidate)."""
     tensors, block_dim = build_cache("per-layer", num_blocks=4, layers=2, kv_heads=2, head_dim=64,
                                      block_size=64, dtype=torch.bfloat16, device=torch.device("cpu"))
-    pages = DeviceLayout.from_tensors(tensors, block_dim=block_dim).page_table
+    layout = DeviceLayout.from_tensors(tensors, block_dim=block_dim)
+    pages = layout.page_table
     made: dict[str, torch.Tensor] = {}
 
     @contextlib.contextmanager
@@ -341,8 +365,8 @@ def _calibrate_fakes(
     monkeypatch.setattr(calibration, "_scratch_pages", scratch_pages)
     monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: link.now))
     monkeypatch.setattr(calibration, "LARGE_JOB_BYTES", 24 * pages.block_bytes)  # 24 blocks
-    return calibration._measure(torch.device("cpu"), pages, "cpu|fake", ("dma", "staged"), pool,
-                                handler_for)
+    return calibration._measure(torch.device("cpu"), pages, "cpu|fake", candidates, pool, handler_for,
+                                layout.layer_tables if layered else ())
 
 
 def test_a_calibration_keeps_off_a_path_that_is_slow_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -461,7 +485,7 @@ def test_auto_times_its_paths_through_the_issuer_the_workers_jobs_take(
             if strict:
                 raise failure
             raise assembly._NativeDidNotStart(str(failure)) from failure
-        return types.SimpleNamespace(chooser=lambda direction: lambda blocks: "dma")
+        return types.SimpleNamespace(chooser=lambda direction: lambda blocks: "dma", layered=lambda: None)
 
     monkeypatch.setattr(CudaBackend, "create", _Created)
     monkeypatch.setattr(driver, "host_pointer_is_device_pointer", lambda index, ptr: False)
@@ -694,3 +718,150 @@ def test_rows_in_short_runs_counts_rows_of_runs_shorter_than_the_minimum(ids: li
     want = sum(len(r) for r in runs if len(r) < min_rows)
     shuffled = list(reversed(ids))
     assert calibration._rows_in_short_runs(_ids(shuffled), min_rows) == want  # noqa: SLF001
+
+
+# ------------------------------------------------------- the layered load the calibration times
+
+
+def _fake_layers() -> tuple[PageTable, ...]:
+    """The layer tables of :func:`_calibrate_fakes`' layout (two layers of 32 KiB a record)."""
+    tensors, block_dim = build_cache("per-layer", num_blocks=4, layers=2, kv_heads=2, head_dim=64,
+                                     block_size=64, dtype=torch.bfloat16, device=torch.device("cpu"))
+    return DeviceLayout.from_tensors(tensors, block_dim=block_dim).layer_tables
+
+
+ALL_PATHS = ("dma", "staged", "sm")
+
+
+@pytest.mark.parametrize(("staged_cost", "sm_cost", "expected"), [(3.0, 1.2, "sm"), (1.1, 1.6, "staged")])
+def test_a_calibration_times_a_layered_load_from_records_apart_and_the_choice_follows_it(
+    monkeypatch: pytest.MonkeyPatch, staged_cost: float, sm_cost: float, expected: str,
+) -> None:
+    """A layout of narrow layers (two of 32 KiB a record) where sm competes: the calibration times
+    a layered load of the bulk size (24 blocks) from every other record over the layout's two
+    layers through each path that passed its loads, and auto's layered choice takes sm only where
+    sm moved it faster than the size bucket's path. The control, the rule without the figures,
+    takes sm from records apart either way."""
+    link = _Link(alone={"dma": 1.0, "staged": 1.0, "sm": 1.0}, shared={"dma": 1.0, "staged": 1.0, "sm": 1.0},
+                 layered={"dma": 9.0, "staged": staged_cost, "sm": sm_cost})
+    choice = _calibrate_fakes(monkeypatch, link, candidates=ALL_PATHS, layered=True)
+    figures = choice.layered()
+    assert figures is not None and set(figures) == set(ALL_PATHS)
+    assert figures["staged"][0] / figures["sm"][0] == pytest.approx(sm_cost / staged_cost)
+    assert {path for path, _, _ in link.layered_jobs} == set(ALL_PATHS)
+    for _, host, tables in link.layered_jobs:
+        assert np.array_equal(host, 2 * np.arange(24))  # no record follows another
+        assert len(tables) == 2
+    assert "layered load from records apart: " in choice.describe()
+    layers = _fake_layers()
+    assert calibration.LayeredChoice(lambda _n: "staged", layers, figures).path(GAPPED, 64) == expected
+    assert calibration.LayeredChoice(lambda _n: "dma", layers, figures).path(GAPPED, 64) == "sm"  # dma slower
+    assert calibration.LayeredChoice(lambda _n: "staged", layers).path(GAPPED, 64) == "sm"  # the rule alone
+
+
+def test_a_layered_load_that_copies_nothing_is_never_chosen_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sm's layered loads report success and copy nothing: its cleared destination shows it, sm has
+    no layered figure, and narrow layered loads keep the size bucket's path although sm was timed
+    faster. The control, without the fault, takes sm."""
+    costs = {"alone": {"dma": 1.0, "staged": 1.0, "sm": 1.0}, "shared": {"dma": 1.0, "staged": 1.0, "sm": 1.0},
+             "layered": {"dma": 9.0, "staged": 3.0, "sm": 1.0}}
+    faulty = _calibrate_fakes(monkeypatch, _Link(**costs), {("sm", Direction.LOAD): "layered-wrong"},
+                              candidates=ALL_PATHS, layered=True)
+    figures = faulty.layered()
+    assert figures is not None and "sm" not in figures and "staged" in figures
+    assert "sm" in faulty.gbps["load"]  # its plain loads passed
+    layers = _fake_layers()
+    assert calibration.LayeredChoice(lambda _n: "staged", layers, figures).path(GAPPED, 64) == "staged"
+    control = _calibrate_fakes(monkeypatch, _Link(**costs), candidates=ALL_PATHS, layered=True).layered()
+    assert control is not None
+    assert calibration.LayeredChoice(lambda _n: "staged", layers, control).path(GAPPED, 64) == "sm"
+
+
+@pytest.mark.parametrize(("candidates", "layered"), [(("dma", "staged"), True), (ALL_PATHS, False)])
+def test_no_layered_load_is_timed_without_sm_or_without_layers(
+    monkeypatch: pytest.MonkeyPatch, candidates: tuple[str, ...], layered: bool,
+) -> None:
+    link = _Link(alone={"dma": 1.0, "staged": 1.0, "sm": 1.0}, shared={"dma": 1.0, "staged": 1.0, "sm": 1.0})
+    choice = _calibrate_fakes(monkeypatch, link, candidates=candidates, layered=layered)
+    assert choice.layered() is None and not link.layered_jobs
+    assert "layered load" not in choice.describe()
+
+
+def test_measured_layered_figures_keep_the_paths_no_slower_than_sm() -> None:
+    plan = _layer_plan(8 << 10)
+    layers = [plan.pages]
+
+    def path(size_path: str, measured: dict[str, tuple[float, ...]] | None) -> str:
+        return calibration.LayeredChoice(lambda _n: size_path, layers, measured).path(GAPPED, 64)
+
+    assert path("staged", {"staged": (20.0,), "sm": (40.0,)}) == "sm"
+    assert path("staged", {"staged": (40.0,), "sm": (40.0,)}) == "staged"  # a tie keeps the copy engine
+    assert path("staged", {"staged": (20.0,)}) == "staged"  # sm failed its layered check
+    assert path("dma", {"staged": (50.0,), "sm": (40.0,)}) == "sm"  # dma not measured faster
+    assert path("staged", None) == "sm"  # not measured: the rule
+    wide = _layer_plan(calibration.NARROW_LAYER_BYTES)
+    assert calibration.LayeredChoice(lambda _n: "staged", [wide.pages], {"sm": (99.0,)}).path(GAPPED, 64) == "staged"
+
+
+def test_the_key_names_the_layers_only_where_a_layered_load_is_timed() -> None:
+    """Two groupings of the same pages time different layered loads: their keys differ. A layout
+    without layers, with wide layers, or a calibration without sm keeps the key it had."""
+    tensors = {f"layer{i}": torch.zeros(2, 4, 4096, dtype=torch.uint8) for i in range(4)}
+    by_default = DeviceLayout.from_tensors(tensors, block_dim=1)
+    in_pairs = DeviceLayout.from_tensors(tensors, block_dim=1,
+                                         layers=[["layer0", "layer1"], ["layer2", "layer3"]])
+    pages = by_default.page_table
+    plain = calibration.geometry_key("H100", pages, ALL_PATHS)
+    one = calibration.geometry_key("H100", pages, ALL_PATHS, layers=by_default.layer_tables)
+    two = calibration.geometry_key("H100", pages, ALL_PATHS, layers=in_pairs.layer_tables)
+    assert one.startswith(plain + "|layers=") and two.startswith(plain + "|layers=") and one != two
+    assert calibration.geometry_key("H100", pages, ("dma", "staged"), layers=by_default.layer_tables) == \
+        calibration.geometry_key("H100", pages, ("dma", "staged"))
+    wide = {f"layer{i}": torch.zeros(2, 4, 64 << 10, dtype=torch.uint8) for i in range(2)}
+    wide_layout = DeviceLayout.from_tensors(wide, block_dim=1)
+    assert "|layers=" not in calibration.geometry_key("H100", wide_layout.page_table, ALL_PATHS,
+                                                      layers=wide_layout.layer_tables)
+
+
+def test_the_layered_figures_are_saved_and_read_back(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "auto.json")
+    saved = choice("k|layers=abc")
+    saved.gbps[calibration.LAYERED] = {"staged": (12.5,), "sm": (40.0,)}
+    _save(path, saved)
+    back = _load(path, "k|layers=abc", ("dma", "staged", "sm"))
+    assert back is not None and back.layered() == {"staged": (12.5,), "sm": (40.0,)}
+    assert choice().layered() is None
+
+
+def test_the_layered_timing_books_its_jobs_on_a_real_calibration_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_time_layered`` over the handler ``_path_handler`` makes (over a host backend here), as the
+    calibration runs it: each layered job is validated and booked before it is submitted
+    (``submit_by_layer``; a layered submit the handler has not booked is not found by its wait),
+    lands layer by layer, and its bytes are checked into a cleared destination."""
+    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.bindings.types import CopyMethod
+    from kvoffload.worker import assembly
+    from kvoffload.worker.assembly import WorkerOptions
+
+    monkeypatch.setattr(CudaBackend, "create", _Created)
+    monkeypatch.setattr(assembly, "_issuing", _host_issuing([], []))
+    tensors = {f"layer{i}": torch.zeros(2, 4, 4096, dtype=torch.uint8) for i in range(2)}
+    layout = DeviceLayout.from_tensors(tensors, block_dim=1)
+    blocks = 4
+    scratch, table = _scratch_pages(torch.device("cpu"), layout.page_table, 2 * blocks)
+    records = torch.randint(0, 256, (2 * blocks, layout.record_bytes), dtype=torch.uint8)
+    region: Any = types.SimpleNamespace(base_ptr=records.data_ptr(), chunk_records=2 * blocks,
+                                        records=lambda: records)
+    plan = CopyPlan(table, records.data_ptr(), 2 * blocks, Direction.LOAD)
+    tables = calibration._scratch_layers(layout.page_table, table, layout.layer_tables)  # noqa: SLF001
+    assert [t.num_pages for t in tables] == [2, 2]
+    cuda = _fake_cuda(CopyMethod.BATCH_CTYPES)
+    with assembly._path_handler(cuda, WorkerOptions(), torch.device("cpu"), "python", "dma", plan,
+                                2 * blocks) as handler:
+        figures = calibration._time_layered(torch.device("cpu"), {"dma": handler}, plan, tables, blocks,  # noqa: SLF001
+                                            scratch, region)
+        with pytest.raises(UnknownJobError):  # the control: a layered submit nobody booked
+            handler.submit_layered(99, 2 * np.arange(blocks), blocks + np.arange(blocks), tables)
+            handler.wait([99], 10.0)
+    assert set(figures) == {"dma"} and figures["dma"][0] > 0.0
+    assert _verified(plan, scratch, records, 2 * np.arange(blocks), blocks + np.arange(blocks), blocks)

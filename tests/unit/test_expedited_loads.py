@@ -420,12 +420,18 @@ def test_the_lanes_cuda_backend_sends_loads_of_up_to_8_mib_through_sm(
     monkeypatch.setattr(driver, "host_pointer_is_device_pointer", lambda index, ptr: mapped)
     timed_with: list[object] = []
 
+    layers_given: list[object] = []
+
     class Choice:
         def chooser(self, direction: Direction) -> Any:
             return lambda blocks: "dma" if blocks < 32 else "staged"
 
+        def layered(self) -> dict[str, tuple[float, ...]]:  # staged from records apart beat sm
+            return {"dma": (1.0,), "staged": (9.0,), "sm": (5.0,)}
+
     def calibrate(device: object, pages: object, **kwargs: Any) -> Choice:
         timed_with.append(kwargs["handler_for"].args[1])  # the options calibration times paths with
+        layers_given.append(kwargs["layers"])
         return Choice()
 
     monkeypatch.setattr(calibration, "calibrate", calibrate)
@@ -454,5 +460,7 @@ def test_the_lanes_cuda_backend_sends_loads_of_up_to_8_mib_through_sm(
         assert (made.layered is not None) == (path == "auto" and mapped)
         if made.layered is not None:
             assert made.layered.__self__._size_choice is made.choose  # noqa: SLF001
+            assert made.layered.__self__.keeps == {"staged"}  # the calibration's layered figures
+    assert all(given is layout.layer_tables for given in layers_given)
     stores: Any = assembly._cuda_backend(Direction.STORE, layout, region, cuda, options, "python")
     assert stores.layered is None  # a layered job is a load
