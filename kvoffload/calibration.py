@@ -136,12 +136,17 @@ class LayeredChoice:
         #: the layers' copies average under NARROW_LAYER_BYTES (False: no layers)
         self.narrow = narrow_layers(layer_tables)
         sm = measured.get("sm", ()) if measured is not None else ()
-        sm_gbps = float(sm[0]) if len(sm) > 0 else 0.0
         #: the size paths that keep a narrow layered load: measured no slower than ``sm`` from
-        #: records apart (every path, where ``sm`` was measured and failed); None: not measured
-        self.keeps: frozenset[str] | None = None if measured is None else frozenset(
-            path for path, g in measured.items() if path != "sm" and len(g) > 0 and float(g[0]) >= sm_gbps
-        )
+        #: records apart (every path, where ``sm`` has no figure: it failed its layered check);
+        #: None: not measured
+        self.keeps: frozenset[str] | None
+        if measured is None:
+            self.keeps = None
+        elif len(sm) == 0 or float(sm[0]) <= 0.0:
+            self.keeps = frozenset(CANDIDATES) - {"sm"}
+        else:
+            self.keeps = frozenset(path for path, g in measured.items()
+                                   if path != "sm" and len(g) > 0 and float(g[0]) >= float(sm[0]))
 
     def path(self, host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
         """The path of a layered load (of this choice's layout, any part of it) from host records
@@ -416,14 +421,19 @@ def _measure(
 
 def _scratch_layers(pages: PageTable, table: PageTable, layers: Sequence[PageTable]) -> tuple[PageTable, ...]:
     """The layers of the layout's ``pages`` as tables of the scratch ``table`` (the same pages, in
-    scratch device memory): each layer's pages found by their byte range of a record."""
-    index = {(int(o), int(n)): i for i, (o, n) in enumerate(zip(pages.host_offset, pages.nbytes))}
+    scratch device memory). A layer's piece is a whole page or a slice of one (a cross-layer
+    tensor's ``layer_dim`` after its block dim): the page holding it is the one whose byte range of
+    a record starts last at or before it, and the piece lies as far into the scratch page as into
+    the record's (a page's bytes run alike on both sides)."""
+    order = np.argsort(pages.host_offset, kind="stable")
+    starts = pages.host_offset[order]
     made = []
     for layer in layers:
-        at = np.array([index[(int(o), int(n))] for o, n in zip(layer.host_offset, layer.nbytes)], dtype=np.int64)
-        made.append(PageTable(dev_base=table.dev_base[at], dev_stride=table.dev_stride[at], nbytes=table.nbytes[at],
-                              host_offset=table.host_offset[at], segment=table.segment[at],
-                              record_bytes=table.record_bytes))
+        at = order[np.searchsorted(starts, layer.host_offset, side="right") - 1]
+        inside = layer.host_offset - pages.host_offset[at]
+        made.append(PageTable(dev_base=table.dev_base[at] + inside, dev_stride=table.dev_stride[at],
+                              nbytes=layer.nbytes.copy(), host_offset=layer.host_offset.copy(),
+                              segment=table.segment[at], record_bytes=table.record_bytes))
     return tuple(made)
 
 

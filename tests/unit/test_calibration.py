@@ -797,6 +797,8 @@ def test_measured_layered_figures_keep_the_paths_no_slower_than_sm() -> None:
     assert path("staged", {"staged": (20.0,), "sm": (40.0,)}) == "sm"
     assert path("staged", {"staged": (40.0,), "sm": (40.0,)}) == "staged"  # a tie keeps the copy engine
     assert path("staged", {"staged": (20.0,)}) == "staged"  # sm failed its layered check
+    assert path("staged", {"dma": (5.0,)}) == "staged"  # ... and so did the size bucket's path
+    assert path("staged", {}) == "staged"
     assert path("dma", {"staged": (50.0,), "sm": (40.0,)}) == "sm"  # dma not measured faster
     assert path("staged", None) == "sm"  # not measured: the rule
     wide = _layer_plan(calibration.NARROW_LAYER_BYTES)
@@ -833,11 +835,16 @@ def test_the_layered_figures_are_saved_and_read_back(tmp_path: pathlib.Path) -> 
     assert choice().layered() is None
 
 
-def test_the_layered_timing_books_its_jobs_on_a_real_calibration_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["per-layer", "cross-layer"])
+def test_the_layered_timing_books_its_jobs_on_a_real_calibration_handler(
+    monkeypatch: pytest.MonkeyPatch, kind: str,
+) -> None:
     """``_time_layered`` over the handler ``_path_handler`` makes (over a host backend here), as the
     calibration runs it: each layered job is validated and booked before it is submitted
     (``submit_by_layer``; a layered submit the handler has not booked is not found by its wait),
-    lands layer by layer, and its bytes are checked into a cleared destination."""
+    lands layer by layer, and its bytes are checked into a cleared destination. The layers are
+    whole pages (per-layer tensors) or slices of one page (a cross-layer tensor whose layer dim
+    follows its block dim: each layer 8 KiB of a 16 KiB page), placed in the scratch pages."""
     from kvoffload.backends.cuda import CudaBackend
     from kvoffload.bindings.types import CopyMethod
     from kvoffload.worker import assembly
@@ -845,8 +852,13 @@ def test_the_layered_timing_books_its_jobs_on_a_real_calibration_handler(monkeyp
 
     monkeypatch.setattr(CudaBackend, "create", _Created)
     monkeypatch.setattr(assembly, "_issuing", _host_issuing([], []))
-    tensors = {f"layer{i}": torch.zeros(2, 4, 4096, dtype=torch.uint8) for i in range(2)}
-    layout = DeviceLayout.from_tensors(tensors, block_dim=1)
+    if kind == "per-layer":
+        layout = DeviceLayout.from_tensors({f"layer{i}": torch.zeros(2, 4, 4096, dtype=torch.uint8) for i in range(2)},
+                                           block_dim=1)
+    else:
+        layout = DeviceLayout.from_tensors({"kv": torch.zeros(4, 2, 8192, dtype=torch.uint8)}, block_dim=0, layer_dim=1)
+        assert layout.page_table.num_pages == 1 and [t.nbytes.tolist() for t in layout.layer_tables] == [[8192]] * 2
+    assert calibration.times_layered(ALL_PATHS, layout.layer_tables)
     blocks = 4
     scratch, table = _scratch_pages(torch.device("cpu"), layout.page_table, 2 * blocks)
     records = torch.randint(0, 256, (2 * blocks, layout.record_bytes), dtype=torch.uint8)
@@ -854,7 +866,7 @@ def test_the_layered_timing_books_its_jobs_on_a_real_calibration_handler(monkeyp
                                         records=lambda: records)
     plan = CopyPlan(table, records.data_ptr(), 2 * blocks, Direction.LOAD)
     tables = calibration._scratch_layers(layout.page_table, table, layout.layer_tables)  # noqa: SLF001
-    assert [t.num_pages for t in tables] == [2, 2]
+    assert [t.host_offset.tolist() for t in tables] == [t.host_offset.tolist() for t in layout.layer_tables]
     cuda = _fake_cuda(CopyMethod.BATCH_CTYPES)
     with assembly._path_handler(cuda, WorkerOptions(), torch.device("cpu"), "python", "dma", plan,
                                 2 * blocks) as handler:
