@@ -23,7 +23,8 @@ together.
 blocks, and such a job holds its few CTAs for tens of microseconds; bulk jobs never take it (it
 competes with compute for the SMs), whatever their block count (one block of 2 MiB pages is 32 MiB
 in an 8-layer layout). The result is cached per process by (device, page geometry, whether ``sm``
-was allowed) and can be persisted to a JSON file.
+was allowed, the issuer, and the layers where a layered load is timed: :func:`geometry_key`) and can
+be persisted to a JSON file.
 
 A layered load's path: :class:`LayeredChoice` takes the size bucket's path and sends the load
 through ``sm`` where the copy engine would take its layers as many narrow descriptors and ``sm``
