@@ -22,11 +22,13 @@ what the link alone costs, measured side by side in one run.
   the later ones — median, p90, p99 and max over every call, and how many calls took over 100 us.
 
 ``--layerwise``: a synthetic L-layer prefill whose layer ``i`` reads layer ``i``'s loaded blocks, its
-compute per layer about the load's per layer, for each case of :data:`PREFILL_CASES` (32 KiB pages
-from host records in order; 4 KiB pages in order and from every other record): *load then compute* (``load``, wait for the result,
-then every layer's compute) against ``load_by_layer`` (layer ``i``'s compute after
-``wait_layer(i)``), with the ideal ``max(load, compute) + one layer's load``, and when layer 0 was
-ready against ``1/L`` of the whole load.
+compute per layer about the load's per layer (a CUDA graph a layer, its products chosen by timing
+them, so that the compute runs at the device's pace and not at the host's), for each case of
+:data:`PREFILL_CASES` (32 KiB pages from host records in order; 4 KiB pages in order and from every
+other record): *load then compute* (``load``, wait for the result, then every layer's compute)
+against ``load_by_layer`` (layer ``i``'s compute after ``wait_layer(i)``), with the ideal
+``max(load, compute) + one layer's load``, when layer 0 was ready against ``1/L`` of the whole
+load, and the caller's time in ``load_by_layer`` and in each ``wait_layer``.
 
 Every figure is printed as measured and as a ratio to its reference; nothing is asserted. Every
 loaded byte is checked. Public API only.
@@ -77,6 +79,10 @@ PREFILL_PAGE: Final = 32 * KIB
 #: takes ``sm`` for the layered load, docs/design.md §12).
 PREFILL_CASES: Final = ((PREFILL_PAGE, "in order"), (4 * KIB, "in order"), (4 * KIB, "gapped"))
 PREFILL_ROUNDS: Final = 7
+#: The sides of the prefill's square bf16 products (the smaller fills out a layer's compute) and how
+#: many products a graph times to measure one.
+PREFILL_GEMM_SIDES: Final = (1024, 2048)
+PREFILL_GEMM_PROBE: Final = 16
 TIMEOUT_S: Final = 120.0
 
 
@@ -412,41 +418,80 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
 
 class Prefill:
     """A synthetic prefill: layer ``i`` reads its K and V pages of the loaded blocks (a gather and a
-    reduction into an accumulator) and then runs ``gemms`` products, on the compute stream. Owns its
-    operands."""
+    reduction into an accumulator) and then runs bf16 products, on the compute stream. Each layer's
+    compute is one CUDA graph, replayed with one launch, so that a layer takes the device the time
+    its work takes: launched kernel by kernel from Python, a layer of a gather, a reduction and one
+    product took the host about 100 us against about 35 us of the device's, and the compute ran at
+    the host's pace, under the load's whatever its products. Owns its operands and graphs."""
 
     def __init__(self, device: torch.device, tensors: dict[str, torch.Tensor], blocks: torch.Tensor,
                  stream: torch.cuda.Stream) -> None:
         self.tensors = [tensors[f"layer{i}"] for i in range(len(tensors))]
         self.blocks = blocks
         self.stream = stream
-        n = 2048
+        self._operands: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         with torch.cuda.stream(stream):
-            self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-            self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+            for side in PREFILL_GEMM_SIDES:
+                a = torch.randn(side, side, device=device, dtype=torch.bfloat16)
+                b = torch.randn(side, side, device=device, dtype=torch.bfloat16)
+                self._operands[side] = (a, b, torch.mm(a, b))  # cuBLAS set up before any capture
             self.acc = torch.zeros((), dtype=torch.int64, device=device)
-        self.gemms = 1
+            self.acc += self.tensors[0].index_select(1, blocks).view(torch.int64).sum()
+        stream.synchronize()
+        #: Products per layer, by side (set by :meth:`calibrate`).
+        self.products: dict[int, int] = {}
+        self._graphs: list[torch.cuda.CUDAGraph] = []
 
-    def layer(self, i: int) -> None:
-        """Queue layer ``i``'s compute on the stream."""
-        with torch.cuda.stream(self.stream):
-            kv = self.tensors[i].index_select(1, self.blocks)
-            self.acc += kv.view(torch.int64).sum()
-            for _ in range(self.gemms):
-                torch.mm(self.a, self.b)
+    def _capture(self, i: int, products: dict[int, int]) -> torch.cuda.CUDAGraph:
+        """Layer ``i``'s compute with ``products`` (a count by side) as one graph."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            if i >= 0:
+                kv = self.tensors[i].index_select(1, self.blocks)
+                self.acc += kv.view(torch.int64).sum()
+            for side, count in products.items():
+                a, b, out = self._operands[side]
+                for _ in range(count):
+                    torch.mm(a, b, out=out)
+        return graph
 
-    def seconds(self) -> float:
-        """Device seconds of every layer's compute, nothing else running (median of 5)."""
+    def _replay_s(self, graphs: Sequence[torch.cuda.CUDAGraph]) -> float:
+        """Device seconds of ``graphs`` replayed in order with nothing else running (median of 5)."""
         times = []
         for _ in range(5):
             begin, end = new_event(timing=True), new_event(timing=True)
-            begin.record(self.stream)
-            for i in range(len(self.tensors)):
-                self.layer(i)
-            end.record(self.stream)
+            with torch.cuda.stream(self.stream):
+                begin.record(self.stream)
+                for graph in graphs:
+                    graph.replay()
+                end.record(self.stream)
             end.synchronize()
             times.append(float(begin.elapsed_time(end)) / 1e3)
         return statistics.median(times)
+
+    def calibrate(self, per_layer_s: float) -> None:
+        """Capture every layer's graph with the products that make a layer's device time about
+        ``per_layer_s``: as many of the larger side as fit after the layer's read, the rest in
+        products of the smaller one (at least one product a layer)."""
+        layers = len(self.tensors)
+        reads = self._replay_s([self._capture(i, {}) for i in range(layers)]) / layers
+        each = {side: self._replay_s([self._capture(-1, {side: PREFILL_GEMM_PROBE})]) / PREFILL_GEMM_PROBE
+                for side in PREFILL_GEMM_SIDES}
+        small, large = PREFILL_GEMM_SIDES
+        left = max(0.0, per_layer_s - reads)
+        big = int(left // each[large])
+        rest = round((left - big * each[large]) / each[small])
+        self.products = {large: big, small: max(rest, 1 if big == 0 else 0)}
+        self._graphs = [self._capture(i, self.products) for i in range(layers)]
+
+    def layer(self, i: int) -> None:
+        """Queue layer ``i``'s compute on the stream (one graph launch)."""
+        with torch.cuda.stream(self.stream):
+            self._graphs[i].replay()
+
+    def seconds(self) -> float:
+        """Device seconds of every layer's compute, nothing else running (median of 5)."""
+        return self._replay_s(self._graphs)
 
 
 def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out: TextIO,
@@ -497,12 +542,9 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
                 job += 1
                 loads.append(total)
             load_s = statistics.median(loads)
-            # Calibrate the compute: about one layer's load per layer.
-            prefill.gemms = 1
-            per_gemm = max(1e-6, prefill.seconds() / layers)
-            prefill.gemms = max(1, round(load_s / layers / per_gemm))
+            prefill.calibrate(load_s / layers)  # the compute: about one layer's load a layer
             compute_s = prefill.seconds()
-            serial, overlapped, first, full = [], [], [], []
+            serial, overlapped, first, full, call, waits = [], [], [], [], [], []
             taken: set[str] = set()  # the paths the layered loads took
             for rnd in range(PREFILL_ROUNDS):
                 torch.cuda.synchronize(device)
@@ -519,9 +561,13 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
                 begin, ready0 = new_event(timing=True), new_event(timing=True)
                 t0 = time.perf_counter()
                 begin.record(compute)
+                t1 = time.perf_counter()
                 load: LayerLoad = w.load_by_layer(job, host, dst, stream=compute)
+                call.append(time.perf_counter() - t1)
                 for i in range(layers):
+                    t1 = time.perf_counter()
                     load.wait_layer(i, compute)
+                    waits.append(time.perf_counter() - t1)
                     if i == 0:
                         ready0.record(compute)
                     prefill.layer(i)
@@ -557,10 +603,17 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
             f"{compute_s * 1e3:6.2f} ms; load then compute {s * 1e3:6.2f} ms; load_by_layer {o * 1e3:6.2f} "
             f"ms ({s / o:4.2f}x faster); ideal max(load, compute) + one layer {ideal * 1e3:6.2f} ms "
             f"(load_by_layer = ideal + {(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} "
-            f"us, all after {fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us)"
+            f"us, all after {fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us); "
+            f"the caller's time in load_by_layer {statistics.median(call) * 1e6:6.1f} us, in wait_layer "
+            f"{statistics.median(waits) * 1e6:5.1f} us (medians); products a layer {_products(prefill)}"
         )
         _log(out, "  " + lines[-1])
     return lines, bad
+
+
+def _products(prefill: Prefill) -> str:
+    """``3 x 2048 + 5 x 1024``: a layer's products of each side."""
+    return " + ".join(f"{n} x {side}" for side, n in sorted(prefill.products.items(), reverse=True) if n)
 
 
 def _variants(paths: Sequence[str], issuers: Sequence[str]) -> list[tuple[str, str]]:
