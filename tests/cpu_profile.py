@@ -18,6 +18,7 @@ from __future__ import annotations
 import cProfile
 import ctypes
 import io
+import os
 import pstats
 import statistics
 import subprocess
@@ -113,8 +114,9 @@ class _Inner:
         pass
 
 
-def _worker(lib: ctypes.CDLL, keep: list[object]) -> Worker:
-    """A worker of LAYERS K and V tensors of PAGE-byte pages, both directions native over ``lib``."""
+def _worker(lib: ctypes.CDLL, keep: list[object], backends: list[NativeBackend] | None = None) -> Worker:
+    """A worker of LAYERS K and V tensors of PAGE-byte pages, both directions native over ``lib``
+    (each direction's backend appended to ``backends`` where given)."""
     def entry(name: str) -> int:
         return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
 
@@ -139,13 +141,66 @@ def _worker(lib: ctypes.CDLL, keep: list[object]) -> Worker:
         keep.append(bases)
         c.slot_bases = ctypes.cast(bases, ctypes.c_void_p)
         tune(c)  # the library's constants, as set for this run
-        return NativeBackend.start(_Inner(direction), c, index=0, choose=lambda _n: "dma",
-                                   path_names={"dma": "dma"}, tables=None, keep=keep)
+        backend = NativeBackend.start(_Inner(direction), c, index=0, choose=lambda _n: "dma",
+                                      path_names={"dma": "dma"}, tables=None, keep=keep)
+        if backends is not None:
+            backends.append(backend)
+        return backend
 
     tensors = [torch.empty(BLOCKS, PAGE, dtype=torch.uint8) for _ in range(2 * LAYERS)]
     keep.append(tensors)
     layout = DeviceLayout.from_tensors(tensors, block_dim=0)
     return Worker.create(layout, BLOCKS, backend_factory=factory)
+
+
+def shared_cpu_run(lib: ctypes.CDLL, *, share: bool, together: bool, jobs: int,
+                   device_us: int = DEVICE_US) -> tuple[list[float], list[float], tuple[int, int, int]]:
+    """Stores of 256 blocks, one at a time after a 1 ms sleep, the caller's thread on one CPU and
+    the worker's threads on the same CPU (``together``) or on another, with
+    :data:`kvoffload.backends.native.SHARE_CPU` set to ``share``: each call's seconds, each call ->
+    result, and the issuers' yields summed (``kvo_issuer_yields``: the thread to its caller,
+    waiters for a job not issued, the thread's spins). The caller's and the constant's settings
+    are restored. Linux only (CPU affinity of threads)."""
+    from kvoffload.backends import native as nb
+
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, saved = os.sched_getaffinity(0), nb.SHARE_CPU
+    lib.noop_device_ns(ctypes.c_int64(device_us * 1000))
+    setattr(nb, "SHARE_CPU", share)  # read by tune() as each issuer is made
+    os.sched_setaffinity(0, {cpus[0]})  # this thread; the threads made from now on inherit it
+    before = set(os.listdir("/proc/self/task"))
+    calls: list[float] = []
+    results: list[float] = []
+    counts = [0, 0, 0]
+    try:
+        keep: list[object] = []
+        backends: list[NativeBackend] = []
+        w = _worker(lib, keep, backends)
+        try:
+            if not together:
+                for tid in set(os.listdir("/proc/self/task")) - before:
+                    os.sched_setaffinity(int(tid), {cpus[-1]})
+            blocks = np.arange(256, dtype=np.int64)
+            for job in range(jobs):
+                time.sleep(0.001)
+                t0 = time.perf_counter()
+                w.store(job, blocks, blocks)
+                t1 = time.perf_counter()
+                (result,) = w.wait([job], 60)
+                results.append(time.perf_counter() - t0)
+                calls.append(t1 - t0)
+                if not result.ok:
+                    raise RuntimeError(f"job {job} failed: {result.error}")
+            for backend in backends:
+                out = (ctypes.c_int64 * 3)()
+                backend.lib.kvo_issuer_yields(backend._issuer, out)  # noqa: SLF001
+                counts = [c + int(v) for c, v in zip(counts, out)]
+        finally:
+            w.shutdown(60)
+    finally:
+        os.sched_setaffinity(0, mine)
+        setattr(nb, "SHARE_CPU", saved)
+    return calls, results, (counts[0], counts[1], counts[2])
 
 
 def _us(samples: list[float]) -> str:
@@ -166,7 +221,8 @@ def main() -> int:
         setattr(nb, name, type(getattr(nb, name))(float(value)))
         print(f"{name} = {getattr(nb, name)}")
     keep: list[object] = []
-    w = _worker(_driver(), keep)
+    lib = _driver()
+    w = _worker(lib, keep)
     try:
         job = 0
         first: list[float] = []
@@ -202,6 +258,15 @@ def main() -> int:
             job += 1
         print(f"1-block store, call -> result (device {DEVICE_US} us): {_us(whole[20:])}")
         print(f"wait of a 1-block job already done: {_us(waits[20:])}")
+        print("\n256-block stores one at a time (after a 1 ms sleep), the caller on one CPU and the issuer threads on "
+              "the same CPU or on another, SHARE_CPU on and off alternated: the call, call -> result (medians, p90)")
+        places = (True, False) if len(os.sched_getaffinity(0)) > 1 else (True,)
+        for _ in range(2):
+            for together in places:
+                for share in (True, False):
+                    calls, results, yields = shared_cpu_run(lib, share=share, together=together, jobs=60)
+                    print(f"  {'one CPU ' if together else 'two CPUs'} SHARE_CPU={share!s:<5}: call {_us(calls[10:])}; "
+                          f"call -> result {_us(results[10:])}; yields {yields}")
         rows, split = floor_rows(w, 256, 60, lambda: time.sleep(0.001))
         print("\n256-block stores in bursts of 4, each after a poll loop and a 1 ms sleep, three ways alternated"
               " (tests.gpu.profile_submit.floor_rows): median us of the first call (p90) and of jobs 2-4")

@@ -64,6 +64,7 @@ __all__ = [
     "IDLE_SPIN_S",
     "POLL_MAX_S",
     "POLL_MIN_S",
+    "SHARE_CPU",
     "STAGED_EDGE_BYTES",
     "START_TIMEOUT_S",
     "STOP_TIMEOUT_S",
@@ -137,6 +138,14 @@ EXPECT_SPIN_S: Final = 200e-6
 #: the record finds no call of the thread's in progress to wait for. 0: the thread is not told.
 #: Measured on the H200 in docs/design.md §16 (*A caller announced to a busy thread*).
 CALLER_COMING_S: Final = 50e-6
+#: Where the issuer thread and a caller share a CPU (a host of few cores, an engine's threads pinned
+#: together), the thread gives the CPU back once when it takes up a job its caller handed over on
+#: that CPU, and every spin that waits for the other side yields its CPU (a waiter's while its job
+#: is not issued yet; the thread's for an announced hand-off or a caller's driver call). Without it,
+#: on the two-CPU CI host, the thread woken by a hand-off preempted its caller for the whole issue
+#: (a 256-block store's call 350-400 us against 13 with a CPU each), and a waiter's spin held the
+#: CPU the thread needed (call -> result 2.2 ms at p90). False: never (docs/design.md §16).
+SHARE_CPU: Final = True
 #: A wait that blocked past its spin (:data:`WAIT_SPIN_S`: a job longer than that) wakes this long
 #: before the end the thread predicts for its job and spins (querying, :data:`WAIT_QUERY_S`) to as
 #: long after it plus an eighth of the job's predicted device time, then blocks until woken; 0:
@@ -252,6 +261,7 @@ def tune(c: native.Config) -> None:
     c.start_timeout_ns = _ns(START_TIMEOUT_S)
     c.piece_bytes = max(0, int(copier_module.COPY_PIECE_BYTES))
     c.wait_lead_ns = _ns(WAIT_LEAD_S)
+    c.share_cpu = int(bool(SHARE_CPU))
 
 
 class NativeTicket:

@@ -159,7 +159,7 @@ class Config(ctypes.Structure):
         ("caller_issue_max", _i64), ("ctx_get_current", _p), ("wait_query_ns", _i64),
         ("expect_spin_ns", _i64), ("memcpy_2d", _p), ("strided_min_rows", _i64), ("edge_bytes", _i64),
         ("caller_coming_ns", _i64), ("start_timeout_ns", _i64), ("piece_bytes", _i64),
-        ("wait_lead_ns", _i64), ("strided_row_bytes", _i64),
+        ("wait_lead_ns", _i64), ("strided_row_bytes", _i64), ("share_cpu", _i64),
     ]
 
 
@@ -437,6 +437,7 @@ def library() -> ctypes.CDLL:
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
         "kvo_issuer_counts": ([p, pi64], None),
+        "kvo_issuer_yields": ([p, pi64], None),
         "kvo_issuer_call_stats": ([p, pi64], None),
         "kvo_issuer_expect": ([p], i64),
         "kvo_job_expected_end": ([p], i64),

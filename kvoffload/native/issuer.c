@@ -24,6 +24,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -178,6 +179,8 @@ struct kvo_config {
                                * many bytes of its copies' mean width (at least STRIDED_FLOOR_ROWS,
                                * at most strided_min_rows); 0: strided_min_rows whatever the width.
                                * See plan_min_rows */
+    int64_t share_cpu;        /* 1: the issuing side and its callers give a CPU they share to each
+                               * other (yield_to_caller, give_cpu); 0: never */
 };
 
 /* One plan: the pages of a block (or of one layer of it) and how host records hold them. */
@@ -231,6 +234,7 @@ struct kvo_job {
     int64_t expected_end;  /* CLOCK_MONOTONIC ns of its predicted end (0: none; see predict_end) */
     int64_t runs;          /* its predicted device time, ns (0: none; see predict_end) */
     int64_t times[4];      /* CLOCK_MONOTONIC ns: handed over, issue began, issued, found done */
+    int64_t caller_cpu;    /* the CPU its caller handed it over on (-1: unknown) */
     int64_t id, tag;       /* a booked job's id and its owner's tag (kvo_hand_off_booked) */
     struct kvo_job *book_next; /* the next job of the issuer's book */
 };
@@ -272,6 +276,10 @@ struct kvo_issuer {
     int coming_lapsed;    /* an announcement lapsed with no caller's record: announcements are
                            * ignored until the next record (atomics; see give_way) */
     int thread_issues;    /* the thread is issuing a job it took off the queue (under the mutex) */
+    int64_t thread_yields, waiter_yields, spin_yields; /* CPUs given (kvo_issuer_yields; atomics) */
+    int64_t thread_cpu;   /* the CPU the thread last woke or took up work on (-1: none yet; atomics) */
+    int64_t caller_cpu;   /* the CPU of the last caller that announced a hand-off or entered a driver
+                           * call of its own (-1: none yet; atomics): see give_cpu */
     /* Diagnostics (kvo_issuer_call_stats): the issuing side's driver call in progress (CALL_*),
      * its longest call of each kind, and the callers' calls: how many, the longest, and those
      * slower than SLOW_CALLER_CALL_NS by the issuing side's call in progress when they began. */
@@ -322,6 +330,36 @@ static void cond_init(pthread_cond_t *cond) {
  * each of its own: the driver serialises the calls of one context, and a thread that issues call
  * after call would keep the caller's thread (the engine's) waiting behind several of them. The wait
  * is bounded: a caller stalled inside its call delays the issue by the config's give_way_ns at most. */
+/* A spin of one side that waits for the other side's progress gives its CPU (with share_cpu) where
+ * the other side was last seen on the same CPU (`other`: is->thread_cpu or is->caller_cpu): if the
+ * two share it (a host of few cores, or an engine's threads pinned together), a spin that never
+ * yields holds it until the scheduler's slice ends, and the side it waits for cannot run
+ * meanwhile (a waiter spinning for a job the thread had not issued got its result after its 2 ms
+ * spin). Sides on CPUs of their own never yield, so a spin never gives its CPU to an unrelated
+ * thread. `count`: kvo_issuer_yields' counter. */
+static void give_cpu(struct kvo_issuer *is, const int64_t *other, int64_t *count) {
+    if (!is->c.share_cpu || sched_getcpu() != __atomic_load_n(other, __ATOMIC_RELAXED)) return;
+    __atomic_fetch_add(count, 1, __ATOMIC_RELAXED);
+    sched_yield();
+}
+
+/* The side that calls it runs on the CPU it records in `at` now (is->thread_cpu, is->caller_cpu). */
+static void seen_on_cpu(struct kvo_issuer *is, int64_t *at) {
+    if (is->c.share_cpu) __atomic_store_n(at, (int64_t)sched_getcpu(), __ATOMIC_RELAXED);
+}
+
+/* The thread took up `job` (without mu), handed over and not begun by its caller. Where the thread
+ * runs on the CPU the caller handed the job over on, the hand-off's signal woke it there and it
+ * has likely preempted the caller, whose call would return only after the whole issue (on a CPU
+ * the two share: a 256-block job's call took 350-400 us against 13 with a CPU each on the CI host,
+ * docs/design.md §16). So it gives the CPU back once first (with share_cpu); it runs again when
+ * the caller blocks, spins for it (give_cpu), ends its slice, or when an idle CPU takes it. */
+static void yield_to_caller(struct kvo_issuer *is, struct kvo_job *job) {
+    if (!is->c.share_cpu || job->caller_cpu < 0 || job->begun || sched_getcpu() != job->caller_cpu) return;
+    __atomic_fetch_add(&is->thread_yields, 1, __ATOMIC_RELAXED);
+    sched_yield();
+}
+
 static void give_way(struct kvo_issuer *is) {
     int64_t coming = __atomic_load_n(&is->coming_until, __ATOMIC_ACQUIRE);
     if (!atomic_load_explicit(&is->callers, memory_order_acquire) && !coming) return;
@@ -331,6 +369,7 @@ static void give_way(struct kvo_issuer *is) {
     while (now < until && (atomic_load_explicit(&is->callers, memory_order_acquire) ||
                            now < __atomic_load_n(&is->coming_until, __ATOMIC_ACQUIRE))) {
         cpu_relax();
+        give_cpu(is, &is->caller_cpu, &is->spin_yields); /* the caller's call, on this CPU, can end */
         now = now_ns();
     }
     /* An announcement that lapsed with no record (a caller whose job was then declined, or that
@@ -345,6 +384,7 @@ static void give_way(struct kvo_issuer *is) {
 
 /* A caller's thread enters (1) or leaves (-1) a driver call of its own. */
 static void caller_call(struct kvo_issuer *is, int delta) {
+    if (delta > 0) seen_on_cpu(is, &is->caller_cpu);
     atomic_fetch_add_explicit(&is->callers, delta, memory_order_acq_rel);
 }
 
@@ -1201,8 +1241,10 @@ static int idle_spin(struct kvo_issuer *is) {
     if (until <= now) return 0;
     pthread_mutex_unlock(&is->mu);
     while (!__atomic_load_n(&is->queue_head, __ATOMIC_ACQUIRE) && !__atomic_load_n(&is->stop, __ATOMIC_ACQUIRE)
-           && now_ns() < until)
+           && now_ns() < until) {
         for (int i = 0; i < 8; i++) cpu_relax();
+        give_cpu(is, &is->caller_cpu, &is->spin_yields); /* the caller's hand-off, on this CPU, can come */
+    }
     pthread_mutex_lock(&is->mu);
     return is->queue_head || is->stop;
 }
@@ -1244,6 +1286,7 @@ static void *run(void *arg) {
     int64_t sleep_ns = is->c.poll_min_ns;
     int64_t idle_since = 0; /* when the thread last ran out of work (0: it has work) */
     for (;;) {
+        seen_on_cpu(is, &is->thread_cpu); /* woken, or back from work: where a waiter looks */
         if (is->issuing) { /* a caller issues a job: nothing else is issued meanwhile */
             is->sleeping = 1;
             pthread_cond_wait(&is->work, &is->mu);
@@ -1266,6 +1309,7 @@ static void *run(void *arg) {
             }
             is->thread_issues = 1;
             pthread_mutex_unlock(&is->mu);
+            yield_to_caller(is, job);
             if (!job->begun) __atomic_store_n(&job->times[1], now_ns(), __ATOMIC_RELAXED); /* kvo_job_times may read */
             issue_job(is, job);
             __atomic_store_n(&job->times[2], now_ns(), __ATOMIC_RELAXED);
@@ -1381,6 +1425,7 @@ struct kvo_issuer *kvo_issuer_new(const struct kvo_config *config, int64_t *erro
     for (int i = 0; i < 5; i++) p->pointers[i] = &p->scalars[i];
     p->pointers[5] = &p->to_host;
     p->pointers[6] = &p->ids;
+    is->thread_cpu = is->caller_cpu = -1;
     pthread_mutex_init(&is->mu, 0);
     cond_init(&is->work);
     cond_init(&is->done);
@@ -1694,6 +1739,7 @@ static struct kvo_job *hand_off(struct kvo_issuer *is, void *stream, struct kvo_
     }
     job->fence = fence;
     job->times[0] = now_ns();
+    job->caller_cpu = is->c.share_cpu ? sched_getcpu() : -1;
     pthread_mutex_lock(&is->mu);
     if (is->stop || is->exited) {
         if (own) fence_unref(is, fence);
@@ -1916,6 +1962,8 @@ static int wait_spinning(struct kvo_issuer *is, struct kvo_job *job, int64_t unt
             next_query = now_ns() + is->c.wait_query_ns;
         }
         for (int i = 0; i < 32; i++) cpu_relax();
+        if (__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_QUEUED)
+            give_cpu(is, &is->thread_cpu, &is->waiter_yields); /* not issued: the thread may need it */
         now = now_ns();
     }
     return __atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE;
@@ -2017,6 +2065,15 @@ void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     pthread_mutex_unlock(&is->mu);
 }
 
+/* How often a side gave a CPU it may share (give_cpu, yield_to_caller): out[0] the thread to the
+ * caller of a job it took up, out[1] waiters spinning for a job not yet issued, out[2] the thread
+ * spinning for a caller (an announced hand-off, or a caller's driver call). */
+void kvo_issuer_yields(struct kvo_issuer *is, int64_t *out) {
+    out[0] = __atomic_load_n(&is->thread_yields, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&is->waiter_yields, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&is->spin_yields, __ATOMIC_RELAXED);
+}
+
 /* Diagnostics of the driver's serialisation of the callers' calls behind the issuing side's (docs/
  * design.md §16), 2 * CALL_KINDS + 2 values: out[k] the issuing side's longest driver call of kind k
  * so far (ns; CALL_RECORD, CALL_WAIT, CALL_COPY, CALL_LAUNCH, CALL_QUERY; out[0] unused), out[
@@ -2047,6 +2104,7 @@ void kvo_issuer_call_stats(struct kvo_issuer *is, int64_t *out) {
  * out of work and not blocked, or an announcement lapsed since the last record. */
 int64_t kvo_issuer_expect(struct kvo_issuer *is) {
     if (is->c.expect_spin_ns <= 0 && is->c.caller_coming_ns <= 0) return 0;
+    seen_on_cpu(is, &is->caller_cpu); /* where the thread's spin for the hand-off looks (give_cpu) */
     pthread_mutex_lock(&is->mu);
     int busy = !is->stop && !is->issuing && (is->thread_issues || is->queue_head || is->flight_head);
     int wake = is->c.expect_spin_ns > 0 && is->sleeping && !is->queue_head && !is->flight_head &&
