@@ -15,6 +15,7 @@ the host's, not the H200 host's: only ratios between builds measured together me
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import ctypes
 import io
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -153,22 +154,31 @@ def _worker(lib: ctypes.CDLL, keep: list[object], backends: list[NativeBackend] 
     return Worker.create(layout, BLOCKS, backend_factory=factory)
 
 
-def shared_cpu_run(lib: ctypes.CDLL, *, share: bool, together: bool, jobs: int,
-                   device_us: int = DEVICE_US) -> tuple[list[float], list[float], tuple[int, int, int]]:
+class SharedRun(NamedTuple):
+    """What :func:`shared_cpu_run` measured."""
+
+    calls: list[float]  #: each call's seconds
+    results: list[float]  #: each call -> result, seconds
+    yields: tuple[int, int, int]  #: kvo_issuer_yields summed over the directions
+
+
+def shared_cpu_run(lib: ctypes.CDLL, *, share: bool, together: bool, jobs: int) -> SharedRun:
     """Stores of 256 blocks, one at a time after a 1 ms sleep, the caller's thread on one CPU and
     the worker's threads on the same CPU (``together``) or on another, with
     :data:`kvoffload.backends.native.SHARE_CPU` set to ``share``: each call's seconds, each call ->
     result, and the issuers' yields summed (``kvo_issuer_yields``: the thread to its caller,
-    waiters for a job not issued, the thread's spins). The caller's and the constant's settings
-    are restored. Linux only (CPU affinity of threads)."""
+    waiters for a job not issued, the issuing side's spins). The caller's affinity, the constant's
+    value and the affinity of threads made meanwhile that outlive the run are restored. Linux
+    only."""
     from kvoffload.backends import native as nb
 
     cpus = sorted(os.sched_getaffinity(0))
     mine, saved = os.sched_getaffinity(0), nb.SHARE_CPU
-    lib.noop_device_ns(ctypes.c_int64(device_us * 1000))
-    setattr(nb, "SHARE_CPU", share)  # read by tune() as each issuer is made
-    os.sched_setaffinity(0, {cpus[0]})  # this thread; the threads made from now on inherit it
     before = set(os.listdir("/proc/self/task"))
+    setattr(nb, "SHARE_CPU", share)  # read by tune() as each issuer is made
+    # The worker's threads inherit this thread's CPU as they are made, so they never run (and note
+    # a CPU) elsewhere; then this thread goes to the first CPU.
+    os.sched_setaffinity(0, {cpus[0] if together else cpus[-1]})
     calls: list[float] = []
     results: list[float] = []
     counts = [0, 0, 0]
@@ -177,9 +187,7 @@ def shared_cpu_run(lib: ctypes.CDLL, *, share: bool, together: bool, jobs: int,
         backends: list[NativeBackend] = []
         w = _worker(lib, keep, backends)
         try:
-            if not together:
-                for tid in set(os.listdir("/proc/self/task")) - before:
-                    os.sched_setaffinity(int(tid), {cpus[-1]})
+            os.sched_setaffinity(0, {cpus[0]})
             blocks = np.arange(256, dtype=np.int64)
             for job in range(jobs):
                 time.sleep(0.001)
@@ -200,7 +208,10 @@ def shared_cpu_run(lib: ctypes.CDLL, *, share: bool, together: bool, jobs: int,
     finally:
         os.sched_setaffinity(0, mine)
         setattr(nb, "SHARE_CPU", saved)
-    return calls, results, (counts[0], counts[1], counts[2])
+        for tid in set(os.listdir("/proc/self/task")) - before:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                os.sched_setaffinity(int(tid), mine)
+    return SharedRun(calls, results, (counts[0], counts[1], counts[2]))
 
 
 def _us(samples: list[float]) -> str:

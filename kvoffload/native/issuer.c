@@ -338,7 +338,8 @@ static void cond_init(pthread_cond_t *cond) {
  * spin). Sides on CPUs of their own never yield, so a spin never gives its CPU to an unrelated
  * thread. `count`: kvo_issuer_yields' counter. */
 static void give_cpu(struct kvo_issuer *is, const int64_t *other, int64_t *count) {
-    if (!is->c.share_cpu || sched_getcpu() != __atomic_load_n(other, __ATOMIC_RELAXED)) return;
+    int64_t there = is->c.share_cpu ? __atomic_load_n(other, __ATOMIC_RELAXED) : -1;
+    if (there < 0 || sched_getcpu() != there) return; /* -1: not seen (or sched_getcpu failed) */
     __atomic_fetch_add(count, 1, __ATOMIC_RELAXED);
     sched_yield();
 }
