@@ -326,16 +326,12 @@ static void cond_init(pthread_cond_t *cond) {
     pthread_condattr_destroy(&attr);
 }
 
-/* The thread gives way to a caller's driver call (the fence's record, a layer's stream wait) before
- * each of its own: the driver serialises the calls of one context, and a thread that issues call
- * after call would keep the caller's thread (the engine's) waiting behind several of them. The wait
- * is bounded: a caller stalled inside its call delays the issue by the config's give_way_ns at most. */
 /* A spin of one side that waits for the other side's progress gives its CPU (with share_cpu) where
  * the other side was last seen on the same CPU (`other`: is->thread_cpu or is->caller_cpu): if the
  * two share it (a host of few cores, or an engine's threads pinned together), a spin that never
  * yields holds it until the scheduler's slice ends, and the side it waits for cannot run
  * meanwhile (a waiter spinning for a job the thread had not issued got its result after its 2 ms
- * spin). Sides on CPUs of their own never yield, so a spin never gives its CPU to an unrelated
+ * spin). Sides seen on CPUs of their own never yield, so a spin never gives its CPU to an unrelated
  * thread. `count`: kvo_issuer_yields' counter. */
 static void give_cpu(struct kvo_issuer *is, const int64_t *other, int64_t *count) {
     int64_t there = is->c.share_cpu ? __atomic_load_n(other, __ATOMIC_RELAXED) : -1;
@@ -361,6 +357,10 @@ static void yield_to_caller(struct kvo_issuer *is, struct kvo_job *job) {
     sched_yield();
 }
 
+/* The thread gives way to a caller's driver call (the fence's record, a layer's stream wait) before
+ * each of its own: the driver serialises the calls of one context, and a thread that issues call
+ * after call would keep the caller's thread (the engine's) waiting behind several of them. The wait
+ * is bounded: a caller stalled inside its call delays the issue by the config's give_way_ns at most. */
 static void give_way(struct kvo_issuer *is) {
     int64_t coming = __atomic_load_n(&is->coming_until, __ATOMIC_ACQUIRE);
     if (!atomic_load_explicit(&is->callers, memory_order_acquire) && !coming) return;
