@@ -28,7 +28,11 @@ them, so that the compute runs at the device's pace and not at the host's), for 
 other record): *load then compute* (``load``, wait for the result, then every layer's compute)
 against ``load_by_layer`` (layer ``i``'s compute after ``wait_layer(i)``), with the ideal
 ``max(load, compute) + one layer's load``, when layer 0 was ready against ``1/L`` of the whole
-load, and the caller's time in ``load_by_layer`` and in each ``wait_layer``.
+load, and the caller's time in ``load_by_layer`` and in each ``wait_layer``. Where the prefill's time
+goes is printed beside it, from events on the compute stream around each layer's wait: how long it
+waited for the layers after layer 0 (the load behind the compute) and how long its compute took
+beside the load against alone (the two slowing each other); with layer 0's time they add up to
+the prefill's.
 
 Every figure is printed as measured and as a ratio to its reference; nothing is asserted. Every
 loaded byte is checked. Public API only.
@@ -545,6 +549,8 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
             prefill.calibrate(load_s / layers)  # the compute: about one layer's load a layer
             compute_s = prefill.seconds()
             serial, overlapped, first, full, call, waits = [], [], [], [], [], []
+            stalls: list[float] = []  # the compute stream's waits for layers 1.. (after layer 0)
+            beside: list[float] = []  # its compute beside the load (from each wait passed)
             taken: set[str] = set()  # the paths the layered loads took
             for rnd in range(PREFILL_ROUNDS):
                 torch.cuda.synchronize(device)
@@ -558,27 +564,35 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
                 serial.append(time.perf_counter() - t0)
                 job += 1
                 torch.cuda.synchronize(device)
-                begin, ready0 = new_event(timing=True), new_event(timing=True)
+                begin, end = new_event(timing=True), new_event(timing=True)
+                # on the compute stream, around each layer's wait: when it reached the wait (the
+                # layer before computed) and when it passed it (the layer landed)
+                reached = [new_event(timing=True) for _ in range(layers)]
+                passed = [new_event(timing=True) for _ in range(layers)]
                 t0 = time.perf_counter()
                 begin.record(compute)
                 t1 = time.perf_counter()
                 load: LayerLoad = w.load_by_layer(job, host, dst, stream=compute)
                 call.append(time.perf_counter() - t1)
                 for i in range(layers):
+                    reached[i].record(compute)
                     t1 = time.perf_counter()
                     load.wait_layer(i, compute)
                     waits.append(time.perf_counter() - t1)
-                    if i == 0:
-                        ready0.record(compute)
+                    passed[i].record(compute)
                     prefill.layer(i)
+                end.record(compute)
                 compute.synchronize()
                 overlapped.append(time.perf_counter() - t0)
+                stalls.append(sum(float(reached[i].elapsed_time(passed[i])) for i in range(1, layers)) / 1e3)
+                beside.append(sum(float(passed[i].elapsed_time(reached[i + 1] if i + 1 < layers else end))
+                                  for i in range(layers)) / 1e3)
                 (layered,) = w.wait([job], TIMEOUT_S)
                 if not layered.ok:
                     raise RuntimeError(f"a layered load failed: {layered.error}")
                 taken.add(layered.path)
                 job += 1
-                first.append(float(begin.elapsed_time(ready0)) / 1e3)
+                first.append(float(begin.elapsed_time(passed[0])) / 1e3)
                 if rnd == PREFILL_ROUNDS - 1:  # the check below sees this round's bytes
                     _zero_blocks(tensors, dst_index)
                 # when the whole load landed, as the device saw it (a wait for the last layer)
@@ -605,7 +619,9 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
             f"(load_by_layer = ideal + {(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} "
             f"us, all after {fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us); "
             f"the caller's time in load_by_layer {statistics.median(call) * 1e6:6.1f} us, in wait_layer "
-            f"{statistics.median(waits) * 1e6:5.1f} us (medians); products a layer {_products(prefill)}"
+            f"{statistics.median(waits) * 1e6:5.1f} us (medians); products a layer {_products(prefill)}; on "
+            f"the compute stream after layer 0: waits for layers {statistics.median(stalls) * 1e6:6.1f} us, "
+            f"compute {statistics.median(beside) * 1e3:5.2f} ms beside the load ({compute_s * 1e3:5.2f} alone)"
         )
         _log(out, "  " + lines[-1])
     return lines, bad
