@@ -241,6 +241,7 @@ class FakeDriver:
         c.memcpy_2d = self.address("memcpy_2d")
         c.strided_min_rows = strided_min_rows
         c.edge_bytes = 0
+        c.share_cpu = 1  # the library's default (SHARE_CPU): its yields run under every test here
         return c
 
     def of(self, name: str) -> list[tuple[Any, ...]]:
