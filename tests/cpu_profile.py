@@ -172,8 +172,8 @@ def shared_cpu_run(lib: ctypes.CDLL, *, share: bool, together: bool, jobs: int) 
     only."""
     from kvoffload.backends import native as nb
 
-    cpus = sorted(os.sched_getaffinity(0))
     mine, saved = os.sched_getaffinity(0), nb.SHARE_CPU
+    cpus = sorted(mine)
     before = set(os.listdir("/proc/self/task"))
     setattr(nb, "SHARE_CPU", share)  # read by tune() as each issuer is made
     # The worker's threads inherit this thread's CPU as they are made, so they never run (and note
