@@ -128,12 +128,21 @@ class LayeredChoice:
 
     Whether the layers are narrow is the layout's (every layer's byte ranges of a record, judged
     once), so every part of a job (the Python issuer issues layer 0 apart from the others) takes
-    the same path. Owns nothing but that answer.
+    the same path.
+
+    Before all that, with ``direct`` (``dma`` among the worker's paths), a load whose pairs mostly
+    run (host records and device blocks both following each other, in the job's order, in runs of
+    at least ``strided_min_rows``) takes ``dma``: the native issuer moves each run's page groups as
+    one strided copy straight into the blocks, with no staging slot, no scatter kernel and no SM
+    beside the engine's compute (docs/design.md §16, *Direct strided copies*). Owns nothing but
+    that answer.
     """
 
     def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable],
-                 measured: Mapping[str, Sequence[float]] | None = None) -> None:
+                 measured: Mapping[str, Sequence[float]] | None = None, *, direct: bool = False) -> None:
         self._size_choice = size_choice
+        #: ``dma`` is among the worker's paths: loads whose pairs run go through its direct copies
+        self.direct = direct
         #: the layers' copies average under NARROW_LAYER_BYTES (False: no layers)
         self.narrow = narrow_layers(layer_tables)
         sm = measured.get("sm", ()) if measured is not None else ()
@@ -149,11 +158,17 @@ class LayeredChoice:
             self.keeps = frozenset(path for path, g in measured.items()
                                    if path != "sm" and len(g) > 0 and float(g[0]) >= float(sm[0]))
 
-    def path(self, host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
+    def path(self, host_blocks: npt.NDArray[np.int64], strided_min_rows: int,
+             device_blocks: npt.NDArray[np.int64] | None = None) -> str:
         """The path of a layered load (of this choice's layout, any part of it) from host records
-        ``host_blocks``, through an issuer whose staged rows in runs of at least
-        ``strided_min_rows`` records go as strided copies."""
+        ``host_blocks`` into ``device_blocks`` (None: not known, no direct copies counted), through
+        an issuer whose staged rows, and dma pairs, in runs of at least ``strided_min_rows`` go as
+        strided copies (0: none)."""
         pairs = int(host_blocks.shape[0])
+        if (self.direct and device_blocks is not None and strided_min_rows > 0 and pairs > 0
+                and _pairs_in_short_runs(host_blocks, device_blocks, strided_min_rows)
+                <= NARROW_ROWS_SHARE * pairs):
+            return "dma"
         name = self._size_choice(pairs)
         if not self.narrow or name not in ("dma", "staged") or (self.keeps is not None and name in self.keeps):
             return name
@@ -176,15 +191,30 @@ def _rows_in_short_runs(host_blocks: npt.NDArray[np.int64], min_rows: int) -> in
     other (the ids taken in ascending order, as the staged path takes them). On the caller's
     thread: few numpy calls (2.8 us for 256 ids in order or all apart, 5 us in runs, on the CI
     host)."""
-    n = int(host_blocks.shape[0])
+    ordered = np.sort(host_blocks)
+    return _in_short_runs(ordered[1:] != ordered[:-1] + 1, int(host_blocks.shape[0]), min_rows)
+
+
+def _pairs_in_short_runs(host_blocks: npt.NDArray[np.int64], device_blocks: npt.NDArray[np.int64],
+                         min_rows: int) -> int:
+    """How many pairs lie in runs of fewer than ``min_rows`` pairs whose host records and device
+    blocks both follow each other, in the job's order (as the native issuer's dma plan takes them).
+    Pinned areas' ends (every :data:`~kvoffload.bindings.pinning.PIN_CHUNK_BYTES` of records) end a run
+    there, which this count does not see: at most one short run an area."""
+    breaks = (host_blocks[1:] != host_blocks[:-1] + 1) | (device_blocks[1:] != device_blocks[:-1] + 1)
+    return _in_short_runs(breaks, int(host_blocks.shape[0]), min_rows)
+
+
+def _in_short_runs(breaks: npt.NDArray[np.bool_], n: int, min_rows: int) -> int:
+    """How many of ``n`` items lie in runs of fewer than ``min_rows``, where ``breaks[i]`` says
+    that item ``i + 1`` starts a run."""
     if n == 0:
         return 0
-    ordered = np.sort(host_blocks)
-    ends = np.flatnonzero(ordered[1:] != ordered[:-1] + 1)  # the last row of every run but the last
+    ends = np.flatnonzero(breaks)  # the last item of every run but the last
     runs = int(ends.shape[0]) + 1
     if runs == 1:
         return n if n < min_rows else 0
-    if runs == n:  # every run one record
+    if runs == n:  # every run one item
         return n if min_rows > 1 else 0
     bounds = np.empty(runs + 1, dtype=np.int64)
     bounds[0], bounds[1:runs], bounds[runs] = -1, ends, n - 1

@@ -874,14 +874,14 @@ class NativeBackend:
         """None on the caller's thread: the native thread plans and issues."""
         return 0
 
-    def layered_path_for(self, host_blocks: I64Array) -> str:
-        """The path a layered load from ``host_blocks`` takes: ``auto``'s
-        :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (staged rows in runs
-        of at least ``STRIDED_MIN_ROWS`` count as strided copies: shorter runs of narrow layers go
-        strided too, but slower than ``sm`` on the host the rule was drawn from, docs/design.md
-        §12), else as a whole job's."""
+    def layered_path_for(self, host_blocks: I64Array, device_blocks: I64Array | None = None) -> str:
+        """The path a layered load from ``host_blocks`` into ``device_blocks`` takes: ``auto``'s
+        :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (staged rows in
+        runs of at least ``STRIDED_MIN_ROWS`` records, and dma pairs in runs as long on both sides,
+        count as strided copies: shorter runs of narrow layers go strided too, but slower than
+        ``sm`` on the host the rule was drawn from, docs/design.md §12), else as a whole job's."""
         if self._layered is not None:
-            return self._layered(host_blocks, self._strided_min_rows)
+            return self._layered(host_blocks, self._strided_min_rows, device_blocks)
         return self._choose(int(host_blocks.shape[0]))
 
     def layer_marks(self, count: int) -> LayerMarks:
@@ -928,7 +928,7 @@ class NativeBackend:
         n = int(src.shape[0])
         device, host = (src, dst) if self._stores else (dst, src)
         whole = marks is None
-        name = self._choose(n) if whole else self.layered_path_for(host)
+        name = self._choose(n) if whole else self.layered_path_for(host, device)
         with self._lock:
             if self._released:
                 return FailedTicket(TransferError(_RELEASED))
@@ -1035,6 +1035,19 @@ class NativeBackend:
             caller_calls=int(out[2 * n]), caller_longest_ns=int(out[2 * n + 1]),
         )
 
+    def direct_copies(self) -> int:
+        """How many direct strided copies the issuer's dma plans made so far: one per page group
+        of a run of pairs whose host records and device blocks both follow each other
+        (docs/design.md §16, *Direct strided copies*).
+
+        Raises:
+            TransferError: the backend was released (its issuer is gone).
+        """
+        with self._lock:
+            if self._released:
+                raise TransferError("the native backend was released: it has no copy counts")
+            return int(self.lib.kvo_issuer_direct_copies(self._issuer))
+
     # ------------------------------------------------------------------------------------ the book
 
     def booked_hand_off_call(self, plans: tuple[CopyPlan, ...], *, whole: bool) -> BookedHandOff:
@@ -1132,7 +1145,7 @@ class NativeBackend:
         through the call front where it is built and the fence is recorded in the call."""
         n = int(src.shape[0])
         device, host = (src, dst) if self._stores else (dst, src)
-        name = self.layered_path_for(host) if layered else self._choose(n)
+        name = self.layered_path_for(host, device) if layered else self._choose(n)
         front = self._front
 
         def hand_off() -> tuple[int, int]:

@@ -24,8 +24,8 @@ what the link alone costs, measured side by side in one run.
 ``--layerwise``: a synthetic L-layer prefill whose layer ``i`` reads layer ``i``'s loaded blocks, its
 compute per layer about the load's per layer (a CUDA graph a layer, its products chosen by timing
 them, so that the compute runs at the device's pace and not at the host's), for each case of
-:data:`PREFILL_CASES` (32 KiB pages from host records in order; 4 KiB pages in order and from every
-other record): *load then compute* (``load``, wait for the result, then every layer's compute)
+:data:`PREFILL_CASES` (32 KiB pages from host records in order into device blocks in order and
+shuffled; 4 KiB pages in order and from every other record): *load then compute* (``load``, wait for the result, then every layer's compute)
 against ``load_by_layer`` (layer ``i``'s compute after ``wait_layer(i)``), with the ideal
 ``max(load, compute) + one layer's load``, when layer 0 was ready against ``1/L`` of the whole
 load, and the caller's time in ``load_by_layer`` and in each ``wait_layer``. Where the prefill's time
@@ -77,11 +77,14 @@ BURST_LAYERS: Final = 32
 PREFILL_LAYERS: Final = 16
 PREFILL_BLOCKS: Final = 256
 PREFILL_PAGE: Final = 32 * KIB
-#: The layer-wise prefill's cases, (page size of each of K and V, host records): 32 KiB pages from
-#: records in order (the issue's figure), and 4 KiB pages (8 KiB of a record a layer) in order
-#: (``auto`` keeps ``staged``: one strided copy a layer) and from every other record (where ``auto``
-#: takes ``sm`` for the layered load, docs/design.md §12).
-PREFILL_CASES: Final = ((PREFILL_PAGE, "in order"), (4 * KIB, "in order"), (4 * KIB, "gapped"))
+#: The layer-wise prefill's cases, (page size of each of K and V, host records, device blocks): 32
+#: KiB pages from records in order into blocks in order (the issue's figure: the native issuer's
+#: ``auto`` takes ``dma``, whose runs of pairs move as direct strided copies, docs/design.md §16)
+#: and into blocks shuffled (an engine's pool hands out blocks freed in any order: no direct copy,
+#: ``auto`` keeps the size's path), and 4 KiB pages (8 KiB of a record a layer) in order and from
+#: every other record (where ``auto`` takes ``sm`` for the layered load, docs/design.md §12).
+PREFILL_CASES: Final = ((PREFILL_PAGE, "in order", "in order"), (PREFILL_PAGE, "in order", "shuffled"),
+                        (4 * KIB, "in order", "in order"), (4 * KIB, "gapped", "in order"))
 PREFILL_ROUNDS: Final = 7
 #: The sides of the prefill's square bf16 products (the smaller fills out a layer's compute) and how
 #: many products a graph times to measure one.
@@ -505,8 +508,8 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
     layers = layers or PREFILL_LAYERS
     lines: list[str] = []
     bad = 0
-    for page, records in PREFILL_CASES:
-        got, wrong = _prefill_case(device, paths, issuers, layers, page, records, out)
+    for page, records, blocks in PREFILL_CASES:
+        got, wrong = _prefill_case(device, paths, issuers, layers, page, records, blocks, out)
         lines += got
         bad += wrong
     print(f"kvoffload bench --layerwise on {torch.cuda.get_device_name(device)}: {layers} layers, "
@@ -518,14 +521,15 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
 
 
 def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[str], layers: int,
-                  page: int, records: str, out: TextIO) -> tuple[list[str], int]:
+                  page: int, records: str, order: str, out: TextIO) -> tuple[list[str], int]:
     """The layer-wise prefill's rows at pages of ``page`` bytes loaded from host records
-    ``records`` (:func:`host_records`), one per path and issuer, and its mismatched blocks (the
-    last layered load of each lands in zeroed blocks)."""
+    ``records`` (:func:`host_records`) into device blocks in ``order`` ("in order" or "shuffled"),
+    one per path and issuer, and its mismatched blocks (the last layered load of each lands in
+    zeroed blocks)."""
     blocks = PREFILL_BLOCKS
     layout, tensors = _per_layer(device, layers, page, 2 * blocks)
     src = np.arange(blocks, dtype=np.int64)
-    dst = src + blocks
+    dst = src + blocks if order == "in order" else blocks + np.random.default_rng(7).permutation(blocks)
     dst_index = torch.as_tensor(dst, device=device)
     host = host_records(records, blocks)
     compute = new_stream(device)
@@ -613,7 +617,7 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
         f0, fl = statistics.median(first), statistics.median(full)
         shown = _taken_label(label, path, taken)
         lines.append(
-            f"[{shown:<13}] {_size(page)} pages, records {records}: load {load_s * 1e3:6.2f} ms, compute "
+            f"[{shown:<13}] {_size(page)} pages, records {records}, blocks {order}: load {load_s * 1e3:6.2f} ms, compute "
             f"{compute_s * 1e3:6.2f} ms; load then compute {s * 1e3:6.2f} ms; load_by_layer {o * 1e3:6.2f} "
             f"ms ({s / o:4.2f}x faster); ideal max(load, compute) + one layer {ideal * 1e3:6.2f} ms "
             f"(load_by_layer = ideal + {(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} "

@@ -437,6 +437,7 @@ def library() -> ctypes.CDLL:
         "kvo_job_release": ([p], None),
         "kvo_job_times": ([p, pi64], None),
         "kvo_issuer_counts": ([p, pi64], None),
+        "kvo_issuer_direct_copies": ([p], i64),
         "kvo_issuer_yields": ([p, pi64], None),
         "kvo_issuer_call_stats": ([p, pi64], None),
         "kvo_issuer_expect": ([p], i64),

@@ -74,8 +74,8 @@ enum { FAIL_NONE = 0, FAIL_PARTLY = 1, FAIL_NOTHING = 2, FAIL_COMPLETION = 3 };
  * so one call of them all held a job's first byte that long (docs/design.md §16, *Descriptors in
  * growing calls*); kvoffload.bindings.copier.BATCH_FIRST_COPIES is the same for the Python paths. */
 enum { MAX_FUNCTIONS = 4, MAX_ROWS = 1024, BATCH_MAX = 1024, BATCH_FIRST = 64, ABI_13 = 13000 };
-/* The most a caller issues of a layered job's first layer on the staged path (first_layer_is_cheap):
- * chunks, descriptors beside its strided copies, and strided copies. */
+/* The most a caller issues of a layered job's first layer (first_layer_is_cheap): staged chunks,
+ * descriptors beside its strided copies, and strided copies (a dma layer's direct ones too). */
 enum { CALLER_LAYER_CHUNKS = 4, CALLER_LAYER_COPIES = 16, CALLER_LAYER_STRIDED = 16 };
 /* The issuing side's driver calls by kind, for the diagnostics of kvo_issuer_call_stats; a caller's
  * driver call longer than SLOW_CALLER_CALL_NS is counted by the kind in progress when it began. */
@@ -127,6 +127,9 @@ _Static_assert(sizeof(struct memcpy_2d) == 128, "CUDA_MEMCPY2D is 128 bytes on 6
  * width (plan_min_rows): below 8 KiB a descriptor's cost on the copy engine stops shrinking with its
  * bytes, so runs shorter than this cost less as descriptors than as one strided copy. */
 #define STRIDED_FLOOR_ROWS ((int64_t)8)
+/* A dma plan's pages this wide or wider stay descriptors where their pairs run (direct_rows): such
+ * copies already move at the link's pace one by one (512 KiB spans took 1.05x a contiguous copy). */
+#define DIRECT_MAX_WIDTH ((int64_t)512 << 10)
 
 /* What Python passes to kvo_issuer_new (ctypes Structure of the same layout: 8-byte fields). */
 struct kvo_config {
@@ -298,6 +301,7 @@ struct kvo_issuer {
     size_t *d_size, d_cap;
     struct memcpy_2d *strided; /* a staged chunk's strided copies (see staged_plan) */
     size_t strided_cap;
+    int64_t direct_copies; /* strided copies dma plans made (kvo_issuer_direct_copies; atomics) */
     int64_t *order, order_cap;
     uint64_t *radix; int64_t radix_cap; /* staged_order's two buffers of radix_cap each */
 };
@@ -652,31 +656,6 @@ static CUresult issue_copies(struct kvo_issuer *is, size_t count, CUstream strea
     return 0;
 }
 
-/* Every page of every pair, between device block dev[i] and host record host[i]. */
-static CUresult dma_plan(struct kvo_issuer *is, const struct kvo_plan *p, const struct kvo_job *job,
-                         CUstream stream, const char **call) {
-    size_t total = (size_t)job->n * (size_t)p->pages, count = 0;
-    int64_t last_area = -1, segments = 1;
-    *call = "malloc";
-    if (!reserve_descriptors(is, total)) return KVO_NO_MEMORY;
-    for (int64_t q = 0; q < p->pages; q++) if (p->segment[q] + 1 > segments) segments = p->segment[q] + 1;
-    int store = (int)is->c.store;
-    for (int64_t i = 0; i < job->n; i++) {
-        int64_t d = job->dev_ids[i], h = job->host_ids[i];
-        uint64_t record = (uint64_t)p->host_base + (uint64_t)h * (uint64_t)p->host_stride;
-        int64_t chunk = h / p->chunk_records;
-        for (int64_t q = 0; q < p->pages; q++) {
-            uint64_t dev = (uint64_t)(p->dev_base[q] + d * p->dev_stride[q]);
-            uint64_t host = record + (uint64_t)p->host_offset[q];
-            int64_t area = chunk * segments + p->segment[q];
-            int ok = store ? append_copy(is, &count, &last_area, host, dev, (uint64_t)p->nbytes[q], area, (int)p->merge)
-                           : append_copy(is, &count, &last_area, dev, host, (uint64_t)p->nbytes[q], area, (int)p->merge);
-            if (!ok) return KVO_NO_MEMORY;
-        }
-    }
-    return issue_copies(is, count, stream, call);
-}
-
 /* ------------------------------------------------------------------------------- staged chunks */
 
 static int by_host(const void *a, const void *b, void *keys) {
@@ -858,18 +837,24 @@ static void append_strided(struct kvo_issuer *is, size_t *count, int store, uint
     d->height = (size_t)height;
 }
 
-/* The fewest records that follow each other which plan `p`'s staged rows move as strided copies
- * (<= 0: none). A strided copy costs the copy engine a few microseconds whatever its rows, a
- * descriptor less the wider it is, so the narrower a plan's copies the shorter the runs worth one:
- * ceil(mean copy bytes / strided_row_bytes) rows, within [STRIDED_FLOOR_ROWS, strided_min_rows]
- * (the floor no higher than the ceiling). */
-static int64_t plan_min_rows(const struct kvo_issuer *is, const struct kvo_plan *p) {
+/* The fewest rows worth one strided copy of rows `width` bytes wide (<= 0: none). A strided copy
+ * costs the copy engine a few microseconds whatever its rows, a descriptor less the wider it is, so
+ * the narrower the rows the fewer worth one: ceil(width / strided_row_bytes) rows, within
+ * [STRIDED_FLOOR_ROWS, strided_min_rows] (the floor no higher than the ceiling); strided_min_rows
+ * where strided_row_bytes is 0 or the width unknown (<= 0). */
+static int64_t min_rows_at(const struct kvo_issuer *is, int64_t width) {
     int64_t top = is->c.strided_min_rows, unit = is->c.strided_row_bytes;
-    if (top <= 0 || unit <= 0 || p->runs <= 0 || p->pitch <= 0) return top;
-    int64_t width = p->pitch / p->runs; /* a row's copies' mean bytes */
+    if (top <= 0 || unit <= 0 || width <= 0) return top;
     int64_t rows = width / unit + (width % unit != 0); /* ceil, without overflow */
     int64_t floor = STRIDED_FLOOR_ROWS < top ? STRIDED_FLOOR_ROWS : top;
     return rows < floor ? floor : rows > top ? top : rows;
+}
+
+/* The fewest records that follow each other which plan `p`'s staged rows move as strided copies
+ * (<= 0: none): min_rows_at a row's copies' mean width. */
+static int64_t plan_min_rows(const struct kvo_issuer *is, const struct kvo_plan *p) {
+    if (p->runs <= 0 || p->pitch <= 0) return is->c.strided_min_rows;
+    return min_rows_at(is, p->pitch / p->runs);
 }
 
 /* The most rows one strided copy of plan `p` moves: as many as piece_bytes holds at a row's pitch
@@ -891,6 +876,108 @@ static int64_t consecutive_rows(const struct kvo_plan *p, const struct kvo_job *
     int64_t h = job->host_ids[order[k]], area = h / p->chunk_records, m = 1;
     while (k + m < rows && job->host_ids[order[k + m]] == h + m && (h + m) / p->chunk_records == area) m++;
     return m;
+}
+
+/* ---------------------------------------------------------------------------------- dma plans */
+
+/* The end of the page group of plan `p` that starts at page `q`: pages that follow each other on
+ * both sides (device pages back to back in one allocation at one block stride, their host bytes
+ * back to back in the record), which a pair's copies merge into one; *width: the group's bytes. */
+static int64_t page_group_end(const struct kvo_plan *p, int64_t q, int64_t *width) {
+    int64_t end = q + 1;
+    *width = p->nbytes[q];
+    while (end < p->pages && p->segment[end] == p->segment[q] && p->dev_stride[end] == p->dev_stride[q] &&
+           p->dev_base[end] == p->dev_base[end - 1] + p->nbytes[end - 1] &&
+           p->host_offset[end] == p->host_offset[end - 1] + p->nbytes[end - 1]) {
+        *width += p->nbytes[end];
+        end++;
+    }
+    return end;
+}
+
+/* Pairs from `i` on whose host records and device blocks both follow each other, the records
+ * within one pinned area (chunk_records of them): a run whose page groups can each move as one
+ * strided copy (direct_rows). */
+static int64_t direct_run(const struct kvo_plan *p, const struct kvo_job *job, int64_t i) {
+    int64_t h = job->host_ids[i], d = job->dev_ids[i], area = h / p->chunk_records, m = 1;
+    while (i + m < job->n && job->host_ids[i + m] == h + m && job->dev_ids[i + m] == d + m &&
+           (h + m) / p->chunk_records == area)
+        m++;
+    return m;
+}
+
+/* The most rows (pairs) one direct strided copy of a page group `width` bytes wide moves, for a
+ * run of `run` pairs of plan `p` from page `q` on; 0 where the run's group goes as descriptors:
+ * no cuMemcpy2DAsync or strided copies off, a run shorter than min_rows_at the width, a group of
+ * DIRECT_MAX_WIDTH or wider, pitches the driver refuses or rows that overlap, a group that is the
+ * whole block on both sides (its descriptors merge into one copy per run already), or min_rows_at
+ * rows over piece_bytes. */
+static int64_t direct_rows(const struct kvo_issuer *is, const struct kvo_plan *p, int64_t q,
+                           int64_t width, int64_t run) {
+    int64_t min_rows = min_rows_at(is, width), pitch = p->dev_stride[q];
+    if (!is->c.memcpy_2d || min_rows <= 0 || run < min_rows || width >= DIRECT_MAX_WIDTH) return 0;
+    if (pitch < width || pitch > STRIDED_MAX_PITCH || p->host_stride < width ||
+        p->host_stride > STRIDED_MAX_PITCH)
+        return 0;
+    if (p->merge && pitch == width && p->host_stride == width) return 0;
+    if (is->c.piece_bytes <= 0) return run;
+    int64_t rows = is->c.piece_bytes / width;
+    return rows >= min_rows ? (rows < run ? rows : run) : 0;
+}
+
+/* Every page of every pair, between device block dev[i] and host record host[i]. Pairs in runs
+ * (direct_run) whose page groups direct_rows takes move as one cuMemcpy2DAsync per group and run
+ * (in pieces of direct_rows rows): the host pitch is the record's, the device pitch the block
+ * stride, with no staging slot and no SM. A layered load's layer of a per-layer layout moves as
+ * descriptors a page each (a layer of 256 blocks of 32 KiB K and V pages: 512); from records and
+ * into blocks that follow each other, as two strided copies (docs/design.md §16, *Direct strided
+ * copies*). The other pages go as descriptors, merged where they continue each other; the strided
+ * copies are enqueued after them, on the same stream. */
+static CUresult dma_plan(struct kvo_issuer *is, const struct kvo_plan *p, const struct kvo_job *job,
+                         CUstream stream, const char **call) {
+    size_t total = (size_t)job->n * (size_t)p->pages, count = 0, nstrided = 0;
+    int64_t last_area = -1, segments = 1;
+    *call = "malloc";
+    if (!reserve_descriptors(is, total)) return KVO_NO_MEMORY;
+    for (int64_t q = 0; q < p->pages; q++) if (p->segment[q] + 1 > segments) segments = p->segment[q] + 1;
+    int store = (int)is->c.store;
+    int64_t least = is->c.memcpy_2d ? min_rows_at(is, 1) : 0; /* the shortest run any group takes */
+    for (int64_t i = 0, m = 1; i < job->n; i += m) {
+        m = least > 0 ? direct_run(p, job, i) : 1;
+        if (m < least) m = 1; /* the run's pairs go one by one, as descriptors */
+        int64_t h = job->host_ids[i], d = job->dev_ids[i];
+        uint64_t record = (uint64_t)p->host_base + (uint64_t)h * (uint64_t)p->host_stride;
+        int64_t chunk = h / p->chunk_records;
+        for (int64_t q = 0, end, width; q < p->pages; q = end) {
+            end = m > 1 ? page_group_end(p, q, &width) : p->pages;
+            int64_t rows = m > 1 ? direct_rows(is, p, q, width, m) : 0;
+            if (rows > 0) {
+                *call = "malloc";
+                if (!reserve_strided(is, nstrided + (size_t)((m + rows - 1) / rows))) return KVO_NO_MEMORY;
+                for (int64_t k = 0; k < m; k += rows) {
+                    uint64_t host = record + (uint64_t)(k * p->host_stride) + (uint64_t)p->host_offset[q];
+                    uint64_t dev = (uint64_t)(p->dev_base[q] + (d + k) * p->dev_stride[q]);
+                    append_strided(is, &nstrided, store, host, p->host_stride, dev, p->dev_stride[q],
+                                   width, m - k < rows ? m - k : rows);
+                }
+                continue;
+            }
+            for (int64_t k = 0; k < m; k++) {
+                uint64_t row = record + (uint64_t)(k * p->host_stride);
+                for (int64_t g = q; g < end; g++) {
+                    uint64_t dev = (uint64_t)(p->dev_base[g] + (d + k) * p->dev_stride[g]);
+                    uint64_t host = row + (uint64_t)p->host_offset[g];
+                    int64_t area = chunk * segments + p->segment[g];
+                    int ok = store ? append_copy(is, &count, &last_area, host, dev, (uint64_t)p->nbytes[g], area, (int)p->merge)
+                                   : append_copy(is, &count, &last_area, dev, host, (uint64_t)p->nbytes[g], area, (int)p->merge);
+                    if (!ok) { *call = "malloc"; return KVO_NO_MEMORY; }
+                }
+            }
+        }
+    }
+    __atomic_fetch_add(&is->direct_copies, (int64_t)nstrided, __ATOMIC_RELAXED);
+    CUresult r = issue_copies(is, count, stream, call);
+    return r ? r : issue_strided(is, nstrided, stream, call);
 }
 
 /* One plan's pairs through the staging ring: chunks of as many rows as a slot holds (but those
@@ -1556,15 +1643,35 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
     pthread_mutex_unlock(&is->mu);
 }
 
-/* Whether a layered job's first layer costs its caller few driver calls: one kernel launch (sm), or
+/* Whether dma_plan moves plan `p` of `job` in at most CALLER_LAYER_STRIDED strided copies and
+ * CALLER_LAYER_COPIES descriptors (before merges), as it would cut them; counted with an early end. */
+static int dma_is_cheap(const struct kvo_issuer *is, const struct kvo_plan *p, const struct kvo_job *job) {
+    int64_t copies = 0, strided = 0, least = is->c.memcpy_2d ? min_rows_at(is, 1) : 0;
+    for (int64_t i = 0, m = 1; i < job->n; i += m) {
+        m = least > 0 ? direct_run(p, job, i) : 1;
+        if (m < least) m = 1;
+        for (int64_t q = 0, end, width; q < p->pages; q = end) {
+            end = m > 1 ? page_group_end(p, q, &width) : p->pages;
+            int64_t rows = m > 1 ? direct_rows(is, p, q, width, m) : 0;
+            if (rows > 0) strided += (m + rows - 1) / rows;
+            else copies += m * (end - q);
+        }
+        if (copies > CALLER_LAYER_COPIES || strided > CALLER_LAYER_STRIDED) return 0;
+    }
+    return 1;
+}
+
+/* Whether a layered job's first layer costs its caller few driver calls: one kernel launch (sm),
  * staged chunks (at most CALLER_LAYER_CHUNKS) whose rows go as strided copies but for at most
- * CALLER_LAYER_COPIES descriptors. A layer of batched descriptors (dma, or records that do not
- * follow each other) would hold the caller for hundreds of microseconds. Caller holds the mutex,
+ * CALLER_LAYER_COPIES descriptors, or a dma layer of direct strided copies as few (dma_is_cheap). A
+ * layer of batched descriptors (dma, or records that do not follow each other) would hold the
+ * caller for hundreds of microseconds. Caller holds the mutex,
  * the thread is out of work (so the issuer's order buffer is free); a staged job's order, computed
  * here, goes to *order for the issue. */
 static int first_layer_is_cheap(struct kvo_issuer *is, struct kvo_job *job, const int64_t **order_out) {
     const struct kvo_plan *p = job->plans[0];
     if (job->path == PATH_SM) return job->n <= MAX_ROWS;
+    if (job->path == PATH_DMA) return dma_is_cheap(is, p, job);
     int64_t piece_rows = strided_rows(is, p), min_rows = plan_min_rows(is, p);
     if (job->path != PATH_STAGED || piece_rows <= 0) return 0;
     int64_t rows_per_slot = is->c.slot_bytes / p->pitch;
@@ -2064,6 +2171,12 @@ void kvo_issuer_counts(struct kvo_issuer *is, int64_t *out) {
     out[4] = is->expects;
     out[5] = is->comings;
     pthread_mutex_unlock(&is->mu);
+}
+
+/* The strided copies dma plans made so far (dma_plan: runs of pairs that follow each other on both
+ * sides, a copy per page group). */
+int64_t kvo_issuer_direct_copies(struct kvo_issuer *is) {
+    return __atomic_load_n(&is->direct_copies, __ATOMIC_RELAXED);
 }
 
 /* How often a side gave a CPU it may share (give_cpu, yield_to_caller): out[0] the thread to the

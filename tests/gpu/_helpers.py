@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvoffload import DeviceLayout
+from kvoffload import DeviceLayout, Worker
 from kvoffload.backends.cuda import CudaBackend
 from kvoffload.backends.native import NativeBackend
 from kvoffload.bindings import driver
@@ -73,3 +73,13 @@ def cuda_backend(handler: DirectionHandler) -> CudaBackend:
         backend = backend._inner  # type: ignore[assignment]
     assert isinstance(backend, CudaBackend)
     return backend
+
+
+def direct_copies(w: Worker) -> tuple[int, int]:
+    """The direct strided copies (store, load) the worker's native issuers made so far (0 for a
+    direction whose jobs are issued from Python)."""
+    counts = []
+    for handler in (w._store, w._load):
+        backend = handler._backend
+        counts.append(backend.direct_copies() if isinstance(backend, NativeBackend) else 0)
+    return counts[0], counts[1]

@@ -21,9 +21,9 @@ import torch
 
 from kvoffload import DeviceLayout, IssuerName, LayerLoad, PathName, Worker, calibration
 from kvoffload.cli._caches import LAYOUTS, build_cache
-from tests.gpu._helpers import TIMEOUT_S, no_fence, stall
+from tests.gpu._helpers import TIMEOUT_S, direct_copies, no_fence, stall
 from tests.gpu.conftest import Figures
-from tests.gpu.test_races import BLOCKS, HOST, both_doors, fill_blocks
+from tests.gpu.test_races import BLOCKS, HOST, RUN_BLOCKS, RUN_HOST, both_doors, fill_blocks
 from tests.gpu.test_staging import ISSUERS, no_slot_wait
 
 PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
@@ -52,15 +52,22 @@ def bad_layer_pages(layout: DeviceLayout, layer: int, got: torch.Tensor, want: t
                for o, n in layer_ranges(layout, layer))
 
 
+@pytest.mark.parametrize("in_order", [False, True])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", LAYOUTS)
-def test_load_by_layer_is_bit_exact_layer_by_layer(kind: str, path: PathName, device: torch.device) -> None:
-    layout = layered_cache(kind, device, seed=len(kind))
+def test_load_by_layer_is_bit_exact_layer_by_layer(kind: str, path: PathName, in_order: bool,
+                                                   device: torch.device) -> None:
+    """``in_order``: 64 pairs whose records and blocks both follow each other, which the native
+    issuer's dma path moves as direct strided copies (asserted); else 40 pairs picked at random."""
+    layout = layered_cache(kind, device, seed=len(kind), num_blocks=128)
     assert layout.num_layers == LAYERS
     rng = np.random.default_rng(11)
-    src = rng.choice(48, 40, replace=False)
-    dst = 48 + rng.choice(48, 40, replace=False)
-    host = rng.choice(64, 40, replace=False)
+    if in_order:
+        src, dst, host = np.arange(64), 64 + np.arange(64), np.arange(64)
+    else:
+        src = rng.choice(64, 40, replace=False)
+        dst = 64 + rng.choice(64, 40, replace=False)
+        host = rng.choice(64, 40, replace=False)
     want = layout.gather_records(src)
     compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     index = torch.as_tensor(dst, device=device)
@@ -83,6 +90,8 @@ def test_load_by_layer_is_bit_exact_layer_by_layer(kind: str, path: PathName, de
                 assert bad_layer_pages(layout, layer, snap, want) == 0, f"layer {layer} read stale"
             assert torch.equal(layout.gather_records(dst), want)
             load.wait_layer(0, compute)  # after the result: nothing to wait for
+        direct = direct_copies(w)[1]
+        assert (direct > 0) == (in_order and path == "dma" and w.issuer == "native"), direct
 
 
 def big_last_layer(device: torch.device) -> DeviceLayout:
@@ -161,22 +170,23 @@ def test_wait_layer_orders_the_stream_after_that_layer_only(
     assert complete < ORDER_TRIALS, "layer 0 was never read while the last layer was still in flight"
 
 
-def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> tuple[int, int]:
+def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
+                      blocks: list[int] = BLOCKS, host: list[int] = HOST) -> tuple[int, int]:
     """As the load race of test_races, through ``load_by_layer`` (waiting for every layer on the
     compute stream after its read), through both doors."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
-    index = torch.tensor(BLOCKS, device=layout.device)
+    index = torch.tensor(blocks, device=layout.device)
     seen_new = not_loaded = 0
     for trial in range(trials):
         old, new = (2 * trial) % 251, (2 * trial + 1) % 251
         with torch.cuda.stream(compute):
             fill_blocks(layout, index, old)
         torch.cuda.synchronize(layout.device)
-        w.host_records()[HOST] = new
+        w.host_records()[host] = new
         with torch.cuda.stream(compute):
             stall()
             snapshot = layout.gather_records(index)  # queued compute still reading the blocks
-        load = w.load_by_layer(first_job + trial, *both_doors(trial, HOST, BLOCKS), stream=compute)
+        load = w.load_by_layer(first_job + trial, *both_doors(trial, host, blocks), stream=compute)
         for layer in range(load.num_layers):
             load.wait_layer(layer, compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
@@ -207,6 +217,27 @@ def test_every_layer_waits_for_compute_reads(
     with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0)
     figures.add(f"layered load race [{path}/{issuer}], worker over {TRIALS} trials: reader saw new", f"{seen}")
+    assert seen == 0 and not_loaded == 0
+
+
+def test_every_layer_of_direct_strided_copies_waits_for_compute_reads(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures,
+) -> None:
+    """Rule 2 per layer through the native dma path's direct strided copies (records and blocks
+    that both follow each other): the control races, the worker never; the copies went direct."""
+    layout = layered_cache("per-layer", device, num_blocks=128)
+    with monkeypatch.context() as patch:
+        no_fence(patch)
+        with Worker.create(layout, 64, path="dma", issuer="native") as control:
+            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, RUN_BLOCKS, RUN_HOST)
+            assert direct_copies(control)[1] > 0
+    figures.add("layered load race [dma direct/native], control without the compute wait: reader saw new",
+                f"{control_seen} pieces")
+    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+    with Worker.create(layout, 64, path="dma", issuer="native") as w:
+        seen, not_loaded = layered_load_race(w, layout, TRIALS, 0, RUN_BLOCKS, RUN_HOST)
+        assert direct_copies(w)[1] > 0
+    figures.add(f"layered load race [dma direct/native], worker over {TRIALS} trials: reader saw new", f"{seen}")
     assert seen == 0 and not_loaded == 0
 
 
@@ -266,9 +297,10 @@ def test_auto_moves_a_layered_load_of_narrow_spans_from_records_apart_through_sm
     of a record is 8 KiB here (K and V pages of 4 KiB), so the calibration timed a layered load
     from records apart through each path. From every other record each span is a descriptor of
     its own on ``dma`` and ``staged``: the load takes ``sm`` where ``sm`` moved the timed load
-    faster than the size bucket's path. From records in order the native issuer moves a staged
-    layer as one strided copy: the size bucket's path stays; the Python issuer has no strided
-    copies. Every load lands bit-exact."""
+    faster than the size bucket's path. From records in order into blocks in order the native
+    issuer takes ``dma``, whose pairs then move as direct strided copies (docs/design.md §16); the
+    Python issuer has no strided copies and chooses as from records apart. Every load lands
+    bit-exact."""
     blocks = 256
     tensors = {f"layer{i}": torch.randint(0, 256, (2, 2 * blocks, 4096), dtype=torch.uint8, device=device)
                for i in range(LAYERS)}
@@ -300,9 +332,12 @@ def test_auto_moves_a_layered_load_of_narrow_spans_from_records_apart_through_sm
             assert result.ok, result.error
             compute.synchronize()
             assert torch.equal(layout.gather_records(dst), want)
-            strided = whole.path == "staged" and issuer == "native" and not apart
+            if issuer == "native" and not apart:  # pairs that run on both sides: direct copies
+                assert result.path == "dma", (whole.path, measured)
+                job += 3
+                continue
             size_path = "dma" if whole.path.startswith("dma") else whole.path  # results may say "dma-loop"
             slower = measured.get(size_path, (0.0,))[0] < measured["sm"][0]  # than sm, from records apart
-            keeps = whole.path == "sm" or strided or not slower
+            keeps = whole.path == "sm" or not slower
             assert result.path == (whole.path if keeps else "sm"), (apart, whole.path, measured)
             job += 3

@@ -15,7 +15,7 @@ import torch
 from kvoffload import BlockIds, DeviceLayout, Worker
 from kvoffload import IssuerName, PathName
 from kvoffload.handler import INLINE_ISSUE_MAX_DESCRIPTORS
-from tests.gpu._helpers import TIMEOUT_S, cache, no_fence, stall
+from tests.gpu._helpers import TIMEOUT_S, cache, direct_copies, no_fence, stall
 from tests.gpu.conftest import Figures
 
 BLOCKS = list(range(8, 72, 2))  # 32 scattered device blocks
@@ -174,6 +174,44 @@ def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.
     figures.add(f"load race [{path}/{issuer}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
     assert seen == 0
     assert not_loaded == 0
+
+
+#: 64 device blocks and host records that both follow each other: through the native issuer's dma
+#: path each page moves as one direct strided copy (docs/design.md §16, *Direct strided copies*).
+RUN_BLOCKS = list(range(8, 72))
+RUN_HOST = list(range(64))
+
+
+def direct_race(w: Worker, layout: DeviceLayout, store: bool, trials: int) -> int:
+    """Stale pages stored (``store``), or pages the reader saw loaded, over ``trials`` jobs of
+    :data:`RUN_BLOCKS` and :data:`RUN_HOST`; asserts the jobs' copies went direct."""
+    before = direct_copies(w)[0 if store else 1]
+    if store:
+        hazard = store_race(w, layout, trials, 0, RUN_BLOCKS, RUN_HOST)
+    else:
+        hazard, not_loaded = load_race(w, layout, trials, 0, RUN_BLOCKS, RUN_HOST)
+        assert not_loaded == 0
+    assert direct_copies(w)[0 if store else 1] > before, "the jobs' copies did not go direct"
+    return hazard
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_direct_strided_copies_wait_for_compute(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch,
+                                                figures: Figures, direction: str) -> None:
+    """Rules 1 and 2 through dma pairs whose records and blocks both follow each other (strided
+    copies straight between the pool and the blocks): the control races, the worker never."""
+    store = direction == "store"
+    with monkeypatch.context() as patch:
+        no_fence(patch)
+        with Worker.create(layout, 64, path="dma", issuer="native") as control:
+            control_hazard = direct_race(control, layout, store, CONTROL_TRIALS)
+    figures.add(f"{direction} race [dma direct/native], control without the compute wait: bad pages",
+                f"{control_hazard}")
+    assert control_hazard > 0, "the control did not race: the test cannot prove the rule"
+    with Worker.create(layout, 64, path="dma", issuer="native") as w:
+        hazard = direct_race(w, layout, store, TRIALS)
+    figures.add(f"{direction} race [dma direct/native], worker: bad pages over {TRIALS} trials", f"{hazard}")
+    assert hazard == 0
 
 
 def current_stream_store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int) -> int:

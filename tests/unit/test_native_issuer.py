@@ -111,7 +111,7 @@ class Harness:
         self.inner = Inner(direction)
         self.backend = NativeBackend.start(
             self.inner, config, index=0, choose=lambda _n: path,
-            path_names={name: name for name in (path, "sm")} if layered else {path: path},
+            path_names={name: name for name in (path, "sm", "dma")} if layered else {path: path},
             tables=self.table, keep=self.keep, layered=layered,
         )
         self.plan = plan
@@ -498,8 +498,7 @@ def test_a_job_waits_for_its_fence_before_it_touches_a_page(path: str, direction
         touching = KERNEL if path != "dma" else COPY
         assert calls[waited[0]][1] == touching
         first_touch = next(i for i, c in enumerate(calls)
-                           if c[0] in ("cuLaunchKernel", "cuMemcpyBatchAsync", "cuMemcpyAsync")
-                           and c[1] == touching)
+                           if c[0] in COPIES and c[1] == touching)
         assert waited[0] < first_touch
     finally:
         h.close()
@@ -521,7 +520,7 @@ def test_a_layered_load_waits_for_its_fence_before_its_first_layer_touches_a_pag
         waited = next(i for i, c in enumerate(calls) if c[0] == "cuStreamWaitEvent" and c[2] == fence[1])
         first_touch = next(i for i, c in enumerate(calls) if c[0] in COPIES and c[1] == touching)
         assert calls[waited][1] == touching and waited < first_touch
-        assert counts(h)[2] == (1 if limit and path != "dma" else 0)
+        assert counts(h)[2] == (1 if limit else 0)  # dma: pairs in a run, two direct copies
     finally:
         h.close()
 
@@ -1036,12 +1035,13 @@ def callers_copies_of_a_layered_load(h: Harness, plan: CopyPlan, host: list[int]
 def test_an_idle_threads_layered_load_has_its_first_layer_issued_by_its_caller_when_cheap(
     path: str, hosts: str,
 ) -> None:
-    """The caller issues layer 0 (sm: one launch; staged: strided copies and at most 16
-    descriptors), marks it, and queues the rest for the thread; never a layer of dma descriptors."""
+    """The caller issues layer 0 (sm: one launch; staged and dma: strided copies, a dma layer's
+    direct ones, and at most 16 descriptors), marks it, and queues the rest for the thread; never
+    a layer of more descriptors."""
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])  # three layers of two pages
     host = LAYERED_HOSTS[hosts]
     device = list(range(40, 40 + len(host)))
-    cheap = path == "sm" or (path == "staged" and hosts != "many")
+    cheap = path == "sm" or hosts != "many"  # "many": 40 descriptors
     main = threading.get_ident()
     for limit in (0, native_backend.CALLER_ISSUE_MAX):  # the control first: the thread issues all
         h = Harness(Direction.LOAD, path, plan, tune={"caller_issue_max": limit})
