@@ -130,12 +130,13 @@ class LayeredChoice:
     once), so every part of a job (the Python issuer issues layer 0 apart from the others) takes
     the same path.
 
-    Before all that, with ``direct`` (``dma`` among the worker's paths), a load whose pairs mostly
-    run (host records and device blocks both following each other, in the job's order, in runs of
-    at least ``strided_min_rows``) takes ``dma``: the native issuer moves each run's page groups as
-    one strided copy straight into the blocks, with no staging slot, no scatter kernel and no SM
-    beside the engine's compute (docs/design.md §16, *Direct strided copies*). Owns nothing but
-    that answer.
+    Before that rule, with ``direct`` (``dma`` among the worker's paths), a load whose size bucket
+    takes a copy-engine path (``dma`` or ``staged``; never over ``sm``, as the expedited lane's
+    small loads take) and whose pairs mostly run (host records and device blocks both following
+    each other, in the job's order, in runs of at least ``strided_min_rows``) takes ``dma``: the
+    native issuer moves each run's page groups as one strided copy straight into the blocks, with
+    no staging slot, no scatter kernel and no SM beside the engine's compute (docs/design.md §16,
+    *Direct strided copies*). Owns nothing but that answer.
     """
 
     def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable],
@@ -165,11 +166,11 @@ class LayeredChoice:
         an issuer whose staged rows, and dma pairs, in runs of at least ``strided_min_rows`` go as
         strided copies (0: none)."""
         pairs = int(host_blocks.shape[0])
-        if (self.direct and device_blocks is not None and strided_min_rows > 0 and pairs > 0
+        name = self._size_choice(pairs)
+        if (self.direct and name in ("dma", "staged") and device_blocks is not None and strided_min_rows > 0
                 and _pairs_in_short_runs(host_blocks, device_blocks, strided_min_rows)
                 <= NARROW_ROWS_SHARE * pairs):
             return "dma"
-        name = self._size_choice(pairs)
         if not self.narrow or name not in ("dma", "staged") or (self.keeps is not None and name in self.keeps):
             return name
         if name == "staged" and strided_min_rows > 0:

@@ -944,13 +944,13 @@ static CUresult dma_plan(struct kvo_issuer *is, const struct kvo_plan *p, const 
     int64_t least = is->c.memcpy_2d ? min_rows_at(is, 1) : 0; /* the shortest run any group takes */
     for (int64_t i = 0, m = 1; i < job->n; i += m) {
         m = least > 0 ? direct_run(p, job, i) : 1;
-        if (m < least) m = 1; /* the run's pairs go one by one, as descriptors */
+        int grouped = m >= least && m > 1; /* else the run's pairs go one by one, as descriptors */
         int64_t h = job->host_ids[i], d = job->dev_ids[i];
         uint64_t record = (uint64_t)p->host_base + (uint64_t)h * (uint64_t)p->host_stride;
         int64_t chunk = h / p->chunk_records;
         for (int64_t q = 0, end, width; q < p->pages; q = end) {
-            end = m > 1 ? page_group_end(p, q, &width) : p->pages;
-            int64_t rows = m > 1 ? direct_rows(is, p, q, width, m) : 0;
+            end = grouped ? page_group_end(p, q, &width) : p->pages;
+            int64_t rows = grouped ? direct_rows(is, p, q, width, m) : 0;
             if (rows > 0) {
                 *call = "malloc";
                 if (!reserve_strided(is, nstrided + (size_t)((m + rows - 1) / rows))) return KVO_NO_MEMORY;
@@ -1644,17 +1644,23 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
 }
 
 /* Whether dma_plan moves plan `p` of `job` in at most CALLER_LAYER_STRIDED strided copies and
- * CALLER_LAYER_COPIES descriptors (before merges), as it would cut them; counted with an early end. */
+ * CALLER_LAYER_COPIES descriptors (before merges, each page's pieces counted), as it would cut
+ * them; counted with an early end. */
 static int dma_is_cheap(const struct kvo_issuer *is, const struct kvo_plan *p, const struct kvo_job *job) {
     int64_t copies = 0, strided = 0, least = is->c.memcpy_2d ? min_rows_at(is, 1) : 0;
+    int64_t piece = is->c.piece_bytes;
     for (int64_t i = 0, m = 1; i < job->n; i += m) {
         m = least > 0 ? direct_run(p, job, i) : 1;
-        if (m < least) m = 1;
+        int grouped = m >= least && m > 1;
         for (int64_t q = 0, end, width; q < p->pages; q = end) {
-            end = m > 1 ? page_group_end(p, q, &width) : p->pages;
-            int64_t rows = m > 1 ? direct_rows(is, p, q, width, m) : 0;
-            if (rows > 0) strided += (m + rows - 1) / rows;
-            else copies += m * (end - q);
+            end = grouped ? page_group_end(p, q, &width) : p->pages;
+            int64_t rows = grouped ? direct_rows(is, p, q, width, m) : 0;
+            if (rows > 0) {
+                strided += (m + rows - 1) / rows;
+                continue;
+            }
+            for (int64_t g = q; g < end; g++) /* a page's pieces (append_copy) */
+                copies += m * (piece > 0 ? p->nbytes[g] / piece + (p->nbytes[g] % piece != 0) : 1);
         }
         if (copies > CALLER_LAYER_COPIES || strided > CALLER_LAYER_STRIDED) return 0;
     }

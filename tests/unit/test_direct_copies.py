@@ -229,25 +229,34 @@ def test_any_job_moves_exactly_its_bytes_and_writes_nothing_else(
         h.close()
 
 
-def test_auto_takes_dma_for_a_layered_load_whose_pairs_run_on_both_sides() -> None:
-    """``LayeredChoice`` with ``direct``: a load whose pairs mostly run takes dma (direct copies);
-    its blocks shuffled (no run on the device side), or without ``direct``, the size bucket's path
-    (here staged, from records in order: strided copies into the slots)."""
+@pytest.mark.parametrize(("size_path", "direct", "order", "path"), [
+    ("staged", True, "in order", "dma"),
+    ("dma", True, "in order", "dma"),
+    ("staged", True, "shuffled", "staged"),  # no run on the device side
+    ("staged", False, "in order", "staged"),  # no dma among the worker's paths
+    ("sm", True, "in order", "sm"),  # the size's path holds no copy engine (the expedited lane's)
+])
+def test_auto_takes_dma_for_a_layered_load_whose_pairs_run_on_both_sides(
+    size_path: str, direct: bool, order: str, path: str,
+) -> None:
+    """``LayeredChoice`` with ``direct``: a load whose size bucket takes a copy-engine path and
+    whose pairs mostly run takes dma (direct copies); its blocks shuffled, without ``direct``, or
+    where the size's path is ``sm``, the path as before (staged from records in order: strided
+    copies into the slots)."""
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
-    host, device = list(range(0, 8)), list(range(40, 48))
-    shuffled = [41, 40, 43, 42, 45, 44, 47, 46]
-    for direct, blocks, path in ((True, device, "dma"), (True, shuffled, "staged"), (False, device, "staged")):
-        rule = LayeredChoice(lambda _n: "staged", layer_tables(plan), direct=direct).path
-        h = Harness(Direction.LOAD, "staged", plan, layered=rule)
-        try:
-            submit_layered(h, 0, host, blocks)
-            (result,) = h.handler.wait([0], TIMEOUT_S)
-            assert result.ok, result.error
-            assert result.path == path, (direct, blocks)
-            assert moved(h.fake, expected(plan, blocks, host)) == 0
-            assert (h.backend.direct_copies() > 0) == (path == "dma")
-        finally:
-            h.close()
+    host = list(range(0, 8))
+    blocks = list(range(40, 48)) if order == "in order" else [41, 40, 43, 42, 45, 44, 47, 46]
+    rule = LayeredChoice(lambda _n: size_path, layer_tables(plan), direct=direct).path
+    h = Harness(Direction.LOAD, "staged", plan, layered=rule)
+    try:
+        submit_layered(h, 0, host, blocks)
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert result.ok, result.error
+        assert result.path == path
+        assert moved(h.fake, expected(plan, blocks, host)) == 0
+        assert (h.backend.direct_copies() > 0) == (path == "dma")
+    finally:
+        h.close()
 
 
 @pytest.mark.parametrize(("host", "device", "short"), [
@@ -260,3 +269,17 @@ def test_pairs_in_short_runs_count_breaks_on_either_side(host: list[int], device
     got = _pairs_in_short_runs(np.array(host, dtype=np.int64), np.array(device, dtype=np.int64),
                                TEST_STRIDED_MIN_ROWS)
     assert got == short
+
+
+@pytest.mark.parametrize(("piece", "cheap"), [(0, True), (64, False)])
+def test_a_callers_dma_first_layer_counts_each_pages_pieces(piece: int, cheap: bool) -> None:
+    """Five pairs apart, two 256 B pages a layer: 10 descriptors, which the caller issues; cut in
+    pieces of 64 B they are 40, over its 16, and the thread issues every layer."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    h = Harness(Direction.LOAD, "dma", plan, tune={"piece_bytes": piece})
+    try:
+        mine = callers_copies_of_a_layered_load(h, plan, [3, 14, 7, 22, 9], [40, 41, 42, 43, 44])
+        assert bool(mine) == cheap, mine
+        assert all(size <= piece for size in h.fake.copy_sizes) or not piece
+    finally:
+        h.close()
