@@ -102,6 +102,12 @@ NARROW_LAYER_BYTES: Final = 64 << 10
 #: ... unless at most this share of its rows lies in runs of records too short for the issuer's
 #: strided copies (the native issuer's ``STRIDED_MIN_ROWS``; the Python issuer has none).
 NARROW_ROWS_SHARE: Final = 0.5
+#: ``auto`` moves a layered load as direct strided copies (:class:`LayeredChoice`, ``direct``) only
+#: where every layer's page is at least this wide: a strided copy's rows move at the copy engine's
+#: pace for their width, about the link's at 32 KiB (a 16-layer load of 256 blocks in order, K and V
+#: pages of 32 KiB: 5.11 ms against ``staged``'s 4.98) and 0.65x at 4 KiB (1.05 ms against 0.68;
+#: one H100 host, ``bench --layerwise``, docs/design.md §16).
+DIRECT_MIN_PAGE_BYTES = 32 << 10
 
 
 class LayeredChoice:
@@ -130,7 +136,9 @@ class LayeredChoice:
     once), so every part of a job (the Python issuer issues layer 0 apart from the others) takes
     the same path.
 
-    Before that rule, with ``direct`` (``dma`` among the worker's paths), a load whose size bucket
+    Before that rule, with ``direct`` (``dma`` among the worker's paths) and pages of at least
+    :data:`DIRECT_MIN_PAGE_BYTES` in every layer (narrower rows move slower as strided copies than
+    through ``staged``'s wider slot rows), a load whose size bucket
     takes a copy-engine path (``dma`` or ``staged``; never over ``sm``, as the expedited lane's
     small loads take) and whose pairs mostly run (host records and device blocks both following
     each other, in the job's order, in runs of at least ``strided_min_rows``) takes ``dma``: the
@@ -142,8 +150,10 @@ class LayeredChoice:
     def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable],
                  measured: Mapping[str, Sequence[float]] | None = None, *, direct: bool = False) -> None:
         self._size_choice = size_choice
-        #: ``dma`` is among the worker's paths: loads whose pairs run go through its direct copies
-        self.direct = direct
+        #: ``dma`` is among the worker's paths and every layer's pages are at least
+        #: DIRECT_MIN_PAGE_BYTES: loads whose pairs run go through its direct copies
+        self.direct = direct and len(layer_tables) > 0 and all(
+            int(table.nbytes.min()) >= DIRECT_MIN_PAGE_BYTES for table in layer_tables if table.nbytes.shape[0])
         #: the layers' copies average under NARROW_LAYER_BYTES (False: no layers)
         self.narrow = narrow_layers(layer_tables)
         sm = measured.get("sm", ()) if measured is not None else ()

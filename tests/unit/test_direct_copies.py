@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvoffload import Direction
 from kvoffload._descriptors import CopyPlan
+from kvoffload import calibration
 from kvoffload.calibration import LayeredChoice, _pairs_in_short_runs
 from tests.unit._native_fake import COPY, TEST_STRIDED_MIN_ROWS, FakeDriver
 from tests.unit.test_native_issuer import (
@@ -237,13 +238,14 @@ def test_any_job_moves_exactly_its_bytes_and_writes_nothing_else(
     ("sm", True, "in order", "sm"),  # the size's path holds no copy engine (the expedited lane's)
 ])
 def test_auto_takes_dma_for_a_layered_load_whose_pairs_run_on_both_sides(
-    size_path: str, direct: bool, order: str, path: str,
+    size_path: str, direct: bool, order: str, path: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``LayeredChoice`` with ``direct``: a load whose size bucket takes a copy-engine path and
     whose pairs mostly run takes dma (direct copies); its blocks shuffled, without ``direct``, or
     where the size's path is ``sm``, the path as before (staged from records in order: strided
     copies into the slots)."""
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    monkeypatch.setattr(calibration, "DIRECT_MIN_PAGE_BYTES", 128)  # the test's pages are narrow
     host = list(range(0, 8))
     blocks = list(range(40, 48)) if order == "in order" else [41, 40, 43, 42, 45, 44, 47, 46]
     rule = LayeredChoice(lambda _n: size_path, layer_tables(plan), direct=direct).path
@@ -283,3 +285,17 @@ def test_a_callers_dma_first_layer_counts_each_pages_pieces(piece: int, cheap: b
         assert all(size <= piece for size in h.fake.copy_sizes) or not piece
     finally:
         h.close()
+
+
+@pytest.mark.parametrize(("least", "direct"), [(128, True), (129, False)])
+def test_auto_takes_direct_copies_only_where_every_layers_pages_are_wide_enough(
+    least: int, direct: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Strided copies of narrow rows move slower than staged's wider slot rows: with a page of 128
+    B in one layer, a threshold of 129 B keeps the size's path (control: 128 B takes dma)."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    monkeypatch.setattr(calibration, "DIRECT_MIN_PAGE_BYTES", least)
+    choice = LayeredChoice(lambda _n: "staged", layer_tables(plan), direct=True)
+    assert choice.direct == direct
+    ids = np.arange(8, dtype=np.int64)
+    assert choice.path(ids, TEST_STRIDED_MIN_ROWS, ids + 40) == ("dma" if direct else "staged")
