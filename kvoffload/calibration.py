@@ -138,13 +138,13 @@ class LayeredChoice:
 
     Before that rule, with ``direct`` (``dma`` among the worker's paths) and pages of at least
     :data:`DIRECT_MIN_PAGE_BYTES` in every layer (narrower rows move slower as strided copies than
-    through ``staged``'s wider slot rows), a load whose size bucket
-    takes a copy-engine path (``dma`` or ``staged``; never over ``sm``, as the expedited lane's
-    small loads take) and whose pairs mostly run (host records and device blocks both following
-    each other, in the job's order, in runs of at least ``strided_min_rows``) takes ``dma``: the
-    native issuer moves each run's page groups as one strided copy straight into the blocks, with
-    no staging slot, no scatter kernel and no SM beside the engine's compute (docs/design.md §16,
-    *Direct strided copies*). Owns nothing but that answer.
+    through ``staged``'s wider slot rows), a load whose size bucket takes a copy-engine path
+    (``dma`` or ``staged``; never over ``sm``, as the expedited lane's small loads take) and whose
+    pairs mostly run (host records and device blocks both following each other, in the job's
+    order, in runs of at least ``strided_min_rows``) takes ``dma``: the native issuer moves each
+    run's page groups as one strided copy straight into the blocks, with no staging slot, no
+    scatter kernel and no SM beside the engine's compute (docs/design.md §16, *Direct strided
+    copies*). Owns nothing but that answer.
     """
 
     def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable],
@@ -210,8 +210,8 @@ def _pairs_in_short_runs(host_blocks: npt.NDArray[np.int64], device_blocks: npt.
                          min_rows: int) -> int:
     """How many pairs lie in runs of fewer than ``min_rows`` pairs whose host records and device
     blocks both follow each other, in the job's order (as the native issuer's dma plan takes them).
-    Pinned areas' ends (every :data:`~kvoffload.bindings.pinning.PIN_CHUNK_BYTES` of records) end a run
-    there, which this count does not see: at most one short run an area."""
+    Pinned areas' ends (every :data:`~kvoffload.bindings.pinning.PIN_CHUNK_BYTES` of records) end
+    a run there, which this count does not see: at most one short run an area."""
     breaks = (host_blocks[1:] != host_blocks[:-1] + 1) | (device_blocks[1:] != device_blocks[:-1] + 1)
     return _in_short_runs(breaks, int(host_blocks.shape[0]), min_rows)
 
