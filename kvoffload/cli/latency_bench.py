@@ -25,8 +25,8 @@ what the link alone costs, measured side by side in one run.
 compute per layer about the load's per layer (a CUDA graph a layer, its products chosen by timing
 them, so that the compute runs at the device's pace and not at the host's), for each case of
 :data:`PREFILL_CASES` (32 KiB pages from host records in order into device blocks in order and
-shuffled; 4 KiB pages in order and from every other record): *load then compute* (``load``, wait for the result, then every layer's compute)
-against ``load_by_layer`` (layer ``i``'s compute after ``wait_layer(i)``), with the ideal
+shuffled; 4 KiB pages in order and from every other record): *load then compute* (``load``, wait
+for the result, then every layer's compute) against ``load_by_layer`` (layer ``i``'s compute after ``wait_layer(i)``), with the ideal
 ``max(load, compute) + one layer's load``, when layer 0 was ready against ``1/L`` of the whole
 load, and the caller's time in ``load_by_layer`` and in each ``wait_layer``. Where the prefill's time
 goes is printed beside it, from events on the compute stream around each layer's wait: how long it

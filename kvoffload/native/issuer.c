@@ -925,6 +925,31 @@ static int64_t direct_rows(const struct kvo_issuer *is, const struct kvo_plan *p
     return rows >= min_rows ? (rows < run ? rows : run) : 0;
 }
 
+/* The pairs from `i` on that dma_plan takes together: a run (direct_run) where cuMemcpy2DAsync is
+ * there, else one pair. *grouped: the run is at least the fewest rows any page group's strided copy
+ * takes (min_rows_at), so its groups are each judged by dma_span; else its pairs go one by one, a
+ * descriptor per page. */
+static int64_t dma_run(const struct kvo_issuer *is, const struct kvo_plan *p, const struct kvo_job *job,
+                       int64_t i, int *grouped) {
+    int64_t least = is->c.memcpy_2d ? min_rows_at(is, 1) : 0;
+    int64_t m = least > 0 ? direct_run(p, job, i) : 1;
+    *grouped = m >= least && m > 1;
+    return m;
+}
+
+/* The pages from `q` on that a run of `run` pairs (`grouped`: dma_run's word) moves together: *end
+ * and *width of its page group (every page left where the run is not grouped), and the rows of one
+ * strided copy of it (direct_rows; 0: a descriptor per page and pair). */
+static int64_t dma_span(const struct kvo_issuer *is, const struct kvo_plan *p, int64_t q, int64_t run,
+                        int grouped, int64_t *end, int64_t *width) {
+    if (!grouped) {
+        *end = p->pages;
+        return 0;
+    }
+    *end = page_group_end(p, q, width);
+    return direct_rows(is, p, q, *width, run);
+}
+
 /* Every page of every pair, between device block dev[i] and host record host[i]. Pairs in runs
  * (direct_run) whose page groups direct_rows takes move as one cuMemcpy2DAsync per group and run
  * (in pieces of direct_rows rows): the host pitch is the record's, the device pitch the block
@@ -940,17 +965,14 @@ static CUresult dma_plan(struct kvo_issuer *is, const struct kvo_plan *p, const 
     *call = "malloc";
     if (!reserve_descriptors(is, total)) return KVO_NO_MEMORY;
     for (int64_t q = 0; q < p->pages; q++) if (p->segment[q] + 1 > segments) segments = p->segment[q] + 1;
-    int store = (int)is->c.store;
-    int64_t least = is->c.memcpy_2d ? min_rows_at(is, 1) : 0; /* the shortest run any group takes */
+    int store = (int)is->c.store, grouped;
     for (int64_t i = 0, m = 1; i < job->n; i += m) {
-        m = least > 0 ? direct_run(p, job, i) : 1;
-        int grouped = m >= least && m > 1; /* else the run's pairs go one by one, as descriptors */
+        m = dma_run(is, p, job, i, &grouped);
         int64_t h = job->host_ids[i], d = job->dev_ids[i];
         uint64_t record = (uint64_t)p->host_base + (uint64_t)h * (uint64_t)p->host_stride;
         int64_t chunk = h / p->chunk_records;
         for (int64_t q = 0, end, width; q < p->pages; q = end) {
-            end = grouped ? page_group_end(p, q, &width) : p->pages;
-            int64_t rows = grouped ? direct_rows(is, p, q, width, m) : 0;
+            int64_t rows = dma_span(is, p, q, m, grouped, &end, &width);
             if (rows > 0) {
                 *call = "malloc";
                 if (!reserve_strided(is, nstrided + (size_t)((m + rows - 1) / rows))) return KVO_NO_MEMORY;
@@ -1644,17 +1666,15 @@ void kvo_fence_release(struct kvo_issuer *is, struct kvo_fence *fence) {
 }
 
 /* Whether dma_plan moves plan `p` of `job` in at most CALLER_LAYER_STRIDED strided copies and
- * CALLER_LAYER_COPIES descriptors (before merges, each page's pieces counted), as it would cut
- * them; counted with an early end. */
+ * CALLER_LAYER_COPIES descriptors (before merges, each page's pieces counted): the same runs and
+ * spans (dma_run, dma_span), counted with an early end. */
 static int dma_is_cheap(const struct kvo_issuer *is, const struct kvo_plan *p, const struct kvo_job *job) {
-    int64_t copies = 0, strided = 0, least = is->c.memcpy_2d ? min_rows_at(is, 1) : 0;
-    int64_t piece = is->c.piece_bytes;
+    int64_t copies = 0, strided = 0, piece = is->c.piece_bytes;
+    int grouped;
     for (int64_t i = 0, m = 1; i < job->n; i += m) {
-        m = least > 0 ? direct_run(p, job, i) : 1;
-        int grouped = m >= least && m > 1;
+        m = dma_run(is, p, job, i, &grouped);
         for (int64_t q = 0, end, width; q < p->pages; q = end) {
-            end = grouped ? page_group_end(p, q, &width) : p->pages;
-            int64_t rows = grouped ? direct_rows(is, p, q, width, m) : 0;
+            int64_t rows = dma_span(is, p, q, m, grouped, &end, &width);
             if (rows > 0) {
                 strided += (m + rows - 1) / rows;
                 continue;
