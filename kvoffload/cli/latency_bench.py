@@ -553,6 +553,7 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
             prefill.calibrate(load_s / layers)  # the compute: about one layer's load a layer
             compute_s = prefill.seconds()
             serial, overlapped, first, full, call, waits = [], [], [], [], [], []
+            alone: list[float] = []  # the layered load alone, call -> result
             stalls: list[float] = []  # the compute stream's waits for layers 1.. (after layer 0)
             beside: list[float] = []  # its compute beside the load (from each wait passed)
             taken: set[str] = set()  # the paths the layered loads took
@@ -603,11 +604,13 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
                 begin2, done = new_event(timing=True), new_event(timing=True)
                 torch.cuda.synchronize(device)
                 begin2.record(compute)
+                t0 = time.perf_counter()
                 load = w.load_by_layer(job, host, dst, stream=compute)
                 load.wait_layer(layers - 1, compute)
                 done.record(compute)
                 if not all(r.ok for r in w.wait([job], TIMEOUT_S)):
                     raise RuntimeError("a layered load failed")
+                alone.append(time.perf_counter() - t0)  # call -> result, as the whole load's
                 job += 1
                 done.synchronize()
                 full.append(float(begin2.elapsed_time(done)) / 1e3)
@@ -622,6 +625,8 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
             f"ms ({s / o:4.2f}x faster); ideal max(load, compute) + one layer {ideal * 1e3:6.2f} ms "
             f"(load_by_layer = ideal + {(o - ideal) * 1e6:7.1f} us); layer 0 ready after {f0 * 1e6:7.1f} "
             f"us, all after {fl * 1e6:7.1f} us (1/L of it + 50 us = {(fl / layers) * 1e6 + 50:7.1f} us); "
+            f"the layered load alone, call -> result {statistics.median(alone) * 1e3:6.2f} ms (the whole "
+            f"load's {load_s * 1e3:6.2f}); "
             f"the caller's time in load_by_layer {statistics.median(call) * 1e6:6.1f} us, in wait_layer "
             f"{statistics.median(waits) * 1e6:5.1f} us (medians); products a layer {_products(prefill)}; on "
             f"the compute stream after layer 0: waits for layers {statistics.median(stalls) * 1e6:6.1f} us, "
