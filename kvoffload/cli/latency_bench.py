@@ -32,7 +32,8 @@ load, and the caller's time in ``load_by_layer`` and in each ``wait_layer``. Whe
 goes is printed beside it, from events on the compute stream around each layer's wait: how long it
 waited for the layers after layer 0 (the load behind the compute) and how long its compute took
 beside the load against alone (the two slowing each other); with layer 0's time they add up to
-the prefill's.
+the prefill's. And the layered load alone (no compute), from its call to its result, beside the
+whole load timed the same way in the same rounds: what landing layer by layer costs by itself.
 
 Every figure is printed as measured and as a ratio to its reference; nothing is asserted. Every
 loaded byte is checked. Public API only.
