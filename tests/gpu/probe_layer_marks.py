@@ -34,18 +34,11 @@ from cuda.bindings import driver as drv
 
 from kvoffload import DeviceLayout, Worker
 from kvoffload.bindings.driver import check, entry_point
+from kvoffload.cli._torch import new_event, new_stream
 from kvoffload.native import MEMORYTYPE_DEVICE, MEMORYTYPE_HOST, Memcpy2D
 
 KIB = 1 << 10
 TIMEOUT_S = 60.0
-
-
-def _event(timing: bool = False) -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
-
-
-def _stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
 def main() -> int:
@@ -75,8 +68,8 @@ def driver_alone(args: argparse.Namespace, device: torch.device) -> None:
     flat = torch.empty(blocks * record, dtype=torch.uint8).pin_memory()
     whole = torch.empty(blocks * record, dtype=torch.uint8, device=device)
     tensors = [torch.zeros(2, blocks, page, dtype=torch.uint8, device=device) for _ in range(layers)]
-    copy, other, beside = _stream(device), _stream(device), _stream(device)
-    marks = [_event() for _ in range(layers)]
+    copy, other, beside = new_stream(device), new_stream(device), new_stream(device)
+    marks = [new_event(timing=False) for _ in range(layers)]
 
     def desc(layer: int, kv: int, first: int, rows: int) -> Memcpy2D:
         return Memcpy2D(srcMemoryType=MEMORYTYPE_HOST, srcHost=host.data_ptr() + first * record
@@ -118,7 +111,7 @@ def driver_alone(args: argparse.Namespace, device: torch.device) -> None:
     with torch.cuda.graph(graph, stream=beside):
         for _ in range(40):
             torch.matmul(gemm, gemm, out=out)
-    begin, end = _event(True), _event(True)
+    begin, end = new_event(timing=True), new_event(timing=True)
     begin.record(beside)
     graph.replay()
     end.record(beside)
@@ -174,7 +167,7 @@ def _device_ms(stream: torch.cuda.Stream, call: Callable[[], None], device: torc
     """Milliseconds between events recorded on ``stream`` just before and after ``call`` (the
     device idle before)."""
     torch.cuda.synchronize(device)
-    begin, end = _event(True), _event(True)
+    begin, end = new_event(timing=True), new_event(timing=True)
     begin.record(stream)
     call()
     end.record(stream)
@@ -190,7 +183,7 @@ def library(args: argparse.Namespace, device: torch.device) -> None:
     layout = DeviceLayout.from_tensors(tensors, block_dim=1, num_blocks=2 * blocks)
     src = np.arange(blocks, dtype=np.int64)
     dst = src + blocks
-    waiter = _stream(device)
+    waiter = new_stream(device)
     print("== the library: TransferResult.seconds (the job's device time), median ms")
     for path in ("dma", "staged"):
         with Worker.create(layout, 2 * blocks, path=path, issuer="native") as w:
