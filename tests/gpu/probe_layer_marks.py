@@ -15,9 +15,13 @@ variants alternated round by round:
   contiguous copy and the strided copies again with a GEMM running beside them on another stream
   (a prefill's compute).
 * **The library.** The same load through a :class:`~kvoffload.Worker` of path ``dma`` and of
-  ``staged``, as one job (``load``) and layered (``load_by_layer``, another stream waiting on every
-  layer as a prefill does): ``TransferResult.seconds``, the job's device time from its start event
-  to its end event.
+  ``staged``, four ways alternated: as one job (``load``), and layered (``load_by_layer``) on the
+  default stream with another stream waiting on every layer, on a stream of its own with that
+  stream waiting on the last layer only, and on that stream waiting on every layer (as a prefill
+  does). Each way's time from the call to its result on the host, ``TransferResult.seconds`` (the
+  job's device time from its start event to its end event) and, for the layered ones, the device's
+  time from an event recorded on the waiting stream just before the call to that stream passing
+  the last layer's wait. ``--parts`` picks the parts to run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import ctypes
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -47,14 +52,19 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--page-kib", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--parts", default="driver,library",
+                        help="the parts to run, comma-separated: driver, library")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     print(f"probe_layer_marks on {torch.cuda.get_device_name(device)}: {args.blocks} records of "
           f"{args.layers} layers x (K, V) pages of {args.page_kib} KiB, host -> device; median of "
           f"{args.rounds} rounds, the variants alternated")
-    driver_alone(args, device)
-    library(args, device)
+    parts = set(args.parts.split(","))
+    if "driver" in parts:
+        driver_alone(args, device)
+    if "library" in parts:
+        library(args, device)
     return 0
 
 
@@ -183,34 +193,62 @@ def library(args: argparse.Namespace, device: torch.device) -> None:
     layout = DeviceLayout.from_tensors(tensors, block_dim=1, num_blocks=2 * blocks)
     src = np.arange(blocks, dtype=np.int64)
     dst = src + blocks
-    waiter = new_stream(device)
-    print("== the library: TransferResult.seconds (the job's device time), median ms")
+    waiter, compute = new_stream(device), new_stream(device)
+    print("== the library, four ways alternated: call -> result (host), TransferResult.seconds (the "
+          "job's device time from its start event to its end event) and, for the layered ones, from "
+          "an event recorded on the stream the load follows just before the call to that stream "
+          "passing the last layer's wait; median ms")
     for path in ("dma", "staged"):
         with Worker.create(layout, 2 * blocks, path=path, issuer="native") as w:
             w.store(0, src, src)
             if not all(r.ok for r in w.wait([0], TIMEOUT_S)):
                 raise RuntimeError("the store failed")
             job = 1
-            whole: list[float] = []
-            layered: list[float] = []
-            for _ in range(2 + args.rounds):
-                torch.cuda.synchronize(device)
-                w.load(job, src, dst)
-                (a,) = w.wait([job], TIMEOUT_S)
-                torch.cuda.synchronize(device)
-                load = w.load_by_layer(job + 1, src, dst)
-                for i in range(layers):
-                    load.wait_layer(i, waiter)
-                (b,) = w.wait([job + 1], TIMEOUT_S)
-                if not (a.ok and b.ok):
-                    raise RuntimeError(f"a load failed: {a.error or b.error}")
-                whole.append(a.seconds)
-                layered.append(b.seconds)
-                job += 2
-            one, by_layer = statistics.median(whole[2:]) * 1e3, statistics.median(layered[2:]) * 1e3
-            print(f"   {path:<7} whole {one:7.3f} ms (path {a.path}), layered {by_layer:7.3f} ms "
-                  f"(path {b.path}): {by_layer / one:.3f}x")
 
+            def whole() -> float:
+                w.load(job, src, dst)
+                return 0.0
+
+            def layered(on: torch.cuda.Stream | None, every: bool) -> Callable[[], float]:
+                def run() -> float:
+                    target = waiter if on is None else on
+                    begin, done = new_event(timing=True), new_event(timing=True)
+                    begin.record(target)
+                    load = w.load_by_layer(job, src, dst, stream=on)
+                    for i in range(layers) if every else (layers - 1,):
+                        load.wait_layer(i, target)
+                    done.record(target)
+                    done.synchronize()
+                    return float(begin.elapsed_time(done))
+                return run
+
+            ways: dict[str, Callable[[], float]] = {
+                "whole (load)": whole,
+                "layered, default stream, every layer waited": layered(None, True),
+                "layered on a stream, the last layer waited": layered(compute, False),
+                "layered on a stream, every layer waited": layered(compute, True),
+            }
+            rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways}
+            paths: dict[str, set[str]] = {name: set() for name in ways}
+            for _ in range(2 + args.rounds):
+                for name, call in ways.items():
+                    torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    to_last = call()
+                    (r,) = w.wait([job], TIMEOUT_S)
+                    host = time.perf_counter() - t0
+                    if not r.ok:
+                        raise RuntimeError(f"a load failed: {r.error}")
+                    rows[name].append((host * 1e3, r.seconds * 1e3, to_last))
+                    paths[name].add(r.path)
+                    job += 1
+            print(f"   worker path {path}")
+            for name, samples in rows.items():
+                kept = samples[2:]
+                h, d, t = (statistics.median(x[k] for x in kept) for k in range(3))
+                print(f"     {name:<46} call -> result {h:6.3f}  device {d:6.3f}"
+                      + (f"  stream before the call -> last layer {t:6.3f}" if t else "")
+                      + f"  (took {', '.join(sorted(paths[name]))})")
 
 if __name__ == "__main__":
     sys.exit(main())
