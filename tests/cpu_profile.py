@@ -6,8 +6,9 @@ work on the caller's thread (``NAME=VALUE`` arguments set constants of
 :mod:`kvoffload.backends.native` first, e.g. ``EXPECT_SPIN_S=0 CALLER_COMING_S=0``): the call of a 256-block store in bursts of 4 (the first after a wait,
 and jobs 2-4), a 1-block store's call -> result, the wait of a job already done, the 256-block
 store's first call and later ones through the worker, one flat function of the same steps and the
-library's calls alone (``profile_submit``'s ``floor``); then the Python functions those calls run
-(cProfile, by own time). Device time is spent on none of it, so
+library's calls alone (``profile_submit``'s ``floor``), a 256-block load's call -> result as one
+job and layer by layer (:func:`layered_alone`); then the Python functions those calls run (cProfile,
+by own time). Device time is spent on none of it, so
 a change to the submit or result path can be measured here first, side by side with the tree it
 changes (run both in one session; the CI machine's spread between runs is large). Figures here are
 the host's, not the H200 host's: only ratios between builds measured together mean anything.
@@ -79,6 +80,7 @@ CUresult noop_memcpy(uint64_t d, uint64_t s, size_t n, void *st) { (void)d; (voi
 CUresult noop_batch(void *d, void *s, void *n, size_t c, void *a, void *i, size_t na, void *st) {
     (void)d; (void)s; (void)n; (void)c; (void)a; (void)i; (void)na; (void)st; return 0;
 }
+CUresult noop_memcpy2d(void *p, void *st) { (void)p; (void)st; return 0; }
 CUresult noop_launch(void *f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g,
                      unsigned h, void *s, void *p, void *x) {
     (void)f; (void)a; (void)b; (void)c; (void)d; (void)e; (void)g; (void)h; (void)s; (void)p; (void)x;
@@ -128,7 +130,7 @@ def _worker(lib: ctypes.CDLL, keep: list[object], backends: list[NativeBackend] 
                             ("event_record", "noop_event_record"), ("event_query", "noop_event_query"),
                             ("event_elapsed", "noop_event_elapsed"), ("stream_wait_event", "noop_stream_wait"),
                             ("memcpy_async", "noop_memcpy"), ("memcpy_batch", "noop_batch"),
-                            ("launch", "noop_launch")):
+                            ("launch", "noop_launch"), ("memcpy_2d", "noop_memcpy2d")):
             setattr(c, field, entry(name))
         c.batch_abi = 13000
         for i, (function, rows) in enumerate(FUNCTIONS):
@@ -148,7 +150,8 @@ def _worker(lib: ctypes.CDLL, keep: list[object], backends: list[NativeBackend] 
             backends.append(backend)
         return backend
 
-    tensors = [torch.empty(BLOCKS, PAGE, dtype=torch.uint8) for _ in range(2 * LAYERS)]
+    tensors = {f"{side}{layer}": torch.empty(BLOCKS, PAGE, dtype=torch.uint8)
+               for layer in range(LAYERS) for side in "kv"}  # LAYERS layers of a K and a V tensor
     keep.append(tensors)
     layout = DeviceLayout.from_tensors(tensors, block_dim=0)
     return Worker.create(layout, BLOCKS, backend_factory=factory)
@@ -212,6 +215,46 @@ def shared_cpu_run(lib: ctypes.CDLL, *, share: bool, together: bool, jobs: int) 
             with contextlib.suppress(OSError):  # ended meanwhile
                 os.sched_setaffinity(int(tid), mine)
     return SharedRun(calls, results, (counts[0], counts[1], counts[2]))
+
+
+#: Rounds of :func:`layered_alone` (a whole load and a layered one each) and the device time of
+#: each of their jobs, from an event's record to its completion.
+LAYERED_ROUNDS = 40
+LAYERED_DEVICE_US = 5000
+
+
+def layered_alone(lib: ctypes.CDLL, w: Worker, first_job: int) -> None:
+    """Print a 256-block load's call -> result as one job and layer by layer (``load_by_layer``, no
+    wait on a layer), alternated, each after a 2 ms sleep, with the no-op driver's device time at
+    LAYERED_DEVICE_US (put back to DEVICE_US after): an event of the layered job's end is recorded
+    after its last layer's copies are issued, so what the layered load adds here is the library's
+    host side, its whole issue included (on a GPU the copies run while later layers are issued)."""
+    blocks = np.arange(256, dtype=np.int64)
+    times: dict[str, list[float]] = {"whole": [], "layered": []}
+    paths: set[str] = set()
+    job = first_job
+    lib.noop_device_ns(ctypes.c_int64(LAYERED_DEVICE_US * 1000))
+    try:
+        for _ in range(LAYERED_ROUNDS):
+            for name in times:
+                time.sleep(0.002)
+                t0 = time.perf_counter()
+                if name == "whole":
+                    w.load(job, blocks, blocks)
+                else:
+                    w.load_by_layer(job, blocks, blocks)
+                (result,) = w.wait([job], 60)
+                times[name].append(time.perf_counter() - t0)
+                if not result.ok:
+                    raise RuntimeError(f"load {job} failed: {result.error}")
+                paths.add(result.path)
+                job += 1
+    finally:
+        lib.noop_device_ns(ctypes.c_int64(DEVICE_US * 1000))
+    whole, layered = (statistics.median(times[name][5:]) for name in ("whole", "layered"))
+    print(f"\na load of 256 blocks x {LAYERS} layers (K, V) as one job and layer by layer, call -> result, "
+          f"alternated (device {LAYERED_DEVICE_US} us a job; path {', '.join(sorted(paths))}): "
+          f"whole {whole * 1e6:7.1f} us, layered {layered * 1e6:7.1f} us (+ {(layered - whole) * 1e6:.1f})")
 
 
 def _us(samples: list[float]) -> str:
@@ -282,6 +325,8 @@ def main() -> int:
         print("\n256-block stores in bursts of 4, each after a poll loop and a 1 ms sleep, three ways alternated"
               " (tests.gpu.profile_submit.floor_rows): median us of the first call (p90) and of jobs 2-4")
         print_floor(rows, split)
+        layered_alone(lib, w, job)
+        job += 2 * LAYERED_ROUNDS
         profile = cProfile.Profile()
         for _ in range(200):
             blocks = np.arange(256, dtype=np.int64)
