@@ -224,13 +224,15 @@ LAYERED_DEVICE_US = 5000
 
 
 def layered_alone(lib: ctypes.CDLL, w: Worker, first_job: int) -> None:
-    """Print a 256-block load's call -> result as one job and layer by layer (``load_by_layer``, no
-    wait on a layer), alternated, each after a 2 ms sleep, with the no-op driver's device time at
-    LAYERED_DEVICE_US (put back to DEVICE_US after): an event of the layered job's end is recorded
-    after its last layer's copies are issued, so what the layered load adds here is the library's
-    host side, its whole issue included (on a GPU the copies run while later layers are issued)."""
+    """Print a 256-block load's call -> result (and the call alone) as one job and layer by layer
+    (``load_by_layer``, no wait on a layer), alternated, each after a 2 ms sleep, with the no-op
+    driver's device time at LAYERED_DEVICE_US (put back to DEVICE_US after): an event of the layered
+    job's end is recorded after its last layer's copies are issued, so what the layered load adds
+    here is the library's host side, its whole issue included (on a GPU the copies run while later
+    layers are issued)."""
     blocks = np.arange(256, dtype=np.int64)
-    times: dict[str, list[float]] = {"whole": [], "layered": []}
+    times: dict[str, list[float]] = {"whole": [], "layered": []}  # call -> result
+    calls: dict[str, list[float]] = {"whole": [], "layered": []}  # the call alone
     paths: set[str] = set()
     job = first_job
     lib.noop_device_ns(ctypes.c_int64(LAYERED_DEVICE_US * 1000))
@@ -243,6 +245,7 @@ def layered_alone(lib: ctypes.CDLL, w: Worker, first_job: int) -> None:
                     w.load(job, blocks, blocks)
                 else:
                     w.load_by_layer(job, blocks, blocks)
+                calls[name].append(time.perf_counter() - t0)
                 (result,) = w.wait([job], 60)
                 times[name].append(time.perf_counter() - t0)
                 if not result.ok:
@@ -252,9 +255,12 @@ def layered_alone(lib: ctypes.CDLL, w: Worker, first_job: int) -> None:
     finally:
         lib.noop_device_ns(ctypes.c_int64(DEVICE_US * 1000))
     whole, layered = (statistics.median(times[name][5:]) for name in ("whole", "layered"))
+    whole_call, layered_call = (statistics.median(calls[name][5:]) for name in ("whole", "layered"))
     print(f"\na load of 256 blocks x {LAYERS} layers (K, V) as one job and layer by layer, call -> result, "
           f"alternated (device {LAYERED_DEVICE_US} us a job; path {', '.join(sorted(paths))}): "
-          f"whole {whole * 1e6:7.1f} us, layered {layered * 1e6:7.1f} us (+ {(layered - whole) * 1e6:.1f})")
+          f"whole {whole * 1e6:7.1f} us, layered {layered * 1e6:7.1f} us (+ {(layered - whole) * 1e6:.1f}); "
+          f"the caller's time in load {whole_call * 1e6:6.1f} us, in load_by_layer {layered_call * 1e6:6.1f} us "
+          "(medians)")
 
 
 def _us(samples: list[float]) -> str:
