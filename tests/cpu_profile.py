@@ -223,13 +223,13 @@ LAYERED_ROUNDS = 40
 LAYERED_DEVICE_US = 5000
 
 
-def layered_alone(lib: ctypes.CDLL, w: Worker, first_job: int) -> None:
+def layered_alone(lib: ctypes.CDLL, w: Worker, first_job: int) -> int:
     """Print a 256-block load's call -> result (and the call alone) as one job and layer by layer
     (``load_by_layer``, no wait on a layer), alternated, each after a 2 ms sleep, with the no-op
     driver's device time at LAYERED_DEVICE_US (put back to DEVICE_US after): an event of the layered
     job's end is recorded after its last layer's copies are issued, so what the layered load adds
     here is the library's host side, its whole issue included (on a GPU the copies run while later
-    layers are issued)."""
+    layers are issued). Returns the next free job id."""
     blocks = np.arange(256, dtype=np.int64)
     times: dict[str, list[float]] = {"whole": [], "layered": []}  # call -> result
     calls: dict[str, list[float]] = {"whole": [], "layered": []}  # the call alone
@@ -261,6 +261,7 @@ def layered_alone(lib: ctypes.CDLL, w: Worker, first_job: int) -> None:
           f"whole {whole * 1e6:7.1f} us, layered {layered * 1e6:7.1f} us (+ {(layered - whole) * 1e6:.1f}); "
           f"the caller's time in load {whole_call * 1e6:6.1f} us, in load_by_layer {layered_call * 1e6:6.1f} us "
           "(medians)")
+    return job
 
 
 def _us(samples: list[float]) -> str:
@@ -331,8 +332,7 @@ def main() -> int:
         print("\n256-block stores in bursts of 4, each after a poll loop and a 1 ms sleep, three ways alternated"
               " (tests.gpu.profile_submit.floor_rows): median us of the first call (p90) and of jobs 2-4")
         print_floor(rows, split)
-        layered_alone(lib, w, job)
-        job += 2 * LAYERED_ROUNDS
+        job = layered_alone(lib, w, job)
         profile = cProfile.Profile()
         for _ in range(200):
             blocks = np.arange(256, dtype=np.int64)

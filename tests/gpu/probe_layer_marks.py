@@ -44,9 +44,10 @@ from kvoffload.native import MEMORYTYPE_DEVICE, MEMORYTYPE_HOST, Memcpy2D
 
 KIB = 1 << 10
 TIMEOUT_S = 60.0
+PARTS = frozenset({"driver", "library"})
 
 #: A layered way's events on its waiting stream: before the call, and after the last layer's wait.
-Marks = tuple[torch.cuda.Event, torch.cuda.Event] | None
+WayEvents = tuple[torch.cuda.Event, torch.cuda.Event] | None
 
 
 def main() -> int:
@@ -58,12 +59,15 @@ def main() -> int:
     parser.add_argument("--parts", default="driver,library",
                         help="the parts to run, comma-separated: driver, library")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= PARTS:
+        unknown, known = ", ".join(sorted(parts - PARTS)), ", ".join(sorted(PARTS))
+        parser.error(f"--parts: {unknown} is not one of {known}")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     print(f"probe_layer_marks on {torch.cuda.get_device_name(device)}: {args.blocks} records of "
           f"{args.layers} layers x (K, V) pages of {args.page_kib} KiB, host -> device; median of "
           f"{args.rounds} rounds, the variants alternated")
-    parts = set(args.parts.split(","))
     if "driver" in parts:
         driver_alone(args, device)
     if "library" in parts:
@@ -208,12 +212,12 @@ def library(args: argparse.Namespace, device: torch.device) -> None:
                 raise RuntimeError("the store failed")
             job = 1
 
-            def whole() -> Marks:
+            def whole() -> WayEvents:
                 w.load(job, src, dst)
                 return None
 
-            def layered(on: torch.cuda.Stream | None, every: bool) -> Callable[[], Marks]:
-                def run() -> Marks:
+            def layered(on: torch.cuda.Stream | None, every: bool) -> Callable[[], WayEvents]:
+                def run() -> WayEvents:
                     target = waiter if on is None else on
                     begin, done = new_event(timing=True), new_event(timing=True)
                     begin.record(target)
@@ -224,7 +228,7 @@ def library(args: argparse.Namespace, device: torch.device) -> None:
                     return begin, done  # read after the result came: no host wait inside the timing
                 return run
 
-            ways: dict[str, Callable[[], Marks]] = {
+            ways: dict[str, Callable[[], WayEvents]] = {
                 "whole (load)": whole,
                 "layered, default stream, every layer waited": layered(None, True),
                 "layered on a stream, the last layer waited": layered(compute, False),
@@ -236,15 +240,15 @@ def library(args: argparse.Namespace, device: torch.device) -> None:
                 for name, call in ways.items():
                     torch.cuda.synchronize(device)
                     t0 = time.perf_counter()
-                    marks = call()
+                    events = call()
                     (r,) = w.wait([job], TIMEOUT_S)
                     host = time.perf_counter() - t0
                     if not r.ok:
                         raise RuntimeError(f"a load failed: {r.error}")
                     to_last = 0.0
-                    if marks is not None:
-                        marks[1].synchronize()
-                        to_last = float(marks[0].elapsed_time(marks[1]))
+                    if events is not None:
+                        events[1].synchronize()
+                        to_last = float(events[0].elapsed_time(events[1]))
                     rows[name].append((host * 1e3, r.seconds * 1e3, to_last))
                     paths[name].add(r.path)
                     job += 1
