@@ -1080,8 +1080,10 @@ class BookedHandler(DirectionHandler):
         call = cached[1]
         marks = backend.layer_marks(len(tables))
         self._marks[job_id] = marks  # before the hand-off: its result may be taken at once
+        key = (job_id if _KEY_MIN <= job_id < _KEY_END and not self._synthetic and not self._keys
+               else self._key(job_id))  # (as submit_handed_off's: before layer 0's issue)
         try:
-            code = call(self._key(job_id), src, dst, stream, marks)
+            code = call(key, src, dst, stream, marks)
         except Exception as exc:  # noqa: BLE001 - it never should: the job's failed result, in order
             marks.settle()
             self._failed_hand_off(job_id, int(src.shape[0]), exc, marks)

@@ -456,8 +456,12 @@ class NativeLayerMarks:
 
     Owns the marks' reference to the job from :meth:`attach` until :meth:`release` (dropped once no
     wait is inside the library: a wait returns as soon as the job is done, which the result that
-    leads to the release implies).
+    leads to the release implies). A lock guards the state; the condition a wait blocks on is made
+    on it by the first wait that must block (one before the hand-off returned): the fast front makes
+    marks for every layered job before its layer 0 is issued, and most are never waited for so.
     """
+
+    __slots__ = ("_backend", "_count", "_job", "_settled", "_released", "_waiters", "_lock", "_cond")
 
     on_device = True
 
@@ -468,7 +472,8 @@ class NativeLayerMarks:
         self._settled = False
         self._released = False
         self._waiters = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None  # on _lock, made by a wait that blocks
 
     @property
     def count(self) -> int:
@@ -478,21 +483,23 @@ class NativeLayerMarks:
     def attach(self, job: int) -> None:
         """The job was handed over: waits go to the library. Marks released meanwhile (the job's
         result was taken before this call: a job done in its hand-off) drop the reference at once."""
-        with self._cond:
+        with self._lock:
             if self._released:
                 job_gone = job
             else:
                 job_gone = 0
                 self._job = job
-                self._cond.notify_all()
+                if self._cond is not None:
+                    self._cond.notify_all()
         if job_gone:
             self._backend.lib.kvo_marks_release(job_gone)
 
     def settle(self) -> None:
         """The hand-off returned: a job never handed over has nothing to wait for."""
-        with self._cond:
+        with self._lock:
             self._settled = True
-            self._cond.notify_all()
+            if self._cond is not None:
+                self._cond.notify_all()
 
     def wait(self, layer: int, stream: object | None, timeout_s: float) -> bool:
         """Make ``stream`` (default: the device's current stream) wait on the device for layer
@@ -506,10 +513,13 @@ class NativeLayerMarks:
         """
         backend = self._backend
         handle = backend.stream_handle(stream)
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._job is not None or self._settled or self._released,
-                                       timeout_s):
-                raise WaitTimeoutError(f"layer {layer} was not handed to the issuer within {timeout_s} s")
+        with self._lock:
+            if self._job is None and not self._settled and not self._released:
+                if self._cond is None:
+                    self._cond = threading.Condition(self._lock)
+                if not self._cond.wait_for(lambda: self._job is not None or self._settled or self._released,
+                                           timeout_s):
+                    raise WaitTimeoutError(f"layer {layer} was not handed to the issuer within {timeout_s} s")
             job = self._job
             if self._released:  # its result was published: everything landed or it says why not
                 return True
@@ -523,7 +533,7 @@ class NativeLayerMarks:
                 with torch.cuda.device(backend.index):
                     code = backend.lib.kvo_wait_layer(job, layer, handle, _ns(timeout_s))
         finally:
-            with self._cond:
+            with self._lock:
                 self._waiters -= 1
                 last = self._last_out()
             if last:
@@ -549,11 +559,12 @@ class NativeLayerMarks:
     def release(self) -> None:
         """The job's result was published: waits return at once; the marks' reference goes once no
         wait is inside the library. Idempotent."""
-        with self._cond:
+        with self._lock:
             if self._released:
                 return
             self._released = True
-            self._cond.notify_all()
+            if self._cond is not None:
+                self._cond.notify_all()
             job = self._job if self._waiters == 0 else None
             if job is not None:
                 self._job = None
@@ -1072,8 +1083,8 @@ class NativeBackend:
 
         with contextlib.suppress(Exception):  # a failed registration is tried again per job
             register()
-        if whole and self._front is not None:
-            return self._whole_hand_off_call(registered, register)
+        if self._front is not None:
+            return self._front_hand_off_call(registered, register, count, layered)
 
         def hand_off(job_id: int, src: I64Array, dst: I64Array, stream: int,
                      marks: LayerMarks | None = None) -> int:
@@ -1086,17 +1097,20 @@ class NativeBackend:
 
         return hand_off
 
-    def _whole_hand_off_call(self, registered: list[int],
-                             register: Callable[[], int | None]) -> BookedHandOff:
-        """:meth:`booked_hand_off_call`'s call for a whole job through the call front: the steps of
-        :meth:`_booked` in one frame, every lookup made here once (the fast front makes this call
-        for every job, and a cold call pays for each function and object it touches: design §16).
-        ``registered``/``register``: the plans' array once registered, and the registration."""
+    def _front_hand_off_call(self, registered: list[int], register: Callable[[], int | None],
+                             count: int, layered: int) -> BookedHandOff:
+        """:meth:`booked_hand_off_call`'s call through the call front: the steps of :meth:`_booked`
+        in one frame, every lookup made here once (the fast front makes this call for every job, a
+        layered one before its layer 0 is issued, and a cold call pays for each function and object
+        it touches: design §16). ``registered``/``register``: the plans' array once registered, and
+        the registration; ``count`` plans, ``layered`` (0 or 1) as the library's hand-off takes."""
         front = self._front
         assert front is not None
-        call, at, tags, paths = front.hand_off_booked, self._front_at, self._tags, _PATHS
-        choose, lock, stores, index = self._choose, self._lock, self._stores, self.index
+        call, at, tags, paths, spec = front.hand_off_booked, self._front_at, self._tags, _PATHS, self._front_spec
+        lock, stores, index = self._lock, self._stores, self.index
         device_now = current_device_reader() if self._on_cuda else None
+        # the path: a whole job's by its size, a layered one's as layered_path_for chooses it
+        choose, layered_choice, min_rows = self._choose, self._layered if layered else None, self._strided_min_rows
 
         def hand_off(job_id: int, src: I64Array, dst: I64Array, stream: int,
                      marks: LayerMarks | None = None) -> int:
@@ -1107,16 +1121,21 @@ class NativeBackend:
                     address = register()
                 except Exception as exc:  # noqa: BLE001 - the job fails with it, through the book
                     return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
-            name = choose(src.shape[0])
             device, host = (src, dst) if stores else (dst, src)
-            args = (at, job_id, tags[name], stream, paths[name], device, host, 1, address, 0, 0)
+            name = choose(src.shape[0]) if layered_choice is None else layered_choice(host, min_rows, device)
+            args = (at, job_id, tags[name], stream, paths[name], device, host, count, address, 0, layered)
             with lock:
                 if self._released or self._book_closed or address is None:
                     return native.RELEASED
                 if device_now is not None and device_now() != index:  # the fence is recorded in
                     with torch.cuda.device(index):                    # the call
-                        return int(call(*args))
-                return int(call(*args))
+                        code = int(call(*args))
+                else:
+                    code = int(call(*args))
+                job = int(spec.marks_job or 0) if layered else 0  # the spec is the next call's
+            if job and marks is not None:
+                marks.attach(job)  # type: ignore[attr-defined]  # (this backend's: layer_marks)
+            return code
 
         return hand_off
 

@@ -28,13 +28,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import (
-    ClosedError, CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, Worker, native,
+    ClosedError, CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, WaitTimeoutError,
+    Worker, native,
 )
-from kvoffload.backends.native import NativeBackend
+from kvoffload.backends.native import NativeBackend, NativeLayerMarks
 from kvoffload.handler import BookedHandler, DirectionHandler
 from kvoffload.records import Direction, TransferResult
 from kvoffload.worker.booking import Bookkeeping, Memory
-from tests.unit._native_fake import COMPUTE, FakeDriver
+from tests.unit._native_fake import COMPUTE, FakeDriver, wait_until
 from tests.unit._threads import run_at_once
 from tests.unit.test_native_issuer import expected, moved
 
@@ -308,6 +309,65 @@ def test_a_layered_hand_off_that_raises_is_the_jobs_failed_result_and_its_layers
         assert not w._book.jobs  # noqa: SLF001
     finally:
         w.shutdown(TIMEOUT_S)
+
+
+def blocked_on(marks: NativeLayerMarks) -> int:
+    """Waits blocked on the marks' condition (0 while none was made)."""
+    cond: Any = marks._cond  # noqa: SLF001
+    return 0 if cond is None else len(cond._waiters)
+
+
+@pytest.mark.parametrize("handed_over", [True, False], ids=["handed over", "hand-off raised"])
+def test_a_layer_waited_for_before_the_hand_off_returned_waits_for_it(
+    handed_over: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The marks' condition is made by the first wait that must block: a wait that comes before the
+    hand-off (another thread holding the marks) blocks until the hand-off attached the job, then
+    enqueues its stream wait on the layer's event; one whose hand-off raised returns False once
+    the handler settled the marks; one that neither comes to ends with ``WaitTimeoutError``."""
+    keep: list[object] = []
+    w = make_worker(keep, layer_dim=1)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    backend = w._load._backend  # noqa: SLF001
+    assert isinstance(backend, NativeBackend)
+    made: list[NativeLayerMarks] = []
+    waited: list[object] = []
+
+    def wait_early(count: int) -> NativeLayerMarks:
+        marks = NativeLayerMarks(backend, count)
+        made.append(marks)
+        with pytest.raises(WaitTimeoutError):  # nothing attached or settled it yet
+            marks.wait(0, COMPUTE, 0.01)
+        waiter = threading.Thread(target=lambda: waited.append(marks.wait(1, COMPUTE + 5, TIMEOUT_S)))
+        waiter.start()
+        keep.append(waiter)
+        assert wait_until(lambda: blocked_on(marks) == 1)  # the condition the waiter made
+        return marks
+
+    def refuse(*_args: object) -> Any:
+        raise RuntimeError("boom")
+
+    try:
+        monkeypatch.setattr(backend, "layer_marks", wait_early)
+        if not handed_over:
+            monkeypatch.setattr(backend, "booked_hand_off_call", lambda _plans, whole: refuse)
+        fake.not_ready = 1 << 40  # in flight until the wait is enqueued
+        w.load_by_layer(1, _i(3, 4), _i(5, 6), stream=COMPUTE + 3)
+        waiter = keep[-1]
+        assert isinstance(waiter, threading.Thread)
+        waiter.join(TIMEOUT_S)
+        assert waited == [handed_over]
+        waits = [c for c in fake.snapshot() if c[0] == "cuStreamWaitEvent" and c[1] == COMPUTE + 5]
+        assert len(waits) == int(handed_over)
+        fake.not_ready = 0
+        (result,) = w.wait([1], TIMEOUT_S)
+        assert result.ok is handed_over
+        assert len(made) == 1 and not w._book.jobs  # noqa: SLF001
+    finally:
+        fake.not_ready = 0
+        w.shutdown(TIMEOUT_S)
+    assert fake.events_destroyed == fake.events_created
 
 
 @pytest.mark.parametrize("call", ["store", "load_by_layer"])
