@@ -332,6 +332,7 @@ def test_a_layer_waited_for_before_the_hand_off_returned_waits_for_it(
     backend = w._load._backend  # noqa: SLF001
     assert isinstance(backend, NativeBackend)
     made: list[NativeLayerMarks] = []
+    waiters: list[threading.Thread] = []
     waited: list[object] = []
 
     def wait_early(count: int) -> NativeLayerMarks:
@@ -341,7 +342,7 @@ def test_a_layer_waited_for_before_the_hand_off_returned_waits_for_it(
             marks.wait(0, COMPUTE, 0.01)
         waiter = threading.Thread(target=lambda: waited.append(marks.wait(1, COMPUTE + 5, TIMEOUT_S)))
         waiter.start()
-        keep.append(waiter)
+        waiters.append(waiter)
         assert wait_until(lambda: blocked_on(marks) == 1)  # the condition the waiter made
         return marks
 
@@ -354,8 +355,7 @@ def test_a_layer_waited_for_before_the_hand_off_returned_waits_for_it(
             monkeypatch.setattr(backend, "booked_hand_off_call", lambda _plans, whole: refuse)
         fake.not_ready = 1 << 40  # in flight until the wait is enqueued
         w.load_by_layer(1, _i(3, 4), _i(5, 6), stream=COMPUTE + 3)
-        waiter = keep[-1]
-        assert isinstance(waiter, threading.Thread)
+        (waiter,) = waiters
         waiter.join(TIMEOUT_S)
         assert waited == [handed_over]
         waits = [c for c in fake.snapshot() if c[0] == "cuStreamWaitEvent" and c[1] == COMPUTE + 5]
