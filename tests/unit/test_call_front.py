@@ -322,9 +322,12 @@ def test_a_layer_waited_for_before_the_hand_off_returned_waits_for_it(
     handed_over: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The marks' condition is made by the first wait that must block: a wait that comes before the
-    hand-off (another thread holding the marks) blocks until the hand-off attached the job, then
-    enqueues its stream wait on the layer's event; one whose hand-off raised returns False once
-    the handler settled the marks; one that neither comes to ends with ``WaitTimeoutError``."""
+    hand-off (another thread holding the marks) blocks until the hand-off attached the job (its
+    ``attach`` wakes it: the handler's ``settle`` is held back here), then enqueues its stream wait
+    on the layer's event; one whose hand-off raised returns False once the handler's ``settle``
+    woke it; one that nothing wakes ends with ``WaitTimeoutError``. The waiter's own timeout is far
+    longer than the test's join, so only a wake-up ends it in time (a predicate checked at the
+    timeout would say the same, later)."""
     keep: list[object] = []
     w = make_worker(keep, layer_dim=1)
     fake = keep[0]
@@ -340,7 +343,8 @@ def test_a_layer_waited_for_before_the_hand_off_returned_waits_for_it(
         made.append(marks)
         with pytest.raises(WaitTimeoutError):  # nothing attached or settled it yet
             marks.wait(0, COMPUTE, 0.01)
-        waiter = threading.Thread(target=lambda: waited.append(marks.wait(1, COMPUTE + 5, TIMEOUT_S)))
+        waiter = threading.Thread(target=lambda: waited.append(marks.wait(1, COMPUTE + 5, 20 * TIMEOUT_S)),
+                                  daemon=True)  # (a shutdown's release ends it, should the test fail)
         waiter.start()
         waiters.append(waiter)
         assert wait_until(lambda: blocked_on(marks) == 1)  # the condition the waiter made
@@ -351,15 +355,20 @@ def test_a_layer_waited_for_before_the_hand_off_returned_waits_for_it(
 
     try:
         monkeypatch.setattr(backend, "layer_marks", wait_early)
-        if not handed_over:
+        if handed_over:
+            settle = NativeLayerMarks.settle
+            monkeypatch.setattr(NativeLayerMarks, "settle", lambda self: None)  # attach alone wakes it
+        else:
             monkeypatch.setattr(backend, "booked_hand_off_call", lambda _plans, whole: refuse)
         fake.not_ready = 1 << 40  # in flight until the wait is enqueued
         w.load_by_layer(1, _i(3, 4), _i(5, 6), stream=COMPUTE + 3)
         (waiter,) = waiters
         waiter.join(TIMEOUT_S)
-        assert waited == [handed_over]
+        assert not waiter.is_alive() and waited == [handed_over]
         waits = [c for c in fake.snapshot() if c[0] == "cuStreamWaitEvent" and c[1] == COMPUTE + 5]
         assert len(waits) == int(handed_over)
+        if handed_over:
+            settle(made[0])
         fake.not_ready = 0
         (result,) = w.wait([1], TIMEOUT_S)
         assert result.ok is handed_over
