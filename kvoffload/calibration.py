@@ -102,12 +102,6 @@ NARROW_LAYER_BYTES: Final = 64 << 10
 #: ... unless at most this share of its rows lies in runs of records too short for the issuer's
 #: strided copies (the native issuer's ``STRIDED_MIN_ROWS``; the Python issuer has none).
 NARROW_ROWS_SHARE: Final = 0.5
-#: ``auto`` moves a layered load as direct strided copies (:class:`LayeredChoice`, ``direct``) only
-#: where every layer's page is at least this wide: a strided copy's rows move at the copy engine's
-#: pace for their width, about the link's at 32 KiB (a 16-layer load of 256 blocks in order, K and V
-#: pages of 32 KiB: 5.11 ms against ``staged``'s 4.98) and 0.65x at 4 KiB (1.05 ms against 0.68;
-#: one H100 host, ``bench --layerwise``, docs/design.md §16).
-DIRECT_MIN_PAGE_BYTES = 32 << 10
 
 
 class LayeredChoice:
@@ -136,24 +130,16 @@ class LayeredChoice:
     once), so every part of a job (the Python issuer issues layer 0 apart from the others) takes
     the same path.
 
-    Before that rule, with ``direct`` (``dma`` among the worker's paths) and pages of at least
-    :data:`DIRECT_MIN_PAGE_BYTES` in every layer (narrower rows move slower as strided copies than
-    through ``staged``'s wider slot rows), a load whose size bucket takes a copy-engine path
-    (``dma`` or ``staged``; never over ``sm``, as the expedited lane's small loads take) and whose
-    pairs mostly run (host records and device blocks both following each other, in the job's
-    order, in runs of at least ``strided_min_rows``) takes ``dma``: the native issuer moves each
-    run's page groups as one strided copy straight into the blocks, with no staging slot, no
-    scatter kernel and no SM beside the engine's compute (docs/design.md §16, *Direct strided
-    copies*). Owns nothing but that answer.
+    A load whose pairs run on both sides is not turned over to ``dma``'s direct strided copies
+    where the size bucket takes ``staged``: beside or after an SM kernel (the engine's compute)
+    they moved the load slower than ``staged`` and made layer 0 later (docs/design.md §16, *Direct
+    copies under auto, turned over*). Where the bucket takes ``dma``, its plans make them anyway.
+    Owns nothing but that answer.
     """
 
     def __init__(self, size_choice: Callable[[int], str], layer_tables: Sequence[PageTable],
-                 measured: Mapping[str, Sequence[float]] | None = None, *, direct: bool = False) -> None:
+                 measured: Mapping[str, Sequence[float]] | None = None) -> None:
         self._size_choice = size_choice
-        #: ``dma`` is among the worker's paths and every layer's pages are at least
-        #: DIRECT_MIN_PAGE_BYTES: loads whose pairs run go through its direct copies
-        self.direct = direct and len(layer_tables) > 0 and all(
-            int(table.nbytes.min()) >= DIRECT_MIN_PAGE_BYTES for table in layer_tables if table.nbytes.shape[0])
         #: the layers' copies average under NARROW_LAYER_BYTES (False: no layers)
         self.narrow = narrow_layers(layer_tables)
         sm = measured.get("sm", ()) if measured is not None else ()
@@ -169,18 +155,12 @@ class LayeredChoice:
             self.keeps = frozenset(path for path, g in measured.items()
                                    if path != "sm" and len(g) > 0 and float(g[0]) >= float(sm[0]))
 
-    def path(self, host_blocks: npt.NDArray[np.int64], strided_min_rows: int,
-             device_blocks: npt.NDArray[np.int64] | None = None) -> str:
+    def path(self, host_blocks: npt.NDArray[np.int64], strided_min_rows: int) -> str:
         """The path of a layered load (of this choice's layout, any part of it) from host records
-        ``host_blocks`` into ``device_blocks`` (None: not known, no direct copies counted), through
-        an issuer whose staged rows, and dma pairs, in runs of at least ``strided_min_rows`` go as
-        strided copies (0: none)."""
+        ``host_blocks``, through an issuer whose staged rows in runs of at least
+        ``strided_min_rows`` records go as strided copies (0: none)."""
         pairs = int(host_blocks.shape[0])
         name = self._size_choice(pairs)
-        if (self.direct and name in ("dma", "staged") and device_blocks is not None and strided_min_rows > 0
-                and _pairs_in_short_runs(host_blocks, device_blocks, strided_min_rows)
-                <= NARROW_ROWS_SHARE * pairs):
-            return "dma"
         if not self.narrow or name not in ("dma", "staged") or (self.keeps is not None and name in self.keeps):
             return name
         if name == "staged" and strided_min_rows > 0:
@@ -204,16 +184,6 @@ def _rows_in_short_runs(host_blocks: npt.NDArray[np.int64], min_rows: int) -> in
     host)."""
     ordered = np.sort(host_blocks)
     return _in_short_runs(ordered[1:] != ordered[:-1] + 1, int(host_blocks.shape[0]), min_rows)
-
-
-def _pairs_in_short_runs(host_blocks: npt.NDArray[np.int64], device_blocks: npt.NDArray[np.int64],
-                         min_rows: int) -> int:
-    """How many pairs lie in runs of fewer than ``min_rows`` pairs whose host records and device
-    blocks both follow each other, in the job's order (as the native issuer's dma plan takes them).
-    Pinned areas' ends (every :data:`~kvoffload.bindings.pinning.PIN_CHUNK_BYTES` of records) end
-    a run there, which this count does not see: at most one short run an area."""
-    breaks = (host_blocks[1:] != host_blocks[:-1] + 1) | (device_blocks[1:] != device_blocks[:-1] + 1)
-    return _in_short_runs(breaks, int(host_blocks.shape[0]), min_rows)
 
 
 def _in_short_runs(breaks: npt.NDArray[np.bool_], n: int, min_rows: int) -> int:

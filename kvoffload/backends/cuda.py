@@ -59,17 +59,9 @@ __all__ = [
 I64Array = npt.NDArray[np.int64]
 
 
-class LayeredChooser(Protocol):
-    """A layered load's path; ``auto``'s is :meth:`kvoffload.calibration.LayeredChoice.path`."""
-
-    def __call__(self, host_blocks: I64Array, strided_min_rows: int,
-                 device_blocks: I64Array | None = None) -> str:
-        """The path of a load from ``host_blocks`` into ``device_blocks`` (None: not known)
-        through an issuer that moves runs of at least ``strided_min_rows`` records (and, on dma,
-        of pairs) as one strided copy (0: none)."""
-        ...
-
-
+#: A layered load's path from its host records and how many records in a run its issuer moves as
+#: one strided copy (0: none); ``auto``'s is :meth:`kvoffload.calibration.LayeredChoice.path`.
+LayeredChooser = Callable[[I64Array, int], str]
 #: What a transfer path's issue returns.
 PathTicket = Union["CudaTicket", FailedTicket]
 #: Waiting first polls without sleeping (yielding the GIL) for this long, then sleeps with a doubling
@@ -627,11 +619,10 @@ class CudaBackend:
         would go another way than the whole job)."""
         return self._choose(pairs)
 
-    def layered_path_for(self, host_blocks: I64Array, device_blocks: I64Array | None = None) -> str:
-        """The path a layered load from ``host_blocks`` (into ``device_blocks``) takes: ``auto``'s
+    def layered_path_for(self, host_blocks: I64Array) -> str:
+        """The path a layered load from ``host_blocks`` takes: ``auto``'s
         :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (this Python
-        issuer's staged rows and dma pairs go as descriptors, never strided copies), else as a
-        whole job's."""
+        issuer's staged rows go as descriptors, never strided copies), else as a whole job's."""
         if self._layered is not None:
             return self._layered(host_blocks, 0)
         return self._choose(int(host_blocks.shape[0]))

@@ -885,14 +885,14 @@ class NativeBackend:
         """None on the caller's thread: the native thread plans and issues."""
         return 0
 
-    def layered_path_for(self, host_blocks: I64Array, device_blocks: I64Array | None = None) -> str:
-        """The path a layered load from ``host_blocks`` into ``device_blocks`` takes: ``auto``'s
+    def layered_path_for(self, host_blocks: I64Array) -> str:
+        """The path a layered load from ``host_blocks`` takes: ``auto``'s
         :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (staged rows in
-        runs of at least ``STRIDED_MIN_ROWS`` records, and dma pairs in runs as long on both sides,
-        count as strided copies: shorter runs of narrow layers go strided too, but slower than
-        ``sm`` on the host the rule was drawn from, docs/design.md §12), else as a whole job's."""
+        runs of at least ``STRIDED_MIN_ROWS`` records count as strided copies: shorter runs of
+        narrow layers go strided too, but slower than ``sm`` on the host the rule was drawn from,
+        docs/design.md §12), else as a whole job's."""
         if self._layered is not None:
-            return self._layered(host_blocks, self._strided_min_rows, device_blocks)
+            return self._layered(host_blocks, self._strided_min_rows)
         return self._choose(int(host_blocks.shape[0]))
 
     def layer_marks(self, count: int) -> LayerMarks:
@@ -939,7 +939,7 @@ class NativeBackend:
         n = int(src.shape[0])
         device, host = (src, dst) if self._stores else (dst, src)
         whole = marks is None
-        name = self._choose(n) if whole else self.layered_path_for(host, device)
+        name = self._choose(n) if whole else self.layered_path_for(host)
         with self._lock:
             if self._released:
                 return FailedTicket(TransferError(_RELEASED))
@@ -1122,7 +1122,7 @@ class NativeBackend:
                 except Exception as exc:  # noqa: BLE001 - the job fails with it, through the book
                     return 0 if self.book_fail(job_id, int(src.shape[0]), exc) else native.RELEASED
             device, host = (src, dst) if stores else (dst, src)
-            name = choose(src.shape[0]) if layered_choice is None else layered_choice(host, min_rows, device)
+            name = choose(src.shape[0]) if layered_choice is None else layered_choice(host, min_rows)
             args = (at, job_id, tags[name], stream, paths[name], device, host, count, address, 0, layered)
             with lock:
                 if self._released or self._book_closed or address is None:
@@ -1164,7 +1164,7 @@ class NativeBackend:
         through the call front where it is built and the fence is recorded in the call."""
         n = int(src.shape[0])
         device, host = (src, dst) if self._stores else (dst, src)
-        name = self.layered_path_for(host, device) if layered else self._choose(n)
+        name = self.layered_path_for(host) if layered else self._choose(n)
         front = self._front
 
         def hand_off() -> tuple[int, int]:

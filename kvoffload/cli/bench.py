@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from kvoffload import DeviceLayout, IssuerName, Worker
-from kvoffload.cli._args import check_device_memory, check_memory, int_in, int_list, names, writable_file
+from kvoffload.cli._args import (check_device_memory, check_memory, finite_float, int_in, int_list, names,
+                                writable_file)
 from kvoffload.cli._torch import new_event, new_stream
 
 __all__ = ["BenchRow", "main"]
@@ -374,6 +375,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layerwise", action="store_true",
                         help="instead: a synthetic L-layer prefill, load then compute vs load_by_layer")
     parser.add_argument("--layers", type=int_in(1), default=None, help="layers of the --layerwise prefill (16)")
+    parser.add_argument("--compute", type=finite_float(0.0, 16.0, low_open=True), default=None,
+                        help="--layerwise: a layer's compute as a multiple of a layer's load (1: about "
+                             "as long; 2: the load hides behind the compute)")
     parser.add_argument("--issuers", type=names(get_args(IssuerName)), default=None,
                         help="--latency and --layerwise: comma-separated issuers, each path measured "
                              "with each (native, python, auto; default native,python)")
@@ -391,7 +395,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         ("--paths", args.paths), ("--pages", args.pages), ("--total-mib", args.total_mib),
         ("--gemm", args.gemm or None), ("--kernel-ctas", args.kernel_ctas), ("--json", args.json),
         ("--latency", args.latency or None), ("--layerwise", args.layerwise or None),
-        ("--layers", args.layers), ("--issuers", args.issuers),
+        ("--layers", args.layers), ("--compute", args.compute), ("--issuers", args.issuers),
     ) if value is not None}
     if args.disk is not None:
         mode, takes = "--disk", {"--total-mib", "--json"}
@@ -401,7 +405,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         mode = "--latency/--layerwise"
         takes = {"--paths", "--issuers", "--latency", "--layerwise"}
         takes |= {"--pages"} if args.latency else set()
-        takes |= {"--layers"} if args.layerwise else set()
+        takes |= {"--layers", "--compute"} if args.layerwise else set()
         if args.paths is not None and not set(args.paths) - {"loop"}:
             parser.error("argument --paths: --latency/--layerwise measure the worker's paths, not loop")
     else:
@@ -452,7 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             wanted = tuple(p * KIB for p in args.pages) if args.pages else None
             status |= latency_bench.latency_main(device, chosen, wanted, args.quick, progress, issuers)
         if args.layerwise:
-            status |= latency_bench.layerwise_main(device, chosen, args.layers or 0, progress, issuers)
+            status |= latency_bench.layerwise_main(device, chosen, args.layers or 0, progress, issuers,
+                                                           args.compute or 1.0)
         return status
     pages = (tuple(p * KIB for p in args.pages) if args.pages
              else QUICK_PAGE_SIZES if args.quick else PAGE_SIZES)

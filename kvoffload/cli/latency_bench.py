@@ -22,8 +22,9 @@ what the link alone costs, measured side by side in one run.
   the later ones — median, p90, p99 and max over every call, and how many calls took over 100 us.
 
 ``--layerwise``: a synthetic L-layer prefill whose layer ``i`` reads layer ``i``'s loaded blocks, its
-compute per layer about the load's per layer (a CUDA graph a layer, its products chosen by timing
-them, so that the compute runs at the device's pace and not at the host's), for each case of
+compute per layer about the load's per layer (``--compute R``: R times it; a CUDA graph a layer, its
+products chosen by timing them, so that the compute runs at the device's pace and not at the
+host's), for each case of
 :data:`PREFILL_CASES` (32 KiB pages from host records in order into device blocks in order and
 shuffled; 4 KiB pages in order and from every other record): *load then compute* (``load``, wait
 for the result, then every layer's compute) against ``load_by_layer`` (layer ``i``'s compute after ``wait_layer(i)``), with the ideal
@@ -79,11 +80,11 @@ PREFILL_LAYERS: Final = 16
 PREFILL_BLOCKS: Final = 256
 PREFILL_PAGE: Final = 32 * KIB
 #: The layer-wise prefill's cases, (page size of each of K and V, host records, device blocks): 32
-#: KiB pages from records in order into blocks in order (the issue's figure: the native issuer's
-#: ``auto`` takes ``dma``, whose runs of pairs move as direct strided copies, docs/design.md §16)
-#: and into blocks shuffled (an engine's pool hands out blocks freed in any order: no direct copy,
-#: ``auto`` keeps the size's path), and 4 KiB pages (8 KiB of a record a layer) in order and from
-#: every other record (where ``auto`` takes ``sm`` for the layered load, docs/design.md §12).
+#: KiB pages from records in order into blocks in order (the issue's figure; explicit ``dma`` moves
+#: its runs of pairs as direct strided copies, docs/design.md §16) and into blocks shuffled (an
+#: engine's pool hands out blocks freed in any order: no direct copy), and 4 KiB pages (8 KiB of a
+#: record a layer) in order and from every other record (where ``auto`` takes ``sm`` for the
+#: layered load, docs/design.md §12).
 PREFILL_CASES: Final = ((PREFILL_PAGE, "in order", "in order"), (PREFILL_PAGE, "in order", "shuffled"),
                         (4 * KIB, "in order", "in order"), (4 * KIB, "gapped", "in order"))
 PREFILL_ROUNDS: Final = 7
@@ -503,18 +504,20 @@ class Prefill:
 
 
 def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out: TextIO,
-                   issuers: Sequence[str] = ("auto",)) -> int:
+                   issuers: Sequence[str] = ("auto",), compute: float = 1.0) -> int:
     """``bench --layerwise``: print the figures (see the module docstring) for every case of
-    :data:`PREFILL_CASES`; returns the exit status (1 when a loaded byte differed)."""
+    :data:`PREFILL_CASES`, a layer's compute ``compute`` times a layer's load; returns the exit
+    status (1 when a loaded byte differed)."""
     layers = layers or PREFILL_LAYERS
     lines: list[str] = []
     bad = 0
     for page, records, blocks in PREFILL_CASES:
-        got, wrong = _prefill_case(device, paths, issuers, layers, page, records, blocks, out)
+        got, wrong = _prefill_case(device, paths, issuers, layers, page, records, blocks, out, compute)
         lines += got
         bad += wrong
     print(f"kvoffload bench --layerwise on {torch.cuda.get_device_name(device)}: {layers} layers, "
-          f"{PREFILL_BLOCKS} blocks of {layers} x 2 pages (K and V) per load")
+          f"{PREFILL_BLOCKS} blocks of {layers} x 2 pages (K and V) per load, a layer's compute "
+          f"{compute:g}x a layer's load")
     for line in lines:
         print(line)
     print(f"mismatched blocks: {bad}")
@@ -522,11 +525,11 @@ def layerwise_main(device: torch.device, paths: Sequence[str], layers: int, out:
 
 
 def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[str], layers: int,
-                  page: int, records: str, order: str, out: TextIO) -> tuple[list[str], int]:
+                  page: int, records: str, order: str, out: TextIO, ratio: float = 1.0) -> tuple[list[str], int]:
     """The layer-wise prefill's rows at pages of ``page`` bytes loaded from host records
     ``records`` (:func:`host_records`) into device blocks in ``order`` ("in order" or "shuffled"),
-    one per path and issuer, and its mismatched blocks (the last layered load of each lands in
-    zeroed blocks)."""
+    a layer's compute ``ratio`` times a layer's load, one per path and issuer, and its mismatched
+    blocks (the last layered load of each lands in zeroed blocks)."""
     blocks = PREFILL_BLOCKS
     layout, tensors = _per_layer(device, layers, page, 2 * blocks)
     src = np.arange(blocks, dtype=np.int64)
@@ -551,7 +554,7 @@ def _prefill_case(device: torch.device, paths: Sequence[str], issuers: Sequence[
                 job += 1
                 loads.append(total)
             load_s = statistics.median(loads)
-            prefill.calibrate(load_s / layers)  # the compute: about one layer's load a layer
+            prefill.calibrate(ratio * load_s / layers)  # the compute: ratio x one layer's load a layer
             compute_s = prefill.seconds()
             serial, overlapped, first, full, call, waits = [], [], [], [], [], []
             alone: list[float] = []  # the layered load alone, call -> result

@@ -655,9 +655,8 @@ def _cuda_backend(
     if small > 0 and names != ("sm",):  # the expedited lane: its small loads through sm
         choose = _small_through_sm(small, choose or functools.partial(_only, names[0]))
         names = (*names, "sm") if "sm" not in names else names  # results name each job's path
-    # auto's layered loads: dma where their pairs run on both sides (direct strided copies), sm
-    # where the size's path would move narrow spans as descriptors slower
-    layered = (calibration.LayeredChoice(choose, layout.layer_tables, measured, direct="dma" in names).path
+    # auto's layered loads: sm where the size's path would move narrow spans as descriptors slower
+    layered = (calibration.LayeredChoice(choose, layout.layer_tables, measured).path
                if shown == "auto" and choose is not None and "sm" in names and direction is Direction.LOAD
                and layout.layer_tables else None)
     return CudaBackend.create(direction, device, _path_factory(direction, cuda, options, names),

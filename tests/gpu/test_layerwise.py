@@ -299,9 +299,7 @@ def test_auto_moves_a_layered_load_of_narrow_spans_from_records_apart_through_sm
     its own on ``dma`` and ``staged``: the load takes ``sm`` where ``sm`` moved the timed load
     faster than the size bucket's path. From records in order the native issuer moves a staged
     layer as one strided copy: the size bucket's path stays; the Python issuer has no strided
-    copies. Pages of 4 KiB are narrower than ``auto``'s direct strided copies take
-    (``DIRECT_MIN_PAGE_BYTES``, docs/design.md §16): the choice is as before. Every load lands
-    bit-exact."""
+    copies. Every load lands bit-exact."""
     blocks = 256
     tensors = {f"layer{i}": torch.randint(0, 256, (2, 2 * blocks, 4096), dtype=torch.uint8, device=device)
                for i in range(LAYERS)}

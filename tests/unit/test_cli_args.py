@@ -105,6 +105,8 @@ BENCH_CASES = [
     (["--paths", "auto,bogus"], "--paths"), (["--paths", ""], "--paths"), (["--total-mib", "-1"], "--total-mib"),
     (["--kernel-ctas", "0"], "--kernel-ctas"), (["--issuers", "bogus", "--latency"], "--issuers"),
     (["--layers", "-3", "--layerwise"], "--layers"), (["--layers", "3"], "--layers"),
+    (["--compute", "0", "--layerwise"], "--compute"), (["--compute", "nan", "--layerwise"], "--compute"),
+    (["--compute", "2"], "--compute"), (["--compute", "2", "--latency"], "--compute"),
     (["--latency", "--gemm"], "--gemm"), (["--latency", "--paths", "loop"], "--paths"),
     (["--json", "/nonexistent/x.json"], "--json"), (["--disk", "/nonexistent"], "--disk"),
     (["--disk", ".", "--total-mib", "-5"], "--total-mib"), (["--disk", ".", "--latency"], "--latency"),

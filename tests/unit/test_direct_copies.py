@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 
 from kvoffload import Direction
 from kvoffload._descriptors import CopyPlan
-from kvoffload import calibration
-from kvoffload.calibration import LayeredChoice, _pairs_in_short_runs
-from tests.unit._native_fake import COPY, TEST_STRIDED_MIN_ROWS, FakeDriver
+from kvoffload.calibration import LayeredChoice
+from tests.unit._native_fake import COPY, FakeDriver
 from tests.unit.test_native_issuer import (
     NUM_BLOCKS,
     THREAD_ISSUES,
@@ -230,47 +229,28 @@ def test_any_job_moves_exactly_its_bytes_and_writes_nothing_else(
         h.close()
 
 
-@pytest.mark.parametrize(("size_path", "direct", "order", "path"), [
-    ("staged", True, "in order", "dma"),
-    ("dma", True, "in order", "dma"),
-    ("staged", True, "shuffled", "staged"),  # no run on the device side
-    ("staged", False, "in order", "staged"),  # no dma among the worker's paths
-    ("sm", True, "in order", "sm"),  # the size's path holds no copy engine (the expedited lane's)
-])
-def test_auto_takes_dma_for_a_layered_load_whose_pairs_run_on_both_sides(
-    size_path: str, direct: bool, order: str, path: str, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``LayeredChoice`` with ``direct``: a load whose size bucket takes a copy-engine path and
-    whose pairs mostly run takes dma (direct copies); its blocks shuffled, without ``direct``, or
-    where the size's path is ``sm``, the path as before (staged from records in order: strided
-    copies into the slots)."""
+@pytest.mark.parametrize("order", ["in order", "shuffled"])
+def test_auto_keeps_staged_for_a_layered_load_whose_pairs_run_on_both_sides(order: str) -> None:
+    """``auto``'s layered load whose size bucket takes ``staged`` stays ``staged`` where its pairs
+    run on both sides too, with no direct copy: beside or after an engine's compute they moved the
+    load slower than ``staged`` (docs/design.md §16, *Direct copies under auto, turned over*). Its
+    records follow each other, so ``staged`` moves each layer as strided copies into its slots.
+    Every byte lands."""
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
-    monkeypatch.setattr(calibration, "DIRECT_MIN_PAGE_BYTES", 128)  # the test's pages are narrow
     host = list(range(0, 8))
     blocks = list(range(40, 48)) if order == "in order" else [41, 40, 43, 42, 45, 44, 47, 46]
-    rule = LayeredChoice(lambda _n: size_path, layer_tables(plan), direct=direct).path
+    rule = LayeredChoice(lambda _n: "staged", layer_tables(plan)).path
     h = Harness(Direction.LOAD, "staged", plan, layered=rule)
     try:
         submit_layered(h, 0, host, blocks)
         (result,) = h.handler.wait([0], TIMEOUT_S)
         assert result.ok, result.error
-        assert result.path == path
+        assert result.path == "staged"
         assert moved(h.fake, expected(plan, blocks, host)) == 0
-        assert (h.backend.direct_copies() > 0) == (path == "dma")
+        assert h.backend.direct_copies() == 0
+        assert strided(h.fake), "staged moved no layer as strided copies into its slots"
     finally:
         h.close()
-
-
-@pytest.mark.parametrize(("host", "device", "short"), [
-    (list(range(8)), list(range(8)), 0),
-    (list(range(8)), [0, 1, 2, 3, 9, 8, 7, 6], 4),  # the blocks stop following after 4
-    (list(range(3)) + [10, 11, 12, 13, 14], list(range(8)), 3),  # the records jump after 3
-    ([5, 4, 3, 2, 1, 0, 6, 7], list(range(8)), 8),  # records descending: no run of 4
-])
-def test_pairs_in_short_runs_count_breaks_on_either_side(host: list[int], device: list[int], short: int) -> None:
-    got = _pairs_in_short_runs(np.array(host, dtype=np.int64), np.array(device, dtype=np.int64),
-                               TEST_STRIDED_MIN_ROWS)
-    assert got == short
 
 
 @pytest.mark.parametrize(("piece", "cheap"), [(0, True), (64, False)])
@@ -285,17 +265,3 @@ def test_a_callers_dma_first_layer_counts_each_pages_pieces(piece: int, cheap: b
         assert all(size <= piece for size in h.fake.copy_sizes) or not piece
     finally:
         h.close()
-
-
-@pytest.mark.parametrize(("least", "direct"), [(128, True), (129, False)])
-def test_auto_takes_direct_copies_only_where_every_layers_pages_are_wide_enough(
-    least: int, direct: bool, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Strided copies of narrow rows move slower than staged's wider slot rows: with a page of 128
-    B in one layer, a threshold of 129 B keeps the size's path (control: 128 B takes dma)."""
-    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
-    monkeypatch.setattr(calibration, "DIRECT_MIN_PAGE_BYTES", least)
-    choice = LayeredChoice(lambda _n: "staged", layer_tables(plan), direct=True)
-    assert choice.direct == direct
-    ids = np.arange(8, dtype=np.int64)
-    assert choice.path(ids, TEST_STRIDED_MIN_ROWS, ids + 40) == ("dma" if direct else "staged")
