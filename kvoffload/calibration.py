@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -61,7 +62,7 @@ from kvoffload.records import Direction, TransferResult
 
 __all__ = [
     "BOTH_WAYS", "CANDIDATES", "LAYERED", "AutoChoice", "HandlerFactory", "LayeredChoice", "PoolFactory", "calibrate",
-    "geometry_key", "sm_competes",
+    "geometry_key", "scattered", "sm_competes",
 ]
 
 _log = logging.getLogger("kvoffload.calibration")
@@ -76,8 +77,9 @@ REPEATS: Final = 3
 SMALL_REPEATS: Final = 15
 WAIT_S: Final = 60.0
 #: 3: bulk buckets chosen on both-ways figures too; 4: the copy kernel's units cut to 4 KiB, which
-#: made small `staged` jobs faster (a file of an earlier version is measured again).
-_FILE_VERSION: Final = 4
+#: made small `staged` jobs faster; 5: the device blocks of a timed job out of order (:func:`scattered`)
+#: (a file of an earlier version is measured again).
+_FILE_VERSION: Final = 5
 #: The key of :attr:`AutoChoice.gbps` holding the both-ways figures.
 BOTH_WAYS: Final = "both"
 #: The key of :attr:`AutoChoice.gbps` holding a layered load's figures from records apart, one per
@@ -591,13 +593,29 @@ def _repeats(size: int) -> int:
     return REPEATS if size > SIZE_BUCKETS_BLOCKS[-1] else SMALL_REPEATS
 
 
+def scattered(n: int) -> npt.NDArray[np.int64]:
+    """``0..n-1`` in an order where no id is followed by the next one (a stride coprime to ``n``):
+    the device blocks of a timed job. An engine's pool hands out blocks freed in any order, so its
+    jobs' blocks rarely follow each other, and ``dma`` moves pairs that follow each other on both
+    sides as direct strided copies, which run slower after any GEMM than on an idle device
+    (docs/design.md §16, *What slows a strided copy*): timed on blocks in order, ``dma`` would be
+    timed on copies an engine's jobs seldom get, in a state they seldom run in."""
+    ids = np.arange(n, dtype=np.int64)
+    if n < 3:
+        return np.arange(n - 1, -1, -1, dtype=np.int64)
+    stride = next(s for s in range(max(2, math.isqrt(n)), n) if math.gcd(s, n) == 1)
+    return ids * stride % n
+
+
 def _time_lanes(
     device: torch.device, lanes: dict[str, Lane], sizes: Sequence[int], blocks: int,
     scratch: torch.Tensor, region: ScratchPool, timed: Callable[[str, int, int], bool],
 ) -> dict[str, tuple[float, ...]]:
     """GB/s of each path at each job size where ``timed(path, index, job_bytes)``, 0.0 elsewhere:
-    the bytes of its lane's jobs (each of the size, submitted together from ids ``0..size`` to
-    ``blocks..blocks+size``) over the time from the first submit to the last result, the paths
+    the bytes of its lane's jobs (each of the size, submitted together: a store from device blocks
+    ``scattered(size)`` to records ``blocks..blocks+size`` in order, a load from records
+    ``0..size`` in order to device blocks ``blocks + scattered(size)``) over the time from the
+    first submit to the last result, the paths
     timed in :func:`turns`. Lanes of a store and a load never meet: the store reads device blocks
     the load does not write and writes records the load does not read. A path that fails a job, or
     whose verified jobs — into destinations cleared just before — leave a byte wrong, is left out.
@@ -608,12 +626,17 @@ def _time_lanes(
     block_bytes = next(iter(lanes.values()))[0][1].pages.block_bytes if lanes else 0
     job = 0
 
+    def pairs(plan: CopyPlan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A job's (source, destination) ids: host records in order, device blocks scattered."""
+        device_ids = scattered(int(ids.shape[0]))
+        return (device_ids, ids + blocks) if plan.direction is Direction.STORE else (ids, device_ids + blocks)
+
     def run(path: str, ids: np.ndarray) -> float | None:
         nonlocal job
         _synchronize(device)
         start = time.perf_counter()
-        for handler, _ in lanes[path]:
-            handler.submit(job, ids, ids + blocks)
+        for handler, plan in lanes[path]:
+            handler.submit(job, *pairs(plan, ids))
         results = [handler.wait([job], WAIT_S)[0] for handler, _ in lanes[path]]
         job += 1
         failed = [r for r in results if not r.ok]
@@ -640,7 +663,7 @@ def _time_lanes(
                     _clear(plan, scratch, records, ids + blocks)
                 if run(path, ids) is None:
                     continue
-                if not all(_verified(plan, scratch, records, ids, ids + blocks, blocks)
+                if not all(_verified(plan, scratch, records, *pairs(plan, ids), blocks)
                            for _, plan in lanes[path]):
                     _log.warning("auto calibration: path %s moved bytes wrong%s; never chosen", path,
                                  _way(lanes[path]))

@@ -13,11 +13,18 @@ prints its medians over ``--rounds`` (the first two rounds not counted): the lay
 to result on the host, its device time (``TransferResult.seconds``), when layer 0 and the last
 layer landed (another stream waiting on each layer in turn, from an event recorded on it just
 before the call), and the mean time a layer after layer 0.
+
+``--part whole``: instead, whole jobs of the same bytes right after a whole ``dma`` load or after
+the GEMM: a ``dma`` load and store into blocks in order (direct strided copies) and shuffled (a
+descriptor a page), a ``staged`` load and store, and one pinned contiguous copy each way of the same
+bytes (torch's ``copy_``); each one's call to result and device time (the pinned copy's from events
+around it).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -43,6 +50,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--page-kib", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--part", choices=("layered", "whole"), default="layered")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("probe_copies_after: no CUDA device", file=sys.stderr)
@@ -50,7 +58,7 @@ def main() -> int:
     if min(args.blocks, args.layers, args.page_kib) < 1 or args.rounds <= WARMUP_ROUNDS:
         parser.error(f"--blocks, --layers and --page-kib must be >= 1, --rounds > {WARMUP_ROUNDS}")
     Probe(torch.device("cuda", torch.cuda.current_device()), args.blocks, args.layers,
-          args.page_kib * KIB).run(args.rounds)
+          args.page_kib * KIB).run(args.rounds, args.part)
     return 0
 
 
@@ -69,6 +77,8 @@ class Probe:
         self.small = torch.empty(MIB, dtype=torch.uint8, device=device)
         self.pinned = torch.zeros(4, dtype=torch.uint8).pin_memory()
         self.jobs: Iterator[int] = iter(range(1, 1 << 62))
+        self.host_copy = self.dev_copy = torch.empty(0, dtype=torch.uint8)  # --part whole's (whole_variants)
+        self.shuffled = self.dst
         self.workers = {path: Worker.create(self.layout, 2 * blocks, path=path, issuer="native")
                         for path in ("dma", "staged")}
         for w in self.workers.values():
@@ -134,6 +144,63 @@ class Probe:
         return {"call -> result": total * 1e6, "device": result.seconds * 1e6, "layer 0": at[0],
                 "last layer": at[-1], "a layer": (at[-1] - at[0]) / max(1, self.layers - 1)}
 
+    def timed_job(self, path: str, store: bool, shuffled: bool) -> dict[str, float]:
+        """A whole load or store timed: call -> result and device time (us)."""
+        torch.cuda.synchronize(self.device)
+        w, job = self.workers[path], next(self.jobs)
+        blocks = self.shuffled if shuffled else self.dst
+        t0 = time.perf_counter()
+        if store:
+            w.store(job, blocks, self.host)
+        else:
+            w.load(job, self.host, blocks)
+        (result,) = w.wait([job], TIMEOUT_S)
+        total = time.perf_counter() - t0
+        if not result.ok:
+            raise RuntimeError(f"a whole job failed: {result.error}")
+        return {"call -> result": total * 1e6, "device": result.seconds * 1e6}
+
+    def pinned_copy(self, store: bool) -> dict[str, float]:
+        """One pinned contiguous copy of the job's bytes, timed: call -> synchronized, and events."""
+        torch.cuda.synchronize(self.device)
+        begin, end = new_event(timing=True), new_event(timing=True)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.side):
+            begin.record(self.side)
+            if store:
+                self.host_copy.copy_(self.dev_copy, non_blocking=True)
+            else:
+                self.dev_copy.copy_(self.host_copy, non_blocking=True)
+            end.record(self.side)
+        end.synchronize()
+        return {"call -> result": (time.perf_counter() - t0) * 1e6, "device": float(begin.elapsed_time(end)) * 1e3}
+
+    def whole_variants(self) -> dict[str, Callable[[], dict[str, float]]]:
+        """Each whole job after a whole ``dma`` load (the copy engine only) and after the GEMM."""
+        nbytes = self.blocks * self.layers * 2 * self.page
+        self.host_copy = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        self.dev_copy = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.shuffled = self.blocks + np.random.default_rng(7).permutation(self.blocks).astype(np.int64)
+        jobs: dict[str, Callable[[], dict[str, float]]] = {}
+        for way, store in (("load", False), ("store", True)):
+            def of(path: str, shuffled: bool, store: bool = store) -> Callable[[], dict[str, float]]:
+                return lambda: self.timed_job(path, store, shuffled)
+            jobs[f"dma {way}, in order"] = of("dma", False)
+            jobs[f"dma {way}, shuffled"] = of("dma", True)
+            jobs[f"staged {way}"] = of("staged", False)
+            jobs[f"pinned copy {way}"] = functools.partial(self.pinned_copy, store)
+        variants: dict[str, Callable[[], dict[str, float]]] = {}
+        for name, job in jobs.items():
+            def after(job: Callable[[], dict[str, float]], *before: Callable[[], None]) -> Callable[[], dict[str, float]]:
+                def run() -> dict[str, float]:
+                    for step in before:
+                        step()
+                    return job()
+                return run
+            variants[f"dma load -> {name}"] = after(job, lambda: self.whole("dma"))
+            variants[f"GEMM -> {name}"] = after(job, lambda: self.whole("dma"), lambda: self.gemm(5))
+        return variants
+
     def variants(self) -> dict[str, Callable[[], dict[str, float]]]:
         """Each variant: the work before, then the layered load."""
         def after(path: str, *before: Callable[[], None]) -> Callable[[], dict[str, float]]:
@@ -156,10 +223,11 @@ class Probe:
             "GEMM (5 products) -> staged layered": after("staged", lambda: self.whole("dma"), lambda: self.gemm(5)),
         }
 
-    def run(self, rounds: int) -> None:
-        """Every variant ``rounds`` times, alternated; print the medians; shut the workers down."""
+    def run(self, rounds: int, part: str = "layered") -> None:
+        """Every variant of ``part`` ``rounds`` times, alternated; print the medians; shut the
+        workers down."""
         try:
-            variants = self.variants()
+            variants = self.variants() if part == "layered" else self.whole_variants()
             figures: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
             for r in range(rounds):
                 for name, variant in variants.items():

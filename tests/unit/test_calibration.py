@@ -276,6 +276,8 @@ class _Link:
         self.pairs_timed: list[str] = []
         #: (path, host ids, layer tables) of every layered load submitted
         self.layered_jobs: list[tuple[str, np.ndarray, tuple[PageTable, ...]]] = []
+        #: (path, direction, source ids, destination ids) of every whole job submitted
+        self.whole_jobs: list[tuple[str, Direction, np.ndarray, np.ndarray]] = []
 
 
 class _FakePath:
@@ -296,6 +298,7 @@ class _FakePath:
             self.link.flight[key] = (start, True, src, dst)
         if others:
             self.link.pairs_timed.append(self.path)
+        self.link.whole_jobs.append((self.path, self.plan.direction, np.array(src_blocks), np.array(dst_blocks)))
         self.link.flight[(id(self), job_id)] = (self.link.now, bool(others), src_blocks, dst_blocks)
 
     def submit_by_layer(self, job_id: int, src: np.ndarray, dst: np.ndarray,
@@ -383,6 +386,42 @@ def test_a_calibration_keeps_off_a_path_that_is_slow_both_ways(monkeypatch: pyte
     assert both["dma"][0] == both["staged"][0] == 0.0  # 1 block of 64 KiB: a latency bucket
     assert both["staged"][2] > 1.8 * both["dma"][2] > 0.0
     assert set(link.pairs_timed) == {"dma", "staged"}
+
+
+def test_a_calibrations_jobs_take_records_in_order_into_blocks_out_of_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every timed job of more than one block, alone and both ways: the host records follow each
+    other, the device blocks never do (dma moves pairs that follow on both sides as direct strided
+    copies, which an engine's jobs seldom get: docs/design.md §16), and each is the whole set of
+    its range, so the clear before the check covers it. The control: with ``scattered`` giving
+    blocks in order, the same check finds blocks that follow each other."""
+    def device_runs(link: _Link) -> int:
+        runs = 0
+        for path, direction, src, dst in link.whole_jobs:
+            device, host = (src, dst) if direction is Direction.STORE else (dst, src)
+            assert np.array_equal(np.diff(host), np.ones(host.shape[0] - 1)), (path, direction, host)
+            assert np.array_equal(np.sort(device), np.arange(device.shape[0]) + int(device.min()))
+            runs += int(np.count_nonzero(np.diff(device) == 1))
+        return runs
+
+    link = _Link(alone={"dma": 1.0, "staged": 1.05}, shared={"dma": 1.1, "staged": 1.1})
+    _calibrate_fakes(monkeypatch, link)
+    assert {int(src.shape[0]) for _, _, src, _ in link.whole_jobs} == {1, 8, 24}
+    assert {(path, direction) for path, direction, _, _ in link.whole_jobs} == {
+        (p, d) for p in ("dma", "staged") for d in (Direction.STORE, Direction.LOAD)}
+    assert device_runs(link) == 0
+    monkeypatch.setattr(calibration, "scattered", lambda n: np.arange(n, dtype=np.int64))
+    control = _Link(alone=link.alone, shared=link.shared)
+    _calibrate_fakes(monkeypatch, control)
+    assert device_runs(control) > 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 8, 9, 24, 256, 2048, 4097])
+def test_scattered_orders_every_id_once_with_none_followed_by_the_next(n: int) -> None:
+    order = calibration.scattered(n)
+    assert np.array_equal(np.sort(order), np.arange(n))
+    assert not np.any(np.diff(order) == 1)
 
 
 def test_a_bulk_first_bucket_is_timed_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
