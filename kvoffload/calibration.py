@@ -600,11 +600,10 @@ def scattered(n: int) -> npt.NDArray[np.int64]:
     sides as direct strided copies, which run slower after any GEMM than on an idle device
     (docs/design.md §16, *What slows a strided copy*): timed on blocks in order, ``dma`` would be
     timed on copies an engine's jobs seldom get, in a state they seldom run in."""
-    ids = np.arange(n, dtype=np.int64)
     if n < 3:
         return np.arange(n - 1, -1, -1, dtype=np.int64)
     stride = next(s for s in range(max(2, math.isqrt(n)), n) if math.gcd(s, n) == 1)
-    return ids * stride % n
+    return np.arange(n, dtype=np.int64) * stride % n
 
 
 def _time_lanes(

@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             status |= latency_bench.latency_main(device, chosen, wanted, args.quick, progress, issuers)
         if args.layerwise:
             status |= latency_bench.layerwise_main(device, chosen, args.layers or 0, progress, issuers,
-                                                           args.compute or 1.0)
+                                                   args.compute or 1.0)
         return status
     pages = (tuple(p * KIB for p in args.pages) if args.pages
              else QUICK_PAGE_SIZES if args.quick else PAGE_SIZES)
