@@ -79,12 +79,16 @@ class Probe:
         self.jobs: Iterator[int] = iter(range(1, 1 << 62))
         self.host_copy = self.dev_copy = torch.empty(0, dtype=torch.uint8)  # --part whole's (whole_variants)
         self.shuffled = self.dst
-        self.workers = {path: Worker.create(self.layout, 2 * blocks, path=path, issuer="native")
-                        for path in ("dma", "staged")}
-        for w in self.workers.values():
-            w.store(0, self.src, self.host)
-            if not w.wait([0], TIMEOUT_S)[0].ok:
-                raise RuntimeError("the store failed")
+        self.workers: dict[str, Worker] = {}
+        try:
+            for path in ("dma", "staged"):
+                self.workers[path] = w = Worker.create(self.layout, 2 * blocks, path=path, issuer="native")
+                w.store(0, self.src, self.host)
+                if not w.wait([0], TIMEOUT_S)[0].ok:
+                    raise RuntimeError("the store failed")
+        except BaseException:
+            self.shutdown()
+            raise
 
     def whole(self, path: str) -> None:
         """A whole load of the same records into the same blocks, waited for."""
@@ -241,8 +245,12 @@ class Probe:
             for name, values in figures.items():
                 print(f"  {name:42s} " + "; ".join(f"{key} {statistics.median(v):7.1f}" for key, v in values.items()))
         finally:
-            for w in self.workers.values():
-                w.shutdown(TIMEOUT_S)
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Shut every worker made so far down (each once)."""
+        while self.workers:
+            self.workers.popitem()[1].shutdown(TIMEOUT_S)
 
 
 if __name__ == "__main__":
