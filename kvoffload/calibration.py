@@ -625,17 +625,12 @@ def _time_lanes(
     block_bytes = next(iter(lanes.values()))[0][1].pages.block_bytes if lanes else 0
     job = 0
 
-    def pairs(plan: CopyPlan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A job's (source, destination) ids: host records in order, device blocks scattered."""
-        device_ids = scattered(int(ids.shape[0]))
-        return (device_ids, ids + blocks) if plan.direction is Direction.STORE else (ids, device_ids + blocks)
-
-    def run(path: str, ids: np.ndarray) -> float | None:
+    def run(path: str, pairs: Mapping[Direction, tuple[np.ndarray, np.ndarray]]) -> float | None:
         nonlocal job
         _synchronize(device)
         start = time.perf_counter()
         for handler, plan in lanes[path]:
-            handler.submit(job, *pairs(plan, ids))
+            handler.submit(job, *pairs[plan.direction])
         results = [handler.wait([job], WAIT_S)[0] for handler, _ in lanes[path]]
         job += 1
         failed = [r for r in results if not r.ok]
@@ -648,11 +643,13 @@ def _time_lanes(
     try:
         for index, size in enumerate(sizes):
             ids = np.arange(size, dtype=np.int64)
+            order = scattered(size)  # each direction's (source, destination) ids, made once a size
+            pairs = {Direction.STORE: (order, ids + blocks), Direction.LOAD: (ids, order + blocks)}
             here = [p for p in alive if timed(p, index, size * block_bytes)]
             times: dict[str, list[float]] = {path: [] for path in here}
             for path in turns(here, _repeats(size)):
                 if path in alive:
-                    seconds = run(path, ids)
+                    seconds = run(path, pairs)
                     if seconds is not None:
                         times[path].append(seconds)
             for path in here:
@@ -660,9 +657,9 @@ def _time_lanes(
                     continue
                 for _, plan in lanes[path]:
                     _clear(plan, scratch, records, ids + blocks)
-                if run(path, ids) is None:
+                if run(path, pairs) is None:
                     continue
-                if not all(_verified(plan, scratch, records, *pairs(plan, ids), blocks)
+                if not all(_verified(plan, scratch, records, *pairs[plan.direction], blocks)
                            for _, plan in lanes[path]):
                     _log.warning("auto calibration: path %s moved bytes wrong%s; never chosen", path,
                                  _way(lanes[path]))

@@ -195,24 +195,14 @@ class Probe:
             jobs[f"pinned copy {way}"] = functools.partial(self.pinned_copy, store)
         variants: dict[str, Callable[[], dict[str, float]]] = {}
         for name, job in jobs.items():
-            def after(job: Callable[[], dict[str, float]], *before: Callable[[], None]) -> Callable[[], dict[str, float]]:
-                def run() -> dict[str, float]:
-                    for step in before:
-                        step()
-                    return job()
-                return run
-            variants[f"dma load -> {name}"] = after(job, lambda: self.whole("dma"))
-            variants[f"GEMM -> {name}"] = after(job, lambda: self.whole("dma"), lambda: self.gemm(5))
+            variants[f"dma load -> {name}"] = _after(job, lambda: self.whole("dma"))
+            variants[f"GEMM -> {name}"] = _after(job, lambda: self.whole("dma"), lambda: self.gemm(5))
         return variants
 
     def variants(self) -> dict[str, Callable[[], dict[str, float]]]:
         """Each variant: the work before, then the layered load."""
         def after(path: str, *before: Callable[[], None]) -> Callable[[], dict[str, float]]:
-            def run() -> dict[str, float]:
-                for step in before:
-                    step()
-                return self.layered(path)
-            return run
+            return _after(functools.partial(self.layered, path), *before)
 
         return {
             "dma load -> dma layered": after("dma", lambda: self.whole("dma")),
@@ -251,6 +241,15 @@ class Probe:
         """Shut every worker made so far down (each once)."""
         while self.workers:
             self.workers.popitem()[1].shutdown(TIMEOUT_S)
+
+
+def _after(measure: Callable[[], dict[str, float]], *before: Callable[[], None]) -> Callable[[], dict[str, float]]:
+    """A variant: the steps of ``before`` in order, then ``measure``'s figures."""
+    def run() -> dict[str, float]:
+        for step in before:
+            step()
+        return measure()
+    return run
 
 
 if __name__ == "__main__":
