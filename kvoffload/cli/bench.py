@@ -5,7 +5,10 @@ both at once), a per-page ``cuMemcpyAsync`` loop (what engines did before batchi
 worker's ``dma``, ``staged``, ``sm`` and ``auto`` paths, over page sizes from 4 KiB to 2 MiB, for
 store, load and both directions at once; optionally beside a bf16 GEMM stream, reporting the GEMM's
 slowdown per path. Every transferred byte is checked. Figures are printed as GB/s and as a ratio to
-the link limit measured in the same run; ``--json`` writes them all. Instead of that:
+the link limit measured in the same run; ``--json`` writes them all. ``--rounds N`` measures each
+path N times, the paths taking turns round by round over one layout (each figure the median, with
+its range): single measurements of one path differ by up to about 10% between runs on one host, so
+two paths a few percent apart need it. Instead of that:
 ``--latency`` and ``--layerwise`` measure what one job costs (:mod:`kvoffload.cli.latency_bench`),
 ``--disk DIR`` the disk tier against raw O_DIRECT, ``--ranks N`` a host pool shared by N rank
 processes (:mod:`kvoffload.cli.ranks_bench`), ``--remote mooncake|redis`` the remote tier against the
@@ -15,12 +18,14 @@ store's own client (:mod:`kvoffload.cli.remote_bench`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Final, TextIO, get_args
 
 import attrs
@@ -50,6 +55,8 @@ QUICK_TOTAL_BYTES: Final = 1024 * MIB
 #: few GB/s at small pages, where this is already a measurement of tens of milliseconds.
 QUICK_LOOP_BYTES: Final = 256 * MIB
 TIMEOUT_S: Final = 300.0
+#: The most ``--rounds``.
+MAX_ROUNDS: Final = 100
 GEMM_N: Final = 8192
 #: Products per GEMM window (about 30 ms on an H100) and store jobs kept in flight beside it.
 GEMM_WINDOW_PRODUCTS: Final = 20
@@ -83,6 +90,10 @@ class BenchRow:
     gemm_store_gbps: float | None
     verified_bytes: int
     mismatched_blocks: int
+    #: rounds measured (each figure their median)
+    rounds: int = 1
+    #: the lowest and highest GB/s over the rounds: store, load, both at once
+    spread: tuple[tuple[float, float], tuple[float, float], tuple[float, float]] | None = None
 
 
 def _log(out: TextIO, message: str) -> None:
@@ -200,47 +211,140 @@ class GemmLoad:
         return float(begin.elapsed_time(end))
 
 
-def measure_path(
-    device: torch.device, page_bytes: int, path: str, total_bytes: int, gemm: GemmLoad | None,
-    out: TextIO, kernel_ctas: int | None = None,
-) -> BenchRow:
-    """All figures of one path at one page size (see the module docstring)."""
-    began = time.perf_counter()
-    num = max(4, total_bytes // BLOCK_BYTES)
-    layout = _layout(device, page_bytes, 2 * num)
-    per_job = max(1, JOB_BYTES // layout.block_bytes)
-    rng = np.random.default_rng(page_bytes)
-    dev_a = rng.permutation(num)
-    dev_b = num + rng.permutation(num)
-    host = rng.permutation(2 * num)
-    with _worker(layout, 2 * num, path, kernel_ctas) as w:
-        _run(w, _split("store", dev_a[:per_job], host[:per_job], per_job), 10**6)  # warm-up
-        taken: set[str] = set()
-        store_s = _run(w, _split("store", dev_a, host[:num], per_job), 0, taken)
+class PathRun:
+    """One path's worker over a page size's layout, and its figures round by round (see
+    :func:`measure_page`). Owns its worker from :meth:`__enter__` to :meth:`__exit__`.
+
+    Every path of a page size uses the same ids (drawn from the page size): device blocks
+    ``dev_a`` stored to host records ``host[:num]``, loaded back into ``dev_b``, then both at once
+    (``dev_b`` stored to ``host[num:]`` while ``host[:num]`` is loaded into ``dev_a``). A correct
+    path leaves every block's bytes as they were, so paths sharing the layout check each other's
+    work too."""
+
+    def __init__(self, layout: DeviceLayout, path: str, num: int, span: int, page_bytes: int,
+                 kernel_ctas: int | None) -> None:
+        self.layout = layout
+        self.path = path
+        self.num = num
+        rng = np.random.default_rng(page_bytes)
+        self.dev_a = rng.permutation(num)
+        self.dev_b = span + rng.permutation(num)
+        self.host = rng.permutation(2 * num)
+        self.per_job = max(1, JOB_BYTES // layout.block_bytes)
+        self._kernel_ctas = kernel_ctas
+        self._worker: Worker | None = None
+        #: seconds of each round: (store, load, both at once)
+        self.seconds: list[tuple[float, float, float]] = []
+        self.taken: set[str] = set()
+        self.mismatched = 0
+        self.verified = 0
+        self._job = 0
+
+    def __enter__(self) -> PathRun:
+        self._worker = _worker(self.layout, 2 * self.num, self.path, self._kernel_ctas)
+        try:
+            self._run(_split("store", self.dev_a[:self.per_job], self.host[:self.per_job], self.per_job))  # warm-up
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Shut the worker down (as ``Worker.__exit__``: an exception of the body stays the one
+        seen); a second call does nothing."""
+        w, self._worker = self._worker, None
+        if w is not None:
+            w.__exit__(exc_type, exc, tb)
+
+    def _run(self, jobs: list[tuple[str, np.ndarray, np.ndarray]], taken: set[str] | None = None) -> float:
+        assert self._worker is not None, "PathRun used outside its with block"
+        first, self._job = self._job, self._job + len(jobs)
+        return _run(self._worker, jobs, first, taken)
+
+    def round(self) -> None:
+        """Store, load, and both at once, each timed and checked."""
+        w, layout, num, per_job = self._worker, self.layout, self.num, self.per_job
+        assert w is not None, "PathRun used outside its with block"
+        dev_a, dev_b, host = self.dev_a, self.dev_b, self.host
+        store_s = self._run(_split("store", dev_a, host[:num], per_job), self.taken)
         bad = _mismatches_host(w, layout, dev_a, host[:num])
-        load_s = _run(w, _split("load", host[:num], dev_b, per_job), 1000, taken)
+        load_s = self._run(_split("load", host[:num], dev_b, per_job), self.taken)
         bad += _mismatches_device(layout, dev_a, dev_b)
         # both at once: store dev_b (just loaded) to fresh records while loading the first half back
         mixed = _split("store", dev_b, host[num:], per_job)
         mixed_load = _split("load", host[:num], dev_a, per_job)
-        interleaved = [job for pair in zip(mixed, mixed_load) for job in pair]
-        both_s = _run(w, interleaved, 2000, taken) / 2
+        both_s = self._run([job for pair in zip(mixed, mixed_load) for job in pair], self.taken) / 2
         bad += _mismatches_host(w, layout, dev_b, host[num:])
         bad += _mismatches_device(layout, dev_a, dev_b)
-        beside_gemm = _with_gemm(w, layout, dev_a, host[:num], per_job, gemm) if gemm is not None else None
-    moved = num * layout.block_bytes
-    row = BenchRow(
-        page_bytes=page_bytes, path=path, taken=",".join(sorted(taken)), store_gbps=moved / store_s / _GB,
-        load_gbps=moved / load_s / _GB, both_gbps=2 * moved / (2 * both_s) / _GB,
-        gemm_slowdown=beside_gemm.slowdown if beside_gemm else None,
-        gemm_quartiles=beside_gemm.quartiles if beside_gemm else None,
-        gemm_store_gbps=beside_gemm.gbps if beside_gemm else None, verified_bytes=4 * moved,
-        mismatched_blocks=bad,
-    )
-    _log(out, f"  {page_bytes // KIB:>5} KiB {path:<7} store {row.store_gbps:6.1f}  load "
-              f"{row.load_gbps:6.1f}  both {row.both_gbps:6.1f} GB/s  mismatched {bad}  "
-              f"({time.perf_counter() - began:.1f} s)")
-    return row
+        self.seconds.append((store_s, load_s, both_s))
+        self.mismatched += bad
+        self.verified += 4 * num * layout.block_bytes
+
+    def row(self, page_bytes: int, gemm: GemmLoad | None) -> BenchRow:
+        """The path's row: each figure the median of its rounds' GB/s, with its lowest and
+        highest (and, with ``gemm``, the GEMM beside this path's stores, measured now)."""
+        assert self._worker is not None, "PathRun used outside its with block"
+        moved = self.num * self.layout.block_bytes
+        rates = [tuple(moved / s / _GB for s in seconds) for seconds in self.seconds]
+        store, load, both = (sorted(r[i] for r in rates) for i in range(3))
+        beside = (_with_gemm(self._worker, self.layout, self.dev_a, self.host[:self.num], self.per_job, gemm)
+                  if gemm is not None else None)
+        return BenchRow(
+            page_bytes=page_bytes, path=self.path, taken=",".join(sorted(self.taken)),
+            store_gbps=statistics.median(store), load_gbps=statistics.median(load),
+            both_gbps=statistics.median(both), gemm_slowdown=beside.slowdown if beside else None,
+            gemm_quartiles=beside.quartiles if beside else None, gemm_store_gbps=beside.gbps if beside else None,
+            verified_bytes=self.verified, mismatched_blocks=self.mismatched, rounds=len(rates),
+            spread=((store[0], store[-1]), (load[0], load[-1]), (both[0], both[-1])),
+        )
+
+
+def measure_path(
+    device: torch.device, page_bytes: int, path: str, total_bytes: int, gemm: GemmLoad | None,
+    out: TextIO, kernel_ctas: int | None = None,
+) -> BenchRow:
+    """All figures of one path at one page size, one round (:func:`measure_page`)."""
+    return measure_page(device, page_bytes, {path: total_bytes}, 1, gemm, out, kernel_ctas)[0]
+
+
+def measure_page(
+    device: torch.device, page_bytes: int, totals: dict[str, int], rounds: int, gemm: GemmLoad | None,
+    out: TextIO, kernel_ctas: int | None = None,
+) -> list[BenchRow]:
+    """Every figure of the paths of ``totals`` (bytes moved per measurement, by path) at one page
+    size, over one layout. With one round the paths are measured one after the other, each
+    worker shut down before the next is made. With more, every path's worker stays open and the
+    paths take turns round by round, so that a host's drift between paths weighs on each alike
+    (each figure the median of its rounds; :attr:`BenchRow.spread` its lowest and highest)."""
+    began = time.perf_counter()
+    nums = {path: max(4, total // BLOCK_BYTES) for path, total in totals.items()}
+    span = max(nums.values())
+    layout = _layout(device, page_bytes, 2 * span)
+
+    def run_of(path: str) -> PathRun:
+        return PathRun(layout, path, nums[path], span, page_bytes, kernel_ctas)
+
+    def logged(row: BenchRow) -> BenchRow:
+        _log(out, f"  {page_bytes // KIB:>5} KiB {row.path:<7} store {row.store_gbps:6.1f}  load "
+                  f"{row.load_gbps:6.1f}  both {row.both_gbps:6.1f} GB/s  mismatched {row.mismatched_blocks}  "
+                  f"({time.perf_counter() - began:.1f} s)")
+        return row
+
+    rows: list[BenchRow] = []
+    if rounds == 1:
+        for path in totals:
+            with run_of(path) as run:
+                run.round()
+                rows.append(logged(run.row(page_bytes, gemm)))
+        return rows
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(run_of(path)) for path in totals]
+        for _ in range(rounds):
+            for run in runs:
+                run.round()
+        rows = [logged(run.row(page_bytes, gemm)) for run in runs]
+    return rows
 
 
 @attrs.frozen
@@ -363,6 +467,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", type=int_list(1, MAX_PAGE_KIB), default=None,
                         help="comma-separated page sizes in KiB")
     parser.add_argument("--total-mib", type=int_in(1), default=None, help="bytes moved per measurement")
+    parser.add_argument("--rounds", type=int_in(1, MAX_ROUNDS), default=None,
+                        help="measure store, load and both at once this many times per path, the paths "
+                             "taking turns round by round, every path's worker open at once; each "
+                             "figure the median, with its range (default 1: the paths one after the other)")
     parser.add_argument("--gemm", action="store_true", help="also measure beside a bf16 GEMM stream")
     parser.add_argument("--kernel-ctas", type=int_in(1), default=None,
                         help="CTAs of the copy kernel (default: the worker's, every SM for staged, 8 for sm)")
@@ -394,6 +502,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     given = {flag for flag, value in (
         ("--paths", args.paths), ("--pages", args.pages), ("--total-mib", args.total_mib),
         ("--gemm", args.gemm or None), ("--kernel-ctas", args.kernel_ctas), ("--json", args.json),
+        ("--rounds", args.rounds),
         ("--latency", args.latency or None), ("--layerwise", args.layerwise or None),
         ("--layers", args.layers), ("--compute", args.compute), ("--issuers", args.issuers),
     ) if value is not None}
@@ -409,7 +518,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if args.paths is not None and not set(args.paths) - {"loop"}:
             parser.error("argument --paths: --latency/--layerwise measure the worker's paths, not loop")
     else:
-        mode, takes = "the transfer bench", {"--paths", "--pages", "--total-mib", "--gemm", "--kernel-ctas", "--json"}
+        mode = "the transfer bench"
+        takes = {"--paths", "--pages", "--total-mib", "--gemm", "--kernel-ctas", "--json", "--rounds"}
     ignored = sorted(given - takes)
     if ignored:
         parser.error(f"{', '.join(ignored)} cannot be combined with {mode}: it would be ignored")
@@ -464,19 +574,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = args.paths or PATHS
     total = (args.total_mib * MIB if args.total_mib
              else QUICK_TOTAL_BYTES if args.quick else TOTAL_BYTES)
-    # a cache and a host pool of twice the bytes moved, beside the link probe's two 1 GiB pairs
-    needed = 2 * max(total, 4 * BLOCK_BYTES) + 2 * LINK_PROBE_BYTES
-    check_memory(parser, needed, f"--total-mib {total // MIB}", "--total-mib")
-    check_device_memory(parser, device, needed, f"--total-mib {total // MIB}", "--total-mib")
+    totals = {path: min(total, QUICK_LOOP_BYTES) if args.quick and path == "loop" else total for path in paths}
+    rounds = args.rounds or 1
+    # a cache of twice the bytes moved, a host pool as large per worker open at once (one, or with
+    # --rounds every path's), beside the link probe's two 1 GiB pairs
+    cache = 2 * max(total, 4 * BLOCK_BYTES)
+    pools = sum(2 * max(t, 4 * BLOCK_BYTES) for t in totals.values()) if rounds > 1 else cache
+    if rounds > 1:
+        check_memory(parser, pools + 2 * LINK_PROBE_BYTES,
+                     f"--total-mib {total // MIB} over {len(paths)} paths open at once (--rounds {rounds})",
+                     "--total-mib or --paths, or leave --rounds out")
+    else:
+        check_memory(parser, pools + 2 * LINK_PROBE_BYTES, f"--total-mib {total // MIB}", "--total-mib")
+    check_device_memory(parser, device, cache + 2 * LINK_PROBE_BYTES, f"--total-mib {total // MIB}", "--total-mib")
     began = time.perf_counter()
     _log(progress, "measuring the link limit")
     d2h, h2d, both = link_limits(device, LINK_PROBE_BYTES)
     gemm = GemmLoad(device) if args.gemm else None
     rows = []
     for page in pages:
-        for path in paths:
-            nbytes = min(total, QUICK_LOOP_BYTES) if args.quick and path == "loop" else total
-            rows.append(measure_path(device, page, path, nbytes, gemm, progress, args.kernel_ctas))
+        rows += measure_page(device, page, totals, rounds, gemm, progress, args.kernel_ctas)
     _log(progress, f"1-block jobs ({time.perf_counter() - began:.1f} s so far)")
     small = {path: small_job_ratio(device, path, args.kernel_ctas) for path in paths if path != "loop"}
     link_gemm = gemm_beside_link(gemm, device) if gemm is not None else None
@@ -487,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gemm:
         header += f" {'GEMM slower [quartiles]':>24} {'store beside GEMM':>18}"
     print(header)
+    if rounds > 1:
+        print(f"  (each figure the median of {rounds} rounds, the paths taking turns; [lowest-highest GB/s])")
     for r in rows:
         shown = f"auto({r.taken})" if r.path == "auto" else r.path
         line = (f"{_size(r.page_bytes):>8} {shown:<14} {r.store_gbps:6.1f} ({r.store_gbps / d2h:4.2f}x)"
@@ -495,6 +614,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if r.gemm_slowdown is not None and r.gemm_quartiles is not None and r.gemm_store_gbps is not None:
             shown = GemmFigure(r.gemm_slowdown, r.gemm_quartiles, r.gemm_store_gbps).describe()
             line += f" {shown:>24} {r.gemm_store_gbps:8.1f} ({r.gemm_store_gbps / d2h:4.2f}x)"
+        if r.spread is not None and r.rounds > 1:
+            line += "  [" + ", ".join(f"{name} {low:.1f}-{high:.1f}" for name, (low, high)
+                                      in zip(("store", "load", "both"), r.spread)) + "]"
         print(line)
     if link_gemm is not None:
         print(f"GEMM beside plain 64 MiB pinned copies (the link's own cost): {link_gemm.describe()} "

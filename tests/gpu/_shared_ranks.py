@@ -25,6 +25,12 @@ from tests.gpu.test_races import CONTROL_TRIALS, load_race, store_race
 WORLD: Final = 2
 #: Bounds one scenario in the test; a rank still running shortly before it dumps its stacks and exits.
 SCENARIO_BOUND_S: Final = 150.0
+#: ... the survivor scenario's bound: it takes about 9 s on an H100 host, so that a rank hung after
+#: its peer was killed shows its stacks well inside any runner's limit (it once ran past 120 s there,
+#: the runner's limit cutting it before the stacks).
+SURVIVOR_BOUND_S: Final = 60.0
+#: What a rank's stack dump comes before the scenario's bound.
+DUMP_LEAD_S: Final = 15.0
 HOST_BLOCKS: Final = 128
 PATHS: Final[tuple[PathName, ...]] = ("dma", "staged", "sm")
 
@@ -112,10 +118,11 @@ SCENARIOS: Final[dict[str, Callable[..., Any]]] = {
 
 
 def run_rank(scenario: str, name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
-             results: multiprocessing.queues.Queue[Any], **kwargs: Any) -> None:
-    """A rank process: run ``scenario`` and report."""
+             results: multiprocessing.queues.Queue[Any], bound_s: float = SCENARIO_BOUND_S, **kwargs: Any) -> None:
+    """A rank process: run ``scenario`` and report; still running :data:`DUMP_LEAD_S` before
+    ``bound_s``, it dumps its threads' stacks and exits."""
     faulthandler.enable()
-    faulthandler.dump_traceback_later(SCENARIO_BOUND_S - 15, exit=True)
+    faulthandler.dump_traceback_later(bound_s - DUMP_LEAD_S, exit=True)
     try:
         torch.cuda.set_device(0)
         value = SCENARIOS[scenario](name, rank, barrier, results, **kwargs)

@@ -19,7 +19,7 @@ import pytest
 
 from kvoffload.region import SHM_DIR
 from tests.gpu._helpers import TIMEOUT_S
-from tests.gpu._shared_ranks import PATHS, SCENARIO_BOUND_S, WORLD, run_rank
+from tests.gpu._shared_ranks import PATHS, SCENARIO_BOUND_S, SURVIVOR_BOUND_S, WORLD, run_rank
 from tests.gpu.conftest import Figures
 
 #: Bounds the whole of one scenario (spawning, CUDA start-up, attaching, the work); a rank process
@@ -38,25 +38,26 @@ def name() -> Iterator[str]:
     assert not left, f"left in {SHM_DIR}: {left}"
 
 
-def start(scenario: str, name: str, **kwargs: Any) -> tuple[list[Any], Any, Any]:
-    """Both rank processes of ``scenario``; returns them, the results queue and the barrier (the
-    caller keeps it alive: ``Process.start`` drops its arguments, and a barrier collected in this
-    process unlinks its semaphore before a slow-starting rank has opened it)."""
+def start(scenario: str, name: str, bound_s: float = SCENARIO_S, **kwargs: Any) -> tuple[list[Any], Any, Any]:
+    """Both rank processes of ``scenario``, bounded by ``bound_s`` (see ``run_rank``); returns them,
+    the results queue and the barrier (the caller keeps it alive: ``Process.start`` drops its
+    arguments, and a barrier collected in this process unlinks its semaphore before a
+    slow-starting rank has opened it)."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(WORLD)
     results = context.Queue()
-    procs = [context.Process(target=run_rank, args=(scenario, name, r, barrier, results), kwargs=kwargs,
-                             daemon=True) for r in range(WORLD)]
+    procs = [context.Process(target=run_rank, args=(scenario, name, r, barrier, results),
+                             kwargs={"bound_s": bound_s, **kwargs}, daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     return procs, results, barrier
 
 
-def collect(procs: list[Any], results: Any, ranks: list[int]) -> dict[int, Any]:
+def collect(procs: list[Any], results: Any, ranks: list[int], bound_s: float = SCENARIO_S) -> dict[int, Any]:
     """The values the given ranks returned (a rank's error, a rank that exits without a result and a
-    scenario past its bound fail the test at once); then reap everyone."""
+    scenario past ``bound_s`` fail the test at once); then reap everyone."""
     out: dict[int, Any] = {}
-    deadline = time.monotonic() + SCENARIO_S
+    deadline = time.monotonic() + bound_s
     try:
         while len(out) < len(ranks):
             try:
@@ -69,7 +70,7 @@ def collect(procs: list[Any], results: Any, ranks: list[int]) -> dict[int, Any]:
                     except queue.Empty:
                         raise AssertionError(f"rank(s) exited without a result (exit codes {gone})") from None
                 else:
-                    assert time.monotonic() < deadline, f"the scenario did not finish within {SCENARIO_S} s"
+                    assert time.monotonic() < deadline, f"the scenario did not finish within {bound_s} s"
                     continue
             if status == "started":
                 continue
@@ -106,15 +107,15 @@ def test_race_tests_pass_per_rank_over_a_shared_pool(name: str, figures: Figures
 
 
 def test_a_killed_rank_leaves_the_other_ranks_jobs_unaffected(name: str) -> None:
-    procs, results, _barrier = start("survivor", name, rounds=300)
+    procs, results, _barrier = start("survivor", name, SURVIVOR_BOUND_S, rounds=300)
     started: set[int] = set()
     while started != {0, 1}:
-        rank, status, value = results.get(timeout=SCENARIO_S)
+        rank, status, value = results.get(timeout=SURVIVOR_BOUND_S)
         assert status == "started", f"rank {rank}: {status}\n{value}"
         started.add(rank)
     victim = procs[1]
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)  # in the middle of its traffic, rank 0's jobs in flight
     victim.join(TIMEOUT_S)
-    moved = collect(procs, results, [0])
+    moved = collect(procs, results, [0], SURVIVOR_BOUND_S)
     assert moved[0] > 0

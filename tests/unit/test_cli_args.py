@@ -107,6 +107,8 @@ BENCH_CASES = [
     (["--layers", "-3", "--layerwise"], "--layers"), (["--layers", "3"], "--layers"),
     (["--compute", "0", "--layerwise"], "--compute"), (["--compute", "nan", "--layerwise"], "--compute"),
     (["--compute", "2"], "--compute"), (["--compute", "2", "--latency"], "--compute"),
+    (["--rounds", "0"], "--rounds"), (["--rounds", "abc"], "--rounds"), (["--rounds", "101"], "--rounds"),
+    (["--latency", "--rounds", "3"], "--rounds"), (["--disk", ".", "--rounds", "3"], "--rounds"),
     (["--latency", "--gemm"], "--gemm"), (["--latency", "--paths", "loop"], "--paths"),
     (["--json", "/nonexistent/x.json"], "--json"), (["--disk", "/nonexistent"], "--disk"),
     (["--disk", ".", "--total-mib", "-5"], "--total-mib"), (["--disk", ".", "--latency"], "--latency"),
