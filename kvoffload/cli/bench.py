@@ -218,8 +218,8 @@ class PathRun:
     Every path of a page size uses the same ids (drawn from the page size): device blocks
     ``dev_a`` stored to host records ``host[:num]``, loaded back into ``dev_b``, then both at once
     (``dev_b`` stored to ``host[num:]`` while ``host[:num]`` is loaded into ``dev_a``). A correct
-    path leaves every block's bytes as they were, so paths sharing the layout check each other's
-    work too."""
+    path leaves every block's bytes as they were (each round checks its own), so the paths can
+    share the layout."""
 
     def __init__(self, layout: DeviceLayout, path: str, num: int, span: int, page_bytes: int,
                  kernel_ctas: int | None) -> None:

@@ -6,10 +6,11 @@ what the link alone costs, measured side by side in one run.
 - *a job alone, call -> result*: one job with nothing else in flight, from the ``store``/``load``
   call to its result from ``wait``, per page size and job size, next to one pinned copy of the same
   bytes timed the same way (call -> stream synchronized) in the same run; the job's device time
-  (``TransferResult.seconds``) and the caller's time in the call are shown beside it; host records
-  in order, and at the smallest page size (every page size without ``--quick``) also *gapped*
-  (every other record of the pool, ascending) and *shuffled* (those records in random order), as
-  an engine's pool hands out records in the order they were freed;
+  (``TransferResult.seconds``) and the caller's time in the call are shown beside it; every path
+  and issuer's worker open at once, taking turns job by job (each figure the median of its jobs);
+  host records in order, and at the smallest page size (every page size without ``--quick``) also
+  *gapped* (every other record of the pool, ascending) and *shuffled* (those records in random
+  order), as an engine's pool hands out records in the order they were freed;
 - *1-block jobs* (64 pages of 32 KiB), call -> result, next to one 2 MiB pinned copy, and the job's
   device time next to the copy's, each from an event recorded before it to one after it (so it
   holds the host's time to enqueue the work after the first event, too);
@@ -42,6 +43,7 @@ loaded byte is checked. Public API only.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Sequence
@@ -167,62 +169,75 @@ def host_records(records: str, blocks: int, seed: int = 0) -> np.ndarray:
     raise ValueError(f"records must be one of {RECORDS}, not {records!r}")
 
 
-def isolated_jobs(device: torch.device, page: int, job_bytes: int, path: str, repeats: int,
-                  out: TextIO, issuer: str = "auto", records: Sequence[str] = RECORDS[:1]) -> list[str]:
-    """Rows of the isolated-job table for one page size and job size (store and load), one pair
-    of rows for each of ``records`` (see :func:`host_records`)."""
+def isolated_jobs(device: torch.device, page: int, job_bytes: int, variants: Sequence[tuple[str, str]],
+                  repeats: int, out: TextIO, records: Sequence[str] = RECORDS[:1]) -> list[str]:
+    """Rows of the isolated-job table for one page size and job size: for each of ``records`` (see
+    :func:`host_records`) a store's and a load's row per ``(path, issuer)`` of ``variants``, in
+    that order. Every variant's worker is open at once over one layout, and the variants take
+    turns job by job (each job followed by the pinned copy it is compared with), so that a host's
+    drift weighs on each alike: measured one after the other, two variants on the same path were
+    0.77x and 0.91x apart (docs/design.md §7, *One measurement is not a figure*)."""
     block = 2 * LATENCY_LAYERS * page
     blocks = max(1, job_bytes // block)
     layout, tensors = _per_layer(device, LATENCY_LAYERS, page, 2 * blocks)
     copy = PinnedCopy(device, blocks * block)
-    rows = []
     dev_a = np.arange(blocks, dtype=np.int64)
-    dev_b = dev_a + blocks
-    with Worker.create(layout, 2 * blocks, path=path, issuer=issuer) as w:  # type: ignore[arg-type]
-        for kind in records:
-            rows += _isolated_rows(w, path, copy, page, repeats, out, dev_a, dev_b,
-                                   host_records(kind, blocks), kind, tensors)
+    with contextlib.ExitStack() as stack:
+        workers = [stack.enter_context(Worker.create(layout, 2 * blocks, path=path,  # type: ignore[arg-type]
+                                                     issuer=issuer))  # type: ignore[arg-type]
+                   for path, issuer in variants]
+        found = {kind: _isolated_rows(workers, [path for path, _ in variants], copy, page, repeats, dev_a,
+                                      dev_a + blocks, host_records(kind, blocks), kind, tensors)
+                 for kind in records}
     del tensors
+    rows = [row for v in range(len(variants)) for kind in records for row in found[kind][v]]
+    for row in rows:
+        _log(out, "  " + row)
     return rows
 
 
-def _isolated_rows(w: Worker, path: str, copy: PinnedCopy, page: int, repeats: int, out: TextIO, dev_a: np.ndarray,
-                   dev_b: np.ndarray, host: np.ndarray, records: str, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """A store's and a load's row of the isolated-job table through ``w``: device blocks ``dev_a``
-    stored to host records ``host`` and loaded back into ``dev_b`` (zeroed before the last load, so
-    that the check sees that load's bytes)."""
+def _isolated_rows(workers: Sequence[Worker], paths: Sequence[str], copy: PinnedCopy, page: int, repeats: int,
+                   dev_a: np.ndarray, dev_b: np.ndarray, host: np.ndarray, records: str,
+                   tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Each worker's store row and load row of the isolated-job table (``paths[i]``: the path
+    ``workers[i]`` was asked for): device blocks ``dev_a`` stored to host records ``host`` and
+    loaded back into ``dev_b``, the workers taking turns job by job. Before a worker's last load
+    ``dev_b`` is zeroed, and checked right after it, so that the check sees that load's bytes."""
     device = copy.dev.device
     zeroed = torch.as_tensor(dev_b, device=device)
-    label = _label(path, w)
-    rows = []
+    rows: list[list[str]] = [[] for _ in workers]
     job = 0
     for store in (True, False):
-        samples: list[tuple[float, float, float]] = []
-        copies: list[float] = []
-        taken: set[str] = set()  # the paths the jobs took (``auto`` says which it chose)
+        samples: list[list[tuple[float, float, float]]] = [[] for _ in workers]
+        copies: list[list[float]] = [[] for _ in workers]
+        taken: list[set[str]] = [set() for _ in workers]  # the paths the jobs took (auto's choice)
+        bad = [0 for _ in workers]
         for i in range(repeats + 2):  # two warm-ups
-            if not store and i == repeats + 1:
-                _zero_blocks(tensors, zeroed)
-            torch.cuda.synchronize(device)
-            total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
-            job += 1
-            torch.cuda.synchronize(device)
-            c = copy.seconds(store)
-            if i >= 2:
-                samples.append((total, call, result.seconds))
-                copies.append(c)
-                taken.add(result.path)
-        shown = _taken_label(label, path, taken)
-        bad = 0 if store else _mismatched(w.layout, dev_a, dev_b)
-        t = statistics.median(s[0] for s in samples)
-        c = statistics.median(copies)
-        rows.append(
-            f"{_size(page):>8} {_size(copy.host.numel()):>8} {'store' if store else 'load':<6} {records:<9}"
-            f" {shown:<20} {t * 1e6:9.1f} {c * 1e6:9.1f}   {c / t:5.2f}x"
-            f" {statistics.median(s[1] for s in samples) * 1e6:9.1f}"
-            f" {statistics.median(s[2] for s in samples) * 1e6:9.1f}   {bad}"
-        )
-        _log(out, "  " + rows[-1])
+            for v, w in enumerate(workers):
+                last_load = not store and i == repeats + 1
+                if last_load:
+                    _zero_blocks(tensors, zeroed)
+                torch.cuda.synchronize(device)
+                total, call, result = _job(w, store, job, dev_a if store else dev_b, host)
+                job += 1
+                if last_load:
+                    bad[v] = _mismatched(w.layout, dev_a, dev_b)
+                torch.cuda.synchronize(device)
+                c = copy.seconds(store)
+                if i >= 2:
+                    samples[v].append((total, call, result.seconds))
+                    copies[v].append(c)
+                    taken[v].add(result.path)
+        for v, w in enumerate(workers):
+            shown = _taken_label(_label(paths[v], w), paths[v], taken[v])
+            t = statistics.median(x[0] for x in samples[v])
+            c = statistics.median(copies[v])
+            rows[v].append(
+                f"{_size(page):>8} {_size(copy.host.numel()):>8} {'store' if store else 'load':<6} {records:<9}"
+                f" {shown:<20} {t * 1e6:9.1f} {c * 1e6:9.1f}   {c / t:5.2f}x"
+                f" {statistics.median(x[1] for x in samples[v]) * 1e6:9.1f}"
+                f" {statistics.median(x[2] for x in samples[v]) * 1e6:9.1f}   {bad[v]}"
+            )
     return rows
 
 
@@ -396,10 +411,9 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
     rows = []
     for page in pages:
         for size in sizes:
-            for path, issuer in _variants(paths, issuers):
-                scattered = not quick or page == pages[0]
-                rows += isolated_jobs(device, page, size, path, repeats, out, issuer,
-                                      RECORDS if scattered else RECORDS[:1])
+            scattered = not quick or page == pages[0]
+            rows += isolated_jobs(device, page, size, _variants(paths, issuers), repeats, out,
+                                  RECORDS if scattered else RECORDS[:1])
     _log(out, "1-block jobs, caller's time per call")
     small = [one_block_jobs(device, path, repeats, issuer) for path, issuer in _variants(paths, issuers)]
     small += [expedited_jobs(device, path, repeats, issuer, lane) for path, issuer in _variants(paths, issuers)

@@ -1,10 +1,16 @@
-"""``bench --latency``'s host records for its isolated jobs (the rows themselves need CUDA)."""
+"""``bench --latency``'s isolated jobs: their host records, and how the variants take turns (the
+transfers themselves need CUDA)."""
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import numpy as np
 import pytest
+import torch
 
+from kvoffload.cli import latency_bench
 from kvoffload.cli.latency_bench import RECORDS, host_records
 
 
@@ -31,3 +37,48 @@ def test_every_kind_is_named_and_others_refused() -> None:
     assert RECORDS == ("in order", "gapped", "shuffled")
     with pytest.raises(ValueError, match="records must be one of"):
         host_records("random", 4)
+
+
+class _Copy:
+    """A scripted :class:`latency_bench.PinnedCopy` of 64 MiB: 1 ms each way."""
+
+    dev = types.SimpleNamespace(device="cpu")
+    host = types.SimpleNamespace(numel=lambda: 64 << 20)
+
+    def seconds(self, _store: bool) -> float:
+        return 1e-3
+
+
+def test_isolated_jobs_take_turns_and_check_each_last_load_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker's store jobs, then its loads, the workers in turns job by job; before each
+    worker's last load the destination is zeroed, and checked right after that load (before the
+    next worker's job), so that each check sees its own worker's bytes."""
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda _device=None: None)
+    monkeypatch.setattr(latency_bench, "_zero_blocks", lambda _t, _b: log.append(("zero", -1)))
+
+    def job(w: Any, store: bool, _job: int, _dev: object, _host: object) -> tuple[float, float, Any]:
+        log.append(("store" if store else "load", w.index))
+        return 2e-3 * (w.index + 1), 1e-5, types.SimpleNamespace(seconds=1e-3, path=w.taken)
+
+    def mismatched(layout: Any, _a: object, _b: object) -> int:
+        log.append(("check", layout.index))
+        return int(layout.index)  # worker i reports i bad blocks: each row must carry its own
+
+    monkeypatch.setattr(latency_bench, "_job", job)
+    monkeypatch.setattr(latency_bench, "_mismatched", mismatched)
+    workers: list[Any] = [types.SimpleNamespace(index=i, issuer="native", taken=taken,
+                                                layout=types.SimpleNamespace(index=i))
+                          for i, taken in enumerate(("staged", "dma"))]
+    copy: Any = _Copy()
+    rows = latency_bench._isolated_rows(workers, ["auto", "dma"], copy, 4096, 2, np.arange(4), np.arange(4) + 4,  # noqa: SLF001
+                                        np.arange(4), "in order", {})
+    turns = 2 + 2  # two warm-ups and two repeats
+    assert log[: 2 * turns] == [("store", v) for _ in range(turns) for v in (0, 1)]
+    loads = log[2 * turns:]
+    assert loads[: 2 * (turns - 1)] == [("load", v) for _ in range(turns - 1) for v in (0, 1)]
+    assert loads[2 * (turns - 1):] == [("zero", -1), ("load", 0), ("check", 0), ("zero", -1), ("load", 1), ("check", 1)]
+    assert [len(r) for r in rows] == [2, 2]  # a store row and a load row per worker
+    assert "auto(staged)/native" in rows[0][0] and "dma/native" in rows[1][0]
+    assert rows[0][0].split()[-1] == "0" and rows[0][1].split()[-1] == "0" and rows[1][1].split()[-1] == "1"
+    assert "0.50x" in rows[0][0] and "0.25x" in rows[1][0]  # each its own jobs over the copies
