@@ -23,8 +23,8 @@ import numpy.typing as npt
 from kvoffload.records import Direction
 
 __all__ = [
-    "STAGED_EDGE_GROWTH", "UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk",
-    "kernel_segments", "plan_staged", "plan_staged_part", "staged_chunk_rows",
+    "SHORT_RUNS_SHARE", "STAGED_EDGE_GROWTH", "UNIT_MAX_BYTES", "CopyPlan", "Descriptors", "PageTable", "StagedChunk",
+    "kernel_segments", "mostly_apart", "plan_staged", "plan_staged_part", "rows_in_short_runs", "staged_chunk_rows",
 ]
 
 I64Array = npt.NDArray[np.int64]
@@ -460,3 +460,43 @@ def _single_record_copy(
     src_one, dst_one = (slot_base, host_one) if to_host else (host_one, slot_base)
     return Descriptors(np.array([dst_one], dtype=np.uint64), np.array([src_one], dtype=np.uint64),
                        np.array([record], dtype=np.uint64))
+
+
+#: A staged layer's rows count as moved apart, a descriptor per record, where over this share of
+#: them lies in runs of records too short for the issuer's strided copies (docs/design.md §12).
+SHORT_RUNS_SHARE: Final = 0.5
+
+
+def rows_in_short_runs(host_blocks: I64Array, min_rows: int) -> int:
+    """How many of ``host_blocks`` lie in runs of fewer than ``min_rows`` records that follow each
+    other (the ids taken in ascending order, as the staged path takes them). On the caller's
+    thread: few numpy calls (2.8 us for 256 ids in order or all apart, 5 us in runs, on the CI
+    host)."""
+    ordered = np.sort(host_blocks)
+    return _in_short_runs(ordered[1:] != ordered[:-1] + 1, int(host_blocks.shape[0]), min_rows)
+
+
+def mostly_apart(host_blocks: I64Array, strided_min_rows: int) -> bool:
+    """Whether a staged layered load from ``host_blocks`` moves over :data:`SHORT_RUNS_SHARE` of
+    its rows as descriptors, through an issuer whose rows in runs of at least ``strided_min_rows``
+    records go as strided copies (0: the issuer has none, so every row counts)."""
+    if strided_min_rows <= 0:
+        return True
+    return rows_in_short_runs(host_blocks, strided_min_rows) > SHORT_RUNS_SHARE * int(host_blocks.shape[0])
+
+
+def _in_short_runs(breaks: npt.NDArray[np.bool_], n: int, min_rows: int) -> int:
+    """How many of ``n`` items lie in runs of fewer than ``min_rows``, where ``breaks[i]`` says
+    that item ``i + 1`` starts a run."""
+    if n == 0:
+        return 0
+    ends = np.flatnonzero(breaks)  # the last item of every run but the last
+    runs = int(ends.shape[0]) + 1
+    if runs == 1:
+        return n if n < min_rows else 0
+    if runs == n:  # every run one item
+        return n if min_rows > 1 else 0
+    bounds = np.empty(runs + 1, dtype=np.int64)
+    bounds[0], bounds[1:runs], bounds[runs] = -1, ends, n - 1
+    lengths = bounds[1:] - bounds[:-1]
+    return n - int(lengths[lengths >= min_rows].sum())

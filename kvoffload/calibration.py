@@ -56,7 +56,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvoffload._descriptors import CopyPlan, PageTable
+from kvoffload._descriptors import SHORT_RUNS_SHARE, CopyPlan, PageTable, mostly_apart
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
@@ -77,9 +77,11 @@ REPEATS: Final = 3
 SMALL_REPEATS: Final = 15
 WAIT_S: Final = 60.0
 #: 3: bulk buckets chosen on both-ways figures too; 4: the copy kernel's units cut to 4 KiB, which
-#: made small `staged` jobs faster; 5: the device blocks of a timed job out of order (:func:`scattered`)
-#: (a file of an earlier version is measured again).
-_FILE_VERSION: Final = 5
+#: made small `staged` jobs faster; 5: the device blocks of a timed job out of order (:func:`scattered`);
+#: 6: a `staged` layered load of narrow layers from records apart moves them in groups, faster than
+#: the figures of earlier files say (:mod:`kvoffload._layer_groups`) (a file of an earlier version
+#: is measured again).
+_FILE_VERSION: Final = 6
 #: The key of :attr:`AutoChoice.gbps` holding the both-ways figures.
 BOTH_WAYS: Final = "both"
 #: The key of :attr:`AutoChoice.gbps` holding a layered load's figures from records apart, one per
@@ -102,8 +104,9 @@ SM_MAX_JOB_BYTES: Final = 8 << 20
 #: (:class:`LayeredChoice`).
 NARROW_LAYER_BYTES: Final = 64 << 10
 #: ... unless at most this share of its rows lies in runs of records too short for the issuer's
-#: strided copies (the native issuer's ``STRIDED_MIN_ROWS``; the Python issuer has none).
-NARROW_ROWS_SHARE: Final = 0.5
+#: strided copies (the native issuer's ``STRIDED_MIN_ROWS``; the Python issuer has none):
+#: :func:`~kvoffload._descriptors.mostly_apart`.
+NARROW_ROWS_SHARE: Final = SHORT_RUNS_SHARE
 
 
 class LayeredChoice:
@@ -165,9 +168,8 @@ class LayeredChoice:
         name = self._size_choice(pairs)
         if not self.narrow or name not in ("dma", "staged") or (self.keeps is not None and name in self.keeps):
             return name
-        if name == "staged" and strided_min_rows > 0:
-            if _rows_in_short_runs(host_blocks, strided_min_rows) <= NARROW_ROWS_SHARE * pairs:
-                return name
+        if name == "staged" and not mostly_apart(host_blocks, strided_min_rows):
+            return name
         return "sm"
 
 
@@ -177,32 +179,6 @@ def narrow_layers(layer_tables: Sequence[PageTable]) -> bool:
     runs = [table.record_runs()[1] for table in layer_tables]
     count = sum(int(sizes.shape[0]) for sizes in runs)
     return count > 0 and sum(int(sizes.sum()) for sizes in runs) < NARROW_LAYER_BYTES * count
-
-
-def _rows_in_short_runs(host_blocks: npt.NDArray[np.int64], min_rows: int) -> int:
-    """How many of ``host_blocks`` lie in runs of fewer than ``min_rows`` records that follow each
-    other (the ids taken in ascending order, as the staged path takes them). On the caller's
-    thread: few numpy calls (2.8 us for 256 ids in order or all apart, 5 us in runs, on the CI
-    host)."""
-    ordered = np.sort(host_blocks)
-    return _in_short_runs(ordered[1:] != ordered[:-1] + 1, int(host_blocks.shape[0]), min_rows)
-
-
-def _in_short_runs(breaks: npt.NDArray[np.bool_], n: int, min_rows: int) -> int:
-    """How many of ``n`` items lie in runs of fewer than ``min_rows``, where ``breaks[i]`` says
-    that item ``i + 1`` starts a run."""
-    if n == 0:
-        return 0
-    ends = np.flatnonzero(breaks)  # the last item of every run but the last
-    runs = int(ends.shape[0]) + 1
-    if runs == 1:
-        return n if n < min_rows else 0
-    if runs == n:  # every run one item
-        return n if min_rows > 1 else 0
-    bounds = np.empty(runs + 1, dtype=np.int64)
-    bounds[0], bounds[1:runs], bounds[runs] = -1, ends, n - 1
-    lengths = bounds[1:] - bounds[:-1]
-    return n - int(lengths[lengths >= min_rows].sum())
 
 
 class ScratchPool(Protocol):

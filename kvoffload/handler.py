@@ -47,8 +47,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload._descriptors import CopyPlan, PageTable
+from kvoffload._descriptors import CopyPlan, PageTable, mostly_apart
 from kvoffload._jobs import BookedResult, FailedTicket, JobBook, Ticket, as_job_id, as_timeout
+from kvoffload._layer_groups import GroupedMarks, group_size, grouped
 from kvoffload._layer_load import LayerMarks, WholeJobMarks
 from kvoffload._validate import as_block_ids, check_pairs
 from kvoffload.errors import (
@@ -313,7 +314,10 @@ class DirectionHandler:
         self._failed = 0
         self._bytes_done = 0
         self._busy_s = 0.0
-        self._layer_plans: tuple[tuple[PageTable, ...], tuple[CopyPlan, ...]] | None = None
+        #: the plans of each tables' layered jobs (the layout's layers, their groups), by id
+        self._layer_plans: dict[int, tuple[tuple[PageTable, ...], tuple[CopyPlan, ...]]] = {}
+        #: per the layout's layer tables (by id): the layers a group holds and the groups
+        self._groups: dict[int, tuple[tuple[PageTable, ...], int, tuple[PageTable, ...]]] = {}
 
     @classmethod
     def create(
@@ -462,17 +466,41 @@ class DirectionHandler:
         handler owns until the result is published (docs/design.md §12). Raises as
         :meth:`submit_validated`."""
         backend = self._open_backend()
+        issued, size = self._layer_groups(backend, src, tables)
         make = getattr(backend, "layer_marks", None)
-        marks: LayerMarks = make(len(tables)) if make is not None else WholeJobMarks(len(tables))
-        self._enqueue(job_id, src, dst, stream, None, (self._layer_plans_for(tables), marks))
-        return marks
+        marks: LayerMarks = make(len(issued)) if make is not None else WholeJobMarks(len(issued))
+        self._enqueue(job_id, src, dst, stream, None, (self._layer_plans_for(issued), marks))
+        return marks if size == 1 else GroupedMarks(marks, size, len(tables))
 
     def _layer_plans_for(self, tables: tuple[PageTable, ...]) -> tuple[CopyPlan, ...]:
-        """The plans of a layered job over ``tables`` (one a layer), built once for the layout's."""
-        cached = self._layer_plans
+        """The plans of a layered job over ``tables`` (one a layer, or a group of layers), built
+        once for each (the layout's layers, and their groups)."""
+        cached = self._layer_plans.get(id(tables))
         if cached is None or cached[0] is not tables:
-            cached = self._layer_plans = (tables, tuple(self._plan.for_pages(t) for t in tables))
+            cached = self._layer_plans[id(tables)] = (tables, tuple(self._plan.for_pages(t) for t in tables))
         return cached[1]
+
+    def _layer_groups(self, backend: Backend, host: I64Array,
+                      tables: tuple[PageTable, ...]) -> tuple[tuple[PageTable, ...], int]:
+        """What a layered load from host records ``host`` over the layout's ``tables`` is issued
+        as: the layers themselves and 1, or their groups and the layers a group holds, where the
+        backend moves the load through ``staged`` and its layers' narrow spans would go as a
+        descriptor per record (docs/design.md §12, *Narrow layers grouped for staged*). The groups
+        are made once per layout; a job of a layout with groups pays for the backend's path and a
+        sort of its host ids (a few microseconds)."""
+        cached = self._groups.get(id(tables))
+        if cached is None or cached[0] is not tables:
+            size = group_size(tables)
+            cached = self._groups[id(tables)] = (tables, size, grouped(tables, size) if size > 1 else tables)
+        _, size, groups = cached
+        if size == 1:
+            return tables, 1
+        path_for = getattr(backend, "layered_path_for", None)
+        if path_for is None or path_for(host) != "staged":
+            return tables, 1
+        if not mostly_apart(host, int(getattr(backend, "strided_min_rows", 0))):
+            return tables, 1
+        return groups, size
 
     def _enqueue(
         self, job_id: int, src: I64Array, dst: I64Array, stream: object, fence: object,
@@ -964,8 +992,9 @@ class BookedHandler(DirectionHandler):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._marks: dict[int, LayerMarks] = {}  # a layered job's, until its result is published
         self._booked_call: Callable[..., int] | None = None
-        # the fast front's layered hand-off: the layout's tables and the bound call
-        self._booked_layered: tuple[tuple[PageTable, ...], Callable[..., int]] | None = None
+        # the fast front's layered hand-offs: per table set (the layout's layers, their groups),
+        # by id, the tables and the bound call
+        self._booked_layered: dict[int, tuple[tuple[PageTable, ...], Callable[..., int]]] = {}
         # The book keys jobs by 64-bit ints: a job id outside that range (or one equal to a key in
         # use for such an id) is booked under a key of its own, unused by any job in flight.
         self._synthetic: dict[int, int] = {}  # key -> job id
@@ -1067,18 +1096,21 @@ class BookedHandler(DirectionHandler):
     ) -> LayerMarks:
         """:meth:`submit_handed_off` for a job that lands layer after layer (``tables[i]``: layer
         ``i``'s pages), as :meth:`submit_layered` submits one; returns the marks, which the handler
-        owns until the result is published (docs/design.md §12).
+        owns until the result is published (docs/design.md §12; a job issued as groups of layers
+        returns them as its layers, :class:`~kvoffload._layer_groups.GroupedMarks`).
 
         Raises:
             ClosedError: after shutdown.
         """
         backend = self._booking()
-        cached = self._booked_layered
-        if cached is None or cached[0] is not tables:
-            plans = self._layer_plans_for(tables)
-            cached = self._booked_layered = (tables, backend.booked_hand_off_call(plans, whole=False))
+        issued, size = self._layer_groups(backend, src, tables)
+        cached = self._booked_layered.get(id(issued))
+        if cached is None or cached[0] is not issued:
+            plans = self._layer_plans_for(issued)
+            cached = self._booked_layered[id(issued)] = (issued, backend.booked_hand_off_call(plans, whole=False))
         call = cached[1]
-        marks = backend.layer_marks(len(tables))
+        marks = backend.layer_marks(len(issued))
+        shown: LayerMarks = marks if size == 1 else GroupedMarks(marks, size, len(tables))
         self._marks[job_id] = marks  # before the hand-off: its result may be taken at once
         key = (job_id if _KEY_MIN <= job_id < _KEY_END and not self._synthetic and not self._keys
                else self._key(job_id))  # (as submit_handed_off's: before layer 0's issue)
@@ -1087,11 +1119,11 @@ class BookedHandler(DirectionHandler):
         except Exception as exc:  # noqa: BLE001 - it never should: the job's failed result, in order
             marks.settle()
             self._failed_hand_off(job_id, int(src.shape[0]), exc, marks)
-            return marks
+            return shown
         marks.settle()  # layers the hand-off could not mark wait no more
         if code:
             self._refused(job_id, int(src.shape[0]), backend.book_error(code), marks)
-        return marks
+        return shown
 
     def _hand_over(self, backend: Backend, transfer: _Transfer) -> None:
         """The validating path's hand-off (:meth:`DirectionHandler._enqueue`), booked."""

@@ -2,7 +2,8 @@
 tests.sanitized``, a step of ``.ci/run``).
 
 The issuer's C is exercised by tests/unit/test_native_issuer.py, tests/unit/test_direct_copies.py,
-tests/unit/test_call_front.py, tests/unit/test_copy_pieces.py and tests/unit/test_expedited_loads.py over the fake driver, and
+tests/unit/test_call_front.py, tests/unit/test_copy_pieces.py, tests/unit/test_expedited_loads.py
+and tests/unit/test_layer_groups.py over the fake driver, and
 tests/unit/test_share_cpu.py over a no-op C driver; a use-after-free there (a job freed by its last
 reference while a thread still reads it) passes those tests unseen. Here the library and the call front are compiled with
 ``-fsanitize=address`` (``KVOFFLOAD_NATIVE_CFLAGS``) into a temporary cache (removed afterwards),
@@ -21,7 +22,7 @@ import sys
 import tempfile
 
 TESTS = ("tests/unit/test_native_issuer.py", "tests/unit/test_direct_copies.py", "tests/unit/test_call_front.py", "tests/unit/test_copy_pieces.py",
-         "tests/unit/test_expedited_loads.py", "tests/unit/test_share_cpu.py")
+         "tests/unit/test_expedited_loads.py", "tests/unit/test_layer_groups.py", "tests/unit/test_share_cpu.py")
 #: How long the sanitized run may take (it takes about 20 s on the CI machine).
 TIMEOUT_S = 900
 

@@ -619,6 +619,9 @@ class CudaBackend:
         would go another way than the whole job)."""
         return self._choose(pairs)
 
+    #: This Python issuer's staged rows go as descriptors, never strided copies.
+    strided_min_rows: Final = 0
+
     def layered_path_for(self, host_blocks: I64Array) -> str:
         """The path a layered load from ``host_blocks`` takes: ``auto``'s
         :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (this Python

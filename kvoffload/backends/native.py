@@ -885,6 +885,12 @@ class NativeBackend:
         """None on the caller's thread: the native thread plans and issues."""
         return 0
 
+    @property
+    def strided_min_rows(self) -> int:
+        """A staged layer's rows in runs of at least this many records count as strided copies
+        (0: none), as :meth:`layered_path_for` counts them."""
+        return self._strided_min_rows
+
     def layered_path_for(self, host_blocks: I64Array) -> str:
         """The path a layered load from ``host_blocks`` takes: ``auto``'s
         :meth:`~kvoffload.calibration.LayeredChoice.path` where the worker has one (staged rows in

@@ -410,7 +410,9 @@ class Worker:
         :class:`LayerLoad` whose ``wait_layer(i, stream)`` orders a stream after layer ``i``'s pages
         of this job, so that compute on layer ``i`` starts while later layers are still moving.
 
-        The layers are the layout's (``layout.layers``, 0 first). Like :meth:`load`, every layer's
+        The layers are the layout's (``layout.layers``, 0 first); a ``staged`` load of narrow
+        layers from records apart is moved in groups of consecutive layers, and ``wait_layer(i)``
+        then waits for layer ``i``'s group (docs/design.md §12). Like :meth:`load`, every layer's
         copies wait for the work queued on ``stream`` before this call (rule 2 holds per layer) and
         the job's result comes through :meth:`poll`/:meth:`wait` as a whole; until then the device
         blocks of a layer not yet waited for hold undefined bytes. The native issuer's thread issues

@@ -9,6 +9,8 @@
   is still being copied.
 - Rule 2 per layer: a control whose fence ignores the compute stream lets a reader queued before the
   call see loaded bytes; the real worker never does.
+- Narrow layers from records apart through ``staged`` land in groups of layers, each layer read
+  correct right after its wait (a control that does not wait reads stale pages).
 - Rule 5 for the staged path's layered chunks: a control that skips the slot wait corrupts
   back-to-back layered loads through a small ring; the real path never does.
 """
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from kvoffload import DeviceLayout, IssuerName, LayerLoad, PathName, Worker, calibration
+from kvoffload._layer_groups import GroupedMarks
 from kvoffload.cli._caches import LAYOUTS, build_cache
 from tests.gpu._helpers import TIMEOUT_S, direct_copies, no_fence, stall
 from tests.gpu.conftest import Figures
@@ -337,3 +340,56 @@ def test_auto_moves_a_layered_load_of_narrow_spans_from_records_apart_through_sm
             keeps = whole.path == "sm" or strided or not slower
             assert result.path == (whole.path if keeps else "sm"), (apart, whole.path, measured)
             job += 3
+
+
+def narrow_layers(device: torch.device, num_blocks: int = 128) -> DeviceLayout:
+    """16 layers of K and V pages of 4 KiB: 8 KiB of a record a layer, side by side."""
+    tensors = {f"layer{i}": torch.zeros(2, num_blocks, 4096, dtype=torch.uint8, device=device) for i in range(16)}
+    return DeviceLayout.from_tensors(tensors, block_dim=1)
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_a_staged_load_of_narrow_layers_from_records_apart_lands_in_groups(
+    issuer: IssuerName, device: torch.device, figures: Figures,
+) -> None:
+    """16 layers of 8 KiB of a record loaded through ``staged`` from every other record are handed
+    over as groups of four (32 KiB of a record; docs/design.md §12, *Narrow layers grouped for
+    staged*). Behind a stalled side stream, through both doors: a control reading every layer
+    without waiting reads stale pages; reading each layer right after its ``wait_layer`` reads it
+    whole, and the job lands bit-exact."""
+    layout = narrow_layers(device)
+    host = [2 * i for i in range(48)]
+    dst = list(range(64, 112))
+    index = torch.as_tensor(dst, device=device)
+    compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stale = {"control": 0, "waited": 0}
+    with Worker.create(layout, 128, path="staged", issuer=issuer) as w:
+        for trial in range(2 * CONTROL_TRIALS):
+            waits = trial >= CONTROL_TRIALS
+            old, new = (2 * trial) % 251, (2 * trial + 1) % 251
+            fill_blocks(layout, index, old)
+            w.host_records()[host] = new
+            torch.cuda.synchronize(device)
+            with torch.cuda.stream(side):
+                stall()  # the load starts only after this
+            load = w.load_by_layer(trial, *both_doors(trial, host, dst), stream=side)
+            marks = load._marks  # noqa: SLF001 - how the job was handed over
+            assert isinstance(marks, GroupedMarks) and marks.size == 4 and marks.inner.count == 4
+            snaps = []
+            with torch.cuda.stream(compute):
+                for layer in range(16):
+                    if waits:
+                        load.wait_layer(layer, compute)
+                    snaps.append(layout.gather_records(index))
+            (result,) = w.wait([trial], TIMEOUT_S)
+            assert result.ok, result.error
+            torch.cuda.synchronize(device)
+            full = torch.full_like(snaps[0], new)
+            stale["waited" if waits else "control"] += sum(
+                bad_layer_pages(layout, layer, snap, full) for layer, snap in enumerate(snaps))
+            assert torch.equal(layout.gather_records(index), full)
+    figures.add(f"staged layered load in groups [{issuer}]: stale layer pieces, control / waited",
+                f"{stale['control']} / {stale['waited']}")
+    assert stale["control"] > 0, "the control did not race: the test cannot prove the marks"
+    assert stale["waited"] == 0, "a layer read right after its wait_layer was stale"

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import DeviceLayout, calibration
-from kvoffload._descriptors import CopyPlan, PageTable
+from kvoffload._descriptors import CopyPlan, PageTable, rows_in_short_runs
 from kvoffload.calibration import (
     BOTH_WAYS, SM_BUCKETS, SM_MAX_JOB_BYTES, AutoChoice, _check_bulk, _clear, _fastest, _load, _save,
     _scratch_pages, _verified, sm_competes, turns,
@@ -756,7 +756,7 @@ def test_rows_in_short_runs_counts_rows_of_runs_shorter_than_the_minimum(ids: li
             runs.append([value])
     want = sum(len(r) for r in runs if len(r) < min_rows)
     shuffled = list(reversed(ids))
-    assert calibration._rows_in_short_runs(_ids(shuffled), min_rows) == want  # noqa: SLF001
+    assert rows_in_short_runs(_ids(shuffled), min_rows) == want
 
 
 # ------------------------------------------------------- the layered load the calibration times

@@ -303,7 +303,7 @@ def test_a_layered_hand_off_that_raises_is_the_jobs_failed_result_and_its_layers
         monkeypatch.undo()
         handler = w._load  # noqa: SLF001
         assert isinstance(handler, BookedHandler)
-        handler._booked_layered = None  # noqa: SLF001 - bound again, to the backend's call
+        handler._booked_layered.clear()  # noqa: SLF001 - bound again, to the backend's call
         w.load_by_layer(2, _i(3, 4), _i(3, 4)).wait_layer(3, stream=COMPUTE)
         assert w.wait([2], TIMEOUT_S)[0].ok
         assert not w._book.jobs  # noqa: SLF001

@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "layout": 3,
     "region": 5,
     "calibration": 3,
+    "_layer_groups": 3,
     "manager.manager": 5,
     "disk.index": 3,
     "disk.requests": 3,

@@ -637,7 +637,8 @@ def test_a_callers_slow_driver_call_is_counted_by_the_issuing_sides_call_in_prog
         stats = h.backend.call_stats()
         assert set(stats.slow_caller_calls) == {"none", "record", "wait", "copy", "launch", "query"}
         assert stats.slow_caller_calls["copy"] >= 1 and stats.slow_caller_calls["none"] >= 1
-        assert stats.caller_calls == 4 and stats.caller_longest_ns >= 200_000_000
+        # the hold's timer starts before the call enters the driver: the call is held a little less
+        assert stats.caller_calls == 4 and stats.caller_longest_ns >= 150_000_000
         assert stats.longest_ns["copy"] >= 200_000_000  # held from before the caller's record to after it
         assert set(stats.longest_ns) == {"record", "wait", "copy", "launch", "query"}
     finally:
