@@ -43,16 +43,19 @@ def _mean_span(tables: Sequence[PageTable]) -> float:
 
 def grouped(tables: Sequence[PageTable], size: int) -> tuple[PageTable, ...]:
     """``tables`` (a layout's layers, 0 first) as groups of ``size`` consecutive layers, the last
-    perhaps smaller: each group one table of its layers' pages, in layer order."""
+    perhaps smaller: each group one table of its layers' pages, in host-record order."""
     if size < 1:
         raise ValueError(f"size = {size} must be at least 1")
     out = []
     for first in range(0, len(tables), size):
         part = tables[first:first + size]
+        offsets = np.concatenate([t.host_offset for t in part])
+        order = np.argsort(offsets, kind="stable")  # a page table's pages are in host-record order
         out.append(PageTable(
-            dev_base=np.concatenate([t.dev_base for t in part]), dev_stride=np.concatenate([t.dev_stride for t in part]),
-            nbytes=np.concatenate([t.nbytes for t in part]), host_offset=np.concatenate([t.host_offset for t in part]),
-            segment=np.concatenate([t.segment for t in part]), record_bytes=part[0].record_bytes,
+            dev_base=np.concatenate([t.dev_base for t in part])[order],
+            dev_stride=np.concatenate([t.dev_stride for t in part])[order],
+            nbytes=np.concatenate([t.nbytes for t in part])[order], host_offset=offsets[order],
+            segment=np.concatenate([t.segment for t in part])[order], record_bytes=part[0].record_bytes,
         ))
     return tuple(out)
 
@@ -60,9 +63,12 @@ def grouped(tables: Sequence[PageTable], size: int) -> tuple[PageTable, ...]:
 def group_size(tables: Sequence[PageTable]) -> int:
     """How many consecutive layers a group holds: 1 where the layers' ranges already average
     :data:`GROUP_MIN_SPAN_BYTES` (or there is at most one layer), else the fewest whose groups'
-    ranges do; 1 where no grouping gets there (the layers' ranges of a record do not follow each
-    other, so a group's are no wider)."""
+    ranges do; 1 where no grouping gets there: the layers' ranges of a record do not follow each
+    other (a group's are no wider), or all of them together average under it (a record that
+    small moves fast enough layer by layer)."""
     if len(tables) < 2 or _mean_span(tables) >= GROUP_MIN_SPAN_BYTES:
+        return 1
+    if _mean_span(grouped(tables, len(tables))) < GROUP_MIN_SPAN_BYTES:
         return 1
     for size in range(2, len(tables) + 1):
         if _mean_span(grouped(tables, size)) >= GROUP_MIN_SPAN_BYTES:
@@ -76,7 +82,7 @@ class GroupedMarks:
     Borrows ``inner``, the groups' marks (the handler owns and releases them)."""
 
     def __init__(self, inner: LayerMarks, size: int, layers: int) -> None:
-        if size < 1 or not 0 < layers <= size * inner.count:
+        if size < 1 or layers < 1 or inner.count != -(-layers // size):
             raise ValueError(f"{layers} layers in {inner.count} groups of {size}")
         self.inner = inner
         self.size = size

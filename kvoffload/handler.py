@@ -314,7 +314,8 @@ class DirectionHandler:
         self._failed = 0
         self._bytes_done = 0
         self._busy_s = 0.0
-        #: the plans of each tables' layered jobs (the layout's layers, their groups), by id
+        #: the plans of each table set's layered jobs (the layout's layers, their groups), by id:
+        #: the worker and the calibration pass a layout's own tuple, so a few entries a handler
         self._layer_plans: dict[int, tuple[tuple[PageTable, ...], tuple[CopyPlan, ...]]] = {}
         #: per the layout's layer tables (by id): the layers a group holds and the groups
         self._groups: dict[int, tuple[tuple[PageTable, ...], int, tuple[PageTable, ...]]] = {}
@@ -493,7 +494,7 @@ class DirectionHandler:
             size = group_size(tables)
             cached = self._groups[id(tables)] = (tables, size, grouped(tables, size) if size > 1 else tables)
         _, size, groups = cached
-        if size == 1:
+        if size == 1 or self.direction is not Direction.LOAD:  # (``host`` is the source of a load)
             return tables, 1
         path_for = getattr(backend, "layered_path_for", None)
         if path_for is None or path_for(host) != "staged":

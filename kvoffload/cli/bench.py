@@ -215,11 +215,11 @@ class PathRun:
     """One path's worker over a page size's layout, and its figures round by round (see
     :func:`measure_page`). Owns its worker from :meth:`__enter__` to :meth:`__exit__`.
 
-    Every path of a page size uses the same ids (drawn from the page size): device blocks
-    ``dev_a`` stored to host records ``host[:num]``, loaded back into ``dev_b``, then both at once
-    (``dev_b`` stored to ``host[num:]`` while ``host[:num]`` is loaded into ``dev_a``). A correct
-    path leaves every block's bytes as they were (each round checks its own), so the paths can
-    share the layout."""
+    The ids are drawn from the page size (the same for every path moving as many blocks): device
+    blocks ``dev_a`` stored to host records ``host[:num]``, loaded back into ``dev_b``, then both at
+    once (``dev_b`` stored to ``host[num:]`` while ``host[:num]`` is loaded into ``dev_a``). A
+    correct path leaves ``dev_a``'s bytes as they were and writes ``dev_b`` before each check that
+    reads it, so the paths can share the layout."""
 
     def __init__(self, layout: DeviceLayout, path: str, num: int, span: int, page_bytes: int,
                  kernel_ctas: int | None) -> None:
@@ -577,7 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     totals = {path: min(total, QUICK_LOOP_BYTES) if args.quick and path == "loop" else total for path in paths}
     rounds = args.rounds or 1
     # a cache of twice the bytes moved, a host pool as large per worker open at once (one, or with
-    # --rounds every path's), beside the link probe's two 1 GiB pairs
+    # --rounds every path's), beside the link probe's two 1 GiB pairs (the workers' staging rings
+    # in device memory, some MiB each, are not counted)
     cache = 2 * max(total, 4 * BLOCK_BYTES)
     pools = sum(2 * max(t, 4 * BLOCK_BYTES) for t in totals.values()) if rounds > 1 else cache
     if rounds > 1:

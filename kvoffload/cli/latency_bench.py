@@ -171,9 +171,9 @@ def host_records(records: str, blocks: int, seed: int = 0) -> np.ndarray:
 
 def isolated_jobs(device: torch.device, page: int, job_bytes: int, variants: Sequence[tuple[str, str]],
                   repeats: int, out: TextIO, records: Sequence[str] = RECORDS[:1]) -> list[str]:
-    """Rows of the isolated-job table for one page size and job size: for each of ``records`` (see
-    :func:`host_records`) a store's and a load's row per ``(path, issuer)`` of ``variants``, in
-    that order. Every variant's worker is open at once over one layout, and the variants take
+    """Rows of the isolated-job table for one page size and job size: per ``(path, issuer)`` of
+    ``variants``, in that order, a store's and a load's row for each of ``records`` (see
+    :func:`host_records`). Every variant's worker is open at once over one layout, and the variants take
     turns job by job (each job followed by the pinned copy it is compared with), so that a host's
     drift weighs on each alike: measured one after the other, two variants on the same path were
     0.77x and 0.91x apart (docs/design.md §7, *One measurement is not a figure*)."""

@@ -3,6 +3,7 @@ transfers themselves need CUDA)."""
 
 from __future__ import annotations
 
+import io
 import types
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvoffload import Worker
 from kvoffload.cli import latency_bench
 from kvoffload.cli.latency_bench import RECORDS, host_records
 
@@ -82,3 +84,47 @@ def test_isolated_jobs_take_turns_and_check_each_last_load_at_once(monkeypatch: 
     assert "auto(staged)/native" in rows[0][0] and "dma/native" in rows[1][0]
     assert rows[0][0].split()[-1] == "0" and rows[0][1].split()[-1] == "0" and rows[1][1].split()[-1] == "1"
     assert "0.50x" in rows[0][0] and "0.25x" in rows[1][0]  # each its own jobs over the copies
+
+
+def test_isolated_jobs_open_every_variant_at_once_and_shut_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variant's worker is open while the rows are measured, the rows come variant by
+    variant (each variant's record kinds in order), and every worker is shut down once, also when
+    a measurement fails."""
+    log: list[str] = []
+
+    class _W:
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def __enter__(self) -> _W:
+            log.append(f"open {self.path}")
+            return self
+
+        def __exit__(self, *_exc: object) -> None:
+            log.append(f"shut {self.path}")
+
+    fail: list[str] = []
+
+    def rows(workers: Any, paths: Any, *_args: Any) -> list[list[str]]:
+        kind = _args[-2]
+        log.append(f"rows {kind} over {len(workers)}")
+        if kind in fail:
+            raise RuntimeError("a job failed")
+        return [[f"{p} {kind} store", f"{p} {kind} load"] for p in paths]
+
+    monkeypatch.setattr(latency_bench, "_per_layer", lambda *_a: (None, {}))
+    monkeypatch.setattr(latency_bench, "PinnedCopy", lambda *_a: None)
+    monkeypatch.setattr(Worker, "create", lambda _layout, _n, path, issuer: _W(path))
+    monkeypatch.setattr(latency_bench, "_isolated_rows", rows)
+    device: Any = None
+    got = latency_bench.isolated_jobs(device, 4096, 64 << 20, [("auto", "native"), ("dma", "native")], 2,
+                                      io.StringIO(), ("in order", "gapped"))
+    assert got == ["auto in order store", "auto in order load", "auto gapped store", "auto gapped load",
+                   "dma in order store", "dma in order load", "dma gapped store", "dma gapped load"]
+    assert log == ["open auto", "open dma", "rows in order over 2", "rows gapped over 2", "shut dma", "shut auto"]
+    log.clear()
+    fail.append("gapped")
+    with pytest.raises(RuntimeError, match="a job failed"):
+        latency_bench.isolated_jobs(device, 4096, 64 << 20, [("auto", "native"), ("dma", "native")], 2,
+                                    io.StringIO(), ("in order", "gapped"))
+    assert log[-2:] == ["shut dma", "shut auto"]

@@ -128,3 +128,35 @@ def test_a_row_reports_the_median_of_its_rounds_and_their_range() -> None:
     assert row.spread is not None
     assert [value for pair in row.spread for value in pair] == pytest.approx([50.0, 54.0, 40.0, 44.0, 70.0, 90.0])
     assert row.gemm_slowdown is None
+
+
+class _Worker:
+    """A worker the real :class:`bench.PathRun` drives: its jobs logged, its shutdowns counted."""
+
+    def __init__(self, path: str, log: list[tuple[str, str]]) -> None:
+        self.path, self.log = path, log
+
+    def __exit__(self, *_exc: object) -> None:
+        self.log.append(("shut", self.path))
+
+
+def test_the_real_path_runs_shut_every_worker_once_when_a_warm_up_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three paths with --rounds: the second path's warm-up fails; the first path's worker and the
+    second's are shut down once each, newest first, and the third is never made."""
+    log: list[tuple[str, str]] = []
+    monkeypatch.setattr(bench, "_layout", lambda _device, _page, _blocks: types.SimpleNamespace(block_bytes=2 * MIB))
+
+    def worker(_layout: object, _records: int, path: str, _ctas: int | None = None) -> _Worker:
+        log.append(("made", path))
+        return _Worker(path, log)
+
+    def run(w: _Worker, _jobs: object, _first: int, _taken: object = None) -> float:
+        if w.path == "staged":
+            raise RuntimeError("staged failed its warm-up")
+        return 1.0
+
+    monkeypatch.setattr(bench, "_worker", worker)
+    monkeypatch.setattr(bench, "_run", run)
+    with pytest.raises(RuntimeError, match="warm-up"):
+        _measure(3, {"dma": 64 * MIB, "staged": 64 * MIB, "sm": 64 * MIB})
+    assert log == [("made", "dma"), ("made", "staged"), ("shut", "staged"), ("shut", "dma")]

@@ -54,7 +54,7 @@ def test_layers_whose_spans_do_not_follow_each_other_are_not_grouped() -> None:
     assert group_size(tables) == 1
 
 
-def test_groups_hold_their_layers_pages_in_layer_order_the_last_perhaps_fewer() -> None:
+def test_groups_hold_their_layers_pages_in_record_order_the_last_perhaps_fewer() -> None:
     tables = per_layer(10, 4 * KIB)
     groups = grouped(tables, 4)
     assert [g.num_pages for g in groups] == [8, 8, 4]
@@ -239,3 +239,20 @@ def test_both_doors_of_the_worker_issue_a_staged_load_from_records_apart_in_grou
     finally:
         w.shutdown(TIMEOUT_S)
     assert fake.events_destroyed == fake.events_created
+
+
+def test_layers_split_in_two_parts_of_the_record_need_twice_the_layers_a_group() -> None:
+    """K pages of every layer first, then V pages (two ranges a layer of 4 KiB each): a group of
+    ``g`` layers fills two ranges of ``g`` x 4 KiB, so eight layers make one 32 KiB-average group;
+    its pages come in record order."""
+    page = 4 * KIB
+    tables = tuple(PageTable(dev_base=np.array([i << 30, (i << 30) + (1 << 29)], dtype=I64),
+                             dev_stride=np.array([page, page], dtype=I64), nbytes=np.array([page, page], dtype=I64),
+                             host_offset=np.array([i * page, (8 + i) * page], dtype=I64),
+                             segment=np.array([2 * i, 2 * i + 1], dtype=I64), record_bytes=16 * page)
+                   for i in range(8))
+    assert group_size(tables) == 8
+    (group,) = grouped(tables, 8)
+    assert group.host_offset.tolist() == [k * page for k in range(16)]
+    assert group.segment.tolist() == [2 * i for i in range(8)] + [2 * i + 1 for i in range(8)]  # moved with them
+    assert group.record_runs()[1].tolist() == [16 * page]
