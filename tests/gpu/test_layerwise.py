@@ -10,7 +10,8 @@
 - Rule 2 per layer: a control whose fence ignores the compute stream lets a reader queued before the
   call see loaded bytes; the real worker never does.
 - Narrow layers from records apart through ``staged`` land in groups of layers, each layer read
-  correct right after its wait (a control that does not wait reads stale pages).
+  correct right after its wait (a control that does not wait reads stale pages), and every group
+  waits for compute reads queued before the call (rule 2; a control without the fence races).
 - Rule 5 for the staged path's layered chunks: a control that skips the slot wait corrupts
   back-to-back layered loads through a small ring; the real path never does.
 """
@@ -196,10 +197,10 @@ def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: i
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)
         full_old = torch.full_like(snapshot, old)
-        seen_new += sum(bad_layer_pages(layout, i, snapshot, full_old) for i in range(LAYERS))
+        seen_new += sum(bad_layer_pages(layout, i, snapshot, full_old) for i in range(load.num_layers))
         after = layout.gather_records(index)
         not_loaded += sum(bad_layer_pages(layout, i, after, torch.full_like(after, new))
-                          for i in range(LAYERS))
+                          for i in range(load.num_layers))
     return seen_new, not_loaded
 
 
@@ -393,3 +394,28 @@ def test_a_staged_load_of_narrow_layers_from_records_apart_lands_in_groups(
                 f"{stale['control']} / {stale['waited']}")
     assert stale["control"] > 0, "the control did not race: the test cannot prove the marks"
     assert stale["waited"] == 0, "a layer read right after its wait_layer was stale"
+
+
+@pytest.mark.parametrize("issuer", ISSUERS)
+def test_every_group_of_narrow_layers_waits_for_compute_reads(
+    issuer: IssuerName, device: torch.device, monkeypatch: pytest.MonkeyPatch, figures: Figures,
+) -> None:
+    """Rule 2 for a ``staged`` load handed over in groups of layers (16 layers of 8 KiB from every
+    other record): a control whose fence ignores the compute stream lets a reader queued before
+    the call see loaded bytes; the worker never does, and every byte lands."""
+    layout = narrow_layers(device)
+    host = [2 * i for i in range(len(BLOCKS))]
+    with monkeypatch.context() as patch:
+        no_fence(patch)
+        with Worker.create(layout, 128, path="staged", issuer=issuer) as control:
+            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, BLOCKS, host)
+    figures.add(f"grouped layered load race [staged/{issuer}], control without the compute wait: reader saw new",
+                f"{control_seen} pieces")
+    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+    with Worker.create(layout, 128, path="staged", issuer=issuer) as w:
+        seen, not_loaded = layered_load_race(w, layout, TRIALS, 0, BLOCKS, host)
+        load = w.load_by_layer(10**6, host, BLOCKS)
+        assert isinstance(load._marks, GroupedMarks), "the load was not handed over in groups"  # noqa: SLF001
+        assert w.wait([10**6], TIMEOUT_S)[0].ok
+    figures.add(f"grouped layered load race [staged/{issuer}], worker over {TRIALS} trials: reader saw new", f"{seen}")
+    assert seen == 0 and not_loaded == 0
