@@ -487,8 +487,9 @@ class DirectionHandler:
         as: the layers themselves and 1, or their groups and the layers a group holds, where the
         backend moves the load through ``staged`` and its layers' narrow spans would go as a
         descriptor per record (docs/design.md §12, *Narrow layers grouped for staged*). The groups
-        are made once per layout; a job of a layout with groups pays for the backend's path and a
-        sort of its host ids (a few microseconds)."""
+        are made once per layout; a job of a layout with groups pays for the backend's path and,
+        through ``staged``, a sort of its host ids (8-18 us for 256 ids on the CI machine; about 1
+        us through another path, 0.4 us for a layout whose layers are wide)."""
         cached = self._groups.get(id(tables))
         if cached is None or cached[0] is not tables:
             size = group_size(tables)
