@@ -472,8 +472,20 @@ def rows_in_short_runs(host_blocks: I64Array, min_rows: int) -> int:
     other (the ids taken in ascending order, as the staged path takes them). On the caller's
     thread: few numpy calls (2.8 us for 256 ids in order or all apart, 5 us in runs, on the CI
     host)."""
+    n = int(host_blocks.shape[0])
+    if n == 0:
+        return 0
     ordered = np.sort(host_blocks)
-    return _in_short_runs(ordered[1:] != ordered[:-1] + 1, int(host_blocks.shape[0]), min_rows)
+    ends = np.flatnonzero(ordered[1:] != ordered[:-1] + 1)  # the last record of every run but the last
+    runs = int(ends.shape[0]) + 1
+    if runs == 1:
+        return n if n < min_rows else 0
+    if runs == n:  # every run one record
+        return n if min_rows > 1 else 0
+    bounds = np.empty(runs + 1, dtype=np.int64)
+    bounds[0], bounds[1:runs], bounds[runs] = -1, ends, n - 1
+    lengths = bounds[1:] - bounds[:-1]
+    return n - int(lengths[lengths >= min_rows].sum())
 
 
 def mostly_apart(host_blocks: I64Array, strided_min_rows: int) -> bool:
@@ -483,20 +495,3 @@ def mostly_apart(host_blocks: I64Array, strided_min_rows: int) -> bool:
     if strided_min_rows <= 0:
         return True
     return rows_in_short_runs(host_blocks, strided_min_rows) > SHORT_RUNS_SHARE * int(host_blocks.shape[0])
-
-
-def _in_short_runs(breaks: npt.NDArray[np.bool_], n: int, min_rows: int) -> int:
-    """How many of ``n`` items lie in runs of fewer than ``min_rows``, where ``breaks[i]`` says
-    that item ``i + 1`` starts a run."""
-    if n == 0:
-        return 0
-    ends = np.flatnonzero(breaks)  # the last item of every run but the last
-    runs = int(ends.shape[0]) + 1
-    if runs == 1:
-        return n if n < min_rows else 0
-    if runs == n:  # every run one item
-        return n if min_rows > 1 else 0
-    bounds = np.empty(runs + 1, dtype=np.int64)
-    bounds[0], bounds[1:runs], bounds[runs] = -1, ends, n - 1
-    lengths = bounds[1:] - bounds[:-1]
-    return n - int(lengths[lengths >= min_rows].sum())

@@ -19,7 +19,8 @@ from kvoffload.backends.native import NativeBackend
 from kvoffload.errors import WaitTimeoutError
 from kvoffload.records import Direction
 from tests.unit._native_fake import IDLE, KERNEL, FakeDriver
-from tests.unit.test_native_issuer import SLOT_BASES, TIMEOUT_S, Harness, Inner, expected, make_plan, moved
+from tests.unit.test_native_issuer import (SLOT_BASES, TIMEOUT_S, Harness, Inner, expected, layer_tables, make_plan,
+                                          moved)
 
 KIB = 1 << 10
 I64 = np.int64
@@ -112,11 +113,7 @@ def test_grouped_marks_show_every_layer_each_waiting_for_its_group() -> None:
 def eight_layer_plan() -> tuple[CopyPlan, tuple[PageTable, ...]]:
     """A load plan of 16 pages of 256 bytes, eight layers of two (512-byte spans, side by side)."""
     plan = make_plan(Direction.LOAD, [256] * 16)
-    p = plan.pages
-    tables = tuple(PageTable(dev_base=p.dev_base[i:i + 2], dev_stride=p.dev_stride[i:i + 2], nbytes=p.nbytes[i:i + 2],
-                             host_offset=p.host_offset[i:i + 2], segment=p.segment[i:i + 2],
-                             record_bytes=p.record_bytes) for i in range(0, 16, 2))
-    return plan, tables
+    return plan, layer_tables(plan)
 
 
 def host_copies(fake: FakeDriver) -> int:

@@ -467,12 +467,12 @@ def test_the_strided_floor_is_no_higher_than_strided_min_rows() -> None:
 
 
 def layer_tables(plan: CopyPlan) -> tuple[PageTable, ...]:
-    """Three layers of two pages each of a six-page plan."""
+    """Layers of two pages each of a plan (three of a six-page plan)."""
     p = plan.pages
     return tuple(
         PageTable(dev_base=p.dev_base[i:i + 2], dev_stride=p.dev_stride[i:i + 2], nbytes=p.nbytes[i:i + 2],
                   host_offset=p.host_offset[i:i + 2], segment=p.segment[i:i + 2], record_bytes=p.record_bytes)
-        for i in (0, 2, 4)
+        for i in range(0, p.num_pages, 2)
     )
 
 
