@@ -79,9 +79,9 @@ WAIT_S: Final = 60.0
 #: 3: bulk buckets chosen on both-ways figures too; 4: the copy kernel's units cut to 4 KiB, which
 #: made small `staged` jobs faster; 5: the device blocks of a timed job out of order (:func:`scattered`);
 #: 6: a `staged` layered load of narrow layers from records apart moves them in groups, faster than
-#: the figures of earlier files say (:mod:`kvoffload._layer_groups`) (a file of an earlier version
-#: is measured again).
-_FILE_VERSION: Final = 6
+#: the figures of earlier files say (:mod:`kvoffload._layer_groups`); 7: ``sm`` runs 4 CTAs, not 8
+#: (:data:`kvoffload.backends.kernel.SM_CTAS`) (a file of an earlier version is measured again).
+_FILE_VERSION: Final = 7
 #: The key of :attr:`AutoChoice.gbps` holding the both-ways figures.
 BOTH_WAYS: Final = "both"
 #: The key of :attr:`AutoChoice.gbps` holding a layered load's figures from records apart, one per

@@ -47,9 +47,11 @@ I64Array = npt.NDArray[np.int64]
 #: What issuing one staged chunk costs the host (a kernel launch, a DMA call, three events), in
 #: descriptors of batched DMA (about a microsecond each in the driver).
 CHUNK_ISSUE_COST: Final = 40
-#: CTAs of the ``sm`` path's kernel unless configured: enough to fill the host link (8 CTAs move
-#: about 51 GB/s on an H200), few enough to leave the SMs to compute.
-SM_CTAS: Final = 8
+#: CTAs of the ``sm`` path's kernel unless configured: enough to fill the host link, few enough to
+#: leave the SMs to compute. 4 moved as fast as 8 on a host where ``sm`` loads run at 0.86-0.90x a
+#: pinned copy and on one where they run at 0.62x, while a GEMM beside ``sm`` stores lost 16-18%
+#: against 47% (docs/design.md §16, *`sm` at 4 CTAs*).
+SM_CTAS: Final = 4
 #: CTAs of the ``staged`` path's gather kernel unless configured; 0: one per SM.
 STAGED_CTAS: Final = 0
 #: Row indices 0..n of a staging slot, for chunks of up to one launch's records.

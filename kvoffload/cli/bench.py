@@ -473,7 +473,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "figure the median, with its range (default 1: the paths one after the other)")
     parser.add_argument("--gemm", action="store_true", help="also measure beside a bf16 GEMM stream")
     parser.add_argument("--kernel-ctas", type=int_in(1), default=None,
-                        help="CTAs of the copy kernel (default: the worker's, every SM for staged, 8 for sm)")
+                        help="CTAs of the copy kernel (default: the worker's, every SM for staged, 4 for sm)")
     parser.add_argument("--json", type=writable_file, default=None, help="write every figure to this file")
     parser.add_argument("--disk", default=None, metavar="DIR",
                         help="instead: the disk tier against raw O_DIRECT on DIR, and disk -> GPU")

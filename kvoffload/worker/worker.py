@@ -273,7 +273,7 @@ class Worker:
                 staging slot.
             staging_bytes: device memory of the staged path's rings, both directions together.
             staging_slots: slots per ring (at least 2, so that kernel and DMA overlap).
-            kernel_ctas: CTAs of the copy kernel (default: every SM for staged, 8 for sm).
+            kernel_ctas: CTAs of the copy kernel (default: every SM for staged, 4 for sm).
             calibration_path: a JSON file where the auto path's calibration is kept across
                 processes (read when it has this device's and geometry's entry, written otherwise).
             disk: a disk tier below the host pool (:class:`~kvoffload.DiskConfig`); enables
@@ -316,7 +316,7 @@ class Worker:
                 load (the copy kernel reads the pool: no copy engine) shares the link instead,
                 0.92-1.89x (2.79x beside an ``sm`` regular load, once 5.16x; docs/design.md §4,
                 *A lane no copy engine holds*). ``sm`` loads take SMs from compute while they run
-                (8 CTAs). The lane's staging ring, where its path stages, is ``staging_bytes / 8``
+                (4 CTAs). The lane's staging ring, where its path stages, is ``staging_bytes / 8``
                 more device memory where its slots still hold a record. Refused with
                 ``backend_factory`` (its backends move the lane's loads).
 
