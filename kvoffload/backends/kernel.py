@@ -48,9 +48,10 @@ I64Array = npt.NDArray[np.int64]
 #: descriptors of batched DMA (about a microsecond each in the driver).
 CHUNK_ISSUE_COST: Final = 40
 #: CTAs of the ``sm`` path's kernel unless configured: enough to fill the host link, few enough to
-#: leave the SMs to compute. 4 moved as fast as 8 on a host where ``sm`` loads run at 0.86-0.90x a
-#: pinned copy and on one where they run at 0.62x, while a GEMM beside ``sm`` stores lost 16-18%
-#: against 47% (docs/design.md §16, *`sm` at 4 CTAs*).
+#: leave the SMs to compute. One direction at a time 4 moved as fast as 8, on a host where ``sm``
+#: loads run at 0.86-0.90x a pinned copy and on one where they run at 0.62x (both directions at
+#: once 5% slower), while a GEMM beside ``sm`` stores lost 16-18% against 47% (docs/design.md §16,
+#: *`sm` at 4 CTAs*).
 SM_CTAS: Final = 4
 #: CTAs of the ``staged`` path's gather kernel unless configured; 0: one per SM.
 STAGED_CTAS: Final = 0
