@@ -29,6 +29,7 @@ import torch
 
 from kvoffload import Worker
 from kvoffload.backends import kernel as kernel_module
+from kvoffload.cli._args import int_in, int_list
 from kvoffload.cli.latency_bench import (
     LATENCY_LAYERS,
     PinnedCopy,
@@ -46,7 +47,7 @@ REPEATS = 7
 LAYERS = 16
 
 
-def isolated(device: torch.device, counts: list[int]) -> list[str]:
+def isolated(device: torch.device, counts: tuple[int, ...]) -> list[str]:
     """The isolated-job rows of every count, records in order and gapped, the counts alternated."""
     block = 2 * LATENCY_LAYERS * PAGE
     blocks = JOB_BYTES // block
@@ -65,11 +66,13 @@ def isolated(device: torch.device, counts: list[int]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    """Measure and print (see the module docstring); 1 when a prefill's loaded byte differed."""
     parser = argparse.ArgumentParser(prog="python -m tests.gpu.probe_sm_ctas")
-    parser.add_argument("--ctas", default="8,4", help="comma-separated CTA counts (default 8,4)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
+    parser.add_argument("--ctas", type=int_list(1, 1024), default=(8, 4),
+                        help="comma-separated CTA counts (default 8,4)")
+    parser.add_argument("--rounds", type=int_in(1), default=2, help="rounds (default 2)")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.ctas.split(",")]
+    counts: tuple[int, ...] = args.ctas
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
