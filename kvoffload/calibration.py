@@ -56,7 +56,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvoffload._descriptors import SHORT_RUNS_SHARE, CopyPlan, PageTable, mostly_apart
+from kvoffload._descriptors import CopyPlan, PageTable, mostly_apart
 from kvoffload.errors import TransferError
 from kvoffload.records import Direction, TransferResult
 
@@ -101,12 +101,10 @@ SM_MAX_JOB_BYTES: Final = 8 << 20
 
 #: A layered load whose layers' copies are host byte ranges narrower than this, on average, goes
 #: through ``sm`` where its size bucket's path would copy them as that many descriptors
-#: (:class:`LayeredChoice`).
+#: (:class:`LayeredChoice`), unless at most :data:`~kvoffload._descriptors.SHORT_RUNS_SHARE` of
+#: its rows lies in runs of records too short for the issuer's strided copies
+#: (:func:`~kvoffload._descriptors.mostly_apart`).
 NARROW_LAYER_BYTES: Final = 64 << 10
-#: ... unless at most this share of its rows lies in runs of records too short for the issuer's
-#: strided copies (the native issuer's ``STRIDED_MIN_ROWS``; the Python issuer has none):
-#: :func:`~kvoffload._descriptors.mostly_apart`.
-NARROW_ROWS_SHARE: Final = SHORT_RUNS_SHARE
 
 
 class LayeredChoice:

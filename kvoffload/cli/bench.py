@@ -581,12 +581,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # in device memory, some MiB each, are not counted)
     cache = 2 * max(total, 4 * BLOCK_BYTES)
     pools = sum(2 * max(t, 4 * BLOCK_BYTES) for t in totals.values()) if rounds > 1 else cache
-    if rounds > 1:
-        check_memory(parser, pools + 2 * LINK_PROBE_BYTES,
-                     f"--total-mib {total // MIB} over {len(paths)} paths open at once (--rounds {rounds})",
-                     "--total-mib or --paths, or leave --rounds out")
-    else:
-        check_memory(parser, pools + 2 * LINK_PROBE_BYTES, f"--total-mib {total // MIB}", "--total-mib")
+    what, fix = ((f"--total-mib {total // MIB} over {len(paths)} paths open at once (--rounds {rounds})",
+                  "--total-mib or --paths, or leave --rounds out") if rounds > 1
+                 else (f"--total-mib {total // MIB}", "--total-mib"))
+    check_memory(parser, pools + 2 * LINK_PROBE_BYTES, what, fix)
     check_device_memory(parser, device, cache + 2 * LINK_PROBE_BYTES, f"--total-mib {total // MIB}", "--total-mib")
     began = time.perf_counter()
     _log(progress, "measuring the link limit")

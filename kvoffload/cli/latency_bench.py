@@ -170,10 +170,12 @@ def host_records(records: str, blocks: int, seed: int = 0) -> np.ndarray:
 
 
 def isolated_jobs(device: torch.device, page: int, job_bytes: int, variants: Sequence[tuple[str, str]],
-                  repeats: int, out: TextIO, records: Sequence[str] = RECORDS[:1]) -> list[str]:
+                  repeats: int, out: TextIO, records: Sequence[str] = RECORDS[:1],
+                  kernel_ctas: Sequence[int | None] | None = None) -> list[str]:
     """Rows of the isolated-job table for one page size and job size: per ``(path, issuer)`` of
     ``variants``, in that order, a store's and a load's row for each of ``records`` (see
-    :func:`host_records`). Every variant's worker is open at once over one layout, and the variants take
+    :func:`host_records`); ``kernel_ctas``: each variant's copy-kernel CTAs (default: the
+    worker's). Every variant's worker is open at once over one layout, and the variants take
     turns job by job (each job followed by the pinned copy it is compared with), so that a host's
     drift weighs on each alike: measured one after the other, two variants on the same path were
     0.77x and 0.91x apart (docs/design.md §7, *One measurement is not a figure*)."""
@@ -183,9 +185,10 @@ def isolated_jobs(device: torch.device, page: int, job_bytes: int, variants: Seq
     copy = PinnedCopy(device, blocks * block)
     dev_a = np.arange(blocks, dtype=np.int64)
     with contextlib.ExitStack() as stack:
+        ctas = kernel_ctas if kernel_ctas is not None else [None] * len(variants)
         workers = [stack.enter_context(Worker.create(layout, 2 * blocks, path=path,  # type: ignore[arg-type]
-                                                     issuer=issuer))  # type: ignore[arg-type]
-                   for path, issuer in variants]
+                                                     issuer=issuer, kernel_ctas=n))  # type: ignore[arg-type]
+                   for (path, issuer), n in zip(variants, ctas, strict=True)]
         found = {kind: _isolated_rows(workers, [path for path, _ in variants], copy, page, repeats, dev_a,
                                       dev_a + blocks, host_records(kind, blocks), kind, tensors)
                  for kind in records}

@@ -20,25 +20,14 @@ Every loaded byte is checked (the rows' last column, and the prefill's mismatche
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import sys
 
-import numpy as np
 import torch
 
-from kvoffload import Worker
 from kvoffload.backends import kernel as kernel_module
 from kvoffload.cli._args import int_in, int_list
-from kvoffload.cli.latency_bench import (
-    LATENCY_LAYERS,
-    PinnedCopy,
-    _isolated_rows,
-    _per_layer,
-    _prefill_case,
-    host_records,
-    one_block_jobs,
-)
+from kvoffload.cli.latency_bench import _prefill_case, isolated_jobs, one_block_jobs
 
 KIB, MIB = 1 << 10, 1 << 20
 PAGE = 4 * KIB
@@ -48,21 +37,13 @@ LAYERS = 16
 
 
 def isolated(device: torch.device, counts: tuple[int, ...]) -> list[str]:
-    """The isolated-job rows of every count, records in order and gapped, the counts alternated."""
-    block = 2 * LATENCY_LAYERS * PAGE
-    blocks = JOB_BYTES // block
-    layout, tensors = _per_layer(device, LATENCY_LAYERS, PAGE, 2 * blocks)
-    copy = PinnedCopy(device, blocks * block)
-    dev_a = np.arange(blocks, dtype=np.int64)
-    rows: list[str] = []
-    with contextlib.ExitStack() as stack:
-        workers = [stack.enter_context(Worker.create(layout, 2 * blocks, path="sm", issuer="native", kernel_ctas=n))
-                   for n in counts]
-        for kind in ("in order", "gapped"):
-            found = _isolated_rows(workers, ["sm"] * len(counts), copy, PAGE, REPEATS, dev_a, dev_a + blocks,
-                                   host_records(kind, blocks), kind, tensors)
-            rows += [f"{n:>2} CTAs {row}" for n, got in zip(counts, found) for row in got]
-    return rows
+    """The isolated-job rows of every count (``bench --latency``'s table), records in order and
+    gapped, the counts taking turns job by job."""
+    records = ("in order", "gapped")
+    rows = isolated_jobs(device, PAGE, JOB_BYTES, [("sm", "native")] * len(counts), REPEATS, io.StringIO(),
+                         records, kernel_ctas=counts)
+    per_count = len(rows) // len(counts)
+    return [f"{counts[i // per_count]:>2} CTAs {row}" for i, row in enumerate(rows)]
 
 
 def main(argv: list[str]) -> int:

@@ -114,7 +114,7 @@ def test_isolated_jobs_open_every_variant_at_once_and_shut_each_once(monkeypatch
 
     monkeypatch.setattr(latency_bench, "_per_layer", lambda *_a: (None, {}))
     monkeypatch.setattr(latency_bench, "PinnedCopy", lambda *_a: None)
-    monkeypatch.setattr(Worker, "create", lambda _layout, _n, path, issuer: _W(path))
+    monkeypatch.setattr(Worker, "create", lambda _layout, _n, path, issuer, kernel_ctas=None: _W(path))
     monkeypatch.setattr(latency_bench, "_isolated_rows", rows)
     device: Any = None
     got = latency_bench.isolated_jobs(device, 4096, 64 << 20, [("auto", "native"), ("dma", "native")], 2,

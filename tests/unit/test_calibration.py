@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import DeviceLayout, calibration
-from kvoffload._descriptors import CopyPlan, PageTable, rows_in_short_runs
+from kvoffload._descriptors import SHORT_RUNS_SHARE, CopyPlan, PageTable, rows_in_short_runs
 from kvoffload.calibration import (
     BOTH_WAYS, SM_BUCKETS, SM_MAX_JOB_BYTES, AutoChoice, _check_bulk, _clear, _fastest, _load, _save,
     _scratch_pages, _verified, sm_competes, turns,
@@ -741,7 +741,7 @@ def test_a_staged_layered_load_goes_through_sm_once_over_half_its_rows_lie_in_sh
     run = _ids(range(256 - short))
     host = np.concatenate((apart, run))
     plan = _layer_plan(8 << 10)
-    expected = "sm" if short > calibration.NARROW_ROWS_SHARE * 256 else "staged"
+    expected = "sm" if short > SHORT_RUNS_SHARE * 256 else "staged"
     assert _choice("staged", plan).path(host, 4) == expected
 
 
