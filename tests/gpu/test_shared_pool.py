@@ -25,7 +25,12 @@ from tests.gpu.conftest import Figures
 #: Bounds the whole of one scenario (spawning, CUDA start-up, attaching, the work); a rank process
 #: dumps its threads' stacks and exits a little before it (see ``run_rank``).
 SCENARIO_S = SCENARIO_BOUND_S
-TRIALS = 40  # per path and rank (at 100 the H200 controls raced 1280-5120 times per path and rank)
+#: The workers' trials per path and rank. The controls run ``CONTROL_TRIALS`` (10) each and found
+#: 1536-2560 of their 2560 pages bad per path and rank (an H100, 2026-12-07), so each worker runs
+#: more trials than its control needed to show the hazard (at 40 this test took 55 s there).
+TRIALS = 16
+#: Rounds of store + load per path and rank at once (each a random 1-32 blocks, every byte checked).
+ROUNDS_AT_ONCE = 100
 
 
 @pytest.fixture
@@ -86,7 +91,7 @@ def collect(procs: list[Any], results: Any, ranks: list[int], bound_s: float = S
 
 
 def test_two_ranks_store_and_load_at_once_bit_exact_on_every_path(name: str, figures: Figures) -> None:
-    procs, results, _barrier = start("both_at_once", name, rounds=200)
+    procs, results, _barrier = start("both_at_once", name, rounds=ROUNDS_AT_ONCE)
     moved = collect(procs, results, [0, 1])
     for rank in range(WORLD):
         for path in PATHS:
