@@ -50,8 +50,8 @@ CHUNK_ISSUE_COST: Final = 40
 #: CTAs of the ``sm`` path's kernel unless configured: enough to fill the host link, few enough to
 #: leave the SMs to compute. One direction at a time 4 moved as fast as 8, on a host where ``sm``
 #: loads run at 0.86-0.90x a pinned copy and on one where they run at 0.62x (both directions at
-#: once 5% slower), while a GEMM beside ``sm`` stores lost 16-18% against 47% (docs/design.md §16,
-#: *`sm` at 4 CTAs*).
+#: once 5% slower), while a GEMM beside ``sm`` stores lost 16-20% on two hosts against 47%
+#: (docs/design.md §16, *`sm` at 4 CTAs*).
 SM_CTAS: Final = 4
 #: CTAs of the ``staged`` path's gather kernel unless configured; 0: one per SM.
 STAGED_CTAS: Final = 0
