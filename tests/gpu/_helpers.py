@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from kvoffload import DeviceLayout, Worker
+from kvoffload._descriptors import I64Array, PageTable
+from kvoffload._layer_load import LayerMarks
 from kvoffload.backends.cuda import CudaBackend
 from kvoffload.backends.native import NativeBackend
 from kvoffload.bindings import driver
-from kvoffload.handler import DirectionHandler
 from kvoffload.cli._caches import build_cache
 from kvoffload.cli._torch import new_stream
+from kvoffload.handler import BookedHandler, DirectionHandler
 
 #: ~5 ms of GPU time on the H200 test machine: long enough for a copy to overtake queued compute.
 SLEEP_CYCLES = 10**7
@@ -58,12 +60,50 @@ def _idle_native_position(self: NativeBackend, stream: object | None) -> object:
     return _native_position(self, new_stream(self.device))
 
 
-def no_fence(patch: pytest.MonkeyPatch) -> None:
+_front_submit = BookedHandler.submit_handed_off
+_front_submit_layered = BookedHandler.submit_handed_off_layered
+
+
+class FrontHandOffs:
+    """How many jobs the worker's fast front (int64 numpy ids, docs/design.md §16) handed over
+    under :func:`no_fence`, each with an idle stream for its fence: whole jobs and layered ones."""
+
+    def __init__(self) -> None:
+        self.whole = 0
+        self.layered = 0
+
+
+def _idle_handle(handler: BookedHandler) -> int:
+    """An idle stream's handle on the device of ``handler``'s backend."""
+    return int(new_stream(cuda_backend(handler).device).cuda_stream)
+
+
+def no_fence(patch: pytest.MonkeyPatch) -> FrontHandOffs:
     """Make every cuda backend created under ``patch``, whoever issues, use an idle fence: the fences
-    handlers take (``fence``, and ``position`` on the native issuer, whose hand-off records it)."""
+    handlers take (``fence``, and ``position`` on the native issuer, whose hand-off records it), and
+    the stream the worker's fast front hands over for its fence, so that a control breaks the rule
+    through both doors. Returns the count of the fast front's hand-offs, which grows while the
+    patch holds (a race test checks that its control's int64 ids took that door)."""
+    count = FrontHandOffs()
+
+    def idle_front_submit(self: BookedHandler, job_id: int, src: I64Array, dst: I64Array, stream: int) -> None:
+        """CONTROL ONLY: the fast front's hand-off, its fence recorded on an idle stream instead
+        of the caller's."""
+        count.whole += 1
+        _front_submit(self, job_id, src, dst, _idle_handle(self))
+
+    def idle_front_submit_layered(self: BookedHandler, job_id: int, src: I64Array, dst: I64Array, stream: int,
+                                  tables: tuple[PageTable, ...]) -> LayerMarks:
+        """CONTROL ONLY: the same for the fast front's ``load_by_layer``."""
+        count.layered += 1
+        return _front_submit_layered(self, job_id, src, dst, _idle_handle(self), tables)
+
     patch.setattr(CudaBackend, "fence", _idle_fence)
     patch.setattr(NativeBackend, "fence", _idle_native_fence)
     patch.setattr(NativeBackend, "position", _idle_native_position)
+    patch.setattr(BookedHandler, "submit_handed_off", idle_front_submit)
+    patch.setattr(BookedHandler, "submit_handed_off_layered", idle_front_submit_layered)
+    return count
 
 
 def cuda_backend(handler: DirectionHandler) -> CudaBackend:

@@ -27,7 +27,9 @@ from kvoffload._layer_groups import GroupedMarks
 from kvoffload.cli._caches import LAYOUTS, build_cache
 from tests.gpu._helpers import TIMEOUT_S, direct_copies, no_fence, stall
 from tests.gpu.conftest import Figures
-from tests.gpu.test_races import BLOCKS, HOST, RUN_BLOCKS, RUN_HOST, both_doors, fill_blocks
+from tests.gpu.test_races import (
+    BLOCKS, HOST, RUN_BLOCKS, RUN_HOST, both_doors, fill_blocks, raced_through_both_doors,
+)
 from tests.gpu.test_staging import ISSUERS, no_slot_wait
 
 PATHS: tuple[PathName, ...] = ("dma", "staged", "sm")
@@ -175,9 +177,11 @@ def test_wait_layer_orders_the_stream_after_that_layer_only(
 
 
 def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
-                      blocks: list[int] = BLOCKS, host: list[int] = HOST) -> tuple[int, int]:
+                      blocks: list[int] = BLOCKS, host: list[int] = HOST,
+                      doors: list[int] | None = None) -> tuple[int, int]:
     """As the load race of test_races, through ``load_by_layer`` (waiting for every layer on the
-    compute stream after its read), through both doors."""
+    compute stream after its read), through both doors (``doors``, when given, gets each door's
+    pieces seen added)."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     index = torch.tensor(blocks, device=layout.device)
     seen_new = not_loaded = 0
@@ -197,7 +201,10 @@ def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: i
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)
         full_old = torch.full_like(snapshot, old)
-        seen_new += sum(bad_layer_pages(layout, i, snapshot, full_old) for i in range(load.num_layers))
+        seen = sum(bad_layer_pages(layout, i, snapshot, full_old) for i in range(load.num_layers))
+        seen_new += seen
+        if doors is not None:
+            doors[trial % 2] += seen
         after = layout.gather_records(index)
         not_loaded += sum(bad_layer_pages(layout, i, after, torch.full_like(after, new))
                           for i in range(load.num_layers))
@@ -211,13 +218,14 @@ def test_every_layer_waits_for_compute_reads(
     figures: Figures,
 ) -> None:
     layout = layered_cache("per-layer", device, num_blocks=128)
+    doors = [0, 0]
     with monkeypatch.context() as patch:
-        no_fence(patch)
+        front = no_fence(patch)
         with Worker.create(layout, 64, path=path, issuer=issuer) as control:
-            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0)
+            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, doors=doors)
     figures.add(f"layered load race [{path}/{issuer}], control without the compute wait: reader saw new",
-                f"{control_seen} pieces")
-    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+                f"{control_seen} pieces (lists / int64 arrays: {doors[0]} / {doors[1]})")
+    raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer, layered=True)
     with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0)
     figures.add(f"layered load race [{path}/{issuer}], worker over {TRIALS} trials: reader saw new", f"{seen}")
@@ -230,14 +238,15 @@ def test_every_layer_of_direct_strided_copies_waits_for_compute_reads(
     """Rule 2 per layer through the native dma path's direct strided copies (records and blocks
     that both follow each other): the control races, the worker never; the copies went direct."""
     layout = layered_cache("per-layer", device, num_blocks=128)
+    doors = [0, 0]
     with monkeypatch.context() as patch:
-        no_fence(patch)
+        front = no_fence(patch)
         with Worker.create(layout, 64, path="dma", issuer="native") as control:
-            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, RUN_BLOCKS, RUN_HOST)
+            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, RUN_BLOCKS, RUN_HOST, doors)
             assert direct_copies(control)[1] > 0
     figures.add("layered load race [dma direct/native], control without the compute wait: reader saw new",
-                f"{control_seen} pieces")
-    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+                f"{control_seen} pieces (lists / int64 arrays: {doors[0]} / {doors[1]})")
+    raced_through_both_doors(doors, front, CONTROL_TRIALS, "native", layered=True)
     with Worker.create(layout, 64, path="dma", issuer="native") as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0, RUN_BLOCKS, RUN_HOST)
         assert direct_copies(w)[1] > 0
@@ -405,13 +414,14 @@ def test_every_group_of_narrow_layers_waits_for_compute_reads(
     the call see loaded bytes; the worker never does, and every byte lands."""
     layout = narrow_layers(device)
     host = [2 * i for i in range(len(BLOCKS))]
+    doors = [0, 0]
     with monkeypatch.context() as patch:
-        no_fence(patch)
+        front = no_fence(patch)
         with Worker.create(layout, 128, path="staged", issuer=issuer) as control:
-            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, BLOCKS, host)
+            control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, BLOCKS, host, doors)
     figures.add(f"grouped layered load race [staged/{issuer}], control without the compute wait: reader saw new",
-                f"{control_seen} pieces")
-    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+                f"{control_seen} pieces (lists / int64 arrays: {doors[0]} / {doors[1]})")
+    raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer, layered=True)
     with Worker.create(layout, 128, path="staged", issuer=issuer) as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0, BLOCKS, host)
         load = w.load_by_layer(10**6, host, BLOCKS)

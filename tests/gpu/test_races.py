@@ -15,7 +15,7 @@ import torch
 from kvoffload import BlockIds, DeviceLayout, Worker
 from kvoffload import IssuerName, PathName
 from kvoffload.handler import INLINE_ISSUE_MAX_DESCRIPTORS
-from tests.gpu._helpers import TIMEOUT_S, cache, direct_copies, no_fence, stall
+from tests.gpu._helpers import TIMEOUT_S, FrontHandOffs, cache, direct_copies, no_fence, stall
 from tests.gpu.conftest import Figures
 
 BLOCKS = list(range(8, 72, 2))  # 32 scattered device blocks
@@ -59,8 +59,9 @@ def both_doors(trial: int, src: list[int], dst: list[int]) -> tuple[BlockIds, Bl
 
 
 def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
-               blocks: list[int] = BLOCKS, host: list[int] = HOST) -> int:
-    """Stale pages over ``trials`` stores issued while the compute stream still writes the blocks."""
+               blocks: list[int] = BLOCKS, host: list[int] = HOST, doors: list[int] | None = None) -> int:
+    """Stale pages over ``trials`` stores issued while the compute stream still writes the blocks;
+    ``doors`` (two counts), when given, gets each door's stale pages added (see :func:`both_doors`)."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     index = torch.tensor(blocks, device=layout.device)
     stale = 0
@@ -75,15 +76,19 @@ def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
         w.store(first_job + trial, *both_doors(trial, blocks, host), stream=compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
-        stale += mismatched_pages(layout, w.host_records()[host], new)
+        bad = mismatched_pages(layout, w.host_records()[host], new)
+        stale += bad
+        if doors is not None:
+            doors[trial % 2] += bad
     return stale
 
 
 def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
               blocks: list[int] = BLOCKS, host: list[int] = HOST, *,
-              expedited: bool = False) -> tuple[int, int]:
+              expedited: bool = False, doors: list[int] | None = None) -> tuple[int, int]:
     """(pages where the compute-stream reader saw loaded bytes, pages the load failed to write);
-    ``expedited``: every load through the worker's expedited lane."""
+    ``expedited``: every load through the worker's expedited lane; ``doors`` (two counts), when
+    given, gets each door's pages seen added (see :func:`both_doors`)."""
     compute = torch.cuda.Stream(layout.device)  # type: ignore[no-untyped-call]
     index = torch.tensor(blocks, device=layout.device)
     seen_new = 0
@@ -101,9 +106,24 @@ def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)
-        seen_new += mismatched_pages(layout, snapshot, old)
+        seen = mismatched_pages(layout, snapshot, old)
+        seen_new += seen
+        if doors is not None:
+            doors[trial % 2] += seen
         not_loaded += mismatched_pages(layout, layout.gather_records(index), new)
     return seen_new, not_loaded
+
+
+def raced_through_both_doors(doors: list[int], front: FrontHandOffs, trials: int, issuer: IssuerName, *,
+                             layered: bool = False) -> None:
+    """Assert that a control of ``trials`` (run under :func:`no_fence` with ``doors`` counted)
+    showed the hazard through both doors, and that a native issuer's fast front handed over each of
+    its odd trials (its int64 ids: :func:`both_doors`) with the fence it broke."""
+    assert doors[0] > 0 and doors[1] > 0, \
+        f"the control did not race through both doors (lists / int64 arrays: {doors}): the test cannot prove the rule"
+    handed = front.layered if layered else front.whole
+    expected = trials // 2 if issuer == "native" else 0  # the Python issuer has no fast front
+    assert handed == expected, f"the fast front handed over {handed} of the control's jobs, not {expected}"
 
 
 @pytest.fixture
@@ -147,13 +167,14 @@ def test_a_split_job_waits_for_compute_in_both_parts(
 def test_store_waits_for_compute_writes(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, issuer: IssuerName,
                                         figures: Figures, path: PathName) -> None:
     pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
+    doors = [0, 0]
     with monkeypatch.context() as patch:
-        no_fence(patch)
+        front = no_fence(patch)
         with Worker.create(layout, 64, path=path, issuer=issuer) as control:
-            control_stale = store_race(control, layout, CONTROL_TRIALS, 0)
+            control_stale = store_race(control, layout, CONTROL_TRIALS, 0, doors=doors)
     figures.add(f"store race [{path}/{issuer}], control without the compute wait: stale pages",
-                f"{control_stale} of {pages}")
-    assert control_stale > 0, "the control did not race: the test cannot prove the rule"
+                f"{control_stale} of {pages} (lists / int64 arrays: {doors[0]} / {doors[1]})")
+    raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer)
     with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         stale = store_race(w, layout, TRIALS, 0)
     figures.add(f"store race [{path}/{issuer}], worker: stale pages over {TRIALS} trials", f"{stale}")
@@ -165,13 +186,14 @@ def test_store_waits_for_compute_writes(layout: DeviceLayout, monkeypatch: pytes
 def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.MonkeyPatch, issuer: IssuerName,
                                       figures: Figures, path: PathName) -> None:
     pages = CONTROL_TRIALS * len(BLOCKS) * layout.pages_per_block
+    doors = [0, 0]
     with monkeypatch.context() as patch:
-        no_fence(patch)
+        front = no_fence(patch)
         with Worker.create(layout, 64, path=path, issuer=issuer) as control:
-            control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0)
+            control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0, doors=doors)
     figures.add(f"load race [{path}/{issuer}], control without the compute wait: reader saw new pages",
-                f"{control_seen} of {pages}")
-    assert control_seen > 0, "the control did not race: the test cannot prove the rule"
+                f"{control_seen} of {pages} (lists / int64 arrays: {doors[0]} / {doors[1]})")
+    raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer)
     with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         seen, not_loaded = load_race(w, layout, TRIALS, 0)
     figures.add(f"load race [{path}/{issuer}], worker: reader saw new pages over {TRIALS} trials", f"{seen}")
