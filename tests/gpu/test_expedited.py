@@ -26,7 +26,7 @@ from tests.gpu.test_races import (
     BLOCKS, CONTROL_TRIALS, ISSUERS, PATHS, load_race, mismatched_pages, raced_through_both_doors,
 )
 
-#: Trials of the lane's load race (the regular lane's test runs 200 per path and issuer).
+#: Trials of the lane's load race (as the regular lane's test runs per path and issuer).
 TRIALS = 100
 #: A stall of about half a second or more on the H200's clocks: far longer than any wait below.
 LONG_STALL_CYCLES = 10**9
