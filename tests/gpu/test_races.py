@@ -2,8 +2,9 @@
 
 The compute stream is stalled with ``torch.cuda._sleep`` and then writes (store case) or reads
 (load case) the blocks a job touches. Each test first runs a control worker whose fence ignores the
-compute stream: the hazard must show (stale pages stored; the reader sees loaded data). Then the
-real worker must show zero over many trials.
+compute stream: the hazard must show (stale pages stored; the reader sees loaded data), through
+both doors of the worker (list ids, and int64 arrays, which a native issuer's fast front takes).
+Then the real worker must show zero over many trials.
 """
 
 from __future__ import annotations
