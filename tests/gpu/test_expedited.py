@@ -23,11 +23,10 @@ from kvoffload import DeviceLayout, IssuerName, PathName, WaitTimeoutError, Work
 from tests.gpu._helpers import TIMEOUT_S, cache, no_fence, stall
 from tests.gpu.conftest import Figures
 from tests.gpu.test_races import (
-    BLOCKS, CONTROL_TRIALS, ISSUERS, PATHS, load_race, mismatched_pages, raced_through_both_doors,
+    BLOCKS, CONTROL_TRIALS, ISSUERS, PATHS, TRIALS, by_door, load_race, mismatched_pages,
+    raced_through_both_doors,
 )
 
-#: Trials of the lane's load race (as the regular lane's test runs per path and issuer).
-TRIALS = 100
 #: A stall of about half a second or more on the H200's clocks: far longer than any wait below.
 LONG_STALL_CYCLES = 10**9
 
@@ -59,7 +58,7 @@ def test_an_expedited_load_waits_for_compute_reads(layout: DeviceLayout, monkeyp
             control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0, expedited=True, doors=doors)
     name = path or "default"
     figures.add(f"expedited load race [{name}], control without the compute wait: reader saw new pages",
-                f"{control_seen} of {pages} (lists / int64 arrays: {doors[0]} / {doors[1]})")
+                f"{control_seen} of {pages} {by_door(doors)}")
     raced_through_both_doors(doors, front, CONTROL_TRIALS, "native")
     with Worker.create(layout, 64, path=worker_path, issuer="native", expedited_loads=True,
                        expedited_path=path) as w:

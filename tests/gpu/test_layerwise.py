@@ -28,7 +28,7 @@ from kvoffload.cli._caches import LAYOUTS, build_cache
 from tests.gpu._helpers import TIMEOUT_S, direct_copies, no_fence, stall
 from tests.gpu.conftest import Figures
 from tests.gpu.test_races import (
-    BLOCKS, HOST, RUN_BLOCKS, RUN_HOST, both_doors, fill_blocks, raced_through_both_doors,
+    BLOCKS, HOST, RUN_BLOCKS, RUN_HOST, both_doors, by_door, fill_blocks, raced_through_both_doors,
 )
 from tests.gpu.test_staging import ISSUERS, no_slot_wait
 
@@ -224,7 +224,7 @@ def test_every_layer_waits_for_compute_reads(
         with Worker.create(layout, 64, path=path, issuer=issuer) as control:
             control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, doors=doors)
     figures.add(f"layered load race [{path}/{issuer}], control without the compute wait: reader saw new",
-                f"{control_seen} pieces (lists / int64 arrays: {doors[0]} / {doors[1]})")
+                f"{control_seen} pieces {by_door(doors)}")
     raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer, layered=True)
     with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0)
@@ -245,7 +245,7 @@ def test_every_layer_of_direct_strided_copies_waits_for_compute_reads(
             control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, RUN_BLOCKS, RUN_HOST, doors)
             assert direct_copies(control)[1] > 0
     figures.add("layered load race [dma direct/native], control without the compute wait: reader saw new",
-                f"{control_seen} pieces (lists / int64 arrays: {doors[0]} / {doors[1]})")
+                f"{control_seen} pieces {by_door(doors)}")
     raced_through_both_doors(doors, front, CONTROL_TRIALS, "native", layered=True)
     with Worker.create(layout, 64, path="dma", issuer="native") as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0, RUN_BLOCKS, RUN_HOST)
@@ -420,7 +420,7 @@ def test_every_group_of_narrow_layers_waits_for_compute_reads(
         with Worker.create(layout, 128, path="staged", issuer=issuer) as control:
             control_seen, _ = layered_load_race(control, layout, CONTROL_TRIALS, 0, BLOCKS, host, doors)
     figures.add(f"grouped layered load race [staged/{issuer}], control without the compute wait: reader saw new",
-                f"{control_seen} pieces (lists / int64 arrays: {doors[0]} / {doors[1]})")
+                f"{control_seen} pieces {by_door(doors)}")
     raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer, layered=True)
     with Worker.create(layout, 128, path="staged", issuer=issuer) as w:
         seen, not_loaded = layered_load_race(w, layout, TRIALS, 0, BLOCKS, host)

@@ -115,13 +115,18 @@ def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
     return seen_new, not_loaded
 
 
+def by_door(doors: list[int]) -> str:
+    """A control's hazard count per door, for its figure."""
+    return f"(lists / int64 arrays: {doors[0]} / {doors[1]})"
+
+
 def raced_through_both_doors(doors: list[int], front: FrontHandOffs, trials: int, issuer: IssuerName, *,
                              layered: bool = False) -> None:
     """Assert that a control of ``trials`` (run under :func:`no_fence` with ``doors`` counted)
     showed the hazard through both doors, and that a native issuer's fast front handed over each of
     its odd trials (its int64 ids: :func:`both_doors`) with the fence it broke."""
     assert doors[0] > 0 and doors[1] > 0, \
-        f"the control did not race through both doors (lists / int64 arrays: {doors}): the test cannot prove the rule"
+        f"the control did not race through both doors {by_door(doors)}: the test cannot prove the rule"
     handed = front.layered if layered else front.whole
     expected = trials // 2 if issuer == "native" else 0  # the Python issuer has no fast front
     assert handed == expected, f"the fast front handed over {handed} of the control's jobs, not {expected}"
@@ -174,7 +179,7 @@ def test_store_waits_for_compute_writes(layout: DeviceLayout, monkeypatch: pytes
         with Worker.create(layout, 64, path=path, issuer=issuer) as control:
             control_stale = store_race(control, layout, CONTROL_TRIALS, 0, doors=doors)
     figures.add(f"store race [{path}/{issuer}], control without the compute wait: stale pages",
-                f"{control_stale} of {pages} (lists / int64 arrays: {doors[0]} / {doors[1]})")
+                f"{control_stale} of {pages} {by_door(doors)}")
     raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer)
     with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         stale = store_race(w, layout, TRIALS, 0)
@@ -193,7 +198,7 @@ def test_load_waits_for_compute_reads(layout: DeviceLayout, monkeypatch: pytest.
         with Worker.create(layout, 64, path=path, issuer=issuer) as control:
             control_seen, _ = load_race(control, layout, CONTROL_TRIALS, 0, doors=doors)
     figures.add(f"load race [{path}/{issuer}], control without the compute wait: reader saw new pages",
-                f"{control_seen} of {pages} (lists / int64 arrays: {doors[0]} / {doors[1]})")
+                f"{control_seen} of {pages} {by_door(doors)}")
     raced_through_both_doors(doors, front, CONTROL_TRIALS, issuer)
     with Worker.create(layout, 64, path=path, issuer=issuer) as w:
         seen, not_loaded = load_race(w, layout, TRIALS, 0)
