@@ -6,8 +6,10 @@ what the link alone costs, measured side by side in one run.
 - *a job alone, call -> result*: one job with nothing else in flight, from the ``store``/``load``
   call to its result from ``wait``, per page size and job size, next to one pinned copy of the same
   bytes timed the same way (call -> stream synchronized) in the same run; the job's device time
-  (``TransferResult.seconds``) and the caller's time in the call are shown beside it; every path
-  and issuer's worker open at once, taking turns job by job (each figure the median of its jobs);
+  (``TransferResult.seconds``) and the caller's time in the call are shown beside it; every path's
+  worker of one issuer open at once, taking turns job by job (each figure the median of its jobs),
+  the issuers one after the other (a Python issuer's workers open beside native ones added 15-35 us
+  to the native callers' time: docs/design.md §16);
   host records in order, and at the smallest page size (every page size without ``--quick``) also
   *gapped* (every other record of the pool, ascending) and *shuffled* (those records in random
   order), as an engine's pool hands out records in the order they were freed;
@@ -178,7 +180,8 @@ def isolated_jobs(device: torch.device, page: int, job_bytes: int, variants: Seq
     worker's). Every variant's worker is open at once over one layout, and the variants take
     turns job by job (each job followed by the pinned copy it is compared with), so that a host's
     drift weighs on each alike: measured one after the other, two variants on the same path were
-    0.77x and 0.91x apart (docs/design.md §7, *One measurement is not a figure*)."""
+    0.77x and 0.91x apart (docs/design.md §7, *One measurement is not a figure*). Pass one
+    issuer's variants: :func:`latency_main` measures the issuers one after the other."""
     block = 2 * LATENCY_LAYERS * page
     blocks = max(1, job_bytes // block)
     layout, tensors = _per_layer(device, LATENCY_LAYERS, page, 2 * blocks)
@@ -415,8 +418,9 @@ def latency_main(device: torch.device, paths: Sequence[str], pages: Sequence[int
     for page in pages:
         for size in sizes:
             scattered = not quick or page == pages[0]
-            rows += isolated_jobs(device, page, size, _variants(paths, issuers), repeats, out,
-                                  RECORDS if scattered else RECORDS[:1])
+            for issuer in issuers:  # one issuer's workers open at a time (see the module docstring)
+                rows += isolated_jobs(device, page, size, _variants(paths, (issuer,)), repeats, out,
+                                      RECORDS if scattered else RECORDS[:1])
     _log(out, "1-block jobs, caller's time per call")
     small = [one_block_jobs(device, path, repeats, issuer) for path, issuer in _variants(paths, issuers)]
     small += [expedited_jobs(device, path, repeats, issuer, lane) for path, issuer in _variants(paths, issuers)

@@ -128,3 +128,35 @@ def test_isolated_jobs_open_every_variant_at_once_and_shut_each_once(monkeypatch
         latency_bench.isolated_jobs(device, 4096, 64 << 20, [("auto", "native"), ("dma", "native")], 2,
                                     io.StringIO(), ("in order", "gapped"))
     assert log[-2:] == ["shut dma", "shut auto"]
+
+
+def test_latency_main_opens_one_issuers_workers_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The isolated-job table is measured issuer by issuer: no call mixes issuers' workers (a
+    Python issuer's open workers slow a native caller), and the rows keep their order (page,
+    job size, issuer, path)."""
+    calls: list[tuple[int, list[tuple[str, str]], tuple[str, ...]]] = []
+
+    def isolated(_device: object, page: int, _size: int, variants: list[tuple[str, str]], _repeats: int,
+                 _out: object, records: tuple[str, ...]) -> list[str]:
+        calls.append((page, list(variants), tuple(records)))
+        return [f"{page} {path}/{issuer} 0" for path, issuer in variants]
+
+    monkeypatch.setattr(latency_bench, "isolated_jobs", isolated)
+    monkeypatch.setattr(latency_bench, "one_block_jobs", lambda *_a: "one block")
+    monkeypatch.setattr(latency_bench, "expedited_jobs", lambda *_a: "expedited")
+    monkeypatch.setattr(latency_bench, "caller_time", lambda *_a: ["caller"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "a device")
+    printed = io.StringIO()
+    monkeypatch.setattr("sys.stdout", printed)
+    device: Any = None
+    status = latency_bench.latency_main(device, ("auto", "dma"), (4096, 65536), True, io.StringIO(),
+                                        ("native", "python"))
+    assert status == 0
+    assert [(page, variants) for page, variants, _ in calls] == [
+        (4096, [("auto", "native"), ("dma", "native")]), (4096, [("auto", "python"), ("dma", "python")]),
+        (65536, [("auto", "native"), ("dma", "native")]), (65536, [("auto", "python"), ("dma", "python")]),
+    ]
+    assert [records for _, _, records in calls] == [RECORDS, RECORDS, RECORDS[:1], RECORDS[:1]]
+    table = [line for line in printed.getvalue().splitlines() if line[:1].isdigit()]
+    assert table == ["4096 auto/native 0", "4096 dma/native 0", "4096 auto/python 0", "4096 dma/python 0",
+                     "65536 auto/native 0", "65536 dma/native 0", "65536 auto/python 0", "65536 dma/python 0"]
