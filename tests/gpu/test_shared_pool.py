@@ -26,9 +26,9 @@ from tests.gpu.conftest import Figures
 #: dumps its threads' stacks and exits a little before it (see ``run_rank``).
 SCENARIO_S = SCENARIO_BOUND_S
 #: The workers' trials per path and rank. The controls run ``CONTROL_TRIALS`` (10) each and found
-#: 1536-2560 of their 5120 pages bad per path and rank (an H100, 2026-12-07, with only their list
-#: ids' trials racing then: ``no_fence``), so each worker runs more trials than its control needed
-#: to show the hazard (at 40 this test took 55 s there).
+#: 4608-5120 of their 5120 pages bad per path and rank (an H100, 2026-12-07, both doors racing:
+#: ``no_fence``), so each worker runs more trials than its control needed to show the hazard (at
+#: 40 this test took 55 s on a slow host; at 16, 27 s on two others).
 TRIALS = 16
 #: Rounds of store + load per path and rank at once (each a random 1-32 blocks, every byte checked).
 ROUNDS_AT_ONCE = 100
