@@ -8,8 +8,8 @@ what the link alone costs, measured side by side in one run.
   bytes timed the same way (call -> stream synchronized) in the same run; the job's device time
   (``TransferResult.seconds``) and the caller's time in the call are shown beside it; every path's
   worker of one issuer open at once, taking turns job by job (each figure the median of its jobs),
-  the issuers one after the other (a Python issuer's workers open beside native ones added 15-35 us
-  to the native callers' time: docs/design.md §16);
+  the issuers one after the other (a Python issuer's workers open beside native ones added about
+  10-35 us to the native callers' time: docs/design.md §16);
   host records in order, and at the smallest page size (every page size without ``--quick``) also
   *gapped* (every other record of the pool, ascending) and *shuffled* (those records in random
   order), as an engine's pool hands out records in the order they were freed;

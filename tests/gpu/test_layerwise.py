@@ -28,7 +28,8 @@ from kvoffload.cli._caches import LAYOUTS, build_cache
 from tests.gpu._helpers import TIMEOUT_S, direct_copies, no_fence, stall
 from tests.gpu.conftest import Figures
 from tests.gpu.test_races import (
-    BLOCKS, HOST, RUN_BLOCKS, RUN_HOST, both_doors, by_door, fill_blocks, raced_through_both_doors,
+    BLOCKS, HOST, RUN_BLOCKS, RUN_HOST, both_doors, by_door, by_trial_door, fill_blocks,
+    raced_through_both_doors,
 )
 from tests.gpu.test_staging import ISSUERS, no_slot_wait
 
@@ -201,10 +202,8 @@ def layered_load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: i
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)
         full_old = torch.full_like(snapshot, old)
-        seen = sum(bad_layer_pages(layout, i, snapshot, full_old) for i in range(load.num_layers))
-        seen_new += seen
-        if doors is not None:
-            doors[trial % 2] += seen
+        seen_new += by_trial_door(
+            doors, trial, sum(bad_layer_pages(layout, i, snapshot, full_old) for i in range(load.num_layers)))
         after = layout.gather_records(index)
         not_loaded += sum(bad_layer_pages(layout, i, after, torch.full_like(after, new))
                           for i in range(load.num_layers))

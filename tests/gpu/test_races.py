@@ -59,6 +59,14 @@ def both_doors(trial: int, src: list[int], dst: list[int]) -> tuple[BlockIds, Bl
     return src, dst
 
 
+def by_trial_door(doors: list[int] | None, trial: int, count: int) -> int:
+    """``count`` (a trial's hazard count), added to its door's in ``doors`` when given (index
+    ``trial % 2``, as :func:`both_doors` chooses the door)."""
+    if doors is not None:
+        doors[trial % 2] += count
+    return count
+
+
 def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
                blocks: list[int] = BLOCKS, host: list[int] = HOST, doors: list[int] | None = None) -> int:
     """Stale pages over ``trials`` stores issued while the compute stream still writes the blocks;
@@ -77,10 +85,7 @@ def store_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
         w.store(first_job + trial, *both_doors(trial, blocks, host), stream=compute)
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
-        bad = mismatched_pages(layout, w.host_records()[host], new)
-        stale += bad
-        if doors is not None:
-            doors[trial % 2] += bad
+        stale += by_trial_door(doors, trial, mismatched_pages(layout, w.host_records()[host], new))
     return stale
 
 
@@ -107,10 +112,7 @@ def load_race(w: Worker, layout: DeviceLayout, trials: int, first_job: int,
         (result,) = w.wait([first_job + trial], TIMEOUT_S)
         assert result.ok, result.error
         torch.cuda.synchronize(layout.device)
-        seen = mismatched_pages(layout, snapshot, old)
-        seen_new += seen
-        if doors is not None:
-            doors[trial % 2] += seen
+        seen_new += by_trial_door(doors, trial, mismatched_pages(layout, snapshot, old))
         not_loaded += mismatched_pages(layout, layout.gather_records(index), new)
     return seen_new, not_loaded
 
