@@ -1,17 +1,22 @@
 """The rank processes of the GPU shared pool tests (``test_shared_pool.py``): each is a spawned
 process with its own KV tensors on the one GPU and its own Worker over one shared pool.
 
-``run_rank(scenario, name, rank, barrier, results, **kwargs)`` is the process's target: it runs the
-scenario and puts ``(rank, "ok", value)`` or ``(rank, "error", text)`` on ``results``.
+``serve(rank, barrier, commands, results, spawned_at)`` is the process's target: it runs the
+scenarios the test sends, one at a time, reporting each on ``results`` (with how long each named
+phase took: figures, never asserted). The rank processes live across the module's tests: spawning
+two CUDA processes costs seconds each time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing.queues
 import multiprocessing.synchronize
+import queue
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -31,8 +36,22 @@ SCENARIO_BOUND_S: Final = 150.0
 SURVIVOR_BOUND_S: Final = 60.0
 #: What a rank's stack dump comes before the scenario's bound.
 DUMP_LEAD_S: Final = 15.0
+#: How long a rank process waits for its next command before it exits (a test runner gone quiet).
+IDLE_S: Final = 600.0
 HOST_BLOCKS: Final = 128
 PATHS: Final[tuple[PathName, ...]] = ("dma", "staged", "sm")
+#: This process's phases and their seconds (see :func:`phase`).
+_PHASES: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Adds the seconds the block takes to this process's phase ``name``."""
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        _PHASES[name] = round(_PHASES.get(name, 0.0) + time.monotonic() - began, 2)
 
 
 def _pool(name: str, rank: int) -> Any:
@@ -75,9 +94,14 @@ def both_at_once(name: str, rank: int, barrier: multiprocessing.synchronize.Barr
     device = torch.device("cuda", 0)
     moved: dict[str, int] = {}
     for path in PATHS:
-        layout = cache("per-layer", device, num_blocks=128, layers=4, seed=10 * rank + 1)
-        with Worker.create(layout, HOST_BLOCKS, shared=_pool(f"{name}-{path}", rank), path=path) as w:
-            moved[path] = _traffic(w, rounds, seed=rank, barrier=barrier)
+        with phase("create"):
+            layout = cache("per-layer", device, num_blocks=128, layers=4, seed=10 * rank + 1)
+            w = Worker.create(layout, HOST_BLOCKS, shared=_pool(f"{name}-{path}", rank), path=path)
+        with w:
+            with phase("traffic"):
+                moved[path] = _traffic(w, rounds, seed=rank, barrier=barrier)
+            with phase("shutdown"):
+                w.shutdown()
     return moved
 
 
@@ -91,23 +115,37 @@ def races(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
     for path in PATHS:
         with pytest.MonkeyPatch.context() as patch:
             no_fence(patch)
-            with Worker.create(layout, 64, shared=_pool(f"{name}-{path}-control", rank), path=path) as control:
+            with phase("create"):
+                control = Worker.create(layout, 64, shared=_pool(f"{name}-{path}-control", rank), path=path)
+            with control:
+                with phase("barrier"):
+                    barrier.wait(TIMEOUT_S)
+                with phase("controls"):
+                    found[f"{path} control stale"] = store_race(control, layout, CONTROL_TRIALS, 0)
+                    found[f"{path} control seen"] = load_race(control, layout, CONTROL_TRIALS, 1000)[0]
+                with phase("shutdown"):
+                    control.shutdown()
+        with phase("create"):
+            w = Worker.create(layout, 64, shared=_pool(f"{name}-{path}", rank), path=path)
+        with w:
+            with phase("barrier"):
                 barrier.wait(TIMEOUT_S)
-                found[f"{path} control stale"] = store_race(control, layout, CONTROL_TRIALS, 0)
-                found[f"{path} control seen"] = load_race(control, layout, CONTROL_TRIALS, 1000)[0]
-        with Worker.create(layout, 64, shared=_pool(f"{name}-{path}", rank), path=path) as w:
-            barrier.wait(TIMEOUT_S)
-            found[f"{path} stale"] = store_race(w, layout, trials, 0)
-            seen, not_loaded = load_race(w, layout, trials, 1000)
+            with phase("trials"):
+                found[f"{path} stale"] = store_race(w, layout, trials, 0)
+                seen, not_loaded = load_race(w, layout, trials, 1000)
             found[f"{path} seen"], found[f"{path} not loaded"] = seen, not_loaded
+            with phase("shutdown"):
+                w.shutdown()
     return found
 
 
 def survivor(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
              results: multiprocessing.queues.Queue[Any], rounds: int) -> int:
     """Rank 0 moves data (its jobs in flight) while rank 1, doing the same, is killed by the test."""
-    layout = cache("per-layer", torch.device("cuda", 0), num_blocks=128, layers=4, seed=rank + 7)
-    with Worker.create(layout, HOST_BLOCKS, shared=_pool(name, rank), path="auto") as w:
+    with phase("create"):
+        layout = cache("per-layer", torch.device("cuda", 0), num_blocks=128, layers=4, seed=rank + 7)
+        w = Worker.create(layout, HOST_BLOCKS, shared=_pool(name, rank), path="auto")
+    with w, phase("traffic"):
         return _traffic(w, rounds if rank == 0 else 10**9, seed=rank, barrier=barrier,
                         started=lambda: results.put((rank, "started", None)))
 
@@ -117,17 +155,38 @@ SCENARIOS: Final[dict[str, Callable[..., Any]]] = {
 }
 
 
-def run_rank(scenario: str, name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
-             results: multiprocessing.queues.Queue[Any], bound_s: float = SCENARIO_BOUND_S, **kwargs: Any) -> None:
-    """A rank process: run ``scenario`` and report; still running :data:`DUMP_LEAD_S` before
-    ``bound_s``, it dumps its threads' stacks and exits."""
-    faulthandler.enable()
-    faulthandler.dump_traceback_later(bound_s - DUMP_LEAD_S, exit=True)
+def _next(commands: multiprocessing.queues.Queue[Any]) -> Any:
+    """The next command, or ``None`` after :data:`IDLE_S` without one."""
     try:
+        return commands.get(timeout=IDLE_S)
+    except queue.Empty:
+        return None
+
+
+def serve(rank: int, barrier: multiprocessing.synchronize.Barrier,
+          commands: multiprocessing.queues.Queue[Any], results: multiprocessing.queues.Queue[Any],
+          spawned_at: float) -> None:
+    """A rank process: runs each scenario the test sends on ``commands`` as ``(scenario, name,
+    bound_s, kwargs)``, one at a time, until ``None`` (or :data:`IDLE_S` without a command). Each
+    puts ``(rank, "phases", seconds)`` then ``(rank, "ok", value)``, or ``(rank, "error", text)``;
+    a scenario still running :data:`DUMP_LEAD_S` before its ``bound_s`` dumps the threads' stacks
+    and exits the process. ``spawned_at`` (``time.time()`` in the parent when it started the
+    process) times phase ``spawn`` (start-up and imports), reported with the first scenario."""
+    faulthandler.enable()
+    _PHASES["spawn"] = round(time.time() - spawned_at, 2)
+    with phase("cuda"):
         torch.cuda.set_device(0)
-        value = SCENARIOS[scenario](name, rank, barrier, results, **kwargs)
-        results.put((rank, "ok", value))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+        torch.zeros(1, device="cuda")
+    while (command := _next(commands)) is not None:
+        scenario, name, bound_s, kwargs = command
+        faulthandler.dump_traceback_later(bound_s - DUMP_LEAD_S, exit=True)
+        try:
+            with phase("scenario"):
+                value = SCENARIOS[scenario](name, rank, barrier, results, **kwargs)
+            results.put((rank, "phases", dict(_PHASES)))
+            results.put((rank, "ok", value))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            _PHASES.clear()

@@ -19,11 +19,11 @@ import pytest
 
 from kvoffload.region import SHM_DIR
 from tests.gpu._helpers import TIMEOUT_S
-from tests.gpu._shared_ranks import PATHS, SCENARIO_BOUND_S, SURVIVOR_BOUND_S, WORLD, run_rank
+from tests.gpu._shared_ranks import PATHS, SCENARIO_BOUND_S, SURVIVOR_BOUND_S, WORLD, serve
 from tests.gpu.conftest import Figures
 
-#: Bounds the whole of one scenario (spawning, CUDA start-up, attaching, the work); a rank process
-#: dumps its threads' stacks and exits a little before it (see ``run_rank``).
+#: Bounds the whole of one scenario (spawning and CUDA start-up when the ranks start, attaching, the
+#: work); a rank process dumps its threads' stacks and exits a little before it (see ``serve``).
 SCENARIO_S = SCENARIO_BOUND_S
 #: The workers' trials per path and rank. The controls run ``CONTROL_TRIALS`` (10) each and found
 #: 4608-5120 of their 5120 pages bad per path and rank (an H100, 2026-12-07, both doors racing:
@@ -44,65 +44,106 @@ def name() -> Iterator[str]:
     assert not left, f"left in {SHM_DIR}: {left}"
 
 
-def start(scenario: str, name: str, bound_s: float = SCENARIO_S, **kwargs: Any) -> tuple[list[Any], Any, Any]:
-    """Both rank processes of ``scenario``, bounded by ``bound_s`` (see ``run_rank``); returns them,
-    the results queue and the barrier (the caller keeps it alive: ``Process.start`` drops its
-    arguments, and a barrier collected in this process unlinks its semaphore before a
-    slow-starting rank has opened it)."""
-    context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(WORLD)
-    results = context.Queue()
-    procs = [context.Process(target=run_rank, args=(scenario, name, r, barrier, results),
-                             kwargs={"bound_s": bound_s, **kwargs}, daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    return procs, results, barrier
+class Ranks:
+    """The two rank processes (``_shared_ranks.serve``), started once for the module's tests and
+    sent one scenario at a time: spawning two CUDA processes costs seconds each time. Started
+    again when one is gone (the survivor test kills one) or after a scenario that failed (its
+    processes' state unknown). :meth:`stop` is the one release path; the module fixture calls it."""
 
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.commands: list[Any] = []
+        self.results: Any = None
+        self.barrier: Any = None  # kept alive here: a barrier collected in this process unlinks
+        # its semaphore before a slow-starting rank has opened it
 
-def collect(procs: list[Any], results: Any, ranks: list[int], bound_s: float = SCENARIO_S) -> dict[int, Any]:
-    """The values the given ranks returned (a rank's error, a rank that exits without a result and a
-    scenario past ``bound_s`` fail the test at once); then reap everyone."""
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + bound_s
-    try:
-        while len(out) < len(ranks):
-            try:
-                rank, status, value = results.get(timeout=1.0)
-            except queue.Empty:
-                gone = {r: procs[r].exitcode for r in ranks if r not in out and procs[r].exitcode is not None}
-                if gone:  # a result put just before the exit may still be in the pipe
-                    try:
-                        rank, status, value = results.get(timeout=5.0)
-                    except queue.Empty:
-                        raise AssertionError(f"rank(s) exited without a result (exit codes {gone})") from None
-                else:
-                    assert time.monotonic() < deadline, f"the scenario did not finish within {bound_s} s"
+    def start(self, scenario: str, name: str, bound_s: float = SCENARIO_S, **kwargs: Any) -> None:
+        """Send ``scenario`` to both ranks (spawning them first if needed), bounded by ``bound_s``
+        (see ``serve``); :meth:`collect` gets the results."""
+        if not self.procs or not all(p.is_alive() for p in self.procs):
+            self.stop()
+            context = multiprocessing.get_context("spawn")
+            self.barrier = context.Barrier(WORLD)
+            self.results = context.Queue()
+            self.commands = [context.Queue() for _ in range(WORLD)]
+            self.procs = [context.Process(target=serve, daemon=True,
+                                          args=(r, self.barrier, self.commands[r], self.results, time.time()))
+                          for r in range(WORLD)]
+            for p in self.procs:
+                p.start()
+        for commands in self.commands:
+            commands.put((scenario, name, bound_s, kwargs))
+
+    def collect(self, ranks: list[int], bound_s: float = SCENARIO_S,
+                figures: tuple[Figures, str] | None = None) -> dict[int, Any]:
+        """The values the given ranks returned (a rank's error, a rank that exits without a
+        result and a scenario past ``bound_s`` fail the test at once, and stop the processes).
+        ``figures``: where to report each rank's phase times, and the scenario's label there."""
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + bound_s
+        try:
+            while len(out) < len(ranks):
+                try:
+                    rank, status, value = self.results.get(timeout=1.0)
+                except queue.Empty:
+                    gone = {r: self.procs[r].exitcode for r in ranks
+                            if r not in out and self.procs[r].exitcode is not None}
+                    if gone:  # a result put just before the exit may still be in the pipe
+                        try:
+                            rank, status, value = self.results.get(timeout=5.0)
+                        except queue.Empty:
+                            raise AssertionError(f"rank(s) exited without a result (exit codes {gone})") from None
+                    else:
+                        assert time.monotonic() < deadline, f"the scenario did not finish within {bound_s} s"
+                        continue
+                if status == "started":
                     continue
-            if status == "started":
-                continue
-            assert status == "ok", f"rank {rank} failed:\n{value}"
-            out[rank] = value
-    finally:
-        for p in procs:
+                if status == "phases":
+                    if figures is not None:
+                        figures[0].add(f"shared pool {figures[1]}, rank {rank}: seconds per phase", f"{value}")
+                    continue
+                assert status == "ok", f"rank {rank} failed:\n{value}"
+                out[rank] = value
+        except BaseException:
+            self.stop()
+            raise
+        return out
+
+    def stop(self) -> None:
+        """Tell every live rank to exit, and reap them all (killing one that does not exit)."""
+        for commands, p in zip(self.commands, self.procs):
+            if p.is_alive():
+                commands.put(None)
+        for p in self.procs:
             p.join(TIMEOUT_S)
             if p.is_alive():
                 p.kill()
                 p.join(TIMEOUT_S)
-    return out
+        self.procs, self.commands = [], []
 
 
-def test_two_ranks_store_and_load_at_once_bit_exact_on_every_path(name: str, figures: Figures) -> None:
-    procs, results, _barrier = start("both_at_once", name, rounds=ROUNDS_AT_ONCE)
-    moved = collect(procs, results, [0, 1])
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Ranks]:
+    pair = Ranks()
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+def test_two_ranks_store_and_load_at_once_bit_exact_on_every_path(ranks: Ranks, name: str,
+                                                                   figures: Figures) -> None:
+    ranks.start("both_at_once", name, rounds=ROUNDS_AT_ONCE)
+    moved = ranks.collect([0, 1], figures=(figures, "at once"))
     for rank in range(WORLD):
         for path in PATHS:
             assert moved[rank][path] > 0
     figures.add("shared pool, 2 ranks at once: blocks moved per rank and path", f"{moved}")
 
 
-def test_race_tests_pass_per_rank_over_a_shared_pool(name: str, figures: Figures) -> None:
-    procs, results, _barrier = start("races", name, trials=TRIALS)
-    found = collect(procs, results, [0, 1])
+def test_race_tests_pass_per_rank_over_a_shared_pool(ranks: Ranks, name: str, figures: Figures) -> None:
+    ranks.start("races", name, trials=TRIALS)
+    found = ranks.collect([0, 1], figures=(figures, "races"))
     for rank in range(WORLD):
         figures.add(f"shared pool races, rank {rank}", f"{found[rank]}")
         for path in PATHS:
@@ -112,16 +153,19 @@ def test_race_tests_pass_per_rank_over_a_shared_pool(name: str, figures: Figures
             assert counts[f"{path} stale"] == counts[f"{path} seen"] == counts[f"{path} not loaded"] == 0
 
 
-def test_a_killed_rank_leaves_the_other_ranks_jobs_unaffected(name: str) -> None:
-    procs, results, _barrier = start("survivor", name, SURVIVOR_BOUND_S, rounds=300)
-    started: set[int] = set()
-    while started != {0, 1}:
-        rank, status, value = results.get(timeout=SURVIVOR_BOUND_S)
-        assert status == "started", f"rank {rank}: {status}\n{value}"
-        started.add(rank)
-    victim = procs[1]
-    assert victim.pid is not None
-    os.kill(victim.pid, signal.SIGKILL)  # in the middle of its traffic, rank 0's jobs in flight
-    victim.join(TIMEOUT_S)
-    moved = collect(procs, results, [0], SURVIVOR_BOUND_S)
+def test_a_killed_rank_leaves_the_other_ranks_jobs_unaffected(ranks: Ranks, name: str, figures: Figures) -> None:
+    ranks.start("survivor", name, SURVIVOR_BOUND_S, rounds=300)
+    try:
+        started: set[int] = set()
+        while started != {0, 1}:
+            rank, status, value = ranks.results.get(timeout=SURVIVOR_BOUND_S)
+            assert status == "started", f"rank {rank}: {status}\n{value}"
+            started.add(rank)
+        victim = ranks.procs[1]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)  # in the middle of its traffic, rank 0's jobs in flight
+        victim.join(TIMEOUT_S)
+        moved = ranks.collect([0], SURVIVOR_BOUND_S, figures=(figures, "survivor"))
+    finally:
+        ranks.stop()  # the pair is broken: a later test starts another
     assert moved[0] > 0
