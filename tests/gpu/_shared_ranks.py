@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import multiprocessing.queues
+import os
 import multiprocessing.synchronize
 import queue
 import time
@@ -25,7 +26,7 @@ import torch
 
 from kvoffload import PathName, SharedPool, Worker
 from tests.gpu._helpers import TIMEOUT_S, cache, no_fence
-from tests.gpu.test_races import CONTROL_TRIALS, load_race, store_race
+from tests.gpu.test_races import load_race, store_race
 
 WORLD: Final = 2
 #: Bounds one scenario in the test; a rank still running shortly before it dumps its stacks and exits.
@@ -38,6 +39,13 @@ SURVIVOR_BOUND_S: Final = 60.0
 DUMP_LEAD_S: Final = 15.0
 #: How long a rank process waits for its next command before it exits (a test runner gone quiet).
 IDLE_S: Final = 600.0
+#: A rank's share of the host's CPUs for torch's intra-op threads (the CPUs divided by this). Each
+#: process would otherwise start one thread per CPU: with two ranks on a 16-CPU H100 host, the race
+#: trials' byte checks (small CPU tensor ops) took 267-271 ms a trial against 6 ms for one process
+#: alone, while the jobs' submit and wait were unchanged (``python -m tests.gpu.probe_shared_trial``,
+#: its default-threads configurations, 2026-12-07). Threads spinning at each parallel op's barrier
+#: while the other process's threads hold the CPUs is the likely cause (not measured apart).
+CPU_SHARE: Final = 2 * WORLD
 HOST_BLOCKS: Final = 128
 PATHS: Final[tuple[PathName, ...]] = ("dma", "staged", "sm")
 #: This process's phases and their seconds (see :func:`phase`).
@@ -106,7 +114,7 @@ def both_at_once(name: str, rank: int, barrier: multiprocessing.synchronize.Barr
 
 
 def races(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
-          results: multiprocessing.queues.Queue[Any], trials: int) -> dict[str, int]:
+          results: multiprocessing.queues.Queue[Any], trials: int, control_trials: int) -> dict[str, int]:
     """The store and load race tests of ``test_races`` on this rank, over a shared pool, while the
     other rank runs them too: the controls (no compute wait) must race, the workers must not."""
     device = torch.device("cuda", 0)
@@ -121,8 +129,8 @@ def races(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
                 with phase("barrier"):
                     barrier.wait(TIMEOUT_S)
                 with phase("controls"):
-                    found[f"{path} control stale"] = store_race(control, layout, CONTROL_TRIALS, 0)
-                    found[f"{path} control seen"] = load_race(control, layout, CONTROL_TRIALS, 1000)[0]
+                    found[f"{path} control stale"] = store_race(control, layout, control_trials, 0)
+                    found[f"{path} control seen"] = load_race(control, layout, control_trials, 1000)[0]
                 with phase("shutdown"):
                     control.shutdown()
         with phase("create"):
@@ -174,6 +182,7 @@ def serve(rank: int, barrier: multiprocessing.synchronize.Barrier,
     process) times phase ``spawn`` (start-up and imports), reported with the first scenario."""
     faulthandler.enable()
     _PHASES["spawn"] = round(time.time() - spawned_at, 2)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // CPU_SHARE))
     with phase("cuda"):
         torch.cuda.set_device(0)
         torch.zeros(1, device="cuda")

@@ -25,13 +25,18 @@ from tests.gpu.conftest import Figures
 #: Bounds the whole of one scenario (spawning and CUDA start-up when the ranks start, attaching, the
 #: work); a rank process dumps its threads' stacks and exits a little before it (see ``serve``).
 SCENARIO_S = SCENARIO_BOUND_S
-#: The workers' trials per path and rank. The controls run ``CONTROL_TRIALS`` (10) each and found
-#: 4608-5120 of their 5120 pages bad per path and rank (an H100, 2026-12-07, both doors racing:
-#: ``no_fence``), so each worker runs more trials than its control needed to show the hazard (at
-#: 40 this test took 55 s on a slow host; at 16, 27 s on two others).
-TRIALS = 16
-#: Rounds of store + load per path and rank at once (each a random 1-32 blocks, every byte checked).
-ROUNDS_AT_ONCE = 100
+#: The controls' trials per path and rank. At 10 (``test_races.CONTROL_TRIALS``) they found
+#: 4096-5120 of their 5120 pages bad (80-100%) per path and rank with both doors racing
+#: (``no_fence``); at 4, 1536-2048 of 2048 (an H100, 2026-12-07).
+CONTROL_TRIALS = 4
+#: The workers' trials per path and rank: more than a control needed to show the hazard, five
+#: through each door. With the controls at 10 and the workers at 16 this test took 25.6 s of a
+#: 215 s suite (a trial took about 160 ms, against 12-15 ms in ``test_races``: see
+#: ``_shared_ranks.CPU_SHARE``); at 4 and 10, 12.0 s (before the ranks took a share of the CPUs).
+TRIALS = 10
+#: Rounds of store + load per path and rank at once (each a random 1-32 blocks, every byte
+#: checked): 100 took 7.6 s of traffic per rank, 50 took 3.8-4.0 s.
+ROUNDS_AT_ONCE = 50
 
 
 @pytest.fixture
@@ -142,7 +147,7 @@ def test_two_ranks_store_and_load_at_once_bit_exact_on_every_path(ranks: Ranks, 
 
 
 def test_race_tests_pass_per_rank_over_a_shared_pool(ranks: Ranks, name: str, figures: Figures) -> None:
-    ranks.start("races", name, trials=TRIALS)
+    ranks.start("races", name, trials=TRIALS, control_trials=CONTROL_TRIALS)
     found = ranks.collect([0, 1], figures=(figures, "races"))
     for rank in range(WORLD):
         figures.add(f"shared pool races, rank {rank}", f"{found[rank]}")
