@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload import PathName, SharedPool, Worker
+from kvoffload import DeviceLayout, PathName, SharedPool, Worker
 from tests.gpu._helpers import TIMEOUT_S, cache, no_fence
 from tests.gpu.test_races import load_race, store_race
 
@@ -113,37 +113,38 @@ def both_at_once(name: str, rank: int, barrier: multiprocessing.synchronize.Barr
     return moved
 
 
+def _race_trials(pool: str, rank: int, layout: DeviceLayout, path: PathName, trials: int,
+                 barrier: multiprocessing.synchronize.Barrier, name: str) -> tuple[int, int, int]:
+    """(stale pages, pages seen, pages not loaded) over ``trials`` store races and as many load
+    races through a worker of its own over shared pool ``pool``, started with the other rank's; the
+    trials' seconds go to phase ``name``."""
+    with phase("create"):
+        w = Worker.create(layout, 64, shared=_pool(pool, rank), path=path)
+    with w:
+        with phase("barrier"):
+            barrier.wait(TIMEOUT_S)
+        with phase(name):
+            stale = store_race(w, layout, trials, 0)
+            seen, not_loaded = load_race(w, layout, trials, 1000)
+        with phase("shutdown"):
+            w.shutdown()
+    return stale, seen, not_loaded
+
+
 def races(name: str, rank: int, barrier: multiprocessing.synchronize.Barrier,
           results: multiprocessing.queues.Queue[Any], trials: int, control_trials: int) -> dict[str, int]:
     """The store and load race tests of ``test_races`` on this rank, over a shared pool, while the
     other rank runs them too: the controls (no compute wait) must race, the workers must not."""
-    device = torch.device("cuda", 0)
-    layout = cache("per-layer", device, num_blocks=128, layers=8, seed=rank)
+    layout = cache("per-layer", torch.device("cuda", 0), num_blocks=128, layers=8, seed=rank)
     found: dict[str, int] = {}
     for path in PATHS:
         with pytest.MonkeyPatch.context() as patch:
             no_fence(patch)
-            with phase("create"):
-                control = Worker.create(layout, 64, shared=_pool(f"{name}-{path}-control", rank), path=path)
-            with control:
-                with phase("barrier"):
-                    barrier.wait(TIMEOUT_S)
-                with phase("controls"):
-                    found[f"{path} control stale"] = store_race(control, layout, control_trials, 0)
-                    found[f"{path} control seen"] = load_race(control, layout, control_trials, 1000)[0]
-                with phase("shutdown"):
-                    control.shutdown()
-        with phase("create"):
-            w = Worker.create(layout, 64, shared=_pool(f"{name}-{path}", rank), path=path)
-        with w:
-            with phase("barrier"):
-                barrier.wait(TIMEOUT_S)
-            with phase("trials"):
-                found[f"{path} stale"] = store_race(w, layout, trials, 0)
-                seen, not_loaded = load_race(w, layout, trials, 1000)
-            found[f"{path} seen"], found[f"{path} not loaded"] = seen, not_loaded
-            with phase("shutdown"):
-                w.shutdown()
+            stale, seen, _ = _race_trials(f"{name}-{path}-control", rank, layout, path, control_trials,
+                                          barrier, "controls")
+        found[f"{path} control stale"], found[f"{path} control seen"] = stale, seen
+        found[f"{path} stale"], found[f"{path} seen"], found[f"{path} not loaded"] = _race_trials(
+            f"{name}-{path}", rank, layout, path, trials, barrier, "trials")
     return found
 
 
