@@ -59,8 +59,9 @@ class Ranks:
         self.procs: list[Any] = []
         self.commands: list[Any] = []
         self.results: Any = None
-        self.barrier: Any = None  # kept alive here: a barrier collected in this process unlinks
-        # its semaphore before a slow-starting rank has opened it
+        # kept here while the ranks live: a barrier collected in this process unlinks its
+        # semaphore before a slow-starting rank has opened it
+        self.barrier: Any = None
 
     def start(self, scenario: str, name: str, bound_s: float = SCENARIO_S, **kwargs: Any) -> None:
         """Send ``scenario`` to both ranks (spawning them first if needed), bounded by ``bound_s``
@@ -115,7 +116,8 @@ class Ranks:
         return out
 
     def stop(self) -> None:
-        """Tell every live rank to exit, and reap them all (killing one that does not exit)."""
+        """Tell every live rank to exit, reap them all (killing one that does not exit), and close
+        the queues."""
         for commands, p in zip(self.commands, self.procs):
             if p.is_alive():
                 commands.put(None)
@@ -124,7 +126,12 @@ class Ranks:
             if p.is_alive():
                 p.kill()
                 p.join(TIMEOUT_S)
-        self.procs, self.commands = [], []
+        for q in self.commands:
+            q.close()
+            q.join_thread()
+        if self.results is not None:
+            self.results.close()
+        self.procs, self.commands, self.results, self.barrier = [], [], None, None
 
 
 @pytest.fixture(scope="module")
