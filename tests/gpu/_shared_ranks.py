@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import multiprocessing.queues
-import os
 import multiprocessing.synchronize
+import os
 import queue
 import time
 import traceback
