@@ -164,6 +164,11 @@ SCENARIOS: Final[dict[str, Callable[..., Any]]] = {
 }
 
 
+def take_cpu_share() -> None:
+    """Limit this process's torch intra-op threads to its share of the CPUs (:data:`CPU_SHARE`)."""
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // CPU_SHARE))
+
+
 def _next(commands: multiprocessing.queues.Queue[Any]) -> Any:
     """The next command, or ``None`` after :data:`IDLE_S` without one."""
     try:
@@ -183,7 +188,7 @@ def serve(rank: int, barrier: multiprocessing.synchronize.Barrier,
     process) times phase ``spawn`` (start-up and imports), reported with the first scenario."""
     faulthandler.enable()
     _PHASES["spawn"] = round(time.time() - spawned_at, 2)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // CPU_SHARE))
+    take_cpu_share()
     with phase("cuda"):
         torch.cuda.set_device(0)
         torch.zeros(1, device="cuda")

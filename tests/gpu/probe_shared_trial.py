@@ -8,7 +8,7 @@ about 160 ms each against 12-15 ms in ``test_races``. Each configuration runs 20
 ms): fill the blocks and synchronise, queue the stall and the writes, submit the store, wait for
 it, check the host records' bytes. Configurations: one process alone, two at once with private
 pools, two at once over one shared pool, each with torch's default intra-op threads and with
-:data:`tests.gpu._shared_ranks.CPU_SHARE` of the CPUs per process.
+a share of the CPUs per process (``_shared_ranks.take_cpu_share``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.queues
 import multiprocessing.synchronize
-import os
 import statistics
 import time
 import uuid
@@ -65,10 +64,10 @@ def rank(shared: bool, cpu_share: bool, name: str, r: int, world: int,
     """One process of a configuration: its trials, after a warm-up, started with the others'."""
     from kvoffload import SharedPool, Worker
     from tests.gpu._helpers import TIMEOUT_S, cache
-    from tests.gpu._shared_ranks import CPU_SHARE
+    from tests.gpu._shared_ranks import take_cpu_share
 
     if cpu_share:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // CPU_SHARE))
+        take_cpu_share()
     torch.cuda.set_device(0)
     layout = cache("per-layer", torch.device("cuda", 0), num_blocks=128, layers=8, seed=r)
     pool = SharedPool(name, world, attach_timeout_s=TIMEOUT_S).rank(r) if shared else None
