@@ -140,7 +140,11 @@ def _raw(path: str, data_bytes: int, io_bytes: int, threads: int) -> tuple[float
 
             return _timed_threads(work, threads, calls * io_bytes)
 
-        return run(True), run(False), direct
+        try:
+            return run(True), run(False), direct
+        except StuckThreadsError:
+            fd = -1  # a stuck thread may still use it: left to the process, never reused under it
+            raise
     finally:
         if fd >= 0:
             os.close(fd)
@@ -149,7 +153,21 @@ def _raw(path: str, data_bytes: int, io_bytes: int, threads: int) -> tuple[float
                 os.unlink(path)
 
 
-def _timed_threads(work: Callable[[int], None], threads: int, nbytes: int) -> float:
+class StuckThreadsError(RuntimeError):
+    """A measurement's threads did not finish by their deadline (a disk that stopped answering):
+    they are left running, and what they use is left to the process."""
+
+
+def _timed_threads(work: Callable[[int], None], threads: int, nbytes: int,
+                   deadline_s: float | None = None) -> float:
+    """GB/s of ``nbytes`` moved by ``work(k)`` on ``threads`` threads at once.
+
+    Raises:
+        StuckThreadsError: a thread still ran ``deadline_s`` (default :data:`WAIT_S`) after the
+            start (the threads are daemons: the process can still exit).
+        BaseException: the first error a thread raised.
+    """
+    deadline_s = WAIT_S if deadline_s is None else deadline_s
     errors: list[BaseException] = []
 
     def guarded(k: int) -> None:
@@ -158,13 +176,17 @@ def _timed_threads(work: Callable[[int], None], threads: int, nbytes: int) -> fl
         except BaseException as exc:  # reported after the join
             errors.append(exc)
 
-    pool = [threading.Thread(target=guarded, args=(k,)) for k in range(threads)]
+    pool = [threading.Thread(target=guarded, args=(k,), name=f"kvoffload-bench-io-{k}", daemon=True)
+            for k in range(threads)]
     start = time.perf_counter()
     for t in pool:
         t.start()
     for t in pool:
-        t.join()
+        t.join(max(0.0, start + deadline_s - time.perf_counter()))
     elapsed = time.perf_counter() - start
+    stuck = sum(t.is_alive() for t in pool)
+    if stuck:
+        raise StuckThreadsError(f"{stuck} of {threads} threads did not finish within {deadline_s:g} s")
     if errors:
         raise errors[0]
     return nbytes / elapsed / 1e9

@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -120,3 +121,52 @@ def test_a_file_left_by_a_killed_run_is_removed_by_the_next(tmp_path: pathlib.Pa
     mine.write_bytes(b"y")
     disk_bench._sweep_stale_files(str(tmp_path))
     assert not stale.exists() and mine.exists()
+
+
+def test_a_measurement_whose_threads_do_not_finish_raises_by_its_deadline() -> None:
+    release = threading.Event()
+
+    def work(k: int) -> None:
+        if k == 1:
+            assert release.wait(30.0)  # a disk that stopped answering, until the test lets it go
+
+    began = time.monotonic()
+    try:
+        with pytest.raises(disk_bench.StuckThreadsError, match=r"1 of 2 threads did not finish within 0\.2 s"):
+            disk_bench._timed_threads(work, 2, 1 << 20, deadline_s=0.2)
+        assert time.monotonic() - began < 10.0
+    finally:
+        release.set()
+    assert disk_bench._timed_threads(lambda k: None, 2, 1 << 20, deadline_s=10.0) > 0
+
+
+def test_a_raw_run_whose_write_does_not_return_keeps_its_file_descriptor_for_the_stuck_thread(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = threading.Event()
+    real_pwritev = os.pwritev
+    fds: list[int] = []
+
+    def stuck_pwritev(fd: int, buffers: object, offset: int) -> int:
+        fds.append(fd)
+        assert release.wait(30.0)  # the disk stopped answering, until the test lets it go
+        return real_pwritev(fd, buffers, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk_bench, "WAIT_S", 0.3)
+    monkeypatch.setattr(os, "pwritev", stuck_pwritev)
+    path = tmp_path / "kvoffload-bench-raw-stuck.bin"
+    try:
+        with pytest.raises(disk_bench.StuckThreadsError, match=r"1 of 1 threads did not finish within 0\.3 s"):
+            disk_bench._raw(str(path), 1 << 20, 1 << 20, 1)
+        assert len(fds) == 1
+        os.fstat(fds[0])  # still open: the stuck thread's write never lands on another file
+        assert not path.exists()
+    finally:
+        release.set()
+        stuck = [t for t in threading.enumerate() if t.name.startswith("kvoffload-bench-io-")]
+        for t in stuck:
+            t.join(10.0)
+        monkeypatch.undo()
+        for fd in fds[:1]:
+            os.close(fd)
+    assert not any(t.is_alive() for t in stuck)
