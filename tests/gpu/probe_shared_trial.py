@@ -10,7 +10,7 @@ it, check the host records' bytes. Configurations: one process alone, two at onc
 pools, two at once over one shared pool, each with torch's default intra-op threads and with
 a share of the CPUs per process (``_shared_ranks.take_cpu_share``). Each configuration's line also
 gives the host's CPU quota and how often and how long the scheduler throttled the probe's control
-group meanwhile (cgroup v2 or v1 files; "no quota" and no counts where there are none): two
+group meanwhile (cgroup v2 or v1 files; "no quota" and 0 where there are none): two
 processes of one torch thread per CPU may spend a quota faster than it refills, which would stop
 every thread of both until the next period.
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.queues
-import os
 import multiprocessing.synchronize
+import os
 import statistics
 import sys
 import time
