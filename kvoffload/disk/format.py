@@ -30,9 +30,10 @@ import logging
 import os
 import stat
 import struct
+import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final, cast
 
 import attrs
@@ -67,9 +68,9 @@ __all__ = [
     "check_keys",
     "check_path",
     "clear_records",
+    "close_file",
     "close_quietly",
     "file_bytes",
-    "forget_lock",
     "keep_from_children",
     "lock_file",
     "mark_clean",
@@ -234,9 +235,24 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
+def close_file(fd: int) -> None:
+    """Close ``fd``, forgetting it as a tier file's descriptor (:func:`lock_file`,
+    :func:`keep_from_children`) in the same step: no fork comes between the two (a child forked
+    after the forgetting and before the close would keep a copy of the lock that nobody lets go of;
+    forgotten after the close, the number's next owner's entry could be the one forgotten).
+
+    Raises:
+        OSError: the close failed (the descriptor is gone all the same).
+    """
+    with _no_fork():
+        _LOCKED.pop(fd, None)
         os.close(fd)
+
+
+def close_quietly(fd: int) -> None:
+    """:func:`close_file`, its error ignored."""
+    with contextlib.suppress(OSError):
+        close_file(fd)
 
 
 def file_bytes(num_blocks: int, record_bytes: int) -> int:
@@ -454,8 +470,10 @@ def _create_file(
     fd: int, config: DiskConfig, fingerprint: bytes, record_bytes: int, *, recreated: bool, note: str,
     mismatch: bool,
 ) -> FileState:
-    """Empty the file, write its header, then size it: a crash at any point leaves an empty file
-    (created again) or a tier whose records are not valid yet — never a file that is not a tier."""
+    """Empty the file, write its header and make it durable, then size it: a crash at any point
+    leaves an empty file (created again) or a tier whose records are not valid yet — never a file
+    that is not a tier (sized before its header reached the disk, the file could be left with its
+    whole size and a first page of zeros, which is never overwritten)."""
     expected = file_bytes(config.num_blocks, record_bytes)
     try:
         os.ftruncate(fd, 0)
@@ -478,6 +496,11 @@ def _create_file(
             f"writing the header of {config.path!r} wrote {written} of {PAGE_BYTES} bytes",
             kind=DiskErrorKind.SHORT_WRITE, path=config.path,
         )
+    try:
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise DiskIOError(f"cannot make the header of {config.path!r} durable: {exc.strerror}",
+                          kind=os_kind(exc.errno), path=config.path, errno=exc.errno) from None
     _size_file(fd, config, expected)
     return FileState(file_id=file_id, reused=False, recreated=recreated, note=note,
                       fingerprint_mismatch=mismatch)
@@ -514,6 +537,15 @@ _LOCKED: dict[int, tuple[int, int]] = {}
 #: schedule after the parent has shut its tier down and opened the file again (seen on a 2-core CI
 #: machine). A lock held with no fork that recent is refused at once.
 FORK_SETTLE_S: Final = 1.0
+#: How long a fork, or a tier descriptor's close, waits for the other to finish (:func:`_no_fork`):
+#: each takes microseconds, so a wait this long means a close hung in the kernel; the fork then goes
+#: ahead (its child may keep that descriptor's copy of the lock) rather than wait without end.
+FORK_GUARD_WAIT_S: Final = 1.0
+#: Held across a tier descriptor's close and its forgetting (:func:`close_file`), and by a fork
+#: from just before it until just after it, in the parent and in the child.
+_FORK_GUARD = threading.Lock()
+#: Per thread: whether the fork this thread is making holds :data:`_FORK_GUARD`.
+_forking = threading.local()
 FORK_RETRY_S: Final = 1e-3
 #: ``time.monotonic()`` of this process's last fork (None: none yet).
 _forked_at: float | None = None
@@ -525,13 +557,36 @@ def _forked() -> None:
     _forked_at = time.monotonic()
 
 
+@contextlib.contextmanager
+def _no_fork() -> Iterator[None]:
+    """No fork of this process starts while the block runs (unless the guard is not had within
+    :data:`FORK_GUARD_WAIT_S`: the block then runs all the same)."""
+    held = _FORK_GUARD.acquire(timeout=FORK_GUARD_WAIT_S)
+    try:
+        yield
+    finally:
+        if held:
+            _FORK_GUARD.release()
+
+
+def _before_fork() -> None:
+    _forking.held = _FORK_GUARD.acquire(timeout=FORK_GUARD_WAIT_S)
+
+
+def _after_fork() -> None:
+    """In the parent and in the child: the guard the fork held, released."""
+    if getattr(_forking, "held", False):
+        _forking.held = False
+        _FORK_GUARD.release()
+
+
 def lock_file(fd: int, path: str) -> str:
     """Take the tier file's lock on ``fd`` (an exclusive ``flock``, without waiting, but tried again
     for a child forked moments ago: :data:`FORK_SETTLE_S`): held by the open file description until
     it is closed, so by the set-up descriptor, which the tier keeps for its life (a child forked
     without ``exec`` lets go of its copy: :func:`_let_go_in_child`); gone with its process. Returns
     "" when taken, or why the file system has no such lock (logged; the tier then opens without
-    one). The caller calls :func:`forget_lock` before it closes ``fd``.
+    one). The caller closes ``fd`` with :func:`close_file` (or :func:`close_quietly`).
 
     Raises:
         DiskInUseError: another open tier, in this process or another, holds it.
@@ -572,15 +627,10 @@ def lock_file(fd: int, path: str) -> str:
 
 def keep_from_children(fd: int) -> None:
     """A tier's descriptor of its file besides the lock's (the O_DIRECT one): a child forked without
-    ``exec`` points its copy at ``/dev/null`` too. The caller calls :func:`forget_lock` before it
-    closes ``fd``."""
+    ``exec`` points its copy at ``/dev/null`` too. The caller closes ``fd`` with :func:`close_file`
+    (or :func:`close_quietly`)."""
     st = os.fstat(fd)
     _LOCKED[fd] = (st.st_dev, st.st_ino)
-
-
-def forget_lock(fd: int) -> None:
-    """``fd`` is about to be closed: a child forked from here on has no lock of it to let go of."""
-    _LOCKED.pop(fd, None)
 
 
 def _let_go_in_child() -> None:
@@ -605,8 +655,19 @@ def _let_go_in_child() -> None:
             continue
 
 
-os.register_at_fork(after_in_child=lambda: _let_go_in_child(),  # looked up at each fork: tests replace it
-                    after_in_parent=lambda: _forked())
+def _in_child() -> None:
+    _after_fork()
+    _let_go_in_child()
+
+
+def _in_parent() -> None:
+    _after_fork()
+    _forked()
+
+
+# The hooks look each function up at each fork: tests replace them.
+os.register_at_fork(before=lambda: _before_fork(), after_in_child=lambda: _in_child(),
+                    after_in_parent=lambda: _in_parent())
 
 
 def open_io_fd(

@@ -86,9 +86,9 @@ from kvoffload.disk.format import (
     check_keys,
     check_path,
     clear_records,
+    close_file,
     close_quietly,
     file_bytes,
-    forget_lock,
     keep_from_children,
     lock_file,
     mark_clean,
@@ -241,7 +241,6 @@ class DiskTier:
             setup_fd = cls._open_path(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
             undo.callback(close_quietly, setup_fd)
             locked = lock_file(setup_fd, path) == ""  # before the file is read or changed
-            undo.callback(forget_lock, setup_fd)
             if not existed:  # only once locked: a file another tier holds is never removed
                 undo.callback(unlink_quietly, path)
             state = prepare_file(setup_fd, config, fingerprint_bytes, record_bytes)
@@ -249,7 +248,6 @@ class DiskTier:
             if fd != setup_fd:
                 undo.callback(close_quietly, fd)
                 keep_from_children(fd)
-                undo.callback(forget_lock, fd)
             tier = cls(
                 config=config, fd=fd, direct=direct, reason=reason, fingerprint=fingerprint,
                 record_bytes=record_bytes, records=records, host=host, state=state, book=book,
@@ -651,14 +649,12 @@ class DiskTier:
             self._host = None
             self._records = None
             if fd is not None:
-                forget_lock(fd)  # the lock's descriptor where the tier reads through it
                 try:
-                    os.close(fd)
+                    close_file(fd)  # (the lock's descriptor where the tier reads through it)
                 except OSError as exc:
                     failures.append(exc)
             lock_fd, self._lock_fd = self._lock_fd, None
             if lock_fd is not None:  # last: the file is another tier's to open from here on
-                forget_lock(lock_fd)
                 close_quietly(lock_fd)
         if self._owns_book:
             self._book.clear()

@@ -833,6 +833,86 @@ def test_without_letting_go_in_the_child_the_lock_outlives_the_tier(
         _tier_outlived_by_a_forked_child(make_tier)
 
 
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "control"])
+def test_a_fork_while_the_tier_closes_its_lock_does_not_leave_the_child_holding_it(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch, guarded: bool,
+) -> None:
+    """A tier forgot its lock's descriptor (for the fork handler) and then closed it: a fork from
+    another thread between the two left the child a copy it never let go of, and the file stayed
+    locked while the child lived (found by a review). The forgetting and the close are one step
+    now, which a fork waits for. Here the close is held until just after the fork began; the
+    control lets the fork go ahead at once (no guard): the reopen is refused."""
+    if not guarded:
+        monkeypatch.setattr(disk_format, "_before_fork", lambda: None)
+    tier = make_tier()
+    write_ok(tier, 1, [0], [3])
+    lock_fd = tier._lock_fd if tier._lock_fd is not None else tier._fd
+    real_close = os.close
+    in_gap, go = threading.Event(), threading.Event()
+
+    def held_close(fd: int) -> None:
+        if fd == lock_fd and not in_gap.is_set():
+            in_gap.set()
+            assert go.wait(WAIT_S)
+        real_close(fd)
+
+    monkeypatch.setattr(os, "close", held_close)
+    closing = threading.Thread(target=tier.shutdown, name="test-shutdown")
+    closing.start()
+    read_end, write_end = os.pipe()
+    try:
+        assert in_gap.wait(WAIT_S)
+        release = threading.Timer(0.3, go.set)  # the close goes on once the fork is under way
+        release.start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork of a process with threads
+            pid = os.fork()
+        if pid == 0:  # the child: wait for the parent's word, never return into pytest
+            real_close(write_end)
+            os.read(read_end, 1)
+            os._exit(0)
+        release.join(WAIT_S)
+        closing.join(WAIT_S)
+        assert not closing.is_alive()
+        monkeypatch.setattr(os, "close", real_close)
+        try:
+            if guarded:
+                make_tier(reuse=True).shutdown()
+            else:
+                with pytest.raises(DiskInUseError, match="in use by another open disk tier"):
+                    make_tier(reuse=True)
+        finally:
+            os.write(write_end, b"x")
+            os.waitpid(pid, 0)
+    finally:
+        go.set()
+        real_close(read_end)
+        real_close(write_end)
+
+
+def test_a_new_files_header_is_durable_before_the_file_is_sized(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sized first, a crash could leave the file at its whole size with a first page of zeros (the
+    header not written back yet): a file that is not a tier, never overwritten (found by a review).
+    The header's sync comes between its write and the sizing."""
+    calls: list[str] = []
+
+    def recorded(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            return real(*args)
+        return call
+
+    for name in ("pwrite", "fdatasync", "posix_fallocate", "ftruncate"):
+        monkeypatch.setattr(os, name, recorded(name, getattr(os, name)))
+    for preallocate in (True, False):
+        calls.clear()
+        make_tier(preallocate=preallocate, reuse=False).shutdown()
+        sizing = calls.index("posix_fallocate" if preallocate else "ftruncate", calls.index("pwrite"))
+        assert "fdatasync" in calls[calls.index("pwrite"):sizing], calls
+
+
 def _clean_flag(path: str) -> bool:
     with open(path, "rb") as f:
         first = f.read(disk_format._FILE_HEADER.size)
