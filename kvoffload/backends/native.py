@@ -853,9 +853,13 @@ class NativeBackend:
     def release_fence(self, fence: object) -> None:
         """Drop the taker's reference to a fence of :meth:`fence` (once; nothing for one of
         :meth:`position`, which the job took)."""
-        if isinstance(fence, NativeFence) and fence.pointer and not fence._released:  # noqa: SLF001 - its owner
-            fence._released = True  # noqa: SLF001
-            with self._lock:  # the issuer is freed after release_within set _released under it
+        if isinstance(fence, NativeFence) and fence.pointer:
+            with self._lock:  # the issuer is freed after release_within set _released under it;
+                # the fence's flag is looked at and set under it too: two threads releasing one
+                # fence at once would both drop the reference
+                if fence._released:  # noqa: SLF001 - its owner
+                    return
+                fence._released = True  # noqa: SLF001
                 if not self._released:  # else the issuer, and its fences' pool, are gone
                     self.lib.kvo_fence_release(self._issuer, fence.pointer)
 

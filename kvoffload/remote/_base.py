@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload import _record as record
-from kvoffload.errors import ArgumentTypeError, ClosedError, RemoteShutdownError, RemoteTimeoutError
+from kvoffload.errors import ArgumentTypeError, ClosedError, RemoteError, RemoteShutdownError, RemoteTimeoutError
 from kvoffload.remote._args import as_generations, as_keys, as_rows, as_timeout
 from kvoffload.remote._lane import Lane, Op, OpState
 from kvoffload.remote._types import (
@@ -406,22 +406,34 @@ class RemoteStoreBase:
         op.nbytes = 0
         op.settled = settled
 
+    def _outcome(self, op: Op) -> tuple[tuple[bool, ...], tuple[RemoteError | None, ...], tuple[int, ...], int]:
+        """The op's succeeded, errors, generations and bytes as the caller gets them: a key with an
+        error never succeeded. (The lane writes an abandoned op's lists without the lock: a key it
+        finds present after the caller's deadline failed it stays failed.)"""
+        errors = tuple(op.errors)
+        succeeded = tuple(ok and error is None for ok, error in zip(op.succeeded, errors))
+        generations = tuple(g if error is None else 0 for g, error in zip(op.generations, errors))
+        moved = op.kind in (RemoteOp.PUT, RemoteOp.GET)
+        nbytes = sum(succeeded) * (record.PAGE_BYTES + self._record_bytes) if moved else 0
+        return succeeded, errors, generations, nbytes
+
     def _count(self, op: Op) -> None:
-        ok = sum(op.succeeded) if op.kind in (RemoteOp.PUT, RemoteOp.GET) else 0
+        succeeded, errors, _, nbytes = self._outcome(op)
+        ok = sum(succeeded) if op.kind in (RemoteOp.PUT, RemoteOp.GET) else 0
         if op.kind is RemoteOp.PUT:
             self._records_put += ok
-            self._bytes_put += op.nbytes
+            self._bytes_put += nbytes
         elif op.kind is RemoteOp.GET:
             self._records_got += ok
-            self._bytes_got += op.nbytes
-        for error in op.errors:
+            self._bytes_got += nbytes
+        for error in errors:
             if error is not None:
                 self._failures[error.kind] = self._failures.get(error.kind, 0) + 1
 
     def _result(self, op: Op, start: float) -> RemoteResult:
+        succeeded, errors, generations, nbytes = self._outcome(op)
         return RemoteResult(
-            op=op.kind, succeeded=tuple(op.succeeded), errors=tuple(op.errors),
-            generations=tuple(op.generations), nbytes=op.nbytes,
+            op=op.kind, succeeded=succeeded, errors=errors, generations=generations, nbytes=nbytes,
             seconds=time.monotonic() - start, settled=op.settled,
         )
 

@@ -177,3 +177,35 @@ def test_a_raising_on_settled_does_not_stop_the_lane() -> None:
     client.gate = None
     assert store.get([b"a"], [1], timeout=10).ok
     store.close()
+
+
+@pytest.mark.parametrize("call", ["exists", "put"])
+def test_a_key_the_client_answers_after_its_deadline_failed_it_is_not_reported_succeeded(call: str) -> None:
+    """The caller fails every key of a call past its deadline, under the store's lock; the lane,
+    which writes without it, could still mark a key succeeded before the caller's snapshot: a
+    result with a key succeeded and failed at once, and a put counted in the stats (found by a
+    review). Here the client answers between the two."""
+    store, client, _ = make_store()
+    assert store.put([b"a"], [0], timeout=10).ok
+    client.gate = threading.Event()
+    real_fail_all = store._fail_all
+    answered = threading.Event()
+
+    def fail_all_then_let_the_client_answer(op: Any, *, settled: bool) -> None:
+        real_fail_all(op, settled=settled)
+        client.gate.set()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while not op.succeeded[0] and time.monotonic() < deadline:  # the lane's write, unlocked
+            time.sleep(0.001)
+        if op.succeeded[0]:
+            answered.set()
+
+    store._fail_all = fail_all_then_let_the_client_answer  # type: ignore[method-assign]
+    before = store.stats()
+    result = store.exists([b"a"], timeout=0.2) if call == "exists" else store.put([b"b"], [1], timeout=0.2)
+    assert answered.is_set(), "the client did not answer before the snapshot: the test proves nothing"
+    assert isinstance(result.errors[0], RemoteTimeoutError) and not result.settled
+    assert result.succeeded == (False,) and result.generations == (0,) and result.nbytes == 0
+    assert store.stats().records_put == before.records_put
+    assert store.wait_idle(10)
+    store.close()
