@@ -102,6 +102,10 @@ class DiskPipeline:
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: Held across the look at ``_closed`` and the job's queueing in :meth:`submit`, and across
+        #: the shutdown's close and its stop word: a job is never queued behind the stop word (it
+        #: would never run, finish or give its fence back).
+        self._queue_lock = threading.Lock()
 
     @classmethod
     def create(
@@ -149,9 +153,10 @@ class DiskPipeline:
         Raises:
             ClosedError: after shutdown.
         """
-        if self._closed:
-            raise ClosedError("the disk pipeline was shut down")
-        self._queue.put(_Job(job_id, direction, device_blocks, disk_blocks, fence, keys))
+        with self._queue_lock:
+            if self._closed:
+                raise ClosedError("the disk pipeline was shut down")
+            self._queue.put(_Job(job_id, direction, device_blocks, disk_blocks, fence, keys))
 
     # --------------------------------------------------------------------------------- the thread
 
@@ -331,10 +336,11 @@ class DiskPipeline:
             ShutdownError: the thread did not stop in time (a job may still use the slots).
         """
         seconds = as_timeout(timeout)
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._queue_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         thread = self._thread
         if thread is None:
             return

@@ -761,6 +761,8 @@ class Worker:
             with self._lock:
                 self._book.remove(job)
                 self._jobs.forget(job)
+            if fence is not None:  # refused (a shutdown since the checks): the job never took it
+                self._pipeline.release_fence(direction, fence)  # type: ignore[union-attr]
             raise
         return job
 

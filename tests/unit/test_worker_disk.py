@@ -20,6 +20,9 @@ from kvoffload.cli._caches import build_cache
 from kvoffload.disk.tier import DiskTier
 from kvoffload.worker.pipeline import DiskPipeline
 from kvoffload.backends.host import HostBackend
+from kvoffload._jobs import JobBook
+from kvoffload.errors import ClosedError
+from kvoffload.testing import FakeBackend
 from kvoffload import DiskConfig, DiskError, DiskErrorKind, Manager, Tier, namespaced_key
 
 TIMEOUT_S = 60.0
@@ -495,3 +498,69 @@ def test_an_idle_worker_with_a_disk_tier_shuts_down_cleanly_given_no_time(tmp_pa
         assert 0 in again.disk_valid_blocks()
     finally:
         again.shutdown(10)
+
+
+def _fake_disk_worker(disk_path: str) -> tuple[Worker, list[FakeBackend]]:
+    made: list[FakeBackend] = []
+
+    def factory(direction: Direction) -> FakeBackend:
+        made.append(FakeBackend(direction))
+        return made[-1]
+
+    w = Worker.create(make_layout(), HOST_BLOCKS, backend_factory=factory,
+                      disk=DiskConfig(disk_path, DISK_BLOCKS, direct=False), bounce_slots=4)
+    return w, made
+
+
+def test_a_disk_job_refused_by_a_pipeline_shut_down_after_its_checks_gives_its_fence_back(
+    disk_path: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The job passed the worker's checks, then another thread's shutdown stopped the pipeline
+    before the hand-off: refused with ``ClosedError``, and the fence taken for it was kept (a
+    pooled CUDA event on a GPU; found by a review)."""
+    w, made = _fake_disk_worker(disk_path)
+    real_reserve = JobBook.reserve
+
+    def reserve_then_shut_the_pipeline(book: JobBook, job: int, source: Any) -> None:
+        real_reserve(book, job, source)
+        if job == 7:
+            stopper = threading.Thread(target=w._pipeline.shutdown, args=(TIMEOUT_S,))  # type: ignore[union-attr]
+            stopper.start()
+            stopper.join(TIMEOUT_S)
+
+    monkeypatch.setattr(JobBook, "reserve", reserve_then_shut_the_pipeline)
+    with pytest.raises(ClosedError, match="disk pipeline was shut down"):
+        w.store_to_disk(7, [1], [1])
+    monkeypatch.undo()
+    assert made and all(b.fences_taken == b.fences_released for b in made), [
+        (b.fences_taken, b.fences_released) for b in made]
+    w.shutdown(TIMEOUT_S)
+
+
+def test_a_disk_job_is_never_queued_behind_the_pipelines_stop_word(disk_path: str) -> None:
+    """A shutdown of the pipeline between its look at the closed flag and the job's queueing put
+    the stop word first: the job was accepted and never ran, finished or gave its fence back (found
+    by a review). Here the shutdown starts right there and must wait: the job runs, then the
+    pipeline stops."""
+    w, made = _fake_disk_worker(disk_path)
+    pipeline = w._pipeline
+    assert pipeline is not None
+    real_queue, stop = pipeline._queue, pipeline.shutdown
+
+    class ShutDownWhileQueueing:
+        def put(self, item: Any) -> None:
+            if item is not None and item.job_id == 7:
+                stopper = threading.Thread(target=stop, args=(TIMEOUT_S,))
+                stopper.start()
+                stopper.join(0.3)  # long enough to put the stop word first, were it let
+            real_queue.put(item)
+
+        def get(self) -> Any:
+            return real_queue.get()
+
+    pipeline._queue = ShutDownWhileQueueing()  # type: ignore[assignment]
+    w.store_to_disk(7, [1], [1])
+    (result,) = w.wait([7], TIMEOUT_S)
+    assert result.ok, result.error
+    w.shutdown(TIMEOUT_S)
+    assert all(b.fences_taken == b.fences_released for b in made)
