@@ -245,12 +245,8 @@ def assemble(layout: DeviceLayout, num_host_blocks: int, options: WorkerOptions)
                                    cuda, o.issuer)
             else:
                 backend = HostBackend(direction)
-            undo.callback(backend.release)
             native_issuer = bool(getattr(backend, "hands_off", False))
-            handler = DirectionHandler.create(direction=direction, plan=plan, backend=backend,
-                                              num_src_blocks=num_src, num_dst_blocks=num_dst, book=book)
-            undo.callback(handler.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
-            handlers.append(handler)
+            handlers.append(_handler_over(backend, undo, plan, num_src, num_dst, book))
         tier: DiskTier | None = None
         bounce: tuple[DirectionHandler, DirectionHandler] | None = None
         pipeline: DiskPipeline | None = None
@@ -362,6 +358,21 @@ def _tries_native(cuda: _Cuda, issuer: str) -> bool:
 
     return issuer == "native" or (
         issuer == "auto" and cuda.copier.method is not CopyMethod.BATCH_BINDINGS)
+
+
+def _handler_over(backend: Backend, undo: contextlib.ExitStack, plan: CopyPlan, num_src: int,
+                  num_dst: int, book: JobBook | None) -> DirectionHandler:
+    """A handler of ``plan``'s direction over ``backend``, which it owns from here on: its
+    shutdown (``undo``'s on a rollback) releases the backend, once, or keeps it where a copy may
+    still use it. Where the handler cannot be made the backend is released here."""
+    try:
+        handler = DirectionHandler.create(direction=plan.direction, plan=plan, backend=backend,
+                                          num_src_blocks=num_src, num_dst_blocks=num_dst, book=book)
+    except BaseException:
+        backend.release()
+        raise
+    undo.callback(handler.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
+    return handler
 
 
 def _made_backend(factory: Callable[[Direction], Backend], direction: Direction) -> Backend:
@@ -767,9 +778,5 @@ def _bounce_handlers(
                                          _path_factory(direction, cuda, WorkerOptions(), ("dma",)))
         else:
             backend = HostBackend(direction)
-        undo.callback(backend.release)
-        handler = DirectionHandler.create(direction=direction, plan=plan, backend=backend,
-                                          num_src_blocks=num_src, num_dst_blocks=num_dst)
-        undo.callback(handler.shutdown, CREATE_ROLLBACK_TIMEOUT_S)
-        made.append(handler)
+        made.append(_handler_over(backend, undo, plan, num_src, num_dst, None))
     return made[0], made[1]

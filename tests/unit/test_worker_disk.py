@@ -564,3 +564,20 @@ def test_a_disk_job_is_never_queued_behind_the_pipelines_stop_word(disk_path: st
     assert result.ok, result.error
     w.shutdown(TIMEOUT_S)
     assert all(b.fences_taken == b.fences_released for b in made)
+
+
+def test_a_create_that_fails_releases_each_backend_once(disk_path: str) -> None:
+    """A create refused by its disk tier rolled back each handler (whose shutdown released its
+    backend) and then released each backend again: an integrator's backend, whose protocol says
+    once, was released twice (found by a review)."""
+    pathlib.Path(disk_path).write_bytes(b"not a tier" * 1000)
+    made: list[FakeBackend] = []
+
+    def factory(direction: Direction) -> FakeBackend:
+        made.append(FakeBackend(direction))
+        return made[-1]
+
+    with pytest.raises(DiskError, match="not a kvoffload disk tier"):
+        Worker.create(make_layout(), HOST_BLOCKS, backend_factory=factory,
+                      disk=DiskConfig(disk_path, DISK_BLOCKS, direct=False), bounce_slots=4)
+    assert made and [b.released for b in made] == [1] * len(made)
