@@ -239,8 +239,14 @@ class BookingBackend(HandsOffBackend, Protocol):
         """Wait until the first job not done among job ``job_id`` (None: the last booked) and those
         booked before it is done; True when it is, or none is left."""
 
-    def close_book(self) -> None:
-        """Book no job any more (a drain's last look)."""
+    def close_book(self, timeout_s: float) -> None:
+        """Book no job any more (a drain's last look), waiting at most ``timeout_s`` for a hand-off
+        in progress.
+
+        Raises:
+            WaitTimeoutError: a hand-off was still in progress (inside a driver call) at the
+                deadline; the book is closed to later hand-offs all the same.
+        """
 
     def book_count(self) -> tuple[int, int | None, int]:
         """The jobs in the book, the first one's id, and how many were ever booked."""
@@ -1214,7 +1220,8 @@ class BookedHandler(DirectionHandler):
     def _drain(self, deadline: float) -> None:
         backend = self._backend
         if backend is not None:  # a hand-off that passed the closed check before the shutdown
-            cast(BookingBackend, backend).close_book()  # is booked now, or refused from here on
+            cast(BookingBackend, backend).close_book(  # is booked now, or refused from here on
+                max(0.0, deadline - time.monotonic()))
         while True:
             with self._lock:
                 failure = self._take_locked()

@@ -1289,11 +1289,25 @@ class NativeBackend:
             return int(self._front.book_wait(self._front_at, key, int(last), _ns(timeout_s)))
         return int(self.lib.kvo_book_wait(self._issuer, key, int(last), _ns(timeout_s)))
 
-    def close_book(self) -> None:
+    def close_book(self, timeout_s: float) -> None:
         """Book no job any more (a drain's last look): a booked hand-off, or a job booked failed,
-        returns :data:`native.RELEASED` from now on. Waits for a hand-off in progress."""
-        with self._lock:
+        returns :data:`native.RELEASED` from now on. Waits at most ``timeout_s`` for a hand-off in
+        progress (which holds the lock across its fence's record, a driver call).
+
+        Raises:
+            WaitTimeoutError: the hand-off in progress did not return in time (its driver call
+                held); the book is closed to the hand-offs after it all the same.
+        """
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            self._book_closed = True  # looked at under the lock by each hand-off that takes it
+            raise WaitTimeoutError(
+                f"a hand-off to the native issuer did not return within {timeout_s:.3f} s of the "
+                "shutdown's drain (its caller's driver call, the fence's record, was held)"
+            )
+        try:
             self._book_closed = True
+        finally:
+            self._lock.release()
 
     def book_count(self) -> tuple[int, int | None, int]:
         """The jobs in the book (handed over, results not taken), the first one's id (None when
@@ -1364,11 +1378,21 @@ class NativeBackend:
             TransferError: the thread did not stop in time.
             CudaError: the driver refused to destroy a stream.
         """
-        with self._lock:
+        seconds = min(STOP_TIMEOUT_S, max(0.0, timeout))
+        # A hand-off holds the lock across its fence's record (a driver call): one held past the
+        # time leaves the issuer as it is, its thread running, to the process.
+        if not self._lock.acquire(timeout=seconds):
+            raise TransferError(
+                f"a hand-off to the native issuer held its lock past {seconds:.3f} s (its caller's "
+                "driver call): the issuer thread was not stopped; its streams and buffers are left "
+                "to the process"
+            )
+        try:
             if self._released:
                 return
             self._released = True
-        seconds = min(STOP_TIMEOUT_S, max(0.0, timeout))
+        finally:
+            self._lock.release()
         with self._stop_lock:  # a look of thread_stopped's meanwhile may have joined it
             stuck = not self._joined and self.lib.kvo_issuer_stop(self._issuer, _ns(seconds))
             self._joined = not stuck

@@ -28,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import (
-    ClosedError, CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, WaitTimeoutError,
-    Worker, native,
+    ClosedError, CudaError, DeviceLayout, DeviceMismatchError, JobIdError, NativeBuildError, ShutdownError,
+    WaitTimeoutError, Worker, native,
 )
 from kvoffload.backends.native import NativeBackend, NativeLayerMarks
 from kvoffload.handler import BookedHandler, DirectionHandler
@@ -825,3 +825,61 @@ def test_the_front_wakes_the_thread_early_for_a_job_its_caller_will_not_issue(
     # Control: with the early wake off no job wakes the thread before its hand-off.
     assert early_wakes(0) == [0, 0], "the control woke the thread: the test proves nothing"
     assert early_wakes(200_000) == [0, 1]  # the 2-pair job is its caller's; the 3-pair job is not
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "control"])
+def test_a_shutdown_returns_by_its_deadline_while_a_hand_off_is_held_in_its_driver_call(
+    bounded: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hand-off holds the backend's lock across its fence's record on the caller's stream; a
+    shutdown's drain and release took that lock without a deadline, so ``shutdown(0.5)`` waited as
+    long as the driver held the record (found by a review). Now the shutdown fails by its deadline,
+    leaving the issuer and the pool to the process. The control's drain waits on the lock without
+    one: the shutdown returns only after the record is let go."""
+    keep: list[object] = []
+    w = make_worker(keep)
+    fake = keep[0]
+    assert isinstance(fake, FakeDriver)
+    ids = np.array([1], dtype=np.int64)
+    w.store(1, ids, ids)
+    assert w.wait([1], TIMEOUT_S)[0].ok
+    if not bounded:
+        def close_book_unbounded(backend: NativeBackend, timeout_s: float) -> None:
+            with backend._lock:  # noqa: SLF001 - the control: no deadline
+                backend._book_closed = True  # noqa: SLF001
+
+        monkeypatch.setattr(NativeBackend, "close_book", close_book_unbounded)
+    gate, inside = threading.Event(), threading.Event()
+    fake.gate_on[("cuEventRecord", COMPUTE)] = gate
+    fake.entered_on[("cuEventRecord", COMPUTE)] = inside
+    submitted: list[BaseException | None] = []
+
+    def submit() -> None:
+        try:
+            w.store(2, ids + 1, ids + 1)
+            submitted.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            submitted.append(exc)
+
+    backends = [w._store._backend, w._load._backend]  # noqa: SLF001 - released below, once free
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    opener = threading.Timer(10.0, gate.set)  # the control's shutdown returns after this
+    failed = False
+    try:
+        assert inside.wait(TIMEOUT_S)
+        opener.start()
+        try:
+            w.shutdown(0.5)
+        except ShutdownError:
+            failed = True
+        held = not gate.is_set()
+    finally:
+        gate.set()
+        opener.cancel()
+        submitter.join(TIMEOUT_S)
+        for backend in backends:  # what the failed shutdown left to the process, let go of here
+            if isinstance(backend, NativeBackend):
+                backend.release_within(TIMEOUT_S)
+    assert held == bounded and (failed or not bounded)
+    assert not submitter.is_alive() and len(submitted) == 1

@@ -2666,7 +2666,7 @@ def test_a_hand_off_that_lands_after_the_drains_last_look_is_refused_not_lost(
                                         num_src_blocks=NUM_BLOCKS, num_dst_blocks=NUM_BLOCKS, book=shared)
     backend = h.backend
     if control:
-        monkeypatch.setattr(backend, "close_book", lambda: None)
+        monkeypatch.setattr(backend, "close_book", lambda timeout_s: None)
     count, issue = backend.book_count, backend.issue_booked
     passed, looked, landed = threading.Event(), threading.Event(), threading.Event()
 
