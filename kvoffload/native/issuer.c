@@ -1208,16 +1208,43 @@ static void issue_end(struct kvo_issuer *is, struct kvo_job *job, CUresult issue
                       const char *issue_call) {
     int64_t path = job->path;
     CUstream stream_end = end_stream(is, path);
-    /* A load of the staged path ends on the kernel stream: no DMA of a failed chunk after the end. */
-    CUresult end_error = 0;
-    if (path == PATH_STAGED && !is->c.store) end_error = mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
-    if (!end_error) end_error = record_on(is, job->end, stream_end);
+    /* A load of the staged path ends on the kernel stream: no DMA of a failed chunk after the end.
+     * Where that wait cannot be made the end is still recorded there, and the job fails: the end
+     * follows every scatter, so no device block is written after it (a failed chunk's DMA may
+     * still fill its staging slot, which the next DMA into that slot follows on the same stream). */
+    CUresult wait_error = 0;
+    if (path == PATH_STAGED && !is->c.store) wait_error = mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
+    if (wait_error && !issue_error) { issue_error = wait_error; issue_call = "cuStreamWaitEvent"; }
+    CUresult end_error = record_on(is, job->end, stream_end);
+    if (end_error) {
+        /* Once more, with another event: the job's copies may be in flight, and only a recorded
+         * end tells when they are done (rule 5: a failed job ends only once none of its copies
+         * touches its buffers). The job fails either way. */
+        CUevent fresh;
+        if (!take_event(is, &is->timing, &fresh)) {
+            if (!record_on(is, fresh, stream_end)) {
+                ((fn_event_destroy)is->c.event_destroy)(job->end);
+                job->end = fresh;
+                if (!issue_error) { issue_error = end_error; issue_call = "cuEventRecord"; }
+                end_error = 0;
+            } else {
+                pthread_mutex_lock(&is->mu);
+                pool_give(is, &is->timing, fresh);
+                pthread_mutex_unlock(&is->mu);
+            }
+        }
+    }
     if (end_error && !issue_error) { issue_error = end_error; issue_call = "cuEventRecord"; }
     if (issue_error) { job->error = issue_error; job->error_call = issue_call; }
-    if (end_error) { job->fail = FAIL_NOTHING; return; } /* nothing to wait for: done at once */
+    /* The end refused twice: taken as the context's failure, after which none of its work runs.
+     * Nothing to wait for: done at once. */
+    if (end_error) { job->fail = FAIL_NOTHING; return; }
     job->fail = issue_error ? FAIL_PARTLY : FAIL_NONE;
     if (job->layered && issue_error) { /* the layers left unmarked follow what was enqueued */
-        job->failed_from = job->marked;  /* and did not land */
+        pthread_mutex_lock(&is->mu); /* and did not land: kvo_wait_layer says so from here on */
+        job->failed_from = job->marked;
+        pthread_cond_broadcast(&is->done);
+        pthread_mutex_unlock(&is->mu);
         for (int64_t l = job->marked; l < job->first + job->nplans; l++)
             if (record_mark(is, job, l, stream_end)) break;
     }
@@ -2306,12 +2333,16 @@ int64_t kvo_wait_layer(struct kvo_job *job, int64_t layer, void *stream, int64_t
     deadline_after(&until, timeout_ns);
     pthread_mutex_lock(&is->mu);
     int64_t code = 0;
-    while (job->marked <= layer && !job->marks_released)
+    /* A layer at or past failed_from was never enqueued (set under the mutex as a partly failed
+     * issue ends, before the rest of the marks are recorded): it did not land, whenever asked. */
+    while (job->marked <= layer && layer < job->failed_from && !job->marks_released)
         if (pthread_cond_timedwait(&is->done, &is->mu, &until) == ETIMEDOUT) break;
     CUevent ev = 0;
-    if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
+    if (!job->marks_released && layer >= job->first && layer >= job->failed_from)
+        code = KVO_JOB_FAILED;
+    else if (job->marked <= layer && !job->marks_released) code = KVO_TIMEOUT;
     else if (!job->marks_released && job->state == JOB_DONE && job->error && layer >= job->first &&
-             (job->fail != FAIL_PARTLY || layer >= job->failed_from))
+             job->fail != FAIL_PARTLY)
         code = KVO_JOB_FAILED; /* a layer its failed issue enqueued landed; after a failed
                                 * completion or a given-up job none is known to have */
     else if (!job->marks_released && job->marks[layer] && job->state != JOB_DONE) ev = job->marks[layer];

@@ -58,6 +58,7 @@ class FakeDriver:
         self.threads: list[int] = []  # the thread ident of each logged call
         self.queries: dict[int, int] = {}
         self.fail: dict[str, int] = {}  # call -> CUresult to return (once)
+        self.fail_on: dict[tuple[str, int], int] = {}  # (call, its last argument) -> CUresult (once)
         self.gate: dict[str, threading.Event] = {}  # call -> event it waits for before returning
         self.gate_on: dict[tuple[str, int], threading.Event] = {}  # (call, its last argument) -> event
         self.entered: dict[str, threading.Event] = {}
@@ -79,7 +80,7 @@ class FakeDriver:
             self.threads.append(threading.get_ident())
             entered = self.entered.get(call) or (self.entered_on.get((call, args[-1])) if args else None)
             gate = self.gate.get(call) or (self.gate_on.get((call, args[-1])) if args else None)
-            code = self.fail.pop(call, 0)
+            code = self.fail.pop(call, 0) or (self.fail_on.pop((call, args[-1]), 0) if args else 0)
         if entered is not None:
             entered.set()
         if gate is not None:

@@ -2032,6 +2032,65 @@ def test_a_layer_its_partly_failed_issue_enqueued_landed_and_the_others_did_not(
         h.close()
 
 
+@pytest.mark.parametrize("path", ["sm", "staged"])
+def test_a_job_whose_end_record_failed_once_ends_only_after_its_copies(path: str) -> None:
+    """The end's record after the copies were enqueued fails once (the staged load's wait between
+    its streams first, for ``staged``): the job failed, and it was done at once, its blocks free
+    while its copies still ran (rule 5; found by a review). The end is recorded again with another
+    event (after the refused wait too): the job ends only once its end is found complete."""
+    direction = Direction.STORE if path == "sm" else Direction.LOAD
+    plan = make_plan(direction, [256])
+    h = Harness(direction, path, plan, not_ready=10**9, tune=THREAD_ISSUES)
+    try:
+        gate, entered = threading.Event(), threading.Event()
+        h.fake.gate["cuLaunchKernel"] = gate  # the job's last launch (its scatter, for staged)
+        h.fake.entered["cuLaunchKernel"] = entered
+        h.handler.submit(0, [1], [2])
+        assert entered.wait(TIMEOUT_S)
+        if path == "staged":  # the copy stream's record for the kernel stream's wait on it (the
+            h.fake.fail_on[("cuEventRecord", COPY)] = 1  # first there after the last scatter)
+        else:
+            h.fake.fail["cuEventRecord"] = 1  # CUDA_ERROR_INVALID_VALUE: the end's record
+        del h.fake.gate["cuLaunchKernel"]
+        gate.set()
+        with pytest.raises(WaitTimeoutError):
+            h.handler.wait([0], 0.3)  # its end not complete: still in flight
+        h.fake.not_ready = 0
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert not result.ok and isinstance(result.error, CudaError)
+        assert h.run(1, [1], [2]).ok  # the next job goes through
+    finally:
+        h.close()
+
+
+def test_a_layer_its_partly_failed_issue_never_enqueued_is_failed_before_the_job_is_done() -> None:
+    """Layer 1's launch fails and the job's end is not complete yet: a wait for layer 2 says it
+    did not land (before, until the job was done, the wait enqueued a stream wait on the mark
+    recorded for it after the failure, and said it landed; found by a review)."""
+    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
+    h = Harness(Direction.LOAD, "sm", plan, tune=THREAD_ISSUES, not_ready=10**9)
+    try:
+        gate = threading.Event()
+        h.fake.gate["cuLaunchKernel"] = gate
+        marks = submit_layered(h, 0, [1, 2], [3, 4])
+        assert wait_until(lambda: len(h.fake.of("cuLaunchKernel")) >= 1)  # layer 0's launch
+        h.fake.fail["cuLaunchKernel"] = 1  # the next launch (layer 1's) fails
+        del h.fake.gate["cuLaunchKernel"]
+        gate.set()
+        assert wait_until(lambda: marks._job is not None)
+        lib, job = native.library(), marks._job
+        assert wait_until(lambda: lib.kvo_wait_layer(job, 2, IDLE, 10**8) == native.JOB_FAILED)
+        assert marks.wait(2, IDLE, TIMEOUT_S) is False and marks.wait(1, IDLE, TIMEOUT_S) is False
+        assert marks.wait(0, IDLE, TIMEOUT_S) is True
+        with pytest.raises(WaitTimeoutError):
+            h.handler.wait([0], 0.2)  # the job is not done: its end is not complete
+        h.fake.not_ready = 0
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert not result.ok
+    finally:
+        h.close()
+
+
 def test_shutdown_gives_up_a_job_that_never_completes_within_its_deadline() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan, not_ready=10**9)
