@@ -430,6 +430,7 @@ class Worker:
             handler, front = self._load, self._fronts.get(Direction.LOAD)
         else:
             handler, front = self._expedited_lane(expedited)[0], self._expedited_front
+        self._check_open()  # after shutdown, ClosedError whatever the layout (as every call then)
         tables = self.layout.require_layers()
         marks = self._front_layered(front, job_id, host_blocks, device_blocks, stream, tables)
         if marks is not None:

@@ -110,6 +110,16 @@ def test_names_that_do_not_say_the_layers_leave_the_layout_without_layers(names:
         layout.require_layers()
 
 
+def test_load_by_layer_after_shutdown_is_closed_whatever_the_layout() -> None:
+    """Every call after shutdown raises ``ClosedError``: ``load_by_layer`` on a layout without
+    layers said ``LayerError`` there (found by a review)."""
+    layout = DeviceLayout.from_tensors({n: torch.zeros(8, 4096, dtype=torch.uint8) for n in ("k", "v")}, 0)
+    w = Worker.create(layout, 4)
+    w.shutdown()
+    with pytest.raises(ClosedError):
+        w.load_by_layer(1, [0], [0])
+
+
 def test_a_layer_dim_before_the_block_dim_selects_whole_pages() -> None:
     t = torch.zeros(4, 2, 8, 64, dtype=torch.uint8)  # [L, K/V, N, page]
     layout = DeviceLayout.from_tensors({"kv": t}, block_dim=2, layer_dim=0)
