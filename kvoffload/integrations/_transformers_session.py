@@ -322,6 +322,9 @@ class _Session:
             if hits == 0:
                 return match
             room = self._make_room(cache, worker, hits + 1, resident)  # a block for the prompt's rest
+            # Making room collects finished jobs (a late load's among them), which may drop copies
+            # the lookup counted (a load that failed drops its disk copy): look again.
+            hits = self._manager.lookup(wanted[:hits])
             count = min(hits, room - 1)
             if count <= 0:
                 return match
@@ -684,9 +687,9 @@ class _Session:
                 continue
             late = self._late_loads.pop(result.job_id, None)
             if late is not None:
-                plan, keys, blocks = late
-                self._manager.complete_load(plan, keys, ok=False)
-                self._counts.blocks_load_failed += len(keys)
+                plan, keys, blocks = late  # recomputed meanwhile: the blocks go back unregistered
+                self._manager.complete_load(plan, keys, ok=result.ok)  # one that landed keeps its
+                self._counts.blocks_load_failed += len(keys)  # disk copies (counted: late)
                 self._cache.return_blocks(blocks)
                 continue
             _log.warning("a result for job %d that this session did not submit: %s", result.job_id, result)
