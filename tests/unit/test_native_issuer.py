@@ -2007,12 +2007,15 @@ def test_a_layer_waited_for_after_its_job_failed_says_it_did_not_land() -> None:
         h.close()
 
 
-def test_a_layer_its_partly_failed_issue_enqueued_landed_and_the_others_did_not() -> None:
-    """Layer 1's launch fails after layer 0's ran: once the job is done, a wait for layer 0 says it
-    landed and one for layer 2 says it did not (every layer of a failed job read as not landed, so
-    a shutdown meanwhile failed a forward whose layer had landed: found by a review)."""
+@pytest.mark.parametrize("in_flight", [False, True], ids=["job done", "job in flight"])
+def test_a_layer_its_partly_failed_issue_enqueued_landed_and_the_others_did_not(in_flight: bool) -> None:
+    """Layer 1's launch fails after layer 0's ran: a wait for layer 0 says it landed and one for
+    layer 2 says it did not (every layer of a failed job read as not landed, so a shutdown
+    meanwhile failed a forward whose layer had landed: found by a review). So it does while the
+    job's end is not complete yet (before, until the job was done, the wait enqueued a stream wait
+    on the mark recorded for layer 2 after the failure and said it landed: found by a review)."""
     plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
-    h = Harness(Direction.LOAD, "sm", plan, tune=THREAD_ISSUES)
+    h = Harness(Direction.LOAD, "sm", plan, tune=THREAD_ISSUES, not_ready=10**9 if in_flight else 0)
     try:
         gate = threading.Event()
         h.fake.gate["cuLaunchKernel"] = gate
@@ -2026,6 +2029,10 @@ def test_a_layer_its_partly_failed_issue_enqueued_landed_and_the_others_did_not(
         assert wait_until(lambda: lib.kvo_wait_layer(job, 2, IDLE, 10**8) == native.JOB_FAILED)
         assert marks.wait(0, IDLE, TIMEOUT_S) is True
         assert marks.wait(1, IDLE, TIMEOUT_S) is False and marks.wait(2, IDLE, TIMEOUT_S) is False
+        if in_flight:
+            with pytest.raises(WaitTimeoutError):
+                h.handler.wait([0], 0.2)  # the job is not done: its end is not complete
+            h.fake.not_ready = 0
         (result,) = h.handler.wait([0], TIMEOUT_S)
         assert not result.ok
     finally:
@@ -2059,34 +2066,6 @@ def test_a_job_whose_end_record_failed_once_ends_only_after_its_copies(path: str
         (result,) = h.handler.wait([0], TIMEOUT_S)
         assert not result.ok and isinstance(result.error, CudaError)
         assert h.run(1, [1], [2]).ok  # the next job goes through
-    finally:
-        h.close()
-
-
-def test_a_layer_its_partly_failed_issue_never_enqueued_is_failed_before_the_job_is_done() -> None:
-    """Layer 1's launch fails and the job's end is not complete yet: a wait for layer 2 says it
-    did not land (before, until the job was done, the wait enqueued a stream wait on the mark
-    recorded for it after the failure, and said it landed; found by a review)."""
-    plan = make_plan(Direction.LOAD, [256, 256, 512, 512, 128, 128])
-    h = Harness(Direction.LOAD, "sm", plan, tune=THREAD_ISSUES, not_ready=10**9)
-    try:
-        gate = threading.Event()
-        h.fake.gate["cuLaunchKernel"] = gate
-        marks = submit_layered(h, 0, [1, 2], [3, 4])
-        assert wait_until(lambda: len(h.fake.of("cuLaunchKernel")) >= 1)  # layer 0's launch
-        h.fake.fail["cuLaunchKernel"] = 1  # the next launch (layer 1's) fails
-        del h.fake.gate["cuLaunchKernel"]
-        gate.set()
-        assert wait_until(lambda: marks._job is not None)
-        lib, job = native.library(), marks._job
-        assert wait_until(lambda: lib.kvo_wait_layer(job, 2, IDLE, 10**8) == native.JOB_FAILED)
-        assert marks.wait(2, IDLE, TIMEOUT_S) is False and marks.wait(1, IDLE, TIMEOUT_S) is False
-        assert marks.wait(0, IDLE, TIMEOUT_S) is True
-        with pytest.raises(WaitTimeoutError):
-            h.handler.wait([0], 0.2)  # the job is not done: its end is not complete
-        h.fake.not_ready = 0
-        (result,) = h.handler.wait([0], TIMEOUT_S)
-        assert not result.ok
     finally:
         h.close()
 
