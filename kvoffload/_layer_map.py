@@ -73,7 +73,8 @@ def group_layers(
     """The layers of the tensors, from ``layers`` and ``layer_dim`` (see the module docstring).
 
     ``host_offset`` is the page table's record offset of each row. Returns the groups, or — only
-    when ``layers`` is None and the default cannot be told from the layout — the reason.
+    when ``layers`` is None and the default cannot be told from the layout (the names say none,
+    or say layers that share bytes) — the reason.
 
     Raises:
         LayerError: an explicit grouping that is malformed or breaks a rule (the message names the
@@ -90,7 +91,14 @@ def group_layers(
         parts = _explicit_parts(layers, by_name, dims)
     _check_cover(parts, by_name, dims)
     pieces = [_pieces(part_list, by_name, dims) for part_list in parts]
-    rows, offsets, sizes = _check_shared_bytes(pieces, host_offset, parts)
+    try:
+        rows, offsets, sizes = _check_shared_bytes(pieces, host_offset, parts)
+    except LayerError as exc:
+        if layers is not None or layer_dim is not None:
+            raise
+        # The tensors' names said the layers, and two of those layers are one memory: the names
+        # do not tell the layers after all (aliased tensors belong in one layer).
+        return f"the layers the tensor names say are not the layout's: {exc}"
     return LayerGroups(parts=parts, rows=rows, offsets=offsets, sizes=sizes)
 
 

@@ -110,6 +110,18 @@ def test_names_that_do_not_say_the_layers_leave_the_layout_without_layers(names:
         layout.require_layers()
 
 
+@pytest.mark.parametrize("names", [("kv0", "kv1"), ("layer0", "cache1")])
+def test_names_that_say_layers_of_one_memory_leave_the_layout_without_layers(names: tuple[str, ...]) -> None:
+    """The names' default grouping put two views of one memory in two layers: ``from_tensors``
+    raised, where names that do not tell the layers leave the layout without them (found by a
+    review). An explicit grouping of the same tensors still raises."""
+    t = torch.zeros(4, 2, 64, dtype=torch.uint8)
+    layout = DeviceLayout.from_tensors({names[0]: t, names[1]: t.view(4, 128)}, 0)
+    assert layout.layers is None and "share the same bytes" in layout.layers_missing
+    with pytest.raises(LayerError, match="share the same bytes"):
+        DeviceLayout.from_tensors({names[0]: t, names[1]: t.view(4, 128)}, 0, layers=[[names[0]], [names[1]]])
+
+
 def test_load_by_layer_after_shutdown_is_closed_whatever_the_layout() -> None:
     """Every call after shutdown raises ``ClosedError``: ``load_by_layer`` on a layout without
     layers said ``LayerError`` there (found by a review)."""
