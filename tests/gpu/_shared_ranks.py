@@ -41,14 +41,13 @@ DUMP_LEAD_S: Final = 15.0
 IDLE_S: Final = 600.0
 #: A rank's share of the host's CPUs for torch's intra-op threads (the CPUs divided by this). Each
 #: process would otherwise start one thread per CPU: with two ranks on a 16-CPU H100 host, the race
-#: trials' byte checks (small CPU tensor ops) took 267-271 ms a trial against 6 ms for one process
-#: alone, while the jobs' submit and wait were unchanged (``python -m tests.gpu.probe_shared_trial``,
-#: its default-threads configurations, 2026-12-07). The cause is not measured apart. On the 2-CPU CI
-#: host, without a GPU, two processes running the same checks on CPU tensors took 17.6-37.2 ms a
-#: check with torch's default threads against 16.5-17.4 with this share (13.1 one process alone;
-#: ``python -m tests.gpu.probe_shared_trial --cpu``, four runs): up to twice, not forty times. The
-#: probe prints the host's CPU quota and the scheduler's throttling of each configuration, for the
-#: next run on a GPU host to tell whether the two ranks spend a quota.
+#: trials' byte checks (small CPU tensor ops) took 264-273 ms a trial against 6 ms for one process
+#: alone, while the jobs' submit and wait were unchanged; with a quarter of the CPUs each (4
+#: threads) they took 17-20 ms (19 for one process alone) and the shared-pool races test 2.5 s
+#: instead of 12 (``python -m tests.gpu.probe_shared_trial``, an H100, 2026-12-07; the host had no
+#: CPU quota and no throttling, so the cause is the threads' contention itself, not measured
+#: apart). On the 2-CPU CI host, without a GPU, two processes' checks on CPU tensors took up to
+#: twice one process's time with torch's default threads (``--cpu``), not forty times.
 CPU_SHARE: Final = 2 * WORLD
 HOST_BLOCKS: Final = 128
 PATHS: Final[tuple[PathName, ...]] = ("dma", "staged", "sm")
