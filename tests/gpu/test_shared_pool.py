@@ -25,18 +25,19 @@ from tests.gpu.conftest import Figures
 #: Bounds the whole of one scenario (spawning and CUDA start-up when the ranks start, attaching, the
 #: work); a rank process dumps its threads' stacks and exits a little before it (see ``serve``).
 SCENARIO_S = SCENARIO_BOUND_S
-#: The controls' trials per path and rank. At 10 (``test_races.CONTROL_TRIALS``) they found
-#: 4096-5120 of their 5120 pages bad (80-100%) per path and rank with both doors racing
-#: (``no_fence``); at 4, 1536-2048 of 2048 (an H100, 2026-12-07).
-CONTROL_TRIALS = 4
-#: The workers' trials per path and rank: more than a control needed to show the hazard, five
-#: through each door. With the controls at 10 and the workers at 16 this test took 25.6 s of a
-#: 215 s suite (a trial took about 160 ms, against 12-15 ms in ``test_races``: see
-#: ``_shared_ranks.CPU_SHARE``); at 4 and 10, 12.0 s (before the ranks took a share of the CPUs).
-TRIALS = 10
+#: The controls' trials per path and rank, as ``test_races.CONTROL_TRIALS``: they found 4096-5120
+#: of their 5120 pages bad (80-100%) per path and rank with both doors racing (``no_fence``); at 4,
+#: 1536-2048 of 2048 (H100 hosts, 2026-12-07).
+CONTROL_TRIALS = 10
+#: The workers' trials per path and rank: more than a control needed to show the hazard, eight
+#: through each door. Before the ranks took a share of the CPUs (``_shared_ranks.CPU_SHARE``) a
+#: trial took about 160 ms against 12-15 ms in ``test_races``, and this test 25.6 s of a 215 s suite
+#: at 10 controls and 16 trials; with the share, 2.5 s at 4 and 10 and 4.1 s at 10 and 16 (H100
+#: hosts, 2026-12-07: trials 2.3 s, controls 1.4 s per rank; the controls found 5120 of 5120 bad).
+TRIALS = 16
 #: Rounds of store + load per path and rank at once (each a random 1-32 blocks, every byte
-#: checked): 100 took 7.6 s of traffic per rank, 50 took 3.8-4.0 s.
-ROUNDS_AT_ONCE = 50
+#: checked): before the CPU share 100 took 7.6 s of traffic per rank; with it 2.0-2.2 s.
+ROUNDS_AT_ONCE = 100
 
 
 @pytest.fixture
