@@ -67,6 +67,8 @@ __all__ = [
 
 U8Array = npt.NDArray[np.uint8]
 I64Array = npt.NDArray[np.int64]
+#: An op's succeeded, errors, generations and bytes as its caller gets them (``_outcome``).
+_Outcome = tuple[tuple[bool, ...], tuple[RemoteError | None, ...], tuple[int, ...], int]
 
 DEFAULT_CLOSE_TIMEOUT_S: Final = 10.0
 #: Chunks of header pages: the client moves one while the checksum threads prepare the next.
@@ -385,8 +387,9 @@ class RemoteStoreBase:
                 op.state = OpState.ABANDONED
                 self._abandoned += 1
                 self._fail_all(op, settled=False)
-            self._count(op)
-            return self._result(op, start)  # a snapshot: an abandoned op's lists still change
+            outcome = self._outcome(op)  # a snapshot: an abandoned op's lists still change
+            self._count(op, outcome)
+            return self._result(op, start, outcome)
 
     def _closed_check(self) -> None:
         if self._closed:
@@ -406,7 +409,7 @@ class RemoteStoreBase:
         op.nbytes = 0
         op.settled = settled
 
-    def _outcome(self, op: Op) -> tuple[tuple[bool, ...], tuple[RemoteError | None, ...], tuple[int, ...], int]:
+    def _outcome(self, op: Op) -> _Outcome:
         """The op's succeeded, errors, generations and bytes as the caller gets them: a key with an
         error never succeeded. (The lane writes an abandoned op's lists without the lock: a key it
         finds present after the caller's deadline failed it stays failed.)"""
@@ -417,8 +420,8 @@ class RemoteStoreBase:
         nbytes = sum(succeeded) * (record.PAGE_BYTES + self._record_bytes) if moved else 0
         return succeeded, errors, generations, nbytes
 
-    def _count(self, op: Op) -> None:
-        succeeded, errors, _, nbytes = self._outcome(op)
+    def _count(self, op: Op, outcome: _Outcome) -> None:
+        succeeded, errors, _, nbytes = outcome
         ok = sum(succeeded) if op.kind in (RemoteOp.PUT, RemoteOp.GET) else 0
         if op.kind is RemoteOp.PUT:
             self._records_put += ok
@@ -430,8 +433,8 @@ class RemoteStoreBase:
             if error is not None:
                 self._failures[error.kind] = self._failures.get(error.kind, 0) + 1
 
-    def _result(self, op: Op, start: float) -> RemoteResult:
-        succeeded, errors, generations, nbytes = self._outcome(op)
+    def _result(self, op: Op, start: float, outcome: _Outcome | None = None) -> RemoteResult:
+        succeeded, errors, generations, nbytes = self._outcome(op) if outcome is None else outcome
         return RemoteResult(
             op=op.kind, succeeded=succeeded, errors=errors, generations=generations, nbytes=nbytes,
             seconds=time.monotonic() - start, settled=op.settled,

@@ -59,6 +59,7 @@ from kvoffload.errors import (
     InvalidArgumentError,
     InvalidBlockIdError,
     JobIdError,
+    LayerError,
     ShutdownError,
     warn_on_del,
 )
@@ -430,8 +431,11 @@ class Worker:
             handler, front = self._load, self._fronts.get(Direction.LOAD)
         else:
             handler, front = self._expedited_lane(expedited)[0], self._expedited_front
-        self._check_open()  # after shutdown, ClosedError whatever the layout (as every call then)
-        tables = self.layout.require_layers()
+        try:
+            tables = self.layout.require_layers()
+        except LayerError:
+            self._check_open()  # after shutdown, ClosedError whatever the layout (as every call then)
+            raise
         marks = self._front_layered(front, job_id, host_blocks, device_blocks, stream, tables)
         if marks is not None:
             return LayerLoad(job_id, marks, self._check_open)
