@@ -54,6 +54,7 @@ __all__ = [
     "current_device_reader",
     "current_stream_handle",
     "device_index",
+    "end_job",
 ]
 
 I64Array = npt.NDArray[np.int64]
@@ -193,19 +194,43 @@ class CudaTicket:
             self.end.release()
 
 
-def finish_layers(
-    start: driver.Event, end: driver.Event, stream: int, marks: CudaLayerMarks, upto: int,
-    error: BaseException | None, path: str,
+def end_job(
+    start: driver.Event, end: driver.Event, stream: int, error: BaseException | None, path: str,
+    fresh: Callable[[], driver.Event], rest: tuple[CudaLayerMarks, int] | None = None,
 ) -> PathTicket:
-    """Record the end of a layered job (or part, whose layers end before ``upto``) on ``stream``
-    (the stream it ends on, after everything it enqueued), and after it the marks of its layers a
-    failure left unmarked."""
+    """The ticket of a job whose start is recorded: its end recorded on ``stream`` (the stream it
+    ends on, after everything it enqueued); for a layered job that failed (``rest``: its marks and
+    the layer it stops before), the marks its failure left unmarked after the end.
+
+    A refused end record is tried once more with a ``fresh`` event: the job's copies may be in
+    flight, and only a recorded end tells when they are done (docs/design.md §5 rule 5: a failed
+    job ends only once none of its copies touches its buffers). The job then fails with the
+    refusal, but ends with that end. Refused twice, the context is taken as failed (none of its
+    work runs again) and the job ends at once, its events given back. A refused mark leaves its
+    layer and the later ones unmarked: their waits say they did not land.
+    """
     try:
         end.record(stream)
-        if error is not None:
-            marks.record_rest(stream, upto)
     except Exception as exc:
-        return FailedTicket(exc if error is None else error)
+        error = error or exc
+        end.release()
+        try:
+            end = fresh()
+        except Exception:
+            start.release()
+            return FailedTicket(error)
+        try:
+            end.record(stream)
+        except Exception:
+            start.release()
+            end.release()
+            return FailedTicket(error)
+    if error is not None and rest is not None:
+        marks, upto = rest
+        try:
+            marks.record_rest(stream, upto)
+        except Exception:  # noqa: S110 - the layers left unmarked get no event (see above)
+            pass
     return CudaTicket(start, end, error, path)
 
 
@@ -341,6 +366,14 @@ class CudaStreams:
             raise
         return cls(index, device, copy, second)
 
+    def timing_event(self) -> driver.Event:
+        """An event from the timing pool (a job's start or end).
+
+        Raises:
+            CudaError: the driver could not create one.
+        """
+        return driver.Event(self.timing_events)
+
     def wait(self, waiter: int, stream: int) -> None:
         """Make ``waiter`` wait for the work queued on ``stream`` so far (a pooled event, recorded,
         waited for and given back: a stream wait captures the record it was enqueued after).
@@ -442,11 +475,7 @@ class DmaPath:
             self.copier.copy(descriptors.dsts, descriptors.srcs, descriptors.sizes, self.order, stream)
         except Exception as exc:  # copies may be partly enqueued: wait for the end event anyway
             error = exc
-        try:
-            end.record(stream)
-        except Exception as exc:
-            return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self.name)
+        return end_job(start, end, stream, error, self.name, streams.timing_event)
 
     def issue_layers(
         self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
@@ -473,7 +502,8 @@ class DmaPath:
                 marks.record(layer, stream)
         except Exception as exc:  # part of the job may be enqueued: the end follows it
             error = exc
-        return finish_layers(start, end, stream, marks, first + len(plans), error, self.name)
+        return end_job(start, end, stream, error, self.name, streams.timing_event,
+                       (marks, first + len(plans)))
 
     def end_stream(self, streams: CudaStreams) -> int:
         """The copy stream."""

@@ -30,10 +30,9 @@ from kvoffload.backends.cuda import (
     KERNEL,
     CudaLayerMarks,
     CudaStreams,
-    CudaTicket,
     PathTicket,
     StreamName,
-    finish_layers,
+    end_job,
 )
 from kvoffload.bindings import driver
 from kvoffload.bindings.copier import Copier
@@ -141,11 +140,7 @@ class SmPath:
                                  plan.host_stride, store, self.ctas, kstream)
         except Exception as exc:
             error = exc
-        try:
-            end.record(kstream)
-        except Exception as exc:
-            return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self.name)
+        return end_job(start, end, kstream, error, self.name, streams.timing_event)
 
     def issue_layers(
         self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
@@ -171,7 +166,8 @@ class SmPath:
                 marks.record(layer, kstream)
         except Exception as exc:
             error = exc
-        return finish_layers(start, end, kstream, marks, first + len(plans), error, self.name)
+        return end_job(start, end, kstream, error, self.name, streams.timing_event,
+                       (marks, first + len(plans)))
 
     def end_stream(self, streams: CudaStreams) -> int:
         """The kernel stream."""
@@ -260,13 +256,9 @@ class StagedPath:
                     self._load_chunk(streams, chunk, plan, segments)
         except Exception as exc:  # part of the job may be enqueued: the end event still follows it
             error = exc
-        try:
-            if not store:
-                streams.wait(kstream, stream)  # no DMA of a failed chunk after the end
-            end.record(self.end_stream(streams))
-        except Exception as exc:
-            return FailedTicket(exc if error is None else error)
-        return CudaTicket(start, end, error, self.name)
+        if not store:
+            error = self._end_after_dma(streams, error)
+        return end_job(start, end, self.end_stream(streams), error, self.name, streams.timing_event)
 
     def issue_layers(
         self, streams: CudaStreams, plans: tuple[CopyPlan, ...], src: I64Array, dst: I64Array,
@@ -299,11 +291,22 @@ class StagedPath:
                 marks.record(layer, kstream)
         except Exception as exc:  # part of the job may be enqueued: the end event still follows it
             error = exc
+        error = self._end_after_dma(streams, error)
+        return end_job(start, end, kstream, error, self.name, streams.timing_event,
+                       (marks, first + len(plans)))
+
+    @staticmethod
+    def _end_after_dma(streams: CudaStreams, error: BaseException | None) -> BaseException | None:
+        """Make a load's kernel stream, where it ends, wait for its DMA on the copy stream: no DMA
+        of a failed chunk after the end. A refused wait fails the job (its end still follows every
+        scatter, so no device block is written after it; a failed chunk's DMA may still fill its
+        staging slot, which the next DMA into that slot follows on the same stream). Returns the
+        job's error."""
         try:
-            streams.wait(kstream, stream)  # no DMA of a failed chunk after the end
+            streams.wait(streams.kernel, streams.copy)
         except Exception as exc:
-            error = error or exc
-        return finish_layers(start, end, kstream, marks, first + len(plans), error, self.name)
+            return error or exc
+        return error
 
     def end_stream(self, streams: CudaStreams) -> int:
         """A store ends on the copy stream (its last DMA), a load on the kernel stream (its last

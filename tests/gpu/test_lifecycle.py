@@ -1,5 +1,6 @@
 """Lifecycle on the real driver: shutdown with a hundred jobs in flight, a drain whose event wait
-raises, registrations released exactly once, driver faults reported as failed jobs."""
+raises, registrations released exactly once, driver faults reported as failed jobs, a refused end
+record that keeps its job in flight until its copies ran."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 import torch
 from cuda.bindings import driver as cuda_driver
 
-from kvoffload import CudaError, ShutdownError, SrcAccessOrder, Worker
+from kvoffload import CudaError, PathName, ShutdownError, SrcAccessOrder, WaitTimeoutError, Worker
 from kvoffload.backends.cuda import CudaBackend, CudaTicket, DmaPath
 from kvoffload.backends.native import NativeBackend, NativeTicket
 from kvoffload.bindings import driver
+from kvoffload.testing import DeviceHold
 from tests.gpu._helpers import SLEEP_CYCLES, TIMEOUT_S, cache, stall
 from tests.gpu.conftest import Figures
 
@@ -157,3 +159,77 @@ def test_driver_fault_fails_that_job_and_later_jobs_still_work(device: torch.dev
         (good,) = w.wait([2], TIMEOUT_S)
         assert good.ok, good.error
         assert torch.equal(w.host_records()[1].to(device), layout.gather_records([5])[0])
+
+
+def _refuse_end_records(monkeypatch: pytest.MonkeyPatch, refusals: int) -> list[int]:
+    """From now on, refuse the records of timing events from the second on, ``refusals`` of them: a
+    Python-issued job records its start and then its end on timing events (everything else it
+    records comes from the other pool), and a refused end is tried once more with a fresh one.
+    Returns the count of timing records seen, updated as they come."""
+    real = driver.Event.record
+    seen = [0]
+
+    def record(self: driver.Event, stream: int) -> None:
+        pool = self._pool
+        if pool is not None and pool.timing:
+            seen[0] += 1
+            if 2 <= seen[0] < 2 + refusals:
+                raise CudaError("cuEventRecord", 999, "CUDA_ERROR_UNKNOWN", "refused by the test")
+        real(self, stream)
+
+    monkeypatch.setattr(driver.Event, "record", record)
+    return seen
+
+
+@pytest.mark.parametrize("refusals", [1, 2], ids=["refused-once", "control-refused-twice"])
+@pytest.mark.parametrize("how", ["store", "load", "load_by_layer"])
+@pytest.mark.parametrize("path", ["dma", "sm", "staged"])
+def test_a_job_whose_end_record_is_refused_stays_in_flight_until_its_copies_ran(
+    path: PathName, how: str, refusals: int, device: torch.device, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Python issuer records a refused end once more on a fresh event, and the job, failed,
+    ends only once that end completed (docs/design.md §5 rule 5). Its fence is on a held stream, so
+    none of its copies can run until the release. The control's end is refused twice, which the
+    issuer takes as the context's failure: that job ends at once while the hold is held, which
+    proves that the test sees a job that ends before its copies ran. One layer: a layered job of
+    more is issued in two parts (layer 0 on the caller's thread, the rest on the issuer's), whose
+    second keeps the job in flight whatever happened to the first's end."""
+    layout = cache("kv-separate", device, num_blocks=64, layers=1)
+    assert layout.layers is not None and len(layout.layers) == 1
+    with Worker.create(layout, 16, path=path, issuer="python") as w:
+
+        def submit(job_id: int, stream: torch.cuda.Stream | None) -> None:
+            if how == "store":
+                w.store(job_id, [3, 9], [job_id, job_id + 8], stream=stream)
+            elif how == "load":
+                w.load(job_id, [1, 9], [20 + job_id, 40 + job_id], stream=stream)
+            else:
+                w.load_by_layer(job_id, [1, 9], [20 + job_id, 40 + job_id], stream=stream)
+
+        submit(1, None)  # the same job once, untouched: what the path builds for its first job
+        (first,) = w.wait([1], TIMEOUT_S)
+        assert first.ok, first.error
+        with DeviceHold(device, limit_s=60.0) as hold:
+            seen = _refuse_end_records(monkeypatch, refusals)
+            submit(2, hold.stream)
+            began = time.monotonic()
+            while seen[0] < 3 and time.monotonic() - began < TIMEOUT_S:  # start, end, end again
+                time.sleep(0.001)
+            assert seen[0] == 3, f"{seen[0]} timing records, not 3 (start, end refused, end again)"
+            if refusals == 2:
+                (early,) = w.wait([2], 10.0)
+                assert hold.held() and not early.ok
+                hold.release()
+            else:
+                with pytest.raises(WaitTimeoutError):
+                    w.wait([2], 0.3)
+                assert hold.held(), "the hold ended before the check"
+                assert w.stats().load.in_flight + w.stats().store.in_flight == 1
+                hold.release()
+                (late,) = w.wait([2], TIMEOUT_S)
+                assert not late.ok
+                assert isinstance(late.error, CudaError) and late.error.call == "cuEventRecord", late.error
+        monkeypatch.undo()
+        submit(3, None)  # the worker goes on
+        (after,) = w.wait([3], TIMEOUT_S)
+        assert after.ok, after.error
