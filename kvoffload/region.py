@@ -6,9 +6,9 @@ Borrows: the :class:`~kvoffload.bindings.pinning.HostPinner` that registers memo
 
 ``create`` maps, populates (``MAP_POPULATE``: registration of pre-faulted memory is ~7x faster; an
 anonymous pool is private memory that a forked child sees as zero pages, see :func:`_map`),
-pins in chunks (record-aligned, at most ``PIN_CHUNK_BYTES`` each, rolled back in reverse on failure)
-and makes the record view. Each step registers its undo; on any failure the undos run and nothing
-leaks.
+pins in chunks (whole records and whole OS pages, at most ``PIN_CHUNK_BYTES`` each, rolled back in
+reverse on failure) and makes the record view. Each step registers its undo; on any failure the
+undos run and nothing leaks.
 
 ``cleanup`` runs exactly once, in this order: unpin every chunk, drop the views it made, unmap,
 close the file. It marks itself released before the first
@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import mmap
 import os
 import time
@@ -46,7 +47,7 @@ import torch
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
 from kvoffload._memory import host_memory_available
 from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError, warn_on_del
-from kvoffload.pool.header import HEADER_BYTES, Flag, mark_left
+from kvoffload.pool.header import Flag, data_offset, mark_left
 from kvoffload.pool.session import SHM_DIR, PoolSession
 from kvoffload.pool.spec import PoolRank
 
@@ -54,8 +55,8 @@ __all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "check_shm_room", "hos
 
 _log = logging.getLogger("kvoffload.region")
 
-#: Bytes before the block area of a shared pool's file: one OS page holding the header.
-SHARED_HEADER_BYTES: Final = HEADER_BYTES
+#: Every record's size is a multiple of it (direct I/O of the disk tier moves records as they lie).
+RECORD_ALIGN_BYTES: Final = 4096
 #: How long a rank's cleanup waits for its pool file's lock to mark itself as left (the mark is for
 #: inspection only: a lock held that long, by a rank stopped inside a header update, is logged).
 MARK_LEFT_WAIT_S: Final = 0.2
@@ -209,7 +210,8 @@ class RegionOwner:
                                    deadline=deadline)
         with contextlib.ExitStack() as undo:
             undo.callback(session.fail)
-            mapping = _map_shared(session, SHARED_HEADER_BYTES + pool_bytes)
+            start = data_offset()  # the block area starts on a page
+            mapping = _map_shared(session, start + pool_bytes)
             undo.callback(mapping.close)
             session.populate_share(mapping)
             session.arrive(Flag.POPULATED, deadline)
@@ -217,11 +219,11 @@ class RegionOwner:
             address = _mapping_address(mapping)
             block = record_bytes * world
             chunk = _record_aligned_chunk(chunk_bytes, block)
-            chunks = pin_chunks(pinner, address + SHARED_HEADER_BYTES, pool_bytes, chunk)
+            chunks = pin_chunks(pinner, address + start, pool_bytes, chunk)
             undo.callback(unpin_chunks, pinner, chunks)
             session.arrive(Flag.MAPPED, deadline)
             session.wait_all(Flag.MAPPED, deadline)
-            offset = SHARED_HEADER_BYTES + rank.rank * record_bytes
+            offset = start + rank.rank * record_bytes
             records = _records_view(mapping, offset, num_records, record_bytes, block)
             undo.pop_all()
         return cls(
@@ -360,14 +362,18 @@ def _check_sizes(num_records: int, record_bytes: int, chunk_bytes: int) -> None:
                         ("chunk_bytes", chunk_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InvalidArgumentError(f"{name} = {value!r} must be a positive int")
-    if record_bytes % mmap.PAGESIZE:
+    if record_bytes % RECORD_ALIGN_BYTES:
         raise InvalidArgumentError(
-            f"record_bytes = {record_bytes} must be a multiple of the OS page size {mmap.PAGESIZE}"
+            f"record_bytes = {record_bytes} must be a multiple of {RECORD_ALIGN_BYTES}"
         )
 
 
-def _record_aligned_chunk(chunk_bytes: int, record_bytes: int) -> int:
-    return max(1, chunk_bytes // record_bytes) * record_bytes
+def _record_aligned_chunk(chunk_bytes: int, unit: int) -> int:
+    """The pin chunk: whole ``unit`` s (records, or a shared pool's blocks: a copy never crosses a
+    chunk) and whole OS pages (two registrations never share a page; on a host of 64 KiB pages a
+    record of 4 KiB pages is not one), at most ``chunk_bytes`` where one such unit fits it."""
+    step = math.lcm(unit, mmap.PAGESIZE)
+    return max(1, chunk_bytes // step) * step
 
 
 def _map(nbytes: int) -> mmap.mmap:

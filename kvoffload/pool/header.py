@@ -2,19 +2,21 @@
 
 A shared pool is one file under ``/dev/shm``: a header page, then ``num_records`` blocks of
 ``world_size`` rank slices of ``record_bytes`` each (rank ``r``'s slice of block ``b`` at
-``HEADER_BYTES + b * world_size * record_bytes + r * record_bytes``). The header says who takes part
+``data_offset() + b * world_size * record_bytes + r * record_bytes``; the block area starts on an
+OS page, 4096 bytes in on a host of 4 KiB pages, 64 KiB in on one of 64 KiB pages). The header says who takes part
 (one slot per rank: process id and start time, a nonce of the attach, the geometry it asked for,
 how far it got), which launch of the engine it is (a digest of the token its ranks share, when
 they name one) and how the attach stands (joining, ready, failed and why). Every change to it is
 made under ``flock`` of the file, by ``pwrite`` of the whole page; readers take the lock shared.
 
-Pure data and ``/proc`` reads: no torch, no mapping.
+Pure data and ``/proc`` reads: no torch, no mapping (the OS page size only).
 """
 
 from __future__ import annotations
 
 import enum
 import fcntl
+import mmap
 import os
 import struct
 import time
@@ -36,6 +38,7 @@ __all__ = [
     "LockTimeout",
     "Slot",
     "State",
+    "data_offset",
     "locked",
     "mark_left",
     "new_header",
@@ -44,7 +47,7 @@ __all__ = [
     "write_header",
 ]
 
-#: Bytes before the first block: one OS page holding the header.
+#: Bytes of the header (the first page of the file on a host of 4 KiB pages).
 HEADER_BYTES: Final = 4096
 MAGIC: Final = b"KVOFPOOL"
 #: The format this library writes: 2 added the launch's digest. Version 1 files (read as naming
@@ -184,6 +187,14 @@ class Header:
             _SLOT.pack_into(page, _SLOTS_AT + rank * _SLOT.size, s.pid, s.flags, s.start, s.nonce,
                             s.record_bytes, s.num_records)
         return bytes(page)
+
+
+def data_offset() -> int:
+    """Bytes of the file before its first block: the header, padded to the OS page size where pages
+    are larger than it, so that the block area, its pinned chunks and the ranks' shares populated
+    with ``madvise`` all start on a page. Every process of one host (every rank and viewer of a
+    pool) agrees on it."""
+    return max(HEADER_BYTES, mmap.PAGESIZE)
 
 
 def decode(page: bytes) -> Header | None:

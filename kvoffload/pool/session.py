@@ -53,7 +53,6 @@ from kvoffload.errors import (
     SharedPoolError,
 )
 from kvoffload.pool.header import (
-    HEADER_BYTES,
     NO_LAUNCH,
     VERSION,
     Failure,
@@ -62,6 +61,7 @@ from kvoffload.pool.header import (
     LockTimeout,
     Slot,
     State,
+    data_offset,
     locked,
     new_header,
     process_start,
@@ -277,11 +277,12 @@ class PoolSession:
         """Fault in this rank's share of the block area of ``mapping`` (the whole file, mapped
         shared): one ``world_size``-th of its pages, so that the ranks populate the pool together
         (step 2)."""
-        pages = self.header.data_bytes // mmap.PAGESIZE
+        page, data = mmap.PAGESIZE, self.header.data_bytes
+        pages = -(-data // page)  # the last one may be partly past the block area: the file's end
         rank, world = self.spec.rank, self.spec.world_size
         first, last = pages * rank // world, pages * (rank + 1) // world
         if last > first:
-            populate(mapping, HEADER_BYTES + first * mmap.PAGESIZE, (last - first) * mmap.PAGESIZE,
+            populate(mapping, data_offset() + first * page, min(last * page, data) - first * page,
                      fd=self._fd)
 
     def arrive(self, flag: Flag, deadline: float) -> None:
@@ -495,7 +496,7 @@ def _settle(header: Header, fd: int, spec: PoolRank) -> Header:
     ready = header.replace(state=State.READY, num_records=first.num_records,
                            record_bytes=first.record_bytes)
     try:
-        os.ftruncate(fd, HEADER_BYTES + ready.data_bytes)
+        os.ftruncate(fd, data_offset() + ready.data_bytes)
     except OSError as exc:
         raise RegionError(
             f"cannot size shared pool {spec.name!r} to {ready.data_bytes} bytes: {exc.strerror}"

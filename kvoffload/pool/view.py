@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import ClosedError, RegionError, warn_on_del
-from kvoffload.pool.header import HEADER_BYTES, PROC_DIR, Flag, Header, State, read_header
+from kvoffload.pool.header import PROC_DIR, Flag, Header, State, data_offset, read_header
 
 __all__ = ["PoolRankInfo", "PoolView", "SharedPoolInfo"]
 
@@ -107,9 +107,10 @@ class PoolView:
                 raise RegionError(f"{path!r} is not a kvoffload shared pool")
             size = os.fstat(fd).st_size
             mapping = None
-            if header.state is State.READY and size >= HEADER_BYTES + header.data_bytes:
+            end = data_offset() + header.data_bytes
+            if header.state is State.READY and size >= end:
                 access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-                mapping = mmap.mmap(fd, HEADER_BYTES + header.data_bytes, access=access)
+                mapping = mmap.mmap(fd, end, access=access)
         except BaseException:
             os.close(fd)
             raise
@@ -143,7 +144,7 @@ class PoolView:
         header = read_header(fd)
         assert header is not None
         flat: U8Array = np.frombuffer(self._mapping, dtype=np.uint8, count=header.data_bytes,
-                                      offset=HEADER_BYTES)
+                                      offset=data_offset())
         return flat.reshape(header.num_records, header.world_size, header.record_bytes)
 
     def close(self) -> None:

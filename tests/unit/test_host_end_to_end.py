@@ -4,6 +4,7 @@ jobs in flight, and injected copy faults."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import re
@@ -420,3 +421,19 @@ def test_a_handler_submit_overtaken_by_its_shutdown_gets_closed_error_and_queues
         assert not handler._fifo
     finally:
         w.shutdown()
+
+
+def test_a_host_of_64k_pages_round_trips_records_of_4k_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records stay padded to 4 KiB where the OS pages are 64 KiB (simulated: the pool plans with
+    ``mmap.PAGESIZE``); the pool pins whole pages of them, and a round trip is bit-exact."""
+    monkeypatch.setattr(mmap, "PAGESIZE", 65536)
+    layout = small_cache("per-layer")
+    assert layout.record_bytes % 65536, "the records must not be whole 64 KiB pages for this test"
+    src, host, dst = [1, 7, 30], [0, 17, 39], [2, 8, 31]
+    original = layout.gather_records(src)
+    with Worker.create(layout, HOST_BLOCKS) as w:
+        w.store(1, src, host)
+        assert all(r.ok for r in w.wait([1], TIMEOUT_S))
+        w.load(2, host, dst)
+        assert all(r.ok for r in w.wait([2], TIMEOUT_S))
+    assert torch.equal(layout.gather_records(dst), original)

@@ -6,11 +6,15 @@ shared file left behind."""
 from __future__ import annotations
 
 import gc
+import math
+import mmap
 import os
 import subprocess
 import sys
+import types
 import uuid
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 import torch
@@ -18,6 +22,9 @@ import torch
 from kvoffload import InvalidArgumentError, SharedPool, ShutdownError
 from kvoffload.bindings.pinning import pin_chunks
 from kvoffload.errors import ClosedError, KVOffloadError
+from kvoffload.pool import session as session_module
+from kvoffload.pool.header import data_offset
+from kvoffload.pool.session import PoolSession
 from kvoffload.region import SHM_DIR, RegionOwner
 
 RECORD = 8192
@@ -240,7 +247,7 @@ def test_killed_process_leaves_no_shared_file(shm_name: str) -> None:
     [
         ({"num_records": 0}, "num_records"),
         ({"num_records": True}, "num_records"),
-        ({"record_bytes": 4000}, "multiple of the OS page size"),
+        ({"record_bytes": 4000}, "must be a multiple of 4096"),
         ({"record_bytes": -4096}, "record_bytes"),
         ({"chunk_bytes": 0}, "chunk_bytes"),
     ],
@@ -252,3 +259,73 @@ def test_bad_arguments_are_refused_before_anything_is_mapped(kwargs: dict[str, o
         RegionOwner.create(**args)  # type: ignore[arg-type]
     pinner = args["pinner"]
     assert isinstance(pinner, RecordingPinner) and pinner.log == []
+
+
+#: A host of 64 KiB pages (aarch64 servers often run them), simulated: the region reads the OS page
+#: size from ``mmap.PAGESIZE`` when it plans, while the real kernel's 4 KiB pages divide every
+#: range planned for 64 KiB ones.
+BIG_PAGE = 65536
+SMALL_RECORD = 3 * 4096  # a record of 4 KiB pages: no whole number of 64 KiB pages
+
+
+def test_a_host_of_64k_pages_pins_chunks_of_whole_pages_and_whole_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mmap, "PAGESIZE", BIG_PAGE)
+    pinner = RecordingPinner()
+    region = RegionOwner.create(num_records=40, record_bytes=SMALL_RECORD, pinner=pinner, chunk_bytes=200_000)
+    try:
+        step = math.lcm(SMALL_RECORD, BIG_PAGE)  # 16 records, 3 pages
+        assert [n for _, _, n in pinner.log] == [step, step, 40 * SMALL_RECORD - 2 * step]
+        assert all((p - region.base_ptr) % BIG_PAGE == 0 for _, p, _ in pinner.log), \
+            "a pin chunk starts inside a page: two registrations would share it"
+        assert region.chunk_records == 16
+        region.records()[39].fill_(7)
+        assert int(region.records()[39, -1]) == 7
+    finally:
+        region.cleanup()
+    assert pinner.registered == {}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("page", [4096, BIG_PAGE])
+def test_the_ranks_populate_every_page_of_the_block_area_from_page_boundaries(
+    world: int, page: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each rank's share starts on a page (``madvise`` refuses any other start), and the shares
+    together cover the whole block area, its last partial page included."""
+    monkeypatch.setattr(mmap, "PAGESIZE", page)
+    data_bytes = 20 * world * SMALL_RECORD  # 20 blocks: 3.75 pages of 64 KiB a rank
+    ranges: list[tuple[int, int]] = []
+    monkeypatch.setattr(session_module, "populate",
+                        lambda mapping, offset, nbytes, fd=None: ranges.append((offset, nbytes)))
+    for rank in range(world):
+        shard = types.SimpleNamespace(header=types.SimpleNamespace(data_bytes=data_bytes),
+                                      spec=types.SimpleNamespace(rank=rank, world_size=world), _fd=None)
+        PoolSession.populate_share(shard, cast(mmap.mmap, None))  # type: ignore[arg-type]
+    start = data_offset()
+    assert start == max(4096, page) and start % page == 0
+    assert all(offset % page == 0 for offset, _ in ranges), f"a share starts inside a page: {ranges}"
+    covered = start
+    for offset, nbytes in ranges:
+        assert offset == covered, f"shares {ranges} leave a gap or overlap at {covered}"
+        covered += nbytes
+    assert covered == start + data_bytes
+
+
+def test_a_shared_pool_on_a_host_of_64k_pages_starts_its_blocks_on_a_page(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(mmap, "PAGESIZE", BIG_PAGE)
+    pinner = RecordingPinner()
+    region = RegionOwner.attach_shared(SharedPool(shm_name, 1).rank(0), num_records=20,
+                                       record_bytes=SMALL_RECORD, pinner=pinner)
+    try:
+        (ptr, nbytes), = region.chunks
+        assert ptr == region.base_ptr and nbytes == 20 * SMALL_RECORD
+        region.records()[19].fill_(3)
+        fd = region._fd
+        assert fd is not None  # the file's block area, where a view of the pool reads it, holds it
+        assert os.pread(fd, 1, data_offset() + 19 * SMALL_RECORD) == b"\x03"
+        assert data_offset() == BIG_PAGE
+    finally:
+        region.cleanup()
+    assert pinner.registered == {}
