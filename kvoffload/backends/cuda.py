@@ -202,23 +202,26 @@ def end_job(
     ends on, after everything it enqueued); for a layered job that failed (``rest``: its marks and
     the layer it stops before), the marks its failure left unmarked after the end.
 
-    A refused end record is tried once more with a ``fresh`` event: the job's copies may be in
-    flight, and only a recorded end tells when they are done (docs/design.md §5 rule 5: a failed
-    job ends only once none of its copies touches its buffers). The job then fails with the
-    refusal, but ends with that end. Refused twice, the context is taken as failed (none of its
-    work runs again) and the job ends at once, its events given back. A refused mark leaves its
-    layer and the later ones unmarked: their waits say they did not land.
+    A refused end record is tried once more with a ``fresh`` event (taken before the refused one is
+    destroyed, so that it is another event): the job's copies may be in flight, and only a recorded
+    end tells when they are done (docs/design.md §5 rule 5: a failed job ends only once none of its
+    copies touches its buffers). The job then fails with the refusal, but ends with that end.
+    Refused twice, the context is taken as failed (none of its work runs again) and the job ends at
+    once, its events given back. A refused mark leaves its layer and the later ones unmarked: their
+    waits say they did not land.
     """
     try:
         end.record(stream)
     except Exception as exc:
         error = error or exc
-        end.release()
         try:
-            end = fresh()
+            again = fresh()
         except Exception:
+            end.discard()
             start.release()
             return FailedTicket(error)
+        end.discard()  # never pooled again: a fault tied to it would come back to its next taker
+        end = again
         try:
             end.record(stream)
         except Exception:
@@ -374,6 +377,19 @@ class CudaStreams:
         """
         return driver.Event(self.timing_events)
 
+    def job_events(self) -> tuple[driver.Event, driver.Event]:
+        """A job's start and end events (the start given back when the end cannot be had).
+
+        Raises:
+            CudaError: the driver could not create one.
+        """
+        start = driver.Event(self.timing_events)
+        try:
+            return start, driver.Event(self.timing_events)
+        except BaseException:
+            start.release()
+            raise
+
     def wait(self, waiter: int, stream: int) -> None:
         """Make ``waiter`` wait for the work queued on ``stream`` so far (a pooled event, recorded,
         waited for and given back: a stream wait captures the record it was enqueued after).
@@ -460,15 +476,15 @@ class DmaPath:
         stream = streams.copy
         descriptors = plan.build(src, dst)
         try:
-            start = driver.Event(streams.timing_events)
+            start, end = streams.job_events()
         except Exception as exc:  # nothing was enqueued: the job fails at once
             return FailedTicket(exc)
         try:
-            end = driver.Event(streams.timing_events)
             fence.wait_on(stream)
             start.record(stream)
         except Exception as exc:  # nothing was enqueued: the job fails at once
             start.release()
+            end.release()
             return FailedTicket(exc)
         error: BaseException | None = None
         try:
@@ -484,15 +500,15 @@ class DmaPath:
         """Wait for the fence, then per layer: its copies, its mark; then the end event."""
         stream = streams.copy
         try:
-            start = driver.Event(streams.timing_events)
+            start, end = streams.job_events()
         except Exception as exc:  # nothing was enqueued: the job fails at once
             return FailedTicket(exc)
         try:
-            end = driver.Event(streams.timing_events)
             fence.wait_on(stream)  # rule 2, for every layer: they all follow the fence
             start.record(stream)
         except Exception as exc:  # nothing was enqueued: the job fails at once
             start.release()
+            end.release()
             return FailedTicket(exc)
         error: BaseException | None = None
         try:

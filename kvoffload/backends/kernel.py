@@ -127,8 +127,7 @@ class SmPath:
         device_blocks, host_blocks = (src, dst) if store else (dst, src)
         kstream = streams.kernel
         try:
-            start = driver.Event(streams.timing_events)
-            end = driver.Event(streams.timing_events)
+            start, end = streams.job_events()
         except Exception as exc:  # nothing was enqueued: the job fails at once
             return FailedTicket(exc)
         error: BaseException | None = None
@@ -151,8 +150,7 @@ class SmPath:
         device_blocks, host_blocks = (src, dst) if store else (dst, src)
         kstream = streams.kernel
         try:
-            start = driver.Event(streams.timing_events)
-            end = driver.Event(streams.timing_events)
+            start, end = streams.job_events()
         except Exception as exc:  # nothing was enqueued: the job fails at once
             return FailedTicket(exc)
         error: BaseException | None = None
@@ -234,8 +232,7 @@ class StagedPath:
         chunks = plan_staged(plan, src, dst, self.slot_bases, rows, self._next_slot)
         self._next_slot = (self._next_slot + len(chunks)) % self.slots
         try:
-            start = driver.Event(streams.timing_events)
-            end = driver.Event(streams.timing_events)
+            start, end = streams.job_events()
         except Exception as exc:  # nothing was enqueued: the job fails at once
             return FailedTicket(exc)
         store = self.direction is Direction.STORE
@@ -256,8 +253,8 @@ class StagedPath:
                     self._load_chunk(streams, chunk, plan, segments)
         except Exception as exc:  # part of the job may be enqueued: the end event still follows it
             error = exc
-        if not store:
-            error = self._end_after_dma(streams, error)
+        if not store or error is not None:
+            error = self._join_at_end(streams, store, error)
         return end_job(start, end, self.end_stream(streams), error, self.name, streams.timing_event)
 
     def issue_layers(
@@ -271,8 +268,7 @@ class StagedPath:
         if self.direction is not Direction.LOAD:
             return FailedTicket(TransferError("a layered staged job is a load"))
         try:
-            start = driver.Event(streams.timing_events)
-            end = driver.Event(streams.timing_events)
+            start, end = streams.job_events()
         except Exception as exc:  # nothing was enqueued: the job fails at once
             return FailedTicket(exc)
         stream, kstream = streams.copy, streams.kernel
@@ -291,19 +287,24 @@ class StagedPath:
                 marks.record(layer, kstream)
         except Exception as exc:  # part of the job may be enqueued: the end event still follows it
             error = exc
-        error = self._end_after_dma(streams, error)
+        error = self._join_at_end(streams, False, error)
         return end_job(start, end, kstream, error, self.name, streams.timing_event,
                        (marks, first + len(plans)))
 
     @staticmethod
-    def _end_after_dma(streams: CudaStreams, error: BaseException | None) -> BaseException | None:
-        """Make a load's kernel stream, where it ends, wait for its DMA on the copy stream: no DMA
-        of a failed chunk after the end. A refused wait fails the job (its end still follows every
-        scatter, so no device block is written after it; a failed chunk's DMA may still fill its
-        staging slot, which the next DMA into that slot follows on the same stream). Returns the
+    def _join_at_end(streams: CudaStreams, store: bool, error: BaseException | None) -> BaseException | None:
+        """Make the stream the job ends on wait for the other one: a load's kernel stream for its
+        DMA (no DMA of a failed chunk after the end), a failed store's copy stream for its kernel
+        stream (no gather of a failed chunk, which reads the job's device blocks, after the end; a
+        store that issued every chunk ends after its last gather through its last DMA). A refused
+        wait fails the job, which still ends on its stream: after every scatter of a load, so no
+        device block is written after it (a failed chunk's DMA may still fill its staging slot,
+        which the next DMA into that slot follows on the same stream); for a store, a gather left
+        running only fills a slot that its next gather follows on the same stream. Returns the
         job's error."""
+        waiter, other = (streams.copy, streams.kernel) if store else (streams.kernel, streams.copy)
         try:
-            streams.wait(streams.kernel, streams.copy)
+            streams.wait(waiter, other)
         except Exception as exc:
             return error or exc
         return error

@@ -444,6 +444,11 @@ class EventPool:
         if len(self._free) < EVENT_POOL_MAX_FREE:
             self._free.append(event)
             return
+        self.destroy(event)
+
+    def destroy(self, event: int) -> None:
+        """Destroy an event instead of giving it back (one the driver refused to record: a fault
+        tied to it would come back to its next taker). Never raises."""
         try:
             hot_call("cuEventDestroy", self.device_index, _hot().event_destroy, event)
         except Exception:  # a destroy that fails leaves the event to the process; nothing to undo
@@ -501,6 +506,13 @@ class Event:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.give(self.handle)
+
+    def discard(self) -> None:
+        """Destroy the event instead of giving it back (see :meth:`EventPool.destroy`); after
+        :meth:`release`, or a second call, nothing happens."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.destroy(self.handle)
 
 
 class CudaHostPinner:

@@ -1208,12 +1208,18 @@ static void issue_end(struct kvo_issuer *is, struct kvo_job *job, CUresult issue
                       const char *issue_call) {
     int64_t path = job->path;
     CUstream stream_end = end_stream(is, path);
-    /* A load of the staged path ends on the kernel stream: no DMA of a failed chunk after the end.
-     * Where that wait cannot be made the end is still recorded there, and the job fails: the end
-     * follows every scatter, so no device block is written after it (a failed chunk's DMA may
-     * still fill its staging slot, which the next DMA into that slot follows on the same stream). */
+    /* The staged path's end stream waits for its other stream: a load's kernel stream for its DMA
+     * (no DMA of a failed chunk after the end), a failed store's copy stream for its kernel stream
+     * (no gather of a failed chunk, which reads the job's device blocks, after the end; a store
+     * that issued every chunk ends after its last gather through its last DMA). Where that wait
+     * cannot be made the end is still recorded, and the job fails: a load's end follows every
+     * scatter, so no device block is written after it (a failed chunk's DMA may still fill its
+     * staging slot, which the next DMA into that slot follows on the same stream); a store's
+     * gather left running only fills a slot that its next gather follows on the same stream. */
     CUresult wait_error = 0;
-    if (path == PATH_STAGED && !is->c.store) wait_error = mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
+    if (path == PATH_STAGED && (!is->c.store || issue_error))
+        wait_error = is->c.store ? mark_wait(is, is->c.copy_stream, is->c.kernel_stream)
+                                 : mark_wait(is, is->c.kernel_stream, is->c.copy_stream);
     if (wait_error && !issue_error) { issue_error = wait_error; issue_call = "cuStreamWaitEvent"; }
     CUresult end_error = record_on(is, job->end, stream_end);
     if (end_error) {

@@ -263,7 +263,8 @@ class Worker:
                 one-rank pool under ``/dev/shm/<shared_name>``, unlinked once mapped.
             copy_method: cuda backend only: ``"batch-ctypes"`` (default where the driver has batch
                 memcpy), ``"batch-bindings"`` or ``"per-copy"``.
-            pin_chunk_bytes: largest single host registration (rounded down to whole records).
+            pin_chunk_bytes: largest single host registration (rounded down to whole records and
+                whole OS pages; one multiple of both, at least, where one record is larger).
             path: cuda backend only: how pages move. ``"dma"``: one batched DMA descriptor per page
                 run. ``"staged"``: a copy kernel gathers pages into a device staging ring and the DMA
                 engine moves whole records (link speed at any page size, little compute cost).

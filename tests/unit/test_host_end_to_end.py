@@ -4,6 +4,7 @@ jobs in flight, and injected copy faults."""
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import random
@@ -431,7 +432,9 @@ def test_a_host_of_64k_pages_round_trips_records_of_4k_pages(monkeypatch: pytest
     assert layout.record_bytes % 65536, "the records must not be whole 64 KiB pages for this test"
     src, host, dst = [1, 7, 30], [0, 17, 39], [2, 8, 31]
     original = layout.gather_records(src)
-    with Worker.create(layout, HOST_BLOCKS) as w:
+    # the smallest chunks: one multiple of the record and the page each, which runs split at
+    with Worker.create(layout, HOST_BLOCKS, pin_chunk_bytes=1) as w:
+        assert w._region.chunk_records == math.lcm(layout.record_bytes, 65536) // layout.record_bytes > 1
         w.store(1, src, host)
         assert all(r.ok for r in w.wait([1], TIMEOUT_S))
         w.load(2, host, dst)

@@ -2070,6 +2070,36 @@ def test_a_job_whose_end_record_failed_once_ends_only_after_its_copies(path: str
         h.close()
 
 
+def test_a_failed_staged_store_ends_after_the_gather_it_launched() -> None:
+    """A staged store whose chunk failed after its gather was launched (the record for its DMA's
+    wait refused) ends on the copy stream, which would not follow that gather: the gather could
+    read the job's device blocks after the job ended (rule 5; found by a review). The copy stream
+    now waits for the kernel stream before the end."""
+    plan = make_plan(Direction.STORE, [256])
+    h = Harness(Direction.STORE, "staged", plan, tune=THREAD_ISSUES)
+    try:
+        gate, entered = threading.Event(), threading.Event()
+        h.fake.gate["cuLaunchKernel"] = gate  # the chunk's gather
+        h.fake.entered["cuLaunchKernel"] = entered
+        h.handler.submit(0, [1], [2])
+        assert entered.wait(TIMEOUT_S)
+        h.fake.fail_on[("cuEventRecord", KERNEL)] = 1  # the slot's "filled", for the DMA's wait
+        del h.fake.gate["cuLaunchKernel"]
+        gate.set()
+        (result,) = h.handler.wait([0], TIMEOUT_S)
+        assert not result.ok and isinstance(result.error, CudaError)
+        calls = h.fake.snapshot()
+        launch = max(i for i, c in enumerate(calls) if c[0] == "cuLaunchKernel")
+        end = max(i for i, c in enumerate(calls) if c[0] == "cuEventRecord" and c[2] == COPY)
+        after_gather = {c[1] for c in calls[launch + 2:end] if c[0] == "cuEventRecord" and c[2] == KERNEL}
+        joined = [c for c in calls[launch:end] if c[0] == "cuStreamWaitEvent" and c[1] == COPY
+                  and c[2] in after_gather]
+        assert joined, "the failed store's end on the copy stream does not follow its gather"
+        assert h.run(1, [1], [2]).ok  # the next job goes through
+    finally:
+        h.close()
+
+
 def test_shutdown_gives_up_a_job_that_never_completes_within_its_deadline() -> None:
     plan = make_plan(Direction.STORE, [256])
     h = Harness(Direction.STORE, "dma", plan, not_ready=10**9)

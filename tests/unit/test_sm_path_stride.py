@@ -53,6 +53,9 @@ class _Anything:
     def timing_event(self) -> _Event:
         return _Event()
 
+    def job_events(self) -> tuple[_Event, _Event]:
+        return _Event(), _Event()
+
     def get(self, plan: object) -> tuple[int, int]:
         return 0, 1
 
