@@ -3,11 +3,12 @@
 A shared pool is one file under ``/dev/shm``: a header page, then ``num_records`` blocks of
 ``world_size`` rank slices of ``record_bytes`` each (rank ``r``'s slice of block ``b`` at
 ``data_offset() + b * world_size * record_bytes + r * record_bytes``; the block area starts on an
-OS page, 4096 bytes in on a host of 4 KiB pages, 64 KiB in on one of 64 KiB pages). The header says who takes part
-(one slot per rank: process id and start time, a nonce of the attach, the geometry it asked for,
-how far it got), which launch of the engine it is (a digest of the token its ranks share, when
-they name one) and how the attach stands (joining, ready, failed and why). Every change to it is
-made under ``flock`` of the file, by ``pwrite`` of the whole page; readers take the lock shared.
+OS page, 4096 bytes in on a host of 4 KiB pages, 64 KiB in on one of 64 KiB pages). The header
+says who takes part (one slot per rank: process id and start time, a nonce of the attach, the
+geometry it asked for, how far it got), which launch of the engine it is (a digest of the token its
+ranks share, when they name one) and how the attach stands (joining, ready, failed and why).
+Every change to it is made under ``flock`` of the file, by ``pwrite`` of the whole page; readers
+take the lock shared.
 
 Pure data and ``/proc`` reads: no torch, no mapping (the OS page size only).
 """

@@ -268,7 +268,9 @@ BIG_PAGE = 65536
 SMALL_RECORD = 3 * 4096  # a record of 4 KiB pages: no whole number of 64 KiB pages
 
 
-def test_a_host_of_64k_pages_pins_chunks_of_whole_pages_and_whole_records(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_host_of_64k_pages_pins_chunks_of_whole_pages_and_whole_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(mmap, "PAGESIZE", BIG_PAGE)
     pinner = RecordingPinner()
     region = RegionOwner.create(num_records=40, record_bytes=SMALL_RECORD, pinner=pinner, chunk_bytes=200_000)
