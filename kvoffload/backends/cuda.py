@@ -242,9 +242,11 @@ class CudaLayerMarks:
     where that layer's last copy was enqueued (docs/design.md §12).
 
     Owns each layer's event from its record until :meth:`release` (the handler's, once the job's
-    result was published); borrows the backend's stream resolution. A wait enqueues
-    ``cuStreamWaitEvent`` on the caller's stream under the marks' lock, so that the event cannot go
-    back to its pool (and be recorded by another job) between the check and the wait.
+    result was published) or, when waits are inside their stream wait then, until the last of them
+    left; borrows the backend's stream resolution. A wait counts itself under the marks' lock and
+    enqueues ``cuStreamWaitEvent`` on the caller's stream outside it (a stream wait may block on a
+    full stream, and the handler releases the marks under its own lock: docs/design.md §6), so the
+    event cannot go back to its pool (and be recorded by another job) before the wait was enqueued.
     """
 
     on_device = True
@@ -258,6 +260,7 @@ class CudaLayerMarks:
         self._events: list[driver.Event | None] = [None] * count
         self._marked = 0  # layers whose event is recorded, or that will get none
         self._released = False
+        self._waiters = 0  # waits between their look at an event and their stream wait's return
         self._cond = threading.Condition()
 
     @property
@@ -316,22 +319,43 @@ class CudaLayerMarks:
             event = self._events[layer]
             if event is None:  # never recorded: the issue ended without the layer
                 return False
+            self._waiters += 1  # its events stay out of the pool until this wait was enqueued
+        try:
             if current_device_index() == self._index:
                 event.wait_on(handle)
             else:
                 with torch.cuda.device(self._index):
                     event.wait_on(handle)
-            return True
+        finally:
+            self._leave()
+        return True
+
+    def _leave(self) -> None:
+        """A wait's stream wait returned: the last one out after the release gives the events back."""
+        with self._cond:
+            self._waiters -= 1
+            events = self._take_events() if self._released and not self._waiters else []
+        _give_back(events)
 
     def release(self) -> None:
-        """Give every event back (the job finished: nothing will wait on them). Idempotent."""
+        """Give every event back (the job finished: nothing will wait on them), now or, while waits
+        are inside their stream wait, when the last of them left. Idempotent."""
         with self._cond:
             self._released = True
-            events, self._events = self._events, [None] * self._count
             self._cond.notify_all()
-        for event in events:
-            if event is not None:
-                event.release()
+            events = [] if self._waiters else self._take_events()
+        _give_back(events)
+
+    def _take_events(self) -> list[driver.Event | None]:
+        """The events, taken out (the caller holds the lock)."""
+        events, self._events = self._events, [None] * self._count
+        return events
+
+
+def _give_back(events: list[driver.Event | None]) -> None:
+    for event in events:
+        if event is not None:
+            event.release()
 
 
 class CudaStreams:

@@ -51,6 +51,7 @@ from kvoffload.errors import (
     DiskInUseError,
     DiskIOError,
     DiskPathError,
+    DuplicateKeyError,
     InvalidArgumentError,
     KeyTypeError,
 )
@@ -272,7 +273,15 @@ def check_fingerprint(fingerprint: object) -> bytes:
     return encoded
 
 
-def check_keys(keys: object, count: int) -> list[bytes] | None:
+def check_keys(keys: object, count: int, *, unique: bool = False) -> list[bytes] | None:
+    """The record keys of a disk request, one per disk block (None: none); with ``unique`` (a
+    write: two records of one key would leave a warm restart only the newer) each key once.
+
+    Raises:
+        KeyTypeError: not a sequence of bytes.
+        InvalidArgumentError: miscounted, or a key too long.
+        DuplicateKeyError: with ``unique``, a key twice.
+    """
     if keys is None:
         return None
     if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
@@ -282,11 +291,16 @@ def check_keys(keys: object, count: int) -> list[bytes] | None:
     if len(keys) != count:
         raise InvalidArgumentError(f"keys has {len(keys)} entries but disk_blocks has {count}")
     out: list[bytes] = []
+    seen: set[bytes] = set()
     for i, key in enumerate(keys):
         if not isinstance(key, bytes):
             raise KeyTypeError(f"keys[{i}] = {key!r} is a {type(key).__name__}, not bytes")
         if len(key) > MAX_KEY_BYTES:
             raise InvalidArgumentError(f"keys[{i}] has {len(key)} bytes; at most {MAX_KEY_BYTES}")
+        if unique:
+            if key in seen:
+                raise DuplicateKeyError(f"keys[{i}] = {key!r:.80} appears twice in one write")
+            seen.add(key)
         out.append(key)
     return out
 

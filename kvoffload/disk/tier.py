@@ -389,7 +389,8 @@ class DiskTier:
             JobIdError: a non-int job id, or one in flight or not yet returned.
             BlockIdTypeError, InvalidBlockIdError: malformed or out-of-range ids, unequal lengths,
                 a disk block twice.
-            KeyTypeError, InvalidArgumentError: keys that are not bytes, too long, or miscounted.
+            KeyTypeError, InvalidArgumentError: keys that are not bytes, too long, or miscounted;
+                ``DuplicateKeyError`` for a key twice.
             BlockConflictError: a disk block an in-flight request reads or writes.
         """
         self._check_open()
@@ -397,7 +398,7 @@ class DiskTier:
         rows = as_block_ids("host_blocks", host_blocks, self.num_host_rows)
         blocks = as_block_ids("disk_blocks", disk_blocks, self.num_blocks)
         check_pairs(rows, blocks, "host_blocks", "disk_blocks")
-        key_list = check_keys(keys, int(blocks.shape[0]))
+        key_list = check_keys(keys, int(blocks.shape[0]), unique=True)
         self._reserved_submit(Direction.DEMOTE, job, blocks, rows, key_list)
 
     def read(self, job_id: int, disk_blocks: BlockIds, host_blocks: BlockIds) -> None:
@@ -452,7 +453,7 @@ class DiskTier:
         rows = as_block_ids("host_rows", host_rows, self.num_host_rows)
         blocks = as_block_ids("disk_blocks", disk_blocks, self.num_blocks)
         check_pairs(rows, blocks, "host_rows", "disk_blocks")
-        key_list = check_keys(keys, int(blocks.shape[0]))
+        key_list = check_keys(keys, int(blocks.shape[0]), unique=True)
         return self._submit(Direction.DEMOTE, None, blocks, rows, key_list)
 
     def read_records(self, disk_blocks: BlockIds, host_rows: BlockIds, *,

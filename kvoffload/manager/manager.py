@@ -636,7 +636,9 @@ class Manager(ManagerBase):
         Raises:
             KeyTypeError / DuplicateKeyError: bad ``keys`` (one key twice would be ambiguous to
                 complete).
-            UnknownKeyError: a key is not held in any tier (and there is no remote index).
+            UnknownKeyError: a key is not held in any tier, and there is no remote index, or the
+                remote store cannot serve it (its remote load failed, or its name is too long:
+                ``lookup`` counts neither); nothing is evicted then.
             KeyStateError: a key is held but not ready (its store or demotion is pending).
             PolicyError: a custom policy proposed a victim that is not evictable (nothing changed),
                 or raised from a notification (the plan was made and is ``result``).
@@ -649,8 +651,14 @@ class Manager(ManagerBase):
             found: list[Entry | None] = []
             for i, key in enumerate(keys):
                 entry = entries.get(key)
-                if entry is None and self._remote is None:
-                    raise UnknownKeyError(f"keys[{i}] = {key!r} is not held in any tier")
+                if entry is None:
+                    remote = self._remote
+                    if remote is None:
+                        raise UnknownKeyError(f"keys[{i}] = {key!r} is not held in any tier")
+                    why = remote.refusal(key)
+                    if why is not None:  # before any host copy is evicted for it
+                        raise UnknownKeyError(f"keys[{i}] = {key!r} is held in no tier, and the remote "
+                                              f"store cannot serve it: {why}")
                 if entry is not None and key not in ready:
                     why = ("its only copy, on disk, failed a load's check (it is dropped when the loads "
                            "holding it end): store it again" if entry.host_state is None

@@ -54,7 +54,12 @@ def namespaced_key(fingerprint: bytes | str, key: bytes) -> bytes:
 
 def fingerprint_bytes(fingerprint: object) -> bytes:
     if isinstance(fingerprint, str):
-        fingerprint = fingerprint.encode("utf-8")
+        try:
+            fingerprint = fingerprint.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgumentError(
+                f"fingerprint = {fingerprint!r:.80} is not valid UTF-8 ({exc.reason} at {exc.start})"
+            ) from None
     if not isinstance(fingerprint, bytes):
         raise ArgumentTypeError(
             f"fingerprint = {fingerprint!r} is a {type(fingerprint).__name__}; it must be bytes or str"

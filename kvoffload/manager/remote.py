@@ -126,14 +126,22 @@ class RemoteLink:
             )
         return cls(cast(RemoteIndex, index), check_remote_timeout(timeout_s), namespace)
 
+    def refusal(self, key: bytes) -> str | None:
+        """Why the store cannot serve ``key`` whatever it holds (its remote load failed, or its
+        name would be too long), or None."""
+        if key in self.failed:
+            return "its remote load failed, and it is not offered again: store it again"
+        name = len(self.namespace) + len(key)
+        if name > REMOTE_NAME_MAX_BYTES:
+            return f"its remote name would have {name} bytes, over {REMOTE_NAME_MAX_BYTES}"
+        return None
+
     def extend(self, keys: Sequence[bytes], start: int, entries: dict[bytes, Entry], n: Counts) -> int:
         """How many keys from ``keys[start]`` on the store holds, in order, among those the manager
         holds in no tier (the first held key ends the run: its local copy is pending) and whose
         remote load never failed. A miss on any error (module docstring)."""
-        failed = self.failed
-        longest = REMOTE_NAME_MAX_BYTES - len(self.namespace)
         candidates = list(itertools.takewhile(
-            lambda key: key not in entries and key not in failed and len(key) <= longest, keys[start:]))
+            lambda key: key not in entries and self.refusal(key) is None, keys[start:]))
         if not candidates:
             return 0
         n.remote_lookup_keys += len(candidates)

@@ -24,10 +24,12 @@ not yet started at its deadline is dropped from the queue (settled).
 Close contract: mark closed (later calls raise :class:`~kvoffload.errors.ClosedError`); calls already
 queued run (each bounded by its own deadline) unless the close deadline passes first, when the calls
 not started are failed (``closed``) and the caller of a call still inside the client stops waiting
-(its result is unsettled, as at its own deadline). The lane is joined with the deadline; only when it stopped are
-the client's registrations released and the client closed, exactly once. A lane still inside the
-client keeps the client open for the rest of the process (closing it under a running call could let
-the call touch freed memory): the lane releases it when that call returns, and the
+(its result is unsettled, as at its own deadline). The lane is joined with the deadline; only when it
+stopped are the client's registrations released and the client closed, exactly once, on a thread
+of their own joined with the time left (at least :data:`RELEASE_JOIN_MIN_S`: a client's close may
+wait on a service that stopped answering). A lane still inside the client keeps the client open for
+the rest of the process (closing it under a running call could let the call touch freed memory):
+the lane releases it when that call returns. Either way the
 :class:`~kvoffload.errors.RemoteShutdownError` says so (``client_left_open``). ``close`` is
 idempotent; no cleanup in ``__del__``.
 """
@@ -35,6 +37,7 @@ idempotent; no cleanup in ``__del__``.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -71,6 +74,9 @@ I64Array = npt.NDArray[np.int64]
 _Outcome = tuple[tuple[bool, ...], tuple[RemoteError | None, ...], tuple[int, ...], int]
 
 DEFAULT_CLOSE_TIMEOUT_S: Final = 10.0
+#: The least a close waits for the client's release, even past its deadline (a close given no time
+#: still closes an idle client).
+RELEASE_JOIN_MIN_S: Final = 0.1
 #: Chunks of header pages: the client moves one while the checksum threads prepare the next.
 HEADER_SLOTS: Final = 2
 
@@ -302,8 +308,9 @@ class RemoteStoreBase:
         failures: list[BaseException] = []
         stopped = self._lane.stop(deadline, self._zero_failed)
         self._released = True
+        released = False
         if stopped:
-            failures.extend(self._release())
+            released = self._release_by(deadline, failures)
         else:
             failures.append(
                 TimeoutError(
@@ -312,11 +319,29 @@ class RemoteStoreBase:
                 )
             )
             if self._lane.release_when_stopped(self._release_quietly):
-                failures.extend(self._release())  # it stopped meanwhile
+                released = self._release_by(deadline, failures)  # it stopped meanwhile
         if failures:
             raise RemoteShutdownError(
-                f"closing the {self.backend} store failed", failures, client_left_open=not stopped
+                f"closing the {self.backend} store failed", failures, client_left_open=not released
             )
+
+    def _release_by(self, deadline: float, failures: list[BaseException]) -> bool:
+        """:meth:`_release` on a thread of its own, joined by ``deadline`` (at least
+        :data:`RELEASE_JOIN_MIN_S`); its failures go to ``failures``. False when it still runs then:
+        the client's close is left to that thread, and a failure says so."""
+        found: list[BaseException] = []
+        thread = threading.Thread(target=lambda: found.extend(self._release()),
+                                  name=f"kvoffload-{self.backend}-close", daemon=True)
+        thread.start()
+        thread.join(max(RELEASE_JOIN_MIN_S, deadline - time.monotonic()))
+        if thread.is_alive():
+            failures.append(TimeoutError(
+                f"the {self.backend} client's close had not returned at the close deadline; it goes on "
+                "in its own thread"
+            ))
+            return False
+        failures.extend(found)
+        return True
 
     def _release(self) -> list[BaseException]:
         """Stop the checksum threads, close the client and drop the rows (the lane has stopped)."""

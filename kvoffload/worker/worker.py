@@ -463,7 +463,8 @@ class Worker:
         ``InvalidArgumentError`` without a disk tier, and the id and conflict errors of :meth:`store`
         (a host record an in-flight job writes; a disk record an in-flight job reads or writes);
         ``KeyTypeError`` for keys that are not a sequence of bytes, ``InvalidArgumentError`` for
-        keys of another count than the disk blocks or a key too long.
+        keys of another count than the disk blocks or a key too long, ``DuplicateKeyError`` for a
+        key twice (a warm restart would keep only one of its records).
         """
         self._submit(Direction.DEMOTE, job_id, host_blocks, disk_blocks, None,
                      "host_blocks", "disk_blocks", keys=keys)
@@ -730,7 +731,7 @@ class Worker:
         elif keys is not None and src.shape[0] != dst.shape[0]:  # before the keys are counted
             check_pairs(src, dst, src_name, dst_name)
         disk_ids = src if from_memory is Memory.DISK else dst
-        key_list = check_disk_keys(keys, int(disk_ids.shape[0]))
+        key_list = check_disk_keys(keys, int(disk_ids.shape[0]), unique=to_memory is Memory.DISK)
         fence: object = None
         if self._pipeline is not None and direction in _PIPELINE_DIRECTIONS:
             fence = self._pipeline.fence(direction, stream)  # may raise DeviceMismatchError

@@ -1,11 +1,13 @@
 """The Python issuer's job end (``kvoffload.backends.cuda.end_job``) with stand-in events: a refused
 end record is tried once more with another event, and the job then stays in flight until that end
 completes (docs/design.md §5 rule 5); refused twice, the job ends at once with its events given
-back. And a failed staged store's end follows the gather it launched. Needs the ``cuda`` extra to
-import the backend (no device: the GPU suite refuses real records)."""
+back. A failed staged store's end follows the gather it launched. And releasing a job's layer marks
+never waits for a stream wait in progress. Needs the ``cuda`` extra to import the backend (no
+device: the GPU suite refuses real records)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, cast
 
 import numpy as np
@@ -240,3 +242,57 @@ def test_a_failed_staged_store_ends_after_the_gather_it_launched(failed: bool) -
         assert log.index(joins[0]) < log.index("record end")
     else:  # its last DMA follows its last gather already: nothing more on the hot path
         assert joins == []
+
+
+class _HeldEvent:
+    """A layer's event whose stream wait blocks until ``gate`` is set (a full stream)."""
+
+    def __init__(self, *_: object) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.releases = 0
+
+    def record(self, stream: int) -> None:
+        pass
+
+    def wait_on(self, stream: int) -> None:
+        self.entered.set()
+        assert self.gate.wait(HANG_S)
+
+    def release(self) -> None:
+        self.releases += 1
+
+
+HANG_S = 30.0  # "does not hang" bound; never a performance assertion
+
+
+def test_releasing_layer_marks_does_not_wait_for_a_stream_wait_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's stream wait was enqueued under the marks' lock, which their release (by the
+    handler, under its own lock) then waited for: a stream wait blocked on a full stream held every
+    ``wait``, ``poll`` and the shutdown of that direction without a deadline (found by an audit). The
+    release now returns at once and the event goes back to its pool when the wait left."""
+    import kvoffload.backends.cuda as cuda_backend
+
+    made: list[_HeldEvent] = []
+
+    def take(pool: object) -> _HeldEvent:
+        made.append(_HeldEvent())
+        return made[-1]
+
+    monkeypatch.setattr(driver, "Event", take)
+    monkeypatch.setattr(cuda_backend, "current_device_index", lambda: 0)
+    marks = CudaLayerMarks(2, cast(driver.EventPool, None), 0, lambda stream: 0)
+    marks.record(0, STREAM)
+    (event,) = made
+    waiter = threading.Thread(target=lambda: marks.wait(0, None, HANG_S), daemon=True)
+    waiter.start()
+    assert event.entered.wait(HANG_S)
+    releaser = threading.Thread(target=marks.release, daemon=True)
+    releaser.start()
+    releaser.join(HANG_S / 10)
+    finished, early = not releaser.is_alive(), event.releases
+    event.gate.set()
+    waiter.join(HANG_S)
+    assert finished, "the release waited for a stream wait in progress"
+    assert early == 0, "the event went back to its pool while a stream wait used it"
+    assert event.releases == 1, "the event went back to its pool while a wait used it, or never"
+    assert marks.wait(1, None, HANG_S), "released: a later wait returns at once"

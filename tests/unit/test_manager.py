@@ -90,6 +90,14 @@ def test_create_rejects_host_pool_without_blocks(n: int) -> None:
         Manager.create(n, fingerprint="f")
 
 
+def test_a_fingerprint_that_is_not_utf8_is_refused_by_name() -> None:
+    """A lone surrogate raised a bare UnicodeEncodeError (found by an audit)."""
+    with pytest.raises(InvalidArgumentError, match=r"fingerprint = '\\ud800' is not valid UTF-8"):
+        Manager.create(2, fingerprint="\ud800")
+    with pytest.raises(InvalidArgumentError, match="is not valid UTF-8"):
+        namespaced_key("\ud800", b"k")
+
+
 @pytest.mark.parametrize("name", ["num_host_blocks", "num_disk_blocks"])
 def test_create_rejects_a_tier_over_the_most_blocks(name: str) -> None:
     from kvoffload.manager.manager import MAX_TIER_BLOCKS

@@ -277,6 +277,27 @@ def test_a_key_too_long_for_a_remote_name_ends_the_lookup_run_and_is_never_asked
     assert all(len(name) <= REMOTE_NAME_MAX_BYTES for call, _ in index.calls for name in call)
 
 
+@pytest.mark.parametrize("why", ["failed", "too-long"])
+def test_prepare_load_refuses_a_key_the_store_cannot_serve_before_it_evicts_anything(why: str) -> None:
+    """A key whose remote load failed, or whose remote name would be too long, is one ``lookup``
+    never counts; ``prepare_load`` took it all the same and evicted ready host copies to read it
+    into (found by an audit). Now it is refused first, and nothing changes."""
+    from kvoffload.manager.remote import REMOTE_NAME_MAX_BYTES
+
+    key = b"gone" if why == "failed" else b"x" * REMOTE_NAME_MAX_BYTES
+    m = Manager.create(2, fingerprint=FP, remote=FakeIndex([b"gone", key]))
+    if why == "failed":
+        m.complete_load(m.prepare_load([key]), ok=False)
+    store_keys(m, [b"a", b"b"])
+    m.events()
+    before = m.stats()
+    with pytest.raises(UnknownKeyError, match=r"keys\[1\] = .* remote store cannot serve it: its "
+                       + ("remote load failed" if why == "failed" else "remote name would have")):
+        m.prepare_load([b"a", key])
+    assert m.stats() == before and m.events() == [], "the refused call evicted or counted something"
+    assert m.prepare_load([b"a", b"b"]).tiers == (Tier.HOST, Tier.HOST)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 4], ids=["none", "fewer", "more"])
 def test_an_answer_of_another_length_than_the_keys_asked_is_a_miss(rows: int) -> None:
     """(An answer with more rows than keys made a lookup of one key count 4 hits: found by an

@@ -65,6 +65,51 @@ def test_close_leaves_a_stuck_client_open_and_says_so() -> None:
     store.close()  # idempotent: the second close does nothing
 
 
+class CloseHangs(MemoryClient):
+    """A client whose close waits for ``gate`` (a service that stopped answering)."""
+
+    gate_close = threading.Event()
+
+    def close(self) -> None:
+        assert self.gate_close.wait(30)
+        super().close()
+
+
+def test_close_returns_by_its_deadline_while_the_clients_close_hangs_and_says_so() -> None:
+    """The client's close ran on the closing thread without a deadline: a shutdown(0.5) returned
+    after as long as it hung (found by an audit). It runs on a thread of its own, joined by the
+    deadline; past it the error says the client is left open, and the close still runs once."""
+    rows = np.zeros((4, RECORD), dtype=np.uint8)
+    client = CloseHangs(rows)
+    CloseHangs.gate_close = threading.Event()
+    store = RemoteStoreBase(
+        client=client, host_rows=rows, headers=np.zeros((HEADER_SLOTS * 4, PAGE_BYTES), np.uint8),
+        fingerprint=b"fp", batch_records=4, checksum_threads=1, lane=Lane("kvoffload-test-lane"),
+    )
+    errors: list[RemoteShutdownError | None] = []
+    closer = threading.Thread(target=lambda: errors.append(_close(store)), daemon=True)
+    closer.start()
+    closer.join(10)
+    returned = not closer.is_alive()
+    CloseHangs.gate_close.set()
+    closer.join(30)
+    assert returned, "close waited for the client's close past its deadline"
+    (error,) = errors
+    assert error is not None and error.client_left_open and "close had not returned" in str(error)
+    deadline = time.monotonic() + 10
+    while client.closed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.closed == 1
+
+
+def _close(store: RemoteStoreBase) -> RemoteShutdownError | None:
+    try:
+        store.close(timeout=0.2)
+    except RemoteShutdownError as exc:
+        return exc
+    return None
+
+
 def test_close_fails_the_calls_still_queued_and_zero_fills_their_rows() -> None:
     store, client, rows = make_store()
     assert store.put([b"a", b"b"], [0, 1], timeout=10).ok
