@@ -42,6 +42,8 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Buffer
 
+from kvoffload.errors import ArgumentTypeError, InvalidArgumentError
+
 __all__ = [
     "CRC32_IMPLEMENTATION",
     "FINGERPRINT_OFFSET",
@@ -58,6 +60,7 @@ __all__ = [
     "RECORD_MAGIC",
     "Expected",
     "Header",
+    "check_fingerprint",
     "RecordFault",
     "Verdict",
     "has_magic",
@@ -286,3 +289,27 @@ def verify_record(page: U8Array, payload: U8Array, expected: Expected) -> Verdic
                 f"payload CRC32 {actual:#010x} does not match the header's {header.crc:#010x}",
             )
     return Verdict(None, generation=header.generation)
+
+
+def check_fingerprint(fingerprint: object) -> bytes:
+    """The layout fingerprint a record carries (``DeviceLayout.fingerprint``), as UTF-8 bytes.
+
+    Raises:
+        ArgumentTypeError: not a str.
+        InvalidArgumentError: not valid UTF-8, or not 1..:data:`MAX_FINGERPRINT_BYTES` bytes of it.
+    """
+    if not isinstance(fingerprint, str):
+        raise ArgumentTypeError(
+            f"fingerprint must be a str (DeviceLayout.fingerprint), got {type(fingerprint).__name__}"
+        )
+    try:
+        encoded = fingerprint.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"fingerprint = {fingerprint!r:.80} is not valid UTF-8 ({exc.reason} at {exc.start})"
+        ) from None
+    if not 1 <= len(encoded) <= MAX_FINGERPRINT_BYTES:
+        raise InvalidArgumentError(
+            f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes of UTF-8, got {len(encoded)}"
+        )
+    return encoded

@@ -93,6 +93,7 @@ MAX_SYSCALL_BYTES: Final = 0x7FFFF000
 #: Longest key a record header stores; longest layout fingerprint a file header stores.
 MAX_KEY_BYTES: Final = record.MAX_KEY_BYTES
 MAX_FINGERPRINT_BYTES: Final = record.MAX_FINGERPRINT_BYTES
+check_fingerprint = record.check_fingerprint
 FILE_MODE: Final = 0o600
 _CRC_OFFSET: Final = PAGE_BYTES - 4
 _FILE_MAGIC: Final = b"KVOFDISK"
@@ -258,19 +259,6 @@ def close_quietly(fd: int) -> None:
 
 def file_bytes(num_blocks: int, record_bytes: int) -> int:
     return PAGE_BYTES + num_blocks * (PAGE_BYTES + record_bytes)
-
-
-def check_fingerprint(fingerprint: object) -> bytes:
-    if not isinstance(fingerprint, str):
-        raise ArgumentTypeError(
-            f"fingerprint must be a str (DeviceLayout.fingerprint), got {type(fingerprint).__name__}"
-        )
-    encoded = fingerprint.encode()
-    if not encoded or len(encoded) > MAX_FINGERPRINT_BYTES:
-        raise InvalidArgumentError(
-            f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes of UTF-8, got {len(encoded)}"
-        )
-    return encoded
 
 
 def check_keys(keys: object, count: int, *, unique: bool = False) -> list[bytes] | None:

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload._seconds import as_timeout
-from kvoffload._record import MAX_FINGERPRINT_BYTES, MAX_KEY_BYTES, PAGE_BYTES
+from kvoffload._record import MAX_KEY_BYTES, PAGE_BYTES, check_fingerprint
 from kvoffload.errors import (
     ArgumentTypeError,
     BlockIdTypeError,
@@ -164,11 +164,3 @@ def as_generations(generations: object, count: int) -> list[int | None]:
     return out
 
 
-def check_fingerprint(fingerprint: object) -> bytes:
-    """The layout fingerprint as UTF-8 bytes (1..MAX_FINGERPRINT_BYTES)."""
-    if not isinstance(fingerprint, str):
-        raise ArgumentTypeError(f"fingerprint must be a str (DeviceLayout.fingerprint), got {type(fingerprint).__name__}")
-    encoded = fingerprint.encode()
-    if not 1 <= len(encoded) <= MAX_FINGERPRINT_BYTES:
-        raise InvalidArgumentError(f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes of UTF-8, got {len(encoded)}")
-    return encoded

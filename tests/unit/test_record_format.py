@@ -201,3 +201,15 @@ def test_the_payload_crc_is_zlibs_crc32_whoever_computes_it() -> None:
     payload = payload_of(9)
     assert payload_crc(payload) == zlib.crc32(payload.tobytes())
     assert record.CRC32_IMPLEMENTATION in ("isal", "zlib")
+
+
+def test_a_records_fingerprint_that_is_not_utf8_is_refused_by_name() -> None:
+    """The disk and remote tiers' one check (each had its own, which raised a bare
+    UnicodeEncodeError for a lone surrogate)."""
+    from kvoffload.disk.format import check_fingerprint as disk_check
+    from kvoffload.errors import InvalidArgumentError
+    from kvoffload.remote._args import check_fingerprint as remote_check
+
+    assert disk_check is remote_check
+    with pytest.raises(InvalidArgumentError, match=r"fingerprint = '\\ud800' is not valid UTF-8"):
+        disk_check("\ud800")
