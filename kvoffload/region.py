@@ -44,7 +44,7 @@ from typing import Final
 
 import torch
 
-from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, pin_chunks, unpin_chunks
+from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, PinRollbackError, pin_chunks, unpin_chunks
 from kvoffload._memory import host_memory_available
 from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError, warn_on_del
 from kvoffload.pool.header import Flag, data_offset, mark_left
@@ -153,11 +153,12 @@ class RegionOwner:
             check_host_memory(pool_bytes, f"a host pool of {num_records} records of {record_bytes} bytes")
         with contextlib.ExitStack() as undo:
             mapping = _map(pool_bytes)
-            undo.callback(mapping.close)
+            rollback = _Rollback(mapping)
+            undo.callback(rollback.unmap)
             address = _mapping_address(mapping)
             chunk = _record_aligned_chunk(chunk_bytes, record_bytes)
-            chunks = pin_chunks(pinner, address, pool_bytes, chunk)
-            undo.callback(unpin_chunks, pinner, chunks)
+            chunks = rollback.pin(pinner, address, pool_bytes, chunk)
+            undo.callback(rollback.unpin, pinner, chunks)
             records = _records_view(mapping, 0, num_records, record_bytes, record_bytes)
             undo.pop_all()
         return cls(
@@ -212,15 +213,16 @@ class RegionOwner:
             undo.callback(session.fail)
             start = data_offset()  # the block area starts on a page
             mapping = _map_shared(session, start + pool_bytes)
-            undo.callback(mapping.close)
+            rollback = _Rollback(mapping)
+            undo.callback(rollback.unmap)
             session.populate_share(mapping)
             session.arrive(Flag.POPULATED, deadline)
             session.wait_all(Flag.POPULATED, deadline)
             address = _mapping_address(mapping)
             block = record_bytes * world
             chunk = _record_aligned_chunk(chunk_bytes, block)
-            chunks = pin_chunks(pinner, address + start, pool_bytes, chunk)
-            undo.callback(unpin_chunks, pinner, chunks)
+            chunks = rollback.pin(pinner, address + start, pool_bytes, chunk)
+            undo.callback(rollback.unpin, pinner, chunks)
             session.arrive(Flag.MAPPED, deadline)
             session.wait_all(Flag.MAPPED, deadline)
             offset = start + rank.rank * record_bytes
@@ -355,6 +357,41 @@ def check_host_memory(nbytes: int, what: str) -> None:
             f"{available[0] / 2**30:.2f} GiB ({available[1]}); ask for fewer host blocks (or pass "
             "check_memory=False where the kernel under-reports the memory it can give)"
         )
+
+
+class _Rollback:
+    """A failed create's undo of its mapping and pinning: the mapping is unmapped only when every
+    chunk was unregistered (a failed unregistration, here or in ``pin_chunks``' own rollback,
+    keeps it mapped for the rest of the process, as :meth:`RegionOwner.cleanup` does)."""
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self._mapping = mapping
+        self._kept = False
+
+    def pin(self, pinner: HostPinner, ptr: int, nbytes: int, chunk: int) -> list[tuple[int, int]]:
+        """:func:`pin_chunks`; a rollback of its own that failed keeps the mapping."""
+        try:
+            return pin_chunks(pinner, ptr, nbytes, chunk)
+        except PinRollbackError as exc:
+            self._keep(exc)
+            raise
+
+    def unpin(self, pinner: HostPinner, chunks: list[tuple[int, int]]) -> None:
+        """Unregister ``chunks``; a failure keeps the mapping."""
+        failures = unpin_chunks(pinner, chunks)
+        if failures:
+            self._keep(failures)
+
+    def unmap(self) -> None:
+        """Unmap, unless a registration may remain."""
+        if not self._kept:
+            self._mapping.close()
+
+    def _keep(self, why: object) -> None:
+        self._kept = True
+        _MAPPED[id(self._mapping)] = self._mapping
+        _log.error("a host pool whose creation failed stays mapped for the rest of the process: "
+                   "unregistering its memory failed (%s)", why)
 
 
 def _check_sizes(num_records: int, record_bytes: int, chunk_bytes: int) -> None:

@@ -13,10 +13,15 @@ from typing import Final, Protocol
 
 from kvoffload.errors import InvalidArgumentError, KVOffloadError
 
-__all__ = ["PIN_CHUNK_BYTES", "HostPinner", "NoPinner", "pin_chunks", "unpin_chunks"]
+__all__ = ["PIN_CHUNK_BYTES", "HostPinner", "NoPinner", "PinRollbackError", "pin_chunks", "unpin_chunks"]
 
 #: Largest single host registration; one registration of >= 512 GiB fails on r580 drivers.
 PIN_CHUNK_BYTES: Final = 64 << 30
+
+
+class PinRollbackError(KVOffloadError):
+    """Pinning failed, and so did unregistering some of the chunks it had registered: that memory
+    may still be registered, and must not be unmapped."""
 
 
 class HostPinner(Protocol):
@@ -55,7 +60,8 @@ def pin_chunks(
 
     Raises:
         InvalidArgumentError: ``nbytes`` or ``chunk_bytes`` not positive.
-        KVOffloadError: whatever the pinner raised.
+        KVOffloadError: whatever the pinner raised; :class:`PinRollbackError` when the rollback
+            failed too.
     """
     if nbytes <= 0 or chunk_bytes <= 0:
         raise InvalidArgumentError(
@@ -72,7 +78,7 @@ def pin_chunks(
     except BaseException as exc:
         rollback = unpin_chunks(pinner, done)
         if rollback:
-            raise KVOffloadError(
+            raise PinRollbackError(
                 f"pinning failed at offset {offset} and {len(rollback)} chunk(s) could not be "
                 f"unregistered: {rollback}"
             ) from exc

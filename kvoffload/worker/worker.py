@@ -78,6 +78,7 @@ from kvoffload.remote._types import RemoteTierStats
 from kvoffload.remote.config import RemoteConfig
 from kvoffload.remote.tier import check_keys
 from kvoffload.worker.assembly import (
+    CREATE_ROLLBACK_TIMEOUT_S,
     DEFAULT_STAGING_BYTES,
     DEFAULT_STAGING_SLOTS,
     BackendName,
@@ -133,6 +134,24 @@ class Worker:
                 "a Worker is built with Worker.create(layout, num_host_blocks, ...), not "
                 f"Worker({type(parts).__name__})"
             )
+        # Built first: it owns the parts from here on, and a failure of the rest of this
+        # constructor tears them down (nothing else would: create's own rollback has ended).
+        self._teardown = Teardown(_stop_order(parts), parts.region, parts.device_sync)
+        try:
+            self._take(parts)
+        except BaseException:
+            try:
+                self._teardown.run(CREATE_ROLLBACK_TIMEOUT_S)
+            except ShutdownError as failed:  # the constructor's own error is the one raised
+                _log.error("tearing down a worker whose construction failed: %s", failed)
+            raise
+        self._closed = False
+        self._closing = threading.Lock()  # makes one shutdown the one that tears down
+        self._torn_down = threading.Event()  # set once that shutdown's teardown ended
+        self._teardown_error: ShutdownError | None = None  # what that teardown raised
+
+    def _take(self, parts: WorkerParts) -> None:
+        """The constructor's state, over the parts (the teardown is built already)."""
         self.layout = parts.layout
         self.backend = parts.backend_name
         #: Who issues the jobs' copies: ``"native"`` (the C issuer thread) or ``"python"``.
@@ -171,27 +190,6 @@ class Worker:
             if isinstance(expedited, BookedHandler) and self._book.checks_pairs
             else None
         )
-        # What shutdown stops, in order: the pipeline (a client of the bounce handlers), the store
-        # and load handlers, the bounce handlers, the disk tier and the remote tier (their threads
-        # may read into host records); the region comes after all of them.
-        stop_order: list[tuple[str, Stoppable]] = []
-        if parts.pipeline is not None:
-            stop_order.append(("disk pipeline", parts.pipeline))
-        stop_order += [("store handler", self._store), ("load handler", self._load)]
-        if self._expedited is not None:
-            stop_order.append(("expedited load handler", self._expedited))
-        if parts.bounce is not None:
-            stop_order += [("bounce store handler", parts.bounce[0]),
-                                 ("bounce load handler", parts.bounce[1])]
-        if parts.tier is not None:
-            stop_order.append(("disk tier", parts.tier))
-        if parts.remote is not None:
-            stop_order.append(("remote tier", parts.remote))
-        self._teardown = Teardown(stop_order, parts.region, parts.device_sync)
-        self._closed = False
-        self._closing = threading.Lock()  # makes one shutdown the one that tears down
-        self._torn_down = threading.Event()  # set once that shutdown's teardown ended
-        self._teardown_error: ShutdownError | None = None  # what that teardown raised
 
     def _route_table(self) -> dict[Direction, tuple[JobSource, _Submit]]:
         """Where each direction's jobs go: the component that completes them and its submit call."""
@@ -998,3 +996,20 @@ def _no_submit(
     raise AssertionError("remote jobs are submitted by Worker._submit_remote")
 
 
+def _stop_order(parts: WorkerParts) -> list[tuple[str, Stoppable]]:
+    """What a worker's shutdown stops, in order: the pipeline (a client of the bounce handlers),
+    the store and load handlers, the bounce handlers, the disk tier and the remote tier (their
+    threads may read into host records); the region comes after all of them."""
+    stop_order: list[tuple[str, Stoppable]] = []
+    if parts.pipeline is not None:
+        stop_order.append(("disk pipeline", parts.pipeline))
+    stop_order += [("store handler", parts.store_handler), ("load handler", parts.load_handler)]
+    if parts.expedited_handler is not None:
+        stop_order.append(("expedited load handler", parts.expedited_handler))
+    if parts.bounce is not None:
+        stop_order += [("bounce store handler", parts.bounce[0]), ("bounce load handler", parts.bounce[1])]
+    if parts.tier is not None:
+        stop_order.append(("disk tier", parts.tier))
+    if parts.remote is not None:
+        stop_order.append(("remote tier", parts.remote))
+    return stop_order

@@ -331,3 +331,25 @@ def test_a_shared_pool_on_a_host_of_64k_pages_starts_its_blocks_on_a_page(
     finally:
         region.cleanup()
     assert pinner.registered == {}
+
+
+@pytest.mark.parametrize("where", ["rollback", "pin-chunks"])
+def test_a_failed_create_whose_unpin_fails_keeps_its_mapping(
+    where: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A create that failed after pinning unregistered its chunks and then unmapped, even when an
+    unregistration failed: memory that may still be registered was unmapped (found by an audit).
+    It now stays mapped, as a cleanup whose unpin failed leaves it."""
+    from kvoffload import region as region_module
+
+    mapped = dict(region_module._MAPPED)
+    pinner = RecordingPinner(fail_unregister=True, fail_register_at=2 if where == "pin-chunks" else None)
+    if where == "rollback":
+        def refuse(*args: object) -> torch.Tensor:
+            raise RuntimeError("the view refused for the test")
+        monkeypatch.setattr(region_module, "_records_view", refuse)
+    with pytest.raises((RuntimeError, KVOffloadError)):
+        RegionOwner.create(num_records=4, record_bytes=RECORD, pinner=pinner, chunk_bytes=RECORD)
+    kept = [m for key, m in region_module._MAPPED.items() if key not in mapped]
+    assert len(kept) == 1 and not kept[0].closed, "a mapping that may still be registered was unmapped"
+    assert any(op == "unregister" for op, _, _ in pinner.log)

@@ -594,3 +594,33 @@ def test_a_create_that_fails_releases_each_backend_once(disk_path: str) -> None:
         Worker.create(make_layout(), HOST_BLOCKS, backend_factory=factory,
                       disk=DiskConfig(disk_path, DISK_BLOCKS, direct=False), bounce_slots=4)
     assert made and [b.released for b in made] == [1] * len(made)
+
+
+def _threads() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.ident is not None}
+
+
+def test_a_worker_whose_constructor_fails_after_assembly_leaves_nothing_behind(
+    disk_path: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``create`` assembled the parts, then the constructor failed (its bookkeeping here): nothing
+    owned the parts any more, and the pool, the handlers' and the disk tier's threads, its two
+    descriptors and the file's lock stayed, so the same path then raised DiskInUseError (found by
+    an audit). The constructor tears them down before it raises."""
+    from kvoffload.worker import worker as worker_module
+
+    layout = make_layout()
+    fds, threads = len(os.listdir("/proc/self/fd")), _threads()
+
+    def refuse(sizes: object) -> None:
+        raise MemoryError("bookkeeping refused for the test")
+
+    monkeypatch.setattr(worker_module, "Bookkeeping", refuse)
+    with pytest.raises(MemoryError, match="for the test"):
+        Worker.create(layout, HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS))
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == fds, "a descriptor of the failed worker stayed open"
+    assert _threads() <= threads, "a thread of the failed worker still runs"
+    with Worker.create(layout, HOST_BLOCKS, disk=DiskConfig(disk_path, DISK_BLOCKS, reuse=True)) as w:
+        w.demote(1, [0], [0])  # the file is free for another tier
+        assert w.wait([1], TIMEOUT_S)[0].ok
