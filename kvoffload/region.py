@@ -47,6 +47,7 @@ import torch
 from kvoffload.bindings.pinning import PIN_CHUNK_BYTES, HostPinner, PinRollbackError, pin_chunks, unpin_chunks
 from kvoffload._memory import host_memory_available
 from kvoffload.errors import ClosedError, InvalidArgumentError, RegionError, ShutdownError, warn_on_del
+from kvoffload.layout import RECORD_ALIGN_BYTES
 from kvoffload.pool.header import Flag, data_offset, mark_left
 from kvoffload.pool.session import SHM_DIR, PoolSession
 from kvoffload.pool.spec import PoolRank
@@ -55,8 +56,6 @@ __all__ = ["SHM_DIR", "RegionOwner", "check_host_memory", "check_shm_room", "hos
 
 _log = logging.getLogger("kvoffload.region")
 
-#: Every record's size is a multiple of it (direct I/O of the disk tier moves records as they lie).
-RECORD_ALIGN_BYTES: Final = 4096
 #: How long a rank's cleanup waits for its pool file's lock to mark itself as left (the mark is for
 #: inspection only: a lock held that long, by a rank stopped inside a header update, is logged).
 MARK_LEFT_WAIT_S: Final = 0.2

@@ -244,6 +244,9 @@ def test_a_failed_staged_store_ends_after_the_gather_it_launched(failed: bool) -
         assert joins == []
 
 
+HANG_S = 30.0  # "does not hang" bound; never a performance assertion
+
+
 class _HeldEvent:
     """A layer's event whose stream wait blocks until ``gate`` is set (a full stream)."""
 
@@ -260,9 +263,6 @@ class _HeldEvent:
 
     def release(self) -> None:
         self.releases += 1
-
-
-HANG_S = 30.0  # "does not hang" bound; never a performance assertion
 
 
 def test_releasing_layer_marks_does_not_wait_for_a_stream_wait_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
